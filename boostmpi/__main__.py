@@ -1,0 +1,3 @@
+from boostmpi.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""The one place that chooses between NumPy (CPU) and CuPy (GPU), and the dtype policy.
+
+Everywhere else: `xp = get_array_module(x)`.
+"""
+
+import numpy as np
+
+from boostmpi.errors import UserError
+
+try:  # guarded: CuPy is an optional extra and may be installed without a usable device
+    import cupy as _cupy
+
+    _cupy_import_error = None
+except Exception as exc:  # noqa: BLE001 - any import failure means "no CuPy"
+    _cupy = None
+    _cupy_import_error = exc
+
+
+def gpu_available():
+    """True when CuPy imports and at least one CUDA/ROCm device answers."""
+    if _cupy is None:
+        return False
+    try:
+        return _cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def gpu_unavailable_reason():
+    if _cupy is None:
+        return f"CuPy is not importable ({type(_cupy_import_error).__name__}: {_cupy_import_error})"
+    try:
+        n = _cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001
+        return f"CuPy cannot reach a GPU ({type(exc).__name__}: {exc})"
+    return None if n > 0 else "CuPy found no GPU"
+
+
+def get_xp(device):
+    """The array module for `device` ("cpu" or "gpu"); a clear error if no GPU is usable."""
+    if device == "cpu":
+        return np
+    if device == "gpu":
+        reason = gpu_unavailable_reason()
+        if reason is not None:
+            raise UserError(f"train.device = \"gpu\" but {reason}; install boostmpi[gpu] on a GPU node or use device = \"cpu\"")
+        return _cupy
+    raise UserError(f"unknown device {device!r} (expected cpu or gpu)")
+
+
+def get_array_module(x):
+    if _cupy is not None:
+        return _cupy.get_array_module(x)
+    return np
+
+
+def to_numpy(x):
+    """A NumPy array from a NumPy or CuPy array (a copy only when it lives on a GPU)."""
+    if _cupy is not None and isinstance(x, _cupy.ndarray):
+        return _cupy.asnumpy(x)
+    return np.asarray(x)
+
+
+# dtype policy: parameters/compute dtype by name. float64 for gradient checks, float32 the
+# CPU default; bfloat16 is GPU mixed precision (bf16 compute, fp32 master weights and state).
+COMPUTE_DTYPES = {"float64": np.float64, "float32": np.float32}
+
+
+def param_dtype(dtype_name):
+    """Master-weight / optimizer-state dtype."""
+    return np.float64 if dtype_name == "float64" else np.float32
+
+
+def compute_dtype(dtype_name, xp=np):
+    if dtype_name == "bfloat16":
+        if xp is np:
+            raise UserError("train.dtype = \"bfloat16\" needs device = \"gpu\" (NumPy has no bfloat16)")
+        import cupy  # noqa: F401  - bf16 via CuPy's dtype support
+
+        return _cupy_bfloat16()
+    return COMPUTE_DTYPES[dtype_name]
+
+
+def _cupy_bfloat16():
+    try:
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    except ImportError as exc:
+        raise UserError(f"bfloat16 needs the ml_dtypes package ({exc})") from exc

@@ -1,0 +1,223 @@
+"""Text corpora into train/val shards, and the built-in corpus every machine has.
+
+`write_dataset` turns documents into `train_000000.bin ...`, `val_000000.bin ...` and
+`tokenizer.json`. Every document is preceded by the tokenizer's end-of-text id. The split
+is by document and deterministic: document i goes to val when floor((i+1) f) > floor(i f),
+i.e. every 1/f-th one (f = val_fraction). With fewer documents than that (one large text
+file, say), val is instead the last fraction f of all tokens, cut from the last document.
+
+The built-in corpus is the Python standard library that ships with the interpreter: its
+*.py files (sorted, test folders and site-packages left out) up to a byte budget, 8 MB by
+default, tokenized with the byte tokenizer. The same interpreter version gives the same
+corpus. `ensure_builtin` prepares it once per folder and is safe to call from several
+processes at once: each builds in a temporary folder and renames it into place; the
+folder's completion marker `builtin.json` is written last.
+"""
+
+import codecs
+import json
+import os
+import platform
+import shutil
+import sysconfig
+import tempfile
+
+import numpy as np
+
+from boostmpi.data.shards import atomic_file, write_shard
+from boostmpi.data.tokenizer import ByteTokenizer, save_tokenizer
+from boostmpi.errors import DataError
+
+DEFAULT_VAL_FRACTION = 0.02
+DEFAULT_SHARD_TOKENS = 100_000_000
+DEFAULT_BUILTIN_BYTES = 8_000_000
+BUILTIN_MARKER = "builtin.json"
+SKIPPED_STDLIB_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+
+
+def shard_globs(out_dir):
+    """(train glob, val glob) of the shards `write_dataset` writes into `out_dir`."""
+    return os.path.join(out_dir, "train_*.bin"), os.path.join(out_dir, "val_*.bin")
+
+
+def read_text_file(path, limit=None):
+    """(text, bytes read) of a file, at most `limit` bytes; text is None when it is not UTF-8.
+
+    A multi-byte character cut by the limit is dropped.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read() if limit is None else f.read(limit)
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    final = limit is None or len(data) < limit
+    try:
+        return codecs.getincrementaldecoder("utf-8")().decode(data, final=final), len(data)
+    except UnicodeDecodeError:
+        return None, len(data)
+
+
+class ShardStream:
+    """Cuts a stream of tokens into `<prefix>_000000.bin`, ... of `shard_tokens` tokens (the last shorter)."""
+
+    def __init__(self, out_dir, prefix, shard_tokens):
+        self.out_dir, self.prefix, self.shard_tokens = out_dir, prefix, shard_tokens
+        self.pieces = []
+        self.buffered = 0
+        self.total = 0
+        self.written = []  # (path, token count)
+
+    def add(self, tokens):
+        self.pieces.append(np.asarray(tokens, dtype=np.uint16))
+        self.buffered += len(tokens)
+        self.total += len(tokens)
+        while self.buffered >= self.shard_tokens:
+            self._write(self.shard_tokens)
+
+    def close(self):
+        if self.buffered:
+            self._write(self.buffered)
+        return self.written
+
+    def _write(self, n_tokens):
+        stream = np.concatenate(self.pieces)
+        path = os.path.join(self.out_dir, f"{self.prefix}_{len(self.written):06d}.bin")
+        write_shard(path, stream[:n_tokens])
+        self.written.append((path, n_tokens))
+        rest = stream[n_tokens:]
+        self.pieces = [rest] if len(rest) else []
+        self.buffered = len(rest)
+
+
+def is_val_document(index, val_fraction):
+    return int((index + 1) * val_fraction) > int(index * val_fraction)
+
+
+def write_dataset(texts, out_dir, tokenizer, val_fraction=DEFAULT_VAL_FRACTION, shard_tokens=DEFAULT_SHARD_TOKENS):
+    """Tokenize an iterable of documents into train/val shards and tokenizer.json in `out_dir`.
+
+    Returns {"documents": n, "train": [(path, tokens), ...], "val": [...]}.
+    """
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"val fraction must be in [0, 1), got {val_fraction}")
+    if shard_tokens < 1:
+        raise DataError(f"shard size must be at least 1 token, got {shard_tokens}")
+    os.makedirs(out_dir, exist_ok=True)
+    eot = np.array([tokenizer.eot], dtype=np.uint16)
+    train = ShardStream(out_dir, "train", shard_tokens)
+    val = ShardStream(out_dir, "val", shard_tokens)
+
+    def add_document(stream, tokens):
+        stream.add(eot)
+        stream.add(tokens)
+
+    # one document of look-ahead: only at the end is it known whether the last one must go to val
+    pending, n_documents = None, 0
+    for text in texts:
+        tokens = tokenizer.encode_array(text)
+        if len(tokens) == 0:
+            continue
+        if pending is not None:
+            add_document(val if is_val_document(n_documents - 1, val_fraction) else train, pending)
+        pending, n_documents = tokens, n_documents + 1
+
+    if pending is None:
+        raise DataError("the input holds no text")
+    if val_fraction > 0 and val.total == 0:
+        # too few documents for the rule to pick one: val is the last fraction f of all tokens,
+        # carved off the end of the last document (all of it if it is shorter than that)
+        val_tokens = max(1, round(val_fraction * (train.total + 1 + len(pending))))
+        if len(pending) > val_tokens:
+            add_document(train, pending[:-val_tokens])
+            val.add(pending[-val_tokens:])  # continues the document: no end-of-text before it
+        else:
+            add_document(val, pending)
+    else:
+        add_document(val if is_val_document(n_documents - 1, val_fraction) else train, pending)
+    if train.total == 0:
+        raise DataError(f"the input ({n_documents} document(s), {val.total} tokens) is too small to split into train and val")
+
+    summary = {"documents": n_documents, "train": train.close(), "val": val.close()}
+    save_tokenizer(tokenizer, out_dir)
+    return summary
+
+
+def stdlib_dir():
+    return sysconfig.get_paths()["stdlib"]
+
+
+def builtin_files(max_bytes=DEFAULT_BUILTIN_BYTES):
+    """The standard library's *.py files in sorted order, as many whole files as fit in max_bytes."""
+    files, total = [], 0
+    for dirpath, dirnames, filenames in os.walk(stdlib_dir()):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_STDLIB_DIRS)
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            size = os.path.getsize(path)
+            if total + size > max_bytes:
+                return files
+            files.append(path)
+            total += size
+    return files
+
+
+def _read_marker(out_dir):
+    try:
+        with open(os.path.join(out_dir, BUILTIN_MARKER)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _check_marker(marker, out_dir, max_bytes):
+    if marker.get("max_bytes") != max_bytes:
+        raise DataError(
+            f"{out_dir} holds the built-in corpus prepared with max_bytes={marker.get('max_bytes')}, "
+            f"not {max_bytes}; remove it or choose another folder"
+        )
+
+
+def ensure_builtin(out_dir, max_bytes=DEFAULT_BUILTIN_BYTES):
+    """Prepare the built-in corpus in `out_dir` unless it is already there; (train glob, val glob)."""
+    out_dir = os.path.abspath(out_dir)
+    marker = _read_marker(out_dir)
+    if marker is not None:
+        _check_marker(marker, out_dir, max_bytes)
+        return shard_globs(out_dir)
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise DataError(f"{out_dir} exists but holds no complete built-in corpus ({BUILTIN_MARKER} is missing); remove it or choose another folder")
+    files = builtin_files(max_bytes)
+    if not files:
+        raise DataError(f"no Python standard library files fit in max_bytes={max_bytes} (stdlib at {stdlib_dir()})")
+
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp")
+    try:
+        texts = (text for text, _ in map(read_text_file, files) if text is not None)
+        summary = write_dataset(texts, tmp_dir, ByteTokenizer(), DEFAULT_VAL_FRACTION, DEFAULT_SHARD_TOKENS)
+        marker = {
+            "max_bytes": max_bytes,
+            "python": platform.python_version(),
+            "stdlib": stdlib_dir(),
+            "files": len(files),
+            "documents": summary["documents"],
+            "train_tokens": sum(n for _, n in summary["train"]),
+            "val_tokens": sum(n for _, n in summary["val"]),
+            "tokenizer": "byte",
+        }
+        with atomic_file(os.path.join(tmp_dir, BUILTIN_MARKER)) as f:
+            json.dump(marker, f, indent=2)
+            f.write("\n")
+        os.chmod(tmp_dir, 0o755)  # mkdtemp makes the folder private; the corpus is shared data
+        try:
+            os.replace(tmp_dir, out_dir)  # atomic; replaces a missing or empty folder only
+        except OSError as exc:
+            if _read_marker(out_dir) is None:  # not a concurrent caller that finished first
+                raise DataError(f"cannot move the prepared built-in corpus into {out_dir}: {exc.strerror or exc}") from exc
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    _check_marker(_read_marker(out_dir), out_dir, max_bytes)
+    return shard_globs(out_dir)

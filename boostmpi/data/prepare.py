@@ -1,0 +1,152 @@
+"""`boostmpi data`: tokenize text files, folders or the built-in corpus into llm.c token shards.
+
+Writes `<out>/train_000000.bin ...`, `<out>/val_000000.bin ...` and `<out>/tokenizer.json`.
+Folders are read recursively in sorted order, hidden files and folders left out; each file
+is one document. Files found in folders that are not UTF-8 text are skipped (and counted);
+a file named on the command line that is not UTF-8 is an error.
+"""
+
+import fnmatch
+import glob
+import os
+import sys
+
+from boostmpi.data.corpus import (
+    DEFAULT_BUILTIN_BYTES,
+    DEFAULT_SHARD_TOKENS,
+    DEFAULT_VAL_FRACTION,
+    builtin_files,
+    read_text_file,
+    shard_globs,
+    write_dataset,
+)
+from boostmpi.data.progress import Progress
+from boostmpi.data.tokenizer import HF_COPY_FILE, TOKENIZER_FILE, tokenizer_from_name
+from boostmpi.errors import DataError, UserError
+
+
+def register(subparsers):
+    parser = subparsers.add_parser(
+        "data",
+        help="tokenize text into llm.c token shards",
+        description="Tokenize text files, folders or the built-in corpus into llm.c token shards.",
+    )
+    parser.add_argument("inputs", nargs="*", help="text files or folders (read recursively)")
+    parser.add_argument("--builtin", action="store_true", help="use the built-in corpus (the Python standard library's source) instead of inputs")
+    parser.add_argument("--out", required=True, metavar="DIR", help="folder for the shards")
+    parser.add_argument("--tokenizer", default="byte", help="byte (default), a tiktoken encoding such as gpt2, or PATH.json (a Hugging Face tokenizers file)")
+    parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, help="fraction of documents for validation (default %(default)s)")
+    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard (default %(default)s)")
+    parser.add_argument("--glob", default=None, metavar="PATTERN", help='only files in folders whose name matches, e.g. "*.txt" (default: every UTF-8 text file)')
+    parser.add_argument("--max-bytes", type=int, default=None, help=f"read at most this many bytes of text (default: all; {DEFAULT_BUILTIN_BYTES} for --builtin)")
+    parser.add_argument("--force", action="store_true", help="replace shards already in --out")
+    parser.set_defaults(func=run)
+
+
+def find_input_files(inputs, pattern=None, exclude_dir=None):
+    """[(path, named)] for the inputs; `named` is true for a file given directly rather than found in a folder."""
+    exclude_dir = os.path.abspath(exclude_dir) if exclude_dir else None
+
+    def folder_error(exc):
+        raise DataError(f"cannot read folder {exc.filename}: {exc.strerror or exc}")
+
+    files = []
+    for item in inputs:
+        if os.path.isfile(item):
+            files.append((item, True))
+        elif os.path.isdir(item):
+            for dirpath, dirnames, filenames in os.walk(item, onerror=folder_error):
+                dirnames[:] = sorted(
+                    d for d in dirnames if not d.startswith(".") and os.path.abspath(os.path.join(dirpath, d)) != exclude_dir
+                )
+                for name in sorted(filenames):
+                    path = os.path.join(dirpath, name)
+                    if name.startswith(".") or (pattern and not fnmatch.fnmatch(name, pattern)) or not os.path.isfile(path):
+                        continue
+                    files.append((path, False))
+        elif os.path.exists(item):
+            raise DataError(f"input {item} is neither a regular file nor a folder")
+        else:
+            raise DataError(f"input {item} does not exist")
+    if not files:
+        matching = f" matching {pattern!r}" if pattern else ""
+        raise DataError(f"no input files{matching} in {', '.join(inputs)}")
+    return files
+
+
+def clear_out_dir(out_dir, force):
+    """Make `out_dir` ready for new shards: refuse to overwrite old ones unless `force`, then remove them."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise DataError(f"--out {out_dir} exists and is not a folder")
+    train_glob, val_glob = shard_globs(out_dir)
+    old = glob.glob(train_glob) + glob.glob(val_glob)
+    old += [p for p in (os.path.join(out_dir, TOKENIZER_FILE), os.path.join(out_dir, HF_COPY_FILE)) if os.path.exists(p)]
+    if old and not force:
+        raise DataError(f"--out {out_dir} already holds shards; pass --force to replace them")
+    for path in old:  # stale shards beyond the new last one would otherwise join the glob
+        os.remove(path)
+    os.makedirs(out_dir, exist_ok=True)
+
+
+def read_texts(files, max_bytes, progress, skipped):
+    """The text of each (path, named) file, `max_bytes` in all; appends undecodable folder files to `skipped`."""
+    remaining = max_bytes
+    for path, named in files:
+        if remaining is not None and remaining <= 0:
+            return
+        text, n_bytes = read_text_file(path, limit=remaining)
+        progress.update(n_bytes)
+        if remaining is not None:
+            remaining -= n_bytes
+        if text is None:
+            if named:
+                raise DataError(f"input {path} is not UTF-8 text")
+            skipped.append(path)
+            continue
+        yield text
+
+
+def run(args):
+    if args.builtin and args.inputs:
+        raise UserError("give either input files/folders or --builtin, not both")
+    if not args.builtin and not args.inputs:
+        raise UserError("no input: give text files or folders, or --builtin")
+    if not 0 <= args.val_fraction < 1:
+        raise UserError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    if args.shard_tokens < 1:
+        raise UserError(f"--shard-tokens must be at least 1, got {args.shard_tokens}")
+    if args.max_bytes is not None and args.max_bytes < 1:
+        raise UserError(f"--max-bytes must be at least 1, got {args.max_bytes}")
+
+    tokenizer = tokenizer_from_name(args.tokenizer)  # before any reading: a missing tokenizer fails fast
+    if args.builtin:
+        files = [(p, False) for p in builtin_files(args.max_bytes or DEFAULT_BUILTIN_BYTES)]
+        if not files:
+            raise UserError(f"no Python standard library file fits in --max-bytes {args.max_bytes}")
+        max_bytes = None  # builtin_files already kept to the budget
+    else:
+        files = find_input_files(args.inputs, args.glob, exclude_dir=args.out)
+        max_bytes = args.max_bytes
+    total_bytes = sum(os.path.getsize(p) for p, _ in files)
+    if max_bytes is not None:
+        total_bytes = min(total_bytes, max_bytes)
+    if total_bytes == 0:
+        raise DataError(f"the input is empty ({len(files)} file(s), 0 bytes)")
+    clear_out_dir(args.out, args.force)
+
+    skipped = []
+    with Progress(total=total_bytes, desc="tokenizing", unit="B") as progress:
+        summary = write_dataset(
+            read_texts(files, max_bytes, progress, skipped), args.out, tokenizer, args.val_fraction, args.shard_tokens
+        )
+    if skipped:
+        print(f"warning: skipped {len(skipped)} file(s) that are not UTF-8 text, e.g. {skipped[0]}", file=sys.stderr)
+
+    train_glob, val_glob = shard_globs(args.out)
+    print(f"{summary['documents']} documents, tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size}, end-of-text id {tokenizer.eot})")
+    for name, pattern in (("train", train_glob), ("val", val_glob)):
+        shards = summary[name]
+        if shards:
+            print(f"{name}: {sum(n for _, n in shards):,} tokens in {len(shards)} shard(s): {pattern}")
+    print(f"tokenizer recorded in {os.path.join(args.out, TOKENIZER_FILE)}")
+    return 0

@@ -1,0 +1,237 @@
+"""llm.c token shards (CONTRACT §5): write, open, evaluation windows, the training stream.
+
+A shard is a header of 256 little-endian int32 (magic 20240520, version 1, token count,
+then zeros) followed by the tokens as little-endian uint16. Shards are memory-mapped:
+nothing here loads a whole shard into RAM.
+
+Letters: T sequence length, B sequences per micro-batch (per data-parallel rank).
+"""
+
+import contextlib
+import glob
+import os
+import tempfile
+
+import numpy as np
+
+from boostmpi.errors import DataError
+
+MAGIC = 20240520
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+HEADER_DTYPE = np.dtype("<i4")
+TOKEN_DTYPE = np.dtype("<u2")
+MAX_TOKEN_ID = 65535
+MAX_SHARD_TOKENS = 2**31 - 1  # the count is an int32 in the header
+
+
+def _default_file_mode():
+    umask = os.umask(0)  # reading the umask means setting it; put it straight back
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+@contextlib.contextmanager
+def atomic_file(path, mode="w"):
+    """Write `path` through a temporary file in the same folder, renamed over it once complete,
+    so a reader (or a crash) never sees half a file."""
+    path = os.fspath(path)
+    fd, tmp_path = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, _default_file_mode())  # mkstemp makes the file private; shards are shared data
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())  # the rename must never expose a file whose data is not on disk
+        os.replace(tmp_path, path)
+    except BaseException:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+        raise
+
+
+def write_shard(path, tokens):
+    """Write `tokens` (ids 0..65535) as one shard, atomically: a reader sees the old file or the new one."""
+    path = os.fspath(path)
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1:
+        raise DataError(f"cannot write {path}: tokens must be 1-D, got shape {tokens.shape}")
+    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+        raise DataError(f"cannot write {path}: token ids must be integers, got {tokens.dtype}")
+    if tokens.size > MAX_SHARD_TOKENS:
+        raise DataError(f"cannot write {path}: {tokens.size} tokens exceed the {MAX_SHARD_TOKENS} a shard header can count")
+    if tokens.size:
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high > MAX_TOKEN_ID:
+            bad = low if low < 0 else high
+            raise DataError(f"cannot write {path}: token id {bad} does not fit a uint16 shard (0..{MAX_TOKEN_ID})")
+    header = np.zeros(HEADER_INTS, dtype=HEADER_DTYPE)
+    header[0], header[1], header[2] = MAGIC, VERSION, tokens.size
+
+    with atomic_file(path, "wb") as f:
+        header.tofile(f)
+        tokens.astype(TOKEN_DTYPE, copy=False).tofile(f)
+
+
+def open_shard(path, vocab_size=None):
+    """The tokens of a shard as a read-only uint16 memmap (an empty array for an empty shard).
+
+    Checks the header against the file size, and with `vocab_size` that every id is below it.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise DataError(f"token shard {path} does not exist")
+    if not os.path.isfile(path):
+        raise DataError(f"token shard {path} is not a regular file")
+    file_bytes = os.path.getsize(path)
+    if file_bytes < HEADER_BYTES:
+        raise DataError(f"{path} is not a token shard: {file_bytes} bytes is shorter than the {HEADER_BYTES}-byte header")
+    try:
+        header = np.fromfile(path, dtype=HEADER_DTYPE, count=HEADER_INTS)
+    except OSError as exc:
+        raise DataError(f"cannot read token shard {path}: {exc.strerror or exc}") from exc
+    magic, version, n_tokens = (int(v) for v in header[:3])
+    if magic != MAGIC:
+        raise DataError(f"{path} is not an llm.c token shard (magic number {magic}, expected {MAGIC})")
+    if version != VERSION:
+        raise DataError(f"{path}: unsupported token shard version {version} (expected {VERSION})")
+    expected_bytes = HEADER_BYTES + TOKEN_DTYPE.itemsize * n_tokens
+    if n_tokens < 0 or file_bytes < expected_bytes:
+        raise DataError(
+            f"{path} is truncated: its header announces {n_tokens} tokens ({expected_bytes} bytes) "
+            f"but the file has {file_bytes} bytes"
+        )
+    if file_bytes > expected_bytes:
+        raise DataError(
+            f"{path} is corrupted: {file_bytes - expected_bytes} bytes follow the {n_tokens} tokens its header announces"
+        )
+    if n_tokens == 0:  # mmap cannot map zero bytes
+        return np.zeros(0, dtype=TOKEN_DTYPE)
+    tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(n_tokens,))
+    if vocab_size is not None:
+        top = int(tokens.max())
+        if top >= vocab_size:
+            first = int(np.argmax(tokens >= vocab_size))
+            raise DataError(
+                f"{path} holds token id {top} (first out-of-range id at token {first}) but the vocabulary has "
+                f"{vocab_size} ids: the shard was made with another tokenizer"
+            )
+    return tokens
+
+
+def resolve_shards(pattern):
+    """The shard files that a path or glob names, sorted; an error naming the pattern if there are none."""
+    pattern = os.path.expanduser(os.fspath(pattern))
+    if os.path.isfile(pattern):
+        return [pattern]
+    matches = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+    if not matches:
+        raise DataError(f"no token shards match {pattern!r}")
+    return matches
+
+
+def window_count(n_tokens, T):
+    """How many windows of T+1 tokens, stride T, fit in n_tokens: the largest k+1 with kT+T+1 <= n."""
+    return max(0, (n_tokens - 1) // T)
+
+
+def eval_windows(tokens, T, max_windows=None, name=None):
+    """The evaluation windows of a shard (CONTRACT §5) as int64 arrays x, y of shape [n, T].
+
+    x[k] = tokens[kT : kT+T], y[k] = tokens[kT+1 : kT+T+1], for every k with kT+T+1 <= len(tokens),
+    at most `max_windows` of them.
+    """
+    if T < 1:
+        raise DataError(f"sequence length must be at least 1, got {T}")
+    if max_windows is not None and max_windows < 1:
+        raise DataError(f"max_windows must be at least 1, got {max_windows}")
+    n = window_count(len(tokens), T)
+    if n == 0:
+        what = f"shard {name}" if name else "the shard"
+        raise DataError(f"{what} holds {len(tokens)} tokens, fewer than one window of seq_len + 1 = {T + 1}")
+    if max_windows is not None:
+        n = min(n, max_windows)
+    x = np.asarray(tokens[: n * T], dtype=np.int64).reshape(n, T)
+    y = np.asarray(tokens[1 : n * T + 1], dtype=np.int64).reshape(n, T)
+    return x, y
+
+
+class TrainLoader:
+    """Micro-batches for data-parallel rank `rank` of `world`, deterministic and exactly resumable.
+
+    The global stream is every window of T+1 tokens (stride T, as in `eval_windows`) of each
+    shard in turn; it wraps around to the first shard at the end (a new epoch). Global batch k
+    is windows [k*world*B, (k+1)*world*B) of the stream and rank r takes its contiguous slice
+    of B windows. The position is one global window index, the same on every rank, so a saved
+    state resumes exactly, even under another dp size. The order is sequential (llm.c style):
+    `seed` is accepted for interface stability but does not change the stream.
+    """
+
+    def __init__(self, paths, T, batch_size, rank=0, world=1, seed=0, vocab_size=None):
+        if isinstance(paths, (str, os.PathLike)):
+            paths = resolve_shards(paths)
+        paths = [os.fspath(p) for p in paths]
+        if not paths:
+            raise DataError("no training shards given")
+        if T < 1 or batch_size < 1:
+            raise DataError(f"seq_len and batch size must be at least 1, got {T} and {batch_size}")
+        if not 0 <= rank < world:
+            raise DataError(f"data-parallel rank {rank} is outside 0..{world - 1}")
+        self.paths = paths
+        self.T, self.B, self.rank, self.world, self.seed = T, batch_size, rank, world, seed
+        self.shards = [open_shard(p, vocab_size) for p in paths]
+        self.shard_windows = [window_count(len(s), T) for s in self.shards]
+        # first global window index of each shard; shards too short for one window are skipped
+        self.first_window = np.concatenate([[0], np.cumsum(self.shard_windows)]).astype(np.int64)
+        self.windows_per_epoch = int(self.first_window[-1])
+        needed = world * batch_size
+        if self.windows_per_epoch < needed:
+            where = paths[0] if len(paths) == 1 else f"{len(paths)} shards ({paths[0]} ...)"
+            raise DataError(
+                f"training data {where} holds {self.windows_per_epoch} windows of seq_len + 1 = {T + 1} tokens "
+                f"but one global batch needs {needed} (dp {world} x micro-batch {batch_size})"
+            )
+        self.next_window = 0  # global index of the first window of the next global batch
+
+    @property
+    def epoch(self):
+        return self.next_window // self.windows_per_epoch
+
+    def next_batch(self):
+        """(x, y) int64 [B, T] for this rank; advances the stream by one global batch."""
+        B, T = self.B, self.T
+        x = np.empty((B, T), dtype=np.int64)
+        y = np.empty((B, T), dtype=np.int64)
+        start = self.next_window + self.rank * B
+        filled = 0
+        while filled < B:  # one contiguous run of windows per shard touched
+            window = (start + filled) % self.windows_per_epoch
+            shard = int(np.searchsorted(self.first_window, window, side="right")) - 1
+            local = window - int(self.first_window[shard])
+            run = min(B - filled, self.shard_windows[shard] - local)
+            chunk = np.asarray(self.shards[shard][local * T : (local + run) * T + 1], dtype=np.int64)
+            x[filled : filled + run] = chunk[:-1].reshape(run, T)
+            y[filled : filled + run] = chunk[1:].reshape(run, T)
+            filled += run
+        self.next_window += self.world * B
+        return x, y
+
+    def state_dict(self):
+        """The position, as plain ints (store it beside a checkpoint)."""
+        return {
+            "next_window": int(self.next_window),
+            "epoch": int(self.epoch),
+            "windows_per_epoch": self.windows_per_epoch,
+            "seq_len": self.T,
+        }
+
+    def load_state_dict(self, state):
+        """Restore a position from `state_dict()`; the shards and seq_len must be the ones it was saved with."""
+        if int(state["seq_len"]) != self.T or int(state["windows_per_epoch"]) != self.windows_per_epoch:
+            raise DataError(
+                f"the saved data position is for {state['windows_per_epoch']} windows of seq_len {state['seq_len']}, "
+                f"but the training shards now hold {self.windows_per_epoch} windows of seq_len {self.T}: "
+                f"resuming would not continue the same stream"
+            )
+        self.next_window = int(state["next_window"])

@@ -1,0 +1,288 @@
+"""The CUDA kernels of `kernels/*.cu` on CuPy: a memoised loader and one wrapper per kernel.
+
+Each wrapper takes C-contiguous CuPy arrays of float32 or bfloat16 (`ml_dtypes.bfloat16`, which
+CuPy >= 14 stores natively), returns new arrays, and has a NumPy twin of the same name and
+signature in `boostmpi.gpu.twins` -- the specification a parity test holds it to.
+Importing this module needs no CuPy; calling a wrapper does.
+
+Where the sources are: $BOOSTMPI_KERNELS_DIR if set (an installed package cannot carry the
+top-level `kernels/` folder), else `kernels/` beside the `boostmpi` package in a checkout.
+"""
+
+import functools
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+KERNELS_DIR_ENV = "BOOSTMPI_KERNELS_DIR"
+COMPILE_OPTIONS = ("-std=c++14",)
+MAX_BLOCK_THREADS = 1024
+ELEMENTWISE_BLOCK_THREADS = 256
+DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024  # above this a kernel must opt in
+
+_LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.MULTILINE)
+
+
+def kernels_dir():
+    override = os.environ.get(KERNELS_DIR_ENV)
+    directory = Path(override) if override else Path(__file__).resolve().parents[2] / "kernels"
+    if not directory.is_dir():
+        raise FileNotFoundError(f"CUDA kernel sources not found in {directory}; set {KERNELS_DIR_ENV} to the folder holding the .cu files")
+    return directory
+
+
+def kernel_source(name):
+    """kernels/<name>.cu with its local `#include "..."` files pasted in.
+
+    One self-contained text: NVRTC and hipRTC need no include path, and CuPy's kernel cache,
+    which hashes the source text only, sees a change in a shared header.
+    """
+    directory = kernels_dir()
+    return _LOCAL_INCLUDE.sub(lambda m: (directory / m.group(1)).read_text(), (directory / f"{name}.cu").read_text())
+
+
+def _import_cupy():
+    try:
+        import cupy
+    except ImportError as exc:
+        raise RuntimeError(f"the GPU kernels need CuPy ({exc}); install boostmpi[gpu]") from exc
+    return cupy
+
+
+@functools.lru_cache(maxsize=None)
+def _device_properties(device_id):
+    """(warp size, multiprocessor count, opt-in shared memory per block) of one device."""
+    props = _import_cupy().cuda.runtime.getDeviceProperties(device_id)
+    return props["warpSize"], props["multiProcessorCount"], props.get("sharedMemPerBlockOptin", DEFAULT_DYNAMIC_SHARED_BYTES)
+
+
+def _current_device():
+    device_id = _import_cupy().cuda.Device().id
+    return device_id, _device_properties(device_id)
+
+
+@functools.lru_cache(maxsize=None)
+def _module(name, device_id):
+    """kernels/<name>.cu compiled once per process and device, for that device's warp width."""
+    warp_size = _device_properties(device_id)[0]
+    options = COMPILE_OPTIONS + (f"-DWARP_SIZE={warp_size}",)
+    return _import_cupy().RawModule(code=kernel_source(name), options=options)
+
+
+def _kernel(module_name, entry_point):
+    device_id, _ = _current_device()
+    return _module(module_name, device_id).get_function(entry_point)
+
+
+def _launch(kernel, grid, block, args, shared_mem=0):
+    cupy = _import_cupy()
+    for arg in args:
+        if not isinstance(arg, (cupy.ndarray, np.generic)):
+            raise TypeError(f"kernel argument of type {type(arg).__name__}: arrays must be CuPy arrays, scalars NumPy scalars of the C type")
+    kernel((int(grid),), (int(block),), args, shared_mem=int(shared_mem))
+
+
+# ------------------------------------------------------------------------------ argument checks
+
+
+def _storage_suffix(name, arr):
+    """The entry-point suffix for arr's dtype."""
+    if arr.dtype == np.float32:
+        return "f32"
+    if arr.dtype.name == "bfloat16":
+        return "bf16"
+    raise TypeError(f"{name} has dtype {arr.dtype}; the kernels take float32 or bfloat16")
+
+
+def _check(name, arr, shape, dtype):
+    if tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
+    if arr.dtype != dtype:
+        raise TypeError(f"{name} has dtype {arr.dtype}, expected {np.dtype(dtype)}")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (make it so with xp.ascontiguousarray)")
+
+
+def _check_matrix(name, arr):
+    """Checks a [rows, cols] kernel input of a supported dtype; returns (rows, cols, suffix)."""
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be 2-D [rows, cols], got shape {tuple(arr.shape)}")
+    suffix = _storage_suffix(name, arr)
+    _check(name, arr, arr.shape, arr.dtype)
+    return arr.shape[0], arr.shape[1], suffix
+
+
+def _check_elementwise(first_name, first, **others):
+    """Checks elementwise inputs: `first` of a supported dtype, the others of its shape and dtype."""
+    suffix = _storage_suffix(first_name, first)
+    _check(first_name, first, first.shape, first.dtype)
+    for name, arr in others.items():
+        _check(name, arr, first.shape, first.dtype)
+    return suffix
+
+
+# ------------------------------------------------------------------------------ launch shapes
+
+
+def _row_block(width, itemsize, warp_size):
+    """Threads for one block per row: one 16-byte vector each, whole warps, at most 1024."""
+    vectors = -(-width // (16 // itemsize))
+    warps = -(-vectors // warp_size)
+    return warp_size * min(max(warps, 1), MAX_BLOCK_THREADS // warp_size)
+
+
+def _elementwise_grid(n, itemsize, sm_count):
+    """Blocks for a grid-stride elementwise kernel: enough to cover n, at most 16 per SM."""
+    per_block = ELEMENTWISE_BLOCK_THREADS * (16 // itemsize)
+    return max(1, min(-(-n // per_block), 16 * sm_count))
+
+
+# ------------------------------------------------------------------------------ rmsnorm.cu
+
+
+def rmsnorm_forward(x, w, eps):
+    """x [N,C], w [C] -> y [N,C] (x's dtype), rstd [N] (float32)."""
+    N, C, suffix = _check_matrix("x", x)
+    _check("w", w, (C,), x.dtype)
+    cupy = _import_cupy()
+    y = cupy.empty_like(x)
+    rstd = cupy.empty(N, dtype=np.float32)
+    if N > 0:
+        _, (warp_size, _, _) = _current_device()
+        _launch(_kernel("rmsnorm", f"rmsnorm_forward_{suffix}"), N, _row_block(C, x.itemsize, warp_size),
+                (x, w, y, rstd, np.int32(C), np.float32(eps)))
+    return y, rstd
+
+
+def rmsnorm_backward(dy, x, w, rstd):
+    """dy, x [N,C], w [C], rstd [N] float32 -> dx [N,C] (x's dtype), dw [C] (float32)."""
+    N, C, suffix = _check_matrix("x", x)
+    _check("dy", dy, (N, C), x.dtype)
+    _check("w", w, (C,), x.dtype)
+    _check("rstd", rstd, (N,), np.float32)
+    cupy = _import_cupy()
+    dx = cupy.empty_like(x)
+    if N == 0:
+        return dx, cupy.zeros(C, dtype=np.float32)
+    _, (warp_size, sm_count, max_shared) = _current_device()
+    kernel = _kernel("rmsnorm", f"rmsnorm_backward_{suffix}")
+    # each block keeps its running dw (C floats) in shared memory
+    shared_bytes = 4 * C
+    if shared_bytes > max_shared:
+        raise ValueError(f"rmsnorm_backward: C = {C} needs {shared_bytes} bytes of shared memory per block, the device has {max_shared}")
+    if shared_bytes > DEFAULT_DYNAMIC_SHARED_BYTES:
+        kernel.max_dynamic_shared_size_bytes = shared_bytes
+    blocks = min(N, 2 * sm_count)
+    dw_partial = cupy.empty((blocks, C), dtype=np.float32)
+    _launch(kernel, blocks, _row_block(C, x.itemsize, warp_size),
+            (dy, x, w, rstd, dx, dw_partial, np.int32(N), np.int32(C)), shared_mem=shared_bytes)
+    return dx, dw_partial.sum(axis=0)
+
+
+def rmsnorm_online_stats(x, w):
+    """This rank's shard x [N,Cs], w [Cs] -> xw [N,Cs] = x * w (x's dtype), ss [N] = sum(x^2) (float32)."""
+    N, Cs, suffix = _check_matrix("x", x)
+    _check("w", w, (Cs,), x.dtype)
+    cupy = _import_cupy()
+    xw = cupy.empty_like(x)
+    ss = cupy.empty(N, dtype=np.float32)
+    if N > 0:
+        _, (warp_size, _, _) = _current_device()
+        _launch(_kernel("rmsnorm", f"rmsnorm_online_stats_{suffix}"), N, _row_block(Cs, x.itemsize, warp_size),
+                (x, w, xw, ss, np.int32(Cs)))
+    return xw, ss
+
+
+def rescale_rows(P, ss_total, C_total, eps):
+    """P [N,R], ss_total [N] float32 -> P * rsqrt(ss_total / C_total + eps) [N,R] (P's dtype)."""
+    N, R, suffix = _check_matrix("P", P)
+    _check("ss_total", ss_total, (N,), np.float32)
+    cupy = _import_cupy()
+    out = cupy.empty_like(P)
+    if N > 0:
+        _, (warp_size, _, _) = _current_device()
+        _launch(_kernel("rmsnorm", f"rescale_rows_{suffix}"), N, _row_block(R, P.itemsize, warp_size),
+                (P, ss_total, out, np.int32(R), np.int32(C_total), np.float32(eps)))
+    return out
+
+
+# ------------------------------------------------------------------------------ lowrank.cu
+
+
+def _launch_elementwise(entry_point, n, itemsize, args):
+    if n == 0:
+        return
+    _, (_, sm_count, _) = _current_device()
+    _launch(_kernel("lowrank", entry_point), _elementwise_grid(n, itemsize, sm_count), ELEMENTWISE_BLOCK_THREADS, args)
+
+
+def silu_forward(a):
+    """z = silu(a), any shape."""
+    suffix = _check_elementwise("a", a)
+    z = _import_cupy().empty_like(a)
+    _launch_elementwise(f"silu_forward_{suffix}", a.size, a.itemsize, (a, z, np.int64(a.size)))
+    return z
+
+
+def silu_backward(a, dz):
+    """da = dz * silu'(a)."""
+    suffix = _check_elementwise("a", a, dz=dz)
+    da = _import_cupy().empty_like(a)
+    _launch_elementwise(f"silu_backward_{suffix}", a.size, a.itemsize, (a, dz, da, np.int64(a.size)))
+    return da
+
+
+def gate_forward(g, u, act):
+    """y = (silu(g) if act else g) * u."""
+    suffix = _check_elementwise("g", g, u=u)
+    y = _import_cupy().empty_like(g)
+    _launch_elementwise(f"gate_forward_{suffix}", g.size, g.itemsize, (g, u, y, np.int64(g.size), np.int32(bool(act))))
+    return y
+
+
+def gate_backward(g, u, dy, act):
+    """dg = dy * u * act'(g), du = dy * act(g), from one kernel."""
+    suffix = _check_elementwise("g", g, u=u, dy=dy)
+    cupy = _import_cupy()
+    dg = cupy.empty_like(g)
+    du = cupy.empty_like(g)
+    _launch_elementwise(f"gate_backward_{suffix}", g.size, g.itemsize,
+                        (g, u, dy, dg, du, np.int64(g.size), np.int32(bool(act))))
+    return dg, du
+
+
+# ------------------------------------------------------------------------------ softmax_xent.cu
+
+_TARGET_SUFFIXES = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
+
+
+def softmax_xent(logits, targets, grad_scale=None, out=None):
+    """logits [N,V], targets [N] int32/int64 -> loss [N] float32, dlogits [N,V] or None.
+
+    With grad_scale, dlogits = (softmax - onehot) * grad_scale is written to `out` (which may be
+    `logits` itself, for in place) or to a new array; without it only the loss is computed.
+    """
+    N, V, suffix = _check_matrix("logits", logits)
+    if targets.dtype not in _TARGET_SUFFIXES:
+        raise TypeError(f"targets has dtype {targets.dtype}, expected int32 or int64")
+    _check("targets", targets, (N,), targets.dtype)
+    write_grad = grad_scale is not None
+    if out is not None:
+        if not write_grad:
+            raise ValueError("softmax_xent: out is given but grad_scale is not, so there is no gradient to write")
+        _check("out", out, (N, V), logits.dtype)
+    cupy = _import_cupy()
+    loss = cupy.empty(N, dtype=np.float32)
+    dlogits = None
+    if write_grad:
+        dlogits = out if out is not None else cupy.empty_like(logits)
+    if N > 0:
+        _, (warp_size, _, _) = _current_device()
+        entry_point = f"softmax_xent_{suffix}_{_TARGET_SUFFIXES[targets.dtype]}"
+        # without a gradient the kernel never writes its dlogits pointer; it gets logits to have one
+        _launch(_kernel("softmax_xent", entry_point), N, _row_block(V, logits.itemsize, warp_size),
+                (logits, targets, loss, dlogits if write_grad else logits, np.int32(write_grad), np.int32(V),
+                 np.float32(grad_scale if write_grad else 0.0)))
+    return loss, dlogits

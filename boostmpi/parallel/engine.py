@@ -1,0 +1,215 @@
+"""The training engine of one rank: parameters, the pipeline schedule, recompute, data-parallel buckets.
+
+`Engine.forward_backward(micro_batches)` runs one optimizer step's forward and backward passes
+over this data-parallel rank's micro-batches and leaves the global-mean gradient in
+`engine.grads` (already summed over dp). The optimizer lives in boostmpi/train.
+"""
+
+import numpy as np
+
+from boostmpi.backend import compute_dtype, get_xp, param_dtype
+from boostmpi.model import layers
+from boostmpi.model.params import FlatBuffer, init_global, param_specs, stage_layers
+from boostmpi.model.transformer import block_backward, block_forward
+from boostmpi.parallel.grid import ProcessGrid
+from boostmpi.parallel.pipeline import one_f_one_b
+from boostmpi.parallel.tensor_parallel import Tape, make_strategy
+
+
+def _nbytes(obj, seen):
+    """Bytes of the distinct arrays (by their base buffer) reachable from a cache structure."""
+    if obj is None or isinstance(obj, (str, int, float, bool, slice)):
+        return 0
+    if isinstance(obj, Tape):
+        return _nbytes(obj.items, seen)
+    if isinstance(obj, (tuple, list)):
+        return sum(_nbytes(o, seen) for o in obj)
+    if hasattr(obj, "nbytes") and hasattr(obj, "base"):
+        base = obj
+        while getattr(base, "base", None) is not None and hasattr(base.base, "nbytes"):
+            base = base.base
+        if id(base) in seen:
+            return 0
+        seen.add(id(base))
+        return int(base.nbytes)
+    return 0
+
+
+class Engine:
+    def __init__(self, cfg, world=None):
+        self.cfg = cfg
+        m, par, tr = cfg.model, cfg.parallel, cfg.train
+        self.xp = get_xp(tr.device)
+        sync = (lambda: self.xp.cuda.get_current_stream().synchronize()) if self.xp is not np else None
+        self.grid = ProcessGrid(world, par.tp, par.pp, par.dp, overlap=par.overlap, sync=sync)
+        c = self.grid.coords
+        self.stage, self.n_stages = c.pp, par.pp
+        self.first, self.last = self.grid.is_first_stage, self.grid.is_last_stage
+        self.layers = stage_layers(m.n_layers, par.pp, c.pp)
+        self.specs = param_specs(cfg, c.tp, c.pp)
+        self.pdtype = param_dtype(tr.dtype)
+        self.cdtype = compute_dtype(tr.dtype, self.xp)
+        self.params = FlatBuffer(self.specs, self.pdtype, self.xp)
+        self.grads = FlatBuffer(self.specs, self.pdtype, self.xp)
+        self.tpx = make_strategy(cfg, self.grid)
+        self.rope = layers.rope_tables(m.seq_len, m.d_model // m.n_heads, m.rope_theta, self.cdtype, self.xp)
+        self.recompute = tr.recompute
+        self.saved_activation_bytes = 0  # per micro-batch, this stage, from the last step
+        self._buckets = self._bucket_ranges()
+        self.init_params(tr.seed)
+
+    # ------------------------------------------------------------------ parameters
+    def init_params(self, seed):
+        for s in self.specs:
+            self.params[s.name][...] = self.xp.asarray(init_global(s, seed)[s.local_slice()])
+
+    def _bucket_ranges(self):
+        """Data-parallel buckets: one per layer, one for the embedding, one for the head."""
+        buckets = {}
+        for s in self.specs:
+            key = s.layer if s.layer is not None else ("embed" if s.name == "embed" else "head")
+            a, b = self.params.offsets[s.name]
+            lo, hi = buckets.get(key, (a, b))
+            buckets[key] = (min(lo, a), max(hi, b))
+        return buckets
+
+    # ------------------------------------------------------------------ one stage, one micro-batch
+    def _stage_forward(self, x, y, h, keep=True):
+        """Returns (h_out or loss, saved). `h` is the received activation (None on the first stage)."""
+        P, tpx, B, T = self.params, self.tpx, x.shape[0], x.shape[1]
+        ids = self.xp.asarray(x.reshape(-1))
+        if self.first:
+            h = tpx.embed_forward(ids, P)
+        saved = {"ids": ids, "layers": []}
+        for i in self.layers:
+            if not keep:
+                h, _ = block_forward(h, i, P, tpx, self.rope, (B, T))
+            elif self.recompute == "none":
+                h, cache = block_forward(h, i, P, tpx, self.rope, (B, T))
+                saved["layers"].append(cache)
+            elif self.recompute == "layer":
+                saved["layers"].append(h)
+                h, _ = block_forward(h, i, P, tpx, self.rope, (B, T))
+            else:  # lowrank: keep the residual and the post-all-reduce rank-r activations only
+                tape = Tape("record")
+                saved["layers"].append((h, tape))
+                h, _ = block_forward(h, i, P, tpx, self.rope, (B, T), tape)
+        if not self.last:
+            return h, saved
+        loss, saved["head"] = tpx.head_forward(h, self.xp.asarray(y.reshape(-1)), P)
+        return loss, saved
+
+    def _stage_backward(self, dh, saved, shape, scale, on_bucket_done):
+        P, Gr, tpx = self.params, self.grads, self.tpx
+        if self.last:
+            dh = tpx.head_backward(saved["head"], scale, P, Gr)
+            on_bucket_done("head")
+        for i, entry in zip(reversed(self.layers), reversed(saved["layers"])):
+            if self.recompute == "none":
+                cache = entry
+            elif self.recompute == "layer":  # re-issues this layer's forward collectives
+                _, cache = block_forward(entry, i, P, tpx, self.rope, shape)
+            else:  # replays the recorded collectives: no communication
+                h_in, tape = entry
+                tape.mode, tape._next = "replay", 0
+                _, cache = block_forward(h_in, i, P, tpx, self.rope, shape, tape)
+            dh = block_backward(dh, cache, P, Gr, tpx, self.rope)
+            on_bucket_done(i)
+        if self.first:
+            tpx.embed_backward(saved["ids"], dh, Gr)
+            on_bucket_done("embed")
+        return dh
+
+    # ------------------------------------------------------------------ a whole step
+    def forward_backward(self, micro_batches):
+        """Forward and backward of this dp rank's micro-batches [(x, y), ...] (int arrays [B, T]).
+
+        Returns the mean loss over the global batch (the same value on every rank); gradients of the
+        global mean loss are left in self.grads, summed over data parallelism.
+        """
+        xp, grid = self.xp, self.grid
+        self.grads.data[...] = 0
+        M = len(micro_batches)
+        B, T = micro_batches[0][0].shape
+        Cl = self.tpx.res_cols[1] - self.tpx.res_cols[0]
+        scale = 1.0 / (B * T * M * grid.dp_size)
+        saved, losses, sends, dp_reqs = {}, [], [], []
+        prev, nxt = self.stage - 1, self.stage + 1
+
+        def bucket_done(key, mb):
+            if mb == M - 1 and grid.dp.size > 1 and key in self._buckets and grid.dp.overlap:
+                a, b = self._buckets[key]
+                dp_reqs.append(grid.dp.iallreduce(self.grads.data[a:b]))
+
+        for kind, mb in one_f_one_b(self.n_stages, self.stage, M):
+            x, y = micro_batches[mb]
+            if kind == "F":
+                h = None
+                if not self.first:
+                    h = xp.empty((B * T, Cl), dtype=self.cdtype)
+                    grid.pp.irecv(h, prev, tag=2 * mb).Wait()
+                out, saved[mb] = self._stage_forward(x, y, h)
+                if self.last:
+                    losses.append(out)
+                else:
+                    sends.append((grid.pp.isend(out, nxt, tag=2 * mb), out))
+                if mb == 0:
+                    self.saved_activation_bytes = _nbytes(saved[mb], set())
+            else:
+                dh = None
+                if not self.last:
+                    dh = xp.empty((B * T, Cl), dtype=self.cdtype)
+                    grid.pp.irecv(dh, nxt, tag=2 * mb + 1).Wait()
+                dx = self._stage_backward(dh, saved.pop(mb), (B, T), scale, lambda key, mb=mb: bucket_done(key, mb))
+                if not self.first:
+                    dx = xp.ascontiguousarray(dx)
+                    sends.append((grid.pp.isend(dx, prev, tag=2 * mb + 1), dx))
+        for req, _buf in sends:
+            req.Wait()
+        if grid.dp.size > 1:
+            if grid.dp.overlap:
+                for r in dp_reqs:
+                    r.wait()
+            else:
+                for a, b in self._buckets.values():
+                    grid.dp.allreduce(self.grads.data[a:b])
+        mine = float(np.sum(losses)) / M if (self.last and grid.coords.tp == 0) else 0.0
+        return self.world_sum(mine) / grid.dp_size
+
+    def evaluate(self, x, y):
+        """Mean loss of one micro-batch (forward only, through the pipeline); same on every rank."""
+        xp, grid = self.xp, self.grid
+        B, T = x.shape
+        Cl = self.tpx.res_cols[1] - self.tpx.res_cols[0]
+        h = None
+        if not self.first:
+            h = xp.empty((B * T, Cl), dtype=self.cdtype)
+            grid.pp.irecv(h, self.stage - 1, tag=0).Wait()
+        out, _ = self._stage_forward(x, y, h, keep=False)
+        if not self.last:
+            grid.pp.isend(out, self.stage + 1, tag=0).Wait()
+        mine = out if (self.last and grid.coords.tp == 0) else 0.0
+        return self.world_sum(mine)
+
+    # ------------------------------------------------------------------ bookkeeping (not counted as traffic)
+    def world_sum(self, value):
+        """Sum of a float over all ranks, for logging and clipping; not model traffic, so not counted."""
+        if self.grid.world is None:
+            return float(value)
+        from mpi4py import MPI
+
+        buf = np.array([value], dtype=np.float64)
+        self.grid.world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        return float(buf[0])
+
+    def grad_norm(self):
+        """Global L2 norm of the gradient, each parameter counted once whatever the layout."""
+        c = self.grid.coords
+        sq = 0.0
+        if c.dp == 0:
+            for s in self.specs:
+                if s.tp_replicated and c.tp != 0:
+                    continue
+                g = self.grads[s.name]
+                sq += float((g * g).sum())
+        return float(np.sqrt(self.world_sum(sq)))

@@ -1,0 +1,65 @@
+"""The process grid: world ranks as (dp, pp, tp) coordinates, tp varying fastest.
+
+world_rank = (dp_rank * pp + pp_rank) * tp + tp_rank, so the ranks of one tensor-parallel group
+are consecutive and sit inside one node when tp divides the ranks per node.
+"""
+
+from dataclasses import dataclass
+
+from boostmpi.errors import ConfigError
+from boostmpi.parallel.comm import CommCounter, Group
+
+
+@dataclass(frozen=True)
+class Coords:
+    dp: int
+    pp: int
+    tp: int
+
+
+def coords_of(world_rank, tp, pp, dp):
+    tp_rank = world_rank % tp
+    pp_rank = (world_rank // tp) % pp
+    dp_rank = world_rank // (tp * pp)
+    return Coords(dp_rank, pp_rank, tp_rank)
+
+
+def rank_of(coords, tp, pp):
+    return (coords.dp * pp + coords.pp) * tp + coords.tp
+
+
+class ProcessGrid:
+    """Axis groups of this rank. `world` is an mpi4py communicator or None (one process)."""
+
+    def __init__(self, world, tp=1, pp=1, dp=1, overlap=True, sync=None):
+        size = 1 if world is None else world.Get_size()
+        rank = 0 if world is None else world.Get_rank()
+        if tp * pp * dp != size:
+            raise ConfigError(
+                f"parallel.tp * parallel.pp * parallel.dp = {tp * pp * dp} but {size} MPI ranks were started"
+            )
+        self.world, self.world_size, self.world_rank = world, size, rank
+        self.tp_size, self.pp_size, self.dp_size = tp, pp, dp
+        self.coords = coords_of(rank, tp, pp, dp)
+        self.counter = CommCounter()
+        c = self.coords
+
+        def split(color, key, n):
+            if world is None or n == 1:
+                return None
+            return world.Split(color, key)
+
+        self.tp = Group("tp", split(c.dp * pp + c.pp, c.tp, tp), self.counter, overlap, sync)
+        self.pp = Group("pp", split(c.dp * tp + c.tp, c.pp, pp), self.counter, overlap, sync)
+        self.dp = Group("dp", split(c.pp * tp + c.tp, c.dp, dp), self.counter, overlap, sync)
+
+    @property
+    def is_first_stage(self):
+        return self.coords.pp == 0
+
+    @property
+    def is_last_stage(self):
+        return self.coords.pp == self.pp_size - 1
+
+    def describe(self):
+        return f"tp={self.tp_size} pp={self.pp_size} dp={self.dp_size}"

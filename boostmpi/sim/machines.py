@@ -1,0 +1,197 @@
+"""Machine profiles: the numbers the performance model knows about a device, a node and its links.
+
+A profile is a TOML file (the built-in ones live in `boostmpi/sim/profiles/`; docs/SIM.md says
+where each number comes from). `load_machine(name_or_path)` takes a built-in name, an alias such
+as `perlmutter`, or a path to a user's TOML file, and returns a validated `Machine`. A missing
+key, a wrong type or an unknown machine name is a `UserError` naming the problem.
+"""
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from boostmpi.errors import UserError
+
+PROFILE_DIR = Path(__file__).with_name("profiles")
+
+# site names -> the built-in profile of their GPUs
+ALIASES = {
+    "perlmutter": "a100-80gb",  # the "gpu&hbm80g" nodes; the 40 GB nodes are a100-40gb
+    "polaris": "a100-40gb",
+    "frontier": "mi250x-gcd",
+    "a100": "a100-80gb",
+    "h100": "h100-sxm",
+    "mi250x": "mi250x-gcd",
+}
+
+DTYPES = ("float64", "float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    description: str
+    device: str  # "gpu" or "cpu": what one "GPU" of the model is (a CPU core for calibrated profiles)
+    # [memory]
+    memory_capacity_bytes: float  # per device
+    memory_bandwidth: float  # bytes/s, peak of one device
+    elementwise_efficiency: float  # fraction of memory_bandwidth that streaming kernels reach
+    # [compute]
+    peak_flops: dict  # dtype name -> dense FLOP/s of one device
+    gemm_efficiency: float  # fraction of peak a large, well-shaped GEMM reaches
+    gemm_tile_m: int  # output tile of one compute unit (tile and wave quantisation)
+    gemm_tile_n: int
+    gemm_k_overhead: float  # prologue/epilogue cost of one tile, in k-steps: efficiency k/(k + this)
+    gemm_mn_overhead: float  # per-dim overhead of thin GEMMs (packing on CPUs): m/(m + this)
+    compute_units: int  # SMs / CUs / cores that run tiles concurrently
+    attention: str  # "flash" (fused kernel, no T x T tensor) or "matmul" (scores materialised)
+    attention_efficiency: float  # fraction of peak of the fused attention kernel (flash only)
+    kernel_launch_s: float  # fixed cost of one kernel (or one NumPy call)
+    optimizer_passes: float  # full passes over a master-dtype buffer of one AdamW step
+    # [node]
+    gpus_per_node: int
+    # [network]
+    intra_node_bandwidth: float  # bytes/s: collective bus bandwidth inside a node
+    intra_node_latency: float  # seconds per collective step inside a node
+    inter_node_bandwidth: float  # bytes/s per device across nodes
+    inter_node_latency: float
+
+    def peak(self, dtype):
+        if dtype not in self.peak_flops:
+            raise UserError(f"machine {self.name} has no compute.peak_flops.{dtype}")
+        return self.peak_flops[dtype]
+
+
+# TOML location of every field: (section or None for the top level, key, type)
+_LAYOUT = {
+    "name": (None, "name", str),
+    "description": (None, "description", str),
+    "device": (None, "device", str),
+    "memory_capacity_bytes": ("memory", "capacity_bytes", float),
+    "memory_bandwidth": ("memory", "bandwidth", float),
+    "elementwise_efficiency": ("memory", "elementwise_efficiency", float),
+    "peak_flops": ("compute", "peak_flops", dict),
+    "gemm_efficiency": ("compute", "gemm_efficiency", float),
+    "gemm_tile_m": ("compute", "gemm_tile_m", int),
+    "gemm_tile_n": ("compute", "gemm_tile_n", int),
+    "gemm_k_overhead": ("compute", "gemm_k_overhead", float),
+    "gemm_mn_overhead": ("compute", "gemm_mn_overhead", float),
+    "compute_units": ("compute", "compute_units", int),
+    "attention": ("compute", "attention", str),
+    "attention_efficiency": ("compute", "attention_efficiency", float),
+    "kernel_launch_s": ("compute", "kernel_launch_s", float),
+    "optimizer_passes": ("compute", "optimizer_passes", float),
+    "gpus_per_node": ("node", "gpus_per_node", int),
+    "intra_node_bandwidth": ("network", "intra_node_bandwidth", float),
+    "intra_node_latency": ("network", "intra_node_latency", float),
+    "inter_node_bandwidth": ("network", "inter_node_bandwidth", float),
+    "inter_node_latency": ("network", "inter_node_latency", float),
+}
+assert set(_LAYOUT) == {f.name for f in fields(Machine)}
+
+_CHOICES = {"device": ("gpu", "cpu"), "attention": ("flash", "matmul")}
+_POSITIVE = {"memory_capacity_bytes", "memory_bandwidth", "elementwise_efficiency", "gemm_efficiency",
+             "gemm_tile_m", "gemm_tile_n", "compute_units", "attention_efficiency", "optimizer_passes",
+             "gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth"}
+
+
+def builtin_names():
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
+
+
+def load_machine(name_or_path):
+    """A built-in profile name, an alias (`perlmutter`, `frontier`, ...) or a TOML file path."""
+    text = str(name_or_path)
+    key = ALIASES.get(text.lower(), text.lower())
+    if key in builtin_names():
+        return machine_from_file(PROFILE_DIR / f"{key}.toml")
+    path = Path(text)
+    if path.suffix == ".toml" or path.exists():
+        return machine_from_file(path)
+    known = ", ".join(builtin_names() + sorted(ALIASES))
+    raise UserError(f"unknown machine {text!r} (built-in: {known}; or give a profile .toml path)")
+
+
+def machine_from_file(path):
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            document = tomllib.load(fh)
+    except FileNotFoundError:
+        raise UserError(f"machine profile {path} not found") from None
+    except OSError as exc:
+        raise UserError(f"cannot read machine profile {path}: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"machine profile {path} is not valid TOML: {' '.join(str(exc).split())}") from None
+    return machine_from_dict(document, source=str(path))
+
+
+def machine_from_dict(document, source="profile"):
+    """A validated Machine from the TOML document layout (sections memory, compute, node, network)."""
+    values = {}
+    for field_name, (section, key, kind) in _LAYOUT.items():
+        where = f"{section}.{key}" if section else key
+        table = document if section is None else document.get(section, {})
+        if not isinstance(table, dict) or key not in table:
+            raise UserError(f"machine profile {source}: missing key {where}")
+        value = table[key]
+        values[field_name] = _checked(value, kind, where, source)
+        if field_name in _CHOICES and value not in _CHOICES[field_name]:
+            raise UserError(f"machine profile {source}: {where} must be one of "
+                            f"{', '.join(_CHOICES[field_name])}, got {value!r}")
+        if field_name in _POSITIVE and not values[field_name] > 0:
+            raise UserError(f"machine profile {source}: {where} must be positive, got {value!r}")
+    return Machine(**values)
+
+
+def _checked(value, kind, where, source):
+    if kind is dict:
+        if not isinstance(value, dict) or not value:
+            raise UserError(f"machine profile {source}: {where} must be a table of dtype = FLOP/s")
+        rates = {}
+        for dtype, rate in value.items():
+            if dtype not in DTYPES:
+                raise UserError(f"machine profile {source}: {where}.{dtype} is not a dtype "
+                                f"({', '.join(DTYPES)})")
+            rates[dtype] = _checked(rate, float, f"{where}.{dtype}", source)
+        return rates
+    if kind is str:
+        ok = isinstance(value, str)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok:
+        raise UserError(f"machine profile {source}: {where} must be {kind.__name__}, got {value!r}")
+    return kind(value)
+
+
+def machine_to_toml(machine, comments=None):
+    """TOML text of `machine` in the profile layout; `comments` maps field name -> a note."""
+    comments = comments or {}
+    sections = {}
+    for field_name, (section, key, kind) in _LAYOUT.items():
+        sections.setdefault(section, []).append((field_name, key, getattr(machine, field_name)))
+    lines = []
+    for section, entries in sections.items():
+        if section is not None:
+            lines += ["", f"[{section}]"]
+        for field_name, key, value in entries:
+            if isinstance(value, dict):
+                text = "{ " + ", ".join(f"{k} = {_number(v)}" for k, v in value.items()) + " }"
+            elif isinstance(value, str):
+                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            else:
+                text = _number(value)
+            note = comments.get(field_name)
+            lines.append(f"{key} = {text}" + (f"  # {note}" if note else ""))
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _number(value):
+    return str(value) if isinstance(value, int) else f"{value:.6g}" if abs(value) < 1e-3 or abs(value) >= 1e6 else repr(float(value))
