@@ -4,7 +4,11 @@
 `tokenizer.json`. Every document is preceded by the tokenizer's end-of-text id. The split
 is by document and deterministic: document i goes to val when floor((i+1) f) > floor(i f),
 i.e. every 1/f-th one (f = val_fraction). With fewer documents than that (one large text
-file, say), val is instead the last fraction f of all tokens, cut from the last document.
+file, say), val is instead the last fraction f of the token stream.
+
+Files are read and tokenized in pieces of about 16 MB cut after a newline, so a file of
+any size streams through in bounded memory (a BPE tokenizer sees the same words, since
+its pre-tokenizer splits at whitespace anyway).
 
 The built-in corpus is the Python standard library that ships with the interpreter: its
 *.py files (sorted, test folders and site-packages left out) up to a byte budget, 8 MB by
@@ -24,13 +28,14 @@ import tempfile
 
 import numpy as np
 
-from boostmpi.data.shards import atomic_file, write_shard
+from boostmpi.data.shards import atomic_file, open_shard, write_shard
 from boostmpi.data.tokenizer import ByteTokenizer, save_tokenizer
 from boostmpi.errors import DataError
 
 DEFAULT_VAL_FRACTION = 0.02
 DEFAULT_SHARD_TOKENS = 100_000_000
 DEFAULT_BUILTIN_BYTES = 8_000_000
+READ_PIECE_BYTES = 16 * 2**20
 BUILTIN_MARKER = "builtin.json"
 SKIPPED_STDLIB_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 
@@ -40,21 +45,78 @@ def shard_globs(out_dir):
     return os.path.join(out_dir, "train_*.bin"), os.path.join(out_dir, "val_*.bin")
 
 
-def read_text_file(path, limit=None):
-    """(text, bytes read) of a file, at most `limit` bytes; text is None when it is not UTF-8.
+class NotUtf8Error(DataError):
+    """A file that is not UTF-8 text."""
 
-    A multi-byte character cut by the limit is dropped.
-    """
+
+def read_text_pieces(path, limit=None, on_bytes=None, piece_bytes=READ_PIECE_BYTES):
+    """The text of a UTF-8 file, at most `limit` bytes, in pieces that end after a newline where
+    one is near. `on_bytes(n)` is told of every n bytes read. A character cut by the limit is dropped."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    carry, offset = "", 0
     try:
         with open(path, "rb") as f:
-            data = f.read() if limit is None else f.read(limit)
+            while limit is None or offset < limit:
+                data = f.read(piece_bytes if limit is None else min(piece_bytes, limit - offset))
+                if not data:
+                    break
+                offset += len(data)
+                if on_bytes is not None:
+                    on_bytes(len(data))
+                try:
+                    text = carry + decoder.decode(data, final=False)
+                except UnicodeDecodeError as exc:
+                    raise NotUtf8Error(f"{path} is not UTF-8 text (byte {offset - len(data) + exc.start} is invalid)") from exc
+                cut = text.rfind("\n") + 1 or (len(text) if len(text) >= piece_bytes else 0)
+                if cut:
+                    yield text[:cut]
+                carry = text[cut:]
+            if limit is None or offset < limit:  # the whole file was read: a dangling partial character is an error
+                try:
+                    decoder.decode(b"", final=True)
+                except UnicodeDecodeError as exc:
+                    raise NotUtf8Error(f"{path} is not UTF-8 text (it ends inside a character)") from exc
     except OSError as exc:
         raise DataError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    final = limit is None or len(data) < limit
-    try:
-        return codecs.getincrementaldecoder("utf-8")().decode(data, final=final), len(data)
-    except UnicodeDecodeError:
-        return None, len(data)
+    if carry:
+        yield carry
+
+
+class InputReader:
+    """Text files as documents (each an iterable of text pieces), `max_bytes` in all.
+
+    A file that turns out not to be UTF-8 before any of its text was used is skipped and
+    listed in `skipped`, unless it was `named` (given by the user directly): then it is an error.
+    """
+
+    def __init__(self, files, max_bytes=None, progress=None):
+        self.files = files  # [(path, named)]
+        self.remaining = max_bytes
+        self.progress = progress
+        self.skipped = []
+
+    def documents(self):
+        for path, named in self.files:
+            if self.remaining is not None and self.remaining <= 0:
+                return
+            yield self._document(path, named)
+
+    def _document(self, path, named):
+        started = False
+        try:
+            for piece in read_text_pieces(path, limit=self.remaining, on_bytes=self._count):
+                started = True
+                yield piece
+        except NotUtf8Error:
+            if named or started:
+                raise
+            self.skipped.append(path)
+
+    def _count(self, n_bytes):
+        if self.progress is not None:
+            self.progress.update(n_bytes)
+        if self.remaining is not None:
+            self.remaining -= n_bytes
 
 
 class ShardStream:
@@ -74,9 +136,23 @@ class ShardStream:
         while self.buffered >= self.shard_tokens:
             self._write(self.shard_tokens)
 
+    def pop_tail(self, n_tokens):
+        """Take back the last n_tokens added, reading back written shards if the buffer holds fewer."""
+        while self.buffered < n_tokens and self.written:
+            path, count = self.written.pop()
+            self.pieces.insert(0, np.array(open_shard(path)))  # a copy: the file goes next
+            os.remove(path)
+            self.buffered += count
+        stream = np.concatenate(self.pieces) if self.pieces else np.zeros(0, dtype=np.uint16)
+        keep = len(stream) - n_tokens
+        self.pieces = [stream[:keep]] if keep else []
+        self.buffered = keep
+        self.total -= n_tokens
+        return stream[keep:]
+
     def close(self):
-        if self.buffered:
-            self._write(self.buffered)
+        while self.buffered:
+            self._write(min(self.buffered, self.shard_tokens))
         return self.written
 
     def _write(self, n_tokens):
@@ -93,11 +169,9 @@ def is_val_document(index, val_fraction):
     return int((index + 1) * val_fraction) > int(index * val_fraction)
 
 
-def write_dataset(texts, out_dir, tokenizer, val_fraction=DEFAULT_VAL_FRACTION, shard_tokens=DEFAULT_SHARD_TOKENS):
-    """Tokenize an iterable of documents into train/val shards and tokenizer.json in `out_dir`.
-
-    Returns {"documents": n, "train": [(path, tokens), ...], "val": [...]}.
-    """
+def write_dataset(documents, out_dir, tokenizer, val_fraction=DEFAULT_VAL_FRACTION, shard_tokens=DEFAULT_SHARD_TOKENS):
+    """Tokenize documents (each a str or an iterable of str pieces) into train/val shards and
+    tokenizer.json in `out_dir`. Returns {"documents": n, "train": [(path, tokens), ...], "val": [...]}."""
     if not 0 <= val_fraction < 1:
         raise DataError(f"val fraction must be in [0, 1), got {val_fraction}")
     if shard_tokens < 1:
@@ -107,33 +181,22 @@ def write_dataset(texts, out_dir, tokenizer, val_fraction=DEFAULT_VAL_FRACTION, 
     train = ShardStream(out_dir, "train", shard_tokens)
     val = ShardStream(out_dir, "val", shard_tokens)
 
-    def add_document(stream, tokens):
-        stream.add(eot)
-        stream.add(tokens)
-
-    # one document of look-ahead: only at the end is it known whether the last one must go to val
-    pending, n_documents = None, 0
-    for text in texts:
-        tokens = tokenizer.encode_array(text)
-        if len(tokens) == 0:
-            continue
-        if pending is not None:
-            add_document(val if is_val_document(n_documents - 1, val_fraction) else train, pending)
-        pending, n_documents = tokens, n_documents + 1
-
-    if pending is None:
+    n_documents = 0
+    for document in documents:
+        stream = None  # chosen at the first non-empty piece: an empty document is no document
+        for piece in [document] if isinstance(document, str) else document:
+            tokens = tokenizer.encode_array(piece)
+            if len(tokens) == 0:
+                continue
+            if stream is None:
+                stream = val if is_val_document(n_documents, val_fraction) else train
+                stream.add(eot)
+                n_documents += 1
+            stream.add(tokens)
+    if n_documents == 0:
         raise DataError("the input holds no text")
-    if val_fraction > 0 and val.total == 0:
-        # too few documents for the rule to pick one: val is the last fraction f of all tokens,
-        # carved off the end of the last document (all of it if it is shorter than that)
-        val_tokens = max(1, round(val_fraction * (train.total + 1 + len(pending))))
-        if len(pending) > val_tokens:
-            add_document(train, pending[:-val_tokens])
-            val.add(pending[-val_tokens:])  # continues the document: no end-of-text before it
-        else:
-            add_document(val, pending)
-    else:
-        add_document(val if is_val_document(n_documents - 1, val_fraction) else train, pending)
+    if val_fraction > 0 and val.total == 0:  # too few documents for the rule to pick one
+        val.add(train.pop_tail(max(1, round(val_fraction * train.total))))
     if train.total == 0:
         raise DataError(f"the input ({n_documents} document(s), {val.total} tokens) is too small to split into train and val")
 
@@ -183,11 +246,13 @@ def ensure_builtin(out_dir, max_bytes=DEFAULT_BUILTIN_BYTES):
     """Prepare the built-in corpus in `out_dir` unless it is already there; (train glob, val glob)."""
     out_dir = os.path.abspath(out_dir)
     marker = _read_marker(out_dir)
+    if marker is None and os.path.isdir(out_dir) and os.listdir(out_dir):
+        marker = _read_marker(out_dir)  # a concurrent caller may have moved its folder in since the first look
+        if marker is None:
+            raise DataError(f"{out_dir} exists but holds no complete built-in corpus ({BUILTIN_MARKER} is missing); remove it or choose another folder")
     if marker is not None:
         _check_marker(marker, out_dir, max_bytes)
         return shard_globs(out_dir)
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise DataError(f"{out_dir} exists but holds no complete built-in corpus ({BUILTIN_MARKER} is missing); remove it or choose another folder")
     files = builtin_files(max_bytes)
     if not files:
         raise DataError(f"no Python standard library files fit in max_bytes={max_bytes} (stdlib at {stdlib_dir()})")
@@ -196,13 +261,13 @@ def ensure_builtin(out_dir, max_bytes=DEFAULT_BUILTIN_BYTES):
     os.makedirs(parent, exist_ok=True)
     tmp_dir = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp")
     try:
-        texts = (text for text, _ in map(read_text_file, files) if text is not None)
-        summary = write_dataset(texts, tmp_dir, ByteTokenizer(), DEFAULT_VAL_FRACTION, DEFAULT_SHARD_TOKENS)
+        reader = InputReader([(path, False) for path in files])
+        summary = write_dataset(reader.documents(), tmp_dir, ByteTokenizer(), DEFAULT_VAL_FRACTION, DEFAULT_SHARD_TOKENS)
         marker = {
             "max_bytes": max_bytes,
             "python": platform.python_version(),
             "stdlib": stdlib_dir(),
-            "files": len(files),
+            "files": len(files) - len(reader.skipped),
             "documents": summary["documents"],
             "train_tokens": sum(n for _, n in summary["train"]),
             "val_tokens": sum(n for _, n in summary["val"]),

@@ -15,8 +15,8 @@ from boostmpi.data.corpus import (
     DEFAULT_BUILTIN_BYTES,
     DEFAULT_SHARD_TOKENS,
     DEFAULT_VAL_FRACTION,
+    InputReader,
     builtin_files,
-    read_text_file,
     shard_globs,
     write_dataset,
 )
@@ -88,24 +88,6 @@ def clear_out_dir(out_dir, force):
     os.makedirs(out_dir, exist_ok=True)
 
 
-def read_texts(files, max_bytes, progress, skipped):
-    """The text of each (path, named) file, `max_bytes` in all; appends undecodable folder files to `skipped`."""
-    remaining = max_bytes
-    for path, named in files:
-        if remaining is not None and remaining <= 0:
-            return
-        text, n_bytes = read_text_file(path, limit=remaining)
-        progress.update(n_bytes)
-        if remaining is not None:
-            remaining -= n_bytes
-        if text is None:
-            if named:
-                raise DataError(f"input {path} is not UTF-8 text")
-            skipped.append(path)
-            continue
-        yield text
-
-
 def run(args):
     if args.builtin and args.inputs:
         raise UserError("give either input files/folders or --builtin, not both")
@@ -134,13 +116,11 @@ def run(args):
         raise DataError(f"the input is empty ({len(files)} file(s), 0 bytes)")
     clear_out_dir(args.out, args.force)
 
-    skipped = []
     with Progress(total=total_bytes, desc="tokenizing", unit="B") as progress:
-        summary = write_dataset(
-            read_texts(files, max_bytes, progress, skipped), args.out, tokenizer, args.val_fraction, args.shard_tokens
-        )
-    if skipped:
-        print(f"warning: skipped {len(skipped)} file(s) that are not UTF-8 text, e.g. {skipped[0]}", file=sys.stderr)
+        reader = InputReader(files, max_bytes, progress)
+        summary = write_dataset(reader.documents(), args.out, tokenizer, args.val_fraction, args.shard_tokens)
+    if reader.skipped:
+        print(f"warning: skipped {len(reader.skipped)} file(s) that are not UTF-8 text, e.g. {reader.skipped[0]}", file=sys.stderr)
 
     train_glob, val_glob = shard_globs(args.out)
     print(f"{summary['documents']} documents, tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size}, end-of-text id {tokenizer.eot})")

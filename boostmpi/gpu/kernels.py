@@ -13,6 +13,7 @@ import functools
 import os
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,29 +52,33 @@ def _import_cupy():
     return cupy
 
 
+class _Device(NamedTuple):
+    id: int
+    warp_size: int  # 32 on NVIDIA, 64 on AMD CDNA
+    sm_count: int
+    max_shared_bytes: int  # dynamic shared memory a block may opt in to
+
+
 @functools.lru_cache(maxsize=None)
-def _device_properties(device_id):
-    """(warp size, multiprocessor count, opt-in shared memory per block) of one device."""
+def _device_info(device_id):
     props = _import_cupy().cuda.runtime.getDeviceProperties(device_id)
-    return props["warpSize"], props["multiProcessorCount"], props.get("sharedMemPerBlockOptin", DEFAULT_DYNAMIC_SHARED_BYTES)
+    return _Device(device_id, props["warpSize"], props["multiProcessorCount"],
+                   props.get("sharedMemPerBlockOptin", DEFAULT_DYNAMIC_SHARED_BYTES))
 
 
 def _current_device():
-    device_id = _import_cupy().cuda.Device().id
-    return device_id, _device_properties(device_id)
+    return _device_info(_import_cupy().cuda.Device().id)
 
 
 @functools.lru_cache(maxsize=None)
 def _module(name, device_id):
     """kernels/<name>.cu compiled once per process and device, for that device's warp width."""
-    warp_size = _device_properties(device_id)[0]
-    options = COMPILE_OPTIONS + (f"-DWARP_SIZE={warp_size}",)
+    options = COMPILE_OPTIONS + (f"-DWARP_SIZE={_device_info(device_id).warp_size}",)
     return _import_cupy().RawModule(code=kernel_source(name), options=options)
 
 
 def _kernel(module_name, entry_point):
-    device_id, _ = _current_device()
-    return _module(module_name, device_id).get_function(entry_point)
+    return _module(module_name, _current_device().id).get_function(entry_point)
 
 
 def _launch(kernel, grid, block, args, shared_mem=0):
@@ -96,13 +101,17 @@ def _storage_suffix(name, arr):
     raise TypeError(f"{name} has dtype {arr.dtype}; the kernels take float32 or bfloat16")
 
 
+def _check_contiguous(name, arr):
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (make it so with xp.ascontiguousarray)")
+
+
 def _check(name, arr, shape, dtype):
     if tuple(arr.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
     if arr.dtype != dtype:
         raise TypeError(f"{name} has dtype {arr.dtype}, expected {np.dtype(dtype)}")
-    if not arr.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous (make it so with xp.ascontiguousarray)")
+    _check_contiguous(name, arr)
 
 
 def _check_matrix(name, arr):
@@ -110,14 +119,14 @@ def _check_matrix(name, arr):
     if arr.ndim != 2:
         raise ValueError(f"{name} must be 2-D [rows, cols], got shape {tuple(arr.shape)}")
     suffix = _storage_suffix(name, arr)
-    _check(name, arr, arr.shape, arr.dtype)
+    _check_contiguous(name, arr)
     return arr.shape[0], arr.shape[1], suffix
 
 
 def _check_elementwise(first_name, first, **others):
     """Checks elementwise inputs: `first` of a supported dtype, the others of its shape and dtype."""
     suffix = _storage_suffix(first_name, first)
-    _check(first_name, first, first.shape, first.dtype)
+    _check_contiguous(first_name, first)
     for name, arr in others.items():
         _check(name, arr, first.shape, first.dtype)
     return suffix
@@ -139,6 +148,13 @@ def _elementwise_grid(n, itemsize, sm_count):
     return max(1, min(-(-n // per_block), 16 * sm_count))
 
 
+def _launch_rows(module_name, entry_point, rows, width, itemsize, args):
+    """One block per row of `width` elements."""
+    if rows > 0:
+        block = _row_block(width, itemsize, _current_device().warp_size)
+        _launch(_kernel(module_name, entry_point), rows, block, args)
+
+
 # ------------------------------------------------------------------------------ rmsnorm.cu
 
 
@@ -149,10 +165,7 @@ def rmsnorm_forward(x, w, eps):
     cupy = _import_cupy()
     y = cupy.empty_like(x)
     rstd = cupy.empty(N, dtype=np.float32)
-    if N > 0:
-        _, (warp_size, _, _) = _current_device()
-        _launch(_kernel("rmsnorm", f"rmsnorm_forward_{suffix}"), N, _row_block(C, x.itemsize, warp_size),
-                (x, w, y, rstd, np.int32(C), np.float32(eps)))
+    _launch_rows("rmsnorm", f"rmsnorm_forward_{suffix}", N, C, x.itemsize, (x, w, y, rstd, np.int32(C), np.float32(eps)))
     return y, rstd
 
 
@@ -166,17 +179,17 @@ def rmsnorm_backward(dy, x, w, rstd):
     dx = cupy.empty_like(x)
     if N == 0:
         return dx, cupy.zeros(C, dtype=np.float32)
-    _, (warp_size, sm_count, max_shared) = _current_device()
+    device = _current_device()
     kernel = _kernel("rmsnorm", f"rmsnorm_backward_{suffix}")
     # each block keeps its running dw (C floats) in shared memory
     shared_bytes = 4 * C
-    if shared_bytes > max_shared:
-        raise ValueError(f"rmsnorm_backward: C = {C} needs {shared_bytes} bytes of shared memory per block, the device has {max_shared}")
+    if shared_bytes > device.max_shared_bytes:
+        raise ValueError(f"rmsnorm_backward: C = {C} needs {shared_bytes} bytes of shared memory per block, the device has {device.max_shared_bytes}")
     if shared_bytes > DEFAULT_DYNAMIC_SHARED_BYTES:
         kernel.max_dynamic_shared_size_bytes = shared_bytes
-    blocks = min(N, 2 * sm_count)
+    blocks = min(N, 2 * device.sm_count)
     dw_partial = cupy.empty((blocks, C), dtype=np.float32)
-    _launch(kernel, blocks, _row_block(C, x.itemsize, warp_size),
+    _launch(kernel, blocks, _row_block(C, x.itemsize, device.warp_size),
             (dy, x, w, rstd, dx, dw_partial, np.int32(N), np.int32(C)), shared_mem=shared_bytes)
     return dx, dw_partial.sum(axis=0)
 
@@ -188,10 +201,7 @@ def rmsnorm_online_stats(x, w):
     cupy = _import_cupy()
     xw = cupy.empty_like(x)
     ss = cupy.empty(N, dtype=np.float32)
-    if N > 0:
-        _, (warp_size, _, _) = _current_device()
-        _launch(_kernel("rmsnorm", f"rmsnorm_online_stats_{suffix}"), N, _row_block(Cs, x.itemsize, warp_size),
-                (x, w, xw, ss, np.int32(Cs)))
+    _launch_rows("rmsnorm", f"rmsnorm_online_stats_{suffix}", N, Cs, x.itemsize, (x, w, xw, ss, np.int32(Cs)))
     return xw, ss
 
 
@@ -201,10 +211,8 @@ def rescale_rows(P, ss_total, C_total, eps):
     _check("ss_total", ss_total, (N,), np.float32)
     cupy = _import_cupy()
     out = cupy.empty_like(P)
-    if N > 0:
-        _, (warp_size, _, _) = _current_device()
-        _launch(_kernel("rmsnorm", f"rescale_rows_{suffix}"), N, _row_block(R, P.itemsize, warp_size),
-                (P, ss_total, out, np.int32(R), np.int32(C_total), np.float32(eps)))
+    _launch_rows("rmsnorm", f"rescale_rows_{suffix}", N, R, P.itemsize,
+                 (P, ss_total, out, np.int32(R), np.int32(C_total), np.float32(eps)))
     return out
 
 
@@ -212,10 +220,9 @@ def rescale_rows(P, ss_total, C_total, eps):
 
 
 def _launch_elementwise(entry_point, n, itemsize, args):
-    if n == 0:
-        return
-    _, (_, sm_count, _) = _current_device()
-    _launch(_kernel("lowrank", entry_point), _elementwise_grid(n, itemsize, sm_count), ELEMENTWISE_BLOCK_THREADS, args)
+    if n > 0:
+        grid = _elementwise_grid(n, itemsize, _current_device().sm_count)
+        _launch(_kernel("lowrank", entry_point), grid, ELEMENTWISE_BLOCK_THREADS, args)
 
 
 def silu_forward(a):
@@ -278,11 +285,8 @@ def softmax_xent(logits, targets, grad_scale=None, out=None):
     dlogits = None
     if write_grad:
         dlogits = out if out is not None else cupy.empty_like(logits)
-    if N > 0:
-        _, (warp_size, _, _) = _current_device()
-        entry_point = f"softmax_xent_{suffix}_{_TARGET_SUFFIXES[targets.dtype]}"
-        # without a gradient the kernel never writes its dlogits pointer; it gets logits to have one
-        _launch(_kernel("softmax_xent", entry_point), N, _row_block(V, logits.itemsize, warp_size),
-                (logits, targets, loss, dlogits if write_grad else logits, np.int32(write_grad), np.int32(V),
-                 np.float32(grad_scale if write_grad else 0.0)))
+    # without a gradient the kernel never writes through its dlogits pointer; it gets logits to have one
+    _launch_rows("softmax_xent", f"softmax_xent_{suffix}_{_TARGET_SUFFIXES[targets.dtype]}", N, V, logits.itemsize,
+                 (logits, targets, loss, dlogits if write_grad else logits, np.int32(write_grad), np.int32(V),
+                  np.float32(grad_scale if write_grad else 0.0)))
     return loss, dlogits

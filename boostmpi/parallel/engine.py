@@ -22,6 +22,8 @@ def _nbytes(obj, seen):
         return 0
     if isinstance(obj, Tape):
         return _nbytes(obj.items, seen)
+    if isinstance(obj, dict):
+        return sum(_nbytes(o, seen) for o in obj.values())
     if isinstance(obj, (tuple, list)):
         return sum(_nbytes(o, seen) for o in obj)
     if hasattr(obj, "nbytes") and hasattr(obj, "base"):
@@ -177,18 +179,22 @@ class Engine:
         return self.world_sum(mine) / grid.dp_size
 
     def evaluate(self, x, y):
-        """Mean loss of one micro-batch (forward only, through the pipeline); same on every rank."""
+        """Forward only, through the pipeline: the sum over all data-parallel ranks of (mean loss of
+        their batch x rows). Every rank must call it; a rank with nothing to evaluate passes x = None."""
         xp, grid = self.xp, self.grid
-        B, T = x.shape
-        Cl = self.tpx.res_cols[1] - self.tpx.res_cols[0]
-        h = None
-        if not self.first:
-            h = xp.empty((B * T, Cl), dtype=self.cdtype)
-            grid.pp.irecv(h, self.stage - 1, tag=0).Wait()
-        out, _ = self._stage_forward(x, y, h, keep=False)
-        if not self.last:
-            grid.pp.isend(out, self.stage + 1, tag=0).Wait()
-        mine = out if (self.last and grid.coords.tp == 0) else 0.0
+        mine = 0.0
+        if x is not None:
+            B, T = x.shape
+            Cl = self.tpx.res_cols[1] - self.tpx.res_cols[0]
+            h = None
+            if not self.first:
+                h = xp.empty((B * T, Cl), dtype=self.cdtype)
+                grid.pp.irecv(h, self.stage - 1, tag=0).Wait()
+            out, _ = self._stage_forward(x, y, h, keep=False)
+            if not self.last:
+                grid.pp.isend(out, self.stage + 1, tag=0).Wait()
+            elif grid.coords.tp == 0:
+                mine = out * B
         return self.world_sum(mine)
 
     # ------------------------------------------------------------------ bookkeeping (not counted as traffic)
@@ -213,3 +219,43 @@ class Engine:
                 g = self.grads[s.name]
                 sq += float((g * g).sum())
         return float(np.sqrt(self.world_sum(sq)))
+
+    # ------------------------------------------------------------------ global tensors (checkpoints, tests)
+    def gather_global(self, buffer):
+        """The global (unsharded) tensors of a FlatBuffer laid out like the parameters.
+
+        Every (tp, pp) rank of data-parallel replica 0 sends its flat buffer to world rank 0, which
+        places each shard by its spec. Returns {name: np.ndarray} on world rank 0, None elsewhere.
+        """
+        from boostmpi.backend import to_numpy
+
+        grid, cfg = self.grid, self.cfg
+        c = grid.coords
+        local = np.ascontiguousarray(to_numpy(buffer.data))
+        if grid.world_rank != 0:
+            if c.dp == 0:
+                grid.world.Send(local, dest=0, tag=77)
+            return None
+        out = {}
+        for s in range(grid.pp_size):
+            for t in range(grid.tp_size):
+                specs = param_specs(cfg, t, s)
+                src = (s * grid.tp_size) + t  # world rank of (dp=0, pp=s, tp=t)
+                if src == 0:
+                    flat = local
+                else:
+                    flat = np.empty(sum(sp.local_numel for sp in specs), dtype=local.dtype)
+                    grid.world.Recv(flat, source=src, tag=77)
+                offset = 0
+                for sp in specs:
+                    piece = flat[offset: offset + sp.local_numel].reshape(sp.local_shape)
+                    offset += sp.local_numel
+                    if sp.name not in out:
+                        out[sp.name] = np.empty(sp.global_shape, dtype=local.dtype)
+                    out[sp.name][sp.local_slice()] = piece
+        return out
+
+    def load_global(self, buffer, tensors):
+        """Fill this rank's shards of `buffer` from global tensors (a dict or an h5py group of them)."""
+        for s in self.specs:
+            buffer[s.name][...] = self.xp.asarray(np.asarray(tensors[s.name][s.local_slice()]), dtype=buffer.data.dtype)

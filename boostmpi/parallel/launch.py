@@ -1,0 +1,54 @@
+"""Start-up that works under any launcher (mpiexec, srun --mpi=pmi2, PALS) and abort semantics.
+
+Rank, world size and local rank come from MPI itself (a shared-memory split), never from a
+launcher's environment variables. An unhandled exception on any rank ends the whole job with
+MPI_Abort after printing the rank and traceback; bad input (UserError) is printed once.
+"""
+
+import os
+import sys
+import traceback
+
+from boostmpi.errors import UserError
+
+
+def init_mpi():
+    """(world communicator or None when alone, world rank, world size, local rank)."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    size, rank = world.Get_size(), world.Get_rank()
+    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank = local.Get_rank()
+    local.Free()
+    return (world if size > 1 else None), rank, size, local_rank
+
+
+def mpi_library():
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().strip().splitlines()[0].strip()
+
+
+def run_guarded(body, world, rank):
+    """Run `body()`; on failure print once (bad input) or with rank and traceback, and end every rank."""
+    try:
+        return int(body() or 0)
+    except UserError as exc:
+        # bad input found identically on every rank before any collective: each exits 2, rank 0 prints
+        if getattr(exc, "all_ranks", True) and rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        elif not getattr(exc, "all_ranks", True):
+            print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
+        if world is not None and not getattr(exc, "all_ranks", True):
+            world.Abort(exc.exit_code)
+        return exc.exit_code
+    except BaseException as exc:  # noqa: BLE001 - any other failure ends the whole job, never a hang
+        if isinstance(exc, SystemExit) and not exc.code:
+            return 0
+        print(f"rank {rank}: unhandled {type(exc).__name__}: {exc}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if world is not None:
+            world.Abort(1)
+        return 1

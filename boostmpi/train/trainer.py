@@ -1,0 +1,260 @@
+"""The training loop: data, engine, optimizer, validation, metrics, checkpoints, preemption."""
+
+import json
+import math
+import os
+import resource
+import signal
+import sys
+import time
+
+import numpy as np
+
+from boostmpi.data.progress import format_duration
+from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
+from boostmpi.errors import CheckpointError, TrainingDiverged, UserError
+from boostmpi.parallel.engine import Engine
+from boostmpi.train import checkpoint as ckpt
+from boostmpi.train.optim import AdamW, clip_coefficient, learning_rate
+
+
+def resolve_data(cfg):
+    """(train shard paths, val shard paths); `builtin` means the built-in corpus (prepared once, by rank 0)."""
+    d = cfg.data
+
+    def paths(spec, which):
+        if spec == "builtin":
+            from boostmpi.data.corpus import shard_globs
+
+            return resolve_shards(shard_globs(d.builtin_dir)[which])
+        return resolve_shards(spec)
+
+    return paths(d.train, 0), paths(d.val, 1)
+
+
+def prepare_builtin(cfg, is_root):
+    if "builtin" in (cfg.data.train, cfg.data.val) and is_root:
+        from boostmpi.data.corpus import ensure_builtin
+
+        ensure_builtin(cfg.data.builtin_dir)
+
+
+class _Preemption:
+    """SIGTERM / SIGUSR1 set a flag; the loop checkpoints at the next step boundary and exits cleanly."""
+
+    def __init__(self):
+        self.signal = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                signal.signal(sig, self._handler)
+            except ValueError:  # not the main thread
+                pass
+
+    def _handler(self, signum, frame):
+        self.signal = signum
+
+
+def peak_memory_bytes(xp):
+    if xp is not np:
+        return int(xp.get_default_memory_pool().total_bytes())
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class Trainer:
+    def __init__(self, cfg, world=None, resume=None, config_path=None, out=sys.stdout):
+        self.cfg, self.world, self.out = cfg, world, out
+        self.engine = Engine(cfg, world)
+        e = self.engine
+        self.rank = e.grid.world_rank
+        self.is_root = self.rank == 0
+        tr = cfg.train
+        self.run_dir = tr.run_dir
+        self.optimizer = AdamW(e.params, e.specs, tr, e.xp)
+        self.step = 0
+        self.barrier()
+        train_paths, val_paths = resolve_data(cfg)
+        V, T = cfg.model.vocab_size, cfg.model.seq_len
+        self.loader = TrainLoader(train_paths, T, tr.micro_batch_size, rank=e.grid.coords.dp, world=cfg.parallel.dp,
+                                  seed=tr.seed, vocab_size=V)
+        val_tokens = open_shard(val_paths[0], V)
+        self.val_x, self.val_y = eval_windows(val_tokens, T, tr.val_windows, name=val_paths[0])
+        self.preemption = _Preemption()
+        self.config_path = config_path
+        self._resume(resume)
+
+    # ------------------------------------------------------------------ helpers
+    def barrier(self):
+        if self.world is not None:
+            self.world.Barrier()
+
+    def log(self, msg):
+        if self.is_root:
+            print(msg, file=self.out, flush=True)
+
+    def _metrics_path(self):
+        return os.path.join(self.run_dir, "metrics.jsonl")
+
+    def _resume(self, resume):
+        """Continue from `resume` (a path), or automatically from the run's latest complete checkpoint."""
+        path = resume or ckpt.find_latest(self.run_dir)
+        if path is None:
+            if self.is_root and os.path.exists(self._metrics_path()) and os.path.getsize(self._metrics_path()) > 0:
+                raise UserError(f"{self.run_dir} already holds a run (metrics.jsonl) but no complete checkpoint to resume; "
+                                f"choose another train.run_dir or remove it")
+            return
+        path = ckpt.resolve(path)
+        ckpt.verify(path)
+        f, step, saved_cfg = ckpt.open_model(path, check=False)
+        try:
+            mismatch = ckpt.model_mismatch(saved_cfg.get("model", {}), self.cfg.to_dict()["model"])
+            if mismatch:
+                raise CheckpointError(f"cannot resume from {path}: {mismatch}")
+            self.engine.load_global(self.engine.params, f)
+        finally:
+            f.close()
+        import h5py
+
+        with h5py.File(os.path.join(path, "optim.h5"), "r") as fo:
+            self.engine.load_global(self.optimizer.m, fo["m"])
+            self.engine.load_global(self.optimizer.v, fo["v"])
+            self.optimizer.t = int(fo.attrs["t"])
+        state = ckpt.read_state(path)
+        self.loader.load_state_dict(state["data"])
+        self.step = step
+        self.resumed_from = path
+        self.log(f"resumed from {path} (step {step})")
+
+    # ------------------------------------------------------------------ checkpoint
+    def save_checkpoint(self):
+        e = self.engine
+        params = e.gather_global(e.params)
+        m = e.gather_global(self.optimizer.m)
+        v = e.gather_global(self.optimizer.v)
+        if self.is_root:
+            state = {"data": self.loader.state_dict(), "seed": self.cfg.train.seed,
+                     "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "dp": self.cfg.parallel.dp,
+                                "tp_mode": self.cfg.parallel.tp_mode}}
+            path = ckpt.save(self.run_dir, self.step, self.cfg, params, (m, v), self.optimizer.t, state,
+                             keep=self.cfg.checkpoint.keep)
+            self.log(f"checkpoint {path}")
+        self.barrier()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self):
+        """Mean loss over the validation windows (each dp rank evaluates its share)."""
+        e, tr = self.engine, self.cfg.train
+        dp, r = self.cfg.parallel.dp, e.grid.coords.dp
+        B = tr.micro_batch_size
+        n = len(self.val_x)
+        total = 0.0
+        for start in range(0, n, B * dp):
+            lo = start + r * B
+            hi = min(lo + B, n)
+            total += e.evaluate(self.val_x[lo:hi], self.val_y[lo:hi]) if lo < hi else e.evaluate(None, None)
+        return total / n
+
+    # ------------------------------------------------------------------ the loop
+    def train(self):
+        cfg, e, tr = self.cfg, self.engine, self.cfg.train
+        os.makedirs(self.run_dir, exist_ok=True) if self.is_root else None
+        if self.is_root:
+            self._write_config()
+            self._trim_metrics()
+        self.barrier()
+        tokens_per_step = cfg.tokens_per_step
+        metrics = open(self._metrics_path(), "a") if self.is_root else None
+        t_start = time.perf_counter()
+        steps_done = 0
+        last_val = None
+        try:
+            while self.step < tr.steps:
+                step = self.step
+                lr = learning_rate(step, tr)
+                micro = [self.loader.next_batch() for _ in range(tr.grad_accum)]
+                e.grid.counter.reset()
+                t0 = time.perf_counter()
+                loss = e.forward_backward(micro)
+                if not math.isfinite(loss):
+                    raise TrainingDiverged(f"the loss became {loss} at step {step + 1}; the last checkpoint is kept intact "
+                                           f"(lower train.lr or raise train.warmup_steps)")
+                gnorm = e.grad_norm()
+                self.optimizer.step(e.grads, lr, clip_coefficient(gnorm, tr.grad_clip))
+                dt = time.perf_counter() - t0
+                self.step = step + 1
+                steps_done += 1
+                comm = self._comm_bytes()
+                row = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": gnorm,
+                       "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "tokens": self.step * tokens_per_step,
+                       "comm_bytes": comm}
+                if self.step == 1 or self.step % max(1, tr.log_every) == 0 or self.step == tr.steps:
+                    row["memory"] = self._memory()
+                want_val = (tr.val_every and self.step % tr.val_every == 0) or self.step == tr.steps
+                if want_val:
+                    last_val = self.validate()
+                    row["val_loss"] = last_val
+                if metrics:
+                    metrics.write(json.dumps(row) + "\n")
+                    metrics.flush()
+                if self.step == 1 or self.step % max(1, tr.log_every) == 0 or self.step == tr.steps or want_val:
+                    elapsed = time.perf_counter() - t_start
+                    eta = elapsed / steps_done * (tr.steps - self.step)
+                    val = f" | val {last_val:.4f}" if want_val else ""
+                    self.log(f"step {self.step:>6d}/{tr.steps} | loss {loss:.4f}{val} | lr {lr:.2e} | "
+                             f"{tokens_per_step / dt:,.0f} tok/s | elapsed {format_duration(elapsed)} | eta {format_duration(eta)}")
+                every = cfg.checkpoint.every
+                if (every and self.step % every == 0) or self.step == tr.steps:
+                    self.save_checkpoint()
+                if self._preempted():
+                    if not (every and self.step % every == 0) and self.step != tr.steps:
+                        self.save_checkpoint()
+                    self.log(f"stopped by signal at step {self.step}: checkpoint written, resume by running the same command")
+                    return {"step": self.step, "preempted": True, "val_loss": last_val}
+        finally:
+            if metrics:
+                metrics.close()
+        return {"step": self.step, "preempted": False, "val_loss": last_val, "loss": loss if steps_done else None}
+
+    def _preempted(self):
+        flag = 1.0 if self.preemption.signal is not None else 0.0
+        return self.engine.world_sum(flag) > 0
+
+    def _comm_bytes(self):
+        counts = np.array([self.engine.grid.counter.bytes[a] for a in ("tp", "pp", "dp")], dtype=np.float64)
+        if self.world is not None:
+            from mpi4py import MPI
+
+            self.world.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
+        return {"tp": int(counts[0]), "pp": int(counts[1]), "dp": int(counts[2])}
+
+    def _memory(self):
+        e = self.engine
+        item = e.params.data.dtype.itemsize
+        mine = np.array([e.params.size * item, e.grads.size * item, 2 * e.params.size * item,
+                         e.saved_activation_bytes, peak_memory_bytes(e.xp)], dtype=np.float64)
+        if self.world is not None:
+            from mpi4py import MPI
+
+            self.world.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
+        keys = ("params", "grads", "optimizer", "activations_saved", "peak")
+        return {k: int(v) for k, v in zip(keys, mine)}  # the largest rank's figure for each
+
+    def _write_config(self):
+        path = os.path.join(self.run_dir, "config.toml")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(self.cfg.to_toml())
+        os.replace(tmp, path)
+
+    def _trim_metrics(self):
+        """On resume, drop rows past the checkpoint's step: they will be produced again, identically."""
+        path = self._metrics_path()
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            rows = [line for line in f if line.strip()]
+        keep = [line for line in rows if json.loads(line).get("step", 0) <= self.step]
+        if len(keep) != len(rows):
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(keep)
+            os.replace(tmp, path)
