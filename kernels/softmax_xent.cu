@@ -25,7 +25,7 @@ __device__ void softmax_xent_row(const T* logits, long long target, float* loss_
             if (v[k] > m) {
                 sum = sum * expf(m - v[k]) + 1.0f;
                 m = v[k];
-            } else {
+            } else if (m > negative_infinity()) {  // -inf logits (masked) add nothing, not NaN
                 sum += expf(v[k] - m);
             }
         }

@@ -4,6 +4,7 @@
 import io
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -309,9 +310,19 @@ def test_text_is_read_in_pieces_cut_after_newlines(tmp_path):
     with pytest.raises(DataError) as exc:
         list(read_text_pieces(str(bad), piece_bytes=100))
     one_line_error(exc, "bad.txt", "byte 1000")
-    reader = InputReader([(str(bad), False)])  # not UTF-8 after some of its text was used: an error
-    with pytest.raises(DataError):
+    binary = tmp_path / "binary.dat"
+    binary.write_bytes(b"\xff" + raw)
+    reader = InputReader([(str(binary), False), (str(path), False)], piece_bytes=100)
+    assert write_dataset(reader.documents(), str(tmp_path / "out"), ByteTokenizer())["documents"] == 1
+    assert reader.skipped == [str(binary)]
+    reader = InputReader([(str(binary), True)], piece_bytes=100)  # a file the user named: an error
+    with pytest.raises(DataError) as exc:
         write_dataset(reader.documents(), str(tmp_path / "out"), ByteTokenizer())
+    one_line_error(exc, "binary.dat", "not UTF-8", "byte 0")
+    reader = InputReader([(str(path), False), (str(bad), False)], piece_bytes=100)
+    with pytest.raises(DataError) as exc:  # not UTF-8 after some of its text was used: an error too
+        write_dataset(reader.documents(), str(tmp_path / "out"), ByteTokenizer())
+    one_line_error(exc, "bad.txt", "byte 1000")
 
 
 def make_text_folder(root):
@@ -379,7 +390,7 @@ def test_ensure_builtin_prepares_once(tmp_path):
     assert marker["train_tokens"] == len(train) and marker["val_tokens"] == len(val) > 0
     assert 0.005 < len(val) / (len(train) + len(val)) < 0.2
     first = builtin_files(200_000)[0]
-    assert ByteTokenizer().decode(train[:2000]).startswith("\0" + open(first, encoding="utf-8").read()[:1000])
+    assert ByteTokenizer().decode(train[:2000]).startswith("\0" + Path(first).read_text(encoding="utf-8")[:1000])
 
     mtime = os.path.getmtime(resolve_shards(train_glob)[0])
     assert ensure_builtin(str(out), max_bytes=200_000) == (train_glob, val_glob)

@@ -89,10 +89,11 @@ class InputReader:
     listed in `skipped`, unless it was `named` (given by the user directly): then it is an error.
     """
 
-    def __init__(self, files, max_bytes=None, progress=None):
+    def __init__(self, files, max_bytes=None, progress=None, piece_bytes=READ_PIECE_BYTES):
         self.files = files  # [(path, named)]
         self.remaining = max_bytes
         self.progress = progress
+        self.piece_bytes = piece_bytes
         self.skipped = []
 
     def documents(self):
@@ -104,7 +105,7 @@ class InputReader:
     def _document(self, path, named):
         started = False
         try:
-            for piece in read_text_pieces(path, limit=self.remaining, on_bytes=self._count):
+            for piece in read_text_pieces(path, self.remaining, self._count, self.piece_bytes):
                 started = True
                 yield piece
         except NotUtf8Error:
@@ -151,8 +152,8 @@ class ShardStream:
         return stream[keep:]
 
     def close(self):
-        while self.buffered:
-            self._write(min(self.buffered, self.shard_tokens))
+        if self.buffered:  # fewer than shard_tokens, also after pop_tail
+            self._write(self.buffered)
         return self.written
 
     def _write(self, n_tokens):

@@ -123,7 +123,7 @@ def run(args):
         print(f"warning: skipped {len(reader.skipped)} file(s) that are not UTF-8 text, e.g. {reader.skipped[0]}", file=sys.stderr)
 
     train_glob, val_glob = shard_globs(args.out)
-    print(f"{summary['documents']} documents, tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size}, end-of-text id {tokenizer.eot})")
+    print(f"{summary['documents']} document(s), tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size}, end-of-text id {tokenizer.eot})")
     for name, pattern in (("train", train_glob), ("val", val_glob)):
         shards = summary[name]
         if shards:

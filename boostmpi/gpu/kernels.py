@@ -63,7 +63,7 @@ class _Device(NamedTuple):
 def _device_info(device_id):
     props = _import_cupy().cuda.runtime.getDeviceProperties(device_id)
     return _Device(device_id, props["warpSize"], props["multiProcessorCount"],
-                   props.get("sharedMemPerBlockOptin", DEFAULT_DYNAMIC_SHARED_BYTES))
+                   props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"]))
 
 
 def _current_device():

@@ -122,14 +122,14 @@ def shape_of(cfg, attention):
 def attention_core(s, heads, kv_heads):
     """The attention of `heads` q heads and `kv_heads` kv heads on this rank (q, k, v in, o out)."""
     N, T, Dh, B = s.N, s.T, s.Dh, s.B
-    # q, k, v and the output are what the backward of the core reads
-    qkvo = N * Dh * (2 * heads + 2 * kv_heads)
-    if s.attention == "flash":
-        return [Attention("attention", B * heads, T, Dh, saved=qkvo + B * heads * T)]
+    # q, k, v are what the backward of the core reads besides its output, which the o GEMM keeps
+    qkv = N * Dh * (heads + 2 * kv_heads)
+    if s.attention == "flash":  # plus the log-sum-exp of every row
+        return [Attention("attention", B * heads, T, Dh, saved=qkv + B * heads * T)]
     group = heads // kv_heads
     scores = B * heads * T * T
     return [
-        Gemm("scores", group * T, T, Dh, batch=B * kv_heads, saved=qkvo),
+        Gemm("scores", group * T, T, Dh, batch=B * kv_heads, saved=qkv),
         Pointwise("softmax", scores, *_SOFTMAX_PASSES, saved=scores),
         Gemm("probs@v", group * T, Dh, T, batch=B * kv_heads),
     ]
@@ -246,7 +246,8 @@ def _btp_layer(s):
             for i, name in enumerate(names):
                 ops += [Gemm(f"{name}.A", N, r, d_in_local, saved=N * d_in_local if i == 0 else 0),
                         Collective(f"{name}.z", "allreduce", N * r + (stat if i == 0 else 0), "fwd")]
-        # the 1/rms scale of the replicated z (online norm), then silu for cola
+        if with_norm_statistic:  # z arrives unnormalised: scale each token's row by 1/rms
+            ops.append(unary("norm.scale", N * r * len(names)))
         if s.cola:
             ops.append(unary("silu", N * r * len(names), saved=N * r * len(names)))
         return ops
@@ -390,13 +391,11 @@ class PassTimes:
         return self.gemm + self.elementwise + self.tp_comm
 
 
-def pass_times(ops, backward, s, machine, dtype, tp_link, skip=lambda op: False):
+def pass_times(ops, backward, s, machine, dtype, tp_link):
     """Time of the forward (or backward) of `ops` on one tensor-parallel rank."""
     t = PassTimes()
     e = ITEMSIZE[dtype]
     for op in ops:
-        if skip(op):
-            continue
         if isinstance(op, Gemm):
             if backward:  # dx = dy @ w^T and dw = x^T @ dy
                 t.gemm += gemm_seconds(op.m, op.k, op.n, op.batch, e, machine, dtype)
@@ -416,14 +415,24 @@ def pass_times(ops, backward, s, machine, dtype, tp_link, skip=lambda op: False)
     return t
 
 
-def recompute_skip(recompute):
-    """Which forward ops the backward's recomputation leaves out (None: nothing is recomputed)."""
+def recompute_plan(ops, recompute):
+    """The forward ops the backward runs again first, or None when nothing is recomputed.
+
+    `layer` runs the whole forward again. `lowrank` keeps the output of every forward collective
+    (btp: the rank-R z after its all-reduce; vanilla: each B output after its all-reduce), so
+    neither those collectives nor the GEMMs that feed them straight in run again.
+    """
+    if recompute == "none":
+        return None
     if recompute == "layer":
-        return lambda op: False
-    if recompute == "lowrank":
-        # the kept post-collective activations make their collective and everything before it unneeded
-        return lambda op: isinstance(op, Collective) or (isinstance(op, Gemm) and op.name.endswith(".A"))
-    return None
+        return list(ops)
+    again = []
+    for op, following in zip(ops, ops[1:] + [None]):
+        feeds_kept = isinstance(following, Collective) and following.phase == "fwd"
+        if isinstance(op, Collective) or (isinstance(op, Gemm) and feeds_kept):
+            continue
+        again.append(op)
+    return again
 
 
 def saved_elements(ops):
@@ -487,8 +496,17 @@ def comm_bytes(cfg):
     return {"tp": int(tp), "pp": int(pp), "dp": int(dp)}
 
 
+_PARAM_COUNTS = {}
+
+
 def local_params(cfg, tp_rank, stage):
-    return sum(spec.local_numel for spec in param_specs(cfg, tp_rank, stage))
+    """Parameters held by (tp_rank, stage), from the engine's own parameter specs."""
+    par = cfg.parallel
+    key = (cfg.model, par.tp, par.pp, par.tp_mode)  # what the layout of parameters depends on
+    if key not in _PARAM_COUNTS:
+        _PARAM_COUNTS[key] = [[sum(spec.local_numel for spec in param_specs(cfg, r, st))
+                               for r in range(par.tp)] for st in range(par.pp)]
+    return _PARAM_COUNTS[key][stage][tp_rank]
 
 
 def model_flops_per_step(cfg):
@@ -516,11 +534,11 @@ def predict(cfg, machine):
     dp_link = group_link(machine, par.dp, par.tp * par.pp)
 
     layer = layer_plan(s, strategy)
-    skip = recompute_skip(recompute)
+    again = recompute_plan(layer, recompute)
     layer_f = pass_times(layer, False, s, machine, dtype, tp_link)
     layer_b = pass_times(layer, True, s, machine, dtype, tp_link)
-    if skip is not None:  # the backward runs the (partial) forward again first
-        layer_b.add(pass_times(layer, False, s, machine, dtype, tp_link, skip=skip))
+    if again is not None:  # the backward runs (part of) the forward again first
+        layer_b.add(pass_times(again, False, s, machine, dtype, tp_link))
     per_layer_saved = saved_elements(layer)
     if recompute == "layer":
         kept = s.N * (s.C // s.p if strategy == "btp" else s.C)  # the layer's input only

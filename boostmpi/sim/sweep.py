@@ -1,0 +1,73 @@
+"""`boostmpi sim --sweep --gpus N`: every layout and arch of a model on N devices, ranked by time.
+
+The global batch (sequences per optimizer step) and the micro-batch size stay as configured;
+each layout takes the gradient accumulation that keeps the global batch. A layout is dropped when
+the configuration validation rejects it (divisibility of heads, ranks, layers, batch) or when
+it does not fit in device memory.
+"""
+
+from boostmpi.errors import UserError
+from boostmpi.sim.model import predict
+
+ARCH_MODES = {"full": ("vanilla",), "svd": ("btp", "vanilla"), "cola": ("btp", "vanilla")}
+RECOMPUTE = {"full": ("none", "layer"), "svd": ("none", "layer", "lowrank"),
+             "cola": ("none", "layer", "lowrank")}
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(gpus):
+    """(tp, pp, dp) with tp * pp * dp = gpus."""
+    for tp in divisors(gpus):
+        for pp in divisors(gpus // tp):
+            yield tp, pp, gpus // (tp * pp)
+
+
+def sweep(cfg, machine, gpus, archs=None, keep_infeasible=False):
+    """Predictions for every feasible (arch, tp mode, recompute, tp, pp, dp), fastest first."""
+    if gpus < 1:
+        raise UserError(f"--gpus must be positive, got {gpus}")
+    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.parallel.dp
+    rows = []
+    for arch in archs or ARCH_MODES:
+        for tp, pp, dp in layouts(gpus):
+            per_accum = cfg.train.micro_batch_size * dp
+            if global_batch % per_accum:
+                continue  # this dp cannot keep the configured global batch
+            modes = ARCH_MODES[arch] if tp > 1 else ARCH_MODES[arch][:1]
+            for mode in modes:
+                for recompute in RECOMPUTE[arch]:
+                    changes = {"model.arch": arch, "parallel.tp": tp, "parallel.pp": pp,
+                               "parallel.dp": dp, "parallel.tp_mode": mode,
+                               "train.recompute": recompute,
+                               "train.global_batch_size": global_batch,
+                               "train.grad_accum": global_batch // per_accum}
+                    try:
+                        candidate = cfg.replace(**changes)
+                    except UserError:
+                        continue  # the configuration validation rejects this layout
+                    p = predict(candidate, machine)
+                    if not p.memory_bytes["fits"] and not keep_infeasible:
+                        continue
+                    rows.append({"arch": arch, "tp": tp, "pp": pp, "dp": dp, "tp_mode": mode,
+                                 "recompute": recompute, "grad_accum": global_batch // per_accum,
+                                 "time_s": p.time_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu,
+                                 "memory_gib": p.memory_bytes["total"] / 2**30,
+                                 "fits": p.memory_bytes["fits"], "breakdown": p.breakdown})
+    rows.sort(key=lambda r: r["time_s"])
+    return rows
+
+
+def format_table(rows, top=20):
+    header = f"{'#':>3} {'arch':5} {'tp':>3} {'pp':>3} {'dp':>4} {'mode':8} {'recompute':9} " \
+             f"{'accum':>5} {'time_s':>9} {'tokens/s':>11} {'mfu':>6} {'mem_GiB':>8}"
+    lines = [header]
+    for i, r in enumerate(rows[:top], 1):
+        lines.append(f"{i:>3} {r['arch']:5} {r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {r['tp_mode']:8} "
+                     f"{r['recompute']:9} {r['grad_accum']:>5} {r['time_s']:>9.4f} "
+                     f"{r['tokens_per_s']:>11.0f} {r['mfu']:>6.1%} {r['memory_gib']:>8.1f}")
+    if len(rows) > top:
+        lines.append(f"... {len(rows) - top} more feasible layouts (--top to show more)")
+    return "\n".join(lines)
