@@ -292,6 +292,9 @@ class Config:
         if t.recompute == "lowrank" and not m.is_lowrank:
             raise _error("train.recompute = lowrank needs a low-rank arch (svd|cola): "
                          "full-rank layers have no bottleneck (model.arch = \"full\")")
+        if t.recompute == "lowrank" and self.parallel.tp_mode == "vanilla" and self.parallel.tp > 1:
+            raise _error("train.recompute = lowrank needs parallel.tp_mode = \"btp\" when parallel.tp > 1: "
+                         "vanilla TP all-reduces full-width outputs, so its recompute cannot be communication-free")
 
 
 # -- building a Config --------------------------------------------------------------------

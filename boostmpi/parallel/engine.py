@@ -57,6 +57,7 @@ class Engine:
         self.rope = layers.rope_tables(m.seq_len, m.d_model // m.n_heads, m.rope_theta, self.cdtype, self.xp)
         self.recompute = tr.recompute
         self.saved_activation_bytes = 0  # per micro-batch, this stage, from the last step
+        self.saved_activation_bytes_per_layer = []
         self._buckets = self._bucket_ranges()
         self.init_params(tr.seed)
 
@@ -122,6 +123,12 @@ class Engine:
             on_bucket_done("embed")
         return dh
 
+    def _account_saved(self, saved):
+        """Bytes kept between forward and backward for one micro-batch: per layer, and in total."""
+        seen = set()
+        self.saved_activation_bytes_per_layer = [_nbytes(entry, seen) for entry in saved["layers"]]
+        self.saved_activation_bytes = sum(self.saved_activation_bytes_per_layer) + _nbytes(saved, seen)
+
     # ------------------------------------------------------------------ a whole step
     def forward_backward(self, micro_batches):
         """Forward and backward of this dp rank's micro-batches [(x, y), ...] (int arrays [B, T]).
@@ -156,7 +163,7 @@ class Engine:
                 else:
                     sends.append((grid.pp.isend(out, nxt, tag=2 * mb), out))
                 if mb == 0:
-                    self.saved_activation_bytes = _nbytes(saved[mb], set())
+                    self._account_saved(saved[mb])
             else:
                 dh = None
                 if not self.last:
