@@ -11,15 +11,36 @@ import numpy as np
 from boostmpi.backend import get_array_module
 
 
+def _kernels_for(*arrays):
+    """The fused CUDA kernels (boostmpi.gpu.kernels) when every array is a contiguous CuPy array of
+    float32, else None: the NumPy code below is then the path (and the kernels' specification)."""
+    if get_array_module(arrays[0]) is np:
+        return None
+    if not all(a.flags.c_contiguous and a.dtype == np.float32 for a in arrays):
+        return None
+    from boostmpi.gpu import kernels
+
+    return kernels
+
+
 # ---------------------------------------------------------------- RMSNorm
 # x [N, C], w [C] -> y [N, C]; rstd [N, 1] = 1/sqrt(mean(x^2) + eps)
 def rmsnorm_forward(x, w, eps):
+    k = _kernels_for(x, w)
+    if k is not None and x.ndim == 2:
+        y, rstd = k.rmsnorm_forward(x, w, eps)
+        return y, rstd[:, None]
     xp = get_array_module(x)
     rstd = 1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps)
     return x * rstd * w, rstd
 
 
 def rmsnorm_backward(dy, x, w, rstd, dw):
+    k = _kernels_for(dy, x, w)
+    if k is not None and x.ndim == 2:
+        dx, dw_part = k.rmsnorm_backward(dy, x, w, get_array_module(x).ascontiguousarray(rstd.reshape(-1)))
+        dw += dw_part
+        return dx
     dyw = dy * w
     dw += (dy * x * rstd).sum(axis=0)
     proj = (dyw * x).mean(axis=-1, keepdims=True) * (rstd * rstd)
@@ -33,20 +54,32 @@ def sigmoid(a):
 
 
 def silu_forward(a):
+    k = _kernels_for(a)
+    if k is not None:
+        return k.silu_forward(a)
     return a * sigmoid(a)
 
 
 def silu_backward(dz, a):
+    k = _kernels_for(dz, a)
+    if k is not None:
+        return k.silu_backward(a, dz)
     s = sigmoid(a)
     return dz * s * (1.0 + a * (1.0 - s))
 
 
 # y = act(g) * u, act = silu when `act`, identity otherwise. g, u [N, F]
 def gate_forward(g, u, act):
+    k = _kernels_for(g, u)
+    if k is not None:
+        return k.gate_forward(g, u, act)
     return (silu_forward(g) if act else g) * u
 
 
 def gate_backward(dy, g, u, act):
+    k = _kernels_for(dy, g, u)
+    if k is not None:
+        return k.gate_backward(g, u, dy, act)
     if act:
         s = sigmoid(g)
         ga = g * s

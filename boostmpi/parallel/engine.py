@@ -38,12 +38,19 @@ def _nbytes(obj, seen):
 
 
 class Engine:
-    def __init__(self, cfg, world=None):
+    def __init__(self, cfg, world=None, local_rank=0):
         self.cfg = cfg
         m, par, tr = cfg.model, cfg.parallel, cfg.train
         self.xp = get_xp(tr.device)
-        sync = (lambda: self.xp.cuda.get_current_stream().synchronize()) if self.xp is not np else None
-        self.grid = ProcessGrid(world, par.tp, par.pp, par.dp, overlap=par.overlap, sync=sync)
+        sync, use_nccl = None, False
+        if self.xp is not np:
+            from boostmpi.parallel.nccl import select_device
+
+            self.device_id = select_device(local_rank)
+            # MPI reads GPU buffers directly (CUDA-aware MPI): the producing stream must be done first
+            sync = lambda: self.xp.cuda.get_current_stream().synchronize()  # noqa: E731
+            use_nccl = par.comm in ("auto", "nccl")
+        self.grid = ProcessGrid(world, par.tp, par.pp, par.dp, overlap=par.overlap, sync=sync, use_nccl=use_nccl)
         c = self.grid.coords
         self.stage, self.n_stages = c.pp, par.pp
         self.first, self.last = self.grid.is_first_stage, self.grid.is_last_stage

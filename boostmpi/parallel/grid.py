@@ -31,7 +31,7 @@ def rank_of(coords, tp, pp):
 class ProcessGrid:
     """Axis groups of this rank. `world` is an mpi4py communicator or None (one process)."""
 
-    def __init__(self, world, tp=1, pp=1, dp=1, overlap=True, sync=None):
+    def __init__(self, world, tp=1, pp=1, dp=1, overlap=True, sync=None, use_nccl=False):
         size = 1 if world is None else world.Get_size()
         rank = 0 if world is None else world.Get_rank()
         if tp * pp * dp != size:
@@ -49,9 +49,17 @@ class ProcessGrid:
                 return None
             return world.Split(color, key)
 
-        self.tp = Group("tp", split(c.dp * pp + c.pp, c.tp, tp), self.counter, overlap, sync)
-        self.pp = Group("pp", split(c.dp * tp + c.tp, c.pp, pp), self.counter, overlap, sync)
-        self.dp = Group("dp", split(c.pp * tp + c.tp, c.dp, dp), self.counter, overlap, sync)
+        def group(axis, comm):
+            if use_nccl and comm is not None:
+                from boostmpi.parallel.nccl import NcclGroup
+
+                return NcclGroup(axis, comm, self.counter, overlap)
+            return Group(axis, comm, self.counter, overlap, sync)
+
+        self.use_nccl = use_nccl
+        self.tp = group("tp", split(c.dp * pp + c.pp, c.tp, tp))
+        self.pp = group("pp", split(c.dp * tp + c.tp, c.pp, pp))
+        self.dp = group("dp", split(c.pp * tp + c.tp, c.dp, dp))
 
     @property
     def is_first_stage(self):

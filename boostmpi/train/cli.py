@@ -35,7 +35,7 @@ def run(args):
         if world is not None:
             world.Barrier()
         try:
-            trainer = Trainer(cfg, world, resume=args.resume, config_path=args.config)
+            trainer = Trainer(cfg, world, resume=args.resume, config_path=args.config, local_rank=local_rank)
             result = trainer.train()
         except UserError as exc:
             # data and checkpoint problems may be seen by some ranks only: end the job from here

@@ -61,9 +61,9 @@ def peak_memory_bytes(xp):
 
 
 class Trainer:
-    def __init__(self, cfg, world=None, resume=None, config_path=None, out=sys.stdout):
+    def __init__(self, cfg, world=None, resume=None, config_path=None, out=sys.stdout, local_rank=0):
         self.cfg, self.world, self.out = cfg, world, out
-        self.engine = Engine(cfg, world)
+        self.engine = Engine(cfg, world, local_rank=local_rank)
         e = self.engine
         self.rank = e.grid.world_rank
         self.is_root = self.rank == 0

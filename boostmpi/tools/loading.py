@@ -1,0 +1,83 @@
+"""Opening a checkpoint on one process, whatever layout wrote it (shared by the user tools).
+
+A checkpoint holds global (unsharded) tensors and the configuration of the run that wrote it
+(CONTRACT §3). The tools read it back with the parallel layout forced to one process
+(tp = pp = dp = 1) on the CPU, in float32 unless the run trained in float64.
+"""
+
+import os
+
+import numpy as np
+
+from boostmpi.config import config_from_dict
+from boostmpi.errors import CheckpointError, ConfigError
+from boostmpi.model.params import all_global_specs
+from boostmpi.train import checkpoint as ckpt
+
+
+def checkpoint_dir(path):
+    """The verified-complete checkpoint folder named by a run dir, a checkpoint dir or a model.h5."""
+    path = os.fspath(path)
+    if os.path.isfile(path) and os.path.basename(path) != "model.h5":
+        raise CheckpointError(f"{path} is a file but not a model.h5: name a run directory, a checkpoint folder or its model.h5")
+    return ckpt.resolve(path)
+
+
+def single_process_config(saved, dtype=None):
+    """The Config of a checkpoint's recorded configuration (a dict), laid out for one CPU process.
+
+    `dtype` None keeps float64 when the run used it and otherwise computes in float32 (the CPU
+    has no bfloat16). The batch is re-derived (global_batch_size = 0, grad_accum = 1) so that a
+    run's data-parallel batch does not contradict dp = 1.
+    """
+    if not isinstance(saved, dict):
+        raise ConfigError(f"the recorded configuration is a {type(saved).__name__}, not a table of sections")
+    d = {name: dict(values) if isinstance(values, dict) else values for name, values in saved.items()}
+    if dtype is None:
+        dtype = "float64" if d.get("train", {}).get("dtype") == "float64" else "float32"
+    d.setdefault("parallel", {}).update(tp=1, pp=1, dp=1)
+    d.setdefault("train", {}).update(device="cpu", dtype=dtype, global_batch_size=0, grad_accum=1)
+    return config_from_dict(d)
+
+
+def read_global_tensors(h5, cfg, dtype, where):
+    """name -> global NumPy tensor of every parameter `cfg` has, each checked for presence and shape."""
+    tensors = {}
+    for spec in all_global_specs(cfg):
+        if spec.name not in h5:
+            raise CheckpointError(f"{where} has no tensor {spec.name}, which its configuration ({cfg.model.arch}) needs")
+        dataset = h5[spec.name]
+        if tuple(dataset.shape) != tuple(spec.global_shape):
+            raise CheckpointError(f"{where}: tensor {spec.name} has shape {tuple(dataset.shape)}, "
+                                  f"its configuration says {tuple(spec.global_shape)}")
+        tensors[spec.name] = np.asarray(dataset, dtype=dtype)
+    return tensors
+
+
+def load_checkpoint(path, dtype=None):
+    """(global tensors {name: np.ndarray}, one-process Config, step, checkpoint folder).
+
+    model.h5 is verified against the checksums recorded when it was written.
+    """
+    directory = checkpoint_dir(path)
+    where = os.path.join(directory, "model.h5")
+    h5, step, saved = ckpt.open_model(directory)
+    try:
+        try:
+            cfg = single_process_config(saved, dtype)
+        except ConfigError as exc:
+            raise CheckpointError(f"{where}: its recorded configuration is not usable ({exc})") from exc
+        tensors = read_global_tensors(h5, cfg, np.dtype(cfg.train.dtype), where)
+    finally:
+        h5.close()
+    return tensors, cfg, step, directory
+
+
+def load_checkpoint_engine(path, dtype=None):
+    """(Engine on one CPU process holding the checkpoint's weights, its Config, step)."""
+    from boostmpi.parallel.engine import Engine
+
+    tensors, cfg, step, _ = load_checkpoint(path, dtype)
+    engine = Engine(cfg, world=None)
+    engine.load_global(engine.params, tensors)
+    return engine, cfg, step
