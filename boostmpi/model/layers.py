@@ -16,7 +16,7 @@ def _kernels_for(*arrays):
     float32, else None: the NumPy code below is then the path (and the kernels' specification)."""
     if get_array_module(arrays[0]) is np:
         return None
-    if not all(a.flags.c_contiguous and a.dtype == np.float32 for a in arrays):
+    if not all(a.flags.c_contiguous and (a.dtype == np.float32 or a.dtype.name == "bfloat16") for a in arrays):
         return None
     from boostmpi.gpu import kernels
 
@@ -154,10 +154,13 @@ def attention_forward(q, k, v):
     kt = k.transpose(0, 2, 3, 1)  # [B, Hkv, Dh, T]
     vt = v.transpose(0, 2, 1, 3)  # [B, Hkv, T, Dh]
     probs = xp.matmul(qg, kt)  # [B, Hkv, G*T, T]
-    probs += _causal_mask(T, G, q.dtype, xp)
+    if probs.dtype.itemsize < 4:  # softmax in fp32 under bf16 compute
+        probs = probs.astype(np.float32)
+    probs += _causal_mask(T, G, probs.dtype, xp)
     probs -= probs.max(axis=-1, keepdims=True)
     xp.exp(probs, out=probs)
     probs /= probs.sum(axis=-1, keepdims=True)
+    probs = probs.astype(q.dtype, copy=False)
     og = xp.matmul(probs, vt)  # [B, Hkv, G*T, Dh]
     return _ungroup_heads(og, B, T, Hkv, G, Dh), (qg, kt, vt, probs)
 

@@ -58,8 +58,12 @@ class Engine:
         self.specs = param_specs(cfg, c.tp, c.pp)
         self.pdtype = param_dtype(tr.dtype)
         self.cdtype = compute_dtype(tr.dtype, self.xp)
-        self.params = FlatBuffer(self.specs, self.pdtype, self.xp)
+        self.params = FlatBuffer(self.specs, self.pdtype, self.xp)  # master weights
         self.grads = FlatBuffer(self.specs, self.pdtype, self.xp)
+        # mixed precision (bf16 on GPUs): compute on a low-precision copy, refreshed every step;
+        # gradients accumulate in the master dtype
+        same = np.dtype(self.cdtype) == np.dtype(self.pdtype)
+        self.cparams = self.params if same else FlatBuffer(self.specs, self.cdtype, self.xp)
         self.tpx = make_strategy(cfg, self.grid)
         self.rope = layers.rope_tables(m.seq_len, m.d_model // m.n_heads, m.rope_theta, self.cdtype, self.xp)
         self.recompute = tr.recompute
@@ -84,9 +88,13 @@ class Engine:
         return buckets
 
     # ------------------------------------------------------------------ one stage, one micro-batch
+    def _refresh_compute_params(self):
+        if self.cparams is not self.params:
+            self.cparams.data[...] = self.params.data
+
     def _stage_forward(self, x, y, h, keep=True):
         """Returns (h_out or loss, saved). `h` is the received activation (None on the first stage)."""
-        P, tpx, B, T = self.params, self.tpx, x.shape[0], x.shape[1]
+        P, tpx, B, T = self.cparams, self.tpx, x.shape[0], x.shape[1]
         ids = self.xp.asarray(x.reshape(-1))
         if self.first:
             h = tpx.embed_forward(ids, P)
@@ -110,7 +118,7 @@ class Engine:
         return loss, saved
 
     def _stage_backward(self, dh, saved, shape, scale, on_bucket_done):
-        P, Gr, tpx = self.params, self.grads, self.tpx
+        P, Gr, tpx = self.cparams, self.grads, self.tpx
         if self.last:
             dh = tpx.head_backward(saved["head"], scale, P, Gr)
             on_bucket_done("head")
@@ -144,6 +152,7 @@ class Engine:
         global mean loss are left in self.grads, summed over data parallelism.
         """
         xp, grid = self.xp, self.grid
+        self._refresh_compute_params()
         self.grads.data[...] = 0
         M = len(micro_batches)
         B, T = micro_batches[0][0].shape
@@ -196,6 +205,7 @@ class Engine:
         """Forward only, through the pipeline: the sum over all data-parallel ranks of (mean loss of
         their batch x rows). Every rank must call it; a rank with nothing to evaluate passes x = None."""
         xp, grid = self.xp, self.grid
+        self._refresh_compute_params()
         mine = 0.0
         if x is not None:
             B, T = x.shape

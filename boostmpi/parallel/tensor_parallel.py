@@ -112,6 +112,7 @@ class _Strategy:
         n, rstd = layers.rmsnorm_forward(hf, P["final_norm"], self.eps)
         logits = n @ P["lm_head"]  # [N, V_local]
         stat_dtype = np.promote_types(logits.dtype, np.float32)
+        logits = logits.astype(stat_dtype, copy=False)  # softmax and loss in at least fp32
         mx = logits.max(axis=-1).astype(stat_dtype)
         self.tp.allreduce(mx, op="max")
         probs = xp.exp(logits - mx[:, None].astype(logits.dtype))
@@ -139,7 +140,7 @@ class _Strategy:
         Gr["lm_head"] += n.T @ dlogits
         req.wait()
         dh = layers.rmsnorm_backward(dn, hf, P["final_norm"], rstd, Gr["final_norm"])
-        return self._split_residual_grad(dh)
+        return self._split_residual_grad(dh.astype(hf.dtype, copy=False))
 
 
 class BottleneckTP(_Strategy):

@@ -465,6 +465,13 @@ def master_dtype(dtype):
     return "float64" if dtype == "float64" else "float32"
 
 
+def plan_strategy(cfg):
+    """The plan to use: without tensor parallelism the low-rank modes run the same computation,
+    and the btp plan states what `recompute = lowrank` keeps (the rank-R activations)."""
+    strategy = tp_strategy(cfg)
+    return "btp" if strategy == "vanilla" and cfg.parallel.tp == 1 else strategy
+
+
 def tp_elements_per_micro_batch(cfg, s=None):
     """Tensor-parallel elements of one micro-batch summed over one pipeline (COMMUNICATION.md)."""
     s = s or shape_of(cfg, "flash")
@@ -525,7 +532,7 @@ def predict(cfg, machine):
     m, par, t = cfg.model, cfg.parallel, cfg.train
     dtype, recompute = t.dtype, t.recompute
     s = shape_of(cfg, machine.attention)
-    strategy = tp_strategy(cfg)
+    strategy = plan_strategy(cfg)
     e, e_master = ITEMSIZE[dtype], ITEMSIZE[master_dtype(dtype)]
     M = t.grad_accum
 

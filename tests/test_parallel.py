@@ -1,0 +1,353 @@
+"""The parallel engine under MPI: every tp x pp x dp layout of the started ranks gives the loss and
+every gradient of the single-rank run, over several optimizer steps, and moves exactly the bytes
+docs/COMMUNICATION.md says.
+
+Run with `mpiexec -n N python -m pytest --with-mpi tests/test_parallel.py` for N in 1..4; the layouts
+tested are those with tp * pp * dp = N, tp in {1, 2, 4}, pp in {1, 2, 3}, dp in {1, 2, 3}. A plain
+`pytest` run lists them all as skipped. The single-rank reference runs on world rank 0 in the same
+process (`Engine(cfg)` without a communicator).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from boostmpi.config import config_from_dict
+from boostmpi.errors import ConfigError
+from boostmpi.parallel.engine import Engine
+from conftest import running_under_mpi
+from mpi_helpers import abort_on_error, assert_all_ranks, collectively, on_root, world
+
+# vocab 61 is odd: the vocabulary-parallel embedding and head get uneven ranges
+MODEL = dict(vocab_size=61, d_model=32, n_layers=4, n_heads=4, d_ff=48, attn_rank=8, mlp_rank=12, seq_len=8)
+MICRO_BATCH = 2  # sequences per micro-batch per data-parallel rank
+STEPS = 3
+LEARNING_RATE = 0.1
+TOLERANCE = 1e-10
+
+
+@dataclass(frozen=True)
+class Case:
+    tp: int
+    pp: int
+    dp: int
+    arch: str
+    tp_mode: str = "btp"
+    norm: str = "online"
+    grouped: bool = True
+    recompute: str = "none"
+
+    @property
+    def id(self):
+        return (f"tp{self.tp}-pp{self.pp}-dp{self.dp}-{self.arch}-{self.tp_mode}-{self.norm}-"
+                f"{'grouped' if self.grouped else 'ungrouped'}-recompute_{self.recompute}")
+
+    @property
+    def grad_accum(self):
+        return self.pp + 1  # enough micro-batches for every stage to reach the 1F1B steady state
+
+    @property
+    def n_kv_heads(self):
+        # GQA (2 kv heads) wherever the layout allows; btp and Megatron shard kv heads over tp
+        return 4 if self.tp == 4 and (self.tp_mode == "btp" or self.arch == "full") else 2
+
+    def config(self, parallel=True):
+        model = dict(MODEL, arch=self.arch, n_kv_heads=self.n_kv_heads)
+        train = {"dtype": "float64", "grad_accum": self.grad_accum, "seed": 21}
+        if not parallel:  # the single-rank reference: the whole global batch in each micro-batch
+            return config_from_dict({"model": model, "train": dict(train, micro_batch_size=MICRO_BATCH * self.dp)})
+        par = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "tp_mode": self.tp_mode, "norm": self.norm,
+               "grouped": self.grouped}
+        return config_from_dict({"model": model, "parallel": par,
+                                 "train": dict(train, micro_batch_size=MICRO_BATCH, recompute=self.recompute)},
+                                world_size=self.tp * self.pp * self.dp)
+
+
+def layouts(world_size):
+    return [(tp, pp, dp) for tp in (1, 2, 4) for pp in (1, 2, 3) for dp in (1, 2, 3) if tp * pp * dp == world_size]
+
+
+# (arch, tp_mode, norm, grouped, recompute): all of them where tp > 1, where the tp axis exists
+WITH_TP = [
+    ("cola", "btp", "online", True, "none"),
+    ("cola", "btp", "sync", True, "none"),
+    ("cola", "btp", "online", False, "none"),
+    ("cola", "btp", "sync", False, "none"),
+    ("svd", "btp", "online", True, "none"),
+    ("svd", "btp", "sync", False, "none"),
+    ("cola", "vanilla", "online", True, "none"),
+    ("cola", "vanilla", "online", False, "none"),
+    ("svd", "vanilla", "online", True, "none"),
+    ("full", "vanilla", "online", True, "none"),
+    ("full", "vanilla", "online", False, "none"),
+    ("cola", "btp", "online", True, "layer"),
+    ("svd", "btp", "sync", True, "lowrank"),
+    ("cola", "vanilla", "online", False, "layer"),
+]
+WITHOUT_TP = [
+    ("full", "vanilla", "online", True, "none"),
+    ("svd", "btp", "online", True, "none"),
+    ("cola", "btp", "sync", False, "none"),
+    ("cola", "btp", "online", True, "layer"),
+]
+WORLD_SIZES = (1, 2, 3, 4)
+
+
+def cases(world_size):
+    return [Case(tp, pp, dp, *variant) for tp, pp, dp in layouts(world_size)
+            for variant in (WITH_TP if tp > 1 else WITHOUT_TP)]
+
+
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames:
+        sizes = [world().Get_size()] if running_under_mpi(metafunc.config) else WORLD_SIZES
+        chosen = [c for n in sizes for c in cases(n)]
+        metafunc.parametrize("case", chosen, ids=[c.id for c in chosen])
+
+
+# ---------------------------------------------------------------------------- docs/COMMUNICATION.md
+
+def expected_traffic(case, itemsize=8):
+    """Bytes per axis and tp/pp calls of one optimizer step, from the formulas of docs/COMMUNICATION.md."""
+    C, F, L, V = MODEL["d_model"], MODEL["d_ff"], MODEL["n_layers"], MODEL["vocab_size"]
+    Ra, Rm = MODEL["attn_rank"], MODEL["mlp_rank"]
+    K = case.n_kv_heads * (C // MODEL["n_heads"])
+    N, M, p = MICRO_BATCH * MODEL["seq_len"], case.grad_accum, case.tp
+    mode = case.tp_mode if case.arch != "full" else "megatron"
+    groups = 4 if case.grouped else 7  # grouped: q/k/v share one all-reduce, gate/up one; else one each
+
+    tp_elements = tp_calls = 0
+    if p > 1:
+        if mode == "btp":
+            layer_fwd, layer_bwd = N * (4 * Ra + 3 * Rm) + 2 * N, N * (4 * Ra + 3 * Rm)
+            calls_fwd, calls_bwd = groups + (2 if case.norm == "sync" else 0), groups
+            # head: all-gather of the residual shards, CE max and (sum-exp, target logit); backward all-reduce
+            edges, edge_calls = N * C // p + N + 2 * N + N * C, 3 + 1
+        else:
+            if mode == "vanilla":
+                layer_fwd = N * (3 * C + 2 * K + 2 * F)
+                layer_bwd = N * (3 * C + F) if case.grouped else N * (6 * C + F)
+                calls_fwd = calls_bwd = groups
+            else:  # Megatron: forward all-reduces after o and down; backward of the column-parallel inputs
+                layer_fwd, layer_bwd = 2 * N * C, 2 * N * C if case.grouped else 5 * N * C
+                calls_fwd, calls_bwd = 2, 2 if case.grouped else 5
+            # vocabulary-parallel embedding all-reduce, CE max and (sum-exp, target logit), head backward
+            edges, edge_calls = N * C + 3 * N + N * C, 1 + 2 + 1
+        forwards = 2 if case.recompute == "layer" else 1  # "layer" re-issues the forward collectives
+        tp_elements = case.dp * M * (L * (forwards * layer_fwd + layer_bwd) + edges)
+        tp_calls = case.dp * M * (L * (forwards * calls_fwd + calls_bwd) + edge_calls)
+
+    shard = C // p if mode == "btp" else C
+    pp_calls = p * case.dp * M * 2 * (case.pp - 1)
+    pp_elements = pp_calls * N * shard
+
+    dp_elements = replica_parameter_count(case, mode, K) if case.dp > 1 else 0
+    return {"bytes": {"tp": tp_elements * itemsize, "pp": pp_elements * itemsize, "dp": dp_elements * itemsize},
+            "calls": {"tp": tp_calls, "pp": pp_calls}}
+
+
+def replica_parameter_count(case, mode, K):
+    """Local parameters summed over the ranks of one data-parallel replica (tp-replicated ones per tp rank)."""
+    C, F, L, V = MODEL["d_model"], MODEL["d_ff"], MODEL["n_layers"], MODEL["vocab_size"]
+    shapes = {"q": (C, C), "k": (C, K), "v": (C, K), "o": (C, C), "gate": (C, F), "up": (C, F), "down": (F, C)}
+    rank = {lin: MODEL["attn_rank"] if lin in "qkvo" else MODEL["mlp_rank"] for lin in shapes}
+    if case.arch == "full":
+        linears = sum(d_in * d_out for d_in, d_out in shapes.values())
+    else:
+        linears = sum(rank[lin] * (d_in + d_out) for lin, (d_in, d_out) in shapes.items())
+    total = 2 * V * C + C + L * (2 * C + linears)
+    replicated = C if mode == "btp" else C + 2 * C * L  # final norm; under Megatron-style TP every norm
+    return total + (case.tp - 1) * replicated
+
+
+# ---------------------------------------------------------------------------- the run
+
+def global_batch(case, step):
+    """This step's tokens: per data-parallel rank M micro-batches of MICRO_BATCH sequences."""
+    rng = np.random.default_rng(1000 + step)
+    return rng.integers(0, MODEL["vocab_size"], (case.dp * case.grad_accum * MICRO_BATCH, MODEL["seq_len"] + 1))
+
+
+def micro_batches(tokens, case, dp_rank):
+    out = []
+    for k in range(case.grad_accum):
+        start = (dp_rank * case.grad_accum + k) * MICRO_BATCH
+        rows = tokens[start:start + MICRO_BATCH]
+        out.append((rows[:, :-1], rows[:, 1:]))
+    return out
+
+
+def single_rank_micro_batches(tokens, case):
+    """Micro-batch k of the reference holds micro-batch k of every data-parallel rank."""
+    per_rank = [micro_batches(tokens, case, r) for r in range(case.dp)]
+    return [(np.concatenate([mbs[k][0] for mbs in per_rank]), np.concatenate([mbs[k][1] for mbs in per_rank]))
+            for k in range(case.grad_accum)]
+
+
+def worst_relative_error(tensors, reference):
+    """(name, max |t - ref| / max |ref|) of the worst tensor."""
+    assert set(tensors) == set(reference), sorted(set(tensors) ^ set(reference))
+    errors = {n: float(np.abs(tensors[n] - ref).max() / max(np.abs(ref).max(), 1e-300)) for n, ref in reference.items()}
+    worst = max(errors, key=errors.get)
+    return worst, errors[worst]
+
+
+def summed_traffic(engine):
+    """This step's counters summed over all ranks (each group counts its collectives once)."""
+    from mpi4py import MPI
+
+    counter = engine.grid.counter
+    totals = np.array([counter.bytes[a] for a in ("tp", "pp", "dp")] + [counter.calls[a] for a in ("tp", "pp")],
+                      dtype=np.int64)
+    world().Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
+    return {"bytes": dict(zip(("tp", "pp", "dp"), totals[:3].tolist())), "calls": dict(zip(("tp", "pp"), totals[3:].tolist()))}
+
+
+def replica_disagreement(engine):
+    """Largest relative difference of what must be equal on several ranks: the whole gradient across
+    data-parallel replicas, and tp-replicated parameters' gradients across the tp group."""
+    worst = 0.0
+    comm = engine.grid.dp.comm
+    if comm is not None:
+        for other in comm.allgather(engine.grads.data):
+            worst = max(worst, float(np.abs(other - engine.grads.data).max() / np.abs(engine.grads.data).max()))
+    comm = engine.grid.tp.comm
+    if comm is not None:
+        for s in engine.specs:
+            if s.tp_replicated:
+                mine = engine.grads[s.name]
+                for other in comm.allgather(np.array(mine)):
+                    worst = max(worst, float(np.abs(other - mine).max() / np.abs(mine).max()))
+    return worst
+
+
+def sgd_step(engine):
+    engine.params.data -= LEARNING_RATE * engine.grads.data
+
+
+def free_communicators(engine):
+    for group in (engine.grid.tp, engine.grid.pp, engine.grid.dp):
+        if group.comm is not None:
+            group.comm.Free()
+
+
+@pytest.mark.mpi
+def test_layout_matches_single_rank_and_communication_formulas(case):
+    comm = world()
+    rank = comm.Get_rank()
+    reference = on_root(lambda: Engine(case.config(parallel=False)))
+    with abort_on_error():
+        engine = Engine(case.config(), comm)
+    expected = expected_traffic(case)
+    for step in range(STEPS):
+        tokens = global_batch(case, step)
+        ref = on_root(lambda: (reference.forward_backward(single_rank_micro_batches(tokens, case)),
+                               reference.gather_global(reference.grads)))
+        engine.grid.counter.reset()
+        with abort_on_error():
+            loss = engine.forward_backward(micro_batches(tokens, case, engine.grid.coords.dp))
+            traffic = summed_traffic(engine)
+            grads = engine.gather_global(engine.grads)
+            disagreement = replica_disagreement(engine)
+        ref_loss = comm.bcast(ref[0] if rank == 0 else None)
+        assert_all_ranks(abs(loss - ref_loss) <= TOLERANCE * abs(ref_loss),
+                         f"step {step}: loss {loss!r}, single rank {ref_loss!r}")
+        worst = on_root(lambda: worst_relative_error(grads, ref[1]))
+        assert_all_ranks(rank != 0 or worst[1] <= TOLERANCE,
+                         f"step {step}: gradient of {worst and worst[0]} off by {worst and worst[1]:.2e} (relative)")
+        assert_all_ranks(disagreement <= 1e-13, f"step {step}: replicas differ by {disagreement:.2e}")
+        assert_all_ranks(traffic == expected, f"step {step}: counted {traffic}, docs/COMMUNICATION.md says {expected}")
+        on_root(lambda: sgd_step(reference))
+        sgd_step(engine)
+    with abort_on_error():
+        params = engine.gather_global(engine.params)
+    worst = on_root(lambda: worst_relative_error(params, reference.gather_global(reference.params)))
+    assert_all_ranks(rank != 0 or worst[1] <= TOLERANCE, f"parameters after {STEPS} steps: {worst}")
+    free_communicators(engine)
+
+
+def test_formulas_reproduce_the_papers_numbers():
+    """The per-layer forward tp volumes of the doc reduce to 7·b·s·r, (5d + 2 d_ff)·b·s and 2·b·s·d."""
+    N, C, F, r = MICRO_BATCH * MODEL["seq_len"], MODEL["d_model"], MODEL["d_ff"], MODEL["attn_rank"]
+    L, M = MODEL["n_layers"], 2
+
+    def per_layer_forward(case):
+        # subtract the backward and the embedding/head terms through a run with recompute = layer
+        with_recompute = expected_traffic(Case(**{**case.__dict__, "recompute": "layer"}))["bytes"]["tp"]
+        return (with_recompute - expected_traffic(case)["bytes"]["tp"]) // (8 * L * M)
+
+    saved = dict(MODEL)
+    try:
+        MODEL.update(mlp_rank=r)  # the paper's numbers assume one rank for every factor
+        assert per_layer_forward(Case(2, 1, 1, "cola", "btp")) == 7 * N * r + 2 * N
+        assert per_layer_forward(Case(2, 1, 1, "svd", "vanilla")) == (5 * C + 2 * F) * N - 2 * N * (C - 2 * 8)
+        assert per_layer_forward(Case(2, 1, 1, "full", "vanilla")) == 2 * N * C
+    finally:
+        MODEL.clear()
+        MODEL.update(saved)
+
+
+# ---------------------------------------------------------------------------- bad layouts, failure reporting
+
+@pytest.mark.mpi
+def test_world_size_other_than_tp_pp_dp_is_a_config_error_on_every_rank():
+    n = world().Get_size()
+
+    def check():
+        for parallel in ({"dp": n + 1}, {"tp": 2, "dp": n}, {"pp": 2, "dp": 2 * n}):
+            with pytest.raises(ConfigError, match=f"but {n} MPI rank"):
+                config_from_dict({"model": dict(MODEL, n_kv_heads=2), "parallel": parallel}, world_size=n)
+            # the engine refuses a grid that does not fit its communicator before communicating
+            cfg = config_from_dict({"model": dict(MODEL, n_kv_heads=2), "parallel": parallel})
+            with pytest.raises(ConfigError, match=f"but {n} MPI rank"):
+                Engine(cfg, world())
+
+    collectively(check)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_failure_on_one_rank_fails_every_rank():
+    rank = world().Get_rank()
+    assert_all_ranks(True, "never shown")
+    with pytest.raises(AssertionError, match="rank 1: only rank one disagrees"):
+        assert_all_ranks(rank != 1, "only rank one disagrees")
+    with pytest.raises(AssertionError, match="rank 1: ValueError: raised on rank 1"):
+        collectively(lambda: (_ for _ in ()).throw(ValueError("raised on rank 1")) if rank == 1 else None)
+
+
+MPIEXEC = Path(sys.executable).with_name("mpiexec")
+
+
+@pytest.mark.mpi_skip  # it starts an MPI job of its own
+@pytest.mark.skipif(not (MPIEXEC.exists() or shutil.which("mpiexec")), reason="no mpiexec")
+def test_pytest_exit_status_is_nonzero_on_every_rank_when_one_rank_fails(tmp_path):
+    (tmp_path / "test_one_rank_fails.py").write_text(textwrap.dedent("""
+        from mpi4py import MPI
+        import pytest
+
+        @pytest.mark.mpi
+        def test_fails_on_rank_one():
+            assert MPI.COMM_WORLD.Get_rank() != 1
+    """))
+    # each rank records its own pytest exit status; tests/conftest.py is loaded as a plugin
+    runner = textwrap.dedent(f"""
+        import sys, pytest
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        code = pytest.main(["-q", "-p", "no:cacheprovider", "-p", "conftest", "--with-mpi", {str(tmp_path)!r}])
+        from mpi4py import MPI
+        open({str(tmp_path)!r} + f"/status_{{MPI.COMM_WORLD.Get_rank()}}", "w").write(str(int(code)))
+    """)
+    mpiexec = str(MPIEXEC) if MPIEXEC.exists() else shutil.which("mpiexec")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    run = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", runner], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    statuses = {r: (tmp_path / f"status_{r}").read_text() for r in (0, 1) if (tmp_path / f"status_{r}").exists()}
+    assert statuses == {0: "1", 1: "1"}, (statuses, run.stdout[-2000:], run.stderr[-2000:])
+    assert "tests failed on rank(s) [1]" in run.stderr
