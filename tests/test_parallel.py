@@ -114,34 +114,39 @@ def pytest_generate_tests(metafunc):
 
 # ---------------------------------------------------------------------------- docs/COMMUNICATION.md
 
+def layer_traffic(mode, N, C, K, F, Ra, Rm, grouped=True, norm="online"):
+    """tp elements and calls of one layer and micro-batch: (forward, backward, forward calls, backward calls)."""
+    groups = 4 if grouped else 7  # grouped: q/k/v share one all-reduce, gate/up one; else one per linear
+    if mode == "btp":  # the rank-R activations, the two norm statistics riding along in the forward
+        return N * (4 * Ra + 3 * Rm) + 2 * N, N * (4 * Ra + 3 * Rm), groups + (2 if norm == "sync" else 0), groups
+    if mode == "vanilla":  # the full output after every B; backward, the input gradient of each A group
+        return N * (3 * C + 2 * K + 2 * F), N * (3 * C + F) if grouped else N * (6 * C + F), groups, groups
+    # Megatron: forward after o and down; backward, the input gradient of the column-parallel q/k/v, gate/up
+    return 2 * N * C, 2 * N * C if grouped else 5 * N * C, 2, 2 if grouped else 5
+
+
+def embedding_and_head_traffic(mode, N, C, p):
+    """tp elements and calls of the embedding and the head, forward and backward, per micro-batch."""
+    cross_entropy = N + 2 * N  # max, then (sum-exp, target logit): two all-reduces
+    if mode == "btp":  # all-gather of the residual shards; backward, all-reduce of the normed input's gradient
+        return N * C // p + cross_entropy + N * C, 1 + 2 + 1
+    return N * C + cross_entropy + N * C, 1 + 2 + 1  # vocabulary-parallel embedding all-reduce first
+
+
 def expected_traffic(case, itemsize=8):
     """Bytes per axis and tp/pp calls of one optimizer step, from the formulas of docs/COMMUNICATION.md."""
-    C, F, L, V = MODEL["d_model"], MODEL["d_ff"], MODEL["n_layers"], MODEL["vocab_size"]
-    Ra, Rm = MODEL["attn_rank"], MODEL["mlp_rank"]
+    C, F, L = MODEL["d_model"], MODEL["d_ff"], MODEL["n_layers"]
     K = case.n_kv_heads * (C // MODEL["n_heads"])
     N, M, p = MICRO_BATCH * MODEL["seq_len"], case.grad_accum, case.tp
     mode = case.tp_mode if case.arch != "full" else "megatron"
-    groups = 4 if case.grouped else 7  # grouped: q/k/v share one all-reduce, gate/up one; else one each
 
     tp_elements = tp_calls = 0
     if p > 1:
-        if mode == "btp":
-            layer_fwd, layer_bwd = N * (4 * Ra + 3 * Rm) + 2 * N, N * (4 * Ra + 3 * Rm)
-            calls_fwd, calls_bwd = groups + (2 if case.norm == "sync" else 0), groups
-            # head: all-gather of the residual shards, CE max and (sum-exp, target logit); backward all-reduce
-            edges, edge_calls = N * C // p + N + 2 * N + N * C, 3 + 1
-        else:
-            if mode == "vanilla":
-                layer_fwd = N * (3 * C + 2 * K + 2 * F)
-                layer_bwd = N * (3 * C + F) if case.grouped else N * (6 * C + F)
-                calls_fwd = calls_bwd = groups
-            else:  # Megatron: forward all-reduces after o and down; backward of the column-parallel inputs
-                layer_fwd, layer_bwd = 2 * N * C, 2 * N * C if case.grouped else 5 * N * C
-                calls_fwd, calls_bwd = 2, 2 if case.grouped else 5
-            # vocabulary-parallel embedding all-reduce, CE max and (sum-exp, target logit), head backward
-            edges, edge_calls = N * C + 3 * N + N * C, 1 + 2 + 1
+        fwd, bwd, calls_fwd, calls_bwd = layer_traffic(mode, N, C, K, F, MODEL["attn_rank"], MODEL["mlp_rank"],
+                                                       case.grouped, case.norm)
+        edges, edge_calls = embedding_and_head_traffic(mode, N, C, p)
         forwards = 2 if case.recompute == "layer" else 1  # "layer" re-issues the forward collectives
-        tp_elements = case.dp * M * (L * (forwards * layer_fwd + layer_bwd) + edges)
+        tp_elements = case.dp * M * (L * (forwards * fwd + bwd) + edges)
         tp_calls = case.dp * M * (L * (forwards * calls_fwd + calls_bwd) + edge_calls)
 
     shard = C // p if mode == "btp" else C
@@ -273,25 +278,14 @@ def test_layout_matches_single_rank_and_communication_formulas(case):
     free_communicators(engine)
 
 
-def test_formulas_reproduce_the_papers_numbers():
-    """The per-layer forward tp volumes of the doc reduce to 7·b·s·r, (5d + 2 d_ff)·b·s and 2·b·s·d."""
-    N, C, F, r = MICRO_BATCH * MODEL["seq_len"], MODEL["d_model"], MODEL["d_ff"], MODEL["attn_rank"]
-    L, M = MODEL["n_layers"], 2
-
-    def per_layer_forward(case):
-        # subtract the backward and the embedding/head terms through a run with recompute = layer
-        with_recompute = expected_traffic(Case(**{**case.__dict__, "recompute": "layer"}))["bytes"]["tp"]
-        return (with_recompute - expected_traffic(case)["bytes"]["tp"]) // (8 * L * M)
-
-    saved = dict(MODEL)
-    try:
-        MODEL.update(mlp_rank=r)  # the paper's numbers assume one rank for every factor
-        assert per_layer_forward(Case(2, 1, 1, "cola", "btp")) == 7 * N * r + 2 * N
-        assert per_layer_forward(Case(2, 1, 1, "svd", "vanilla")) == (5 * C + 2 * F) * N - 2 * N * (C - 2 * 8)
-        assert per_layer_forward(Case(2, 1, 1, "full", "vanilla")) == 2 * N * C
-    finally:
-        MODEL.clear()
-        MODEL.update(saved)
+def test_formulas_reduce_to_the_papers_numbers():
+    """With one rank r for every factor and no GQA: 7·b·s·r (btp), (5d + 2 d_ff)·b·s (vanilla), 2·b·s·d (Megatron)."""
+    N, C, F, r = 16, 32, 48, 8
+    fwd, bwd, calls_online, _ = layer_traffic("btp", N, C, C, F, r, r)
+    assert (fwd, bwd) == (7 * N * r + 2 * N, 7 * N * r)
+    assert layer_traffic("btp", N, C, C, F, r, r, norm="sync")[2] == calls_online + 2
+    assert layer_traffic("vanilla", N, C, C, F, r, r)[0] == (5 * C + 2 * F) * N
+    assert layer_traffic("megatron", N, C, C, F, r, r)[:2] == (2 * N * C, 2 * N * C)
 
 
 # ---------------------------------------------------------------------------- bad layouts, failure reporting

@@ -210,10 +210,11 @@ def encode_prompt(tokenizer, prompt, vocab_size):
 
 def run(args):
     check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
-    tensors, cfg, _step, _ = load_checkpoint(args.checkpoint)
+    loaded = load_checkpoint(args.checkpoint)
+    cfg = loaded.cfg
     tokenizer = checkpoint_tokenizer(cfg, args.tokenizer)
     prompt_ids = encode_prompt(tokenizer, args.prompt, cfg.model.vocab_size)
-    decoder = Decoder(cfg.model, tensors, np.dtype(cfg.train.dtype))
+    decoder = Decoder(cfg.model, loaded.tensors, np.dtype(cfg.train.dtype))
     rng = np.random.default_rng(args.seed)
     # ids the tokenizer cannot decode are never sampled (a model may have a padded vocabulary)
     usable = min(cfg.model.vocab_size, tokenizer.vocab_size)

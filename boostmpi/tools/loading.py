@@ -6,6 +6,7 @@ A checkpoint holds global (unsharded) tensors and the configuration of the run t
 """
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -54,11 +55,16 @@ def read_global_tensors(h5, cfg, dtype, where):
     return tensors
 
 
-def load_checkpoint(path, dtype=None):
-    """(global tensors {name: np.ndarray}, one-process Config, step, checkpoint folder).
+class LoadedCheckpoint(NamedTuple):
+    tensors: dict  # name -> global np.ndarray
+    cfg: object  # the one-process Config
+    step: int
+    directory: str  # the checkpoint folder
+    saved_config: dict  # the configuration as the run recorded it (its own layout)
 
-    model.h5 is verified against the checksums recorded when it was written.
-    """
+
+def load_checkpoint(path, dtype=None):
+    """A LoadedCheckpoint; model.h5 is verified against the checksums recorded when it was written."""
     directory = checkpoint_dir(path)
     where = os.path.join(directory, "model.h5")
     h5, step, saved = ckpt.open_model(directory)
@@ -70,14 +76,14 @@ def load_checkpoint(path, dtype=None):
         tensors = read_global_tensors(h5, cfg, np.dtype(cfg.train.dtype), where)
     finally:
         h5.close()
-    return tensors, cfg, step, directory
+    return LoadedCheckpoint(tensors, cfg, step, directory, saved)
 
 
 def load_checkpoint_engine(path, dtype=None):
     """(Engine on one CPU process holding the checkpoint's weights, its Config, step)."""
     from boostmpi.parallel.engine import Engine
 
-    tensors, cfg, step, _ = load_checkpoint(path, dtype)
-    engine = Engine(cfg, world=None)
-    engine.load_global(engine.params, tensors)
-    return engine, cfg, step
+    loaded = load_checkpoint(path, dtype)
+    engine = Engine(loaded.cfg, world=None)
+    engine.load_global(engine.params, loaded.tensors)
+    return engine, loaded.cfg, loaded.step
