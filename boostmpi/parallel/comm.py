@@ -8,9 +8,17 @@ member moves and counts nothing.
 
 Backends: MPI (mpi4py's buffer methods; NumPy arrays, or CuPy arrays through CUDA-aware MPI
 after a stream synchronisation) and NCCL (`boostmpi.parallel.nccl`), chosen by the engine.
+
+Every call that can block (a collective, or the wait on a request) is watched by `WATCHDOG`:
+one that waits longer than `parallel.watchdog_s` ends the job (see `Watchdog`).
 """
 
+import contextlib
+import os
+import sys
+import threading
 import time
+import traceback
 
 import numpy as np
 
@@ -33,6 +41,78 @@ class CommCounter:
 
     def snapshot(self):
         return {"bytes": dict(self.bytes), "calls": dict(self.calls)}
+
+
+class Watchdog:
+    """Ends the job when one blocking MPI call waits longer than `seconds` (parallel.watchdog_s).
+
+    A dead or stuck peer would otherwise leave every other rank waiting inside MPI for ever.
+    The main thread records the call it is about to wait in (one tuple assignment before it,
+    one after: the whole fast path); a daemon thread wakes ten times per limit (at most once a
+    second) and, when the recorded call is older than the limit, prints the axis and the call
+    and ends the job with MPI_Abort. mpi4py releases the GIL inside MPI calls, so the thread
+    runs while the main thread waits. It never touches a buffer or changes which MPI calls are
+    made, so results are identical with it on or off.
+    """
+
+    def __init__(self):
+        self.seconds = 0.0  # 0 = off
+        self._open = None  # (axis, call, nbytes, peer, start) of the blocking call in progress
+        self._thread = None
+
+    def configure(self, seconds):
+        """Set the limit in seconds (0 turns the watchdog off); starts the thread on first use."""
+        self.seconds = float(seconds or 0.0)
+        if self.seconds > 0 and self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="boostmpi-watchdog", daemon=True)
+            self._thread.start()
+
+    def begin(self, axis, call, nbytes=None, peer=None):
+        self._open = (axis, call, nbytes, peer, time.monotonic())
+
+    def end(self):
+        self._open = None
+
+    @contextlib.contextmanager
+    def watching(self, axis, call, nbytes=None, peer=None):
+        """`with WATCHDOG.watching("world", "Barrier"):` watches a call made outside a Group."""
+        self.begin(axis, call, nbytes, peer)
+        try:
+            yield
+        finally:
+            self.end()
+
+    def _watch(self):
+        while True:
+            limit = self.seconds
+            time.sleep(min(1.0, limit / 10) if limit > 0 else 1.0)
+            pending = self._open
+            if limit > 0 and pending is not None and time.monotonic() - pending[-1] > limit:
+                self._fire(*pending)
+
+    def _fire(self, axis, call, nbytes, peer, start):
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        what = call + (f" of {nbytes} bytes" if nbytes is not None else "") + (f" with {axis} rank {peer}" if peer is not None else "")
+        main = sys._current_frames().get(threading.main_thread().ident)
+        stack = "".join(traceback.format_stack(main)) if main is not None else ""
+        print(f"watchdog: rank {world.Get_rank()}: {what} on the {axis} axis has waited {time.monotonic() - start:.0f} s, "
+              f"longer than parallel.watchdog_s = {self.seconds:g}; a peer rank is stuck or dead; aborting the job\n"
+              f"rank {world.Get_rank()} is waiting in:\n{stack}", file=sys.stderr, flush=True)
+        time.sleep(0.5)  # lets the launcher forward the message before the abort tears the job down
+        if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+            world.Abort(1)
+        # this MPI does not allow a call from a second thread: end this rank, the launcher ends the rest
+        os._exit(1)
+
+
+WATCHDOG = Watchdog()
+
+
+def configure_watchdog(seconds):
+    """Apply `parallel.watchdog_s` to every group of this process."""
+    WATCHDOG.configure(seconds)
 
 
 class _Done:
@@ -74,7 +154,11 @@ class Group:
         self._count_collective(buf.nbytes)
         self._sync()
         t0 = time.perf_counter()
-        self.comm.Allreduce(MPI.IN_PLACE, _mpi_buf(buf), op=MPI.SUM if op == "sum" else MPI.MAX)
+        WATCHDOG.begin(self.axis, "Allreduce", buf.nbytes)
+        try:
+            self.comm.Allreduce(MPI.IN_PLACE, _mpi_buf(buf), op=MPI.SUM if op == "sum" else MPI.MAX)
+        finally:
+            WATCHDOG.end()
         self.wait_seconds += time.perf_counter() - t0
         return buf
 
@@ -89,7 +173,7 @@ class Group:
 
         self._count_collective(buf.nbytes)
         self._sync()
-        return _TimedRequest(self.comm.Iallreduce(MPI.IN_PLACE, _mpi_buf(buf), op=MPI.SUM), self)
+        return _WatchedRequest(self.comm.Iallreduce(MPI.IN_PLACE, _mpi_buf(buf), op=MPI.SUM), self, "Iallreduce", buf.nbytes)
 
     def allgather(self, buf):
         """Concatenate every member's `buf` along a new leading dim: [size, *buf.shape]."""
@@ -100,28 +184,43 @@ class Group:
         self._count_collective(buf.nbytes)
         self._sync()
         t0 = time.perf_counter()
-        self.comm.Allgather(_mpi_buf(xp.ascontiguousarray(buf)), _mpi_buf(out))
+        WATCHDOG.begin(self.axis, "Allgather", buf.nbytes)
+        try:
+            self.comm.Allgather(_mpi_buf(xp.ascontiguousarray(buf)), _mpi_buf(out))
+        finally:
+            WATCHDOG.end()
         self.wait_seconds += time.perf_counter() - t0
         return out
 
     # -- point to point (pipeline)
+    # (the requests' wait time is not added to wait_seconds: a receive also waits for the peer's compute)
     def isend(self, buf, dest, tag=0):
         self.counter.add(self.axis, buf.nbytes)
         self._sync()
-        return self.comm.Isend(_mpi_buf(buf), dest=dest, tag=tag)
+        return _WatchedRequest(self.comm.Isend(_mpi_buf(buf), dest=dest, tag=tag), self, "Isend", buf.nbytes, dest, timed=False)
 
     def irecv(self, buf, source, tag=0):
-        return self.comm.Irecv(_mpi_buf(buf), source=source, tag=tag)
+        return _WatchedRequest(self.comm.Irecv(_mpi_buf(buf), source=source, tag=tag), self, "Irecv", buf.nbytes, source,
+                               timed=False)
 
 
-class _TimedRequest:
-    def __init__(self, req, group):
-        self.req, self.group = req, group
+class _WatchedRequest:
+    """An MPI request whose wait is watched; with `timed` its wait time is added to `group.wait_seconds`."""
+
+    def __init__(self, req, group, call, nbytes, peer=None, timed=True):
+        self.req, self.group, self.call, self.nbytes, self.peer, self.timed = req, group, call, nbytes, peer, timed
 
     def wait(self):
         t0 = time.perf_counter()
-        self.req.Wait()
-        self.group.wait_seconds += time.perf_counter() - t0
+        WATCHDOG.begin(self.group.axis, f"wait on {self.call}", self.nbytes, self.peer)
+        try:
+            self.req.Wait()
+        finally:
+            WATCHDOG.end()
+        if self.timed:
+            self.group.wait_seconds += time.perf_counter() - t0
+
+    Wait = wait  # mpi4py's spelling, which the pipeline code uses
 
 
 def _xp(buf):

@@ -1,21 +1,46 @@
 """Start-up that works under any launcher (mpiexec, srun --mpi=pmi2, PALS) and abort semantics.
 
 Rank, world size and local rank come from MPI itself (a shared-memory split), never from a
-launcher's environment variables. An unhandled exception on any rank ends the whole job with
-MPI_Abort after printing the rank and traceback; bad input (UserError) is printed once.
+launcher's environment variables; the GPU is chosen by local rank. An unhandled exception on any
+rank ends the whole job with MPI_Abort after printing the rank and traceback; bad input
+(UserError) is printed once. A hung collective is ended by the watchdog in parallel/comm.py.
 """
 
+import faulthandler
 import os
+import signal
 import sys
 import traceback
 
 from boostmpi.errors import UserError
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # Slurm's --signal and time limit, PBS's qdel / walltime
+_stop_signal = None
+
+
+def _record_stop_signal(signum, frame):
+    global _stop_signal
+    _stop_signal = signum
+
+
+def stop_signal_received():
+    """The stop signal (SIGTERM/SIGUSR1) that arrived during start-up, before training took over, or None."""
+    return _stop_signal
+
 
 def init_mpi():
-    """(world communicator or None when alone, world rank, world size, local rank)."""
+    """(world communicator or None when alone, world rank, world size, local rank).
+
+    Also: a stop signal arriving during start-up is recorded (`stop_signal_received`) instead of
+    killing the rank, a crash in native code prints the Python stack, and SIGUSR2 prints every
+    rank's stack without stopping it (`scancel --signal=USR2 JOB` shows where a job waits).
+    """
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _record_stop_signal)
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
@@ -24,6 +49,20 @@ def init_mpi():
     local_rank = local.Get_rank()
     local.Free()
     return (world if size > 1 else None), rank, size, local_rank
+
+
+def select_device(local_rank):
+    """Make GPU `local_rank % visible GPUs` CuPy's current device and return its id.
+
+    One rank per GPU either way: when the launcher binds one GPU per rank (srun --gpus-per-task=1,
+    Polaris's wrapper) each rank sees one device (id 0); when every rank sees the node's GPUs, the
+    local rank picks one.
+    """
+    import cupy
+
+    device = local_rank % cupy.cuda.runtime.getDeviceCount()
+    cupy.cuda.Device(device).use()
+    return device
 
 
 def mpi_library():

@@ -194,4 +194,8 @@ def machine_to_toml(machine, comments=None):
 
 
 def _number(value):
-    return str(value) if isinstance(value, int) else f"{value:.6g}" if abs(value) < 1e-3 or abs(value) >= 1e6 else repr(float(value))
+    if isinstance(value, int):
+        return str(value)
+    if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e6):
+        return f"{value:.6g}"  # e.g. 3.12e+14, valid TOML
+    return repr(float(value))

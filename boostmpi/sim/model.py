@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass, field
 
 from boostmpi.model.params import param_specs, stage_layers, tp_strategy
-from boostmpi.parallel.grid import coords_of
 
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2}
 BREAKDOWN_KEYS = ("gemm", "elementwise", "tp_comm", "pp_bubble_and_p2p", "dp_comm", "optimizer")
@@ -439,7 +438,7 @@ def saved_elements(ops):
     return sum(op.saved for op in ops)
 
 
-def kept_by_lowrank(ops, s):
+def kept_by_lowrank(ops):
     """Elements `recompute = lowrank` keeps per layer: the outputs of the forward collectives."""
     return sum(op.elements for op in ops if isinstance(op, Collective) and op.phase == "fwd")
 
@@ -550,7 +549,7 @@ def predict(cfg, machine):
     if recompute == "layer":
         kept = s.N * (s.C // s.p if strategy == "btp" else s.C)  # the layer's input only
     elif recompute == "lowrank":
-        kept = s.N * (s.C // s.p if strategy == "btp" else s.C) + kept_by_lowrank(layer, s)
+        kept = s.N * (s.C // s.p if strategy == "btp" else s.C) + kept_by_lowrank(layer)
     else:
         kept = per_layer_saved
 

@@ -2,6 +2,8 @@
 
 import sys
 
+import numpy as np
+
 from boostmpi.errors import UserError
 
 
@@ -36,7 +38,10 @@ def run(args):
             world.Barrier()
         try:
             trainer = Trainer(cfg, world, resume=args.resume, config_path=args.config, local_rank=local_rank)
-            result = trainer.train()
+            # a diverging run overflows before its loss is checked: NumPy's warnings would bury
+            # the one-line error that the loss check raises, naming the step
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                result = trainer.train()
         except UserError as exc:
             # data and checkpoint problems may be seen by some ranks only: end the job from here
             exc.all_ranks = world is None

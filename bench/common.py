@@ -1,0 +1,287 @@
+"""What every benchmark shares: one BLAS/OpenMP thread, the machine description, interleaved
+timing (warm-up rounds, then the median of timed rounds), a cProfile summary, MPI self-launch,
+and the result block for bench/RESULTS.md.
+
+Import this module before numpy: OpenBLAS reads its thread count once, when it is loaded.
+
+The result block is markdown; its tables read as plain text too, so what a script prints and
+what it appends to RESULTS.md (`--append`) are the same text.
+"""
+
+import os
+import sys
+
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"
+if "numpy" in sys.modules:
+    raise RuntimeError("import bench/common.py before numpy: BLAS reads its thread count when it loads")
+
+import argparse  # noqa: E402
+import cProfile  # noqa: E402
+import ctypes  # noqa: E402
+import datetime  # noqa: E402
+import platform  # noqa: E402
+import pstats  # noqa: E402
+import shlex  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# set by a script that relaunches itself under mpiexec: the command the user typed, for the record
+_COMMAND_ENV = "BOOSTMPI_BENCH_COMMAND"
+_WORKER_ENV = "BOOSTMPI_BENCH_WORKER"
+
+
+# ---------------------------------------------------------------- command line
+
+def parser(description, warmup, repeats):
+    """An ArgumentParser with the options every benchmark has."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed rounds first (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=repeats, help="timed rounds; the median is reported (default %(default)s)")
+    p.add_argument("--append", metavar="FILE", help="also append the result block to FILE (e.g. bench/RESULTS.md)")
+    return p
+
+
+def command_line():
+    """The command that started this benchmark, as typed from the repository root."""
+    if os.environ.get(_COMMAND_ENV):
+        return os.environ[_COMMAND_ENV]
+    python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
+    return " ".join(["PYTHONPATH=.", shlex.quote(python)] + [shlex.quote(a) for a in sys.argv])
+
+
+# ---------------------------------------------------------------- the machine
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _openblas_library():
+    """The OpenBLAS shared library numpy loaded (found in this process's memory map), or None."""
+    try:
+        with open("/proc/self/maps") as fh:
+            paths = {line.split()[-1] for line in fh if "openblas" in line.lower() and "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+def _openblas_call(lib, name, restype):
+    """Call OpenBLAS's `name` under whichever symbol prefix/suffix this build exports."""
+    for prefix in ("scipy_openblas_", "openblas_"):
+        for suffix in ("64_", ""):
+            fn = getattr(lib, prefix + name + suffix, None)
+            if fn is not None:
+                fn.restype = restype
+                return fn()
+    return None
+
+
+def blas_description():
+    """numpy's BLAS as it runs here: library, kernel set chosen at run time, thread count."""
+    try:
+        build = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        name = f"{build.get('name')} {build.get('version')}"
+    except Exception:  # noqa: BLE001 - older numpy: no dict form
+        name = "unknown"
+    lib = _openblas_library()
+    if lib is None:
+        return name
+    core = _openblas_call(lib, "get_corename", ctypes.c_char_p)
+    threads = _openblas_call(lib, "get_num_threads", ctypes.c_int)
+    core = core.decode() if core else "?"
+    return f"{name}, kernels {core}, {threads} thread(s)"
+
+
+def machine_description(torch=None, mpi=False):
+    """Lines naming the machine and the software versions that the numbers depend on."""
+    cores = os.cpu_count()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    blas_env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                        if k.startswith(("OPENBLAS_", "OMP_", "MKL_")))
+    lines = [
+        f"CPU: {_cpu_model()}, {cores} logical cores ({usable} usable by this process)",
+        f"Python {platform.python_version()}, numpy {np.__version__}, BLAS: {blas_description()}",
+        f"environment: {blas_env}",
+    ]
+    if torch is not None:
+        lines.append(f"torch {torch.__version__} (BLAS {torch_blas(torch)}), torch threads {torch.get_num_threads()}")
+    if mpi:
+        import mpi4py
+        from mpi4py import MPI
+
+        library = MPI.Get_library_version().strip().splitlines()[0].strip()
+        lines.append(f"mpi4py {mpi4py.__version__}, {library}")
+    lines.append("load average (1, 5, 15 min) at start: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+    return lines
+
+
+def torch_blas(torch):
+    for item in torch.__config__.show().replace("\n", ",").split(","):
+        if item.strip().startswith("BLAS_INFO="):
+            return item.split("=", 1)[1].strip()
+    return "unknown"
+
+
+def torch_single_thread():
+    """torch, limited to one intra-op and one inter-op thread (the benchmark rule)."""
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set, or parallel work already started
+        pass
+    return torch
+
+
+# ---------------------------------------------------------------- timing
+
+def time_interleaved(cases, warmup, repeats, barrier=None, reduce=None):
+    """{name: callable} -> {name: [seconds of each timed call]}.
+
+    Every round calls each case once, starting one case later each round, so a change in the
+    load of this shared machine falls on every case alike instead of on whichever ran last.
+    The first `warmup` rounds are not recorded. Under MPI, `barrier()` lines the ranks up before
+    each call and `reduce(seconds)` turns the local time into the recorded one (the slowest rank).
+    """
+    names = list(cases)
+    times = {name: [] for name in names}
+    for round_no in range(warmup + repeats):
+        shift = round_no % len(names)
+        for name in names[shift:] + names[:shift]:
+            if barrier is not None:
+                barrier()
+            start = time.perf_counter()
+            cases[name]()
+            seconds = time.perf_counter() - start
+            if reduce is not None:
+                seconds = reduce(seconds)
+            if round_no >= warmup:
+                times[name].append(seconds)
+    return times
+
+
+def median(values):
+    return statistics.median(values)
+
+
+def spread(values):
+    """'min-max' of a list of seconds, in ms, to show how noisy the median is."""
+    return f"{1e3 * min(values):.0f}-{1e3 * max(values):.0f}"
+
+
+def profile(fn, steps):
+    """Run `fn` `steps` times under cProfile; returns pstats.Stats."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    prof.disable()
+    return pstats.Stats(prof)
+
+
+def profile_cumulative(stats, function_name, file_suffix):
+    """Cumulative seconds of one function (by name and file) in a profile, or None if absent."""
+    for (path, _line, name), (_cc, _nc, _tt, ct, _callers) in stats.stats.items():
+        if name == function_name and path.endswith(file_suffix):
+            return ct
+    return None
+
+
+def profile_hot_spots(stats, steps, top):
+    """A table of the `top` functions by own time (matrix products count in the function that
+    writes the `@`), per step."""
+    total = max(stats.total_tt, 1e-12)
+    rows = []
+    entries = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    for (path, line, name), (_cc, ncalls, tottime, cumtime, _callers) in entries:
+        where = name if path == "~" else f"{_short_path(path)}:{line} {name}"
+        rows.append([f"`{where}`", f"{ncalls / steps:.0f}", f"{1e3 * tottime / steps:.1f}",
+                     f"{1e3 * cumtime / steps:.1f}", f"{100 * tottime / total:.1f}%"])
+    return markdown_table(["function", "calls/step", "own ms/step", "cumulative ms/step", "own share"], rows)
+
+
+def _short_path(path):
+    try:
+        return os.path.relpath(path, REPO) if path.startswith(str(REPO)) else Path(path).name
+    except ValueError:
+        return path
+
+
+# ---------------------------------------------------------------- MPI
+
+def mpi_worker():
+    """True inside a benchmark's own mpiexec launch."""
+    return os.environ.get(_WORKER_ENV) == "1"
+
+
+def launch_under_mpiexec(ranks, timeout_s, extra_args=(), record_command=True):
+    """Run this script again as `timeout T mpiexec -n ranks python script args`; returns its exit status.
+
+    The mpiexec next to this Python (the virtualenv's) is used when there is one.
+    """
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    mpiexec = str(mpiexec) if mpiexec.exists() else "mpiexec"
+    env = dict(os.environ, **{_WORKER_ENV: "1"})
+    if record_command:
+        env[_COMMAND_ENV] = command_line()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    cmd = ["timeout", str(timeout_s), mpiexec, "-n", str(ranks), sys.executable, sys.argv[0],
+           *sys.argv[1:], *extra_args]
+    return subprocess.call(cmd, env=env)
+
+
+def mpi_timing_hooks(world):
+    """(barrier, reduce) for time_interleaved: line the ranks up; record the slowest rank's time."""
+    from mpi4py import MPI
+
+    return world.Barrier, (lambda seconds: world.allreduce(seconds, op=MPI.MAX))
+
+
+# ---------------------------------------------------------------- the result block
+
+def markdown_table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def verdict(met):
+    return "**met**" if met else "**NOT met**"
+
+
+def emit(title, machine_lines, sections, append_to=None):
+    """Print the result block (and append it to `append_to`): title, date, command, machine, then
+    each section (markdown text) in order."""
+    block = [f"## {title}", "",
+             f"- date: {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
+             f"- command: `{command_line()}`"]
+    block += [f"- {line}" for line in machine_lines]
+    block.append("- load average (1, 5, 15 min) at end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+    text = "\n".join(block) + "\n\n" + "\n\n".join(s.strip() for s in sections) + "\n"
+    print(text, flush=True)
+    if append_to:
+        with open(append_to, "a") as fh:
+            fh.write("\n" + text)
+    return text

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Quick start on one machine: sets up .venv (first run only), then trains configs/local.toml
+# under mpiexec with the same job body as the cluster scripts (jobs/common.sh).
+#   bash jobs/local.sh                      # 2 ranks, tp=2 (btp)
+#   NPROC=1 bash jobs/local.sh              # one process
+#   NPROC=4 TP=2 bash jobs/local.sh         # tp=2 x dp=2
+# Ctrl-C (or SIGTERM) writes a checkpoint at the next step and stops; run it again to resume.
+# A finished run leaves RUN_DIR/DONE; remove it (or set RUN_DIR) to train again.
+set -uo pipefail
+
+# ---- layout and configuration
+NPROC="${NPROC:-2}"                           # MPI ranks
+TP="${TP:-$((NPROC >= 2 ? 2 : 1))}"           # tensor-parallel size (dp = NPROC / (TP * PP))
+PP="${PP:-1}"                                 # pipeline stages
+TP_MODE="${TP_MODE:-btp}"                     # btp (bottleneck-aware) or vanilla
+CONFIG="${CONFIG:-configs/local.toml}"
+RUN_DIR="${RUN_DIR:-runs/local}"
+TIMEOUT_S="${TIMEOUT_S:-7200}"                # every mpiexec runs under timeout
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+# shellcheck source=jobs/setup_env.sh
+source jobs/setup_env.sh
+# shellcheck source=jobs/common.sh
+source jobs/common.sh
+
+# ---- environment: one BLAS/OpenMP thread per rank (the ranks already use the cores)
+export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+
+if [ "${BOOSTMPI_DRY_RUN:-0}" = 1 ]; then
+  PY="${BOOSTMPI_VENV:-$PWD/.venv}/bin/python"
+else
+  setup_venv
+fi
+MPIEXEC="$(dirname "$PY")/mpiexec"            # the MPICH that mpi4py was installed with
+[ -x "$MPIEXEC" ] || MPIEXEC=mpiexec
+
+NRANKS="$NPROC"
+EXTRA_SETS=("parallel.tp_mode=$TP_MODE")
+LAUNCH=(timeout "$TIMEOUT_S" "$MPIEXEC" -n "$NRANKS")
+RESUBMIT=()
+STOP_SIGNAL=TERM                              # `timeout` forwards SIGTERM to mpiexec, which forwards it to the ranks
+boostmpi_job
+status=$?
+
+if [ "${BOOSTMPI_DRY_RUN:-0}" != 1 ]; then
+  echo
+  echo "results:"
+  echo "  run directory  $RUN_DIR (resolved configuration: $RUN_DIR/config.toml)"
+  echo "  metrics        $RUN_DIR/metrics.jsonl (one JSON object per step)"
+  echo "  checkpoints    $RUN_DIR/checkpoints/ (newest complete one: $RUN_DIR/checkpoints/latest)"
+fi
+exit "$status"

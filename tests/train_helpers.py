@@ -1,0 +1,94 @@
+"""Shared by the end-to-end tests of `boostmpi train` (test_train, test_checkpoint, test_bad_input,
+test_resume_layouts): real-text token shards, the train command line, metrics, file digests and
+the check that a refusal is one clear line with nothing on disk changed.
+
+The text is the Python standard library that ships with the interpreter, byte-tokenized (the
+built-in corpus, but only as much of it as a test needs, written straight to two shards, so that
+no test prepares the 8 MB corpus). Every `*.py` file is preceded by the end-of-text id; the token
+stream is cut into blocks of `BLOCK_TOKENS` and every `VAL_EVERY`-th block goes to the validation
+shard, so that both shards hold the same kind of text whatever the size.
+"""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from boostmpi.cli import main
+from boostmpi.data.corpus import builtin_files
+from boostmpi.data.shards import write_shard
+from boostmpi.data.tokenizer import ByteTokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_CONFIG = REPO / "configs" / "tiny.toml"
+VAL_EVERY = 10
+BLOCK_TOKENS = 2048
+
+
+def write_text_shards(folder, max_bytes):
+    """Write `train.bin` and `val.bin` of about `max_bytes` of stdlib text into `folder`; their paths."""
+    tokenizer = ByteTokenizer()
+    eot = np.array([tokenizer.eot], dtype=np.uint16)
+    pieces = []
+    for path in builtin_files(max_bytes):
+        pieces += [eot, tokenizer.encode_array(Path(path).read_text(encoding="utf-8"))]
+    stream = np.concatenate(pieces)
+    blocks = [stream[start:start + BLOCK_TOKENS] for start in range(0, len(stream), BLOCK_TOKENS)]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    train, val = folder / "train.bin", folder / "val.bin"
+    write_shard(train, np.concatenate([b for i, b in enumerate(blocks) if i % VAL_EVERY != VAL_EVERY - 1]))
+    write_shard(val, np.concatenate(blocks[VAL_EVERY - 1::VAL_EVERY]))
+    return train, val
+
+
+def train_argv(run_dir, train_shard, val_shard, *overrides, config=TINY_CONFIG, resume=None):
+    """The `boostmpi train` command line for the tiny config on the given shards, plus `section.key=value` overrides."""
+    settings = [f"train.run_dir={run_dir}", f"data.train={train_shard}", f"data.val={val_shard}", *overrides]
+    argv = ["train", "--config", str(config)]
+    for setting in settings:
+        argv += ["--set", setting]
+    if resume is not None:
+        argv += ["--resume", str(resume)]
+    return argv
+
+
+def run_train(*args, **kwargs):
+    """`boostmpi train` in this process (arguments as for `train_argv`); its exit status."""
+    return main(train_argv(*args, **kwargs))
+
+
+def read_metrics(run_dir):
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def file_digests(folder):
+    """{path relative to `folder`: SHA-256 of its bytes} of every file below it (an empty dict if there is no folder)."""
+    folder = Path(folder)
+    digests = {}
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            path = Path(dirpath) / name
+            digests[str(path.relative_to(folder))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return digests
+
+
+def assert_refused(capsys, argv, untouched, *fragments):
+    """`boostmpi <argv>` exits 2 with exactly one line on stderr, `error: ...` naming every fragment,
+    and changes no file below `untouched` (none added, none removed, none altered). Returns the line."""
+    capsys.readouterr()  # drop whatever earlier steps of the test printed
+    before = file_digests(untouched)
+    status = main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2, f"exit status {status}, stderr: {err!r}"
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}: {err!r}"
+    line = lines[0]
+    assert line.startswith("error: "), line
+    for fragment in fragments:
+        assert str(fragment) in line, f"{fragment!r} not in {line!r}"
+    assert file_digests(untouched) == before, f"files below {untouched} changed"
+    return line
