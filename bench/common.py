@@ -22,6 +22,7 @@ import ctypes  # noqa: E402
 import datetime  # noqa: E402
 import platform  # noqa: E402
 import pstats  # noqa: E402
+import re  # noqa: E402
 import shlex  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -55,7 +56,10 @@ def command_line():
     if os.environ.get(_COMMAND_ENV):
         return os.environ[_COMMAND_ENV]
     python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
-    return " ".join(["PYTHONPATH=.", shlex.quote(python)] + [shlex.quote(a) for a in sys.argv])
+    # the OpenBLAS kernel choice changes every NumPy time, so the command states it either way
+    core = os.environ.get("OPENBLAS_CORETYPE")
+    prefix = f"OPENBLAS_CORETYPE={shlex.quote(core)}" if core else "env -u OPENBLAS_CORETYPE"
+    return " ".join([prefix, "PYTHONPATH=.", shlex.quote(python)] + [shlex.quote(a) for a in sys.argv])
 
 
 # ---------------------------------------------------------------- the machine
@@ -137,10 +141,8 @@ def machine_description(torch=None, mpi=False):
 
 
 def torch_blas(torch):
-    for item in torch.__config__.show().replace("\n", ",").split(","):
-        if item.strip().startswith("BLAS_INFO="):
-            return item.split("=", 1)[1].strip()
-    return "unknown"
+    found = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
+    return found.group(1) if found else "unknown"
 
 
 def torch_single_thread():
@@ -157,38 +159,65 @@ def torch_single_thread():
 
 # ---------------------------------------------------------------- timing
 
+class Timings:
+    """Seconds of each timed call per case: `wall` (elapsed) and `cpu` (this process's CPU time).
+
+    On a machine shared with other work, wall time grows when the process is descheduled while
+    CPU time does not; a wall time well above the CPU time of a single-threaded case says that
+    the machine was busy during the measurement.
+    """
+
+    def __init__(self, names):
+        self.wall = {name: [] for name in names}
+        self.cpu = {name: [] for name in names}
+
+    def median(self, name, clock="wall"):
+        return statistics.median(getattr(self, clock)[name])
+
+    def paired_ratio(self, a, b, clock="wall"):
+        """Median over rounds of time(a) / time(b) within the same round (robust to slow drifts)."""
+        pairs = zip(getattr(self, clock)[a], getattr(self, clock)[b])
+        return statistics.median(x / y for x, y in pairs)
+
+
 def time_interleaved(cases, warmup, repeats, barrier=None, reduce=None):
-    """{name: callable} -> {name: [seconds of each timed call]}.
+    """{name: callable} -> Timings of `repeats` timed calls of each case.
 
     Every round calls each case once, starting one case later each round, so a change in the
     load of this shared machine falls on every case alike instead of on whichever ran last.
     The first `warmup` rounds are not recorded. Under MPI, `barrier()` lines the ranks up before
-    each call and `reduce(seconds)` turns the local time into the recorded one (the slowest rank).
+    each call and `reduce(seconds)` turns a rank's time into the recorded one (the slowest rank).
     """
     names = list(cases)
-    times = {name: [] for name in names}
+    timings = Timings(names)
     for round_no in range(warmup + repeats):
         shift = round_no % len(names)
         for name in names[shift:] + names[:shift]:
             if barrier is not None:
                 barrier()
-            start = time.perf_counter()
+            wall0, cpu0 = time.perf_counter(), time.process_time()
             cases[name]()
-            seconds = time.perf_counter() - start
+            wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
             if reduce is not None:
-                seconds = reduce(seconds)
+                wall, cpu = reduce(wall), reduce(cpu)
             if round_no >= warmup:
-                times[name].append(seconds)
-    return times
+                timings.wall[name].append(wall)
+                timings.cpu[name].append(cpu)
+    return timings
 
 
 def median(values):
     return statistics.median(values)
 
 
-def spread(values):
-    """'min-max' of a list of seconds, in ms, to show how noisy the median is."""
-    return f"{1e3 * min(values):.0f}-{1e3 * max(values):.0f}"
+TIMING_HEADER = ["step ms (median)", "min-max ms", "CPU ms (median)"]
+
+
+def timing_cells(timings, name):
+    """The TIMING_HEADER cells of one case: wall median, wall min-max (how noisy), CPU median."""
+    wall = timings.wall[name]
+    return [f"{1e3 * median(wall):.0f}", f"{1e3 * min(wall):.0f}-{1e3 * max(wall):.0f}",
+            f"{1e3 * timings.median(name, 'cpu'):.0f}"]
 
 
 def profile(fn, steps):
@@ -222,11 +251,67 @@ def profile_hot_spots(stats, steps, top):
     return markdown_table(["function", "calls/step", "own ms/step", "cumulative ms/step", "own share"], rows)
 
 
+# the phases of an engine step, found in a profile by function name and file
+STEP_PHASES = (("forward (embedding, blocks, head + loss)", "_stage_forward", "parallel/engine.py"),
+               ("backward (head, blocks, embedding)", "_stage_backward", "parallel/engine.py"),
+               ("optimizer (AdamW)", "step", "train/optim.py"))
+
+
+def step_profile_section(title, step, steps, top):
+    """Markdown: `step()` profiled `steps` times with cProfile, as phases and hot spots."""
+    stats = profile(step, steps)
+    rows = []
+    for label, function_name, path in STEP_PHASES:
+        seconds = profile_cumulative(stats, function_name, path)
+        rows.append([label, "n/a" if seconds is None else f"{1e3 * seconds / steps:.0f}",
+                     "" if seconds is None else f"{100 * seconds / stats.total_tt:.0f}%"])
+    rows.append(["whole step under the profiler", f"{1e3 * stats.total_tt / steps:.0f}", "100%"])
+    return (f"### {title} (cProfile, {steps} steps)\n\n"
+            + markdown_table(["phase", "ms/step", "share"], rows)
+            + f"\n\nTop {top} functions by own time (a matrix product counts in the function that writes it):\n\n"
+            + profile_hot_spots(stats, steps, top))
+
+
 def _short_path(path):
     try:
         return os.path.relpath(path, REPO) if path.startswith(str(REPO)) else Path(path).name
     except ValueError:
         return path
+
+
+# ---------------------------------------------------------------- boostmpi pieces
+
+LR = 1e-3  # constant: the learning-rate schedule is not what is measured
+
+
+def build_engine(model, batch, parallel=None, train=None, world=None):
+    """(cfg, engine, AdamW optimizer, step function) for one micro-batch of `batch` sequences.
+
+    The step function runs one training step, forward + backward + AdamW update, on the batch it
+    is given and returns the loss."""
+    from boostmpi.config import config_from_dict
+    from boostmpi.parallel.engine import Engine
+    from boostmpi.train.optim import AdamW
+
+    sections = {"model": model, "parallel": parallel or {},
+                "train": {"micro_batch_size": batch, "dtype": "float32", **(train or {})}}
+    cfg = config_from_dict(sections, world_size=1 if world is None else world.Get_size())
+    engine = Engine(cfg, world)
+    opt = AdamW(engine.params, engine.specs, cfg.train)
+
+    def step(x, y):
+        loss = engine.forward_backward([(x, y)])
+        opt.step(engine.grads, LR)
+        return loss
+
+    return cfg, engine, opt, step
+
+
+def random_batch(model, batch, seed=0):
+    """Token ids x, y [batch, seq_len], the same on every rank for the same seed."""
+    rng = np.random.default_rng(seed)
+    shape = (batch, model["seq_len"])
+    return rng.integers(0, model["vocab_size"], size=shape), rng.integers(0, model["vocab_size"], size=shape)
 
 
 # ---------------------------------------------------------------- MPI

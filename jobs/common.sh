@@ -11,6 +11,8 @@
 #   EXTRA_SETS    array (optional): more section.key=value overrides
 #   RESUBMIT      array (optional): the command that queues the next job of the chain; empty = none
 #   STOP_SIGNAL   (optional) the signal forwarded to the launcher when the job is told to stop (default USR1)
+#   STOP_AFTER_S  (optional) seconds after the start at which the job tells the ranks to stop by itself,
+#                 for schedulers that give no warning before the time limit (PBS)
 # and may set BOOSTMPI_DRY_RUN=1 to print the commands instead of running them.
 #
 # One attempt: exit at once if RUN_DIR/DONE exists; otherwise train (resuming from the latest
@@ -99,11 +101,16 @@ boostmpi_job() {
 
   "${LAUNCH[@]}" "${TRAIN[@]}" &
   BOOSTMPI_LAUNCHER_PID=$!
-  local sig
+  local sig timer=""
   for sig in TERM USR1 INT; do
     # shellcheck disable=SC2064  # the signal name is fixed now, on purpose
     trap "_boostmpi_forward_stop $sig" "$sig"
   done
+  if [ -n "${STOP_AFTER_S:-}" ]; then
+    echo "job: the ranks will be asked to stop after ${STOP_AFTER_S} s"
+    (sleep "$STOP_AFTER_S" && kill -s USR1 $$) &
+    timer=$!
+  fi
   # `wait` returns early when a trapped signal arrives: keep waiting for the launcher itself
   while kill -0 "$BOOSTMPI_LAUNCHER_PID" 2>/dev/null; do
     wait "$BOOSTMPI_LAUNCHER_PID"
@@ -111,6 +118,7 @@ boostmpi_job() {
   wait "$BOOSTMPI_LAUNCHER_PID"
   status=$?
   trap - TERM USR1 INT
+  [ -n "$timer" ] && kill "$timer" 2>/dev/null
 
   read -r after steps < <(boostmpi_progress) || { echo "error: cannot read the progress of $RUN_DIR" >&2; return 1; }
   if [ "$status" -ne 0 ]; then

@@ -19,9 +19,9 @@ TIMEOUT_S="${TIMEOUT_S:-7200}"                # every mpiexec runs under timeout
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 # shellcheck source=jobs/setup_env.sh
-source jobs/setup_env.sh
+source jobs/setup_env.sh || exit 1
 # shellcheck source=jobs/common.sh
-source jobs/common.sh
+source jobs/common.sh || exit 1
 
 # ---- environment: one BLAS/OpenMP thread per rank (the ranks already use the cores)
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1

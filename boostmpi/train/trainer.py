@@ -61,7 +61,7 @@ def peak_memory_bytes(xp):
 
 
 class Trainer:
-    def __init__(self, cfg, world=None, resume=None, config_path=None, out=sys.stdout, local_rank=0):
+    def __init__(self, cfg, world=None, resume=None, config_path=None, out=None, local_rank=0):
         self.cfg, self.world, self.out = cfg, world, out
         self.engine = Engine(cfg, world, local_rank=local_rank)
         e = self.engine
@@ -87,9 +87,21 @@ class Trainer:
         if self.world is not None:
             self.world.Barrier()
 
-    def log(self, msg):
-        if self.is_root:
-            print(msg, file=self.out, flush=True)
+    def log(self, msg, live=False):
+        """A line on rank 0. On a terminal, `live` lines overwrite each other (one progress line
+        with ETA); in batch logs every line stays."""
+        if not self.is_root:
+            return
+        out = self.out if self.out is not None else sys.stdout
+        tty = getattr(out, "isatty", lambda: False)()
+        if tty and live:
+            print("\r" + msg + "\x1b[K", end="", file=out, flush=True)
+            self._live = True
+            return
+        if tty and getattr(self, "_live", False):
+            print("\r\x1b[K", end="", file=out)
+            self._live = False
+        print(msg, file=out, flush=True)  # out None: sys.stdout as it is now, not at import
 
     def _metrics_path(self):
         return os.path.join(self.run_dir, "metrics.jsonl")
@@ -200,7 +212,8 @@ class Trainer:
                     eta = elapsed / steps_done * (tr.steps - self.step)
                     val = f" | val {last_val:.4f}" if want_val else ""
                     self.log(f"step {self.step:>6d}/{tr.steps} | loss {loss:.4f}{val} | lr {lr:.2e} | "
-                             f"{tokens_per_step / dt:,.0f} tok/s | elapsed {format_duration(elapsed)} | eta {format_duration(eta)}")
+                             f"{tokens_per_step / dt:,.0f} tok/s | elapsed {format_duration(elapsed)} | eta {format_duration(eta)}",
+                             live=not want_val and self.step != tr.steps)
                 every = cfg.checkpoint.every
                 if (every and self.step % every == 0) or self.step == tr.steps:
                     self.save_checkpoint()
