@@ -307,6 +307,19 @@ def build_engine(model, batch, parallel=None, train=None, world=None):
     return cfg, engine, opt, step
 
 
+def step_tracking_tp_wait(engine, step, x, y):
+    """(run, waits): `run()` takes one step on (x, y) and appends to `waits` the seconds this rank
+    spent blocked in tensor-parallel collectives during it."""
+    waits = []
+
+    def run():
+        before = engine.grid.tp.wait_seconds
+        step(x, y)
+        waits.append(engine.grid.tp.wait_seconds - before)
+
+    return run, waits
+
+
 def random_batch(model, batch, seed=0):
     """Token ids x, y [batch, seq_len], the same on every rank for the same seed."""
     rng = np.random.default_rng(seed)

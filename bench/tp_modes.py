@@ -5,7 +5,9 @@ float32, side by side in one mpiexec launch (every case's engine lives in the sa
 and the cases are timed interleaved round by round):
   cola btp online   bottleneck-aware TP, online RMSNorm (the statistic rides in the rank-r all-reduce)
   cola btp sync     the same with a separate all-reduce of the norm statistic
-  cola vanilla      Megatron TP applied to each factor (all-reduce of [b, s, d_out] after every B)
+  cola vanilla      Megatron TP applied to each factor (all-reduce of [b, s, d_out] after every B),
+                    grouped GEMMs (q/k/v and gate/up share one input-gradient all-reduce)
+  cola vanilla ungrouped   the same with every factor on its own (parallel.grouped = false)
   full megatron     arch=full, tp_mode=vanilla: standard Megatron TP of the dense model
 A step is forward + backward + AdamW update; its time is the slowest rank's. Traffic is read from
 the engine's counters (bytes and calls on the tp axis for one step, CONTRACT §4 accounting).
@@ -23,12 +25,13 @@ import sys  # noqa: E402
 
 MODEL = {"vocab_size": 256, "d_model": 1024, "n_layers": 4, "n_heads": 16, "d_ff": 2736,
          "rank": 256, "seq_len": 256}
-# case -> (arch, tp_mode, norm); norm matters only under btp
+# case -> (arch, tp_mode, norm, grouped); norm matters only under btp
 CASES = {
-    "cola btp online": ("cola", "btp", "online"),
-    "cola btp sync": ("cola", "btp", "sync"),
-    "cola vanilla": ("cola", "vanilla", "online"),
-    "full megatron": ("full", "vanilla", "online"),
+    "cola btp online": ("cola", "btp", "online", True),
+    "cola btp sync": ("cola", "btp", "sync", True),
+    "cola vanilla": ("cola", "vanilla", "online", True),
+    "cola vanilla ungrouped": ("cola", "vanilla", "online", False),
+    "full megatron": ("full", "vanilla", "online", True),
 }
 TARGET_BYTES_RATIO = 5.0
 
@@ -55,22 +58,14 @@ def measure(args, world):
     machine = common.machine_description(mpi=True) if rank0 else None
     x, y = common.random_batch(MODEL, args.batch)
     steps, traffic, first_loss, waits = {}, {}, {}, {}
-    for name, (arch, tp_mode, norm) in CASES.items():
-        _cfg, engine, _opt, step = common.build_engine(
-            dict(MODEL, arch=arch), args.batch, parallel={"tp": world.Get_size(), "tp_mode": tp_mode, "norm": norm},
-            world=world)
+    for name, (arch, tp_mode, norm, grouped) in CASES.items():
+        parallel = {"tp": world.Get_size(), "tp_mode": tp_mode, "norm": norm, "grouped": grouped}
+        _cfg, engine, _opt, step = common.build_engine(dict(MODEL, arch=arch), args.batch, parallel, world=world)
         # the first step: counted traffic (counted once per group, on its rank 0), and a warm-up
         engine.grid.counter.reset()
         first_loss[name] = step(x, y)
         traffic[name] = engine.grid.counter.snapshot()
-        waits[name] = []
-
-        def run(engine=engine, step=step, waits=waits[name]):
-            before = engine.grid.tp.wait_seconds
-            step(x, y)
-            waits.append(engine.grid.tp.wait_seconds - before)
-
-        steps[name] = run
+        steps[name], waits[name] = common.step_tracking_tp_wait(engine, step, x, y)
 
     barrier, slowest = common.mpi_timing_hooks(world)
     timings = common.time_interleaved(steps, args.warmup, args.repeats, barrier=barrier, reduce=slowest)
@@ -99,6 +94,9 @@ def measure(args, world):
         f"- step time, btp / vanilla = **{time_ratio:.2f}** (target < 1: {common.verdict(time_ratio < 1)}); "
         f"median of per-round ratios: wall {timings.paired_ratio('cola btp online', 'cola vanilla'):.2f}, "
         f"CPU {timings.paired_ratio('cola btp online', 'cola vanilla', 'cpu'):.2f}",
+        f"- the same against vanilla with ungrouped factors: tp bytes vanilla-ungrouped / btp = "
+        f"{tp('cola vanilla ungrouped', 'bytes') / tp('cola btp online', 'bytes'):.2f}x, step time btp / "
+        f"vanilla-ungrouped = {timings.median('cola btp online') / timings.median('cola vanilla ungrouped'):.2f}",
         f"- tp calls, online / sync = {tp('cola btp online', 'calls')} / {tp('cola btp sync', 'calls')} "
         f"(target fewer: {common.verdict(tp('cola btp online', 'calls') < tp('cola btp sync', 'calls'))}); "
         f"step time online / sync = {timings.median('cola btp online') / timings.median('cola btp sync'):.2f}",

@@ -10,22 +10,33 @@ import sys
 
 import pytest
 
+from mpi_helpers import checks_comm, report_through, running_under_mpi
 
-def running_under_mpi(config):
-    """True when pytest-mpi's --with-mpi or --only-mpi was given (then every rank runs pytest)."""
-    return bool(config.getoption("--with-mpi", default=False) or config.getoption("--only-mpi", default=False))
+_FINISH_COMM = pytest.StashKey()
+
+
+def pytest_configure(config):
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None and running_under_mpi(config):
+        report_through(capture.global_and_fixture_disabled)
+
+
+def pytest_sessionstart(session):
+    if running_under_mpi(session.config):
+        from mpi4py import MPI
+
+        # communicators of their own, made while every rank is in step (duplicating is collective)
+        checks_comm()
+        session.config.stash[_FINISH_COMM] = MPI.COMM_WORLD.Dup()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if not running_under_mpi(session.config):
+    comm = session.config.stash.get(_FINISH_COMM, None)
+    if comm is None:
         return
-    from mpi4py import MPI
-
-    if MPI.Is_finalized():
-        return
-    comm = MPI.COMM_WORLD
     failed_here = session.testsfailed > 0 or exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
     failed_ranks = [rank for rank, failed in enumerate(comm.allgather(failed_here)) if failed]
     if failed_ranks and not failed_here:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
         sys.stderr.write(f"rank {comm.Get_rank()}: tests failed on rank(s) {failed_ranks}\n")
+    comm.Free()

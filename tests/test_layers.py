@@ -187,7 +187,8 @@ STRATEGY_CASES = [
     ("vanilla", "full", {"grouped": True}, MegatronTP),
     ("vanilla", "full", {"grouped": False}, MegatronTP),
 ]
-CASE_IDS = [f"{mode}-{arch}-" + "-".join(f"{k}={v}" for k, v in extra.items()) for mode, arch, extra, _ in STRATEGY_CASES]
+CASE_IDS = [f"{mode}-{arch}-" + "-".join(f"{k}={v}" for k, v in extra.items())
+            for mode, arch, extra, _ in STRATEGY_CASES]
 
 
 def strategy_at_tp1(mode, arch, extra, rng):

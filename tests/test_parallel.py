@@ -22,14 +22,16 @@ import pytest
 from boostmpi.config import config_from_dict
 from boostmpi.errors import ConfigError
 from boostmpi.parallel.engine import Engine
-from conftest import running_under_mpi
-from mpi_helpers import abort_on_error, assert_all_ranks, collectively, on_root, world
+from boostmpi.train.optim import AdamW, clip_coefficient, learning_rate
+from mpi_helpers import abort_on_error, assert_all_ranks, collectively, on_root, running_under_mpi, world
 
 # vocab 61 is odd: the vocabulary-parallel embedding and head get uneven ranges
 MODEL = dict(vocab_size=61, d_model=32, n_layers=4, n_heads=4, d_ff=48, attn_rank=8, mlp_rank=12, seq_len=8)
 MICRO_BATCH = 2  # sequences per micro-batch per data-parallel rank
 STEPS = 3
-LEARNING_RATE = 0.1
+# the trainer's optimizer between steps, so that later steps start from updated weights; a warm-up
+# of one step and a clip threshold below the gradient norm exercise the schedule and the clipping
+TRAIN = {"lr": 0.01, "warmup_steps": 1, "steps": STEPS, "grad_clip": 0.5, "weight_decay": 0.1}
 TOLERANCE = 1e-10
 
 
@@ -60,7 +62,7 @@ class Case:
 
     def config(self, parallel=True):
         model = dict(MODEL, arch=self.arch, n_kv_heads=self.n_kv_heads)
-        train = {"dtype": "float64", "grad_accum": self.grad_accum, "seed": 21}
+        train = dict(TRAIN, dtype="float64", grad_accum=self.grad_accum, seed=21)
         if not parallel:  # the single-rank reference: the whole global batch in each micro-batch
             return config_from_dict({"model": model, "train": dict(train, micro_batch_size=MICRO_BATCH * self.dp)})
         par = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "tp_mode": self.tp_mode, "norm": self.norm,
@@ -74,7 +76,8 @@ def layouts(world_size):
     return [(tp, pp, dp) for tp in (1, 2, 4) for pp in (1, 2, 3) for dp in (1, 2, 3) if tp * pp * dp == world_size]
 
 
-# (arch, tp_mode, norm, grouped, recompute): all of them where tp > 1, where the tp axis exists
+# (arch, tp_mode, norm, grouped, recompute) on each layout with a tp axis: every tp strategy, both
+# norms and both groupings for btp, both groupings for vanilla and Megatron, and recompute
 WITH_TP = [
     ("cola", "btp", "online", True, "none"),
     ("cola", "btp", "sync", True, "none"),
@@ -91,6 +94,7 @@ WITH_TP = [
     ("svd", "btp", "sync", True, "lowrank"),
     ("cola", "vanilla", "online", False, "layer"),
 ]
+# without a tp axis the tp options change only the code path, not the communication
 WITHOUT_TP = [
     ("full", "vanilla", "online", True, "none"),
     ("svd", "btp", "online", True, "none"),
@@ -209,10 +213,11 @@ def summed_traffic(engine):
     from mpi4py import MPI
 
     counter = engine.grid.counter
-    totals = np.array([counter.bytes[a] for a in ("tp", "pp", "dp")] + [counter.calls[a] for a in ("tp", "pp")],
-                      dtype=np.int64)
+    byte_axes, call_axes = ("tp", "pp", "dp"), ("tp", "pp")
+    totals = np.array([counter.bytes[a] for a in byte_axes] + [counter.calls[a] for a in call_axes], dtype=np.int64)
     world().Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
-    return {"bytes": dict(zip(("tp", "pp", "dp"), totals[:3].tolist())), "calls": dict(zip(("tp", "pp"), totals[3:].tolist()))}
+    totals = totals.tolist()
+    return {"bytes": dict(zip(byte_axes, totals[:3])), "calls": dict(zip(call_axes, totals[3:]))}
 
 
 def replica_disagreement(engine):
@@ -233,8 +238,11 @@ def replica_disagreement(engine):
     return worst
 
 
-def sgd_step(engine):
-    engine.params.data -= LEARNING_RATE * engine.grads.data
+def optimizer_step(engine, optimizer, step):
+    """What the trainer does after forward_backward: global-norm clipping, then AdamW. Returns the norm."""
+    grad_norm = engine.grad_norm()  # collective on a parallel engine
+    optimizer.step(engine.grads, learning_rate(step, engine.cfg.train), clip_coefficient(grad_norm, TRAIN["grad_clip"]))
+    return grad_norm
 
 
 def free_communicators(engine):
@@ -245,36 +253,46 @@ def free_communicators(engine):
 
 @pytest.mark.mpi
 def test_layout_matches_single_rank_and_communication_formulas(case):
+    with abort_on_error():  # anything but a failure raised on every rank together ends the job
+        run_and_compare(case)
+
+
+def run_and_compare(case):
     comm = world()
     rank = comm.Get_rank()
     reference = on_root(lambda: Engine(case.config(parallel=False)))
-    with abort_on_error():
-        engine = Engine(case.config(), comm)
+    reference_optimizer = on_root(lambda: AdamW(reference.params, reference.specs, reference.cfg.train))
+    engine = Engine(case.config(), comm)
+    optimizer = AdamW(engine.params, engine.specs, engine.cfg.train)
     expected = expected_traffic(case)
+    initial = engine.gather_global(engine.params)  # drawn whole, then sliced: the same under any layout
+    worst = on_root(lambda: worst_relative_error(initial, reference.gather_global(reference.params)))
+    assert_all_ranks(rank != 0 or worst[1] == 0.0, lambda: f"initial parameters differ: {worst}")
     for step in range(STEPS):
         tokens = global_batch(case, step)
         ref = on_root(lambda: (reference.forward_backward(single_rank_micro_batches(tokens, case)),
                                reference.gather_global(reference.grads)))
         engine.grid.counter.reset()
-        with abort_on_error():
-            loss = engine.forward_backward(micro_batches(tokens, case, engine.grid.coords.dp))
-            traffic = summed_traffic(engine)
-            grads = engine.gather_global(engine.grads)
-            disagreement = replica_disagreement(engine)
+        loss = engine.forward_backward(micro_batches(tokens, case, engine.grid.coords.dp))
+        traffic = summed_traffic(engine)
+        grads = engine.gather_global(engine.grads)
+        disagreement = replica_disagreement(engine)
         ref_loss = comm.bcast(ref[0] if rank == 0 else None)
         assert_all_ranks(abs(loss - ref_loss) <= TOLERANCE * abs(ref_loss),
-                         f"step {step}: loss {loss!r}, single rank {ref_loss!r}")
+                         lambda: f"step {step}: loss {loss!r}, single rank {ref_loss!r}")
         worst = on_root(lambda: worst_relative_error(grads, ref[1]))
         assert_all_ranks(rank != 0 or worst[1] <= TOLERANCE,
-                         f"step {step}: gradient of {worst and worst[0]} off by {worst and worst[1]:.2e} (relative)")
-        assert_all_ranks(disagreement <= 1e-13, f"step {step}: replicas differ by {disagreement:.2e}")
-        assert_all_ranks(traffic == expected, f"step {step}: counted {traffic}, docs/COMMUNICATION.md says {expected}")
-        on_root(lambda: sgd_step(reference))
-        sgd_step(engine)
-    with abort_on_error():
-        params = engine.gather_global(engine.params)
+                         lambda: f"step {step}: gradient of {worst[0]} off by {worst[1]:.2e} (relative)")
+        assert_all_ranks(disagreement <= 1e-13, lambda: f"step {step}: replicas differ by {disagreement:.2e}")
+        assert_all_ranks(traffic == expected,
+                         lambda: f"step {step}: counted {traffic}, docs/COMMUNICATION.md says {expected}")
+        ref_norm = comm.bcast(on_root(lambda: optimizer_step(reference, reference_optimizer, step)))
+        grad_norm = optimizer_step(engine, optimizer, step)
+        assert_all_ranks(abs(grad_norm - ref_norm) <= TOLERANCE * ref_norm,
+                         lambda: f"step {step}: gradient norm {grad_norm!r}, single rank {ref_norm!r}")
+    params = engine.gather_global(engine.params)
     worst = on_root(lambda: worst_relative_error(params, reference.gather_global(reference.params)))
-    assert_all_ranks(rank != 0 or worst[1] <= TOLERANCE, f"parameters after {STEPS} steps: {worst}")
+    assert_all_ranks(rank != 0 or worst[1] <= TOLERANCE, lambda: f"parameters after {STEPS} steps: {worst}")
     free_communicators(engine)
 
 
@@ -312,8 +330,13 @@ def test_a_failure_on_one_rank_fails_every_rank():
     assert_all_ranks(True, "never shown")
     with pytest.raises(AssertionError, match="rank 1: only rank one disagrees"):
         assert_all_ranks(rank != 1, "only rank one disagrees")
-    with pytest.raises(AssertionError, match="rank 1: ValueError: raised on rank 1"):
-        collectively(lambda: (_ for _ in ()).throw(ValueError("raised on rank 1")) if rank == 1 else None)
+
+    def fails_on_rank_one():
+        if rank == 1:
+            pytest.fail("pytest.fail on rank 1")  # BaseException-derived: must be caught as well
+
+    with pytest.raises(AssertionError, match="rank 1: Failed: pytest.fail on rank 1"):
+        collectively(fails_on_rank_one)
 
 
 MPIEXEC = Path(sys.executable).with_name("mpiexec")

@@ -15,11 +15,12 @@ from train_helpers import read_metrics, run_train, write_text_shards
 STEPS = 300
 LOG_EVERY = 50
 VAL_EVERY = 100
-# about 2 s of training per arch on one core; a bigger model or more steps would only learn more
+# about 5 s per arch on one core; validation on 400 windows (most of the val shard) so that it is not
+# the verdict of two blocks of text. A bigger model or more steps would only learn more.
 LEARNING_SETTINGS = ("model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
                      "model.rank=16", "model.d_ff=128", "model.seq_len=64", "train.micro_batch_size=16",
-                     f"train.steps={STEPS}", "train.lr=6e-3", "train.warmup_steps=10",
-                     f"train.log_every={LOG_EVERY}", f"train.val_every={VAL_EVERY}", "train.val_windows=64")
+                     f"train.steps={STEPS}", "train.lr=3e-3", "train.warmup_steps=10",
+                     f"train.log_every={LOG_EVERY}", f"train.val_every={VAL_EVERY}", "train.val_windows=400")
 
 PROGRESS_LINE = re.compile(r"step +(?P<step>\d+)/(?P<steps>\d+) \| loss (?P<loss>\d+\.\d{4})"
                            r"(?: \| val (?P<val>\d+\.\d{4}))? \| lr \d\.\d\de[+-]\d\d \| [\d,]+ tok/s"
@@ -54,7 +55,7 @@ def test_training_on_text_beats_the_unigram_entropy(arch, text_shards, tmp_path,
         assert r["comm_bytes"] == {"tp": 0, "pp": 0, "dp": 0}, r  # one rank: nothing is communicated
         assert ("val_loss" in r) == (r["step"] % VAL_EVERY == 0), r
     assert {"params", "grads", "optimizer", "peak"} <= set(rows[0]["memory"])
-    assert max(r["lr"] for r in rows) == pytest.approx(6e-3)
+    assert max(r["lr"] for r in rows) == pytest.approx(3e-3)
 
     # it starts from a uniform guess over the vocabulary and ends well below the unigram entropy
     assert rows[0]["loss"] == pytest.approx(math.log(256), abs=0.1)

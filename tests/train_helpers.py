@@ -44,11 +44,15 @@ def write_text_shards(folder, max_bytes):
     return train, val
 
 
+def train_settings(run_dir, train_shard, val_shard, *overrides):
+    """`section.key=value` settings of a run: its directory, its shards, then `overrides`."""
+    return [f"train.run_dir={run_dir}", f"data.train={train_shard}", f"data.val={val_shard}", *overrides]
+
+
 def train_argv(run_dir, train_shard, val_shard, *overrides, config=TINY_CONFIG, resume=None):
     """The `boostmpi train` command line for the tiny config on the given shards, plus `section.key=value` overrides."""
-    settings = [f"train.run_dir={run_dir}", f"data.train={train_shard}", f"data.val={val_shard}", *overrides]
     argv = ["train", "--config", str(config)]
-    for setting in settings:
+    for setting in train_settings(run_dir, train_shard, val_shard, *overrides):
         argv += ["--set", setting]
     if resume is not None:
         argv += ["--resume", str(resume)]
@@ -76,13 +80,16 @@ def file_digests(folder):
     return digests
 
 
-def assert_refused(capsys, argv, untouched, *fragments):
+def assert_refused(capfd, argv, untouched, *fragments):
     """`boostmpi <argv>` exits 2 with exactly one line on stderr, `error: ...` naming every fragment,
-    and changes no file below `untouched` (none added, none removed, none altered). Returns the line."""
-    capsys.readouterr()  # drop whatever earlier steps of the test printed
+    and changes no file below `untouched` (none added, none removed, none altered). Returns the line.
+
+    `capfd` (pytest's fixture) rather than capsys: it also sees what is written to the file
+    descriptor itself, and `train` hands stderr's descriptor to faulthandler."""
+    capfd.readouterr()  # drop whatever earlier steps of the test printed
     before = file_digests(untouched)
     status = main(argv)
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert status == 2, f"exit status {status}, stderr: {err!r}"
     assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}: {err!r}"
@@ -92,3 +99,21 @@ def assert_refused(capsys, argv, untouched, *fragments):
         assert str(fragment) in line, f"{fragment!r} not in {line!r}"
     assert file_digests(untouched) == before, f"files below {untouched} changed"
     return line
+
+
+def h5_datasets(path):
+    """{dataset path: array} of every dataset in an HDF5 file, read with plain h5py."""
+    import h5py
+
+    tensors = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: tensors.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
+    return tensors
+
+
+# the metrics that a rerun reproduces exactly (the rest are timings and memory)
+REPRODUCIBLE_METRICS = ("step", "loss", "lr", "grad_norm", "val_loss", "comm_bytes")
+
+
+def reproducible(rows):
+    return [{k: r.get(k) for k in REPRODUCIBLE_METRICS} for r in rows]

@@ -1,0 +1,135 @@
+"""Bad input to `boostmpi train`: each case is one clear line on stderr (`error: ...`, printed once),
+exit status 2, and no file changed — nothing written before the error, nothing existing altered.
+
+Damaged and unfinished checkpoints are refused the same way; those cases live in test_checkpoint.py."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from boostmpi.data.shards import write_shard
+from train_helpers import REPO, assert_refused, file_digests, read_metrics, run_train, train_argv, write_text_shards
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return write_text_shards(tmp_path_factory.mktemp("text"), max_bytes=60_000)
+
+
+# (--set overrides, fragments the message must hold): the configuration is refused before any work
+BAD_SETTINGS = {
+    "unknown key": (["model.d_modle=64"], ["model.d_modle", "model.d_model"]),  # with the suggestion
+    "unknown section": (["modle.d_model=64"], ["[modle]"]),
+    "wrong type": (["train.steps=ten"], ["train.steps", "integer"]),
+    "wrong type, float for int": (["model.n_layers=2.5"], ["model.n_layers"]),
+    "override without a value": (["train.steps"], ["train.steps"]),
+    "d_model not divisible by n_heads": (["model.d_model=30"], ["model.d_model = 30", "model.n_heads = 4"]),
+    "n_heads not divisible by n_kv_heads": (["model.n_kv_heads=3"], ["model.n_heads = 4", "model.n_kv_heads = 3"]),
+    "rank zero": (["model.rank=0"], ["model.attn_rank", "model.rank"]),
+    "rank negative": (["model.rank=-4"], ["model.attn_rank", "model.rank"]),
+    # k and v map d_model 32 to n_kv_heads * head_dim = 16
+    "rank above min(d_in, d_out)": (["model.rank=17"], ["model.attn_rank", "17", "16"]),
+    "mlp rank above min(d_in, d_out)": (["model.mlp_rank=33"], ["model.mlp_rank", "33", "32"]),
+    "odd head dim": (["model.d_model=36"], ["head dim", "9"]),
+    "layout larger than the ranks started": (["parallel.tp=2"], ["parallel.tp", "1 MPI rank"]),
+}
+
+
+@pytest.mark.parametrize("overrides,fragments", list(BAD_SETTINGS.values()), ids=list(BAD_SETTINGS))
+def test_bad_configuration_is_refused_before_any_work(overrides, fragments, shards, tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    assert_refused(capfd, train_argv(run_dir, *shards, *overrides), tmp_path, *fragments)
+    assert not run_dir.exists()
+
+
+BAD_FILES = {
+    "unknown key": ("[model]\nd_model = 32\n\n[train]\nstepz = 3\n", ["train.stepz", "train.steps"]),
+    "wrong type": ('[model]\nd_model = "32"\n', ["model.d_model", "integer"]),
+    "unknown section": ("[modle]\nd_model = 32\n", ["[modle]"]),
+    "key outside a section": ("d_model = 32\n", ["model.d_model"]),
+    "not TOML": ("[model\nd_model = 32\n", ["bad.toml", "not valid TOML"]),
+}
+
+
+@pytest.mark.parametrize("text,fragments", list(BAD_FILES.values()), ids=list(BAD_FILES))
+def test_bad_configuration_file_is_refused(text, fragments, shards, tmp_path, capfd):
+    config = tmp_path / "bad.toml"
+    config.write_text(text)
+    assert_refused(capfd, train_argv(tmp_path / "run", *shards, config=config), tmp_path, *fragments)
+
+
+def test_missing_configuration_file_is_refused(shards, tmp_path, capfd):
+    missing = tmp_path / "nowhere.toml"
+    assert_refused(capfd, train_argv(tmp_path / "run", *shards, config=missing), tmp_path, missing, "not found")
+
+
+def write_bad_shard(folder, kind):
+    """A file that must not be accepted as training or validation data; its path."""
+    path = folder / f"{kind}.bin"
+    if kind == "id_beyond_vocab":
+        write_shard(path, np.r_[np.arange(200), 300, np.arange(200)])  # the tiny model has 256 ids
+    elif kind == "shorter_than_a_window":
+        write_shard(path, np.arange(16))  # one window needs seq_len + 1 = 17 tokens
+    elif kind == "not_a_shard":
+        path.write_text("print('hello')\n" * 200)
+    elif kind == "truncated_shard":
+        write_shard(path, np.arange(2000) % 256)
+        path.write_bytes(path.read_bytes()[:-100])
+    return path
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+@pytest.mark.parametrize("kind,fragments", [
+    ("id_beyond_vocab", ["300", "256"]),
+    ("shorter_than_a_window", ["seq_len + 1 = 17"]),
+    ("not_a_shard", ["not an llm.c token shard"]),
+    ("truncated_shard", ["truncated"]),
+    ("missing", ["no token shards match"]),
+])
+def test_bad_data_is_refused_by_name(split, kind, fragments, shards, tmp_path, capfd):
+    data = tmp_path / "data"
+    data.mkdir()
+    bad = write_bad_shard(data, kind)
+    train, val = (bad, shards[1]) if split == "train" else (shards[0], bad)
+    run_dir = tmp_path / "run"
+    line = assert_refused(capfd, train_argv(run_dir, train, val), tmp_path, bad.name, *fragments)
+    if kind == "shorter_than_a_window":  # the training stream counts windows, validation tokens
+        assert ("holds 0 windows" if split == "train" else "holds 16 tokens") in line
+    assert not run_dir.exists()
+
+
+def test_a_run_without_a_checkpoint_is_not_overwritten(shards, tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    assert_refused(capfd, train_argv(run_dir, *shards), tmp_path, run_dir, "metrics.jsonl")
+
+
+def test_a_nan_loss_stops_with_one_line_and_keeps_the_last_checkpoint(shards, tmp_path):
+    """In a fresh process, so that anything NumPy prints about the overflow shows on stderr too."""
+    run_dir = tmp_path / "run"
+    assert run_train(run_dir, *shards, "train.steps=2") == 0
+    kept = file_digests(run_dir / "checkpoints")
+    rows = read_metrics(run_dir)
+
+    # an absurd learning rate (no warm-up) overflows float32 weights within a step after the resume
+    argv = train_argv(run_dir, *shards, "train.steps=8", "train.lr=1e30", "train.warmup_steps=0")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "boostmpi", *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: the loss became nan at step "), lines[0]
+    diverged_at = int(lines[0].split("at step ")[1].split(";")[0])
+    assert 3 < diverged_at <= 8
+
+    # the checkpoint of step 2 is untouched and still the one to resume from; the steps that did
+    # run before the divergence were logged after the existing rows
+    assert file_digests(run_dir / "checkpoints") == kept
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert [r["step"] for r in read_metrics(run_dir)] == [r["step"] for r in rows] + list(range(3, diverged_at))
+    assert read_metrics(run_dir)[: len(rows)] == rows

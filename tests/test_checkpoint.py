@@ -1,0 +1,237 @@
+"""Checkpoints end to end (CONTRACT §3): model.h5 readable with plain h5py at the CONTRACT's names
+and global shapes, the round trip into a fresh engine, exact resume (bit-identical losses and
+weights), atomic writes under a simulated crash, `keep` pruning, and damaged files refused by name.
+
+Every run is the tiny config (configs/tiny.toml) on a little real text."""
+
+import importlib.util
+import json
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+
+from boostmpi.cli import main
+from boostmpi.config import SECTIONS, load_config
+from boostmpi.errors import CheckpointError
+from boostmpi.parallel.engine import Engine
+from boostmpi.train import checkpoint as ckpt
+from boostmpi.train.trainer import Trainer
+from train_helpers import (TINY_CONFIG, assert_refused, file_digests, h5_datasets, read_metrics, reproducible,
+                           run_train, write_text_shards)
+
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return write_text_shards(tmp_path_factory.mktemp("text"), max_bytes=60_000)
+
+
+def step_dir(run_dir, step):
+    return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def contract_shapes(m):
+    """name -> global shape of every tensor of model.h5, written out from CONTRACT §1 and §3."""
+    d, V, kv = m["d_model"], m["vocab_size"], m["n_kv_heads"] * (m["d_model"] // m["n_heads"])
+    dims = {"q": (d, d), "k": (d, kv), "v": (d, kv), "o": (d, d),
+            "gate": (d, m["d_ff"]), "up": (d, m["d_ff"]), "down": (m["d_ff"], d)}
+    shapes = {"embed": (V, d), "final_norm": (d,), "lm_head": (d, V)}
+    for i in range(m["n_layers"]):
+        shapes[f"layers/{i}/attn_norm"] = shapes[f"layers/{i}/mlp_norm"] = (d,)
+        for name, (d_in, d_out) in dims.items():
+            if m["arch"] == "full":
+                shapes[f"layers/{i}/{name}/W"] = (d_in, d_out)
+            else:
+                r = m["attn_rank"] if name in ("q", "k", "v", "o") else m["mlp_rank"]
+                shapes[f"layers/{i}/{name}/A"] = (d_in, r)
+                shapes[f"layers/{i}/{name}/B"] = (r, d_out)
+    return shapes
+
+
+@pytest.mark.parametrize("arch", ["full", "svd", "cola"])
+def test_model_h5_is_plain_hdf5_at_contract_names_and_global_shapes(arch, shards, tmp_path):
+    run_dir = tmp_path / "run"
+    # attn_rank != mlp_rank, so that a factor with the wrong rank key would show in its shape
+    assert run_train(run_dir, *shards, f"model.arch={arch}", "model.mlp_rank=12", "train.steps=2") == 0
+    folder = step_dir(run_dir, 2)
+    assert sorted(p.name for p in folder.iterdir()) == ["COMPLETE", "model.h5", "optim.h5", "state.json"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == folder.name
+
+    with h5py.File(folder / "model.h5", "r") as f:
+        assert f.attrs["format"] == "boostmpi"
+        assert int(f.attrs["format_version"]) == 1
+        assert int(f.attrs["step"]) == 2
+        config = json.loads(f.attrs["config"])
+    assert set(config) == set(SECTIONS) == {"model", "parallel", "train", "data", "checkpoint"}
+    assert config == load_config(run_dir / "config.toml").to_dict()  # the full resolved configuration
+    assert config["model"]["arch"] == arch
+
+    tensors = h5_datasets(folder / "model.h5")
+    assert {name: t.shape for name, t in tensors.items()} == contract_shapes(config["model"])
+    assert all(np.isfinite(t).all() for t in tensors.values())
+    for i in range(config["model"]["n_layers"]):  # the norms were trained away from their initial ones
+        assert not np.array_equal(tensors[f"layers/{i}/attn_norm"], np.ones(config["model"]["d_model"]))
+
+
+def test_round_trip_into_a_fresh_engine_gives_the_same_weights_and_loss(shards, tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    overrides = [f"train.run_dir={run_dir}", f"data.train={shards[0]}", f"data.val={shards[1]}",
+                 "train.steps=3", "train.val_windows=8"]
+    cfg = load_config(TINY_CONFIG, overrides=overrides)
+    trainer = Trainer(cfg)
+    trainer.train()
+    x, y = trainer.val_x, trainer.val_y
+
+    fresh = Engine(cfg)
+    assert fresh.evaluate(x, y) != trainer.engine.evaluate(x, y)  # the untrained weights differ
+    with h5py.File(step_dir(run_dir, 3) / "model.h5", "r") as f:
+        fresh.load_global(fresh.params, f)
+    assert np.array_equal(fresh.params.data, trainer.engine.params.data)
+    assert fresh.evaluate(x, y) == trainer.engine.evaluate(x, y)
+
+    if importlib.util.find_spec("boostmpi.tools.evaluate") is None:
+        pytest.skip("boostmpi eval is not there yet")
+    # `boostmpi eval` over the validation windows, batched as the trainer's validation, gives its number
+    capfd.readouterr()
+    B = cfg.train.micro_batch_size
+    assert main(["eval", str(run_dir), "--data", str(shards[1]), "--max-windows", "8", "--batch-size", str(B)]) == 0
+    result = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    assert result["loss"] == read_metrics(run_dir)[-1]["val_loss"]
+    assert result["tokens"] == 8 * cfg.model.seq_len
+
+
+def assert_same_checkpoint(a, b):
+    """Bit-identical model.h5 and optim.h5 tensors, Adam step count and data position."""
+    for name in ("model.h5", "optim.h5"):
+        ta, tb = h5_datasets(a / name), h5_datasets(b / name)
+        assert ta.keys() == tb.keys()
+        for key in ta:
+            assert ta[key].dtype == tb[key].dtype and np.array_equal(ta[key], tb[key]), f"{name}:{key} differs"
+    with h5py.File(a / "optim.h5", "r") as fa, h5py.File(b / "optim.h5", "r") as fb:
+        assert int(fa.attrs["t"]) == int(fb.attrs["t"])
+    assert ckpt.read_state(a)["data"] == ckpt.read_state(b)["data"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_resume_is_exact(dtype, shards, tmp_path):
+    settings = (f"train.dtype={dtype}", "train.steps=20", "checkpoint.every=10", "train.val_every=5",
+                "train.val_windows=4", "train.warmup_steps=3")
+    straight = tmp_path / "straight"
+    assert run_train(straight, *shards, *settings) == 0
+    rows = reproducible(read_metrics(straight))
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert dtype in str(h5_datasets(step_dir(straight, 20) / "model.h5")["embed"].dtype)
+
+    # --resume from the straight run's step 10, into a new run directory
+    resumed = tmp_path / "resumed"
+    assert run_train(resumed, *shards, *settings, resume=step_dir(straight, 10)) == 0
+    assert reproducible(read_metrics(resumed)) == rows[10:]
+    assert_same_checkpoint(step_dir(straight, 20), step_dir(resumed, 20))
+
+    # a run that died after step 15 (metrics written, last checkpoint at 10), started again with the
+    # same command: it resumes from `latest` by itself and drops the rows that it writes again
+    crashed = tmp_path / "crashed"
+    shutil.copytree(straight, crashed)
+    shutil.rmtree(step_dir(crashed, 20))
+    (crashed / "checkpoints" / "latest").write_text("step_00000010\n")
+    lines = (crashed / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (crashed / "metrics.jsonl").write_text("".join(lines[:15]))
+    assert run_train(crashed, *shards, *settings) == 0
+    assert reproducible(read_metrics(crashed)) == rows
+    assert_same_checkpoint(step_dir(straight, 20), step_dir(crashed, 20))
+
+
+class SimulatedCrash(Exception):
+    pass
+
+
+@pytest.mark.parametrize("stage", ["model.h5", "marker"])
+def test_a_crash_mid_write_leaves_the_previous_checkpoint_in_charge(stage, shards, tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    assert run_train(run_dir, *shards, "train.steps=2") == 0
+    previous, folder = step_dir(run_dir, 2), run_dir / "checkpoints"
+    names_before, before = {p.name for p in folder.iterdir()}, file_digests(folder)
+
+    def crash_at(where):
+        if where == stage:
+            raise SimulatedCrash(where)
+
+    cfg = load_config(run_dir / "config.toml")
+    model = h5_datasets(previous / "model.h5")
+    optim = h5_datasets(previous / "optim.h5")
+    moments = tuple({k.split("/", 1)[1]: v for k, v in optim.items() if k.startswith(f"{which}/")} for which in "mv")
+    with pytest.raises(SimulatedCrash):
+        ckpt.save(str(run_dir), 3, cfg, model, moments, 3, ckpt.read_state(previous), crash_hook=crash_at)
+
+    # the partial checkpoint is there, unfinished; everything that was there before is untouched
+    partial = [p for p in folder.iterdir() if p.name not in names_before]
+    assert len(partial) == 1 and (partial[0] / "model.h5").exists() and not (partial[0] / "COMPLETE").exists()
+    after = file_digests(folder)
+    assert {k: v for k, v in after.items() if not k.startswith(partial[0].name + "/")} == before
+    assert ckpt.find_latest(str(run_dir)) == str(previous)
+    with pytest.raises(CheckpointError, match="incomplete"):
+        ckpt.resolve(str(partial[0]))
+
+    # training again resumes from the previous checkpoint and writes step 3 in full
+    capfd.readouterr()
+    assert run_train(run_dir, *shards, "train.steps=3") == 0
+    assert f"resumed from {previous} (step 2)" in capfd.readouterr().out
+    assert ckpt.find_latest(str(run_dir)) == str(step_dir(run_dir, 3))
+
+
+def test_an_unfinished_checkpoint_folder_is_never_loaded(shards, tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    assert run_train(run_dir, *shards, "train.steps=2") == 0
+    # a later step's folder holding every file but the completion marker, and `latest` naming it
+    unfinished = step_dir(run_dir, 9)
+    shutil.copytree(step_dir(run_dir, 2), unfinished)
+    (unfinished / "COMPLETE").unlink()
+    (run_dir / "checkpoints" / "latest").write_text(unfinished.name + "\n")
+
+    assert ckpt.find_latest(str(run_dir)) == str(step_dir(run_dir, 2))
+    assert_refused(capfd, ["train", "--config", str(TINY_CONFIG), "--set", f"train.run_dir={tmp_path / 'other'}",
+                           "--set", f"data.train={shards[0]}", "--set", f"data.val={shards[1]}",
+                           "--resume", str(unfinished)],
+                   tmp_path, str(unfinished), "incomplete")
+
+
+def test_keep_prunes_all_but_the_newest_checkpoints(shards, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_train(run_dir, *shards, "train.steps=5", "checkpoint.every=1", "checkpoint.keep=2") == 0
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_00000004", "step_00000005"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000005"
+    assert run_train(run_dir, *shards, "train.steps=7", "checkpoint.every=1", "checkpoint.keep=2") == 0
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_00000006", "step_00000007"]
+
+
+def truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def flip_one_bit(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [truncate, flip_one_bit], ids=["truncated", "bit-flipped"])
+def test_a_damaged_model_h5_is_refused_by_name(damage, shards, tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    assert run_train(run_dir, *shards, "train.steps=2") == 0
+    model_h5 = step_dir(run_dir, 2) / "model.h5"
+    damage(model_h5)
+
+    # resuming the run by itself (from `latest`), and explicitly into another run directory
+    same_run = ["train", "--config", str(TINY_CONFIG), "--set", f"train.run_dir={run_dir}", "--set", "train.steps=4",
+                "--set", f"data.train={shards[0]}", "--set", f"data.val={shards[1]}"]
+    assert_refused(capfd, same_run, tmp_path, model_h5)
+    other_run = [a.replace(str(run_dir), str(tmp_path / "other")) for a in same_run]
+    assert_refused(capfd, other_run + ["--resume", str(step_dir(run_dir, 2))], tmp_path, model_h5)
+    assert not (tmp_path / "other").exists()
+
+    if importlib.util.find_spec("boostmpi.tools.evaluate") is None:
+        pytest.skip("boostmpi eval is not there yet")
+    assert_refused(capfd, ["eval", str(run_dir), "--data", str(shards[1])], tmp_path, model_h5)
