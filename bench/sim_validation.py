@@ -35,6 +35,7 @@ LAYOUTS = {
     "tp2-btp": {"tp": 2, "tp_mode": "btp"},
     "tp2-vanilla": {"tp": 2, "tp_mode": "vanilla"},
     "tp2-btp-ungrouped-sync": {"tp": 2, "tp_mode": "btp", "grouped": False, "norm": "sync"},
+    "tp2-vanilla-ungrouped": {"tp": 2, "tp_mode": "vanilla", "grouped": False},
     "dp2": {"dp": 2},
     "pp2": {"pp": 2},
 }

@@ -19,8 +19,7 @@ from boostmpi.parallel.engine import Engine
 from boostmpi.train import checkpoint as ckpt
 from boostmpi.train.trainer import Trainer
 from train_helpers import (TINY_CONFIG, assert_refused, file_digests, h5_datasets, read_metrics, reproducible,
-                           run_train, write_text_shards)
-
+                           run_train, stop_signals_restored, write_text_shards)
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +79,9 @@ def test_round_trip_into_a_fresh_engine_gives_the_same_weights_and_loss(shards, 
     overrides = [f"train.run_dir={run_dir}", f"data.train={shards[0]}", f"data.val={shards[1]}",
                  "train.steps=3", "train.val_windows=8"]
     cfg = load_config(TINY_CONFIG, overrides=overrides)
-    trainer = Trainer(cfg)
-    trainer.train()
+    with stop_signals_restored():
+        trainer = Trainer(cfg)
+        trainer.train()
     x, y = trainer.val_x, trainer.val_y
 
     fresh = Engine(cfg)

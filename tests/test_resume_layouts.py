@@ -14,8 +14,8 @@ import pytest
 from boostmpi.cli import main
 from boostmpi.config import load_config
 from mpi_helpers import abort_on_error, assert_all_ranks, on_root, world
-from train_helpers import (TINY_CONFIG, h5_datasets, read_metrics, reproducible, train_argv, train_settings,
-                           write_text_shards)
+from train_helpers import (TINY_CONFIG, h5_datasets, read_metrics, reproducible, stop_signals_restored, train_argv,
+                           train_settings, write_text_shards)
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -78,7 +78,8 @@ def train_on_one_rank(run_dir, shards, resume=None):
         from boostmpi.train.trainer import Trainer
 
         cfg = load_config(TINY_CONFIG, overrides=train_settings(run_dir, *shards, *layout_settings(ONE_RANK)))
-        Trainer(cfg, world=None, resume=None if resume is None else str(resume)).train()
+        with stop_signals_restored():
+            Trainer(cfg, world=None, resume=None if resume is None else str(resume)).train()
 
     on_root(train)
 

@@ -4,13 +4,14 @@ progress line has its documented format."""
 
 import math
 import re
+import signal
 
 import numpy as np
 import pytest
 
 from boostmpi.config import load_config
 from boostmpi.data.shards import open_shard
-from train_helpers import read_metrics, run_train, write_text_shards
+from train_helpers import STOP_SIGNALS, read_metrics, run_train, write_text_shards
 
 STEPS = 300
 LOG_EVERY = 50
@@ -43,7 +44,10 @@ def unigram_entropy_nats(tokens):
 def test_training_on_text_beats_the_unigram_entropy(arch, text_shards, tmp_path, capfd):
     train_shard, val_shard = text_shards
     run_dir = tmp_path / "run"
+    handlers = [signal.getsignal(sig) for sig in STOP_SIGNALS]
     assert run_train(run_dir, train_shard, val_shard, f"model.arch={arch}", *LEARNING_SETTINGS) == 0
+    # the caller's stop-signal handlers are back: `timeout` can still end this test run
+    assert [signal.getsignal(sig) for sig in STOP_SIGNALS] == handlers
     out = capfd.readouterr().out
     rows = read_metrics(run_dir)
 

@@ -12,6 +12,8 @@ shard, so that both shards hold the same kind of text whatever the size.
 import hashlib
 import json
 import os
+import signal
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO / "configs" / "tiny.toml"
 VAL_EVERY = 10
 BLOCK_TOKENS = 2048
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # what the trainer takes over to checkpoint before stopping
 
 
 def write_text_shards(folder, max_bytes):
@@ -62,6 +65,18 @@ def train_argv(run_dir, train_shard, val_shard, *overrides, config=TINY_CONFIG, 
 def run_train(*args, **kwargs):
     """`boostmpi train` in this process (arguments as for `train_argv`); its exit status."""
     return main(train_argv(*args, **kwargs))
+
+
+@contextmanager
+def stop_signals_restored():
+    """Around a Trainer made in the test's own process: give the stop signals' handlers back after it,
+    or `timeout` could no longer end the test run (the train command does this itself)."""
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def read_metrics(run_dir):

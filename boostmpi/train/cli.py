@@ -1,5 +1,6 @@
 """`boostmpi train --config FILE [--set section.key=value ...] [--resume CHECKPOINT]`."""
 
+import signal
 import sys
 
 import numpy as np
@@ -17,8 +18,9 @@ def register(subparsers):
 
 
 def run(args):
-    from boostmpi.parallel.launch import init_mpi, run_guarded
+    from boostmpi.parallel.launch import STOP_SIGNALS, init_mpi, run_guarded
 
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     world, rank, size, local_rank = init_mpi()
 
     def body():
@@ -51,7 +53,14 @@ def run(args):
                   f"(metrics.jsonl, config.toml, checkpoints/)", flush=True)
         return 0
 
-    return run_guarded(body, world, rank)
+    try:
+        return run_guarded(body, world, rank)
+    finally:
+        # init_mpi and the trainer take over the stop signals; a caller in this process (a test) gets
+        # its own handlers back, or `timeout` could no longer end it
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def banner(cfg, config_path, size, local_rank):

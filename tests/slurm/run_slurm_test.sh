@@ -9,7 +9,7 @@
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PY="${PY:-$REPO/.venv/bin/python}"
-STEPS=150          # the tiny model: about 15 s of training with 4 ranks on 2 cores
+STEPS=200          # the tiny model: about 10 s of training with 4 ranks on 2 cores
 EVERY=50           # periodic checkpoints; the preemption one falls between them
 WAIT_S=150         # longest wait for any one stage
 

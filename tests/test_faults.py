@@ -1,0 +1,320 @@
+"""Fault tests: real 4-rank training jobs under mpiexec (each under `timeout`), killed, signalled,
+corrupted and broken on purpose.
+
+* kill -9 of one rank mid-step ends every rank within 30 s with a non-zero status, and the
+  restart continues the losses of an uninterrupted run exactly;
+* a kill while a checkpoint is being written leaves the previous one loadable and the partial
+  one ignored;
+* SIGTERM writes a checkpoint and exits 0; the rerun resumes and ends like the uninterrupted run;
+* a truncated or bit-flipped model.h5 is refused (exit 2) with a message naming the file;
+* an exception on one rank ends every rank within seconds, naming the rank;
+* the watchdog ends a collective that a peer never joins, naming the axis and the call.
+
+Faults inside a rank are injected by a small launcher (FAULT_LAUNCHER) that patches one function
+before running the real `boostmpi` command line; nothing in the package is test-only.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+MPIEXEC = shutil.which("mpiexec", path=str(Path(PY).parent)) or shutil.which("mpiexec")
+RANKS = 4
+STEPS = 120
+EVERY = 10
+JOB_TIMEOUT_S = 90  # the `timeout` around every mpiexec: a hang fails the test instead of the suite
+
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec next to the interpreter or on PATH")
+
+FAULT_LAUNCHER = textwrap.dedent('''
+    """Runs `boostmpi ARGS...` with one fault injected, chosen by BOOSTMPI_FAULT."""
+    import os
+    import signal
+    import sys
+
+    from mpi4py import MPI
+
+    fault = os.environ["BOOSTMPI_FAULT"]
+    rank = MPI.COMM_WORLD.Get_rank()
+    if fault == "raise-on-rank-2":  # an exception in the middle of training, on one rank only
+        from boostmpi.data import shards
+
+        next_batch = shards.TrainLoader.next_batch
+        calls = [0]
+
+        def failing_next_batch(self):
+            calls[0] += 1
+            if rank == 2 and calls[0] == 5:
+                raise RuntimeError("injected failure")
+            return next_batch(self)
+
+        shards.TrainLoader.next_batch = failing_next_batch
+    elif fault.startswith("kill-while-saving-step-"):  # SIGKILL between model.h5 and the rest
+        from boostmpi.train import checkpoint
+
+        kill_step = int(fault.rsplit("-", 1)[1])
+        save = checkpoint.save
+
+        def save_then_die(run_dir, step, *args, **kwargs):
+            if step == kill_step:
+                kwargs["crash_hook"] = lambda stage: os.kill(os.getpid(), signal.SIGKILL) if stage == "model.h5" else None
+            return save(run_dir, step, *args, **kwargs)
+
+        checkpoint.save = save_then_die
+    from boostmpi.cli import main
+
+    sys.exit(main(sys.argv[1:]))
+''')
+
+WATCHDOG_SCRIPT = textwrap.dedent('''
+    """Rank 1 never joins the second all-reduce; rank 0's watchdog must end the job."""
+    import sys
+    import time
+
+    import numpy as np
+    from mpi4py import MPI
+
+    from boostmpi.parallel.comm import CommCounter, Group, configure_watchdog
+
+    configure_watchdog(float(sys.argv[1]))
+    group = Group("tp", MPI.COMM_WORLD.Dup(), CommCounter())
+    buf = np.ones(8)
+    group.allreduce(buf)
+    assert buf[0] == 2.0
+    if group.rank == 1:
+        time.sleep(60)  # stuck outside MPI
+    group.allreduce(buf)
+''')
+
+
+def _env(**extra):
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.update(extra)
+    return env
+
+
+def _train_argv(run_dir, program=("-m", "boostmpi"), steps=STEPS):
+    return ["timeout", str(JOB_TIMEOUT_S), MPIEXEC, "-n", str(RANKS), PY, *program, "train",
+            "--config", "configs/tiny.toml", "--set", "parallel.tp=2", "--set", "parallel.dp=2",
+            "--set", f"train.run_dir={run_dir}", "--set", f"train.steps={steps}", "--set", f"checkpoint.every={EVERY}"]
+
+
+def _run(argv, **env):
+    """(exit status, output, seconds) of a command that must end by itself."""
+    t0 = time.monotonic()
+    p = subprocess.run(argv, cwd=REPO, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=JOB_TIMEOUT_S + 30)
+    return p.returncode, p.stdout, time.monotonic() - t0
+
+
+def _start(argv, log, **env):
+    return subprocess.Popen(argv, cwd=REPO, env=_env(**env), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def _losses(run_dir):
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if line.strip()]
+    return [(r["step"], r["loss"]) for r in rows]
+
+
+def _wait_for_rows(run_dir, n, proc):
+    path = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the job ended (status {proc.returncode}) before it wrote {n} steps")
+        if path.exists() and sum(1 for line in open(path) if line.strip()) >= n:
+            return
+        time.sleep(0.01)
+    pytest.fail(f"no {n} steps in {path} after {JOB_TIMEOUT_S} s")
+
+
+def _rank_pids(root_pid):
+    """{MPI rank: pid} of the ranks started under `root_pid` (found through /proc, by PMI_RANK)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    ranks, todo = {}, [root_pid]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        rank = next((v[len(b"PMI_RANK="):] for v in environ if v.startswith(b"PMI_RANK=")), None)
+        if rank is not None and pid != root_pid:
+            ranks[int(rank)] = pid
+    return ranks
+
+
+def _alive(pid):
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_ranks(proc, n=RANKS):
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        ranks = _rank_pids(proc.pid)
+        if len(ranks) == n:
+            return ranks
+        time.sleep(0.05)
+    pytest.fail(f"did not find {n} rank processes under pid {proc.pid}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The losses of an uninterrupted run."""
+    run_dir = tmp_path_factory.mktemp("faults") / "reference"
+    status, out, _ = _run(_train_argv(run_dir))
+    assert status == 0, out
+    losses = _losses(run_dir)
+    assert [s for s, _ in losses] == list(range(1, STEPS + 1))
+    return losses
+
+
+def test_kill_9_of_one_rank_ends_all_and_the_restart_continues_exactly(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    proc = _start(_train_argv(run_dir), tmp_path / "first.log")
+    try:
+        ranks = _wait_ranks(proc)
+        _wait_for_rows(run_dir, 35, proc)
+        killed_at = time.monotonic()
+        os.kill(ranks[1], signal.SIGKILL)
+        proc.wait(timeout=60)
+        ended_in = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "first.log").read_text()
+    assert proc.returncode != 0, log
+    assert ended_in < 30, f"the job took {ended_in:.1f} s to end after one rank was killed"
+    assert not any(_alive(pid) for pid in ranks.values()), "a rank outlived the job"
+    assert "done: step" not in log
+
+    from boostmpi.train.checkpoint import find_latest
+
+    latest = find_latest(str(run_dir))
+    assert latest is not None
+    resumed_step = int(Path(latest).name.split("_")[1])
+    assert 0 < resumed_step < STEPS
+
+    status, out, _ = _run(_train_argv(run_dir))
+    assert status == 0, out
+    assert f"resumed from {latest} (step {resumed_step})" in out
+    assert _losses(run_dir) == reference  # exactly: same steps, bit-identical losses
+
+
+def test_kill_during_checkpoint_writing_keeps_the_previous_checkpoint(tmp_path, reference):
+    from boostmpi.errors import CheckpointError
+    from boostmpi.train import checkpoint
+
+    run_dir = tmp_path / "run"
+    kill_step = 3 * EVERY
+    fault = f"kill-while-saving-step-{kill_step}"
+    status, out, seconds = _run(_train_argv(run_dir, program=("-c", FAULT_LAUNCHER)), BOOSTMPI_FAULT=fault)
+    assert status != 0, out
+    assert seconds < 30, out
+
+    root = run_dir / "checkpoints"
+    partial = [p for p in root.iterdir() if p.name.startswith(f".step_{kill_step:08d}.tmp")]
+    assert len(partial) == 1 and (partial[0] / "model.h5").exists(), sorted(os.listdir(root))
+    assert not (partial[0] / checkpoint.MARKER).exists()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        checkpoint.resolve(str(partial[0]))
+    previous = root / f"step_{kill_step - EVERY:08d}"
+    assert (root / "latest").read_text().strip() == previous.name
+    assert checkpoint.find_latest(str(run_dir)) == str(previous)
+    checkpoint.verify(str(previous))  # loadable: every file matches its recorded SHA-256
+
+    status, out, _ = _run(_train_argv(run_dir))
+    assert status == 0, out
+    assert f"resumed from {previous} (step {kill_step - EVERY})" in out
+    assert _losses(run_dir) == reference
+
+
+def test_sigterm_writes_a_checkpoint_exits_cleanly_and_the_rerun_resumes(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    proc = _start(_train_argv(run_dir), tmp_path / "first.log")
+    try:
+        ranks = _wait_ranks(proc)
+        _wait_for_rows(run_dir, 15, proc)
+        for pid in ranks.values():  # as Slurm does at a time limit: every task gets the signal
+            os.kill(pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "first.log").read_text()
+    assert proc.returncode == 0, log
+    assert "stopped by signal at step" in log, log
+    stopped = int(log.split("stopped by signal at step ")[1].split(":")[0])
+    assert 15 <= stopped < STEPS
+
+    from boostmpi.train.checkpoint import find_latest
+
+    latest = find_latest(str(run_dir))
+    assert latest == str(run_dir / "checkpoints" / f"step_{stopped:08d}")
+
+    status, out, _ = _run(_train_argv(run_dir))
+    assert status == 0, out
+    assert f"resumed from {latest} (step {stopped})" in out
+    assert _losses(run_dir) == reference
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip-a-bit"])
+def test_a_damaged_model_h5_is_refused_naming_the_file(tmp_path, reference, damage):
+    run_dir = tmp_path / "run"
+    status, out, _ = _run(_train_argv(run_dir, steps=EVERY))
+    assert status == 0, out
+    model = run_dir / "checkpoints" / f"step_{EVERY:08d}" / "model.h5"
+    data = bytearray(model.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0x10
+    model.write_bytes(bytes(data))
+
+    status, out, seconds = _run(_train_argv(run_dir, steps=2 * EVERY))
+    assert status == 2, out
+    assert str(model) in out
+    assert ("truncated" if damage == "truncate" else "corrupted") in out
+    assert "Traceback" not in out
+    assert seconds < 30
+
+
+def test_an_exception_on_one_rank_ends_every_rank_quickly(tmp_path):
+    status, out, seconds = _run(_train_argv(tmp_path / "run", program=("-c", FAULT_LAUNCHER)),
+                                BOOSTMPI_FAULT="raise-on-rank-2")
+    assert status == 1, out
+    assert "rank 2: unhandled RuntimeError: injected failure" in out
+    assert "Traceback (most recent call last)" in out
+    assert seconds < 20, f"the job took {seconds:.1f} s to end"
+
+
+def test_the_watchdog_ends_a_collective_that_a_peer_never_joins():
+    status, out, seconds = _run(["timeout", "60", MPIEXEC, "-n", "2", PY, "-c", WATCHDOG_SCRIPT, "1.0"])
+    assert status != 0 and status != 124, out  # ended by the watchdog, not by `timeout`
+    assert "watchdog: rank 0: Allreduce of 64 bytes on the tp axis has waited" in out, out
+    assert "parallel.watchdog_s = 1" in out
+    assert "group.allreduce(buf)" in out  # where the rank was waiting
+    assert seconds < 20
