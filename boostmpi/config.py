@@ -18,10 +18,7 @@ import numbers
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
+import tomllib
 
 from boostmpi.errors import ConfigError
 
@@ -300,19 +297,23 @@ class Config:
 # -- building a Config --------------------------------------------------------------------
 
 
-def load_config(path, overrides=(), world_size=None):
-    """Read a TOML file, apply `section.key=value` overrides, resolve and validate."""
+def read_toml(path, what="config file", error=ConfigError):
+    """A TOML file as a dict; a missing, unreadable or invalid file is one `error` naming it."""
     path = Path(path)
     try:
         with path.open("rb") as fh:
-            document = tomllib.load(fh)
+            return tomllib.load(fh)
     except FileNotFoundError:
-        raise _error(f"config file {path} not found") from None
+        raise error(f"{what} {path} not found") from None
     except OSError as exc:
-        raise _error(f"cannot read config file {path}: {exc.strerror or exc}") from None
+        raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise _error(f"config file {path} is not valid TOML: {exc}") from None
-    return config_from_dict(document, overrides, world_size)
+        raise error(f"{what} {path} is not valid TOML: {' '.join(str(exc).split())}") from None
+
+
+def load_config(path, overrides=(), world_size=None):
+    """Read a TOML file, apply `section.key=value` overrides, resolve and validate."""
+    return config_from_dict(read_toml(path), overrides, world_size)
 
 
 def config_from_dict(d, overrides=(), world_size=None):

@@ -316,5 +316,5 @@ def test_the_watchdog_ends_a_collective_that_a_peer_never_joins():
     assert status != 0 and status != 124, out  # ended by the watchdog, not by `timeout`
     assert "watchdog: rank 0: Allreduce of 64 bytes on the tp axis has waited" in out, out
     assert "parallel.watchdog_s = 1" in out
-    assert "group.allreduce(buf)" in out  # where the rank was waiting
+    assert "is waiting in:" in out and ", in allreduce" in out  # the stack of the waiting rank
     assert seconds < 20

@@ -10,11 +10,6 @@ import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-
 from boostmpi.errors import UserError
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
@@ -118,17 +113,9 @@ def load_machine(name_or_path):
 
 
 def machine_from_file(path):
-    path = Path(path)
-    try:
-        with path.open("rb") as fh:
-            document = tomllib.load(fh)
-    except FileNotFoundError:
-        raise UserError(f"machine profile {path} not found") from None
-    except OSError as exc:
-        raise UserError(f"cannot read machine profile {path}: {exc.strerror or exc}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"machine profile {path} is not valid TOML: {' '.join(str(exc).split())}") from None
-    return machine_from_dict(document, source=str(path))
+    from boostmpi.config import read_toml
+
+    return machine_from_dict(read_toml(path, "machine profile", UserError), source=str(path))
 
 
 def machine_from_dict(document, source="profile"):
