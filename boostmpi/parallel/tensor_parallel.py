@@ -71,6 +71,24 @@ def _concat_cols(mats):
     return mats[0] if len(mats) == 1 else xp.concatenate(mats, axis=1)
 
 
+def grouped_matmul(lefts, rights, batched=True):
+    """[l @ r for l, r in pairs]; with `batched`, pairs of equal shapes run as one batched GEMM
+    (the grouped B factors: gate/up, and k/v, whose shapes agree)."""
+    xp = get_array_module(lefts[0])
+    outs = [None] * len(lefts)
+    by_shape = {}
+    for j, (l, r) in enumerate(zip(lefts, rights)):
+        by_shape.setdefault((l.shape, r.shape) if batched else j, []).append(j)
+    for idx in by_shape.values():
+        if len(idx) == 1:
+            outs[idx[0]] = lefts[idx[0]] @ rights[idx[0]]
+            continue
+        stacked = xp.matmul(xp.stack([lefts[j] for j in idx]), xp.stack([rights[j] for j in idx]))
+        for k, j in enumerate(idx):
+            outs[j] = stacked[k]
+    return outs
+
+
 def _col_slices(widths):
     out, start = [], 0
     for w in widths:
@@ -197,7 +215,7 @@ class BottleneckTP(_Strategy):
             tape.record((Z, rstd))
         Zs = layers.silu_forward(Z) if self.act else Z
         sl = _col_slices([A.shape[1] for A in As])
-        outs = [Zs[:, s] @ P[f"{nm}/B"] for s, nm in zip(sl, names)]
+        outs = grouped_matmul([Zs[:, s] for s in sl], [P[f"{nm}/B"] for nm in names], self.grouped)
         return outs, (x, xw, norm_name, Z, Zs, rstd, names, sl)
 
     def _reduce_bottleneck(self, x, xw, As, with_norm):
@@ -243,12 +261,13 @@ class BottleneckTP(_Strategy):
         x, xw, norm_name, Z, Zs, rstd, names, sl = cache
         xp = get_array_module(x)
         dZs = xp.empty_like(Z)
-        for s, nm, dy in zip(sl, names, douts):
-            dZs[:, s] = dy @ P[f"{nm}/B"].T
+        Bs = [P[f"{nm}/B"] for nm in names]
+        for s, d in zip(sl, grouped_matmul(douts, [B.T for B in Bs], self.grouped)):
+            dZs[:, s] = d
         # copy-to-region backward: sum the partial dZ of every rank, started before dB's GEMMs
         with _Pending(self.tp, dZs, sl, self.grouped):
-            for s, nm, dy in zip(sl, names, douts):
-                Gr[f"{nm}/B"] += Zs[:, s].T @ dy
+            for nm, dB in zip(names, grouped_matmul([Zs[:, s].T for s in sl], douts, self.grouped)):
+                Gr[f"{nm}/B"] += dB
         dZ = layers.silu_backward(dZs, Z) if self.act else dZs
         As = [P[f"{nm}/A"] for nm in names]
         if norm_name is None:
