@@ -129,7 +129,7 @@ def profile_sections(torch, train_step, model, topt, x, y, xt, yt, args):
     events = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:args.top]
     rows = [[f"`{e.key}`", f"{e.count / steps:.0f}", f"{e.self_cpu_time_total / 1e3 / steps:.1f}",
              f"{100 * e.self_cpu_time_total / total_us:.1f}%"] for e in events]
-    torch_part = (f"### torch step profile (torch.profiler, {steps} steps)\n\n"
+    torch_part = (f"### torch step profile (torch.profiler, wall time, {steps} steps)\n\n"
                   + common.markdown_table(["operator", "calls/step", "self ms/step", "self share"], rows))
     return [boost, torch_part]
 

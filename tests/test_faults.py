@@ -67,7 +67,11 @@ FAULT_LAUNCHER = textwrap.dedent('''
 
         def save_then_die(run_dir, step, *args, **kwargs):
             if step == kill_step:
-                kwargs["crash_hook"] = lambda stage: os.kill(os.getpid(), signal.SIGKILL) if stage == "model.h5" else None
+                def die_after_model_h5(stage):
+                    if stage == "model.h5":
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+                kwargs["crash_hook"] = die_after_model_h5
             return save(run_dir, step, *args, **kwargs)
 
         checkpoint.save = save_then_die

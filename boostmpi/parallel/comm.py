@@ -94,12 +94,14 @@ class Watchdog:
         from mpi4py import MPI
 
         world = MPI.COMM_WORLD
-        what = call + (f" of {nbytes} bytes" if nbytes is not None else "") + (f" with {axis} rank {peer}" if peer is not None else "")
+        rank = world.Get_rank()
+        what = call + (f" of {nbytes} bytes" if nbytes is not None else "")
+        what += f" with {axis} rank {peer}" if peer is not None else ""
         main = sys._current_frames().get(threading.main_thread().ident)
         stack = "".join(traceback.format_stack(main)) if main is not None else ""
-        print(f"watchdog: rank {world.Get_rank()}: {what} on the {axis} axis has waited {time.monotonic() - start:.0f} s, "
+        print(f"watchdog: rank {rank}: {what} on the {axis} axis has waited {time.monotonic() - start:.0f} s, "
               f"longer than parallel.watchdog_s = {self.seconds:g}; a peer rank is stuck or dead; aborting the job\n"
-              f"rank {world.Get_rank()} is waiting in:\n{stack}", file=sys.stderr, flush=True)
+              f"rank {rank} is waiting in:\n{stack}", file=sys.stderr, flush=True)
         time.sleep(0.5)  # lets the launcher forward the message before the abort tears the job down
         if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
             world.Abort(1)
@@ -173,7 +175,8 @@ class Group:
 
         self._count_collective(buf.nbytes)
         self._sync()
-        return _WatchedRequest(self.comm.Iallreduce(MPI.IN_PLACE, _mpi_buf(buf), op=MPI.SUM), self, "Iallreduce", buf.nbytes)
+        req = self.comm.Iallreduce(MPI.IN_PLACE, _mpi_buf(buf), op=MPI.SUM)
+        return _WatchedRequest(req, self, "Iallreduce", buf.nbytes)
 
     def allgather(self, buf):
         """Concatenate every member's `buf` along a new leading dim: [size, *buf.shape]."""
@@ -197,11 +200,12 @@ class Group:
     def isend(self, buf, dest, tag=0):
         self.counter.add(self.axis, buf.nbytes)
         self._sync()
-        return _WatchedRequest(self.comm.Isend(_mpi_buf(buf), dest=dest, tag=tag), self, "Isend", buf.nbytes, dest, timed=False)
+        req = self.comm.Isend(_mpi_buf(buf), dest=dest, tag=tag)
+        return _WatchedRequest(req, self, "Isend", buf.nbytes, dest, timed=False)
 
     def irecv(self, buf, source, tag=0):
-        return _WatchedRequest(self.comm.Irecv(_mpi_buf(buf), source=source, tag=tag), self, "Irecv", buf.nbytes, source,
-                               timed=False)
+        req = self.comm.Irecv(_mpi_buf(buf), source=source, tag=tag)
+        return _WatchedRequest(req, self, "Irecv", buf.nbytes, source, timed=False)
 
 
 class _WatchedRequest:

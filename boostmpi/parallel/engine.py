@@ -7,7 +7,7 @@ over this data-parallel rank's micro-batches and leaves the global-mean gradient
 
 import numpy as np
 
-from boostmpi.backend import compute_dtype, get_xp, param_dtype
+from boostmpi.backend import compute_dtype, get_xp, keep_host_memory, param_dtype
 from boostmpi.model import layers
 from boostmpi.model.params import FlatBuffer, init_global, param_specs, stage_layers
 from boostmpi.model.transformer import block_backward, block_forward
@@ -43,7 +43,9 @@ class Engine:
         m, par, tr = cfg.model, cfg.parallel, cfg.train
         self.xp = get_xp(tr.device)
         sync, use_nccl = None, False
-        if self.xp is not np:
+        if self.xp is np:
+            keep_host_memory()
+        else:
             from boostmpi.parallel.nccl import select_device
 
             self.device_id = select_device(local_rank)

@@ -1,8 +1,8 @@
 """Start-up that works under any launcher (mpiexec, srun --mpi=pmi2, PALS) and abort semantics.
 
 Rank, world size and local rank come from MPI itself (a shared-memory split), never from a
-launcher's environment variables; the GPU is chosen by local rank. An unhandled exception on any
-rank ends the whole job with MPI_Abort after printing the rank and traceback; bad input
+launcher's environment variables; the engine picks the GPU by local rank. An unhandled exception
+on any rank ends the whole job with MPI_Abort after printing the rank and traceback; bad input
 (UserError) is printed once. A hung collective is ended by the watchdog in parallel/comm.py.
 """
 
@@ -37,10 +37,13 @@ def init_mpi():
     """
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, _record_stop_signal)
+    try:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _record_stop_signal)
+        faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
+    except ValueError:  # not the main thread (an embedding program): leave its signals alone
+        pass
     faulthandler.enable(all_threads=True)
-    faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
@@ -49,20 +52,6 @@ def init_mpi():
     local_rank = local.Get_rank()
     local.Free()
     return (world if size > 1 else None), rank, size, local_rank
-
-
-def select_device(local_rank):
-    """Make GPU `local_rank % visible GPUs` CuPy's current device and return its id.
-
-    One rank per GPU either way: when the launcher binds one GPU per rank (srun --gpus-per-task=1,
-    Polaris's wrapper) each rank sees one device (id 0); when every rank sees the node's GPUs, the
-    local rank picks one.
-    """
-    import cupy
-
-    device = local_rank % cupy.cuda.runtime.getDeviceCount()
-    cupy.cuda.Device(device).use()
-    return device
 
 
 def mpi_library():

@@ -4,13 +4,13 @@
 # is the production one (jobs/common.sh, launched with `srun --mpi=pmi2 --overcommit`). The job
 # must train, be preempted by a signal to its batch shell (like `--signal=B:USR1@120`), checkpoint,
 # requeue itself, resume and finish (DONE). Then it stops the daemons it started.
-# Needs root and apt-get (to install the packages when missing); otherwise it prints why it
-# skips and exits 0. Exit status 1 when a check fails.
+# Needs root, .venv, and Slurm installed or apt-get able to install it; otherwise it prints why
+# it skips and exits 0. Exit status 1 when a check fails.
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PY="${PY:-$REPO/.venv/bin/python}"
-STEPS=200          # the tiny model: about 10 s of training with 4 ranks on 2 cores
-EVERY=50           # periodic checkpoints; the preemption one falls between them
+STEPS=400          # the tiny model: 10-20 s of training with 4 ranks on 2 cores; the signal must come first
+EVERY=100          # periodic checkpoints; the preemption one falls between them
 WAIT_S=150         # longest wait for any one stage
 
 skip() { echo "skipped: $*"; exit 0; }
@@ -23,9 +23,8 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
   echo "installing slurmctld slurmd munge slurm-client with apt-get"
   if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
          slurmctld slurmd munge slurm-client; } >/tmp/boostmpi-slurm-apt.log 2>&1; then
-    tail -20 /tmp/boostmpi-slurm-apt.log
-    echo "FAILED: apt-get could not install Slurm (log above)"
-    exit 1
+    tail -5 /tmp/boostmpi-slurm-apt.log
+    skip "apt-get could not install slurmctld, slurmd and munge (log above; offline?)"
   fi
 fi
 
@@ -126,8 +125,8 @@ JOB_ID="$(sbatch --parsable "$WORK/job.sbatch")" || fail "sbatch refused the job
 echo "[${SECONDS} s] submitted job $JOB_ID"
 
 metric_rows() { [ -f "$RUN_DIR/metrics.jsonl" ] && wc -l < "$RUN_DIR/metrics.jsonl" || echo 0; }
-trained_a_little() { [ "$(metric_rows)" -ge 20 ]; }
-wait_for "$WAIT_S" "the job to train 20 steps" trained_a_little
+trained_a_little() { [ "$(metric_rows)" -ge 10 ]; }
+wait_for "$WAIT_S" "the job to train 10 steps" trained_a_little
 echo "[${SECONDS} s] training ($(metric_rows) steps): preempting with SIGUSR1 to the batch shell"
 scancel --batch --signal=USR1 "$JOB_ID" || fail "scancel --batch --signal=USR1 failed"
 
