@@ -11,6 +11,7 @@ from boostmpi.backend import compute_dtype, get_xp, keep_host_memory, param_dtyp
 from boostmpi.model import layers
 from boostmpi.model.params import FlatBuffer, init_global, param_specs, stage_layers
 from boostmpi.model.transformer import block_backward, block_forward
+from boostmpi.parallel.comm import WATCHDOG, configure_watchdog
 from boostmpi.parallel.grid import ProcessGrid
 from boostmpi.parallel.pipeline import one_f_one_b
 from boostmpi.parallel.tensor_parallel import Tape, make_strategy
@@ -52,6 +53,7 @@ class Engine:
             # MPI reads GPU buffers directly (CUDA-aware MPI): the producing stream must be done first
             sync = lambda: self.xp.cuda.get_current_stream().synchronize()  # noqa: E731
             use_nccl = par.comm in ("auto", "nccl")
+        configure_watchdog(par.watchdog_s)  # a collective waiting longer than this ends the job
         self.grid = ProcessGrid(world, par.tp, par.pp, par.dp, overlap=par.overlap, sync=sync, use_nccl=use_nccl)
         c = self.grid.coords
         self.stage, self.n_stages = c.pp, par.pp
@@ -231,7 +233,8 @@ class Engine:
         from mpi4py import MPI
 
         buf = np.array([value], dtype=np.float64)
-        self.grid.world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        with WATCHDOG.watching("world", "Allreduce"):
+            self.grid.world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         return float(buf[0])
 
     def grad_norm(self):

@@ -40,10 +40,13 @@ def init_mpi():
     try:
         for sig in STOP_SIGNALS:
             signal.signal(sig, _record_stop_signal)
-        faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
-    except ValueError:  # not the main thread (an embedding program): leave its signals alone
+        faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True, chain=False)
+    except (ValueError, AttributeError, OSError):  # not the main thread, or no real stderr: leave it be
         pass
-    faulthandler.enable(all_threads=True)
+    try:
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    except (AttributeError, OSError, ValueError):  # stderr replaced by something without a file descriptor
+        pass
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD

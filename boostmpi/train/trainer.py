@@ -43,7 +43,9 @@ class _Preemption:
     """SIGTERM / SIGUSR1 set a flag; the loop checkpoints at the next step boundary and exits cleanly."""
 
     def __init__(self):
-        self.signal = None
+        from boostmpi.parallel.launch import stop_signal_received
+
+        self.signal = stop_signal_received()  # one that arrived during start-up is not lost
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             try:
                 signal.signal(sig, self._handler)
