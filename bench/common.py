@@ -136,8 +136,22 @@ def machine_description(torch=None, mpi=False):
 
         library = MPI.Get_library_version().strip().splitlines()[0].strip()
         lines.append(f"mpi4py {mpi4py.__version__}, {library}")
+    lines.append(f"code: {code_version()}")
     lines.append("load average (1, 5, 15 min) at start: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     return lines
+
+
+def code_version():
+    """The commit measured, and whether the working tree had uncommitted changes (read-only git)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    return f"commit {commit or 'unknown'}" + (" + uncommitted changes" if dirty else "")
 
 
 def torch_blas(torch):
