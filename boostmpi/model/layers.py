@@ -128,19 +128,27 @@ def rope_backward(dy, cos, sin):
 
 
 # ---------------------------------------------------------------- causal attention with GQA
-def _causal_mask(T, G, dtype, xp):
-    """Additive mask [G*T, T]: row (g, t) may attend to t' <= t."""
-    tri = np.triu(np.full((T, T), -np.inf), k=1)
+# Tiled over query blocks (the flash-attention recipe): block j of queries only meets keys
+# 0..end_j, so the masked upper triangle is never computed, and only a [G*Bq, end_j] tile of
+# scores exists at a time. The backward recomputes each tile from the saved per-row log-sum-exp,
+# so nothing of size T x T is kept between forward and backward (T = 4096 fits).
+ATTENTION_BLOCK = 64
+
+
+def _blocks(T, block=None):
+    block = block or ATTENTION_BLOCK
+    return [(t0, min(T, t0 + block)) for t0 in range(0, T, block)]
+
+
+def _diag_mask(t0, t1, G, dtype, xp):
+    """Additive mask [G*(t1-t0), t1] for the query block t0..t1-1 against keys 0..t1-1."""
+    rows = np.arange(t0, t1)[:, None]
+    tri = np.where(np.arange(t1)[None, :] > rows, -np.inf, 0.0)
     return xp.asarray(np.tile(tri, (G, 1)), dtype=dtype)
 
 
-def _group_heads(x, B, T, Hkv, G, Dh):
-    """[B, T, Hkv*G, Dh] -> [B, Hkv, G*T, Dh]: the G query heads of a kv head stacked along rows."""
-    return x.reshape(B, T, Hkv, G, Dh).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, Dh)
-
-
-def _ungroup_heads(x, B, T, Hkv, G, Dh):
-    return x.reshape(B, Hkv, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(B, T, Hkv * G * Dh)
+def _softmax_dtype(dtype):
+    return np.promote_types(dtype, np.float32)  # scores and softmax in at least fp32
 
 
 # q [B, T, H, Dh], k, v [B, T, Hkv, Dh] -> o [B, T, H*Dh]
@@ -149,37 +157,55 @@ def attention_forward(q, k, v):
     B, T, H, Dh = q.shape
     Hkv = k.shape[2]
     G = H // Hkv
-    scale = 1.0 / np.sqrt(Dh)
-    qg = _group_heads(q * q.dtype.type(scale), B, T, Hkv, G, Dh)  # [B, Hkv, G*T, Dh]
-    kt = k.transpose(0, 2, 3, 1)  # [B, Hkv, Dh, T]
-    vt = v.transpose(0, 2, 1, 3)  # [B, Hkv, T, Dh]
-    probs = xp.matmul(qg, kt)  # [B, Hkv, G*T, T]
-    if probs.dtype.itemsize < 4:  # softmax in fp32 under bf16 compute
-        probs = probs.astype(np.float32)
-    probs += _causal_mask(T, G, probs.dtype, xp)
-    probs -= probs.max(axis=-1, keepdims=True)
-    xp.exp(probs, out=probs)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    probs = probs.astype(q.dtype, copy=False)
-    og = xp.matmul(probs, vt)  # [B, Hkv, G*T, Dh]
-    return _ungroup_heads(og, B, T, Hkv, G, Dh), (qg, kt, vt, probs)
+    scale = q.dtype.type(1.0 / np.sqrt(Dh))
+    qs = (q * scale).reshape(B, T, Hkv, G, Dh).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dh]
+    kh = xp.ascontiguousarray(k.transpose(0, 2, 1, 3))  # [B, Hkv, T, Dh]
+    vh = xp.ascontiguousarray(v.transpose(0, 2, 1, 3))
+    out = xp.empty((B, Hkv, G, T, Dh), dtype=q.dtype)
+    lse = xp.empty((B, Hkv, G, T), dtype=_softmax_dtype(q.dtype))
+    for t0, t1 in _blocks(T):
+        n = t1 - t0
+        qb = qs[:, :, :, t0:t1].reshape(B, Hkv, G * n, Dh)
+        s = xp.matmul(qb, kh[:, :, :t1].transpose(0, 1, 3, 2)).astype(lse.dtype, copy=False)
+        s += _diag_mask(t0, t1, G, s.dtype, xp)
+        m = s.max(axis=-1, keepdims=True)
+        s -= m
+        xp.exp(s, out=s)
+        total = s.sum(axis=-1, keepdims=True)
+        s /= total
+        lse[:, :, :, t0:t1] = (m + xp.log(total)).reshape(B, Hkv, G, n)
+        out[:, :, :, t0:t1] = xp.matmul(s.astype(q.dtype, copy=False), vh[:, :, :t1]).reshape(B, Hkv, G, n, Dh)
+    o = out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * Dh)
+    return o, (qs, kh, vh, out, lse)
 
 
 def attention_backward(do, cache):
     """do [B, T, H*Dh] -> dq [B, T, H, Dh], dk, dv [B, T, Hkv, Dh]."""
     xp = get_array_module(do)
-    qg, kt, vt, probs = cache
-    B, Hkv, GT, Dh = qg.shape
-    T = kt.shape[-1]
-    G = GT // T
-    dog = _group_heads(do.reshape(B, T, Hkv * G, Dh), B, T, Hkv, G, Dh)
-    dv = xp.matmul(probs.transpose(0, 1, 3, 2), dog)  # [B, Hkv, T, Dh], summed over the G heads
-    dprobs = xp.matmul(dog, vt.transpose(0, 1, 3, 2))  # [B, Hkv, G*T, T]
-    dprobs -= (dprobs * probs).sum(axis=-1, keepdims=True)
-    dprobs *= probs  # now d(scores)
+    qs, kh, vh, out, lse = cache
+    B, Hkv, G, T, Dh = qs.shape
     scale = do.dtype.type(1.0 / np.sqrt(Dh))
-    dqg = xp.matmul(dprobs, kt.transpose(0, 1, 3, 2))
-    dqg *= scale
-    dk = xp.matmul(dprobs.transpose(0, 1, 3, 2), qg)  # qg already carries the scale
-    dq = _ungroup_heads(dqg, B, T, Hkv, G, Dh).reshape(B, T, Hkv * G, Dh)
+    dog = do.reshape(B, T, Hkv, G, Dh).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dh]
+    delta = (dog * out).sum(axis=-1, dtype=lse.dtype)  # rowsum(dO * O) = rowsum(P * dP)
+    dq = xp.empty((B, Hkv, G, T, Dh), dtype=do.dtype)
+    dk = xp.zeros((B, Hkv, T, Dh), dtype=do.dtype)
+    dv = xp.zeros((B, Hkv, T, Dh), dtype=do.dtype)
+    for t0, t1 in _blocks(T):
+        n = t1 - t0
+        qb = qs[:, :, :, t0:t1].reshape(B, Hkv, G * n, Dh)
+        dob = dog[:, :, :, t0:t1].reshape(B, Hkv, G * n, Dh)
+        kb, vb = kh[:, :, :t1], vh[:, :, :t1]
+        p = xp.matmul(qb, kb.transpose(0, 1, 3, 2)).astype(lse.dtype, copy=False)  # recomputed scores
+        p += _diag_mask(t0, t1, G, p.dtype, xp)
+        p -= lse[:, :, :, t0:t1].reshape(B, Hkv, G * n, 1)
+        xp.exp(p, out=p)
+        pc = p.astype(do.dtype, copy=False)
+        dv[:, :, :t1] += xp.matmul(pc.transpose(0, 1, 3, 2), dob)  # summed over the G query heads
+        ds = xp.matmul(dob, vb.transpose(0, 1, 3, 2)).astype(lse.dtype, copy=False)
+        ds -= delta[:, :, :, t0:t1].reshape(B, Hkv, G * n, 1)
+        ds *= p
+        dsc = ds.astype(do.dtype, copy=False)
+        dq[:, :, :, t0:t1] = (xp.matmul(dsc, kb) * scale).reshape(B, Hkv, G, n, Dh)
+        dk[:, :, :t1] += xp.matmul(dsc.transpose(0, 1, 3, 2), qb)  # qb already carries the scale
+    dq = dq.transpose(0, 3, 1, 2, 4).reshape(B, T, Hkv * G, Dh)
     return dq, dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)

@@ -36,7 +36,7 @@ def block_backward(dh, cache, P, Gr, tpx, rope):
     dg, du = layers.gate_backward(da, g, u, act)
     dh = dh + tpx.in_proj_backward([dg, du], c_gu, P, Gr)
     do = tpx.out_proj_backward(dh, c_o, P, Gr)
-    B, T = c_att[2].shape[0], c_att[2].shape[2]
+    B, T = c_att[1].shape[0], c_att[1].shape[2]
     dq, dk, dv = layers.attention_backward(do.reshape(B, T, -1), c_att)
     dq = layers.rope_backward(dq, *rope).reshape(B * T, -1)
     dk = layers.rope_backward(dk, *rope).reshape(B * T, -1)

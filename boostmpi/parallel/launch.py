@@ -63,6 +63,17 @@ def mpi_library():
     return MPI.Get_library_version().strip().splitlines()[0].strip()
 
 
+def abort_job(world, code):
+    """End every rank. The pause first lets the launcher forward what this rank just printed:
+    an abort tears the job down at once, and a message still in a pipe would be lost."""
+    import time
+
+    sys.stderr.flush()
+    sys.stdout.flush()
+    time.sleep(1.0)
+    world.Abort(code)
+
+
 def run_guarded(body, world, rank):
     """Run `body()`; on failure print once (bad input) or with rank and traceback, and end every rank."""
     try:
@@ -74,12 +85,12 @@ def run_guarded(body, world, rank):
         elif not getattr(exc, "all_ranks", True):
             print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         if world is not None and not getattr(exc, "all_ranks", True):
-            world.Abort(exc.exit_code)
+            abort_job(world, exc.exit_code)
         return exc.exit_code
     except BaseException as exc:  # noqa: BLE001 - any other failure ends the whole job, never a hang
         if isinstance(exc, SystemExit) and not exc.code:
             return 0
         print(f"rank {rank}: unhandled {type(exc).__name__}: {exc}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         if world is not None:
-            world.Abort(1)
+            abort_job(world, 1)
         return 1
