@@ -1,0 +1,141 @@
+"""GPU targets of issue 5, side by side in one run on one GPU (needs CuPy and a CUDA device; PyTorch
+with CUDA for the eager comparison):
+
+  1. RMSNorm kernel bandwidth against a device-to-device copy of the same bytes (target >= 70%);
+  2. the GPU's measured bf16 GEMM rate (8192^3);
+  3. one training step (forward + backward + AdamW) of a ~350M-parameter cola model (d=1024,
+     24 layers, 16 heads, r=256, T=1024, bf16): its model-FLOPs utilisation against (2)
+     (target >= 35%), and its time against PyTorch eager on the same model and GPU (target <= 1.0).
+
+    python bench/gpu_step.py [--batch 8] [--steps 5]
+
+Written and compiled-checked without a GPU (none was lent when it was written): its first run on a
+device is also its test. Model FLOPs per token: 6 x (matrix parameters) + 6 x L x T x d for causal
+attention (scores and values, half the square), the convention of the BOOST and Megatron papers.
+"""
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+
+def gpu_time(fn, repeats, warmup=2):
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.Device().synchronize()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    return float(np.median(times))
+
+
+def rmsnorm_bandwidth(N=16384, C=4096):
+    import cupy
+
+    from boostmpi.gpu import kernels
+
+    x = cupy.random.standard_normal((N, C), dtype=cupy.float32)
+    w = cupy.ones(C, dtype=cupy.float32)
+    y = cupy.empty_like(x)
+    moved = 2 * x.nbytes  # read x, write y (w and rstd are negligible)
+    t_norm = gpu_time(lambda: kernels.rmsnorm_forward(x, w, 1e-6), 20)
+    t_copy = gpu_time(lambda: y.__setitem__(Ellipsis, x), 20)
+    return moved / t_norm, moved / t_copy
+
+
+def gemm_rate(n=8192):
+    import cupy
+    import ml_dtypes
+
+    a = cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(ml_dtypes.bfloat16)
+    b = cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(ml_dtypes.bfloat16)
+    return 2 * n ** 3 / gpu_time(lambda: a @ b, 10)
+
+
+def model_flops_per_step(cfg, tokens):
+    m = cfg.model
+    matrix = 0
+    for _name, (d_in, d_out, r) in m.linear_shapes().items():
+        matrix += d_in * d_out if r is None else r * (d_in + d_out)
+    matrix = matrix * m.n_layers + m.d_model * m.vocab_size
+    return 6 * matrix * tokens + 6 * m.n_layers * m.seq_len * m.d_model * tokens
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    import cupy
+
+    from boostmpi.config import config_from_dict
+    from boostmpi.parallel.engine import Engine
+    from boostmpi.train.optim import AdamW
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    print(f"device: {props['name'].decode()} | CuPy {cupy.__version__} | {platform.node()}")
+    bw_norm, bw_copy = rmsnorm_bandwidth()
+    print(f"rmsnorm {bw_norm / 1e9:.0f} GB/s vs copy {bw_copy / 1e9:.0f} GB/s: {bw_norm / bw_copy:.0%} (target >= 70%)")
+    peak = gemm_rate()
+    print(f"bf16 GEMM 8192^3: {peak / 1e12:.0f} TFLOP/s")
+
+    model = dict(arch="cola", vocab_size=32000, d_model=1024, n_layers=24, n_heads=16, rank=256, seq_len=1024)
+    cfg = config_from_dict({"model": model, "train": {"device": "gpu", "dtype": "bfloat16", "micro_batch_size": args.batch}})
+    eng = Engine(cfg)
+    opt = AdamW(eng.params, eng.specs, cfg.train, eng.xp)
+    x = np.random.default_rng(0).integers(0, model["vocab_size"], (args.batch, model["seq_len"] + 1))
+    mb = [(x[:, :-1], x[:, 1:])]
+
+    def ours():
+        eng.forward_backward(mb)
+        opt.step(eng.grads, 1e-4)
+
+    t_ours = gpu_time(ours, args.steps)
+    flops = model_flops_per_step(cfg, args.batch * model["seq_len"])
+    print(f"boostmpi step {t_ours * 1e3:.1f} ms | {flops / t_ours / 1e12:.0f} TFLOP/s | MFU vs measured GEMM rate "
+          f"{flops / t_ours / peak:.0%} (target >= 35%)")
+
+    import torch
+
+    from torch_llama import TorchLlama
+
+    params = {s.name: cupy.asnumpy(eng.params[s.name]) for s in eng.specs}
+    tm = TorchLlama(cfg.to_dict()["model"], params, dtype=torch.bfloat16).cuda()
+    topt = torch.optim.AdamW(tm.parameters(), lr=1e-4)
+    xt, yt = torch.tensor(x[:, :-1]).cuda(), torch.tensor(x[:, 1:]).cuda()
+
+    def theirs():
+        topt.zero_grad()
+        tm(xt, yt).backward()
+        topt.step()
+
+    for _ in range(2):
+        theirs()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        theirs()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    t_torch = float(np.median(times))
+    print(f"pytorch eager step {t_torch * 1e3:.1f} ms | boostmpi / pytorch = {t_ours / t_torch:.2f} (target <= 1.0)")
+
+
+if __name__ == "__main__":
+    main()
