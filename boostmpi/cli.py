@@ -7,6 +7,7 @@ line names them, so `boostmpi sim` never imports MPI and `boostmpi data` never i
 
 import argparse
 import importlib
+import os
 import sys
 
 from boostmpi.errors import UserError
@@ -56,3 +57,6 @@ def main(argv=None):
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # output piped into `head` and the like: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

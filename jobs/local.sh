@@ -48,5 +48,9 @@ if [ "${BOOSTMPI_DRY_RUN:-0}" != 1 ]; then
   echo "  run directory  $RUN_DIR (resolved configuration: $RUN_DIR/config.toml)"
   echo "  metrics        $RUN_DIR/metrics.jsonl (one JSON object per step)"
   echo "  checkpoints    $RUN_DIR/checkpoints/ (newest complete one: $RUN_DIR/checkpoints/latest)"
+  echo "next:"
+  echo "  $PY -m boostmpi inspect $RUN_DIR"
+  echo "  $PY -m boostmpi generate $RUN_DIR --prompt 'def main('"
+  echo "  $PY -m boostmpi plot $RUN_DIR --out $RUN_DIR/curves.png"
 fi
 exit "$status"
