@@ -29,7 +29,7 @@ export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 if [ "${BOOSTMPI_DRY_RUN:-0}" = 1 ]; then
   PY="${BOOSTMPI_VENV:-$PWD/.venv}/bin/python"
 else
-  setup_venv
+  setup_venv plot
 fi
 MPIEXEC="$(dirname "$PY")/mpiexec"            # the MPICH that mpi4py was installed with
 [ -x "$MPIEXEC" ] || MPIEXEC=mpiexec
