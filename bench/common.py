@@ -148,7 +148,8 @@ def code_version():
 
     try:
         commit = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        # the results file itself changes with every appended block: not a change to what is measured
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/RESULTS.md")
     except (OSError, subprocess.SubprocessError):
         return "unknown (no git)"
     return f"commit {commit or 'unknown'}" + (" + uncommitted changes" if dirty else "")

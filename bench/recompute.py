@@ -8,7 +8,9 @@ slowest rank's.
 
 Memory, three ways, each per case and the largest over the ranks:
   saved activations  Engine.saved_activation_bytes: what the forward keeps for the backward,
-                     per micro-batch (the step has one micro-batch);
+                     per micro-batch (the step has one micro-batch), split into the mean per
+                     layer (Engine.saved_activation_bytes_per_layer) and the rest (token ids,
+                     the head's cache), which no recompute mode touches;
   step peak          tracemalloc's peak during one extra, untimed step, tracing started just
                      before it: the most bytes allocated during the step and alive at once
                      (numpy reports its array buffers to tracemalloc). Resident parameters,
@@ -51,6 +53,9 @@ def main():
     p.add_argument("--ranks", type=int, default=2, help="MPI ranks = tp size (default %(default)s)")
     p.add_argument("--timeout", type=int, default=240, help="seconds before an mpiexec launch is killed")
     p.add_argument("--no-rss", action="store_true", help="skip the per-mode launches that measure peak RSS")
+    p.add_argument("--profile-steps", type=int, default=1,
+                   help="cProfile this many steps of each recompute mode (overlap on) on rank 0; 0 = none")
+    p.add_argument("--top", type=int, default=10, help="hot spots listed per profile")
     # set by the script for its own launches
     p.add_argument("--rss-only", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--rss-dir", help=argparse.SUPPRESS)
@@ -113,30 +118,40 @@ def measure(args, world):
     rank0 = world.Get_rank() == 0
     machine = common.machine_description(mpi=True) if rank0 else None
     x, y = common.random_batch(MODEL, args.batch)
-    steps, saved, traffic, first_loss, engines, waits = {}, {}, {}, {}, {}, {}
+    steps, saved, saved_split, traffic, first_loss, train_steps, waits = {}, {}, {}, {}, {}, {}, {}
     for name, (mode, overlap) in CASES.items():
         _cfg, engine, _opt, step = build(args, world, mode, overlap)
         engine.grid.counter.reset()
         first_loss[name] = step(x, y)  # also the first warm-up step
         counted = engine.grid.counter.snapshot()
         traffic[name] = counted["bytes"]["tp"], counted["calls"]["tp"]
+        in_layers = sum(engine.saved_activation_bytes_per_layer)
         saved[name] = world.allreduce(engine.saved_activation_bytes, op=MPI.MAX)
+        saved_split[name] = (world.allreduce(in_layers / len(engine.saved_activation_bytes_per_layer), op=MPI.MAX),
+                             world.allreduce(engine.saved_activation_bytes - in_layers, op=MPI.MAX))
         steps[name], waits[name] = common.step_tracking_tp_wait(engine, step, x, y)
-        engines[name] = step
+        train_steps[name] = step
 
     barrier, slowest = common.mpi_timing_hooks(world)
     timings = common.time_interleaved(steps, args.warmup, args.repeats, barrier=barrier, reduce=slowest)
-    peaks = {name: world.allreduce(traced_step_peak(engines[name], x, y), op=MPI.MAX) for name in CASES}
+    peaks = {name: world.allreduce(traced_step_peak(train_steps[name], x, y), op=MPI.MAX) for name in CASES}
+    # every rank runs the profiled steps (they communicate); rank 0's profile is reported
+    profiles = []
+    for mode in MODES if args.profile_steps > 0 else ():
+        step = train_steps[f"{mode}, overlap on"]
+        profiles.append(common.step_profile_section(f"{mode} (overlap on) step profile, rank 0",
+                                                    lambda step=step: step(x, y), args.profile_steps, args.top))
     if not rank0:
         return 0
     rss = {}
     if args.rss_dir:
         rss = {mode: json.loads(Path(args.rss_dir, f"{mode}.json").read_text())["maxrss_kib"] * 1024 for mode in MODES}
     blocked = {name: common.median(waits[name][args.warmup:]) for name in CASES}
-    return report(args, world, machine, timings, saved, traffic, first_loss, peaks, rss, blocked)
+    return report(args, world, machine, timings, saved, saved_split, traffic, first_loss, peaks, rss, blocked,
+                  profiles)
 
 
-def report(args, world, machine, timings, saved, traffic, first_loss, peaks, rss, blocked):
+def report(args, world, machine, timings, saved, saved_split, traffic, first_loss, peaks, rss, blocked, profiles):
     on = {mode: f"{mode}, overlap on" for mode in MODES}
     t = {name: timings.median(name) for name in CASES}
     base = on["none"]
@@ -145,10 +160,12 @@ def report(args, world, machine, timings, saved, traffic, first_loss, peaks, rss
         rss_cell = f"{rss[mode] / MB:.0f}" if rss and overlap else ""
         rows.append([name, f"{first_loss[name]:.6f}", f"{traffic[name][0]:,}", traffic[name][1],
                      f"{saved[name] / MB:.1f}", f"{100 * saved[name] / saved[base]:.1f}%",
+                     f"{saved_split[name][0] / MB:.2f}", f"{saved_split[name][1] / MB:.2f}",
                      f"{peaks[name] / MB:.1f}", rss_cell, *common.timing_cells(timings, name),
                      f"{100 * (t[name] / t[base] - 1):+.1f}%", f"{1e3 * blocked[name]:.0f}"])
     table = common.markdown_table(
         ["case", "loss (1st step)", "tp bytes/step", "tp calls/step", "saved activations MiB", "of none's",
+         "of which per layer MiB", "outside the layers MiB",
          "step peak MiB (tracemalloc)", "process peak RSS MiB (own launch)", *common.TIMING_HEADER,
          "time vs none (overlap on)", "blocked in tp collectives, ms (rank 0)"], rows)
 
@@ -198,7 +215,7 @@ def report(args, world, machine, timings, saved, traffic, first_loss, peaks, rss
                f"round(s) and the median of {args.repeats} interleaved timed rounds (slowest rank per step); "
                f"memory columns: the largest over the ranks.\n\n{table}\n\n" + "\n".join(lines))
     common.emit(f"recompute: activation recomputation and overlap at {world.Get_size()} ranks, tp btp",
-                machine, [summary], args.append)
+                machine, [summary, *profiles], args.append)
     return 0
 
 
