@@ -10,8 +10,11 @@ from boostmpi.model import layers
 from boostmpi.parallel.tensor_parallel import NO_TAPE
 
 
-def block_forward(h, i, P, tpx, rope, shape, tape=NO_TAPE):
-    """One decoder layer: h + attn(norm(h)), then + mlp(norm(.)). Returns (h_out, cache)."""
+def block_forward(h, i, P, tpx, rope, shape, tape=NO_TAPE, need_output=True):
+    """One decoder layer: h + attn(norm(h)), then + mlp(norm(.)). Returns (h_out, cache).
+
+    `need_output=False`: a recompute for backward, which never reads the layer's output; the
+    strategy may then skip the last B product (local work only, never a collective)."""
     B, T = shape
     N = B * T
     Dh = tpx.C // tpx.cfg.model.n_heads
@@ -25,8 +28,8 @@ def block_forward(h, i, P, tpx, rope, shape, tape=NO_TAPE):
     (g, u), c_gu = tpx.in_proj_forward(h, pre + "mlp_norm", [pre + "gate", pre + "up"], P, tape)
     act = tpx.cfg.model.mlp_gate_act
     a = layers.gate_forward(g, u, act)
-    y, c_down = tpx.out_proj_forward(a, pre + "down", P, tape)
-    return h + y, (c_qkv, c_att, c_o, c_gu, (g, u, act), c_down)
+    y, c_down = tpx.out_proj_forward(a, pre + "down", P, tape, need_output=need_output)
+    return (h + y if y is not None else None), (c_qkv, c_att, c_o, c_gu, (g, u, act), c_down)
 
 
 def block_backward(dh, cache, P, Gr, tpx, rope):

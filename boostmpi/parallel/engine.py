@@ -118,7 +118,7 @@ class Engine:
                 h, _ = block_forward(h, i, P, tpx, self.rope, (B, T), tape)
         if not self.last:
             return h, saved
-        loss, saved["head"] = tpx.head_forward(h, self.xp.asarray(y.reshape(-1)), P)
+        loss, saved["head"] = tpx.head_forward(h, self.xp.asarray(y.reshape(-1)), P, lean=keep and self.recompute == "lowrank")
         return loss, saved
 
     def _stage_backward(self, dh, saved, shape, scale, on_bucket_done):
@@ -130,11 +130,11 @@ class Engine:
             if self.recompute == "none":
                 cache = entry
             elif self.recompute == "layer":  # re-issues this layer's forward collectives
-                _, cache = block_forward(entry, i, P, tpx, self.rope, shape)
+                _, cache = block_forward(entry, i, P, tpx, self.rope, shape, need_output=False)
             else:  # replays the recorded collectives: no communication
                 h_in, tape = entry
                 tape.mode, tape._next = "replay", 0
-                _, cache = block_forward(h_in, i, P, tpx, self.rope, shape, tape)
+                _, cache = block_forward(h_in, i, P, tpx, self.rope, shape, tape, need_output=False)
             dh = block_backward(dh, cache, P, Gr, tpx, self.rope)
             on_bucket_done(i)
         if self.first:

@@ -123,37 +123,48 @@ class _Strategy:
     def _split_residual_grad(self, dh):
         return dh
 
-    def head_forward(self, h, targets, P):
-        """h [N, C_local], targets [N] -> (loss: mean CE over N, cache). Sharded cross-entropy."""
+    def head_forward(self, h, targets, P, lean=False):
+        """h [N, C_local], targets [N] -> (loss: mean CE over N, cache). Sharded cross-entropy.
+
+        `lean` (recompute = lowrank): keep only what came out of collectives (the gathered residual
+        and the softmax statistics) and recompute the logits locally in backward."""
         xp = get_array_module(h)
         hf = self._gather_residual(h)
         n, rstd = layers.rmsnorm_forward(hf, P["final_norm"], self.eps)
-        logits = n @ P["lm_head"]  # [N, V_local]
-        stat_dtype = np.promote_types(logits.dtype, np.float32)
-        logits = logits.astype(stat_dtype, copy=False)  # softmax and loss in at least fp32
-        mx = logits.max(axis=-1).astype(stat_dtype)
+        logits = self._logits(n, P)
+        mx = logits.max(axis=-1)
         self.tp.allreduce(mx, op="max")
-        probs = xp.exp(logits - mx[:, None].astype(logits.dtype))
+        probs = xp.exp(logits - mx[:, None])
         local = (targets >= self.v0) & (targets < self.v1)
         tidx = xp.where(local, targets - self.v0, 0)
         rows = xp.arange(len(targets))
-        stats = xp.stack([probs.sum(axis=-1, dtype=stat_dtype), xp.where(local, logits[rows, tidx], 0).astype(stat_dtype)], axis=1)
+        stats = xp.stack([probs.sum(axis=-1), xp.where(local, logits[rows, tidx], 0)], axis=1)
         self.tp.allreduce(stats)
         sumexp, target_logit = stats[:, 0], stats[:, 1]
         losses = xp.log(sumexp) + mx - target_logit
-        probs /= sumexp[:, None].astype(probs.dtype)
-        cache = (hf, n, rstd, probs, local, tidx)
-        return float(losses.mean()), cache
+        if lean:
+            return float(losses.mean()), (hf, None, rstd, (mx, sumexp), local, tidx)
+        probs /= sumexp[:, None]
+        return float(losses.mean()), (hf, n, rstd, probs, local, tidx)
+
+    def _logits(self, n, P):
+        logits = n @ P["lm_head"]  # [N, V_local]
+        return logits.astype(np.promote_types(logits.dtype, np.float32), copy=False)  # softmax and loss in >= fp32
 
     def head_backward(self, cache, scale, P, Gr):
         """d(loss)/d(h) for loss = scale * sum of per-token CE; returns dh [N, C_local]."""
         hf, n, rstd, probs, local, tidx = cache
         xp = get_array_module(hf)
+        if n is None:  # lean cache: recompute locally from the saved post-collective values
+            mx, sumexp = probs
+            n = hf * rstd * P["final_norm"]
+            probs = xp.exp(self._logits(n, P) - mx[:, None])
+            probs /= sumexp[:, None]
         dlogits = probs
         rows = xp.arange(len(tidx))
         dlogits[rows[local], tidx[local]] -= 1.0
         dlogits *= scale
-        dn = dlogits @ P["lm_head"].T  # partial over the vocabulary shards
+        dn = dlogits.astype(n.dtype, copy=False) @ P["lm_head"].T  # partial over the vocabulary shards
         req = self.tp.iallreduce(dn)  # copy-to-region backward of the lm_head input
         Gr["lm_head"] += n.T @ dlogits
         req.wait()
@@ -198,14 +209,15 @@ class BottleneckTP(_Strategy):
     def in_proj_backward(self, douts, cache, P, Gr):
         return self._bottleneck_backward(douts, cache, P, Gr)
 
-    def out_proj_forward(self, x, name, P, tape=NO_TAPE):
-        outs, cache = self._bottleneck_forward(x, None, [name], P, tape)
+    def out_proj_forward(self, x, name, P, tape=NO_TAPE, need_output=True):
+        """`need_output=False` (a recompute whose result the backward never reads) skips the B GEMM."""
+        outs, cache = self._bottleneck_forward(x, None, [name], P, tape, need_output)
         return outs[0], cache
 
     def out_proj_backward(self, dy, cache, P, Gr):
         return self._bottleneck_backward([dy], cache, P, Gr)
 
-    def _bottleneck_forward(self, x, norm_name, names, P, tape):
+    def _bottleneck_forward(self, x, norm_name, names, P, tape, need_output=True):
         As = [P[f"{nm}/A"] for nm in names]
         xw = x * P[norm_name] if norm_name else x
         if tape.replaying:
@@ -215,7 +227,10 @@ class BottleneckTP(_Strategy):
             tape.record((Z, rstd))
         Zs = layers.silu_forward(Z) if self.act else Z
         sl = _col_slices([A.shape[1] for A in As])
-        outs = grouped_matmul([Zs[:, s] for s in sl], [P[f"{nm}/B"] for nm in names], self.grouped)
+        if need_output:
+            outs = grouped_matmul([Zs[:, s] for s in sl], [P[f"{nm}/B"] for nm in names], self.grouped)
+        else:
+            outs = [None] * len(names)
         return outs, (x, xw, norm_name, Z, Zs, rstd, names, sl)
 
     def _reduce_bottleneck(self, x, xw, As, with_norm):
@@ -364,7 +379,8 @@ class VanillaLowRankTP(_ReplicatedResidual):
         dn = self._factor_backward(douts, inner, P, Gr)
         return layers.rmsnorm_backward(dn, x, P[norm_name], rstd, Gr[norm_name])
 
-    def out_proj_forward(self, x, name, P, tape=NO_TAPE):
+    def out_proj_forward(self, x, name, P, tape=NO_TAPE, need_output=True):
+        # the output is produced regardless: its all-reduce is part of the forward's collectives
         outs, cache = self._factor_forward(x, [name], P, tape)
         return outs[0], cache
 
@@ -438,7 +454,7 @@ class MegatronTP(_ReplicatedResidual):
         dn = dn if parts is None else sum(parts[1:], parts[0])
         return layers.rmsnorm_backward(dn, x, P[norm_name], rstd, Gr[norm_name])
 
-    def out_proj_forward(self, x, name, P, tape=NO_TAPE):
+    def out_proj_forward(self, x, name, P, tape=NO_TAPE, need_output=True):
         y = get_array_module(x).ascontiguousarray(x @ P[f"{name}/W"])
         return self.tp.allreduce(y), (x, name)  # reduce from tp region
 
