@@ -46,7 +46,7 @@ def run(args):
                 result = trainer.train()
         except UserError as exc:
             # data and checkpoint problems may be seen by some ranks only: end the job from here
-            exc.all_ranks = world is None
+            exc.all_ranks = getattr(exc, "all_ranks", world is None)
             raise
         if rank == 0:
             print(f"done: step {result['step']}; results in {cfg.train.run_dir} "

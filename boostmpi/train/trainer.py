@@ -12,7 +12,7 @@ import numpy as np
 
 from boostmpi.data.progress import format_duration
 from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
-from boostmpi.errors import CheckpointError, TrainingDiverged, UserError
+from boostmpi.errors import CheckpointError, DataError, TrainingDiverged, UserError
 from boostmpi.parallel.engine import Engine
 from boostmpi.train import checkpoint as ckpt
 from boostmpi.train.optim import AdamW, clip_coefficient, learning_rate
@@ -74,12 +74,16 @@ class Trainer:
         self.optimizer = AdamW(e.params, e.specs, tr, e.xp)
         self.step = 0
         self.barrier()
-        train_paths, val_paths = resolve_data(cfg)
         V, T = cfg.model.vocab_size, cfg.model.seq_len
-        self.loader = TrainLoader(train_paths, T, tr.micro_batch_size, rank=e.grid.coords.dp, world=cfg.parallel.dp,
-                                  seed=tr.seed, vocab_size=V)
-        val_tokens = open_shard(val_paths[0], V)
-        self.val_x, self.val_y = eval_windows(val_tokens, T, tr.val_windows, name=val_paths[0])
+
+        def open_data(vocab_size):
+            train_paths, val_paths = resolve_data(cfg)
+            loader = TrainLoader(train_paths, T, tr.micro_batch_size, rank=e.grid.coords.dp, world=cfg.parallel.dp,
+                                 seed=tr.seed, vocab_size=vocab_size)
+            return loader, eval_windows(open_shard(val_paths[0], vocab_size), T, tr.val_windows, name=val_paths[0])
+
+        # rank 0 reads every token once to check the vocabulary; the others trust its verdict
+        self.loader, (self.val_x, self.val_y) = self._root_decides(lambda: open_data(V), lambda: open_data(None))
         self.preemption = _Preemption()
         self.config_path = config_path
         self._resume(resume)
@@ -108,21 +112,49 @@ class Trainer:
     def _metrics_path(self):
         return os.path.join(self.run_dir, "metrics.jsonl")
 
-    def _resume(self, resume):
-        """Continue from `resume` (a path), or automatically from the run's latest complete checkpoint."""
+    def _root_decides(self, on_root, elsewhere=None):
+        """Run `on_root()` on rank 0 and `elsewhere()` (default: nothing) on the others; bad input
+        found by rank 0 is raised on every rank, so each exits 2 and the message is printed once."""
+        verdict, value = None, None
+        if self.is_root:
+            try:
+                value = on_root()
+            except UserError as exc:
+                verdict = (type(exc).__name__, str(exc))
+        if self.world is not None:
+            verdict = self.world.bcast(verdict, root=0)  # small metadata between our own ranks
+        if verdict is not None:
+            exc = {c.__name__: c for c in (UserError, CheckpointError, DataError)}.get(verdict[0], UserError)(verdict[1])
+            exc.all_ranks = True
+            raise exc
+        return value if self.is_root else (elsewhere() if elsewhere else None)
+
+    def _checkpoint_to_resume(self, resume):
+        """The verified checkpoint to continue from, or None for a fresh run (rank 0 only)."""
         path = resume or ckpt.find_latest(self.run_dir)
         if path is None:
-            if self.is_root and os.path.exists(self._metrics_path()) and os.path.getsize(self._metrics_path()) > 0:
+            if os.path.exists(self._metrics_path()) and os.path.getsize(self._metrics_path()) > 0:
                 raise UserError(f"{self.run_dir} already holds a run (metrics.jsonl) but no complete checkpoint to resume; "
                                 f"choose another train.run_dir or remove it")
-            return
+            return None
         path = ckpt.resolve(path)
-        ckpt.verify(path)
+        ckpt.verify(path)  # sizes and SHA-256, once, not on every rank
+        return path
+
+    def _resume(self, resume):
+        """Continue from `resume` (a path), or automatically from the run's latest complete checkpoint."""
+        path = self._root_decides(lambda: self._checkpoint_to_resume(resume))
+        if self.world is not None:
+            path = self.world.bcast(path, root=0)
+        if path is None:
+            return
         f, step, saved_cfg = ckpt.open_model(path, check=False)
         try:
             mismatch = ckpt.model_mismatch(saved_cfg.get("model", {}), self.cfg.to_dict()["model"])
-            if mismatch:
-                raise CheckpointError(f"cannot resume from {path}: {mismatch}")
+            if mismatch:  # every rank reads the same attribute: each raises, rank 0 prints
+                err = CheckpointError(f"cannot resume from {path}: {mismatch}")
+                err.all_ranks = True
+                raise err
             self.engine.load_global(self.engine.params, f)
         finally:
             f.close()
