@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: sets itself up (.venv, install), then runs
 #   1. the single-process tests (pytest),
-#   2. the MPI tests at 2, 3 and 4 ranks (pytest-mpi under mpiexec, each under timeout),
+#   2. the MPI tests at 1, 2, 3 and 4 ranks (pytest-mpi under mpiexec, each under timeout),
 #   3. the real-Slurm test when this machine allows it (root and apt), otherwise it says why it skipped.
 # Exit status is non-zero when anything failed.
 set -uo pipefail
@@ -17,7 +17,7 @@ step() { echo; echo "=== $*"; }
 step "single-process tests"
 timeout 1200 "$PY" -m pytest -q -p no:cacheprovider tests "$@" || status=1
 
-for n in 2 3 4; do
+for n in 1 2 3 4; do
   step "MPI tests at $n ranks"
   timeout 600 "$VENV/bin/mpiexec" -n "$n" "$PY" -m pytest -q -p no:cacheprovider --with-mpi -m mpi tests || status=1
 done
