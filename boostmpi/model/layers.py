@@ -48,24 +48,41 @@ def rmsnorm_backward(dy, x, w, rstd, dw):
 
 
 # ---------------------------------------------------------------- SiLU and the gated product
+# The NumPy paths work in place on one fresh array: these run on [N, F] and [N, R] tensors every
+# layer, forward, backward and recompute, and temporaries would dominate their cost.
 def sigmoid(a):
     xp = get_array_module(a)
-    return 1.0 / (1.0 + xp.exp(-a))
+    s = xp.negative(a)
+    xp.exp(s, out=s)
+    s += 1.0
+    return xp.reciprocal(s, out=s)
+
+
+def _silu_grad_times(s, a, dz):
+    """dz * silu'(a) = dz * s * (1 + a * (1 - s)), computed in the buffer `s` = sigmoid(a)."""
+    xp = get_array_module(s)
+    t = xp.subtract(1.0, s)
+    t *= a
+    t += 1.0
+    t *= s
+    t *= dz
+    return t
 
 
 def silu_forward(a):
     k = _kernels_for(a)
     if k is not None:
         return k.silu_forward(a)
-    return a * sigmoid(a)
+    s = sigmoid(a)
+    s *= a
+    return s
 
 
 def silu_backward(dz, a):
     k = _kernels_for(dz, a)
     if k is not None:
         return k.silu_backward(a, dz)
-    s = sigmoid(a)
-    return dz * s * (1.0 + a * (1.0 - s))
+    return _silu_grad_times(sigmoid(a), a, dz)
 
 
 # y = act(g) * u, act = silu when `act`, identity otherwise. g, u [N, F]
@@ -73,7 +90,11 @@ def gate_forward(g, u, act):
     k = _kernels_for(g, u)
     if k is not None:
         return k.gate_forward(g, u, act)
-    return (silu_forward(g) if act else g) * u
+    if not act:
+        return g * u
+    y = silu_forward(g)
+    y *= u
+    return y
 
 
 def gate_backward(dy, g, u, act):
@@ -82,8 +103,9 @@ def gate_backward(dy, g, u, act):
         return k.gate_backward(g, u, dy, act)
     if act:
         s = sigmoid(g)
-        ga = g * s
-        return dy * u * s * (1.0 + g * (1.0 - s)), dy * ga
+        du = g * s
+        du *= dy
+        return _silu_grad_times(s, g, dy * u), du
     return dy * u, dy * g
 
 
@@ -110,21 +132,21 @@ def rope_tables(T, Dh, theta, dtype, xp=np):
     return xp.asarray(np.cos(angle), dtype=dtype), xp.asarray(np.sin(angle), dtype=dtype)
 
 
-def _rotate_half(x, sign):
-    """cat([-x2, x1]) for sign=+1 (the forward map R), cat([x2, -x1]) for sign=-1 (its transpose)."""
-    xp = get_array_module(x)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return xp.concatenate([-x2, x1] if sign > 0 else [x2, -x1], axis=-1)
-
-
 # x [B, T, nh, Dh]
 def rope_forward(x, cos, sin):
-    return x * cos + _rotate_half(x, +1) * sin
+    half = x.shape[-1] // 2
+    out = x * cos
+    out[..., :half] -= x[..., half:] * sin[..., :half]  # + cat([-x2, x1]) * sin
+    out[..., half:] += x[..., :half] * sin[..., half:]
+    return out
 
 
 def rope_backward(dy, cos, sin):
-    return dy * cos + _rotate_half(dy * sin, -1)
+    half = dy.shape[-1] // 2
+    dx = dy * cos
+    dx[..., :half] += dy[..., half:] * sin[..., half:]  # + R^T (dy * sin), R^T y = cat([y2, -y1])
+    dx[..., half:] -= dy[..., :half] * sin[..., :half]
+    return dx
 
 
 # ---------------------------------------------------------------- causal attention with GQA
