@@ -16,12 +16,13 @@ MODEL = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_f
 B, M = 2, 2
 
 
-def _run(world, arch, mode, recompute, overlap, dtype):
+def _run(world, arch, mode, recompute, overlap, dtype, layout=None):
     from boostmpi.parallel.engine import Engine
 
     n = 1 if world is None else world.Get_size()
-    model = dict(MODEL, arch=arch, n_kv_heads=4 if n == 4 else 2)
-    cfg = config_from_dict({"model": model, "parallel": {"tp": n, "tp_mode": mode, "overlap": overlap},
+    layout = layout or {"tp": n}
+    model = dict(MODEL, arch=arch, n_kv_heads=4 if layout.get("tp", 1) == 4 else 2)
+    cfg = config_from_dict({"model": model, "parallel": dict(layout, tp_mode=mode, overlap=overlap),
                             "train": {"dtype": dtype, "micro_batch_size": B, "grad_accum": M, "recompute": recompute}},
                            world_size=n)
     eng = Engine(cfg, world)
@@ -35,6 +36,18 @@ def _run(world, arch, mode, recompute, overlap, dtype):
 
         world.Allreduce(MPI.IN_PLACE, counts)
     return loss, np.array(eng.grads.data), counts, eng
+
+
+def _compare_layout(world, layout, dtype):
+    """Every recompute mode, overlap on and off: bit-identical to none in a pipeline/data layout."""
+    base_loss, base_grads, base_counts, _ = _run(world, "cola", "btp", "none", True, dtype, layout)
+    for recompute in ("layer", "lowrank"):
+        for overlap in (True, False):
+            loss, grads, counts, _ = _run(world, "cola", "btp", recompute, overlap, dtype, layout)
+            assert_all_ranks(loss == base_loss and np.array_equal(grads, base_grads),
+                             lambda: f"{layout} {recompute} overlap={overlap}: not bit-identical to none")
+            if recompute == "lowrank":
+                assert_all_ranks(np.array_equal(counts, base_counts), lambda: f"{layout}: lowrank traffic differs")
 
 
 def _compare(world, arch, mode, dtype):
@@ -86,3 +99,17 @@ def test_recompute_modes_tensor_parallel(arch, mode, dtype):
         pytest.skip("tp = 3 does not divide the test model")
     with abort_on_error():
         _compare(MPI.COMM_WORLD, arch, mode, dtype)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_recompute_modes_with_pipeline_and_data_parallelism(dtype):
+    from mpi4py import MPI
+
+    n = MPI.COMM_WORLD.Get_size()
+    layouts = {2: [{"pp": 2}, {"dp": 2}], 3: [{"dp": 3}], 4: [{"tp": 2, "pp": 2}, {"pp": 2, "dp": 2}, {"tp": 2, "dp": 2}]}
+    if n not in layouts:
+        pytest.skip(f"no layout listed for {n} ranks")
+    with abort_on_error():
+        for layout in layouts[n]:
+            _compare_layout(MPI.COMM_WORLD, layout, dtype)
