@@ -135,6 +135,7 @@ class DataConfig:
     train: str = _key("builtin", "nonempty")
     val: str = _key("builtin", "nonempty")
     builtin_dir: str = _key("data/builtin", "nonempty")  # where the built-in shards are prepared
+    shuffle: bool = _key(True)  # windows in a new seeded order every epoch (false: in file order)
 
 
 @dataclass(frozen=True)

@@ -164,11 +164,12 @@ class TrainLoader:
     shard in turn; it wraps around to the first shard at the end (a new epoch). Global batch k
     is windows [k*world*B, (k+1)*world*B) of the stream and rank r takes its contiguous slice
     of B windows. The position is one global window index, the same on every rank, so a saved
-    state resumes exactly, even under another dp size. The order is sequential (llm.c style):
-    `seed` is accepted for interface stability but does not change the stream.
+    state resumes exactly, even under another dp size. With `shuffle`, epoch e visits the windows
+    in the order of a permutation drawn from (seed, e): still one global stream, so resuming stays
+    exact; without it the order is the files' (llm.c style).
     """
 
-    def __init__(self, paths, T, batch_size, rank=0, world=1, seed=0, vocab_size=None):
+    def __init__(self, paths, T, batch_size, rank=0, world=1, seed=0, vocab_size=None, shuffle=False):
         if isinstance(paths, (str, os.PathLike)):
             paths = resolve_shards(paths)
         paths = [os.fspath(p) for p in paths]
@@ -193,6 +194,8 @@ class TrainLoader:
                 f"but one global batch needs {needed} (dp {world} x micro-batch {batch_size})"
             )
         self.next_window = 0  # global index of the first window of the next global batch
+        self.shuffle = shuffle
+        self._order = (None, None)  # (epoch, permutation of the epoch's windows)
 
     @property
     def epoch(self):
@@ -205,17 +208,27 @@ class TrainLoader:
         y = np.empty((B, T), dtype=np.int64)
         start = self.next_window + self.rank * B
         filled = 0
-        while filled < B:  # one contiguous run of windows per shard touched
-            window = (start + filled) % self.windows_per_epoch
+        while filled < B:
+            stream_index = start + filled
+            window = stream_index % self.windows_per_epoch
+            if self.shuffle:  # one window at a time, in this epoch's order
+                window, run = int(self._permutation(stream_index // self.windows_per_epoch)[window]), 1
             shard = int(np.searchsorted(self.first_window, window, side="right")) - 1
             local = window - int(self.first_window[shard])
-            run = min(B - filled, self.shard_windows[shard] - local)
+            if not self.shuffle:  # one contiguous run of windows per shard touched
+                run = min(B - filled, self.shard_windows[shard] - local, self.windows_per_epoch - window)
             chunk = np.asarray(self.shards[shard][local * T : (local + run) * T + 1], dtype=np.int64)
             x[filled : filled + run] = chunk[:-1].reshape(run, T)
             y[filled : filled + run] = chunk[1:].reshape(run, T)
             filled += run
         self.next_window += self.world * B
         return x, y
+
+    def _permutation(self, epoch):
+        if self._order[0] != epoch:
+            rng = np.random.default_rng([int(self.seed), int(epoch)])
+            self._order = (epoch, rng.permutation(self.windows_per_epoch))
+        return self._order[1]
 
     def state_dict(self):
         """The position, as plain ints (store it beside a checkpoint)."""

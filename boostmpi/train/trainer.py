@@ -79,7 +79,7 @@ class Trainer:
         def open_data(vocab_size):
             train_paths, val_paths = resolve_data(cfg)
             loader = TrainLoader(train_paths, T, tr.micro_batch_size, rank=e.grid.coords.dp, world=cfg.parallel.dp,
-                                 seed=tr.seed, vocab_size=vocab_size)
+                                 seed=tr.seed, vocab_size=vocab_size, shuffle=cfg.data.shuffle)
             return loader, eval_windows(open_shard(val_paths[0], vocab_size), T, tr.val_windows, name=val_paths[0])
 
         # rank 0 reads every token once to check the vocabulary; the others trust its verdict
