@@ -228,10 +228,10 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 self.step = step + 1
                 steps_done += 1
-                comm = self._comm_bytes()
+                comm, calls = self._comm_counts()
                 row = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": gnorm,
                        "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "tokens": self.step * tokens_per_step,
-                       "comm_bytes": comm}
+                       "comm_bytes": comm, "comm_calls": calls}
                 if self.step == 1 or self.step % max(1, tr.log_every) == 0 or self.step == tr.steps:
                     row["memory"] = self._memory()
                 want_val = (tr.val_every and self.step % tr.val_every == 0) or self.step == tr.steps
@@ -265,13 +265,15 @@ class Trainer:
         flag = 1.0 if self.preemption.signal is not None else 0.0
         return self.engine.world_sum(flag) > 0
 
-    def _comm_bytes(self):
-        counts = np.array([self.engine.grid.counter.bytes[a] for a in ("tp", "pp", "dp")], dtype=np.float64)
+    def _comm_counts(self):
+        """This step's payload bytes and calls per axis, summed over all ranks (each group counted once)."""
+        counter, axes = self.engine.grid.counter, ("tp", "pp", "dp")
+        counts = np.array([counter.bytes[a] for a in axes] + [counter.calls[a] for a in axes], dtype=np.float64)
         if self.world is not None:
             from mpi4py import MPI
 
             self.world.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
-        return {"tp": int(counts[0]), "pp": int(counts[1]), "dp": int(counts[2])}
+        return dict(zip(axes, map(int, counts[:3]))), dict(zip(axes, map(int, counts[3:])))
 
     def _memory(self):
         e = self.engine
