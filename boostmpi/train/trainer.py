@@ -62,6 +62,13 @@ def peak_memory_bytes(xp):
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def format_bytes(n):
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{int(n)} B"
+
+
 class Trainer:
     def __init__(self, cfg, world=None, resume=None, config_path=None, out=None, local_rank=0):
         self.cfg, self.world, self.out = cfg, world, out
@@ -107,7 +114,10 @@ class Trainer:
         if tty and getattr(self, "_live", False):
             print("\r\x1b[K", end="", file=out)
             self._live = False
-        print(msg, file=out, flush=True)  # out None: sys.stdout as it is now, not at import
+        try:
+            print(msg, file=out, flush=True)  # out None: sys.stdout as it is now, not at import
+        except BrokenPipeError:  # whoever read the log went away (`| head`): keep training, quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
 
     def _metrics_path(self):
         return os.path.join(self.run_dir, "metrics.jsonl")
@@ -234,6 +244,8 @@ class Trainer:
                        "comm_bytes": comm, "comm_calls": calls}
                 if self.step == 1 or self.step % max(1, tr.log_every) == 0 or self.step == tr.steps:
                     row["memory"] = self._memory()
+                    if steps_done == 1:
+                        self.log(self._memory_line(row["memory"]))
                 want_val = (tr.val_every and self.step % tr.val_every == 0) or self.step == tr.steps
                 if want_val:
                     last_val = self.validate()
@@ -286,6 +298,14 @@ class Trainer:
             self.world.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
         keys = ("params", "grads", "optimizer", "activations_saved", "peak")
         return {k: int(v) for k, v in zip(keys, mine)}  # the largest rank's figure for each
+
+    def _memory_line(self, mem):
+        mib = format_bytes
+        per_layer = self.engine.saved_activation_bytes_per_layer
+        layer = f" ({mib(per_layer[0])} per layer)" if per_layer else ""
+        return (f"memory (largest rank): params {mib(mem['params'])}, grads {mib(mem['grads'])}, optimizer "
+                f"{mib(mem['optimizer'])}, saved activations {mib(mem['activations_saved'])} per micro-batch{layer} "
+                f"with recompute = {self.cfg.train.recompute}, peak {mib(mem['peak'])}")
 
     def _write_config(self):
         path = os.path.join(self.run_dir, "config.toml")
