@@ -301,7 +301,21 @@ def head_plan(s, strategy):
 
 
 # ------------------------------------------------------------------ costs of one operation
+# GPU BLAS libraries pick their tile per problem: smaller output tiles for small outputs, at a
+# lower fraction of peak (less reuse per loaded operand). (tile divisor m, tile divisor n, relative
+# efficiency); an assumption documented in docs/SIM.md, not fitted to any measurement.
+GPU_TILE_CHOICES = ((1, 1, 1.0), (2, 1, 0.92), (2, 2, 0.85), (4, 2, 0.7))
+
+
 def gemm_seconds(m, n, k, batch, itemsize, machine, dtype):
+    """The fastest of the tile configurations a GPU library could pick (one fixed tile on CPUs)."""
+    if machine.device != "gpu":
+        return _gemm_seconds_with_tile(m, n, k, batch, itemsize, machine, dtype, 1, 1, 1.0)
+    return min(_gemm_seconds_with_tile(m, n, k, batch, itemsize, machine, dtype, dm, dn, eff)
+               for dm, dn, eff in GPU_TILE_CHOICES)
+
+
+def _gemm_seconds_with_tile(m, n, k, batch, itemsize, machine, dtype, div_m, div_n, tile_efficiency):
     """Roofline of one GEMM with an efficiency that falls for small or thin shapes.
 
     Tile quantisation (a partial output tile costs a whole one), wave quantisation (the last wave
@@ -310,7 +324,7 @@ def gemm_seconds(m, n, k, batch, itemsize, machine, dtype):
     operands (m/(m + c), n/(n + c)).
     """
     flops = 2.0 * m * n * k * batch
-    tm, tn, units = machine.gemm_tile_m, machine.gemm_tile_n, machine.compute_units
+    tm, tn, units = machine.gemm_tile_m // div_m, machine.gemm_tile_n // div_n, machine.compute_units
     tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
     split = 1
     if tiles < units:  # split-K: several units share one output tile along k
@@ -322,7 +336,7 @@ def gemm_seconds(m, n, k, batch, itemsize, machine, dtype):
     pipeline = k_per_unit / (k_per_unit + machine.gemm_k_overhead)
     c = machine.gemm_mn_overhead
     thin = (m / (m + c)) * (n / (n + c))
-    rate = machine.peak(dtype) * machine.gemm_efficiency * occupancy * pipeline * thin
+    rate = machine.peak(dtype) * machine.gemm_efficiency * tile_efficiency * occupancy * pipeline * thin
     moved = itemsize * batch * (m * k + k * n + m * n) + (split - 1) * 4 * m * n * batch
     stream = machine.memory_bandwidth * machine.elementwise_efficiency
     return max(flops / rate, moved / stream) + machine.kernel_launch_s
