@@ -162,11 +162,19 @@ def _blocks(T, block=None):
     return [(t0, min(T, t0 + block)) for t0 in range(0, T, block)]
 
 
-def _diag_mask(t0, t1, G, dtype, xp):
-    """Additive mask [G*(t1-t0), t1] for the query block t0..t1-1 against keys 0..t1-1."""
-    rows = np.arange(t0, t1)[:, None]
-    tri = np.where(np.arange(t1)[None, :] > rows, -np.inf, 0.0)
-    return xp.asarray(np.tile(tri, (G, 1)), dtype=dtype)
+_DIAGONAL_TILES = {}
+
+
+def _diagonal_tile(n, G, dtype, xp):
+    """Additive mask [G*n, n] for a query block against its own n keys (row i may see keys <= i).
+
+    Keys before the block are all visible, so only this tile is ever masked; it is the same for
+    every full block, made once per shape, dtype and array module."""
+    key = (n, G, np.dtype(dtype).str, xp.__name__)
+    if key not in _DIAGONAL_TILES:
+        tri = np.triu(np.full((n, n), -np.inf), k=1)
+        _DIAGONAL_TILES[key] = xp.asarray(np.tile(tri, (G, 1)), dtype=dtype)
+    return _DIAGONAL_TILES[key]
 
 
 def _softmax_dtype(dtype):
@@ -189,7 +197,7 @@ def attention_forward(q, k, v):
         n = t1 - t0
         qb = qs[:, :, :, t0:t1].reshape(B, Hkv, G * n, Dh)
         s = xp.matmul(qb, kh[:, :, :t1].transpose(0, 1, 3, 2)).astype(lse.dtype, copy=False)
-        s += _diag_mask(t0, t1, G, s.dtype, xp)
+        s[..., t0:t1] += _diagonal_tile(t1 - t0, G, s.dtype, xp)
         m = s.max(axis=-1, keepdims=True)
         s -= m
         xp.exp(s, out=s)
@@ -218,7 +226,7 @@ def attention_backward(do, cache):
         dob = dog[:, :, :, t0:t1].reshape(B, Hkv, G * n, Dh)
         kb, vb = kh[:, :, :t1], vh[:, :, :t1]
         p = xp.matmul(qb, kb.transpose(0, 1, 3, 2)).astype(lse.dtype, copy=False)  # recomputed scores
-        p += _diag_mask(t0, t1, G, p.dtype, xp)
+        p[..., t0:t1] += _diagonal_tile(t1 - t0, G, p.dtype, xp)
         p -= lse[:, :, :, t0:t1].reshape(B, Hkv, G * n, 1)
         xp.exp(p, out=p)
         pc = p.astype(do.dtype, copy=False)
