@@ -236,7 +236,7 @@ class BottleneckTP(_Strategy):
     def _reduce_bottleneck(self, x, xw, As, with_norm):
         """The only forward communication of a btp layer: Z = rmsnorm(x)·A exactly, from shards."""
         xp = get_array_module(x)
-        N, R = x.shape[0], sum(A.shape[1] for A in As)
+        R = sum(A.shape[1] for A in As)
         if not with_norm:
             return self._allreduce_products(xw, As, extra=None), None
         ss = (x * x).sum(axis=-1)

@@ -1,7 +1,6 @@
 """`boostmpi train --config FILE [--set section.key=value ...] [--resume CHECKPOINT]`."""
 
 import signal
-import sys
 
 import numpy as np
 
