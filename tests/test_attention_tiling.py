@@ -35,5 +35,31 @@ def test_backward_keeps_nothing_quadratic_in_T(monkeypatch):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((B, T, H, Dh)).astype(np.float32) for _ in range(3))
     _, cache = layers.attention_forward(q, k, v)
-    kept = sum(a.nbytes for a in cache)
+    kept = sum(a.nbytes for a in cache if a is not None)
     assert kept < B * H * T * T * 4 / 4, kept  # well below one T x T score matrix per head
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("n_kv_heads", [4, 2])
+def test_kept_probabilities_give_the_same_bits(monkeypatch, dtype, n_kv_heads):
+    """A recompute may hand its probability tiles to the backward: the gradients are bit for bit
+    those of the backward that recomputes the tiles from the saved row statistics."""
+    monkeypatch.setattr(layers, "ATTENTION_BLOCK", 4)
+    rng = np.random.default_rng(5)
+    B, T, H, Dh = 2, 11, 4, 6
+    q, k, v = (rng.standard_normal((B, T, h, Dh)).astype(dtype) for h in (H, n_kv_heads, n_kv_heads))
+    do = rng.standard_normal((B, T, H * Dh)).astype(dtype)
+    out, cache = layers.attention_forward(q, k, v)
+    out_kept, cache_kept = layers.attention_forward(q, k, v, keep_probs=True)
+    assert cache[-1] is None and len(cache_kept[-1]) == len(layers._blocks(T))
+    assert sum(t.nbytes for t in cache_kept[-1]) == layers.probability_tile_bytes(B, H, T, dtype)
+    np.testing.assert_array_equal(out, out_kept)
+    for a, b in zip(layers.attention_backward(do, cache), layers.attention_backward(do, cache_kept)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_probability_tiles_are_not_kept_above_the_limit(monkeypatch):
+    monkeypatch.setattr(layers, "ATTENTION_KEEP_BYTES", 100)
+    q = np.ones((1, 8, 2, 4), dtype=np.float32)
+    _, cache = layers.attention_forward(q, q, q, keep_probs=True)
+    assert cache[-1] is None

@@ -100,6 +100,22 @@ def test_gate_backward(rng, act):
     finite_difference_check(probe, {"g": g, "u": u}, {"g": dg, "u": du}, rng, f"gate act={act}")
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("act", [True, False])
+def test_kept_sigmoids_give_the_same_bits(rng, dtype, act):
+    """A recompute keeps the SiLU's sigmoid for the backward: forward and backward are bit for bit
+    those computed without it."""
+    a, g, u, dz = (rng.standard_normal((5, 6)).astype(dtype) for _ in range(4))
+    z, s = layers.silu_forward(a, keep_sigmoid=True)
+    np.testing.assert_array_equal(z, layers.silu_forward(a))
+    np.testing.assert_array_equal(layers.silu_backward(dz, a, s), layers.silu_backward(dz, a))
+    y, s = layers.gate_forward(g, u, act, keep_sigmoid=True)
+    assert (s is None) == (not act)
+    np.testing.assert_array_equal(y, layers.gate_forward(g, u, act))
+    for kept, plain in zip(layers.gate_backward(dz, g, u, act, s), layers.gate_backward(dz, g, u, act)):
+        np.testing.assert_array_equal(kept, plain)
+
+
 def test_embedding_backward_accumulates_repeated_ids(rng):
     V, C = 9, 5
     table = rng.standard_normal((V, C))

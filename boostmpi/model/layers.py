@@ -69,40 +69,53 @@ def _silu_grad_times(s, a, dz):
     return t
 
 
-def silu_forward(a):
+def silu_forward(a, keep_sigmoid=False):
+    """silu(a); with `keep_sigmoid` (a recompute for an immediate backward) returns (silu(a), s),
+    s = sigmoid(a) for `silu_backward` to reuse, or None on the fused-kernel path."""
     k = _kernels_for(a)
     if k is not None:
-        return k.silu_forward(a)
+        z = k.silu_forward(a)
+        return (z, None) if keep_sigmoid else z
     s = sigmoid(a)
+    if keep_sigmoid:
+        return a * s, s
     s *= a
     return s
 
 
-def silu_backward(dz, a):
+def silu_backward(dz, a, s=None):
+    """dz * silu'(a); `s` = sigmoid(a) when the forward kept it (the same bits either way)."""
     k = _kernels_for(dz, a)
     if k is not None:
         return k.silu_backward(a, dz)
-    return _silu_grad_times(sigmoid(a), a, dz)
+    return _silu_grad_times(sigmoid(a) if s is None else s, a, dz)
 
 
 # y = act(g) * u, act = silu when `act`, identity otherwise. g, u [N, F]
-def gate_forward(g, u, act):
+def gate_forward(g, u, act, keep_sigmoid=False):
+    """act(g) * u; with `keep_sigmoid` returns (y, s) as `silu_forward` does (s None without act)."""
     k = _kernels_for(g, u)
     if k is not None:
-        return k.gate_forward(g, u, act)
-    if not act:
-        return g * u
-    y = silu_forward(g)
-    y *= u
-    return y
+        y = k.gate_forward(g, u, act)
+    elif not act:
+        y = g * u
+    elif keep_sigmoid:
+        s = sigmoid(g)
+        y = g * s
+        y *= u
+        return y, s
+    else:
+        y = silu_forward(g)
+        y *= u
+    return (y, None) if keep_sigmoid else y
 
 
-def gate_backward(dy, g, u, act):
+def gate_backward(dy, g, u, act, s=None):
     k = _kernels_for(dy, g, u)
     if k is not None:
         return k.gate_backward(g, u, dy, act)
     if act:
-        s = sigmoid(g)
+        s = sigmoid(g) if s is None else s
         du = g * s
         du *= dy
         return _silu_grad_times(s, g, dy * u), du
@@ -152,9 +165,13 @@ def rope_backward(dy, cos, sin):
 # ---------------------------------------------------------------- causal attention with GQA
 # Tiled over query blocks (the flash-attention recipe): block j of queries only meets keys
 # 0..end_j, so the masked upper triangle is never computed, and only a [G*Bq, end_j] tile of
-# scores exists at a time. The backward recomputes each tile from the saved per-row log-sum-exp,
-# so nothing of size T x T is kept between forward and backward (T = 4096 fits).
+# scores exists at a time. The forward keeps each row's softmax maximum and sum; the backward
+# recomputes each tile from them, with the same operations as the forward, so nothing of size
+# T x T is kept between forward and backward (T = 4096 fits) and the probabilities it sees are
+# bit for bit the forward's. A recompute for an immediate backward (`keep_probs`) may instead
+# hand the tiles it just computed to the backward, when they fit in ATTENTION_KEEP_BYTES.
 ATTENTION_BLOCK = 64
+ATTENTION_KEEP_BYTES = 256 * 2 ** 20
 
 
 def _blocks(T, block=None):
@@ -181,57 +198,82 @@ def _softmax_dtype(dtype):
     return np.promote_types(dtype, np.float32)  # scores and softmax in at least fp32
 
 
+def probability_tile_bytes(B, H, T, dtype):
+    """Bytes of all causal probability tiles of one attention call (what `keep_probs` holds)."""
+    return B * H * sum((t1 - t0) * t1 for t0, t1 in _blocks(T)) * np.dtype(_softmax_dtype(dtype)).itemsize
+
+
+def _scores(qb, kb, t0, t1, G, sdtype, xp):
+    """Scaled causal scores of one query block against keys 0..t1, in the softmax dtype."""
+    s = xp.matmul(qb, kb.transpose(0, 1, 3, 2)).astype(sdtype, copy=False)
+    s[..., t0:t1] += _diagonal_tile(t1 - t0, G, sdtype, xp)
+    return s
+
+
 # q [B, T, H, Dh], k, v [B, T, Hkv, Dh] -> o [B, T, H*Dh]
-def attention_forward(q, k, v):
+def attention_forward(q, k, v, keep_probs=False):
     xp = get_array_module(q)
     B, T, H, Dh = q.shape
     Hkv = k.shape[2]
     G = H // Hkv
-    scale = q.dtype.type(1.0 / np.sqrt(Dh))
-    qs = (q * scale).reshape(B, T, Hkv, G, Dh).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dh]
+    sd = _softmax_dtype(q.dtype)
+    qs = xp.empty((B, Hkv, G, T, Dh), dtype=q.dtype)  # contiguous, so a block's rows are one GEMM operand
+    xp.multiply(q.reshape(B, T, Hkv, G, Dh).transpose(0, 2, 3, 1, 4), q.dtype.type(1.0 / np.sqrt(Dh)), out=qs)
     kh = xp.ascontiguousarray(k.transpose(0, 2, 1, 3))  # [B, Hkv, T, Dh]
     vh = xp.ascontiguousarray(v.transpose(0, 2, 1, 3))
     out = xp.empty((B, Hkv, G, T, Dh), dtype=q.dtype)
-    lse = xp.empty((B, Hkv, G, T), dtype=_softmax_dtype(q.dtype))
+    row_max = xp.empty((B, Hkv, G, T), dtype=sd)
+    row_sum = xp.empty((B, Hkv, G, T), dtype=sd)
+    tiles = [] if keep_probs and probability_tile_bytes(B, H, T, q.dtype) <= ATTENTION_KEEP_BYTES else None
     for t0, t1 in _blocks(T):
         n = t1 - t0
-        qb = qs[:, :, :, t0:t1].reshape(B, Hkv, G * n, Dh)
-        s = xp.matmul(qb, kh[:, :, :t1].transpose(0, 1, 3, 2)).astype(lse.dtype, copy=False)
-        s[..., t0:t1] += _diagonal_tile(t1 - t0, G, s.dtype, xp)
+        s = _scores(qs[:, :, :, t0:t1].reshape(B, Hkv, G * n, Dh), kh[:, :, :t1], t0, t1, G, sd, xp)
         m = s.max(axis=-1, keepdims=True)
         s -= m
         xp.exp(s, out=s)
         total = s.sum(axis=-1, keepdims=True)
-        s /= total
-        lse[:, :, :, t0:t1] = (m + xp.log(total)).reshape(B, Hkv, G, n)
-        out[:, :, :, t0:t1] = xp.matmul(s.astype(q.dtype, copy=False), vh[:, :, :t1]).reshape(B, Hkv, G, n, Dh)
+        row_max[:, :, :, t0:t1] = m.reshape(B, Hkv, G, n)
+        row_sum[:, :, :, t0:t1] = total.reshape(B, Hkv, G, n)
+        ob = xp.matmul(s.astype(q.dtype, copy=False), vh[:, :, :t1])  # unnormalised: divide the [G*n, Dh] result
+        if ob.dtype == sd:
+            ob /= total
+        else:
+            ob = (ob.astype(sd) / total).astype(q.dtype)
+        out[:, :, :, t0:t1] = ob.reshape(B, Hkv, G, n, Dh)
+        if tiles is not None:
+            s /= total
+            tiles.append(s)
     o = out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * Dh)
-    return o, (qs, kh, vh, out, lse)
+    return o, (qs, kh, vh, out, row_max, row_sum, tiles)
 
 
 def attention_backward(do, cache):
     """do [B, T, H*Dh] -> dq [B, T, H, Dh], dk, dv [B, T, Hkv, Dh]."""
     xp = get_array_module(do)
-    qs, kh, vh, out, lse = cache
+    qs, kh, vh, out, row_max, row_sum, tiles = cache
     B, Hkv, G, T, Dh = qs.shape
+    sd = row_max.dtype
     scale = do.dtype.type(1.0 / np.sqrt(Dh))
     dog = do.reshape(B, T, Hkv, G, Dh).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dh]
-    delta = (dog * out).sum(axis=-1, dtype=lse.dtype)  # rowsum(dO * O) = rowsum(P * dP)
+    delta = (dog * out).sum(axis=-1, dtype=sd)  # rowsum(dO * O) = rowsum(P * dP)
     dq = xp.empty((B, Hkv, G, T, Dh), dtype=do.dtype)
     dk = xp.zeros((B, Hkv, T, Dh), dtype=do.dtype)
     dv = xp.zeros((B, Hkv, T, Dh), dtype=do.dtype)
-    for t0, t1 in _blocks(T):
+    for j, (t0, t1) in enumerate(_blocks(T)):
         n = t1 - t0
         qb = qs[:, :, :, t0:t1].reshape(B, Hkv, G * n, Dh)
         dob = dog[:, :, :, t0:t1].reshape(B, Hkv, G * n, Dh)
         kb, vb = kh[:, :, :t1], vh[:, :, :t1]
-        p = xp.matmul(qb, kb.transpose(0, 1, 3, 2)).astype(lse.dtype, copy=False)  # recomputed scores
-        p[..., t0:t1] += _diagonal_tile(t1 - t0, G, p.dtype, xp)
-        p -= lse[:, :, :, t0:t1].reshape(B, Hkv, G * n, 1)
-        xp.exp(p, out=p)
+        if tiles is not None:
+            p = tiles[j]
+        else:  # the forward's probabilities, recomputed by the forward's own operations
+            p = _scores(qb, kb, t0, t1, G, sd, xp)
+            p -= row_max[:, :, :, t0:t1].reshape(B, Hkv, G * n, 1)
+            xp.exp(p, out=p)
+            p /= row_sum[:, :, :, t0:t1].reshape(B, Hkv, G * n, 1)
         pc = p.astype(do.dtype, copy=False)
         dv[:, :, :t1] += xp.matmul(pc.transpose(0, 1, 3, 2), dob)  # summed over the G query heads
-        ds = xp.matmul(dob, vb.transpose(0, 1, 3, 2)).astype(lse.dtype, copy=False)
+        ds = xp.matmul(dob, vb.transpose(0, 1, 3, 2)).astype(sd, copy=False)
         ds -= delta[:, :, :, t0:t1].reshape(B, Hkv, G * n, 1)
         ds *= p
         dsc = ds.astype(do.dtype, copy=False)

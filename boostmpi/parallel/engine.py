@@ -124,17 +124,22 @@ class Engine:
     def _stage_backward(self, dh, saved, shape, scale, on_bucket_done):
         P, Gr, tpx = self.cparams, self.grads, self.tpx
         if self.last:
-            dh = tpx.head_backward(saved["head"], scale, P, Gr)
+            dh = tpx.head_backward(saved.pop("head"), scale, P, Gr)
             on_bucket_done("head")
-        for i, entry in zip(reversed(self.layers), reversed(saved["layers"])):
+        # each layer's saved entry is taken out of `saved` and block_backward empties its cache:
+        # activations leave memory layer by layer as the backward goes
+        for i in reversed(self.layers):
+            entry = saved["layers"].pop()
             if self.recompute == "none":
                 cache = entry
             elif self.recompute == "layer":  # re-issues this layer's forward collectives
-                _, cache = block_forward(entry, i, P, tpx, self.rope, shape, need_output=False)
+                _, cache = block_forward(entry, i, P, tpx, self.rope, shape, recompute=True)
             else:  # replays the recorded collectives: no communication
                 h_in, tape = entry
                 tape.mode, tape._next = "replay", 0
-                _, cache = block_forward(h_in, i, P, tpx, self.rope, shape, tape, need_output=False)
+                _, cache = block_forward(h_in, i, P, tpx, self.rope, shape, tape, recompute=True)
+                del h_in, tape
+            del entry
             dh = block_backward(dh, cache, P, Gr, tpx, self.rope)
             on_bucket_done(i)
         if self.first:

@@ -15,14 +15,16 @@ is written once:
 With a tensor-parallel group of one, every strategy is the plain single-device model.
 
 Interface:
-  in_proj_forward(x, norm_w, names, P, tape) -> (outs, cache)     norm + the linears reading it
+  in_proj_forward(x, norm_w, names, P, tape, recompute) -> (outs, cache)   norm + the linears reading it
   in_proj_backward(douts, cache, P, Gr) -> dx
-  out_proj_forward(x, name, P, tape) -> (y, cache)                o and down, into the residual
+  out_proj_forward(x, name, P, tape, need_output, recompute) -> (y, cache) o and down, into the residual
   out_proj_backward(dy, cache, P, Gr) -> dx
   embed_forward / embed_backward, head_forward / head_backward
 `P` and `Gr` are the parameter and gradient views of this rank; `tape` records the
 post-communication rank-R activations so that recompute = "lowrank" replays them instead of
-communicating again (see `Tape`).
+communicating again (see `Tape`). `recompute=True` marks a forward whose cache the backward
+consumes at once: the cache then also holds the SiLU's sigmoid (NumPy path), which the backward
+would otherwise compute again.
 """
 
 import numpy as np
@@ -73,8 +75,11 @@ def _concat_cols(mats):
 
 def grouped_matmul(lefts, rights, batched=True):
     """[l @ r for l, r in pairs]; with `batched`, pairs of equal shapes run as one batched GEMM
-    (the grouped B factors: gate/up, and k/v, whose shapes agree)."""
+    (the grouped B factors: gate/up, and k/v, whose shapes agree) on a GPU. NumPy's batched matmul
+    is a loop of the same BLAS calls, so on the CPU stacking the operands would only add copies."""
     xp = get_array_module(lefts[0])
+    if xp is np:
+        return [l @ r for l, r in zip(lefts, rights)]
     outs = [None] * len(lefts)
     by_shape = {}
     for j, (l, r) in enumerate(zip(lefts, rights)):
@@ -203,21 +208,21 @@ class BottleneckTP(_Strategy):
         return xp_contig(dh[:, a:b]) if self.p > 1 else dh
 
     # -- a low-rank group: [norm] -> A row-parallel -> all-reduce(rank R [+ statistic]) -> act -> B column-parallel
-    def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE):
-        return self._bottleneck_forward(x, norm_name, names, P, tape)
+    def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE, recompute=False):
+        return self._bottleneck_forward(x, norm_name, names, P, tape, recompute=recompute)
 
     def in_proj_backward(self, douts, cache, P, Gr):
         return self._bottleneck_backward(douts, cache, P, Gr)
 
-    def out_proj_forward(self, x, name, P, tape=NO_TAPE, need_output=True):
+    def out_proj_forward(self, x, name, P, tape=NO_TAPE, need_output=True, recompute=False):
         """`need_output=False` (a recompute whose result the backward never reads) skips the B GEMM."""
-        outs, cache = self._bottleneck_forward(x, None, [name], P, tape, need_output)
+        outs, cache = self._bottleneck_forward(x, None, [name], P, tape, need_output, recompute)
         return outs[0], cache
 
     def out_proj_backward(self, dy, cache, P, Gr):
         return self._bottleneck_backward([dy], cache, P, Gr)
 
-    def _bottleneck_forward(self, x, norm_name, names, P, tape, need_output=True):
+    def _bottleneck_forward(self, x, norm_name, names, P, tape, need_output=True, recompute=False):
         As = [P[f"{nm}/A"] for nm in names]
         xw = x * P[norm_name] if norm_name else x
         if tape.replaying:
@@ -225,13 +230,13 @@ class BottleneckTP(_Strategy):
         else:
             Z, rstd = self._reduce_bottleneck(x, xw, As, norm_name is not None)
             tape.record((Z, rstd))
-        Zs = layers.silu_forward(Z) if self.act else Z
+        Zs, sig = _activate(Z, self.act, recompute)
         sl = _col_slices([A.shape[1] for A in As])
         if need_output:
             outs = grouped_matmul([Zs[:, s] for s in sl], [P[f"{nm}/B"] for nm in names], self.grouped)
         else:
             outs = [None] * len(names)
-        return outs, (x, xw, norm_name, Z, Zs, rstd, names, sl)
+        return outs, (x, xw, norm_name, Z, Zs, rstd, names, sl, sig)
 
     def _reduce_bottleneck(self, x, xw, As, with_norm):
         """The only forward communication of a btp layer: Z = rmsnorm(x)·A exactly, from shards."""
@@ -273,7 +278,7 @@ class BottleneckTP(_Strategy):
         return buf
 
     def _bottleneck_backward(self, douts, cache, P, Gr):
-        x, xw, norm_name, Z, Zs, rstd, names, sl = cache
+        x, xw, norm_name, Z, Zs, rstd, names, sl, sig = cache
         xp = get_array_module(x)
         dZs = xp.empty_like(Z)
         Bs = [P[f"{nm}/B"] for nm in names]
@@ -283,7 +288,7 @@ class BottleneckTP(_Strategy):
         with _Pending(self.tp, dZs, sl, self.grouped):
             for nm, dB in zip(names, grouped_matmul([Zs[:, s].T for s in sl], douts, self.grouped)):
                 Gr[f"{nm}/B"] += dB
-        dZ = layers.silu_backward(dZs, Z) if self.act else dZs
+        dZ = layers.silu_backward(dZs, Z, sig) if self.act else dZs
         As = [P[f"{nm}/A"] for nm in names]
         if norm_name is None:
             dx = dZ @ _concat_cols(As).T
@@ -299,6 +304,15 @@ class BottleneckTP(_Strategy):
             Gr[f"{nm}/A"] += xw.T @ dP[:, s]
         Gr[norm_name] += (dxw * x).sum(axis=0)
         return dxw * P[norm_name] + 2.0 * x * dS
+
+
+def _activate(Z, act, recompute):
+    """(silu(Z), its sigmoid when a recompute keeps it for the backward, else None); (Z, None) without act."""
+    if not act:
+        return Z, None
+    if recompute:
+        return layers.silu_forward(Z, keep_sigmoid=True)
+    return layers.silu_forward(Z), None
 
 
 class _Pending:
@@ -369,9 +383,9 @@ class _ReplicatedResidual(_Strategy):
 class VanillaLowRankTP(_ReplicatedResidual):
     """Megatron TP applied to each factor: A column-parallel along R, B row-parallel along R."""
 
-    def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE):
+    def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE, recompute=False):
         n, rstd = self._norm_forward(x, norm_name, P)
-        outs, cache = self._factor_forward(n, names, P, tape)
+        outs, cache = self._factor_forward(n, names, P, tape, recompute)
         return outs, (x, norm_name, rstd, cache)
 
     def in_proj_backward(self, douts, cache, P, Gr):
@@ -379,15 +393,15 @@ class VanillaLowRankTP(_ReplicatedResidual):
         dn = self._factor_backward(douts, inner, P, Gr)
         return layers.rmsnorm_backward(dn, x, P[norm_name], rstd, Gr[norm_name])
 
-    def out_proj_forward(self, x, name, P, tape=NO_TAPE, need_output=True):
+    def out_proj_forward(self, x, name, P, tape=NO_TAPE, need_output=True, recompute=False):
         # the output is produced regardless: its all-reduce is part of the forward's collectives
-        outs, cache = self._factor_forward(x, [name], P, tape)
+        outs, cache = self._factor_forward(x, [name], P, tape, recompute)
         return outs[0], cache
 
     def out_proj_backward(self, dy, cache, P, Gr):
         return self._factor_backward([dy], cache, P, Gr)
 
-    def _factor_forward(self, x, names, P, tape):
+    def _factor_forward(self, x, names, P, tape, recompute=False):
         xp = get_array_module(x)
         As = [P[f"{nm}/A"] for nm in names]
         sl = _col_slices([A.shape[1] for A in As])
@@ -397,7 +411,7 @@ class VanillaLowRankTP(_ReplicatedResidual):
             Z = tape.record((x @ _concat_cols(As),))[0]
         else:
             Z = tape.record((xp.concatenate([x @ A for A in As], axis=1),))[0]
-        Zs = layers.silu_forward(Z) if self.act else Z
+        Zs, sig = _activate(Z, self.act, recompute)
         # reduce from tp region after every B: the full [N, d_out] output
         ys = [xp.ascontiguousarray(Zs[:, s] @ P[f"{nm}/B"]) for s, nm in zip(sl, names)]
         if self.grouped and len(ys) > 1 and self.p > 1:
@@ -406,16 +420,16 @@ class VanillaLowRankTP(_ReplicatedResidual):
             ys = [buf[:, s] for s in _col_slices(widths)]
         else:
             ys = [self.tp.allreduce(y) for y in ys]
-        return ys, (x, Z, Zs, names, sl)
+        return ys, (x, Z, Zs, names, sl, sig)
 
     def _factor_backward(self, douts, cache, P, Gr):
-        x, Z, Zs, names, sl = cache
+        x, Z, Zs, names, sl, sig = cache
         xp = get_array_module(x)
         dZs = xp.empty_like(Z)
         for s, nm, dy in zip(sl, names, douts):
             dZs[:, s] = dy @ P[f"{nm}/B"].T
             Gr[f"{nm}/B"] += Zs[:, s].T @ dy
-        dZ = layers.silu_backward(dZs, Z) if self.act else dZs
+        dZ = layers.silu_backward(dZs, Z, sig) if self.act else dZs
         As = [P[f"{nm}/A"] for nm in names]
         dx, reqs, parts = self._input_grad([dZ[:, s] for s in sl], As, self.grouped)
         for s, nm in zip(sl, names):  # weight gradients while the input gradient travels
@@ -433,7 +447,7 @@ class MegatronTP(_ReplicatedResidual):
         self.n_heads = cfg.model.n_heads // self.p
         self.n_kv_heads = cfg.model.n_kv_heads // self.p
 
-    def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE):
+    def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE, recompute=False):
         n, rstd = self._norm_forward(x, norm_name, P)
         Ws = [P[f"{nm}/W"] for nm in names]
         if self.grouped:
@@ -454,7 +468,7 @@ class MegatronTP(_ReplicatedResidual):
         dn = dn if parts is None else sum(parts[1:], parts[0])
         return layers.rmsnorm_backward(dn, x, P[norm_name], rstd, Gr[norm_name])
 
-    def out_proj_forward(self, x, name, P, tape=NO_TAPE, need_output=True):
+    def out_proj_forward(self, x, name, P, tape=NO_TAPE, need_output=True, recompute=False):
         y = get_array_module(x).ascontiguousarray(x @ P[f"{name}/W"])
         return self.tp.allreduce(y), (x, name)  # reduce from tp region
 
