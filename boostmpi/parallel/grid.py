@@ -53,7 +53,7 @@ class ProcessGrid:
             if use_nccl and comm is not None:
                 from boostmpi.parallel.nccl import NcclGroup
 
-                return NcclGroup(axis, comm, self.counter, overlap)
+                return NcclGroup(axis, comm, self.counter, overlap, p2p=axis == "pp")
             return Group(axis, comm, self.counter, overlap, sync)
 
         self.use_nccl = use_nccl

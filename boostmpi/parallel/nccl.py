@@ -6,6 +6,16 @@ the current CuPy stream, so they are ordered with the kernels that produce and c
 buffers and need no synchronisation; `iallreduce` runs on a side stream and its `wait()` makes
 the current stream wait for it (the overlap of issue 4). Byte accounting is inherited from Group.
 
+Point to point (the pipeline axis): an NCCL send blocks its stream until the peer has posted the
+matching receive, so sends and receives of a 1F1B schedule on one stream would deadlock as soon
+as two neighbouring stages send to each other at once (stage s sends F(m+1) while stage s+1
+sends B(m)). A group made with `p2p=True` therefore holds one extra communicator and stream per
+direction of travel: messages going up the ranks (activations, stage s -> s+1) on one, messages
+going down (gradients) on the other. On each of them every rank only ever waits on work that
+flows the same way, in the same order on both ends, so no cycle can form; each op first waits
+for the current stream (the buffer's producer, or its previous user in CuPy's memory pool) and
+hands back an event that the current stream waits on.
+
 Not exercised in CI (no GPU there): the GPU test suite runs it on a device when one is lent.
 """
 
@@ -47,19 +57,29 @@ class _Event:
     Wait = wait
 
 
+def _communicator(nccl, mpi_comm, size, rank):
+    """A new NCCL communicator over the ranks of `mpi_comm` (collective over it)."""
+    uid = nccl.get_unique_id() if rank == 0 else None
+    uid = mpi_comm.bcast(uid, root=0)
+    return nccl.NcclCommunicator(size, uid, rank)
+
+
 class NcclGroup(Group):
-    def __init__(self, axis, mpi_comm, counter, overlap=True):
+    def __init__(self, axis, mpi_comm, counter, overlap=True, p2p=False):
         super().__init__(axis, mpi_comm, counter, overlap)
+        self.p2p = {}
         if self.size == 1:
             self.nccl_comm = None
             return
         import cupy
 
         nccl = _nccl()
-        uid = nccl.get_unique_id() if self.rank == 0 else None
-        uid = mpi_comm.bcast(uid, root=0)
-        self.nccl_comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+        self.nccl_comm = _communicator(nccl, mpi_comm, self.size, self.rank)
         self.side_stream = cupy.cuda.Stream(non_blocking=True)
+        if p2p:  # +1: messages to higher ranks, -1: to lower ranks (see the module docstring)
+            for direction in (+1, -1):
+                self.p2p[direction] = (_communicator(nccl, mpi_comm, self.size, self.rank),
+                                       cupy.cuda.Stream(non_blocking=True))
 
     def _stream(self):
         import cupy
@@ -100,16 +120,25 @@ class NcclGroup(Group):
         self.nccl_comm.allGather(buf.data.ptr, out.data.ptr, buf.size, _dtype(nccl, buf.dtype), self._stream().ptr)
         return out
 
+    def _p2p_channel(self, direction):
+        if direction not in self.p2p:
+            raise RuntimeError(f"NCCL group '{self.axis}' was made without p2p=True: it has no send/receive channels")
+        comm, stream = self.p2p[direction]
+        stream.wait_event(_Event(self._stream()).event)
+        return comm, stream
+
     def isend(self, buf, dest, tag=0):
         nccl = _nccl()
         self.counter.add(self.axis, buf.nbytes)
-        self.nccl_comm.send(buf.data.ptr, buf.size, _dtype(nccl, buf.dtype), dest, self._stream().ptr)
-        return _Event(self._stream())
+        comm, stream = self._p2p_channel(+1 if dest > self.rank else -1)
+        comm.send(buf.data.ptr, buf.size, _dtype(nccl, buf.dtype), dest, stream.ptr)
+        return _Event(stream)
 
     def irecv(self, buf, source, tag=0):
         nccl = _nccl()
-        self.nccl_comm.recv(buf.data.ptr, buf.size, _dtype(nccl, buf.dtype), source, self._stream().ptr)
-        return _Event(self._stream())
+        comm, stream = self._p2p_channel(+1 if self.rank > source else -1)
+        comm.recv(buf.data.ptr, buf.size, _dtype(nccl, buf.dtype), source, stream.ptr)
+        return _Event(stream)
 
 
 def select_device(local_rank):

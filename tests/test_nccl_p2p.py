@@ -1,0 +1,188 @@
+"""The NCCL pipeline channels (boostmpi/parallel/nccl.py) against NCCL's blocking send/receive.
+
+No GPU is needed: CuPy and its NCCL binding are replaced by fakes that record, per rank, which
+stream and which communicator every send and receive was enqueued on. The engine's own 1F1B
+schedule (boostmpi/parallel/pipeline.py) is replayed through real `NcclGroup` objects, one per
+stage, and the recorded streams are then run under NCCL's rule: a send and its receive complete
+together, and an op on a stream waits for the ops before it on that stream and for every receive
+the rank had already waited for (the engine waits on each receive at once).
+
+With the per-direction channels every schedule completes; with every op on one stream per rank
+(the design the channels replaced) the same schedules deadlock, which is what the check is for.
+"""
+
+import itertools
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from boostmpi.parallel.comm import CommCounter
+from boostmpi.parallel.pipeline import one_f_one_b
+
+_ids = itertools.count(1)
+
+
+class _Stream:
+    def __init__(self, non_blocking=False):
+        self.ptr = next(_ids)
+
+    def wait_event(self, event):
+        pass
+
+
+class _Event:
+    def __init__(self, disable_timing=True):
+        pass
+
+    def record(self, stream):
+        pass
+
+
+class _Recorder:
+    """What one rank enqueued: (stream, kind, peer, communicator label), in host order."""
+
+    def __init__(self):
+        self.ops = []
+        self.comms_made = 0
+        self.main = _Stream()
+
+
+RANK = {"recorder": None}
+
+
+class _Communicator:
+    def __init__(self, size, uid, rank):
+        rec = RANK["recorder"]
+        self.label = rec.comms_made  # made in the same order on every rank: the label names it
+        rec.comms_made += 1
+
+    def send(self, ptr, count, dtype, peer, stream):
+        RANK["recorder"].ops.append((stream, "send", peer, self.label))
+
+    def recv(self, ptr, count, dtype, peer, stream):
+        RANK["recorder"].ops.append((stream, "recv", peer, self.label))
+
+
+def _fake_cupy():
+    nccl = types.SimpleNamespace(get_unique_id=lambda: b"uid", NcclCommunicator=_Communicator,
+                                 NCCL_FLOAT32=7, NCCL_FLOAT64=8, NCCL_INT64=4, NCCL_INT32=2, NCCL_SUM=0, NCCL_MAX=2)
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.Stream, cuda.Event, cuda.nccl = _Stream, _Event, nccl
+    cuda.get_current_stream = lambda: RANK["recorder"].main
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda
+    return cupy, cuda, nccl
+
+
+class _MpiComm:
+    def __init__(self, size, rank):
+        self.size, self.rank = size, rank
+
+    def Get_size(self):
+        return self.size
+
+    def Get_rank(self):
+        return self.rank
+
+    def bcast(self, obj, root=0):
+        return obj
+
+
+class _Buffer:
+    """Stands in for a CuPy array: what NcclGroup reads of one."""
+
+    def __init__(self):
+        self.data = types.SimpleNamespace(ptr=next(_ids))
+        self.size, self.nbytes, self.dtype = 16, 64, np.dtype(np.float32)
+
+
+def _record(n_stages, n_micro, p2p, monkeypatch):
+    """Replays the engine's 1F1B sends and receives on each stage; returns each rank's ops."""
+    cupy, cuda, nccl = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
+    from boostmpi.parallel.nccl import NcclGroup
+
+    recorded = []
+    for stage in range(n_stages):
+        rec = RANK["recorder"] = _Recorder()
+        group = NcclGroup("pp", _MpiComm(n_stages, stage), CommCounter(), p2p=p2p)
+        if not p2p:  # the replaced design: everything on the current stream, on the one communicator
+            def isend(buf, dest, tag=0, group=group):
+                group.nccl_comm.send(buf.data.ptr, buf.size, 0, dest, cuda.get_current_stream().ptr)
+
+            def irecv(buf, source, tag=0, group=group):
+                group.nccl_comm.recv(buf.data.ptr, buf.size, 0, source, cuda.get_current_stream().ptr)
+
+            group.isend, group.irecv = isend, irecv
+        for kind, _mb in one_f_one_b(n_stages, stage, n_micro):  # the engine's order, forward_backward
+            if kind == "F":
+                if stage > 0:
+                    group.irecv(_Buffer(), stage - 1)
+                if stage < n_stages - 1:
+                    group.isend(_Buffer(), stage + 1)
+            else:
+                if stage < n_stages - 1:
+                    group.irecv(_Buffer(), stage + 1)
+                if stage > 0:
+                    group.isend(_Buffer(), stage - 1)
+        recorded.append(rec.ops)
+    return recorded
+
+
+def _runs_to_completion(recorded):
+    """NCCL's rule on the recorded streams; True when every op completes."""
+    # op i of rank r waits for: the op before it on its stream, and every receive rank r issued before it
+    done = [[False] * len(ops) for ops in recorded]
+
+    def ready(r, i):
+        stream = recorded[r][i][0]
+        return all(done[r][j] for j in range(i) if recorded[r][j][0] == stream or recorded[r][j][1] == "recv")
+
+    progress = True
+    while progress:
+        progress = False
+        for r, ops in enumerate(recorded):
+            for i, (_stream, kind, peer, label) in enumerate(ops):
+                if done[r][i] or kind != "send" or not ready(r, i):
+                    continue
+                # the peer's first not-done receive from r on the same communicator must be this one's match
+                match = next((j for j, (_, k, p, lab) in enumerate(recorded[peer])
+                              if not done[peer][j] and k == "recv" and p == r and lab == label), None)
+                if match is not None and ready(peer, match):
+                    done[r][i] = done[peer][match] = True
+                    progress = True
+    return all(all(row) for row in done)
+
+
+@pytest.mark.parametrize("n_stages, n_micro", [(2, 1), (2, 2), (2, 4), (3, 3), (3, 6), (4, 4), (4, 8)])
+def test_pipeline_channels_never_deadlock(monkeypatch, n_stages, n_micro):
+    recorded = _record(n_stages, n_micro, p2p=True, monkeypatch=monkeypatch)
+    for rank, ops in enumerate(recorded):  # activations travel up on one channel, gradients down on the other
+        up = {(stream, lab) for stream, kind, peer, lab in ops if (kind == "send") == (peer > rank)}
+        down = {(stream, lab) for stream, kind, peer, lab in ops if (kind == "send") != (peer > rank)}
+        assert len(up) <= 1 and len(down) <= 1 and not up & down, (rank, up, down)
+        assert all(lab != 0 for _, _, _, lab in ops)  # never on the collectives' communicator
+    assert _runs_to_completion(recorded)
+
+
+@pytest.mark.parametrize("n_stages, n_micro", [(2, 2), (3, 6), (4, 8)])
+def test_one_stream_per_rank_deadlocks(monkeypatch, n_stages, n_micro):
+    """The check can fail: the same schedules on a single stream per rank do not complete."""
+    assert not _runs_to_completion(_record(n_stages, n_micro, p2p=False, monkeypatch=monkeypatch))
+
+
+def test_a_group_without_channels_refuses_point_to_point(monkeypatch):
+    cupy, cuda, nccl = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
+    from boostmpi.parallel.nccl import NcclGroup
+
+    RANK["recorder"] = _Recorder()
+    group = NcclGroup("tp", _MpiComm(2, 0), CommCounter())
+    with pytest.raises(RuntimeError, match="without p2p=True"):
+        group.isend(_Buffer(), 1)
