@@ -129,7 +129,9 @@ def attention_core(s, heads, kv_heads):
     scores = B * heads * T * T
     return [
         Gemm("scores", group * T, T, Dh, batch=B * kv_heads, saved=qkv),
-        Pointwise("softmax", scores, *_SOFTMAX_PASSES, saved=scores),
+        # the engine's tiled softmax keeps two statistics per row (maximum, sum), never the T x T
+        # probabilities: its backward recomputes them tile by tile (boostmpi/model/layers.py)
+        Pointwise("softmax", scores, *_SOFTMAX_PASSES, saved=2 * B * heads * T),
         Gemm("probs@v", group * T, Dh, T, batch=B * kv_heads),
     ]
 
