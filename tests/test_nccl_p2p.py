@@ -98,12 +98,17 @@ class _Buffer:
         self.size, self.nbytes, self.dtype = 16, 64, np.dtype(np.float32)
 
 
-def _record(n_stages, n_micro, p2p, monkeypatch):
-    """Replays the engine's 1F1B sends and receives on each stage; returns each rank's ops."""
+def _install_fake_cupy(monkeypatch):
     cupy, cuda, nccl = _fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
     monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
+    return cuda
+
+
+def _record(n_stages, n_micro, p2p, monkeypatch):
+    """Replays the engine's 1F1B sends and receives on each stage; returns each rank's ops."""
+    cuda = _install_fake_cupy(monkeypatch)
     from boostmpi.parallel.nccl import NcclGroup
 
     recorded = []
@@ -176,10 +181,7 @@ def test_one_stream_per_rank_deadlocks(monkeypatch, n_stages, n_micro):
 
 
 def test_a_group_without_channels_refuses_point_to_point(monkeypatch):
-    cupy, cuda, nccl = _fake_cupy()
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
-    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
+    _install_fake_cupy(monkeypatch)
     from boostmpi.parallel.nccl import NcclGroup
 
     RANK["recorder"] = _Recorder()

@@ -95,19 +95,15 @@ def silu_backward(dz, a, s=None):
 def gate_forward(g, u, act, keep_sigmoid=False):
     """act(g) * u; with `keep_sigmoid` returns (y, s) as `silu_forward` does (s None without act)."""
     k = _kernels_for(g, u)
+    s = None
     if k is not None:
         y = k.gate_forward(g, u, act)
     elif not act:
         y = g * u
-    elif keep_sigmoid:
-        s = sigmoid(g)
-        y = g * s
-        y *= u
-        return y, s
     else:
-        y = silu_forward(g)
+        y, s = silu_forward(g, keep_sigmoid=True) if keep_sigmoid else (silu_forward(g), None)
         y *= u
-    return (y, None) if keep_sigmoid else y
+    return (y, s) if keep_sigmoid else y
 
 
 def gate_backward(dy, g, u, act, s=None):
