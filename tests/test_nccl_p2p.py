@@ -9,6 +9,10 @@ the rank had already waited for (the engine waits on each receive at once).
 
 With the per-direction channels every schedule completes; with every op on one stream per rank
 (the design the channels replaced) the same schedules deadlock, which is what the check is for.
+
+Also here: a tp or dp group's collectives share one communicator between the current stream and
+the side stream of `iallreduce`; a fake that tracks what each stream and event covers checks that
+they are chained on the device in the order the host issued them.
 """
 
 import itertools
@@ -95,7 +99,7 @@ class _Buffer:
 
     def __init__(self):
         self.data = types.SimpleNamespace(ptr=next(_ids))
-        self.size, self.nbytes, self.dtype = 16, 64, np.dtype(np.float32)
+        self.size, self.nbytes, self.dtype, self.shape = 16, 64, np.dtype(np.float32), (16,)
 
 
 def _install_fake_cupy(monkeypatch):
@@ -188,3 +192,101 @@ def test_a_group_without_channels_refuses_point_to_point(monkeypatch):
     group = NcclGroup("tp", _MpiComm(2, 0), CommCounter())
     with pytest.raises(RuntimeError, match="without p2p=True"):
         group.isend(_Buffer(), 1)
+
+
+# ---------------------------------------------------------------- collectives on one communicator, two streams
+class _OrderStream:
+    """A stream that records what it was given: collectives, and waits on events (with what they cover)."""
+
+    def __init__(self, non_blocking=False):
+        self.ptr = next(_ids)
+        self.items = []  # ("op", index) or ("wait", frozenset of op indices the event covers)
+        _ORDER["streams"][self.ptr] = self
+
+    def covered(self):
+        """Every collective that has finished once this stream's work so far has run."""
+        done = set()
+        for kind, what in self.items:
+            done |= {what} if kind == "op" else set(what)
+        return done
+
+    def wait_event(self, event):
+        self.items.append(("wait", frozenset(event.covers)))
+
+
+class _OrderEvent:
+    def __init__(self, disable_timing=True):
+        self.covers = frozenset()
+
+    def record(self, stream):
+        self.covers = frozenset(stream.covered())
+
+
+class _OrderCommunicator:
+    def __init__(self, size, uid, rank):
+        pass
+
+    def _enqueue(self, stream_ptr):
+        stream = _ORDER["streams"][stream_ptr]
+        index = len(_ORDER["ops"])
+        _ORDER["ops"].append(frozenset(stream.covered()))  # what had to finish before this one starts
+        stream.items.append(("op", index))
+
+    def allReduce(self, send, recv, count, dtype, op, stream):
+        self._enqueue(stream)
+
+    def allGather(self, send, recv, count, dtype, stream):
+        self._enqueue(stream)
+
+
+_ORDER = {}
+
+
+def _ordered_group(monkeypatch):
+    _ORDER.update(streams={}, ops=[])
+    main = _OrderStream()
+    nccl = types.SimpleNamespace(get_unique_id=lambda: b"uid", NcclCommunicator=_OrderCommunicator,
+                                 NCCL_FLOAT32=7, NCCL_FLOAT64=8, NCCL_INT64=4, NCCL_INT32=2, NCCL_SUM=0, NCCL_MAX=2)
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.Stream, cuda.Event, cuda.nccl = _OrderStream, _OrderEvent, nccl
+    cuda.get_current_stream = lambda: main
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda
+    cupy.ascontiguousarray = lambda a: a
+    cupy.empty = lambda shape, dtype=None: _Buffer()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
+    from boostmpi.parallel.nccl import NcclGroup
+
+    return NcclGroup("tp", _MpiComm(2, 0), CommCounter()), main
+
+
+def _chained(ops):
+    """Each collective starts only after every collective issued before it has finished."""
+    return all(set(range(i)) <= set(before) for i, before in enumerate(ops))
+
+
+def test_collectives_on_one_communicator_run_in_issue_order(monkeypatch):
+    """An all-reduce on the current stream waits for side-stream all-reduces issued before it, even
+    ones the caller has not waited for yet; consecutive side-stream ones do not hold the current stream."""
+    group, main = _ordered_group(monkeypatch)
+    first = group.iallreduce(_Buffer())
+    second = group.iallreduce(_Buffer())  # ungrouped pieces: both in flight at once
+    assert not any(kind == "wait" for kind, _ in main.items)  # the current stream is free to compute
+    group.allreduce(_Buffer())  # issued before anyone waited for the two
+    group.allgather(_Buffer())
+    third = group.iallreduce(_Buffer())
+    third.wait()
+    first.wait(), second.wait()  # late waits are harmless
+    group.allreduce(_Buffer())
+    assert len(_ORDER["ops"]) == 6 and _chained(_ORDER["ops"])
+
+
+def test_the_order_check_can_fail(monkeypatch):
+    """Without the chaining (the current stream never waiting for the side stream), the check fails."""
+    group, _main = _ordered_group(monkeypatch)
+    group._collective_stream = group._stream
+    group.iallreduce(_Buffer())
+    group.allreduce(_Buffer())
+    assert not _chained(_ORDER["ops"])

@@ -6,6 +6,13 @@ the current CuPy stream, so they are ordered with the kernels that produce and c
 buffers and need no synchronisation; `iallreduce` runs on a side stream and its `wait()` makes
 the current stream wait for it (the overlap of issue 4). Byte accounting is inherited from Group.
 
+One communicator, two streams: the group's collectives are chained on the device in the order the
+host issued them, whichever stream they are on. An `iallreduce` first waits for the current stream,
+and the next collective on the current stream first waits for every side-stream collective issued
+before it, waited for or not. Every rank issues the same collectives in the same order, so no two
+of them ever run at once on the communicator, and nothing relies on how NCCL orders the kernels of
+one communicator that sit on different streams.
+
 Point to point (the pipeline axis): an NCCL send blocks its stream until the peer has posted the
 matching receive, so sends and receives of a 1F1B schedule on one stream would deadlock as soon
 as two neighbouring stages send to each other at once (stage s sends F(m+1) while stage s+1
@@ -76,6 +83,7 @@ class NcclGroup(Group):
         nccl = _nccl()
         self.nccl_comm = _communicator(nccl, mpi_comm, self.size, self.rank)
         self.side_stream = cupy.cuda.Stream(non_blocking=True)
+        self._side_done = None  # the last side-stream collective, until the current stream has waited for it
         if p2p:  # +1: messages to higher ranks, -1: to lower ranks (see the module docstring)
             for direction in (+1, -1):
                 self.p2p[direction] = (_communicator(nccl, mpi_comm, self.size, self.rank),
@@ -86,13 +94,21 @@ class NcclGroup(Group):
 
         return cupy.cuda.get_current_stream()
 
+    def _collective_stream(self):
+        """The current stream, made to wait for the side-stream collectives issued before (module docstring)."""
+        stream = self._stream()
+        if self._side_done is not None:
+            stream.wait_event(self._side_done.event)
+            self._side_done = None
+        return stream
+
     def allreduce(self, buf, op="sum"):
         if self.size == 1:
             return buf
         nccl = _nccl()
         self._count_collective(buf.nbytes)
         self.nccl_comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, _dtype(nccl, buf.dtype),
-                                 nccl.NCCL_SUM if op == "sum" else nccl.NCCL_MAX, self._stream().ptr)
+                                 nccl.NCCL_SUM if op == "sum" else nccl.NCCL_MAX, self._collective_stream().ptr)
         return buf
 
     def iallreduce(self, buf):
@@ -106,7 +122,8 @@ class NcclGroup(Group):
         self.side_stream.wait_event(_Event(self._stream()).event)  # the buffer's producer first
         self.nccl_comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, _dtype(nccl, buf.dtype), nccl.NCCL_SUM,
                                  self.side_stream.ptr)
-        return _Event(self.side_stream)
+        self._side_done = _Event(self.side_stream)
+        return self._side_done
 
     def allgather(self, buf):
         import cupy
@@ -117,7 +134,8 @@ class NcclGroup(Group):
         buf = cupy.ascontiguousarray(buf)
         out = cupy.empty((self.size,) + buf.shape, dtype=buf.dtype)
         self._count_collective(buf.nbytes)
-        self.nccl_comm.allGather(buf.data.ptr, out.data.ptr, buf.size, _dtype(nccl, buf.dtype), self._stream().ptr)
+        self.nccl_comm.allGather(buf.data.ptr, out.data.ptr, buf.size, _dtype(nccl, buf.dtype),
+                                 self._collective_stream().ptr)
         return out
 
     def _p2p_channel(self, direction):
