@@ -33,6 +33,7 @@ import common  # first: one BLAS thread before numpy loads
 import argparse  # noqa: E402
 import json  # noqa: E402
 import resource  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import tracemalloc  # noqa: E402
@@ -189,6 +190,19 @@ def report(args, world, machine, timings, saved, saved_split, traffic, first_los
         return text + f"**{low_eff / layer_eff:.2f}x**", low_eff / layer_eff >= TARGET_EFFICIENCY
 
     low, lay = on["lowrank"], on["layer"]
+
+    def per_round(memory):
+        """lowrank / layer memory-per-ms within each round (rounds where both modes added time):
+        how far the run-to-run noise of this shared machine moves the ratio."""
+        ratios = [((memory[base] - memory[low]) / (t_low - t_none)) / ((memory[base] - memory[lay]) / (t_lay - t_none))
+                  for t_none, t_lay, t_low in zip(timings.wall[base], timings.wall[lay], timings.wall[low])
+                  if t_low > t_none and t_lay > t_none]
+        if not ratios:
+            return "no round where both modes added time"
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+        return (f"median {statistics.median(ratios):.2f}x, quartiles {q1:.2f}-{q3:.2f}x, range "
+                f"{min(ratios):.2f}-{max(ratios):.2f}x over {len(ratios)} rounds")
+
     share = saved[low] / saved[base]
     extra = t[low] / t[base] - 1
     eff_text, eff_met = compare(saved)
@@ -205,6 +219,7 @@ def report(args, world, machine, timings, saved, saved_split, traffic, first_los
         f"- saved-activation memory saved per ms of added step time (wall medians): {eff_text} (target >= "
         f"{TARGET_EFFICIENCY}x: {common.verdict(eff_met)})",
         f"- the same by CPU-time medians: {eff_cpu_text} (target: {common.verdict(eff_cpu_met)})",
+        f"- the same round by round (wall, saved activations): {per_round(saved)}",
         f"- the same with the tracemalloc step peak as the memory (wall medians): {eff_peak_text}",
         "- overlap off / on step time: " + ", ".join(
             f"{mode} {t[f'{mode}, overlap off'] / t[on[mode]]:.3f} (per-round "
