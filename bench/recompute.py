@@ -187,7 +187,7 @@ def report(args, world, machine, timings, saved, saved_split, traffic, first_los
             return text + "(lowrank added no time)", True
         if layer_eff is None or layer_eff <= 0:
             return text + "undefined (layer added no time or saved nothing)", False
-        return text + f"**{low_eff / layer_eff:.2f}x**", low_eff / layer_eff >= TARGET_EFFICIENCY
+        return text + f"**{low_eff / layer_eff:.3f}x**", low_eff / layer_eff >= TARGET_EFFICIENCY
 
     low, lay = on["lowrank"], on["layer"]
 
