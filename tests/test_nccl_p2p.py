@@ -69,12 +69,13 @@ class _Communicator:
         RANK["recorder"].ops.append((stream, "recv", peer, self.label))
 
 
-def _fake_cupy():
-    nccl = types.SimpleNamespace(get_unique_id=lambda: b"uid", NcclCommunicator=_Communicator,
+def _fake_cupy(stream=_Stream, event=_Event, communicator=_Communicator, current=lambda: RANK["recorder"].main):
+    """Fake `cupy`, `cupy.cuda` and `cupy.cuda.nccl` modules built from the given stand-ins."""
+    nccl = types.SimpleNamespace(get_unique_id=lambda: b"uid", NcclCommunicator=communicator,
                                  NCCL_FLOAT32=7, NCCL_FLOAT64=8, NCCL_INT64=4, NCCL_INT32=2, NCCL_SUM=0, NCCL_MAX=2)
     cuda = types.ModuleType("cupy.cuda")
-    cuda.Stream, cuda.Event, cuda.nccl = _Stream, _Event, nccl
-    cuda.get_current_stream = lambda: RANK["recorder"].main
+    cuda.Stream, cuda.Event, cuda.nccl = stream, event, nccl
+    cuda.get_current_stream = current
     cupy = types.ModuleType("cupy")
     cupy.cuda = cuda
     return cupy, cuda, nccl
@@ -102,8 +103,8 @@ class _Buffer:
         self.size, self.nbytes, self.dtype, self.shape = 16, 64, np.dtype(np.float32), (16,)
 
 
-def _install_fake_cupy(monkeypatch):
-    cupy, cuda, nccl = _fake_cupy()
+def _install_fake_cupy(monkeypatch, **stand_ins):
+    cupy, cuda, nccl = _fake_cupy(**stand_ins)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
     monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
@@ -245,18 +246,11 @@ _ORDER = {}
 def _ordered_group(monkeypatch):
     _ORDER.update(streams={}, ops=[])
     main = _OrderStream()
-    nccl = types.SimpleNamespace(get_unique_id=lambda: b"uid", NcclCommunicator=_OrderCommunicator,
-                                 NCCL_FLOAT32=7, NCCL_FLOAT64=8, NCCL_INT64=4, NCCL_INT32=2, NCCL_SUM=0, NCCL_MAX=2)
-    cuda = types.ModuleType("cupy.cuda")
-    cuda.Stream, cuda.Event, cuda.nccl = _OrderStream, _OrderEvent, nccl
-    cuda.get_current_stream = lambda: main
-    cupy = types.ModuleType("cupy")
-    cupy.cuda = cuda
+    _install_fake_cupy(monkeypatch, stream=_OrderStream, event=_OrderEvent, communicator=_OrderCommunicator,
+                       current=lambda: main)
+    cupy = sys.modules["cupy"]
     cupy.ascontiguousarray = lambda a: a
     cupy.empty = lambda shape, dtype=None: _Buffer()
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
-    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
     from boostmpi.parallel.nccl import NcclGroup
 
     return NcclGroup("tp", _MpiComm(2, 0), CommCounter()), main
