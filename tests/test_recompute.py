@@ -65,9 +65,11 @@ def _compare(world, arch, mode, dtype):
             if recompute == "lowrank":
                 assert_all_ranks(np.array_equal(counts, base_counts), lambda: f"lowrank traffic {counts} != none {base_counts}")
                 Cl = MODEL["d_model"] // n if mode == "btp" else MODEL["d_model"]
-                stats = 2 if mode == "btp" else 0
-                per_token = Cl + 4 * MODEL["attn_rank"] + 3 * MODEL["mlp_rank"] + stats
-                want = [per_token * N * e] * MODEL["n_layers"]
+                norm_stats = 2 if mode == "btp" else 0
+                softmax_stats = 2 * MODEL["n_heads"] // (n if mode == "btp" else 1)  # fp32 or wider: e here
+                per_token = Cl + 4 * MODEL["attn_rank"] + 3 * MODEL["mlp_rank"] + norm_stats + softmax_stats
+                # the first layer's input is looked up again from the token ids, not kept
+                want = [(per_token - Cl) * N * e] + [per_token * N * e] * (MODEL["n_layers"] - 1)
                 assert_all_ranks(eng.saved_activation_bytes_per_layer == want,
                                  lambda: f"lowrank saved {eng.saved_activation_bytes_per_layer} != {want}")
             elif recompute == "layer":

@@ -207,7 +207,10 @@ def _scores(qb, kb, t0, t1, G, sdtype, xp):
 
 
 # q [B, T, H, Dh], k, v [B, T, Hkv, Dh] -> o [B, T, H*Dh]
-def attention_forward(q, k, v, keep_probs=False):
+def attention_forward(q, k, v, keep_probs=False, stats=None):
+    """`stats` = (row_max, row_sum) [B, Hkv, G, T] of an earlier forward on the same q, k: a
+    recompute (recompute = "lowrank" keeps them) then skips both row reductions. The scores are the
+    same bits as that forward's, so its statistics are exactly what the reductions would give."""
     xp = get_array_module(q)
     B, T, H, Dh = q.shape
     Hkv = k.shape[2]
@@ -218,18 +221,27 @@ def attention_forward(q, k, v, keep_probs=False):
     kh = xp.ascontiguousarray(k.transpose(0, 2, 1, 3))  # [B, Hkv, T, Dh]
     vh = xp.ascontiguousarray(v.transpose(0, 2, 1, 3))
     out = xp.empty((B, Hkv, G, T, Dh), dtype=q.dtype)
-    row_max = xp.empty((B, Hkv, G, T), dtype=sd)
-    row_sum = xp.empty((B, Hkv, G, T), dtype=sd)
+    if stats is None:
+        row_max = xp.empty((B, Hkv, G, T), dtype=sd)
+        row_sum = xp.empty((B, Hkv, G, T), dtype=sd)
+    else:
+        row_max, row_sum = stats
     tiles = [] if keep_probs and probability_tile_bytes(B, H, T, q.dtype) <= ATTENTION_KEEP_BYTES else None
     for t0, t1 in _blocks(T):
         n = t1 - t0
         s = _scores(qs[:, :, :, t0:t1].reshape(B, Hkv, G * n, Dh), kh[:, :, :t1], t0, t1, G, sd, xp)
-        m = s.max(axis=-1, keepdims=True)
+        if stats is None:
+            m = s.max(axis=-1, keepdims=True)
+        else:
+            m = row_max[:, :, :, t0:t1].reshape(B, Hkv, G * n, 1)
         s -= m
         xp.exp(s, out=s)
-        total = s.sum(axis=-1, keepdims=True)
-        row_max[:, :, :, t0:t1] = m.reshape(B, Hkv, G, n)
-        row_sum[:, :, :, t0:t1] = total.reshape(B, Hkv, G, n)
+        if stats is None:
+            total = s.sum(axis=-1, keepdims=True)
+            row_max[:, :, :, t0:t1] = m.reshape(B, Hkv, G, n)
+            row_sum[:, :, :, t0:t1] = total.reshape(B, Hkv, G, n)
+        else:
+            total = row_sum[:, :, :, t0:t1].reshape(B, Hkv, G * n, 1)
         ob = xp.matmul(s.astype(q.dtype, copy=False), vh[:, :, :t1])  # unnormalised: divide the [G*n, Dh] result
         if ob.dtype == sd:
             ob /= total

@@ -25,7 +25,9 @@ def block_forward(h, i, P, tpx, rope, shape, tape=NO_TAPE, recompute=False):
                                            recompute=recompute)
     q = layers.rope_forward(q.reshape(B, T, tpx.n_heads, Dh), *rope)
     k = layers.rope_forward(k.reshape(B, T, tpx.n_kv_heads, Dh), *rope)
-    o, c_att = layers.attention_forward(q, k, v.reshape(B, T, tpx.n_kv_heads, Dh), keep_probs=recompute)
+    stats = tape.replay() if tape.replaying else None  # lowrank keeps the softmax statistics
+    o, c_att = layers.attention_forward(q, k, v.reshape(B, T, tpx.n_kv_heads, Dh), keep_probs=recompute, stats=stats)
+    tape.record(c_att[4:6])
     y, c_o = tpx.out_proj_forward(o.reshape(N, -1), pre + "o", P, tape, recompute=recompute)
     h = h + y
     (g, u), c_gu = tpx.in_proj_forward(h, pre + "mlp_norm", [pre + "gate", pre + "up"], P, tape, recompute=recompute)

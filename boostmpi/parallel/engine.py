@@ -114,7 +114,10 @@ class Engine:
                 h, _ = block_forward(h, i, P, tpx, self.rope, (B, T))
             else:  # lowrank: keep the residual and the post-all-reduce rank-r activations only
                 tape = Tape("record")
-                saved["layers"].append((h, tape))
+                # the first layer's input is the embedding lookup: without a collective, it is
+                # looked up again from the token ids instead of kept
+                regather = self.first and i == self.layers[0] and tpx.embedding_is_local
+                saved["layers"].append((None if regather else h, tape))
                 h, _ = block_forward(h, i, P, tpx, self.rope, (B, T), tape)
         if not self.last:
             return h, saved
@@ -136,6 +139,8 @@ class Engine:
                 _, cache = block_forward(entry, i, P, tpx, self.rope, shape, recompute=True)
             else:  # replays the recorded collectives: no communication
                 h_in, tape = entry
+                if h_in is None:
+                    h_in = tpx.embed_forward(saved["ids"], P)
                 tape.mode, tape._next = "replay", 0
                 _, cache = block_forward(h_in, i, P, tpx, self.rope, shape, tape, recompute=True)
                 del h_in, tape

@@ -35,11 +35,14 @@ from boostmpi.backend import get_array_module
 
 
 class Tape:
-    """Saved results of collectives of one layer, for communication-free recompute.
+    """What recompute = "lowrank" keeps of one layer: the results of its collectives, and the
+    attention's two softmax statistics per head and token, in the order the forward made them.
 
-    mode "record": the forward appends what each bottleneck collective produced.
+    mode "record": the forward appends what each bottleneck collective produced (and
+    block_forward the attention statistics).
     mode "replay": the recompute forward takes them back in order instead of recomputing the A
-    GEMM and issuing the all-reduce. mode None: neither.
+    GEMM and issuing the all-reduce (and instead of reducing the attention scores again).
+    mode None: neither.
     """
 
     def __init__(self, mode=None, items=None):
@@ -189,6 +192,8 @@ class BottleneckTP(_Strategy):
         self.online = cfg.parallel.norm == "online"
 
     # -- embedding sharded along C: no communication either way
+    embedding_is_local = True
+
     def embed_forward(self, ids, P):
         return layers.embedding_forward(P["embed"], ids)
 
@@ -348,6 +353,10 @@ class _ReplicatedResidual(_Strategy):
     """Shared by the Megatron-style strategies: residual and norms replicated, vocabulary-parallel embedding."""
 
     # -- vocabulary-parallel embedding: forward reduce-from-region (all-reduce), backward identity
+    @property
+    def embedding_is_local(self):
+        return self.p == 1
+
     def _local_ids(self, ids):
         xp = get_array_module(ids)
         mask = (ids >= self.v0) & (ids < self.v1)

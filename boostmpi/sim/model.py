@@ -454,9 +454,12 @@ def saved_elements(ops):
     return sum(op.saved for op in ops)
 
 
-def kept_by_lowrank(ops):
-    """Elements `recompute = lowrank` keeps per layer: the outputs of the forward collectives."""
-    return sum(op.elements for op in ops if isinstance(op, Collective) and op.phase == "fwd")
+def kept_by_lowrank(ops, s):
+    """Elements `recompute = lowrank` keeps per layer besides its input: the outputs of the forward
+    collectives and the attention's softmax statistics (a log-sum-exp per row for flash, the
+    maximum and sum for the engine's tiled attention), so its recompute reduces no scores again."""
+    stats = s.B * (s.H // s.p) * s.T * (1 if s.attention == "flash" else 2)
+    return stats + sum(op.elements for op in ops if isinstance(op, Collective) and op.phase == "fwd")
 
 
 # ------------------------------------------------------------------ the whole step
@@ -562,12 +565,15 @@ def predict(cfg, machine):
     if again is not None:  # the backward runs (part of) the forward again first
         layer_b.add(pass_times(again, False, s, machine, dtype, tp_link))
     per_layer_saved = saved_elements(layer)
+    layer_input = s.N * (s.C // s.p if strategy == "btp" else s.C)
     if recompute == "layer":
-        kept = s.N * (s.C // s.p if strategy == "btp" else s.C)  # the layer's input only
+        kept = layer_input  # the layer's input only
     elif recompute == "lowrank":
-        kept = s.N * (s.C // s.p if strategy == "btp" else s.C) + kept_by_lowrank(layer)
+        kept = layer_input + kept_by_lowrank(layer, s)
     else:
         kept = per_layer_saved
+    # lowrank looks the first layer's input up again from the token ids (no collective under btp)
+    first_input_dropped = layer_input if recompute == "lowrank" else 0
 
     stages = []
     for stage in range(par.pp):
@@ -581,7 +587,8 @@ def predict(cfg, machine):
         bwd.add(pass_times(extra, True, s, machine, dtype, tp_link))
         params = max(local_params(cfg, r, stage) for r in range(par.tp))
         in_flight = min(M, par.pp - stage)  # 1F1B: stage i holds up to pp - i micro-batches
-        activations = (in_flight * (n_layers * kept + saved_elements(extra))
+        kept_stage = n_layers * kept - (first_input_dropped if stage == 0 and n_layers else 0)
+        activations = (in_flight * (kept_stage + saved_elements(extra))
                        + (per_layer_saved if recompute != "none" else 0)) * e
         stages.append({"fwd": fwd, "bwd": bwd, "params": params, "layers": n_layers,
                        "activations": activations})
