@@ -302,7 +302,10 @@ class Trainer:
     def _memory_line(self, mem):
         mib = format_bytes
         per_layer = self.engine.saved_activation_bytes_per_layer
-        layer = f" ({mib(per_layer[0])} per layer)" if per_layer else ""
+        layer = ""
+        if per_layer:  # lowrank's first layer may keep less (its input is looked up again)
+            lo, hi = min(per_layer), max(per_layer)
+            layer = f" ({mib(hi)} per layer)" if lo == hi else f" ({mib(lo)} to {mib(hi)} per layer)"
         return (f"memory (largest rank): params {mib(mem['params'])}, grads {mib(mem['grads'])}, optimizer "
                 f"{mib(mem['optimizer'])}, saved activations {mib(mem['activations_saved'])} per micro-batch{layer} "
                 f"with recompute = {self.cfg.train.recompute}, peak {mib(mem['peak'])}")
