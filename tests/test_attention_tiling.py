@@ -58,6 +58,34 @@ def test_kept_probabilities_give_the_same_bits(monkeypatch, dtype, n_kv_heads):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("n_kv_heads", [4, 2])
+def test_given_statistics_give_the_same_bits(monkeypatch, dtype, n_kv_heads):
+    """A recompute handed the forward's softmax statistics (recompute = lowrank keeps them) skips the
+    row reductions: output, kept tiles and gradients are bit for bit those of the forward."""
+    monkeypatch.setattr(layers, "ATTENTION_BLOCK", 4)
+    rng = np.random.default_rng(6)
+    B, T, H, Dh = 2, 11, 4, 6
+    q, k, v = (rng.standard_normal((B, T, h, Dh)).astype(dtype) for h in (H, n_kv_heads, n_kv_heads))
+    do = rng.standard_normal((B, T, H * Dh)).astype(dtype)
+    out, cache = layers.attention_forward(q, k, v, keep_probs=True)
+    stats = (cache[4].copy(), cache[5].copy())
+    out2, cache2 = layers.attention_forward(q, k, v, keep_probs=True, stats=stats)
+    np.testing.assert_array_equal(out, out2)
+    assert cache2[4] is stats[0] and cache2[5] is stats[1]  # used, not computed again
+    for a, b in zip(cache[6], cache2[6]):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(layers.attention_backward(do, cache), layers.attention_backward(do, cache2)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_output_is_a_view_of_the_kept_buffer():
+    """The attention output is kept once: o is a view of the buffer the backward reads."""
+    q = np.random.default_rng(0).standard_normal((2, 5, 4, 3))
+    o, cache = layers.attention_forward(q, q[:, :, :2], q[:, :, :2])
+    assert o.base is cache[3] or o.base is cache[3].base
+
+
 def test_probability_tiles_are_not_kept_above_the_limit(monkeypatch):
     monkeypatch.setattr(layers, "ATTENTION_KEEP_BYTES", 100)
     q = np.ones((1, 8, 2, 4), dtype=np.float32)

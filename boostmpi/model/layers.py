@@ -220,7 +220,8 @@ def attention_forward(q, k, v, keep_probs=False, stats=None):
     xp.multiply(q.reshape(B, T, Hkv, G, Dh).transpose(0, 2, 3, 1, 4), q.dtype.type(1.0 / np.sqrt(Dh)), out=qs)
     kh = xp.ascontiguousarray(k.transpose(0, 2, 1, 3))  # [B, Hkv, T, Dh]
     vh = xp.ascontiguousarray(v.transpose(0, 2, 1, 3))
-    out = xp.empty((B, Hkv, G, T, Dh), dtype=q.dtype)
+    # token-major, so that o is a view of it: the o projection reads (and keeps) the same buffer
+    out = xp.empty((B, T, Hkv, G, Dh), dtype=q.dtype)
     if stats is None:
         row_max = xp.empty((B, Hkv, G, T), dtype=sd)
         row_sum = xp.empty((B, Hkv, G, T), dtype=sd)
@@ -247,12 +248,11 @@ def attention_forward(q, k, v, keep_probs=False, stats=None):
             ob /= total
         else:
             ob = (ob.astype(sd) / total).astype(q.dtype)
-        out[:, :, :, t0:t1] = ob.reshape(B, Hkv, G, n, Dh)
+        out[:, t0:t1] = ob.reshape(B, Hkv, G, n, Dh).transpose(0, 3, 1, 2, 4)
         if tiles is not None:
             s /= total
             tiles.append(s)
-    o = out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * Dh)
-    return o, (qs, kh, vh, out, row_max, row_sum, tiles)
+    return out.reshape(B, T, H * Dh), (qs, kh, vh, out, row_max, row_sum, tiles)
 
 
 def attention_backward(do, cache):
@@ -262,8 +262,9 @@ def attention_backward(do, cache):
     B, Hkv, G, T, Dh = qs.shape
     sd = row_max.dtype
     scale = do.dtype.type(1.0 / np.sqrt(Dh))
-    dog = do.reshape(B, T, Hkv, G, Dh).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dh]
-    delta = (dog * out).sum(axis=-1, dtype=sd)  # rowsum(dO * O) = rowsum(P * dP)
+    dot = do.reshape(B, T, Hkv, G, Dh)
+    dog = dot.transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dh]
+    delta = (dot * out).sum(axis=-1, dtype=sd).transpose(0, 2, 3, 1)  # rowsum(dO * O) = rowsum(P * dP)
     dq = xp.empty((B, Hkv, G, T, Dh), dtype=do.dtype)
     dk = xp.zeros((B, Hkv, T, Dh), dtype=do.dtype)
     dv = xp.zeros((B, Hkv, T, Dh), dtype=do.dtype)
