@@ -112,7 +112,7 @@ class Engine:
             elif self.recompute == "layer":
                 saved["layers"].append(h)
                 h, _ = block_forward(h, i, P, tpx, self.rope, (B, T))
-            else:  # lowrank: keep the residual and the post-all-reduce rank-r activations only
+            else:  # lowrank: the residual, the post-all-reduce rank-r activations, the softmax statistics
                 tape = Tape("record")
                 # the first layer's input is the embedding lookup: without a collective, it is
                 # looked up again from the token ids instead of kept
