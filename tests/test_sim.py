@@ -7,6 +7,7 @@ out independently of the model's operation plans.
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from boostmpi.cli import main
@@ -152,6 +153,24 @@ def test_recompute_trades_time_for_memory():
     act = {rc: p.memory_bytes["activations"] for rc, p in runs.items()}
     assert act["layer"] < act["lowrank"] < act["none"]
     assert runs["none"].time_s < runs["lowrank"].time_s < runs["layer"].time_s
+
+
+def test_lowrank_memory_and_recompute_match_the_engine():
+    """lowrank keeps the engine's softmax statistics (so its recompute skips the two row reductions)
+    and drops the first stage's first layer input, exactly as the engine's accounting does."""
+    from boostmpi.parallel.engine import Engine
+
+    cfg = tiny({"tp": 1}, {"recompute": "lowrank", "dtype": "float32"})
+    s = model.shape_of(cfg, "matmul")
+    layer = model.layer_plan(s, "btp")
+    softmax = [op for op in layer if getattr(op, "name", "") == "softmax"]
+    again = [op for op in model.recompute_plan(layer, "lowrank") if getattr(op, "name", "") == "softmax"]
+    assert len(softmax) == len(again) == 1 and again[0].fwd_passes == softmax[0].fwd_passes - 2
+    kept = s.N * s.C + model.kept_by_lowrank(layer, s)  # elements per layer, float32
+    eng = Engine(cfg)
+    x = np.zeros((2, TINY_MODEL["seq_len"]), dtype=np.int64)
+    eng.forward_backward([(x, x)])
+    assert eng.saved_activation_bytes_per_layer == [(kept - s.N * s.C) * 4, kept * 4]
 
 
 def test_overlap_hides_dp_communication():

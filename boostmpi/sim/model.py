@@ -11,7 +11,7 @@ Ra/Rm attention/MLP rank, p = tp. docs/SIM.md explains every term.
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from boostmpi.model.params import param_specs, stage_layers, tp_strategy
 
@@ -22,6 +22,7 @@ BREAKDOWN_KEYS = ("gemm", "elementwise", "tp_comm", "pp_bubble_and_p2p", "dp_com
 # attention runs it: forward = mask add (3), max (1), subtract (2), exp (2), sum (1), divide (2);
 # backward = (dP*P) (3) and its row sum (1), subtract (2), multiply (3).
 _SOFTMAX_PASSES = (11, 9)
+_SOFTMAX_REDUCTION_PASSES = 2  # max and sum: what a recompute handed the statistics skips
 # Cross-entropy over the local logits: max, exp-sum, target pick (forward); softmax minus one-hot (backward).
 _CROSS_ENTROPY_PASSES = (3, 3)
 # A flash-attention backward does 5 T x T matmuls to the forward's 2 (FlashAttention-2, Dao 2023).
@@ -435,7 +436,8 @@ def recompute_plan(ops, recompute):
 
     `layer` runs the whole forward again. `lowrank` keeps the output of every forward collective
     (btp: the rank-R z after its all-reduce; vanilla: each B output after its all-reduce), so
-    neither those collectives nor the GEMMs that feed them straight in run again.
+    neither those collectives nor the GEMMs that feed them straight in run again; it also keeps
+    the softmax statistics, so the tiled softmax runs again without its two row reductions.
     """
     if recompute == "none":
         return None
@@ -446,6 +448,8 @@ def recompute_plan(ops, recompute):
         feeds_kept = isinstance(following, Collective) and following.phase == "fwd"
         if isinstance(op, Collective) or (isinstance(op, Gemm) and feeds_kept):
             continue
+        if isinstance(op, Pointwise) and op.name == "softmax":
+            op = replace(op, fwd_passes=op.fwd_passes - _SOFTMAX_REDUCTION_PASSES)
         again.append(op)
     return again
 
