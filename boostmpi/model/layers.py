@@ -83,6 +83,12 @@ def silu_forward(a, keep_sigmoid=False):
     return s
 
 
+def silu_forward_for(a, recompute):
+    """(silu(a), s): s = sigmoid(a) kept for an immediate backward when `recompute`, else None
+    (a plain forward keeps no extra array)."""
+    return silu_forward(a, keep_sigmoid=True) if recompute else (silu_forward(a), None)
+
+
 def silu_backward(dz, a, s=None):
     """dz * silu'(a); `s` = sigmoid(a) when the forward kept it (the same bits either way)."""
     k = _kernels_for(dz, a)
@@ -101,9 +107,14 @@ def gate_forward(g, u, act, keep_sigmoid=False):
     elif not act:
         y = g * u
     else:
-        y, s = silu_forward(g, keep_sigmoid=True) if keep_sigmoid else (silu_forward(g), None)
+        y, s = silu_forward_for(g, keep_sigmoid)
         y *= u
     return (y, s) if keep_sigmoid else y
+
+
+def gate_forward_for(g, u, act, recompute):
+    """(act(g) * u, s) as `silu_forward_for` returns them."""
+    return gate_forward(g, u, act, keep_sigmoid=True) if recompute else (gate_forward(g, u, act), None)
 
 
 def gate_backward(dy, g, u, act, s=None):

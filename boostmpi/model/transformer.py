@@ -32,7 +32,7 @@ def block_forward(h, i, P, tpx, rope, shape, tape=NO_TAPE, recompute=False):
     h = h + y
     (g, u), c_gu = tpx.in_proj_forward(h, pre + "mlp_norm", [pre + "gate", pre + "up"], P, tape, recompute=recompute)
     act = tpx.cfg.model.mlp_gate_act
-    a, s_gate = layers.gate_forward(g, u, act, keep_sigmoid=True) if recompute else (layers.gate_forward(g, u, act), None)
+    a, s_gate = layers.gate_forward_for(g, u, act, recompute)
     y, c_down = tpx.out_proj_forward(a, pre + "down", P, tape, need_output=not recompute, recompute=recompute)
     return (h + y if y is not None else None), [c_qkv, c_att, c_o, c_gu, (g, u, act, s_gate), c_down]
 

@@ -116,8 +116,8 @@ class Engine:
                 tape = Tape("record")
                 # the first layer's input is the embedding lookup: without a collective, it is
                 # looked up again from the token ids instead of kept
-                regather = self.first and i == self.layers[0] and tpx.embedding_is_local
-                saved["layers"].append((None if regather else h, tape))
+                look_up_again = self.first and i == self.layers[0] and tpx.embedding_is_local
+                saved["layers"].append((None if look_up_again else h, tape))
                 h, _ = block_forward(h, i, P, tpx, self.rope, (B, T), tape)
         if not self.last:
             return h, saved

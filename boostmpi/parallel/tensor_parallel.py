@@ -313,11 +313,7 @@ class BottleneckTP(_Strategy):
 
 def _activate(Z, act, recompute):
     """(silu(Z), its sigmoid when a recompute keeps it for the backward, else None); (Z, None) without act."""
-    if not act:
-        return Z, None
-    if recompute:
-        return layers.silu_forward(Z, keep_sigmoid=True)
-    return layers.silu_forward(Z), None
+    return layers.silu_forward_for(Z, recompute) if act else (Z, None)
 
 
 class _Pending:
