@@ -145,8 +145,8 @@ def _wait_for_rows(run_dir, n, proc):
     pytest.fail(f"no {n} steps in {path} after {JOB_TIMEOUT_S} s")
 
 
-def _rank_pids(root_pid):
-    """{MPI rank: pid} of the ranks started under `root_pid` (found through /proc, by PMI_RANK)."""
+def _children():
+    """{parent pid: [child pids]} of every process (through /proc)."""
     children = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -156,6 +156,12 @@ def _rank_pids(root_pid):
                 continue
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
             children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def _rank_pids(root_pid):
+    """{MPI rank: pid} of the ranks started under `root_pid` (found through /proc, by PMI_RANK)."""
+    children = _children()
     ranks, todo = {}, [root_pid]
     while todo:
         pid = todo.pop()
@@ -264,15 +270,10 @@ def test_kill_during_checkpoint_writing_keeps_the_previous_checkpoint(tmp_path, 
 
 def _launcher_pid(timeout_pid):
     """The mpiexec started by `timeout` (its child)."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == timeout_pid:
-                return int(entry)
-    pytest.fail(f"no child of pid {timeout_pid}")
+    children = _children().get(timeout_pid)
+    if not children:
+        pytest.fail(f"no child of pid {timeout_pid}")
+    return children[0]
 
 
 @pytest.mark.parametrize("how", ["sigterm-to-every-rank", "ctrl-c-to-mpiexec"])
