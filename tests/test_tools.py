@@ -191,10 +191,51 @@ def test_eval_bad_input_is_one_line_and_exit_status_2(trained, tmp_path, capsys)
     assert_bad_input(capsys, ["bytes.bin", "token id 195", "128"], "eval", run_dir, "--data", too_big)
 
     assert_bad_input(capsys, ["--batch-size"], "eval", run_dir, "--data", shard, "--batch-size", 0)
-    assert_bad_input(capsys, ["max_windows"], "eval", run_dir, "--data", shard, "--max-windows", 0)
+    assert_bad_input(capsys, ["--max-windows"], "eval", run_dir, "--data", shard, "--max-windows", 0)
     stray_file = tmp_path / "weights.bin"
     stray_file.write_bytes(b"x")
-    assert_bad_input(capsys, ["weights.bin", "not a model.h5"], "eval", stray_file, "--data", shard)
+    assert_bad_input(capsys, ["weights.bin", "is a file but not a checkpoint"], "eval", stray_file, "--data", shard)
+
+
+def test_every_checkpoint_argument_accepts_the_latest_file_and_the_checkpoints_folder(trained, capsys, tmp_path):
+    run_dir, shard, _ = trained
+    step_folder = ckpt.find_latest(str(run_dir))
+    for name in (run_dir, run_dir / "checkpoints", run_dir / "checkpoints" / "latest", step_folder,
+                 Path(step_folder) / "model.h5"):
+        assert ckpt.resolve(name) == step_folder, name
+        status, out, err = run_cli(capsys, "eval", name, "--data", shard, "--max-windows", 2)
+        assert status == 0 and json.loads(out)["step"] == 150, err
+    for command in (["inspect"], ["generate", "--prompt", "the", "--max-new-tokens", "2"]):
+        status, _, err = run_cli(capsys, command[0], run_dir / "checkpoints" / "latest", *command[1:])
+        assert status == 0, err
+    status, _, err = run_cli(capsys, "export", run_dir / "checkpoints" / "latest", "--to", "safetensors",
+                             "--out", tmp_path / "m.safetensors")
+    assert status == 0, err
+    bad_latest = tmp_path / "checkpoints" / "latest"
+    bad_latest.parent.mkdir()
+    bad_latest.write_text("../../etc\n")
+    assert_bad_input(capsys, [str(bad_latest), "does not name a checkpoint folder"], "eval", bad_latest, "--data", shard)
+
+
+def test_eval_takes_a_glob_of_shards_and_averages_over_all_their_windows(trained, capsys, tmp_path):
+    run_dir, shard, _ = trained
+    tokens = np.asarray(open_shard(shard))
+    write_shard(tmp_path / "val_000000.bin", tokens[: 10 * SEQ_LEN + 1])
+    write_shard(tmp_path / "val_000001.bin", tokens[5: 5 + 6 * SEQ_LEN + 1])
+    write_shard(tmp_path / "val_000002.bin", tokens[:3])  # too short for a window: passed over
+    losses = []
+    for name in ("val_000000.bin", "val_000001.bin"):
+        status, out, _ = run_cli(capsys, "eval", run_dir, "--data", tmp_path / name)
+        losses.append(json.loads(out))
+    status, out, err = run_cli(capsys, "eval", run_dir, "--data", str(tmp_path / "val_*.bin"))
+    assert status == 0, err
+    result = json.loads(out)
+    assert result["windows"] == 16 and result["shards"] == 2 and result["tokens"] == 16 * SEQ_LEN
+    assert result["loss"] == pytest.approx((10 * losses[0]["loss"] + 6 * losses[1]["loss"]) / 16, rel=1e-6)
+    status, out, _ = run_cli(capsys, "eval", run_dir, "--data", str(tmp_path / "val_*.bin"), "--max-windows", 12)
+    assert json.loads(out)["windows"] == 12 and json.loads(out)["shards"] == 2
+    assert_bad_input(capsys, ["no token shards match", "nothing_*.bin"], "eval", run_dir, "--data",
+                     str(tmp_path / "nothing_*.bin"))
 
 
 @pytest.mark.mpi_skip  # it starts an MPI job of its own

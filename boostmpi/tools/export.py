@@ -17,8 +17,9 @@ import struct
 
 import numpy as np
 
-from boostmpi.files import atomic_file
 from boostmpi.errors import UserError
+from boostmpi.files import atomic_file
+from boostmpi.train.checkpoint import CHECKPOINT_ARG_HELP
 from boostmpi.tools.loading import load_checkpoint
 
 FORMATS = ("torch", "safetensors")
@@ -28,7 +29,7 @@ SAFETENSORS_DTYPES = {np.dtype("float64"): "F64", np.dtype("float32"): "F32", np
 def register(subparsers):
     p = subparsers.add_parser("export", help="write a checkpoint's weights as a PyTorch state dict or safetensors",
                               description="Export a checkpoint's weights (CONTRACT names) for PyTorch or safetensors readers.")
-    p.add_argument("checkpoint", help="run directory (its latest checkpoint), checkpoint folder, or model.h5")
+    p.add_argument("checkpoint", help=CHECKPOINT_ARG_HELP)
     p.add_argument("--to", required=True, choices=FORMATS, help="output format")
     p.add_argument("--out", required=True, metavar="PATH", help="output file (e.g. model.pt or model.safetensors)")
     p.set_defaults(func=run)

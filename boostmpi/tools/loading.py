@@ -17,10 +17,8 @@ from boostmpi.train import checkpoint as ckpt
 
 
 def checkpoint_dir(path):
-    """The verified-complete checkpoint folder named by a run dir, a checkpoint dir or a model.h5."""
-    path = os.fspath(path)
-    if os.path.isfile(path) and os.path.basename(path) != "model.h5":
-        raise CheckpointError(f"{path} is a file but not a model.h5: name a run directory, a checkpoint folder or its model.h5")
+    """The verified-complete checkpoint folder named by a run directory, its checkpoints/latest
+    file, a step folder or its model.h5."""
     return ckpt.resolve(path)
 
 

@@ -20,8 +20,9 @@ def register(subparsers):
     p.add_argument("--config", required=True, help="TOML configuration file")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a configuration key")
     p.add_argument("--resume", default=None, metavar="CHECKPOINT",
-                   help="start from this checkpoint instead: a run directory (its latest checkpoint), its "
-                        "checkpoints/latest file, or a step folder (default: this run directory's latest, if any)")
+                   help="start from this checkpoint instead of this run directory's latest (if any): "
+                        "a run directory (its latest checkpoint), its checkpoints/latest file, a step_<N> folder, "
+                        "or its model.h5")
     p.set_defaults(func=run)
 
 
