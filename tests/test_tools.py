@@ -488,6 +488,10 @@ def test_export_bad_input(trained, tmp_path, capsys, monkeypatch):
     assert_bad_input(capsys, ["is a folder"], "export", run_dir, "--to", "safetensors", "--out", tmp_path)
     assert_bad_input(capsys, [".json"], "export", run_dir, "--to", "torch", "--out", tmp_path / "m.json")
     assert_bad_input(capsys, ["nowhere"], "export", tmp_path / "nowhere", "--to", "torch", "--out", tmp_path / "m.pt")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert_bad_input(capsys, ["--out", str(a_file), "is a file, not a folder"], "export", run_dir, "--to", "safetensors",
+                     "--out", a_file / "m.safetensors")
     monkeypatch.setitem(sys.modules, "torch", None)  # as if PyTorch were not installed
     assert_bad_input(capsys, ["needs PyTorch", "--to safetensors"], "export", run_dir, "--to", "torch",
                      "--out", tmp_path / "m.pt")
@@ -523,14 +527,41 @@ def test_plot_overlays_runs(trained, tmp_path, capsys):
     labels = [line.get_label() for line in fig.axes[0].get_lines()]
     assert labels == ["full loss", "full val_loss", "svd loss", "svd val_loss", "cola loss"]
     assert list(fig.axes[0].get_lines()[0].get_xdata()) == [64, 128, 192, 256]
+    # communication: grouped bars side by side, one per run and axis, each labelled with its size
+    comm = fig.axes[2]
+    bars = [patch for container in comm.containers for patch in getattr(container, "patches", [])]
+    assert len(bars) == 5 and len({(round(b.get_x(), 6), b.get_width()) for b in bars}) == 5  # none hides another
+    assert sorted(round(b.get_height()) for b in bars) == [100, 100, 512, 1024, 4096]
+    assert [t.get_text() for t in comm.get_xticklabels()] == ["tp axis", "pp axis", "dp axis"]
+    assert {t.get_text() for t in comm.texts} >= {"4.0 KiB", "1.0 KiB", "512 B", "100 B"}
+    assert [t.get_text() for t in comm.get_legend().get_texts()] == ["svd", "cola"]
     fig, _ = make_figure(runs, x="step")
     assert list(fig.axes[0].get_lines()[0].get_xdata()) == [1, 2, 3, 4]
+    fig, n_series = make_figure(runs[:1])  # no communication at all: the panel says so
+    assert n_series == 3 and "no communication" in fig.axes[2].texts[0].get_text()
 
     out = tmp_path / "curves.png"
     status, text, _ = run_cli(capsys, "plot", *runs, trained[0], "--out", out, "--x", "step")
     assert status == 0 and "16 series" in text  # the trained run adds loss, val_loss, throughput
     assert out.read_bytes()[:8] == PNG_SIGNATURE
     assert out.stat().st_size > 10_000
+
+
+def test_plot_and_export_to_a_read_only_filesystem_are_one_line(trained, tmp_path):
+    from train_helpers import run_on_a_private_tmpfs
+
+    run_dir = fake_run(tmp_path, "good", {"tp": 0, "pp": 0, "dp": 0})
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OPENBLAS_NUM_THREADS="1")
+    script = (f"{sys.executable} -m boostmpi plot {run_dir} --out {mount}/o.png; echo status $?; "
+              f"{sys.executable} -m boostmpi export {trained[0]} --to safetensors --out {mount}/m.safetensors; "
+              f"echo status $?")
+    done = run_on_a_private_tmpfs(mount, "ro,size=64k", script, env=env)
+    assert done.stdout.split() == ["status", "2", "status", "2"], done.stdout
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2 and all(line.startswith(f"error: --out {mount}/") for line in lines), done.stderr
+    assert all("read-only filesystem" in line for line in lines), lines
 
 
 def test_plot_bad_input(tmp_path, capsys):
@@ -553,5 +584,9 @@ def test_plot_bad_input(tmp_path, capsys):
     assert_bad_input(capsys, ["no tokens column", "--x step"], "plot", no_tokens, "--out", out)
     assert run_cli(capsys, "plot", no_tokens, "--out", out, "--x", "step")[0] == 0
     assert_bad_input(capsys, ["does not exist"], "plot", good, "--out", tmp_path / "nowhere" / "o.png")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert_bad_input(capsys, ["--out", str(a_file), "is a file, not a folder"], "plot", good, "--out", a_file / "o.png")
+    assert_bad_input(capsys, ["--out", "is a folder"], "plot", good, "--out", tmp_path)
     status, _, err = run_cli(capsys, "plot", good, "--out", out, "--x", "time")
     assert status == 2 and "--x" in err

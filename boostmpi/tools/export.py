@@ -18,7 +18,7 @@ import struct
 import numpy as np
 
 from boostmpi.errors import UserError
-from boostmpi.files import atomic_file
+from boostmpi.files import atomic_file, check_writable_parent
 from boostmpi.train.checkpoint import CHECKPOINT_ARG_HELP
 from boostmpi.tools.loading import load_checkpoint
 
@@ -82,18 +82,10 @@ def write_torch(path, tensors, metadata):
     return sidecar
 
 
-def check_out_path(path):
-    if os.path.isdir(path):
-        raise UserError(f"--out {path} is a folder; give a file name, e.g. {os.path.join(path, 'model.pt')}")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UserError(f"--out {path}: the folder {parent} does not exist")
-
-
 def run(args):
     if args.to not in FORMATS:
         raise UserError(f"--to must be one of {', '.join(FORMATS)}, got {args.to!r}")
-    check_out_path(args.out)
+    check_writable_parent(args.out, "--out")
     loaded = load_checkpoint(args.checkpoint)
     if args.to == "torch":
         sidecar = write_torch(args.out, loaded.tensors, {"format": "boostmpi", "step": loaded.step,
