@@ -498,6 +498,51 @@ def test_export_bad_input(trained, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "m.pt").exists()
 
 
+@pytest.mark.parametrize("arch", ["full", "svd"])
+def test_export_hf_loads_in_transformers_with_the_same_logits(arch, tmp_path, capsys):
+    """LlamaForCausalLM.from_pretrained on the exported folder, fed the same tokens as boostmpi's own
+    forward (the KV-cache decoder), gives the same logits; svd's pairs are multiplied out."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    shard = tmp_path / "sentence.bin"
+    write_shard(shard, np.frombuffer((SENTENCE * 20).encode(), dtype=np.uint8))
+    # not LLaMA's defaults, so that a setting not carried over would show; GQA (4 heads, 2 kv heads)
+    cfg = tiny_config(tmp_path / "run", shard, steps=3).replace(**{
+        "model.arch": arch, "model.rope_theta": 500.0, "model.norm_eps": 1e-5, "model.mlp_rank": 12})
+    Trainer(cfg, out=io.StringIO()).train()
+    status, out, err = run_cli(capsys, "export", tmp_path / "run", "--to", "hf", "--out", tmp_path / "hf")
+    assert status == 0, err
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+
+    loaded = load_checkpoint(tmp_path / "run")
+    ids = np.frombuffer(b"the lazy dog. the quick", dtype=np.uint8)[:SEQ_LEN].astype(np.int64)
+    decoder = Decoder(loaded.cfg.model, loaded.tensors, np.float64)  # boostmpi's forward, in float64
+    ours = decoder.forward(ids, decoder.new_cache())
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        theirs = model(torch.as_tensor(ids)[None]).logits[0].numpy()
+    np.testing.assert_allclose(theirs, ours, rtol=1e-5, atol=1e-5)  # float32 weights, float64 compute on both sides
+    assert model.config.rope_parameters["rope_theta"] == 500.0 and model.config.num_key_value_heads == 2
+
+    status, _, err = run_cli(capsys, "export", tmp_path / "run", "--to", "hf", "--out", tmp_path / "hf")
+    assert status == 2 and "already exists" in err  # never written over
+
+
+def test_export_hf_refuses_cola_saying_why(trained, tmp_path, capsys):
+    assert_bad_input(capsys, ["arch = cola", "no dense weight", "--to safetensors"], "export", trained[0], "--to", "hf",
+                     "--out", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and os.listdir(tmp_path) == []
+
+
+def test_export_without_the_optional_packages_says_how_to_install_them(trained, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
+    assert_bad_input(capsys, ["safetensors package", "pip install 'boostmpi[export]'"], "export", trained[0],
+                     "--to", "safetensors", "--out", tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
 # ---------------------------------------------------------------- plot
 
 def fake_run(root, name, comm, val_every=2, steps=4):
