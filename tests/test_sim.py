@@ -12,7 +12,7 @@ import pytest
 
 from boostmpi.cli import main
 from boostmpi.config import config_from_dict
-from boostmpi.sim import model
+from boostmpi.sim import costs, model, plans
 from boostmpi.sim.calibrate import fit_allreduce
 from boostmpi.sim.machines import builtin_names, load_machine
 from boostmpi.sim.sweep import sweep
@@ -105,8 +105,8 @@ def test_paper_per_layer_forward_volumes():
 
     def forward_elements(name):
         cfg = paper_cfg(name)
-        plan = model.layer_plan(model.shape_of(cfg, "flash"), model.tp_strategy(cfg))
-        return sum(op.elements for op in plan if isinstance(op, model.Collective) and op.phase == "fwd")
+        plan = plans.layer_plan(plans.shape_of(cfg, "flash"), model.tp_strategy(cfg))
+        return sum(op.elements for op in plan if isinstance(op, plans.Collective) and op.phase == "fwd")
 
     assert forward_elements("full") == 2 * bs * d
     assert forward_elements("vanilla") == (5 * d + 2 * d_ff) * bs
@@ -161,12 +161,12 @@ def test_lowrank_memory_and_recompute_match_the_engine():
     from boostmpi.parallel.engine import Engine
 
     cfg = tiny({"tp": 1}, {"recompute": "lowrank", "dtype": "float32"})
-    s = model.shape_of(cfg, "matmul")
-    layer = model.layer_plan(s, "btp")
+    s = plans.shape_of(cfg, "matmul")
+    layer = plans.layer_plan(s, "btp")
     softmax = [op for op in layer if getattr(op, "name", "") == "softmax"]
-    again = [op for op in model.recompute_plan(layer, "lowrank") if getattr(op, "name", "") == "softmax"]
+    again = [op for op in plans.recompute_plan(layer, "lowrank") if getattr(op, "name", "") == "softmax"]
     assert len(softmax) == len(again) == 1 and again[0].fwd_passes == softmax[0].fwd_passes - 2
-    kept = s.N * s.C + model.kept_by_lowrank(layer, s)  # elements per layer, float32
+    kept = s.N * s.C + plans.kept_by_lowrank(layer, s)  # elements per layer, float32
     eng = Engine(cfg)
     x = np.zeros((2, TINY_MODEL["seq_len"]), dtype=np.int64)
     eng.forward_backward([(x, x)])
@@ -181,8 +181,8 @@ def test_overlap_hides_dp_communication():
 
 def test_groups_beyond_a_node_use_the_slower_link():
     machine = load_machine("a100-80gb")  # 4 GPUs per node
-    inside = model.group_link(machine, 4, 1)
-    across = model.group_link(machine, 2, 4)  # dp group of tp = 4 replicas: two nodes
+    inside = costs.group_link(machine, 4, 1)
+    across = costs.group_link(machine, 2, 4)  # dp group of tp = 4 replicas: two nodes
     assert inside.bandwidth == machine.intra_node_bandwidth
     assert across.bandwidth == machine.inter_node_bandwidth
 
@@ -191,7 +191,7 @@ def test_small_gemms_lose_efficiency():
     machine = load_machine("a100-80gb")
 
     def rate(m, n, k):
-        return 2 * m * n * k / model.gemm_seconds(m, n, k, 1, 2, machine, "bfloat16")
+        return 2 * m * n * k / costs.gemm_seconds(m, n, k, 1, 2, machine, "bfloat16")
 
     assert rate(8192, 8192, 8192) > rate(16384, 1024, 1024) > rate(16384, 4096, 256) > rate(256, 256, 256)
 
