@@ -277,3 +277,25 @@ def test_calibrate_writes_a_usable_profile(tmp_path, capsys):
     assert machine.device == "cpu" and machine.attention == "matmul"
     assert machine.peak("float64") > 1e8 and machine.intra_node_bandwidth > 1e7
     assert model.predict_step_time(tiny({"tp": 2}), machine) > 0
+
+
+# ------------------------------------------------------------------ model FLOPs
+def test_model_flops_are_palms_and_the_gpu_bench_uses_them():
+    """6N + 12 L C T per token (PaLM App. B; SC21 Eq. 3 without its recompute pass), and one copy."""
+    import importlib.util
+    import sys
+
+    cfg = paper_cfg("full")
+    m = cfg.model
+    K = m.kv_dim
+    per_layer = m.d_model * (2 * m.d_model + 2 * K) + 3 * m.d_model * m.d_ff
+    N = m.n_layers * per_layer + m.d_model * m.vocab_size
+    tokens = cfg.tokens_per_step
+    assert model.model_flops_per_step(cfg) == 6 * N * tokens + 12 * m.n_layers * m.d_model * m.seq_len * tokens
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("gpu_step", ROOT / "bench" / "gpu_step.py")
+    gpu_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_step)
+    source = (ROOT / "bench" / "gpu_step.py").read_text()
+    assert "from boostmpi.sim.model import model_flops_per_step" in source
+    assert not hasattr(gpu_step, "model_flops_per_step")  # no second formula at module level

@@ -83,8 +83,14 @@ def local_params(cfg, tp_rank, stage):
 
 
 def model_flops_per_step(cfg):
-    """PaLM's model FLOPs (Chowdhury et al. 2022, App. B): 6 x matmul parameters x tokens plus
-    12 x L x C x T per token for attention, whatever recomputation or parallel layout runs it."""
+    """Model FLOPs of one step: 6 x matmul parameters + 12 x L x C x T per token.
+
+    The standard count, the one place the project computes it (MFU here, in `bench/gpu_step.py` and
+    in the validation against published runs): PaLM (Chowdhery et al. 2022, App. B, `6N + 12LHQT`)
+    and Narayanan et al. (SC21, Eq. 3, per layer `24BsC^2 + 4Bs^2C` forward, x3 with the backward)
+    both count the attention's QK^T and PV over the full T x T square, causal mask or not, and
+    count no recomputation. Matmul parameters: every linear of a layer (factors for low-rank
+    archs) and the LM head; the embedding is a lookup."""
     m = cfg.model
     matmul_params = m.d_model * m.vocab_size  # the LM head (the embedding is a lookup)
     for d_in, d_out, r in m.linear_shapes().values():
