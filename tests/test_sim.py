@@ -299,3 +299,20 @@ def test_model_flops_are_palms_and_the_gpu_bench_uses_them():
     source = (ROOT / "bench" / "gpu_step.py").read_text()
     assert "from boostmpi.sim.model import model_flops_per_step" in source
     assert not hasattr(gpu_step, "model_flops_per_step")  # no second formula at module level
+
+
+# ------------------------------------------------------------------ across nodes
+def test_dp_allreduce_across_nodes_is_hierarchical():
+    """Members on one node reduce over NVLink, then each drives its own share of the node's NICs."""
+    machine = load_machine("a100-80gb")  # 4 GPUs per node, 25 GB/s of NIC per GPU
+    n = 4e9
+    intra = costs.Link(machine.intra_node_bandwidth, machine.intra_node_latency)
+    inter = costs.Link(machine.inter_node_bandwidth, machine.inter_node_latency)
+    # dp = 8 with tp = 1: 4 members per node, 2 nodes
+    got = costs.group_allreduce_seconds(n, 8, 1, machine)
+    assert got == pytest.approx(costs.allreduce_seconds(n, 4, intra) + costs.allreduce_seconds(n / 4, 2, inter))
+    assert got < costs.allreduce_seconds(n, 8, inter)  # a flat ring at NIC speed would be slower
+    # tp = 4 fills the node: one member per node, the ring runs at the NIC's speed
+    assert costs.group_allreduce_seconds(n, 8, 4, machine) == pytest.approx(costs.allreduce_seconds(n, 8, inter))
+    # inside a node: the plain ring over NVLink
+    assert costs.group_allreduce_seconds(n, 4, 1, machine) == pytest.approx(costs.allreduce_seconds(n, 4, intra))

@@ -76,11 +76,14 @@ class Link:
 
 def group_link(machine, size, stride):
     """The link a group of `size` ranks, `stride` world ranks apart, runs over (tp fastest-varying)."""
-    gpn = machine.gpus_per_node
-    inside = size * stride <= gpn and gpn % (size * stride) == 0 if size > 1 else True
-    if inside:
+    if fits_in_node(machine, size, stride):
         return Link(machine.intra_node_bandwidth, machine.intra_node_latency)
     return Link(machine.inter_node_bandwidth, machine.inter_node_latency)
+
+
+def fits_in_node(machine, size, stride):
+    gpn = machine.gpus_per_node
+    return size <= 1 or (size * stride <= gpn and gpn % (size * stride) == 0)
 
 
 def allreduce_seconds(nbytes, size, link):
@@ -99,6 +102,32 @@ def allgather_seconds(contributed_bytes, size, link):
 
 def p2p_seconds(nbytes, link):
     return link.latency + nbytes / link.bandwidth
+
+
+def members_per_node(machine, size, stride):
+    """How many of a group's `size` members (`stride` world ranks apart) share one node."""
+    if stride >= machine.gpus_per_node:
+        return 1
+    return max(1, min(size, machine.gpus_per_node // stride))
+
+
+def group_allreduce_seconds(nbytes, size, stride, machine, fraction=1.0):
+    """All-reduce of `nbytes` over a group, by level: a ring inside a node when the group fits in
+    one; otherwise hierarchical, as NCCL runs it across nodes: reduce-scatter among the group's
+    members on each node (NVLink), the cross-node all-reduce of each member's 1/local share over
+    its own share of the node's NICs (`inter_node_bandwidth` per device, all local members in
+    parallel), all-gather on the node. `fraction` = 0.5 gives a reduce-scatter or an all-gather
+    alone (half the steps and bytes of an all-reduce)."""
+    if size <= 1 or nbytes == 0:
+        return 0.0
+    if fits_in_node(machine, size, stride):
+        return fraction * allreduce_seconds(nbytes, size, group_link(machine, size, stride))
+    local = members_per_node(machine, size, stride)
+    nodes = -(-size // local)
+    intra = Link(machine.intra_node_bandwidth, machine.intra_node_latency)
+    inter = Link(machine.inter_node_bandwidth, machine.inter_node_latency)
+    return fraction * (allreduce_seconds(nbytes, local, intra)
+                       + allreduce_seconds(nbytes / local, nodes, inter))
 
 
 # ------------------------------------------------------------------ one stage, one micro-batch

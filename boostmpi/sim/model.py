@@ -6,12 +6,12 @@ recomputation, the data-parallel all-reduce, the optimizer, memory per device an
 docs/SIM.md explains every term.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from boostmpi.model.params import param_specs, stage_layers, tp_strategy
-from boostmpi.sim.costs import (ITEMSIZE, PassTimes, allreduce_seconds, group_link, p2p_seconds,
+from boostmpi.sim.costs import (ITEMSIZE, PassTimes, group_allreduce_seconds, group_link, p2p_seconds,
                                 pass_times)
-from boostmpi.sim.plans import (Collective, embedding_plan, head_plan, kept_by_lowrank, layer_plan,
+from boostmpi.sim.plans import (Collective, Shape, embedding_plan, head_plan, kept_by_lowrank, layer_plan,
                                 plan_strategy, recompute_plan, saved_elements, shape_of)
 
 BREAKDOWN_KEYS = ("gemm", "elementwise", "tp_comm", "pp_bubble_and_p2p", "dp_comm", "optimizer")
@@ -99,18 +99,61 @@ def model_flops_per_step(cfg):
     return 6.0 * matmul_params * tokens + 12.0 * m.n_layers * m.d_model * m.seq_len * tokens
 
 
+@dataclass
+class Workload:
+    """What one optimizer step runs, independent of the machine: the shape of one micro-batch on
+    one tensor-parallel rank, the layout, and what the step model needs besides the plans.
+
+    `workload_of(cfg)` builds it for a boostmpi configuration; `boostmpi.sim.published` builds it
+    for the published runs the model is validated on (GPT with a GELU MLP, FSDP)."""
+    shape: Shape  # its `attention` is replaced by the machine's unless `attention` is set here
+    strategy: str  # "megatron", "vanilla" or "btp" (plans.layer_plan)
+    layers_per_stage: list
+    tp: int
+    pp: int
+    dp: int
+    micro_batches: int  # per pipeline and optimizer step
+    recompute: str  # "none", "layer" (full activation recomputation) or "lowrank"
+    dtype: str
+    overlap: bool  # data-parallel communication behind the backward
+    params_per_stage: list  # the largest tensor-parallel rank's parameter count, per stage
+    p2p_elements: int  # what one rank sends per micro-batch between neighbouring stages
+    model_flops: float  # per step (model_flops_per_step)
+    tokens_per_step: int
+    virtual_stages: int = 1  # interleaved 1F1B: model chunks per pipeline rank
+    dp_sharded: bool = False  # FSDP / ZeRO-3: parameters gathered per layer, gradients reduce-scattered
+    attention: str = None  # "flash" or "matmul" when the framework fixes it, else the machine's
+
+
+def workload_of(cfg):
+    """The Workload of a boostmpi configuration (the engine's own layouts and parameter specs)."""
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    strategy = plan_strategy(cfg)
+    s = shape_of(cfg, "flash")
+    return Workload(
+        shape=s, strategy=strategy,
+        layers_per_stage=[len(stage_layers(m.n_layers, par.pp, st)) for st in range(par.pp)],
+        tp=par.tp, pp=par.pp, dp=par.dp, micro_batches=t.grad_accum, recompute=t.recompute,
+        dtype=t.dtype, overlap=par.overlap,
+        params_per_stage=[max(local_params(cfg, r, st) for r in range(par.tp)) for st in range(par.pp)],
+        p2p_elements=s.N * (s.C // s.p if strategy == "btp" else s.C),
+        model_flops=model_flops_per_step(cfg), tokens_per_step=cfg.tokens_per_step)
+
+
 def predict(cfg, machine):
     """The full prediction for `cfg` (model and layout) on `machine`."""
-    m, par, t = cfg.model, cfg.parallel, cfg.train
-    dtype, recompute = t.dtype, t.recompute
-    s = shape_of(cfg, machine.attention)
-    strategy = plan_strategy(cfg)
-    e, e_master = ITEMSIZE[dtype], ITEMSIZE[master_dtype(dtype)]
-    M = t.grad_accum
+    return predict_workload(workload_of(cfg), machine, comm_bytes(cfg))
 
-    tp_link = group_link(machine, par.tp, 1)
-    pp_link = group_link(machine, 2, par.tp)  # neighbouring stages are tp ranks apart
-    dp_link = group_link(machine, par.dp, par.tp * par.pp)
+
+def predict_workload(w, machine, comm=None):
+    """Time, memory and MFU of one optimizer step of `w` on `machine`; `comm` = payload bytes per axis."""
+    dtype, recompute, M = w.dtype, w.recompute, w.micro_batches
+    s = replace(w.shape, attention=w.attention or machine.attention)
+    strategy = w.strategy
+    e, e_master = ITEMSIZE[dtype], ITEMSIZE[master_dtype(dtype)]
+
+    tp_link = group_link(machine, w.tp, 1)
+    pp_link = group_link(machine, 2, w.tp)  # neighbouring stages are tp ranks apart
 
     layer = layer_plan(s, strategy)
     again = recompute_plan(layer, recompute)
@@ -128,45 +171,56 @@ def predict(cfg, machine):
         kept = per_layer_saved
     # lowrank looks the first layer's input up again from the token ids (no collective under btp)
     first_input_dropped = layer_input if recompute == "lowrank" else 0
+    shard = w.dp if w.dp_sharded else 1  # FSDP keeps 1/dp of parameters, gradients and moments
 
     stages = []
-    for stage in range(par.pp):
-        n_layers = len(stage_layers(m.n_layers, par.pp, stage))
+    for stage, n_layers in enumerate(w.layers_per_stage):
         extra = (embedding_plan(s, strategy) if stage == 0 else []) + \
-                (head_plan(s, strategy) if stage == par.pp - 1 else [])
+                (head_plan(s, strategy) if stage == w.pp - 1 else [])
         fwd, bwd = PassTimes(), PassTimes()
         fwd.add(layer_f, n_layers)
         bwd.add(layer_b, n_layers)
         fwd.add(pass_times(extra, False, s, machine, dtype, tp_link))
         bwd.add(pass_times(extra, True, s, machine, dtype, tp_link))
-        params = max(local_params(cfg, r, stage) for r in range(par.tp))
-        in_flight = min(M, par.pp - stage)  # 1F1B: stage i holds up to pp - i micro-batches
+        in_flight = min(M, w.pp - stage)  # 1F1B: stage i holds up to pp - i micro-batches
         kept_stage = n_layers * kept - (first_input_dropped if stage == 0 and n_layers else 0)
         activations = (in_flight * (kept_stage + saved_elements(extra))
                        + (per_layer_saved if recompute != "none" else 0)) * e
-        stages.append({"fwd": fwd, "bwd": bwd, "params": params, "layers": n_layers,
-                       "activations": activations})
+        stages.append({"fwd": fwd, "bwd": bwd, "params": w.params_per_stage[stage],
+                       "layers": n_layers, "activations": activations})
 
     slowest = max(stages, key=lambda st: st["fwd"].total + st["bwd"].total)
     slot = slowest["fwd"].total + slowest["bwd"].total
 
-    # pipeline: M + pp - 1 slots of one forward and one backward; the p2p sends sit on the path
+    # pipeline: M + (pp - 1)/v slots of one forward and one backward (interleaving v model chunks
+    # per rank shortens warm-up and cool-down v times); the p2p sends sit on the path, v per slot
     pp_time = 0.0
-    if par.pp > 1:
-        msg = s.N * (s.C // s.p if strategy == "btp" else s.C) * e
-        pp_time = (par.pp - 1) * slot + 2 * (M + par.pp - 1) * p2p_seconds(msg, pp_link)
+    if w.pp > 1:
+        v = w.virtual_stages
+        msg = w.p2p_elements * e
+        pp_time = (w.pp - 1) / v * slot + 2 * (v * M + w.pp - 1) * p2p_seconds(msg, pp_link)
 
-    # data parallel: one all-reduce of the local gradient, hidden behind the last backward if overlap
+    # data parallel: one all-reduce of the local gradient (hierarchical across nodes), hidden
+    # behind the last backward if overlapped; FSDP instead all-gathers the compute-dtype
+    # parameters in the forward and again in the backward and reduce-scatters the gradients,
+    # layer by layer behind the whole step's compute
     dp_time = 0.0
-    if par.dp > 1:
-        dp_time = max(allreduce_seconds(st["params"] * e_master, par.dp, dp_link) for st in stages)
-        if par.overlap:  # buckets go out as layers finish; the last bucket cannot be hidden
+    if w.dp > 1:
+        stride = w.tp * w.pp
+        if w.dp_sharded:
+            dp_time = max(group_allreduce_seconds(st["params"] * (2 * e + e_master), w.dp, stride,
+                                                  machine, fraction=0.5) for st in stages)
+            hidden = M * slot
+        else:
+            dp_time = max(group_allreduce_seconds(st["params"] * e_master, w.dp, stride, machine)
+                          for st in stages)
             hidden = slowest["bwd"].total
+        if w.overlap:  # buckets go out as layers finish; the last bucket cannot be hidden
             last_bucket = dp_time / (slowest["layers"] + 1)
             dp_time = max(dp_time - hidden, last_bucket)
 
     # AdamW over the local master buffer (+ the compute copy when it is a narrower dtype)
-    params = max(st["params"] for st in stages)
+    params = max(st["params"] for st in stages) / shard
     opt_bytes = params * (machine.optimizer_passes * e_master + (e if e != e_master else 0))
     optimizer = opt_bytes / (machine.memory_bandwidth * machine.elementwise_efficiency)
 
@@ -187,13 +241,12 @@ def predict(cfg, machine):
     memory["fits"] = memory["total"] <= machine.memory_capacity_bytes
     memory = {k: (v if isinstance(v, bool) else int(v)) for k, v in memory.items()}
 
-    gpus = par.tp * par.pp * par.dp
-    mfu = model_flops_per_step(cfg) / (time_s * gpus * machine.peak(dtype))
+    gpus = w.tp * w.pp * w.dp
+    mfu = w.model_flops / (time_s * gpus * machine.peak(dtype))
     details = {"machine": machine.name, "gpus": gpus, "strategy": strategy,
-               "tokens_per_step": cfg.tokens_per_step,
+               "tokens_per_step": w.tokens_per_step,
                "forward_s": slowest["fwd"].total, "backward_s": slowest["bwd"].total}
-    return Prediction(time_s, breakdown, comm_bytes(cfg), memory, mfu,
-                      cfg.tokens_per_step / time_s, details)
+    return Prediction(time_s, breakdown, comm, memory, mfu, w.tokens_per_step / time_s, details)
 
 
 def predict_step_time(cfg, machine):

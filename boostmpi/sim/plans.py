@@ -94,6 +94,11 @@ class Shape:
     grouped: bool
     sync_norm: bool
     attention: str  # "flash" or "matmul"
+    gated: bool = True  # MLP = down(act(gate) * up); False: GPT's down(gelu(up)), no gate
+    # full passes of the softmax over the T x T scores when attention = "matmul": the NumPy
+    # engine's by default; a GPU framework's fused scale-mask-softmax (+ dropout) moves fewer
+    softmax_passes: tuple = _SOFTMAX_PASSES
+    softmax_saved_per_row: int = 2  # what the backward keeps of the scores per row (T: the probs)
 
     @property
     def N(self):
@@ -127,7 +132,7 @@ def attention_core(s, heads, kv_heads):
         Gemm("scores", group * T, T, Dh, batch=B * kv_heads, saved=qkv),
         # the engine's tiled softmax keeps two statistics per row (maximum, sum), never the T x T
         # probabilities: its backward recomputes them tile by tile (boostmpi/model/layers.py)
-        Pointwise("softmax", scores, *_SOFTMAX_PASSES, saved=2 * B * heads * T),
+        Pointwise("softmax", scores, *s.softmax_passes, saved=s.softmax_saved_per_row * B * heads * T),
         Gemm("probs@v", group * T, Dh, T, batch=B * kv_heads),
     ]
 
@@ -158,14 +163,19 @@ def _megatron_layer(s):
     ops.append(Collective("o.y", "allreduce", N * C, "fwd"))
     ops.append(binary("residual", N * C))
     ops.append(norm("mlp_norm", N, C))
-    if s.grouped:
+    if not s.gated:  # GPT: up (column-parallel), GELU, down (row-parallel)
+        ops.append(Gemm("up", N, F // p, C, saved=N * C))
+        ops.append(Collective("up.dx", "allreduce", N * C, "bwd"))
+        ops.append(unary("gelu", N * F // p, saved=N * F // p))
+    elif s.grouped:
         ops.append(Gemm("gate_up", N, 2 * F // p, C, saved=N * C))
         ops.append(Collective("gate_up.dx", "allreduce", N * C, "bwd"))
     else:
         for i, lin in enumerate(("gate", "up")):
             ops.append(Gemm(lin, N, F // p, C, saved=N * C if i == 0 else 0))
             ops.append(Collective(f"{lin}.dx", "allreduce", N * C, "bwd"))
-    ops.append(binary("gate*up", N * F // p, saved=2 * N * F // p))
+    if s.gated:
+        ops.append(binary("gate*up", N * F // p, saved=2 * N * F // p))
     ops.append(Gemm("down", N, C, F // p, saved=N * F // p))
     ops.append(Collective("down.y", "allreduce", N * C, "fwd"))
     ops.append(binary("residual", N * C))
