@@ -316,3 +316,63 @@ def test_dp_allreduce_across_nodes_is_hierarchical():
     assert costs.group_allreduce_seconds(n, 8, 4, machine) == pytest.approx(costs.allreduce_seconds(n, 8, inter))
     # inside a node: the plain ring over NVLink
     assert costs.group_allreduce_seconds(n, 4, 1, machine) == pytest.approx(costs.allreduce_seconds(n, 4, intra))
+
+
+# ------------------------------------------------------------------ published runs
+# The error bounds recorded in docs/SIM.md ("Validation against published runs"): a change to the
+# model that makes the worst or the median row worse than this fails here.
+PUBLISHED_WORST_BOUND = 0.151
+PUBLISHED_MEDIAN_BOUND = 0.085
+
+
+def test_published_runs_within_recorded_bounds():
+    from boostmpi.sim import published
+
+    rows = published.validation_table()
+    assert len(rows) == 13
+    summary = published.summary(rows)
+    assert summary["worst"] <= PUBLISHED_WORST_BOUND, published.format_table(rows)
+    assert summary["median"] <= PUBLISHED_MEDIAN_BOUND, published.format_table(rows)
+    for run, predicted, _ in rows:
+        assert run.source and run.assumed and run.derived and predicted > 0
+
+
+def test_sc21_measured_time_follows_eq3():
+    """Table 1's 1T row: 502 PFLOP/s aggregate is 3072 GPUs x 163 TFLOP/s of Eq. 3's FLOPs."""
+    from boostmpi.sim import published
+
+    run = published.published_runs()[9]
+    flops = published.sc21_flops_per_iteration(3072, 2048, 128, 25600, 51200)
+    assert flops / run.measured_s == pytest.approx(502.0e15, rel=0.005)
+    assert run.workload.dp == 6 and run.workload.micro_batches == 512
+
+
+def test_gpt_mlp_is_4h_gelu_without_a_gate():
+    """Forward GEMM FLOPs of a GPT layer are SC21's 24 B s h^2 (split t ways), attention aside."""
+    from boostmpi.sim import published
+
+    w = published.published_runs()[2].workload  # 7.5B, t = 4
+    s = w.shape
+    plan = plans.layer_plan(s, "megatron")
+    names = [op.name for op in plan]
+    assert "gelu" in names and "up" in names and "gate*up" not in names and "gate" not in names
+    flops = sum(2 * op.m * op.n * op.k * op.batch for op in plan
+                if isinstance(op, plans.Gemm) and op.name not in ("scores", "probs@v"))
+    assert flops == 24 * s.N * s.C * s.C // s.p
+
+
+def test_interleaving_divides_the_bubble():
+    from dataclasses import replace
+
+    from boostmpi.sim import published
+
+    run = published.published_runs()[6]  # 145.6B, p = 8, v = 2
+    machine = load_machine(run.machine)
+    times = {v: model.predict_workload(replace(run.workload, virtual_stages=v), machine) for v in (1, 2)}
+    w, e = run.workload, 2
+    p2p = costs.p2p_seconds(w.p2p_elements * e, costs.group_link(machine, 2, w.tp))
+    for v, p in times.items():
+        slot = p.details["forward_s"] + p.details["backward_s"]
+        expected = (w.pp - 1) / v * slot + 2 * (v * w.micro_batches + w.pp - 1) * p2p
+        assert p.breakdown["pp_bubble_and_p2p"] == pytest.approx(expected)
+    assert times[2].breakdown["pp_bubble_and_p2p"] < times[1].breakdown["pp_bubble_and_p2p"]

@@ -95,8 +95,12 @@ def model_flops_per_step(cfg):
     matmul_params = m.d_model * m.vocab_size  # the LM head (the embedding is a lookup)
     for d_in, d_out, r in m.linear_shapes().values():
         matmul_params += m.n_layers * (d_in * d_out if r is None else r * (d_in + d_out))
-    tokens = cfg.tokens_per_step
-    return 6.0 * matmul_params * tokens + 12.0 * m.n_layers * m.d_model * m.seq_len * tokens
+    return model_flops(matmul_params, m.n_layers, m.d_model, m.seq_len, cfg.tokens_per_step)
+
+
+def model_flops(matmul_params, n_layers, d_model, seq_len, tokens):
+    """`6N + 12 L C T` per token (see model_flops_per_step), for `tokens` tokens."""
+    return 6.0 * matmul_params * tokens + 12.0 * n_layers * d_model * seq_len * tokens
 
 
 @dataclass

@@ -99,6 +99,7 @@ class Shape:
     # engine's by default; a GPU framework's fused scale-mask-softmax (+ dropout) moves fewer
     softmax_passes: tuple = _SOFTMAX_PASSES
     softmax_saved_per_row: int = 2  # what the backward keeps of the scores per row (T: the probs)
+    eager: bool = False  # elementwise work as eager PyTorch runs it (EAGER_PYTORCH_PASSES), not fused
 
     @property
     def N(self):
@@ -143,7 +144,35 @@ def norm(name, n_tokens, width):
 
 def layer_plan(s, strategy):
     """One layer, one micro-batch, one tensor-parallel rank: ops in forward order."""
-    return {"btp": _btp_layer, "vanilla": _vanilla_layer, "megatron": _megatron_layer}[strategy](s)
+    ops = {"btp": _btp_layer, "vanilla": _vanilla_layer, "megatron": _megatron_layer}[strategy](s)
+    return eager_pytorch(ops) if s.eager else ops
+
+
+# Full passes (forward, backward) of the elementwise work of a LLaMA block as eager PyTorch runs
+# it, kernel by kernel, instead of the fused kernels of the default plan. A pass is one read or
+# write of the tensor in the 16-bit compute dtype; an fp32 intermediate counts 2.
+#   RMSNorm `(x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).type_as(x) * w`: upcast 1 + 2,
+#     pow 2 + 2, mean 2, scale 2 + 2, downcast 2 + 1, weight 1 + 1 = 18 forward; backward: weight
+#     (dx and the dw reduction) 5, downcast 3, scale 4, its row sum 4, pow 6, sum of the two
+#     gradients 6, upcast 3 = 31;
+#   RoPE through complex fp32 views: upcast 1 + 2, complex product 2 + 2, downcast 2 + 1 = 10
+#     forward, the same 10 backward (per element of q and k);
+#   SwiGLU `silu(a) * b`: silu 1 + 1, product 2 + 1 = 5 forward; backward: both product
+#     gradients 3 + 3, silu 3 = 9;
+#   cross-entropy on logits upcast to fp32: upcast 1 + 2, log-softmax 2 + 2 + 2 = 9 forward;
+#     backward: the scattered gradient 2, log-softmax 6, downcast 3 = 11.
+EAGER_PYTORCH_PASSES = {"norm": (18, 31), "rope": (10, 10), "gate*up": (5, 9), "cross_entropy": (9, 11)}
+
+
+def eager_pytorch(ops):
+    """`ops` with the elementwise passes of eager PyTorch (EAGER_PYTORCH_PASSES)."""
+    out = []
+    for op in ops:
+        kind = "norm" if op.name.endswith("norm") else op.name
+        if isinstance(op, Pointwise) and kind in EAGER_PYTORCH_PASSES:
+            op = replace(op, fwd_passes=EAGER_PYTORCH_PASSES[kind][0], bwd_passes=EAGER_PYTORCH_PASSES[kind][1])
+        out.append(op)
+    return out
 
 
 def _megatron_layer(s):
@@ -289,7 +318,7 @@ def head_plan(s, strategy):
             Pointwise("cross_entropy", N * V_local, *_CROSS_ENTROPY_PASSES, saved=N * V_local),
             Collective("ce.max", "allreduce", N, "fwd"),
             Collective("ce.sums", "allreduce", 2 * N, "fwd")]
-    return ops
+    return eager_pytorch(ops) if s.eager else ops
 
 
 def recompute_plan(ops, recompute):
