@@ -376,3 +376,15 @@ def test_interleaving_divides_the_bubble():
         expected = (w.pp - 1) / v * slot + 2 * (v * w.micro_batches + w.pp - 1) * p2p
         assert p.breakdown["pp_bubble_and_p2p"] == pytest.approx(expected)
     assert times[2].breakdown["pp_bubble_and_p2p"] < times[1].breakdown["pp_bubble_and_p2p"]
+
+
+def test_tp_beyond_a_node_is_hierarchical():
+    """tp = 8 on 4-GPU nodes: its all-reduces run over NVLink and then the NICs, not a flat NIC ring."""
+    machine = load_machine("a100-80gb")
+    s = plans.shape_of(tiny({"tp": 8, "tp_mode": "vanilla"}, model_={"arch": "full", "n_heads": 8,
+                                                                      "n_kv_heads": 8}), "flash")
+    op = plans.Collective("x", "allreduce", 1 << 24, "fwd")
+    t = costs.pass_times([op], False, s, machine, "bfloat16").tp_comm
+    assert t == pytest.approx(costs.group_allreduce_seconds(2 << 24, 8, 1, machine))
+    inter = costs.Link(machine.inter_node_bandwidth, machine.inter_node_latency)
+    assert t < costs.allreduce_seconds(2 << 24, 8, inter)

@@ -93,13 +93,6 @@ def allreduce_seconds(nbytes, size, link):
     return 2 * (size - 1) * link.latency + 2 * (size - 1) / size * nbytes / link.bandwidth
 
 
-def allgather_seconds(contributed_bytes, size, link):
-    """Ring all-gather: p-1 steps, each member receives the p-1 other contributions."""
-    if size <= 1 or contributed_bytes == 0:
-        return 0.0
-    return (size - 1) * link.latency + (size - 1) * contributed_bytes / link.bandwidth
-
-
 def p2p_seconds(nbytes, link):
     return link.latency + nbytes / link.bandwidth
 
@@ -148,8 +141,9 @@ class PassTimes:
         return self.gemm + self.elementwise + self.tp_comm
 
 
-def pass_times(ops, backward, s, machine, dtype, tp_link):
-    """Time of the forward (or backward) of `ops` on one tensor-parallel rank."""
+def pass_times(ops, backward, s, machine, dtype):
+    """Time of the forward (or backward) of `ops` on one tensor-parallel rank (tp ranks are
+    consecutive world ranks: inside a node when the group fits, hierarchical across nodes)."""
     t = PassTimes()
     e = ITEMSIZE[dtype]
     for op in ops:
@@ -166,7 +160,7 @@ def pass_times(ops, backward, s, machine, dtype, tp_link):
             t.elementwise += flash_seconds(op, backward, machine, dtype)
         elif isinstance(op, Collective) and (op.phase == "bwd") == backward:
             if op.kind == "allreduce":
-                t.tp_comm += allreduce_seconds(op.elements * e, s.p, tp_link)
-            else:
-                t.tp_comm += allgather_seconds(op.elements * e, s.p, tp_link)
+                t.tp_comm += group_allreduce_seconds(op.elements * e, s.p, 1, machine)
+            else:  # an all-gather of p contributions: half an all-reduce of all of them
+                t.tp_comm += group_allreduce_seconds(op.elements * e * s.p, s.p, 1, machine, fraction=0.5)
     return t

@@ -156,15 +156,14 @@ def predict_workload(w, machine, comm=None):
     strategy = w.strategy
     e, e_master = ITEMSIZE[dtype], ITEMSIZE[master_dtype(dtype)]
 
-    tp_link = group_link(machine, w.tp, 1)
     pp_link = group_link(machine, 2, w.tp)  # neighbouring stages are tp ranks apart
 
     layer = layer_plan(s, strategy)
     again = recompute_plan(layer, recompute)
-    layer_f = pass_times(layer, False, s, machine, dtype, tp_link)
-    layer_b = pass_times(layer, True, s, machine, dtype, tp_link)
+    layer_f = pass_times(layer, False, s, machine, dtype)
+    layer_b = pass_times(layer, True, s, machine, dtype)
     if again is not None:  # the backward runs (part of) the forward again first
-        layer_b.add(pass_times(again, False, s, machine, dtype, tp_link))
+        layer_b.add(pass_times(again, False, s, machine, dtype))
     per_layer_saved = saved_elements(layer)
     layer_input = s.N * (s.C // s.p if strategy == "btp" else s.C)
     if recompute == "layer":
@@ -184,8 +183,8 @@ def predict_workload(w, machine, comm=None):
         fwd, bwd = PassTimes(), PassTimes()
         fwd.add(layer_f, n_layers)
         bwd.add(layer_b, n_layers)
-        fwd.add(pass_times(extra, False, s, machine, dtype, tp_link))
-        bwd.add(pass_times(extra, True, s, machine, dtype, tp_link))
+        fwd.add(pass_times(extra, False, s, machine, dtype))
+        bwd.add(pass_times(extra, True, s, machine, dtype))
         in_flight = min(M, w.pp - stage)  # 1F1B: stage i holds up to pp - i micro-batches
         kept_stage = n_layers * kept - (first_input_dropped if stage == 0 and n_layers else 0)
         activations = (in_flight * (kept_stage + saved_elements(extra))
