@@ -124,7 +124,7 @@ def fit_gemm_overheads(machine, measured):
     """Grid search of (k0, c0) minimising the squared log error of the model's GEMM times."""
     from dataclasses import replace
 
-    from boostmpi.sim.model import ITEMSIZE, gemm_seconds
+    from boostmpi.sim.costs import ITEMSIZE, gemm_seconds
 
     grid = [0.0] + [2.0 ** i for i in range(0, 11)]
     best = None
