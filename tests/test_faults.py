@@ -19,7 +19,6 @@ before running the real `boostmpi` command line; nothing in the package is test-
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,9 +28,10 @@ from pathlib import Path
 
 import pytest
 
+from mpi_helpers import MPIEXEC
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-MPIEXEC = shutil.which("mpiexec", path=str(Path(PY).parent)) or shutil.which("mpiexec")
 RANKS = 4
 STEPS = 120
 EVERY = 10

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from boostmpi.errors import UserError
 from boostmpi.files import write_file_atomically
+from boostmpi.parallel.launch import find_mpiexec
 
 # (m, n, k): squares, then thin in each dim, the shapes of low-rank layers on a small model
 GEMM_SHAPES = [(64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 512),
@@ -47,7 +48,7 @@ def run(args):
         raise UserError(f"directory of --out {out} does not exist")
     started = time.perf_counter()
     compute = _run_probe([sys.executable, "-m", "boostmpi.sim.calibrate", "--probe-compute"], "compute")
-    mpiexec = _find_mpiexec()
+    mpiexec = find_mpiexec()
     network = _run_probe([mpiexec, "-n", str(args.ranks), sys.executable, "-m", "boostmpi.sim.calibrate",
                           "--probe-mpi"], "MPI")
     profile = build_profile(args.name, compute, network, args.ranks)
@@ -76,14 +77,6 @@ _NOTES = {
     "intra_node_latency": "fitted ring all-reduce step latency",
     "inter_node_bandwidth": "not measured: same as intra-node",
 }
-
-
-def _find_mpiexec():
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if not found:
-        raise UserError(f"no mpiexec next to {sys.executable} or on PATH: cannot measure MPI")
-    return found
 
 
 def _run_probe(command, what):
@@ -131,7 +124,7 @@ def fit_gemm_overheads(machine, measured):
     """Grid search of (k0, c0) minimising the squared log error of the model's GEMM times."""
     from dataclasses import replace
 
-    from boostmpi.sim.model import ITEMSIZE, gemm_seconds
+    from boostmpi.sim.costs import ITEMSIZE, gemm_seconds
 
     grid = [0.0] + [2.0 ** i for i in range(0, 11)]
     best = None

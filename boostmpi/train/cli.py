@@ -34,6 +34,9 @@ def run(args):
 
     def body():
         from boostmpi.config import load_config
+        from boostmpi.parallel.startup import check_mpi
+
+        check_mpi(world, rank, local_rank)  # prints the MPI library and transport; refuses a wrong MPI
 
         cfg = load_config(args.config, overrides=args.set, world_size=size)
         from boostmpi.train.trainer import STOPPED_EARLY_EXIT, Trainer, prepare_builtin
