@@ -5,6 +5,7 @@ import signal
 import numpy as np
 
 from boostmpi.errors import UserError
+from boostmpi.files import fs_error
 
 
 def register(subparsers):
@@ -44,8 +45,11 @@ def run(args):
         if rank == 0:
             print(banner(cfg, args.config, size, local_rank), flush=True)
         try:
-            prepare_builtin(cfg, rank == 0)
-        except UserError as exc:
+            try:
+                prepare_builtin(cfg, rank == 0)
+            except OSError as exc:
+                raise fs_error(exc, "cannot prepare the built-in corpus in data.builtin_dir") from exc
+        except UserError as exc:  # rank 0 alone: the job is ended from here (run_guarded)
             exc.all_ranks = False
             raise
         if world is not None:

@@ -283,8 +283,11 @@ class Trainer:
                     last_val = self.validate()
                     row["val_loss"] = last_val
                 if metrics:
-                    metrics.write(json.dumps(row) + "\n")
-                    metrics.flush()
+                    try:
+                        metrics.write(json.dumps(row) + "\n")
+                        metrics.flush()
+                    except OSError as exc:  # rank 0 alone: the job is ended from here (run_guarded)
+                        raise fs_error(exc, "cannot append to", self._metrics_path()) from exc
                 if self.step == 1 or self.step % max(1, tr.log_every) == 0 or self.step == tr.steps or want_val:
                     elapsed = time.perf_counter() - t_start
                     eta = elapsed / steps_done * (tr.steps - self.step)
