@@ -5,7 +5,7 @@
 #   3. the real-Slurm test when this machine allows it (root and apt), otherwise it says why it skipped.
 # Exit status is non-zero when anything failed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 # shellcheck source=jobs/setup_env.sh
 source jobs/setup_env.sh
 setup_venv test,plot,mpich
