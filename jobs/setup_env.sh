@@ -11,6 +11,8 @@
 #   boostmpi_check_site_venv PATTERN
 #                            stop unless mpi4py is linked against the MPI library whose path has PATTERN
 #                            and no PyPI MPICH is installed (the site setup scripts, the system-MPI test).
+#   boostmpi_cray_site_venv SITE EXTRAS
+#                            the venv of jobs/setup_<site>.sh: mpi4py against Cray MPICH, boostmpi[EXTRAS].
 #   boostmpi_mpiexec         print the mpiexec that belongs to $PY's MPI (boostmpi.parallel.launch.find_mpiexec).
 # Needs only python3 with venv and pip.
 
@@ -68,6 +70,16 @@ boostmpi_check_site_venv() {
     *"$1"*) echo "mpi4py in $VENV uses $library" ;;
     *) echo "error: mpi4py in $VENV is linked against '${library:-no MPI library}', not the site MPI ($1)" >&2; exit 1 ;;
   esac
+}
+
+# boostmpi_cray_site_venv SITE EXTRAS: the venv of a Cray site (BOOSTMPI_VENV, default .venv-SITE)
+# with mpi4py built against Cray MPICH and boostmpi[EXTRAS], checked. The site's modules must be loaded.
+boostmpi_cray_site_venv() {
+  export BOOSTMPI_VENV="${BOOSTMPI_VENV:-$PWD/.venv-$1}"
+  # mpi4py's install notes, and OLCF's and NERSC's Python pages: on Cray, MPICC="cc -shared"
+  export BOOSTMPI_MPICC="cc -shared"
+  setup_venv "$2"
+  boostmpi_check_site_venv "/opt/cray/pe/mpich"
 }
 
 boostmpi_mpiexec() {

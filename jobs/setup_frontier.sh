@@ -22,24 +22,17 @@ main() {
   set -euo pipefail
   cd "$(dirname "${BASH_SOURCE[0]}")/.."
   frontier_environment
-  export BOOSTMPI_VENV="${BOOSTMPI_VENV:-$PWD/.venv-frontier}"
-  # mpi4py's install notes and OLCF's PyTorch page: on Cray, build mpi4py with MPICC="cc -shared"
-  export BOOSTMPI_MPICC="cc -shared"
   # shellcheck source=jobs/setup_env.sh
   source jobs/setup_env.sh
-  # OLCF "Installing CuPy", Frontier tab: build from source for HIP; 12.3.0 is the version OLCF
-  # tested (it notes 13.x does not work properly on Frontier). Before boostmpi so that no CUDA
-  # CuPy wheel can be pulled in.
-  PY="$BOOSTMPI_VENV/bin/python"
-  [ -x "$PY" ] || python3 -m venv "$BOOSTMPI_VENV"
+  boostmpi_cray_site_venv frontier ""   # no [gpu]: that is CuPy for CUDA
+  # OLCF "Installing CuPy", Frontier tab: CuPy built from source for HIP; 12.3.0 is the version
+  # OLCF tested (it notes that 13.x does not work properly on Frontier)
   if ! "$PY" -c 'import cupy' 2>/dev/null; then
     echo "building CuPy ${BOOSTMPI_CUPY_VERSION:-12.3.0} for ROCm (gfx90a); OLCF says 10-20 minutes"
     CUPY_INSTALL_USE_HIP=1 HCC_AMDGPU_TARGET=gfx90a CC=gcc CXX=g++ \
       "$PY" -m pip install --no-cache-dir --no-binary=cupy "cupy==${BOOSTMPI_CUPY_VERSION:-12.3.0}"
   fi
   "$PY" -m pip install -q ml_dtypes   # bfloat16 arrays for CuPy
-  setup_venv ""                       # mpi4py against Cray MPICH, then boostmpi itself
-  boostmpi_check_site_venv "CRAY MPICH"
   echo "next: sbatch -A <project> jobs/frontier.sbatch   (docs/OPERATIONS.md, 'First run on Frontier')"
 }
 

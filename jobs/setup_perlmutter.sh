@@ -18,15 +18,11 @@ main() {
   set -euo pipefail
   cd "$(dirname "${BASH_SOURCE[0]}")/.."
   perlmutter_environment
-  export BOOSTMPI_VENV="${BOOSTMPI_VENV:-$PWD/.venv-perlmutter}"
-  # NERSC "Parallel Python" (mpi4py) and mpi4py's install notes: on Cray, MPICC="cc -shared"
-  export BOOSTMPI_MPICC="cc -shared"
   # shellcheck source=jobs/setup_env.sh
   source jobs/setup_env.sh
   # [gpu]: cupy-cuda12x wheels do not carry NCCL; the extra adds nvidia-nccl-cu12. At run time
   # the nccl module's plugin (libnccl-net.so) is found through LD_LIBRARY_PATH either way.
-  setup_venv gpu
-  boostmpi_check_site_venv "/opt/cray/pe/mpich"
+  boostmpi_cray_site_venv perlmutter gpu
   echo "next: sbatch -A <project>_g jobs/perlmutter.sbatch   (docs/OPERATIONS.md, 'First run on Perlmutter')"
 }
 

@@ -24,15 +24,12 @@ main() {
   set -euo pipefail
   cd "$(dirname "${BASH_SOURCE[0]}")/.."
   polaris_environment
-  export BOOSTMPI_VENV="${BOOSTMPI_VENV:-$PWD/.venv-polaris}"
-  export BOOSTMPI_VENV_OPTIONS="--system-site-packages"   # ALCF "Python": venv on top of conda base
-  # mpi4py's install notes: on Cray, MPICC="cc -shared"; built into the venv, it shadows any
-  # mpi4py of the base environment
-  export BOOSTMPI_MPICC="cc -shared"
+  export BOOSTMPI_VENV_OPTIONS="--system-site-packages"   # ALCF "Python": a venv on top of conda base
   # shellcheck source=jobs/setup_env.sh
   source jobs/setup_env.sh
-  setup_venv gpu                      # cupy-cuda12x and nvidia-nccl-cu12
-  boostmpi_check_site_venv "/opt/cray/pe/mpich"
+  # mpi4py built into the venv shadows any mpi4py of the base environment; [gpu]: cupy-cuda12x
+  # and nvidia-nccl-cu12
+  boostmpi_cray_site_venv polaris gpu
   [ -d "$POLARIS_NCCL_PLUGIN_DIR" ] ||
     echo "warning: $POLARIS_NCCL_PLUGIN_DIR does not exist; set BOOSTMPI_NCCL_PLUGIN_DIR to the aws-ofi-nccl lib folder"
   echo "next: qsub -A <project> jobs/polaris.pbs   (docs/OPERATIONS.md, 'First run on Polaris')"
