@@ -20,7 +20,7 @@ PY = sys.executable
 VENV_PY = str(REPO / ".venv" / "bin" / "python")  # what the scripts use by default
 SCRIPTS = ["jobs/common.sh", "jobs/setup_env.sh", "jobs/local.sh", "jobs/frontier.sbatch", "jobs/perlmutter.sbatch",
            "jobs/polaris.pbs", "jobs/setup_frontier.sh", "jobs/setup_perlmutter.sh", "jobs/setup_polaris.sh",
-           "tests/run.sh", "tests/slurm/run_slurm_test.sh"]
+           "tests/run.sh", "tests/slurm/run_slurm_test.sh", "tests/sysmpi/system_mpi.sh", "tests/sysmpi/run_sysmpi_test.sh"]
 
 
 def _bash(args, env=None, timeout=60):
