@@ -15,7 +15,8 @@ import traceback
 
 from boostmpi.errors import UserError
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # Slurm's --signal and time limit, PBS's qdel / walltime
+# Slurm's --signal and time limit, PBS's qdel / walltime, Ctrl-C on an interactive mpiexec
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _stop_signal = None
 
 
@@ -25,7 +26,7 @@ def _record_stop_signal(signum, frame):
 
 
 def stop_signal_received():
-    """The stop signal (SIGTERM/SIGUSR1) that arrived during start-up, before training took over, or None."""
+    """The stop signal (SIGTERM/SIGUSR1/SIGINT) that arrived during start-up, before training took over, or None."""
     return _stop_signal
 
 

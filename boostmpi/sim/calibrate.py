@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from boostmpi.errors import UserError
+from boostmpi.files import write_file_atomically
 from boostmpi.parallel.launch import find_mpiexec
 
 # (m, n, k): squares, then thin in each dim, the shapes of low-rank layers on a small model
@@ -56,7 +57,7 @@ def run(args):
     header = (f"# Measured by `boostmpi calibrate --ranks {args.ranks}` on {os.uname().nodename} "
               f"in {time.perf_counter() - started:.0f} s.\n# One device = one MPI rank on one core, "
               "single-threaded NumPy. docs/SIM.md explains each key.\n")
-    out.write_text(header + machine_to_toml(profile, _NOTES))
+    write_file_atomically(out, header + machine_to_toml(profile, _NOTES))
     machine_from_file(out)  # what we wrote must read back
     print(f"wrote {out}: float64 {profile.peak_flops['float64'] / 1e9:.1f} GFLOP/s, "
           f"float32 {profile.peak_flops['float32'] / 1e9:.1f} GFLOP/s, elementwise "
@@ -123,7 +124,7 @@ def fit_gemm_overheads(machine, measured):
     """Grid search of (k0, c0) minimising the squared log error of the model's GEMM times."""
     from dataclasses import replace
 
-    from boostmpi.sim.model import ITEMSIZE, gemm_seconds
+    from boostmpi.sim.costs import ITEMSIZE, gemm_seconds
 
     grid = [0.0] + [2.0 ** i for i in range(0, 11)]
     best = None
@@ -253,7 +254,7 @@ def _probe_main(argv):
     kind, out = argv[0], Path(argv[-1])
     result = probe_compute() if kind == "--probe-compute" else probe_mpi()
     if result is not None:
-        out.write_text(json.dumps(result))
+        write_file_atomically(out, json.dumps(result))
 
 
 if __name__ == "__main__":
