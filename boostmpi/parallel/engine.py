@@ -89,7 +89,7 @@ class Engine:
         buckets = {}
         for s in self.specs:
             key = s.layer if s.layer is not None else ("embed" if s.name == "embed" else "head")
-            a, b = self.params.offsets[s.name]
+            a, b = self.params.spans[s.name]
             lo, hi = buckets.get(key, (a, b))
             buckets[key] = (min(lo, a), max(hi, b))
         return buckets
@@ -276,13 +276,11 @@ class Engine:
                 else:
                     flat = np.empty(sum(sp.local_numel for sp in specs), dtype=local.dtype)
                     grid.world.Recv(flat, source=src, tag=77)
-                offset = 0
+                remote = FlatBuffer(specs, local.dtype, np, data=flat)
                 for sp in specs:
-                    piece = flat[offset: offset + sp.local_numel].reshape(sp.local_shape)
-                    offset += sp.local_numel
                     if sp.name not in out:
                         out[sp.name] = np.empty(sp.global_shape, dtype=local.dtype)
-                    out[sp.name][sp.local_slice()] = piece
+                    out[sp.name][sp.local_slice()] = remote[sp.name]
         return out
 
     def load_global(self, buffer, tensors):
