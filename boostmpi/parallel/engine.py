@@ -50,12 +50,12 @@ class Engine:
         if self.xp is np:
             keep_host_memory()
         else:
-            from boostmpi.parallel.nccl import select_device
+            from boostmpi.parallel.startup import resolve_comm, select_gpu
 
-            self.device_id = select_device(local_rank)
+            self.device_id = select_gpu(world, local_rank)  # and no two ranks of a node on one GPU
             # MPI reads GPU buffers directly (CUDA-aware MPI): the producing stream must be done first
             sync = lambda: self.xp.cuda.get_current_stream().synchronize()  # noqa: E731
-            use_nccl = par.comm in ("auto", "nccl")
+            use_nccl = resolve_comm(par.comm, world) == "nccl"  # "auto" falls back to MPI if NCCL is missing
         configure_watchdog(par.watchdog_s)  # a collective waiting longer than this ends the job
         self.grid = ProcessGrid(world, par.tp, par.pp, par.dp, overlap=par.overlap, sync=sync, use_nccl=use_nccl)
         c = self.grid.coords
