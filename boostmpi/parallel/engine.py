@@ -12,7 +12,7 @@ from boostmpi.model import layers
 from boostmpi.model.params import FlatBuffer, init_global, param_specs, stage_layers
 from boostmpi.model.recompute import POLICIES, Saved, Tape
 from boostmpi.model.transformer import Block, BlockCache
-from boostmpi.parallel.comm import WATCHDOG, configure_watchdog
+from boostmpi.parallel.comm import configure_watchdog
 from boostmpi.parallel.grid import ProcessGrid
 from boostmpi.parallel.pipeline import one_f_one_b
 from boostmpi.parallel.tensor_parallel import make_strategy
@@ -150,11 +150,14 @@ class Engine:
         self.saved_activation_bytes = sum(self.saved_activation_bytes_per_layer) + _nbytes(saved, seen)
 
     # ------------------------------------------------------------------ a whole step
-    def forward_backward(self, micro_batches):
+    def forward_backward(self, micro_batches, also_sum=None):
         """Forward and backward of this dp rank's micro-batches [(x, y), ...] (int arrays [B, T]).
 
         Returns the mean loss over the global batch (the same value on every rank); gradients of the
-        global mean loss are left in self.grads, summed over data parallelism.
+        global mean loss are left in self.grads, summed over data parallelism, and their global norm
+        in `grad_norm()`. Loss and norm are summed over all ranks in one host all-reduce at the end
+        of the step; `also_sum()`, when given, returns more floats (counters, flags) to sum in the
+        same call, read once the step's traffic is over: their sums are left in `self.summed`.
         """
         xp, grid = self.xp, self.grid
         self._refresh_compute_params()
@@ -204,7 +207,11 @@ class Engine:
                 for a, b in self._buckets.values():
                     grid.dp.allreduce(self.grads.data[a:b])
         mine = float(np.sum(losses)) / M if (self.last and grid.coords.tp == 0) else 0.0
-        return self.world_sum(mine) / grid.dp_size
+        extra = list(also_sum()) if also_sum else []
+        totals = grid.host.sum([mine, self._grad_sq(), *extra])
+        self._grad_norm = float(np.sqrt(totals[1]))
+        self.summed = totals[2:]
+        return float(totals[0]) / grid.dp_size
 
     def evaluate(self, x, y):
         """Forward only, through the pipeline: the sum over all data-parallel ranks of (mean loss of
@@ -224,22 +231,11 @@ class Engine:
                 grid.pp.isend(out, self.stage + 1, tag=0).Wait()
             elif grid.coords.tp == 0:
                 mine = out * B
-        return self.world_sum(mine)
+        return float(self.grid.host.sum([mine])[0])
 
-    # ------------------------------------------------------------------ bookkeeping (not counted as traffic)
-    def world_sum(self, value):
-        """Sum of a float over all ranks, for logging and clipping; not model traffic, so not counted."""
-        if self.grid.world is None:
-            return float(value)
-        from mpi4py import MPI
-
-        buf = np.array([value], dtype=np.float64)
-        with WATCHDOG.watching("world", "Allreduce"):
-            self.grid.world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        return float(buf[0])
-
-    def grad_norm(self):
-        """Global L2 norm of the gradient, each parameter counted once whatever the layout."""
+    # ------------------------------------------------------------------ the gradient's norm
+    def _grad_sq(self):
+        """This rank's part of the squared gradient norm: each parameter counted once whatever the layout."""
         c = self.grid.coords
         sq = 0.0
         if c.dp == 0:
@@ -248,7 +244,11 @@ class Engine:
                     continue
                 g = self.grads[s.name]
                 sq += float((g * g).sum())
-        return float(np.sqrt(self.world_sum(sq)))
+        return sq
+
+    def grad_norm(self):
+        """Global L2 norm of the gradient of the last forward_backward."""
+        return self._grad_norm
 
     # ------------------------------------------------------------------ global tensors (checkpoints, tests)
     def gather_global(self, buffer):
@@ -264,7 +264,7 @@ class Engine:
         local = np.ascontiguousarray(to_numpy(buffer.data))
         if grid.world_rank != 0:
             if c.dp == 0:
-                grid.world.Send(local, dest=0, tag=77)
+                grid.host.send(local, dest=0, tag=77)
             return None
         out = {}
         for s in range(grid.pp_size):
@@ -275,7 +275,7 @@ class Engine:
                     flat = local
                 else:
                     flat = np.empty(sum(sp.local_numel for sp in specs), dtype=local.dtype)
-                    grid.world.Recv(flat, source=src, tag=77)
+                    grid.host.recv(flat, source=src, tag=77)
                 remote = FlatBuffer(specs, local.dtype, np, data=flat)
                 for sp in specs:
                     if sp.name not in out:
