@@ -268,7 +268,6 @@ class _WatchedRequest:
         if self.timed:
             self.group.wait_seconds += time.perf_counter() - t0
 
-    Wait = wait  # mpi4py's spelling, which the pipeline code uses
 
 
 def _xp(buf):

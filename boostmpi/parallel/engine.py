@@ -180,7 +180,7 @@ class Engine:
                 h = None
                 if not self.first:
                     h = xp.empty((B * T, Cl), dtype=self.cdtype)
-                    grid.pp.irecv(h, prev, tag=2 * mb).Wait()
+                    grid.pp.irecv(h, prev, tag=2 * mb).wait()
                 out, saved[mb] = self._stage_forward(x, y, h)
                 if self.last:
                     losses.append(out)
@@ -192,13 +192,13 @@ class Engine:
                 dh = None
                 if not self.last:
                     dh = xp.empty((B * T, Cl), dtype=self.cdtype)
-                    grid.pp.irecv(dh, nxt, tag=2 * mb + 1).Wait()
+                    grid.pp.irecv(dh, nxt, tag=2 * mb + 1).wait()
                 dx = self._stage_backward(dh, saved.pop(mb), (B, T), scale, lambda key, mb=mb: bucket_done(key, mb))
                 if not self.first:
                     dx = xp.ascontiguousarray(dx)
                     sends.append((grid.pp.isend(dx, prev, tag=2 * mb + 1), dx))
         for req, _buf in sends:
-            req.Wait()
+            req.wait()
         if grid.dp.size > 1:
             if grid.dp.overlap:
                 for r in dp_reqs:
@@ -225,10 +225,10 @@ class Engine:
             h = None
             if not self.first:
                 h = xp.empty((B * T, Cl), dtype=self.cdtype)
-                grid.pp.irecv(h, self.stage - 1, tag=0).Wait()
+                grid.pp.irecv(h, self.stage - 1, tag=0).wait()
             out, _ = self._stage_forward(x, y, h, keep=False)
             if not self.last:
-                grid.pp.isend(out, self.stage + 1, tag=0).Wait()
+                grid.pp.isend(out, self.stage + 1, tag=0).wait()
             elif grid.coords.tp == 0:
                 mine = out * B
         return float(self.grid.host.sum([mine])[0])
