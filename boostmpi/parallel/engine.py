@@ -13,7 +13,7 @@ from boostmpi.model.params import FlatBuffer, init_global, param_specs, stage_la
 from boostmpi.model.recompute import POLICIES, Saved, Tape
 from boostmpi.model.transformer import Block, BlockCache
 from boostmpi.parallel.comm import configure_watchdog
-from boostmpi.parallel.grid import ProcessGrid
+from boostmpi.parallel.grid import Coords, ProcessGrid, rank_of
 from boostmpi.parallel.pipeline import one_f_one_b
 from boostmpi.parallel.tensor_parallel import make_strategy
 
@@ -270,7 +270,7 @@ class Engine:
         for s in range(grid.pp_size):
             for t in range(grid.tp_size):
                 specs = param_specs(cfg, t, s)
-                src = (s * grid.tp_size) + t  # world rank of (dp=0, pp=s, tp=t)
+                src = rank_of(Coords(dp=0, pp=s, tp=t), grid.tp_size, grid.pp_size)
                 if src == 0:
                     flat = local
                 else:
