@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from boostmpi.backend import get_array_module
 from boostmpi.model import layers
-from boostmpi.model.layers import col_slices, concat_cols, grouped_matmul
+from boostmpi.model.layers import col_slices, grouped_matmul
 from boostmpi.model.params import split_range
 from boostmpi.model.recompute import NO_TAPE
 from boostmpi.parallel.mappings import (copy_to_tp_region, copy_to_tp_region_backward_async, gather_from_tp_region,
@@ -76,49 +76,48 @@ class BottleneckTP(Strategy):
         return self._bottleneck_backward([dy], cache, P, Gr)
 
     def _bottleneck_forward(self, x, norm_name, names, P, tape, output=True):
-        As = [P[f"{nm}/A"] for nm in names]
+        sl = col_slices([P[f"{nm}/A"].shape[1] for nm in names])
         xw = x * P[norm_name] if norm_name else x
         if tape.replaying:
             Z, rstd = tape.take()
         else:
-            Z, rstd = tape.keep(self._reduce_bottleneck(x, xw, As, norm_name is not None))
+            A = P.columns([f"{nm}/A" for nm in names])  # [A_1 | A_2 | ...], stored side by side
+            Z, rstd = tape.keep(self._reduce_bottleneck(x, xw, A, sl, norm_name is not None))
         Zs, sig = activate(copy_to_tp_region(Z, self.tp), self.act, tape)
-        sl = col_slices([A.shape[1] for A in As])
         outs = grouped_matmul([Zs[:, s] for s in sl], [P[f"{nm}/B"] for nm in names], self.grouped) if output else None
         return outs, BottleneckCache(x, xw, norm_name, Z, Zs, rstd, names, sl, sig)
 
-    def _reduce_bottleneck(self, x, xw, As, with_norm):
+    def _reduce_bottleneck(self, x, xw, A, sl, with_norm):
         """The only forward communication of a btp group: Z = rmsnorm(x)·A exactly, from shards."""
         xp = get_array_module(x)
-        R = sum(A.shape[1] for A in As)
+        R = A.shape[1]
         if not with_norm:
-            return self._reduce_products(xw, As, extra=None), None
+            return self._reduce_products(xw, A, sl, extra=None), None
         ss = (x * x).sum(axis=-1)
         if self.online:
             # the sum of squares rides in the same all-reduce as the unnormalised A-product
-            buf = self._reduce_products(xw, As, extra=ss)
+            buf = self._reduce_products(xw, A, sl, extra=ss)
             rstd = (1.0 / xp.sqrt(buf[:, R] / self.C + self.eps))[:, None]
             return buf[:, :R] * rstd, rstd
         # sync: a separate all-reduce of the statistic first, then normalise and multiply
         reduce_from_tp_region(ss, self.tp)
         rstd = (1.0 / xp.sqrt(ss / self.C + self.eps))[:, None]
-        return self._reduce_products(xw * rstd, As, extra=None), rstd
+        return self._reduce_products(xw * rstd, A, sl, extra=None), rstd
 
-    def _reduce_products(self, x, As, extra):
-        """[x·A_1 | x·A_2 | ... | extra] reduced from the tp region: one GEMM and one all-reduce when
-        grouped, else one of each per factor (the statistic riding with the first)."""
+    def _reduce_products(self, x, A, sl, extra):
+        """[x·A_1 | x·A_2 | ... | extra] reduced from the tp region (A = [A_1 | A_2 | ...], A_j its
+        column slices `sl`): one GEMM and one all-reduce when grouped, else one of each per factor
+        (the statistic riding with the first)."""
         xp = get_array_module(x)
-        N = x.shape[0]
-        R = sum(A.shape[1] for A in As)
+        N, R = x.shape[0], A.shape[1]
         buf = xp.empty((N, R + (extra is not None)), dtype=x.dtype)
         if extra is not None:
             buf[:, R] = extra
         if self.grouped:
-            xp.matmul(x, concat_cols(As), out=buf[:, :R])
+            xp.matmul(x, A, out=buf[:, :R])
             return reduce_from_tp_region(buf, self.tp)
-        sl = col_slices([A.shape[1] for A in As])
-        for j, (s, A) in enumerate(zip(sl, As)):
-            piece = x @ A
+        for j, s in enumerate(sl):
+            piece = x @ A[:, s]
             if j == 0 and extra is not None:
                 piece = reduce_from_tp_region(xp.concatenate([piece, extra[:, None]], axis=1), self.tp)
                 buf[:, s], buf[:, R] = piece[:, :-1], piece[:, -1]
@@ -144,9 +143,9 @@ class BottleneckTP(Strategy):
             for s, piece in zip(sl, pieces):
                 dZs[:, s] = piece
         dZ = layers.silu_backward(dZs, Z, sig) if self.act else dZs
-        As = [P[f"{nm}/A"] for nm in names]
+        A = P.columns([f"{nm}/A" for nm in names])
         if norm_name is None:
-            dx = dZ @ concat_cols(As).T
+            dx = dZ @ A.T
             for s, nm in zip(sl, names):
                 Gr[f"{nm}/A"] += xw.T @ dZ[:, s]
             return dx
@@ -154,7 +153,7 @@ class BottleneckTP(Strategy):
         # dZ and Z are replicated over the tp group, so the statistic's gradient dS is local
         dP = dZ * rstd
         dS = (-0.5 / self.C) * (dZ * Z).sum(axis=-1, keepdims=True) * (rstd * rstd)
-        dxw = dP @ concat_cols(As).T
+        dxw = dP @ A.T
         for s, nm in zip(sl, names):
             Gr[f"{nm}/A"] += xw.T @ dP[:, s]
         Gr[norm_name] += (dxw * x).sum(axis=0)
