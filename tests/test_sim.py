@@ -410,3 +410,15 @@ def test_sweep_explains_the_winner_and_marks_what_does_not_fit(capsys):
                  "--arch", "full", "--all", *big]) == 0
     out = capsys.readouterr().out
     assert "0 feasible layouts" in out and " NO" in out and "full" in out and "cola" not in out
+
+
+@pytest.mark.parametrize("machine_name, gpus", [("polaris", 16), ("frontier", 256), ("perlmutter", 1024)])
+def test_sweep_ranks_multi_node_layouts(machine_name, gpus):
+    """Layouts across nodes are ranked; dp groups that leave a node pay the NICs."""
+    machine = load_machine(machine_name)
+    cfg = tiny(train={"grad_accum": gpus})
+    rows = sweep(cfg, machine, gpus, archs=["cola"])
+    assert rows and all(r["tp"] * r["pp"] * r["dp"] == gpus for r in rows)
+    assert [r["time_s"] for r in rows] == sorted(r["time_s"] for r in rows)
+    across = [r for r in rows if r["dp"] * r["tp"] * r["pp"] > machine.gpus_per_node and r["dp"] > 1]
+    assert across and all(r["breakdown"]["dp_comm"] > 0 for r in across)
