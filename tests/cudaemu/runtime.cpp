@@ -115,6 +115,12 @@ struct SharedVar {
     int line;
 };
 std::vector<SharedVar> shared_vars;
+struct Pending {
+    size_t byte;
+    int tid;
+    void* pc;
+};
+std::vector<Pending> pending_uninitialized;  // reads of never-written bytes in the current epoch
 std::unordered_map<const void*, size_t> shared_by_tag;  // -> index into shared_vars
 size_t arena_cursor = 0, static_shared_bytes = 0, dynamic_offset = 0, dynamic_bytes = 0, shared_limit = 0;
 
@@ -211,11 +217,36 @@ void set_pc(void* pc) {
 }
 
 // An error found by the scheduler itself (no fiber running).
-void fail_outside(int kind, const std::string& message) {
+void fail_outside(int kind, const std::string& message, void* pc = nullptr) {
     if (aborting) return;
     err->kind = kind;
     snprintf(err->message, sizeof err->message, "%s: %s", block_name().c_str(), message.c_str());
+    set_pc(pc);
     aborting = true;
+}
+
+std::string shared_name(size_t b, size_t* at) {
+    for (const SharedVar& v : shared_vars)
+        if (b >= v.offset && b < v.offset + v.size) {
+            *at = b - v.offset;
+            return v.name;
+        }
+    *at = 0;
+    return "?";
+}
+
+// At the end of an epoch (a barrier, or the block's end): the reads of bytes no thread wrote.
+std::string uninitialized_report(void** pc) {
+    for (const Pending& p : pending_uninitialized) {
+        if (shadow[p.byte].write_epoch >= block_first_epoch) continue;  // written later by the same thread
+        size_t at = 0;
+        const std::string name = shared_name(p.byte, &at);
+        *pc = p.pc;
+        return format("%s: read of shared `%s` (byte %zu) that no thread of this block has written",
+                      thread_name(p.tid).c_str(), name.c_str(), at);
+    }
+    pending_uninitialized.clear();
+    return "";
 }
 
 void yield() { swapcontext(&current->ctx, &scheduler_ctx); }
@@ -262,14 +293,9 @@ void shared_access(uintptr_t addr, size_t size, bool write, void* pc) {
         Shadow& s = shadow[b];
         const bool written_here = s.write_epoch >= block_first_epoch;
         if (!write && !written_here) {
-            std::string name = "?";
-            size_t at = 0;
-            for (const SharedVar& v : shared_vars)
-                if (b >= v.offset && b < v.offset + v.size) name = v.name, at = b - v.offset;
-            fail(UNINITIALIZED_SHARED,
-                 format("%s: read of shared `%s` (byte %zu) that no thread of this block has written", thread_name(tid).c_str(),
-                        name.c_str(), at),
-                 pc);
+            // decided when the epoch ends: a write by another thread later in this epoch makes
+            // it a race (whatever the order), none makes it a read of uninitialised memory
+            if (s.read_epoch != epoch) pending_uninitialized.push_back(Pending{b, tid, pc});
         }
         int other = -1;
         const char* conflict = nullptr;
@@ -281,10 +307,8 @@ void shared_access(uintptr_t addr, size_t size, bool write, void* pc) {
             conflict = "read";
         }
         if (conflict) {
-            std::string name = "?";
             size_t at = 0;
-            for (const SharedVar& v : shared_vars)
-                if (b >= v.offset && b < v.offset + v.size) name = v.name, at = b - v.offset;
+            const std::string name = shared_name(b, &at);
             std::string who = other >= 0 ? thread_name(other) : std::string("other threads");
             fail(RACE,
                  format("shared-memory race on `%s` (byte %zu): %s %ss it, %s %s it, with no __syncthreads() between",
@@ -388,6 +412,7 @@ void run_block(const uint3_& block_idx, const uint3_& grid, const uint3_& block)
     // poison every shared byte: NaN for floats, and never "written in this block"
     for (const SharedVar& v : shared_vars) memset(arena + v.offset, 0xff, v.size);
     run_queue.clear();
+    pending_uninitialized.clear();
     for (int t = 0; t < nthreads; ++t) {
         Fiber& f = fibers[t];
         f.tid = t;
@@ -418,6 +443,11 @@ void run_block(const uint3_& block_idx, const uint3_& grid, const uint3_& block)
         cudaemu_vars = &current->vars;
         swapcontext(&scheduler_ctx, &current->ctx);
         if (!aborting && current->state == DONE) ++done;
+    }
+    if (!aborting) {
+        void* pc = nullptr;
+        const std::string uninitialized = uninitialized_report(&pc);
+        if (!uninitialized.empty()) fail_outside(UNINITIALIZED_SHARED, uninitialized, pc);
     }
     current = nullptr;
 }
@@ -555,6 +585,9 @@ void cudaemu_syncthreads(int line) {
             if (const Fiber& g = fibers[t]; g.line != line)
                 fail(DEADLOCK, format("threads reach different __syncthreads(): %s on line %d, %s on line %d",
                                       thread_name(f.tid).c_str(), line, thread_name(g.tid).c_str(), g.line));
+        void* pc = nullptr;
+        const std::string uninitialized = uninitialized_report(&pc);
+        if (!uninitialized.empty()) fail(UNINITIALIZED_SHARED, uninitialized, pc);
         barrier_arrivals = 0;
         ++epoch;
         for (int t = 0; t < nthreads; ++t) make_runnable(fibers[t]);
