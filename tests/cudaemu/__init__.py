@@ -18,6 +18,7 @@ cooperative fibers switching at `__syncthreads()` and shuffles, warp size 32 or 
 See README.md in this folder for how it works and what it cannot show.
 """
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = [
-    "alloc", "Buffer", "Module", "Function", "set_schedule", "current_seed", "live_bytes", "WARP_SIZE_OPTIONS",
+    "alloc", "Buffer", "Module", "Function", "set_schedule", "current_seed", "schedule", "live_bytes", "WARP_SIZE_OPTIONS",
     "KernelError", "RaceError", "SharedBoundsError", "UninitializedSharedRead", "GlobalBoundsError", "DeadlockError",
     "PartialWarpError", "LaunchError", "CompileError", "AllocationError",
 ]
@@ -86,7 +87,8 @@ class AllocationError(RuntimeError):
 
 
 class FunctionNotFound(KeyError):
-    pass
+    def __str__(self):
+        return str(self.args[0])
 
 
 _ERRORS = {1: KernelError, 2: RaceError, 3: SharedBoundsError, 4: UninitializedSharedRead, 5: GlobalBoundsError,
@@ -259,6 +261,17 @@ def current_seed():
     return _seed
 
 
+@contextlib.contextmanager
+def schedule(seed):
+    """`with schedule(seed):` -- set_schedule(seed) for the block, the previous schedule after it."""
+    previous = _seed
+    set_schedule(seed)
+    try:
+        yield
+    finally:
+        set_schedule(previous)
+
+
 def _schedule_text():
     return "blocks in order, fibers round-robin" if _seed is None else f"schedule seed {_seed} ({SEED_ENV}={_seed} repeats it)"
 
@@ -268,7 +281,7 @@ set_schedule(_seed_from_env())
 # --------------------------------------------------------------------------------------------- source handling
 
 _SHARED_DECL = re.compile(r"(\bextern\s+)?\b__shared__\s+([^;{}]*?);")
-_DECLARATOR = re.compile(r"^(?P<type>.*?[^\w\s]?\s*)\b(?P<name>[A-Za-z_]\w*)\s*(?P<dims>(?:\[[^\]]*\]\s*)*)$", re.S)
+_DECLARATOR = re.compile(r"^(?P<type>[^,\[\]]*?)\b(?P<name>[A-Za-z_]\w*)\s*(?P<dims>(?:\[[^\]]*\]\s*)*)$", re.S)
 _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 
 

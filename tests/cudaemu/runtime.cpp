@@ -336,8 +336,11 @@ void global_access(uintptr_t addr, size_t size, bool write, void* pc) {
     if (a && !a->live) {
         where = format("inside a freed allocation of %zu bytes at 0x%llx", a->nbytes, (unsigned long long)start);
     } else if (a) {
-        where = format("%lld bytes past the end of the %zu-byte allocation at 0x%llx",
-                       (long long)(addr + size - (start + a->nbytes)) - (long long)size, a->nbytes, (unsigned long long)start);
+        const uintptr_t end = start + a->nbytes;
+        where = addr >= end ? format("%llu bytes past the end of the %zu-byte allocation at 0x%llx",
+                                     (unsigned long long)(addr - end), a->nbytes, (unsigned long long)start)
+                            : format("running %llu bytes past the end of the %zu-byte allocation at 0x%llx",
+                                     (unsigned long long)(addr + size - end), a->nbytes, (unsigned long long)start);
     } else {
         // in a guard page before an allocation?
         auto it = allocations.upper_bound(addr);
