@@ -290,7 +290,7 @@ def instrument_shared(code):
 
     The only change made to the kernel text: one declaration statement becomes one statement on
     the same line(s), so line numbers stay those of the input.
-      __shared__ T name[dims];         ->  static char name__cudaemu_tag;
+      __shared__ T name[dims];         ->  static char name__cudaemu_tag[sizeof(T[dims])];
                                            auto& name = *cudaemu::shared_static<T[dims]>(&tag, "name", __LINE__);
       extern __shared__ T name[][d];   ->  auto* const name = cudaemu::shared_dynamic<T[d]>("name", __LINE__);
     """
@@ -305,7 +305,7 @@ def instrument_shared(code):
             if not dims.startswith("[]"):
                 return m.group(0)
             return f'auto* const {name} = cudaemu::shared_dynamic<{typ}{dims[2:]}>("{name}", __LINE__);' + newlines
-        return (f"static char {name}__cudaemu_tag; "
+        return (f"static char {name}__cudaemu_tag[sizeof({typ}{dims})]; "
                 f'auto& {name} = *cudaemu::shared_static<{typ}{dims}>(&{name}__cudaemu_tag, "{name}", __LINE__);' + newlines)
 
     out = _SHARED_DECL.sub(rewrite, code)
@@ -446,6 +446,7 @@ class Module:
             if cached is None:
                 cached = _modules[key] = _compile(key, code, flags, prelude)
         self._lib, self._entries, self._source_path = cached
+        self._key = key
 
     def get_function(self, name):
         if name not in self._entries:
@@ -456,6 +457,16 @@ class Module:
     @property
     def entry_points(self):
         return dict(self._entries)
+
+    def static_shared_bytes(self, name):
+        """Bytes of `__shared__` variables reachable from entry point `name` (CUDA's
+        shared_size_bytes): the tag symbols its code, and the functions it calls, refer to."""
+        with _lock:
+            table = _static_shared.get(self._key)
+            if table is None:
+                table = _static_shared[self._key] = _shared_by_entry(self._source_path.parent / "module.so",
+                                                                     list(self._entries))
+        return table[name]
 
 
 def _compile(key, code, flags, prelude):
@@ -479,6 +490,42 @@ def _compile(key, code, flags, prelude):
     folder = _build("module-" + key, {"kernel.cu": source, "prelude.h": prelude}, build)
     lib = ctypes.CDLL(str(folder / "module.so"), mode=ctypes.RTLD_LOCAL)
     return lib, entries, folder / "kernel.cu"
+
+
+_static_shared = {}
+_FUNCTION = re.compile(r"^[0-9a-f]+ <(.+)>:$")
+_REFERENCE = re.compile(r"<([^<>+]+)(?:\+0x[0-9a-f]+)?>")
+
+
+def _shared_by_entry(so, entries):
+    """{entry: static shared bytes} from the module's disassembly: the call/reference graph
+    from each entry point, and the sizes of the `__shared__` tag symbols it reaches."""
+    sizes = {}
+    for line in subprocess.run(["nm", "-S", "--defined-only", str(so)], capture_output=True, text=True,
+                               check=True).stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[3].endswith("__cudaemu_tag"):
+            sizes[parts[3]] = int(parts[1], 16)
+    refs, current = {}, None
+    for line in subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(so)], capture_output=True, text=True,
+                               check=True).stdout.splitlines():
+        m = _FUNCTION.match(line)
+        if m:
+            current = refs.setdefault(m.group(1), set())
+        elif current is not None:
+            current.update(r.split("@")[0] for r in _REFERENCE.findall(line))
+    table = {}
+    for entry in entries:
+        seen, stack, total = set(), [entry], 0
+        while stack:
+            symbol = stack.pop()
+            if symbol in seen:
+                continue
+            seen.add(symbol)
+            total += sizes.get(symbol, 0)
+            stack.extend(refs.get(symbol, ()))
+        table[entry] = total
+    return table
 
 
 def _dims(value, what):
@@ -541,6 +588,11 @@ class Function:
         self.params = params
         self.max_dynamic_shared_size_bytes = 0  # like the CUDA attribute: 0 = the default 48 KiB limit
         self._thunk = ctypes.cast(getattr(module._lib, f"__cudaemu_thunk_{name}"), ctypes.c_void_p).value
+
+    @property
+    def shared_size_bytes(self):
+        """Static shared memory per block, as CuPy's RawKernel.shared_size_bytes reports it."""
+        return self.module.static_shared_bytes(self.name)
 
     def _pointee_size(self, i):
         try:
