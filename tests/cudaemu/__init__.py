@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = [
-    "alloc", "Buffer", "Module", "Function", "set_schedule", "current_seed", "schedule", "live_bytes", "WARP_SIZE_OPTIONS",
+    "alloc", "Buffer", "DeviceArray", "Module", "Function", "set_schedule", "current_seed", "schedule", "live_bytes", "WARP_SIZE_OPTIONS",
     "KernelError", "RaceError", "SharedBoundsError", "UninitializedSharedRead", "GlobalBoundsError", "DeadlockError",
     "PartialWarpError", "LaunchError", "CompileError", "AllocationError",
 ]
@@ -97,7 +97,7 @@ _ERRORS = {1: KernelError, 2: RaceError, 3: SharedBoundsError, 4: UninitializedS
 # --------------------------------------------------------------------------------------------- building
 
 
-def _cache_dir():
+def cache_dir():
     base = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                                                        "boostmpi-cudaemu")
     path = Path(base)
@@ -119,10 +119,10 @@ def _run_compiler(cmd, what):
 
 def _build(key, sources, build):
     """Runs build(tmpdir) -> produced file in a private folder, publishes it atomically under key."""
-    final = _cache_dir() / key
+    final = cache_dir() / key
     if final.exists():
         return final
-    with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         tmp = Path(tmp)
         for name, text in sources.items():
             (tmp / name).write_text(text)
@@ -214,6 +214,21 @@ class Buffer:
 
 def alloc(nbytes):
     return Buffer(nbytes)
+
+
+class DeviceArray:
+    """A NumPy array copied into a device allocation: the least a kernel argument needs
+    (`.data.ptr`, `.dtype`), for tests that launch on the harness without the CuPy stand-in."""
+
+    def __init__(self, host=None, shape=None, dtype=None):
+        host = np.zeros(shape, dtype) if host is None else np.ascontiguousarray(host)
+        self.buf = Buffer(host.nbytes)
+        self.buf.host[:] = host.reshape(-1).view(np.uint8)
+        self.dtype, self.shape = host.dtype, host.shape
+        self.data = self.buf  # .data.ptr, as a CuPy array has
+
+    def get(self):
+        return self.buf.host.view(self.dtype).reshape(self.shape).copy()
 
 
 def live_bytes():
