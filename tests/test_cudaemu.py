@@ -238,6 +238,33 @@ def test_removing_the_barrier_that_protects_reuse_is_a_race():
     kernel("rmsnorm", "rmsnorm_backward_f32")(1, 64, args, shared_mem=4 * C)
 
 
+def test_reading_the_target_logit_after_the_in_place_gradient_starts_is_a_global_race():
+    """softmax_xent reads row[target] before the reductions because, in place, other threads
+    overwrite the row after them; reading it late races with those writes."""
+    code = mutated("softmax_xent", "*loss_out = target_valid ? logsumexp - target_logit : nan;",
+                   "*loss_out = target_valid ? logsumexp - to_float(logits[target]) : nan;")
+    N, V = 2, 256
+    logits = random((N, V), np.float32, 23)
+    targets = cudaemu.DeviceArray(np.array([200, 3], np.int32))
+    loss = cudaemu.DeviceArray(shape=N, dtype=np.float32)
+    fn = kernel("softmax_xent", "softmax_xent_f32_i32", code=code)
+    X, D = cudaemu.DeviceArray(logits), cudaemu.DeviceArray(shape=(N, V), dtype=np.float32)
+    fn(N, 64, (X, targets, loss, D, np.int32(1), np.int32(V), np.float32(1.0)))  # out of place: no race
+    with pytest.raises(cudaemu.RaceError, match=r"global-memory race .* with no __syncthreads\(\) between"):
+        fn(N, 64, (X, targets, loss, X, np.int32(1), np.int32(V), np.float32(1.0)))
+
+
+def test_blocks_writing_one_partial_row_is_a_global_race():
+    code = mutated("rmsnorm", "dw_partial + static_cast<long long>(blockIdx.x) * C;", "dw_partial;")
+    N, C = 4, 64
+    args = (cudaemu.DeviceArray(random((N, C), np.float32, 24)), cudaemu.DeviceArray(random((N, C), np.float32, 25)),
+            cudaemu.DeviceArray(random(C, np.float32, 26)), cudaemu.DeviceArray(np.ones(N, np.float32)),
+            cudaemu.DeviceArray(shape=(N, C), dtype=np.float32), cudaemu.DeviceArray(shape=(2, C), dtype=np.float32),
+            np.int32(N), np.int32(C))
+    with pytest.raises(cudaemu.RaceError, match="in another block"):
+        kernel("rmsnorm", "rmsnorm_backward_f32", code=code)(2, 32, args, shared_mem=4 * C)
+
+
 @pytest.mark.parametrize("bad, expected", [
     (64, r"argument 4 \(int C\) gets a Python int \(passed as long long\)"),
     (np.int64(64), r"argument 4 \(int C\) gets numpy.int64"),

@@ -6,7 +6,9 @@ and runs launches in `runtime.cpp`: blocks one after another, the threads of a b
 cooperative fibers switching at `__syncthreads()` and shuffles, warp size 32 or 64
 (`-DWARP_SIZE=<n>`). Errors the launch raises (all `KernelError`):
 
-  RaceError                 two threads of a block touch one shared byte, one writing, no barrier between
+  RaceError                 two threads of a block touch one shared byte, one writing, no barrier between;
+                            two threads of a launch touch one global byte, one writing, not in one block
+                            with a barrier between
   SharedBoundsError         shared index outside its variable (or a misaligned shared access)
   UninitializedSharedRead   shared memory read before any thread of the block wrote it
   GlobalBoundsError         global read/write outside a live allocation (guards, freed memory, misaligned)

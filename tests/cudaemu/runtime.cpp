@@ -66,10 +66,16 @@ const size_t PAGE = 4096;
 // that is not inside a live allocation's payload is reported (reads and writes alike).
 const size_t DEVICE_RESERVE = size_t(1) << 38;
 uintptr_t dev_base = 0, dev_bump = 0;
+struct GlobalShadow {  // per byte of an allocation, during one launch
+    uint32_t write_epoch, read_epoch;
+    int32_t writer, reader;  // global thread ids; reader -2: several threads in read_epoch
+    int32_t read_block;      // -2: reads from several blocks
+};
 struct Allocation {
     size_t nbytes;
     size_t pages;
     bool live;
+    std::vector<GlobalShadow> shadow;  // filled on first access in a launch, dropped after it
 };
 std::map<uintptr_t, Allocation> allocations;
 std::deque<uintptr_t> quarantine;  // freed, not yet reusable (use-after-free stays detectable)
@@ -145,6 +151,10 @@ std::deque<int> run_queue;
 int nthreads = 0, warp_size = 32, barrier_arrivals = 0;
 uint32_t epoch = 1, block_first_epoch = 1;
 bool in_launch = false, aborting = false;
+uint32_t launch_first_epoch = 1;
+bool check_global_races = true;  // off when grid x block threads do not fit the shadow's int32 ids
+long long block_linear = 0;
+std::vector<Allocation*> shadowed;  // allocations with a global shadow in this launch
 void (*thunk)(void**) = nullptr;
 void** thunk_args = nullptr;
 cudaemu_error* err = nullptr;
@@ -327,11 +337,62 @@ void shared_access(uintptr_t addr, size_t size, bool write, void* pc) {
     }
 }
 
+// Global memory: two threads of one launch touching a byte, one writing, is a race unless they
+// are in the same block with a __syncthreads() between (blocks cannot synchronise in a launch).
+std::string global_thread_name(long long gid) {
+    const long long b = gid / nthreads, t = gid % nthreads;
+    if (b == block_linear) return thread_name(static_cast<int>(t));
+    return format("thread %lld of block %lld (linear)", t, b);
+}
+
+void global_race_check(Allocation& a, uintptr_t start, uintptr_t addr, size_t size, bool write, void* pc) {
+    if (a.shadow.empty()) {
+        a.shadow.assign(std::max<size_t>(a.nbytes, 1), GlobalShadow{0, 0, -1, -1, -1});
+        shadowed.push_back(&a);
+    }
+    const long long gid = block_linear * nthreads + current->tid;
+    const int32_t block = static_cast<int32_t>(block_linear);
+    for (size_t i = addr - start; i < addr - start + size; ++i) {
+        GlobalShadow& g = a.shadow[i];
+        const bool written = g.write_epoch >= launch_first_epoch && g.writer != gid;
+        const bool w_conflict = written && (g.writer / nthreads != block_linear || g.write_epoch == epoch);
+        bool r_conflict = false;
+        if (write && g.read_epoch >= launch_first_epoch)
+            r_conflict = g.read_block != block || (g.read_epoch == epoch && g.reader != gid);
+        if (w_conflict || r_conflict) {
+            const long long other = w_conflict ? g.writer : g.reader;
+            const std::string who = other >= 0 ? global_thread_name(other) : std::string("other threads");
+            const std::string where = (w_conflict ? g.writer / nthreads != block_linear : g.read_block != block)
+                                          ? "in another block (blocks do not synchronise within a launch)"
+                                          : "with no __syncthreads() between";
+            fail(RACE, format("global-memory race at byte %zu of the %zu-byte allocation at 0x%llx: %s %ss it, %s %s it %s",
+                              i, a.nbytes, (unsigned long long)start, thread_name(current->tid).c_str(),
+                              write ? "write" : "read", who.c_str(), w_conflict ? "wrote" : "read", where.c_str()),
+                 pc);
+        }
+        if (write) {
+            g.write_epoch = epoch;
+            g.writer = static_cast<int32_t>(gid);
+        } else if (g.read_epoch < launch_first_epoch) {
+            g.read_epoch = epoch, g.reader = static_cast<int32_t>(gid), g.read_block = block;
+        } else if (g.read_block != block) {
+            g.read_epoch = epoch, g.reader = static_cast<int32_t>(gid), g.read_block = -2;
+        } else if (g.read_epoch == epoch) {
+            if (g.reader != gid) g.reader = -2;
+        } else {
+            g.read_epoch = epoch, g.reader = static_cast<int32_t>(gid);
+        }
+    }
+}
+
 void global_access(uintptr_t addr, size_t size, bool write, void* pc) {
     const char* what = write ? "write" : "read";
     uintptr_t start = 0;
-    const Allocation* a = find_allocation(addr, &start);
-    if (a && a->live && addr + size <= start + a->nbytes) return;
+    Allocation* a = const_cast<Allocation*>(find_allocation(addr, &start));
+    if (a && a->live && addr + size <= start + a->nbytes) {
+        if (check_global_races) global_race_check(*a, start, addr, size, write, pc);
+        return;
+    }
     std::string where;
     if (a && !a->live) {
         where = format("inside a freed allocation of %zu bytes at 0x%llx", a->nbytes, (unsigned long long)start);
@@ -567,13 +628,18 @@ int cudaemu_launch(void (*entry)(void**), void** args, const unsigned* grid3, co
         for (size_t i = nblocks; i > 1; --i) std::swap(order[i - 1], order[next_random() % i]);
     in_launch = true;
     aborting = false;
+    launch_first_epoch = epoch + 1;
+    check_global_races = static_cast<double>(nblocks) * nthreads < 2147483647.0;
     for (size_t i = 0; i < nblocks && !aborting; ++i) {
         const size_t b = order[i];
+        block_linear = static_cast<long long>(b);
         run_block(uint3_{unsigned(b % grid.x), unsigned((b / grid.x) % grid.y), unsigned(b / (size_t(grid.x) * grid.y))},
                   grid, block);
     }
     in_launch = false;
     cudaemu_vars = nullptr;
+    for (Allocation* a : shadowed) std::vector<GlobalShadow>().swap(a->shadow);
+    shadowed.clear();
     return err->kind;
 }
 
