@@ -311,7 +311,7 @@ void shared_access(uintptr_t addr, size_t size, bool write, void* pc) {
         const char* conflict = nullptr;
         if (s.write_epoch == epoch && written_here && s.writer != tid) {
             other = s.writer;
-            conflict = "written";
+            conflict = "wrote";
         } else if (write && s.read_epoch == epoch && s.read_epoch >= block_first_epoch && s.reader != tid) {
             other = s.reader;
             conflict = "read";
