@@ -470,6 +470,11 @@ def test_unsupported_shared_declaration_is_a_clear_compile_error():
         cudaemu.Module('extern "C" __global__ void k(float* o) {\n  __shared__ float a[4], b[4];\n}\n')
 
 
+def test_file_scope_shared_memory_is_refused():
+    with pytest.raises(cudaemu.CompileError, match="`__shared__ buffer` .* is at file scope"):
+        cudaemu.Module('__shared__ float buffer[32];\nextern "C" __global__ void k(float* o) { o[0] = buffer[0]; }\n')
+
+
 def test_unknown_function_and_bad_warp_size():
     mod = _module(SYNTHETIC, 32)
     with pytest.raises(KeyError, match="no extern \"C\" __global__ function 'nope'"):

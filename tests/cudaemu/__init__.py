@@ -162,6 +162,7 @@ def _lib():
             lib.cudaemu_lookup.argtypes = [ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_ulonglong),
                                            ctypes.POINTER(ctypes.c_ulonglong)]
             lib.cudaemu_live_bytes.restype = ctypes.c_ulonglong
+            lib.cudaemu_take_unsupported.restype = ctypes.c_char_p
             lib.cudaemu_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint),
                                            ctypes.POINTER(ctypes.c_uint), ctypes.c_ulonglong, ctypes.c_ulonglong,
                                            ctypes.c_int, ctypes.c_int, ctypes.c_ulonglong, ctypes.POINTER(_Error)]
@@ -506,6 +507,9 @@ def _compile(key, code, flags, prelude):
 
     folder = _build("module-" + key, {"kernel.cu": source, "prelude.h": prelude}, build)
     lib = ctypes.CDLL(str(folder / "module.so"), mode=ctypes.RTLD_LOCAL)
+    unsupported = _lib().cudaemu_take_unsupported().decode()
+    if unsupported:
+        raise CompileError(f"the kernel text cannot run on the harness: {unsupported}")
     return lib, entries, folder / "kernel.cu"
 
 

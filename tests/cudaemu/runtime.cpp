@@ -155,6 +155,7 @@ uint32_t launch_first_epoch = 1;
 bool check_global_races = true;  // off when grid x block threads do not fit the shadow's int32 ids
 long long block_linear = 0;
 std::vector<Allocation*> shadowed;  // allocations with a global shadow in this launch
+std::string unsupported;  // a construct met while a module loads, taken by cudaemu_take_unsupported
 void (*thunk)(void**) = nullptr;
 void** thunk_args = nullptr;
 cudaemu_error* err = nullptr;
@@ -540,6 +541,14 @@ unsigned long long cudaemu_alloc(unsigned long long nbytes) {
     return start;
 }
 
+// What a module did while loading that the harness cannot emulate ("" if nothing); clears it.
+const char* cudaemu_take_unsupported() {
+    static std::string taken;
+    taken.swap(unsupported);
+    unsupported.clear();
+    return taken.c_str();
+}
+
 // 0: freed; 1: not an allocation's start; 2: already freed
 int cudaemu_free(unsigned long long ptr) {
     auto it = allocations.find(ptr);
@@ -728,9 +737,9 @@ unsigned long long cudaemu_shfl(int kind, unsigned long long mask, unsigned long
 void* cudaemu_shared_static(const void* tag, unsigned long long size, unsigned long long align, const char* name, int line) {
     auto it = shared_by_tag.find(tag);
     if (it != shared_by_tag.end()) return arena + shared_vars[it->second].offset;
-    if (!current) {
-        fprintf(stderr, "cudaemu: __shared__ `%s` used outside a kernel launch\n", name);
-        abort();
+    if (!current) {  // a file-scope __shared__, initialised when the module loads
+        unsupported = format("`__shared__ %s` (line %d) is at file scope, which the harness does not emulate", name, line);
+        return new char[size]();
     }
     size_t offset = (arena_cursor + align - 1) / align * align;
     if (offset + size + REDZONE > ARENA)
