@@ -322,6 +322,25 @@ def test_writing_one_element_past_an_allocation_is_reported():
         kernel("rmsnorm", "rmsnorm_forward_f32")(2, 32, args)
 
 
+class _Offset:
+    """A view `elements` into a device array, as a CuPy slice's .data.ptr is."""
+
+    def __init__(self, array, elements):
+        self.dtype, self.data = array.dtype, self
+        self.ptr = array.data.ptr + elements * array.dtype.itemsize
+
+
+def test_a_16_byte_load_from_a_misaligned_pointer_is_reported():
+    """The row kernels fall back to scalar loads when a pointer is not 16-byte aligned; without
+    that check a GPU faults on the misaligned vector load, and so does the harness."""
+    args = list(_forward_args(2, 64, x_elems=2 * 64 + 1))
+    args[0] = _Offset(args[0], 1)
+    kernel("rmsnorm", "rmsnorm_forward_f32")(2, 32, tuple(args))  # scalar path
+    code = mutated("rmsnorm", "if (C % V == 0 && aligned16(x) && aligned16(w) && aligned16(y))", "if (C % V == 0)")
+    with pytest.raises(cudaemu.GlobalBoundsError, match="misaligned 16-byte read"):
+        kernel("rmsnorm", "rmsnorm_forward_f32", code=code)(2, 32, tuple(args))
+
+
 def test_too_little_dynamic_shared_memory_is_a_shared_bounds_error():
     N, C = 2, 64
     args = (cudaemu.DeviceArray(random((N, C), np.float32, 17)), cudaemu.DeviceArray(random((N, C), np.float32, 18)),

@@ -129,7 +129,11 @@ def _build(key, sources, build):
         for name, text in sources.items():
             (tmp / name).write_text(text)
         produced = build(tmp)
-        os.replace(produced, final)
+        try:
+            os.replace(produced, final)
+        except OSError:
+            if not final.exists():  # not just another process (an MPI rank) publishing it first
+                raise
     return final
 
 
