@@ -23,6 +23,44 @@ def _kernels_for(*arrays):
     return kernels
 
 
+# ---------------------------------------------------------------- grouped GEMMs
+# The linears that read one input (q/k/v, gate/up) form a group: their factors can run as one GEMM
+# on the concatenated weights, or pairwise as one batched GEMM.
+def col_slices(widths):
+    """Column slices of consecutive blocks of the given widths."""
+    out, start = [], 0
+    for w in widths:
+        out.append(slice(start, start + w))
+        start += w
+    return out
+
+
+def concat_cols(mats):
+    xp = get_array_module(mats[0])
+    return mats[0] if len(mats) == 1 else xp.concatenate(mats, axis=1)
+
+
+def grouped_matmul(lefts, rights, batched=True):
+    """[l @ r for l, r in pairs]; with `batched`, pairs of equal shapes run as one batched GEMM
+    (the grouped B factors: gate/up, and k/v, whose shapes agree) on a GPU. NumPy's batched matmul
+    is a loop of the same BLAS calls, so on the CPU stacking the operands would only add copies."""
+    xp = get_array_module(lefts[0])
+    if xp is np:
+        return [l @ r for l, r in zip(lefts, rights)]
+    outs = [None] * len(lefts)
+    by_shape = {}
+    for j, (l, r) in enumerate(zip(lefts, rights)):
+        by_shape.setdefault((l.shape, r.shape) if batched else j, []).append(j)
+    for idx in by_shape.values():
+        if len(idx) == 1:
+            outs[idx[0]] = lefts[idx[0]] @ rights[idx[0]]
+            continue
+        stacked = xp.matmul(xp.stack([lefts[j] for j in idx]), xp.stack([rights[j] for j in idx]))
+        for k, j in enumerate(idx):
+            outs[j] = stacked[k]
+    return outs
+
+
 # ---------------------------------------------------------------- RMSNorm
 # x [N, C], w [C] -> y [N, C]; rstd [N, 1] = 1/sqrt(mean(x^2) + eps)
 def rmsnorm_forward(x, w, eps):

@@ -1,13 +1,13 @@
 """The transformer block and the model's flat forward/backward, written once for every layout.
 
-Tensor parallelism enters only through `tpx` (boostmpi/parallel/tensor_parallel.py), which owns how
+Tensor parallelism enters only through `tpx` (boostmpi/parallel/tensor_parallel/), which owns how
 each linear group is split and communicated; with a group of one it is the single-device model.
 Shapes: h [N, Cl] where N = B*T and Cl is the local residual width (C, or C/p under btp);
 Hl, Hkvl are the local heads.
 """
 
 from boostmpi.model import layers
-from boostmpi.parallel.tensor_parallel import NO_TAPE
+from boostmpi.model.recompute import NO_TAPE
 
 
 def block_forward(h, i, P, tpx, rope, shape, tape=NO_TAPE, recompute=False):
@@ -25,9 +25,9 @@ def block_forward(h, i, P, tpx, rope, shape, tape=NO_TAPE, recompute=False):
                                            recompute=recompute)
     q = layers.rope_forward(q.reshape(B, T, tpx.n_heads, Dh), *rope)
     k = layers.rope_forward(k.reshape(B, T, tpx.n_kv_heads, Dh), *rope)
-    stats = tape.replay() if tape.replaying else None  # lowrank keeps the softmax statistics
+    stats = tape.take() if tape.replaying else None  # lowrank keeps the softmax statistics
     o, c_att = layers.attention_forward(q, k, v.reshape(B, T, tpx.n_kv_heads, Dh), keep_probs=recompute, stats=stats)
-    tape.record(c_att[4:6])
+    tape.keep(c_att[4:6])
     y, c_o = tpx.out_proj_forward(o.reshape(N, -1), pre + "o", P, tape, recompute=recompute)
     h = h + y
     (g, u), c_gu = tpx.in_proj_forward(h, pre + "mlp_norm", [pre + "gate", pre + "up"], P, tape, recompute=recompute)

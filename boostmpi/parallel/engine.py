@@ -14,7 +14,8 @@ from boostmpi.model.transformer import block_backward, block_forward
 from boostmpi.parallel.comm import WATCHDOG, configure_watchdog
 from boostmpi.parallel.grid import ProcessGrid
 from boostmpi.parallel.pipeline import one_f_one_b
-from boostmpi.parallel.tensor_parallel import Tape, make_strategy
+from boostmpi.model.recompute import Tape
+from boostmpi.parallel.tensor_parallel import make_strategy
 
 
 def _nbytes(obj, seen):
@@ -113,7 +114,7 @@ class Engine:
                 saved["layers"].append(h)
                 h, _ = block_forward(h, i, P, tpx, self.rope, (B, T))
             else:  # lowrank: the residual, the post-all-reduce rank-r activations, the softmax statistics
-                tape = Tape("record")
+                tape = Tape().start_recording()
                 # the first layer's input is the embedding lookup: without a collective, it is
                 # looked up again from the token ids instead of kept
                 look_up_again = self.first and i == self.layers[0] and tpx.embedding_is_local
@@ -141,7 +142,7 @@ class Engine:
                 h_in, tape = entry
                 if h_in is None:
                     h_in = tpx.embed_forward(saved["ids"], P)
-                tape.mode, tape._next = "replay", 0
+                tape.start_replaying()
                 _, cache = block_forward(h_in, i, P, tpx, self.rope, shape, tape, recompute=True)
                 del h_in, tape
             del entry
