@@ -13,10 +13,14 @@ from boostmpi.backend import get_array_module
 
 def _kernels_for(*arrays):
     """The fused CUDA kernels (boostmpi.gpu.kernels) when every array is a contiguous CuPy array of
-    float32, else None: the NumPy code below is then the path (and the kernels' specification)."""
+    float32 or bfloat16, all of one dtype, else None: the NumPy code below is then the path, and the
+    specification each kernel is tested against (tests/test_kernels.py)."""
     if get_array_module(arrays[0]) is np:
         return None
-    if not all(a.flags.c_contiguous and (a.dtype == np.float32 or a.dtype.name == "bfloat16") for a in arrays):
+    dtype = arrays[0].dtype
+    if not (dtype == np.float32 or dtype.name == "bfloat16"):
+        return None
+    if not all(a.flags.c_contiguous and a.dtype == dtype for a in arrays):
         return None
     from boostmpi.gpu import kernels
 
@@ -70,7 +74,7 @@ def rmsnorm_forward(x, w, eps):
         return y, rstd[:, None]
     xp = get_array_module(x)
     rstd = 1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return x * rstd * w, rstd
+    return (x * rstd * w).astype(x.dtype, copy=False), rstd  # a float32 rstd does not widen bf16 x
 
 
 def rmsnorm_backward(dy, x, w, rstd, dw):
@@ -82,7 +86,38 @@ def rmsnorm_backward(dy, x, w, rstd, dw):
     dyw = dy * w
     dw += (dy * x * rstd).sum(axis=0)
     proj = (dyw * x).mean(axis=-1, keepdims=True) * (rstd * rstd)
-    return rstd * (dyw - x * proj)
+    return (rstd * (dyw - x * proj)).astype(x.dtype, copy=False)
+
+
+# ---------------------------------------------------------------- online RMSNorm (bottleneck-aware TP)
+# rmsnorm(x, w) @ A from channel shards x_s, w_s, A_s: each rank computes x_s * w_s and the sum of
+# squares of its shard, multiplies x_s * w_s by A_s, and one all-reduce sums both over the shards;
+# then rescale_rows(P, ss_total, C, eps) = rsqrt(ss_total / C + eps) * P = rmsnorm(x, w) @ A.
+def _accumulation_dtype(dtype):
+    """float32 for float32 and 16-bit floats (as the kernels accumulate), float64 for float64."""
+    return np.promote_types(dtype, np.float32)
+
+
+def rmsnorm_online_stats(x, w):
+    """x [N, Cs], w [Cs] (this rank's shard) -> xw = x * w [N, Cs], ss = sum of x^2 per row [N]
+    (in the accumulation dtype)."""
+    k = _kernels_for(x, w)
+    if k is not None and x.ndim == 2:
+        return k.rmsnorm_online_stats(x, w)
+    return x * w, (x * x).sum(axis=-1, dtype=_accumulation_dtype(x.dtype))
+
+
+def online_rstd(ss_total, C, eps):
+    """rstd [N] = 1/sqrt(ss_total / C + eps) from the sum of squares over all C channels."""
+    return 1.0 / get_array_module(ss_total).sqrt(ss_total / C + eps)
+
+
+def rescale_rows(P, ss_total, C, eps):
+    """P [N, R], ss_total [N] -> P * online_rstd(ss_total) row by row [N, R], in P's dtype."""
+    k = _kernels_for(P)
+    if k is not None and P.ndim == 2 and ss_total.dtype == np.float32 and ss_total.flags.c_contiguous:
+        return k.rescale_rows(P, ss_total, C, eps)
+    return (P * online_rstd(ss_total, C, eps)[:, None]).astype(P.dtype, copy=False)
 
 
 # ---------------------------------------------------------------- SiLU and the gated product
@@ -99,7 +134,7 @@ def sigmoid(a):
 def _silu_grad_times(s, a, dz):
     """dz * silu'(a) = dz * s * (1 + a * (1 - s)), computed in the buffer `s` = sigmoid(a)."""
     xp = get_array_module(s)
-    t = xp.subtract(1.0, s)
+    t = xp.subtract(s.dtype.type(1.0), s)  # a Python 1.0 would widen a bfloat16 s to float32 (CuPy's rules)
     t *= a
     t += 1.0
     t *= s
