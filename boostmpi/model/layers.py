@@ -11,20 +11,19 @@ import numpy as np
 from boostmpi.backend import get_array_module
 
 
-def _kernels_for(*arrays):
-    """The fused CUDA kernels (boostmpi.gpu.kernels) when every array is a contiguous CuPy array of
-    float32 or bfloat16, all of one dtype, else None: the NumPy code below is then the path, and the
-    specification each kernel is tested against (tests/test_kernels.py)."""
-    if get_array_module(arrays[0]) is np:
-        return None
+def _kernel_inputs(*arrays):
+    """(the fused CUDA kernels of boostmpi.gpu.kernels, the arrays C-contiguous) when the arrays are
+    CuPy arrays of float32 or bfloat16, all of one dtype; else (None, the arrays): the NumPy code
+    below is then the path, and it is the specification each kernel is tested against
+    (tests/test_kernels.py). A strided input (a column block of a grouped GEMM's output) is copied
+    once: cheaper on a GPU than the unfused operations."""
+    xp = get_array_module(arrays[0])
     dtype = arrays[0].dtype
-    if not (dtype == np.float32 or dtype.name == "bfloat16"):
-        return None
-    if not all(a.flags.c_contiguous and a.dtype == dtype for a in arrays):
-        return None
+    if xp is np or not (dtype == np.float32 or dtype.name == "bfloat16") or any(a.dtype != dtype for a in arrays):
+        return None, arrays
     from boostmpi.gpu import kernels
 
-    return kernels
+    return kernels, tuple(xp.ascontiguousarray(a) for a in arrays)
 
 
 # ---------------------------------------------------------------- grouped GEMMs
@@ -68,9 +67,9 @@ def grouped_matmul(lefts, rights, batched=True):
 # ---------------------------------------------------------------- RMSNorm
 # x [N, C], w [C] -> y [N, C]; rstd [N, 1] = 1/sqrt(mean(x^2) + eps)
 def rmsnorm_forward(x, w, eps):
-    k = _kernels_for(x, w)
+    k, (xc, wc) = _kernel_inputs(x, w)
     if k is not None and x.ndim == 2:
-        y, rstd = k.rmsnorm_forward(x, w, eps)
+        y, rstd = k.rmsnorm_forward(xc, wc, eps)
         return y, rstd[:, None]
     xp = get_array_module(x)
     rstd = 1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps)
@@ -78,9 +77,9 @@ def rmsnorm_forward(x, w, eps):
 
 
 def rmsnorm_backward(dy, x, w, rstd, dw):
-    k = _kernels_for(dy, x, w)
+    k, (dyc, xc, wc) = _kernel_inputs(dy, x, w)
     if k is not None and x.ndim == 2:
-        dx, dw_part = k.rmsnorm_backward(dy, x, w, get_array_module(x).ascontiguousarray(rstd.reshape(-1)))
+        dx, dw_part = k.rmsnorm_backward(dyc, xc, wc, get_array_module(x).ascontiguousarray(rstd.reshape(-1)))
         dw += dw_part
         return dx
     dyw = dy * w
@@ -101,9 +100,9 @@ def _accumulation_dtype(dtype):
 def rmsnorm_online_stats(x, w):
     """x [N, Cs], w [Cs] (this rank's shard) -> xw = x * w [N, Cs], ss = sum of x^2 per row [N]
     (in the accumulation dtype)."""
-    k = _kernels_for(x, w)
+    k, (xc, wc) = _kernel_inputs(x, w)
     if k is not None and x.ndim == 2:
-        return k.rmsnorm_online_stats(x, w)
+        return k.rmsnorm_online_stats(xc, wc)
     return x * w, (x * x).sum(axis=-1, dtype=_accumulation_dtype(x.dtype))
 
 
@@ -114,9 +113,9 @@ def online_rstd(ss_total, C, eps):
 
 def rescale_rows(P, ss_total, C, eps):
     """P [N, R], ss_total [N] -> P * online_rstd(ss_total) row by row [N, R], in P's dtype."""
-    k = _kernels_for(P)
-    if k is not None and P.ndim == 2 and ss_total.dtype == np.float32 and ss_total.flags.c_contiguous:
-        return k.rescale_rows(P, ss_total, C, eps)
+    k, (Pc,) = _kernel_inputs(P)
+    if k is not None and P.ndim == 2 and ss_total.dtype == np.float32:
+        return k.rescale_rows(Pc, get_array_module(P).ascontiguousarray(ss_total), C, eps)
     return (P * online_rstd(ss_total, C, eps)[:, None]).astype(P.dtype, copy=False)
 
 
@@ -145,9 +144,9 @@ def _silu_grad_times(s, a, dz):
 def silu_forward(a, keep_sigmoid=False):
     """silu(a); with `keep_sigmoid` (a recompute for an immediate backward) returns (silu(a), s),
     s = sigmoid(a) for `silu_backward` to reuse, or None on the fused-kernel path."""
-    k = _kernels_for(a)
+    k, (ac,) = _kernel_inputs(a)
     if k is not None:
-        z = k.silu_forward(a)
+        z = k.silu_forward(ac)
         return (z, None) if keep_sigmoid else z
     s = sigmoid(a)
     if keep_sigmoid:
@@ -164,19 +163,19 @@ def silu_forward_for(a, recompute):
 
 def silu_backward(dz, a, s=None):
     """dz * silu'(a); `s` = sigmoid(a) when the forward kept it (the same bits either way)."""
-    k = _kernels_for(dz, a)
+    k, (dzc, ac) = _kernel_inputs(dz, a)
     if k is not None:
-        return k.silu_backward(a, dz)
+        return k.silu_backward(ac, dzc)
     return _silu_grad_times(sigmoid(a) if s is None else s, a, dz)
 
 
 # y = act(g) * u, act = silu when `act`, identity otherwise. g, u [N, F]
 def gate_forward(g, u, act, keep_sigmoid=False):
     """act(g) * u; with `keep_sigmoid` returns (y, s) as `silu_forward` does (s None without act)."""
-    k = _kernels_for(g, u)
+    k, (gc, uc) = _kernel_inputs(g, u)
     s = None
     if k is not None:
-        y = k.gate_forward(g, u, act)
+        y = k.gate_forward(gc, uc, act)
     elif not act:
         y = g * u
     else:
@@ -191,9 +190,9 @@ def gate_forward_for(g, u, act, recompute):
 
 
 def gate_backward(dy, g, u, act, s=None):
-    k = _kernels_for(dy, g, u)
+    k, (dyc, gc, uc) = _kernel_inputs(dy, g, u)
     if k is not None:
-        return k.gate_backward(g, u, dy, act)
+        return k.gate_backward(gc, uc, dyc, act)
     if act:
         s = sigmoid(g) if s is None else s
         du = g * s

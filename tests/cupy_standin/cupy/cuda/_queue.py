@@ -17,6 +17,7 @@ import itertools
 import os
 import threading
 import time
+import weakref
 
 _op_ids = itertools.count(1)
 _stream_ptrs = itertools.count(0x5000)
@@ -94,11 +95,13 @@ def enqueue(stream, op):
 
 class Stream:
     null = None  # set below
+    _live = weakref.WeakSet()  # for finding a stream by its pointer (NCCL gets pointers)
 
     def __init__(self, null=False, non_blocking=False, ptr=None):
         self.ptr = 0 if null else next(_stream_ptrs)
         self.non_blocking = non_blocking
         self.covered = frozenset()
+        Stream._live.add(self)
 
     def wait_event(self, event):
         self.covered = self.covered | event.covers
