@@ -43,7 +43,7 @@ def _is_half(dt):
 
 # ================================================================== type resolution (CuPy's rules)
 def _loop_table(chars, bf16_after="e"):
-    """Loop dtypes in CuPy's order; bfloat16's loop directly after float16's (cupy#9494)."""
+    """Loop dtypes in CuPy's order; bfloat16's loop directly after float16's (CuPy pull request 9494, its bfloat16 support)."""
     out = []
     for c in chars:
         out.append(np.dtype(c))
