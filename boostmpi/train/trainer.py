@@ -13,6 +13,7 @@ import numpy as np
 from boostmpi.data.progress import format_duration
 from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
 from boostmpi.errors import CheckpointError, DataError, TrainingDiverged, UserError
+from boostmpi.files import FilesystemError, atomic_file, check_dir_creatable, format_bytes, fs_error, make_dirs
 from boostmpi.parallel.engine import Engine
 from boostmpi.train import checkpoint as ckpt
 from boostmpi.train.optim import AdamW, clip_coefficient, learning_rate
@@ -39,34 +40,43 @@ def prepare_builtin(cfg, is_root):
         ensure_builtin(cfg.data.builtin_dir)
 
 
+# the exit status of a run stopped early by a signal, with a checkpoint to resume from (sysexits.h's
+# EX_TEMPFAIL: "try again later"); a finished run exits 0
+STOPPED_EARLY_EXIT = 75
+
+
 class _Preemption:
-    """SIGTERM / SIGUSR1 set a flag; the loop checkpoints at the next step boundary and exits cleanly."""
+    """SIGTERM / SIGUSR1 / SIGINT set a flag; the loop checkpoints at the next step boundary and exits.
+    A second SIGINT (Ctrl-C pressed again) stops at once, without a checkpoint."""
 
     def __init__(self):
-        from boostmpi.parallel.launch import stop_signal_received
+        from boostmpi.parallel.launch import STOP_SIGNALS, stop_signal_received
 
         self.signal = stop_signal_received()  # one that arrived during start-up is not lost
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        self._since = time.monotonic()
+        for sig in STOP_SIGNALS:
             try:
                 signal.signal(sig, self._handler)
             except ValueError:  # not the main thread
                 pass
 
     def _handler(self, signum, frame):
-        self.signal = signum
+        now = time.monotonic()
+        # the same Ctrl-C can arrive twice at once (from the terminal and forwarded by the launcher)
+        if signum == signal.SIGINT and self.signal == signal.SIGINT and now - self._since > 1.0:
+            print("interrupted again: stopping now, without a checkpoint", file=sys.stderr, flush=True)
+            os._exit(130)
+        if self.signal is None:
+            self.signal, self._since = signum, now
+
+    def name(self):
+        return signal.Signals(self.signal).name if self.signal is not None else "a signal on another rank"
 
 
 def peak_memory_bytes(xp):
     if xp is not np:
         return int(xp.get_default_memory_pool().total_bytes())
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def format_bytes(n):
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{int(n)} B"
 
 
 class Trainer:
@@ -80,7 +90,8 @@ class Trainer:
         self.run_dir = tr.run_dir
         self.optimizer = AdamW(e.params, e.specs, tr, e.xp)
         self.step = 0
-        self.barrier()
+        self.resumed_from = None
+        self._root_decides(lambda: check_dir_creatable(self.run_dir, "train.run_dir"))
         V, T = cfg.model.vocab_size, cfg.model.seq_len
 
         def open_data(vocab_size):
@@ -96,10 +107,6 @@ class Trainer:
         self._resume(resume)
 
     # ------------------------------------------------------------------ helpers
-    def barrier(self):
-        if self.world is not None:
-            self.world.Barrier()
-
     def log(self, msg, live=False):
         """A line on rank 0. On a terminal, `live` lines overwrite each other (one progress line
         with ETA); in batch logs every line stays."""
@@ -134,7 +141,8 @@ class Trainer:
         if self.world is not None:
             verdict = self.world.bcast(verdict, root=0)  # small metadata between our own ranks
         if verdict is not None:
-            exc = {c.__name__: c for c in (UserError, CheckpointError, DataError)}.get(verdict[0], UserError)(verdict[1])
+            kinds = (UserError, CheckpointError, DataError, FilesystemError)
+            exc = {c.__name__: c for c in kinds}.get(verdict[0], UserError)(verdict[1])
             exc.all_ranks = True
             raise exc
         return value if self.is_root else (elsewhere() if elsewhere else None)
@@ -186,14 +194,17 @@ class Trainer:
         params = e.gather_global(e.params)
         m = e.gather_global(self.optimizer.m)
         v = e.gather_global(self.optimizer.v)
-        if self.is_root:
+
+        def write():
             state = {"data": self.loader.state_dict(), "seed": self.cfg.train.seed,
                      "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "dp": self.cfg.parallel.dp,
                                 "tp_mode": self.cfg.parallel.tp_mode}}
             path = ckpt.save(self.run_dir, self.step, self.cfg, params, (m, v), self.optimizer.t, state,
-                             keep=self.cfg.checkpoint.keep)
+                             keep=self.cfg.checkpoint.keep, log=self.log)
             self.log(f"checkpoint {path}")
-        self.barrier()
+
+        # a save that fails on rank 0 (a full disk) ends every rank with the same one-line error
+        self._root_decides(write)
 
     # ------------------------------------------------------------------ validation
     def validate(self):
@@ -212,11 +223,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def train(self):
         cfg, e, tr = self.cfg, self.engine, self.cfg.train
-        os.makedirs(self.run_dir, exist_ok=True) if self.is_root else None
-        if self.is_root:
-            self._write_config()
-            self._trim_metrics()
-        self.barrier()
+        self._root_decides(self._prepare_run_dir)
         tokens_per_step = cfg.tokens_per_step
         metrics = open(self._metrics_path(), "a") if self.is_root else None
         t_start = time.perf_counter()
@@ -266,7 +273,8 @@ class Trainer:
                 if self._preempted():
                     if not (every and self.step % every == 0) and self.step != tr.steps:
                         self.save_checkpoint()
-                    self.log(f"stopped by signal at step {self.step}: checkpoint written, resume by running the same command")
+                    self.log(f"stopped by signal at step {self.step}: checkpoint written, resume by running the same command "
+                             f"({self.preemption.name()}; exit status {STOPPED_EARLY_EXIT})")
                     return {"step": self.step, "preempted": True, "val_loss": last_val}
         finally:
             if metrics:
@@ -310,23 +318,59 @@ class Trainer:
                 f"{mib(mem['optimizer'])}, saved activations {mib(mem['activations_saved'])} per micro-batch{layer} "
                 f"with recompute = {self.cfg.train.recompute}, peak {mib(mem['peak'])}")
 
-    def _write_config(self):
-        path = os.path.join(self.run_dir, "config.toml")
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(self.cfg.to_toml())
-        os.replace(tmp, path)
+    def _prepare_run_dir(self):
+        """Rank 0, before the first step: create the run directory, remove what a killed writer left,
+        move another timeline's checkpoints aside, record the configuration, trim the metrics."""
+        make_dirs(self.run_dir, "train.run_dir")
+        try:
+            for path in ckpt.remove_stale_temporaries(self.run_dir):
+                self.log(f"removed {path}, left by a writer that stopped before finishing it")
+            dropped = self._trim_metrics()
+            self._abandon_other_timelines(dropped)
+            with atomic_file(os.path.join(self.run_dir, "config.toml")) as f:
+                f.write(self.cfg.to_toml())
+        except OSError as exc:
+            raise fs_error(exc, "cannot write into train.run_dir", self.run_dir) from exc
+
+    def _abandon_other_timelines(self, dropped_rows):
+        """Checkpoints of this run directory that this run will not continue (past the step it starts
+        from, or all of them when it starts from another run's checkpoint) are moved aside, never
+        reused or deleted, and `latest` names the checkpoint this run continues from."""
+        root = ckpt.checkpoints_dir(self.run_dir)
+        resumed = self.resumed_from
+        own = not self._started_from_another_run()
+        others = [p for p in ckpt.complete_checkpoints(self.run_dir) if not own or ckpt.checkpoint_step(p) > self.step]
+        if not others:
+            return
+        start = f"step {self.step} of {resumed}" if resumed else "scratch"
+        dest = ckpt.move_aside(self.run_dir, others, f"checkpoints of a timeline abandoned when a run started from {start}",
+                               {"metrics.jsonl": "".join(dropped_rows)} if dropped_rows else None)
+        if own:
+            ckpt.write_latest(self.run_dir, os.path.basename(resumed))
+        elif os.path.exists(os.path.join(root, "latest")):
+            os.remove(os.path.join(root, "latest"))
+        names = ", ".join(os.path.basename(p) for p in others)
+        rows = f" and {len(dropped_rows)} metrics rows" if dropped_rows else ""
+        self.log(f"starting from {start}: the checkpoints {names}{rows} of the abandoned timeline are moved to {dest} "
+                 f"(kept, never loaded)")
 
     def _trim_metrics(self):
-        """On resume, drop rows past the checkpoint's step: they will be produced again, identically."""
+        """On resume, drop rows past the checkpoint's step (all of them when starting from another run's
+        checkpoint): they will be produced again. Returns the dropped rows."""
         path = self._metrics_path()
         if not os.path.exists(path):
-            return
+            return []
+        foreign = self._started_from_another_run()
         with open(path) as f:
             rows = [line for line in f if line.strip()]
-        keep = [line for line in rows if json.loads(line).get("step", 0) <= self.step]
-        if len(keep) != len(rows):
-            tmp = path + ".tmp"
-            with open(tmp, "w") as f:
-                f.writelines(keep)
-            os.replace(tmp, path)
+        past = [foreign or json.loads(line).get("step", 0) > self.step for line in rows]
+        if any(past):
+            with atomic_file(path) as f:
+                f.writelines(line for line, drop in zip(rows, past) if not drop)
+        return [line for line, drop in zip(rows, past) if drop]
+
+    def _started_from_another_run(self):
+        """True when this run continues a checkpoint outside its own run directory."""
+        resumed = self.resumed_from
+        root = ckpt.checkpoints_dir(self.run_dir)
+        return resumed is not None and os.path.realpath(os.path.dirname(resumed)) != os.path.realpath(root)

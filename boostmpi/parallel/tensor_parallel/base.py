@@ -1,17 +1,20 @@
 """The interface every tensor-parallel strategy implements, and what they share.
 
-  in_proj_forward(x, norm_name, names, P, tape, recompute) -> (outs, cache)   norm + the linears reading it
+  in_proj_forward(x, norm_name, names, P, tape) -> (outs, cache)   norm + the linears reading it
   in_proj_backward(douts, cache, P, Gr) -> dx
-  out_proj_forward(x, name, P, tape, need_output, recompute) -> (y, cache)    o and down, into the residual
+  out_proj_forward(x, name, P, tape) -> (y, cache)                  o and down, into the residual
+  out_proj_cache(x, name, P, tape) -> cache                         the same cache, y not needed
   out_proj_backward(dy, cache, P, Gr) -> dx
   embed_forward(ids, P) -> h, embed_backward(ids, dh, Gr)
-  head_forward(h, targets, P, lean) -> (loss, cache), head_backward(cache, scale, P, Gr) -> dh
-`P` and `Gr` are the parameter and gradient views of this rank; `tape` (boostmpi/model/recompute.py)
-records the post-communication rank-R activations so that recompute = "lowrank" replays them
-instead of communicating again. `recompute=True` marks a forward whose cache the backward
-consumes at once: the cache then also holds the SiLU's sigmoid (NumPy path), which the backward
-would otherwise compute again.
+  head_forward(h, targets, P, lean) -> (loss, HeadCache), head_backward(cache, scale, P, Gr) -> dh
+`P` and `Gr` are the parameter and gradient views of this rank. The `tape`
+(boostmpi/model/recompute.py) says what the forward is for: it records the post-communication
+rank-R activations so that recompute = "lowrank" replays them instead of communicating again, and
+when the backward follows at once the cache also holds the SiLU's sigmoid (NumPy path), which the
+backward would otherwise compute again.
 """
+
+from typing import NamedTuple
 
 from boostmpi.backend import get_array_module
 from boostmpi.model import layers
@@ -46,6 +49,10 @@ class Strategy:
     def _gather_residual_backward(self, dh):
         return dh
 
+    def out_proj_cache(self, x, name, P, tape):
+        """out_proj_forward's cache, for a recompute that never reads the output."""
+        return self.out_proj_forward(x, name, P, tape)[1]
+
     def head_forward(self, h, targets, P, lean=False):
         """h [N, C_local], targets [N] -> (loss: mean CE over N, cache). `lean` (recompute =
         lowrank): keep only what came out of collectives; the backward recomputes the logits."""
@@ -59,9 +66,17 @@ class Strategy:
         return self._gather_residual_backward(dh)
 
 
-def activate(Z, act, recompute):
-    """(silu(Z), its sigmoid when a recompute keeps it for the backward, else None); (Z, None) without act."""
-    return layers.silu_forward_for(Z, recompute) if act else (Z, None)
+def activate(Z, act, tape):
+    """(silu(Z), its sigmoid when the backward follows at once, else None); (Z, None) without act."""
+    return layers.silu_and_sigmoid(Z, keep=tape.backward_follows) if act else (Z, None)
+
+
+class NormCache(NamedTuple):
+    """The cache of a replicated RMSNorm and the linears that read its output."""
+    x: object  # [N, C] the norm's input
+    norm_name: str
+    rstd: object  # [N, 1]
+    inner: object  # the linears' cache
 
 
 class ReplicatedResidual(Strategy):

@@ -8,6 +8,8 @@ A group (q/k/v, gate/up, or o, down alone) runs
 The embedding is sharded along C (no communication); the head gathers the residual from the region.
 """
 
+from typing import NamedTuple
+
 from boostmpi.backend import get_array_module
 from boostmpi.model import layers
 from boostmpi.model.layers import col_slices, concat_cols, grouped_matmul
@@ -16,6 +18,18 @@ from boostmpi.model.recompute import NO_TAPE
 from boostmpi.parallel.mappings import (copy_to_tp_region, copy_to_tp_region_backward_async, gather_from_tp_region,
                                         gather_from_tp_region_backward, reduce_from_tp_region)
 from boostmpi.parallel.tensor_parallel.base import Strategy, activate
+
+
+class BottleneckCache(NamedTuple):
+    x: object  # [N, C/p] the group's input (the residual shard)
+    xw: object  # x * norm weight (x without a norm)
+    norm_name: object  # the RMSNorm's parameter name, None for o and down
+    Z: object  # [N, R] the reduced bottleneck activation, normalised
+    Zs: object  # silu(Z) (cola), else Z
+    rstd: object  # [N, 1] the RMSNorm statistic, None without a norm
+    names: list  # the group's linears
+    sl: list  # their column slices of Z
+    sig: object  # sigmoid(Z) when kept for the backward, else None
 
 
 class BottleneckTP(Strategy):
@@ -44,21 +58,24 @@ class BottleneckTP(Strategy):
         return gather_from_tp_region_backward(dh, self.tp)
 
     # -- a low-rank group
-    def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE, recompute=False):
-        return self._bottleneck_forward(x, norm_name, names, P, tape, recompute=recompute)
+    def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE):
+        return self._bottleneck_forward(x, norm_name, names, P, tape)
 
     def in_proj_backward(self, douts, cache, P, Gr):
         return self._bottleneck_backward(douts, cache, P, Gr)
 
-    def out_proj_forward(self, x, name, P, tape=NO_TAPE, need_output=True, recompute=False):
-        """`need_output=False` (a recompute whose result the backward never reads) skips the B GEMM."""
-        outs, cache = self._bottleneck_forward(x, None, [name], P, tape, need_output, recompute)
+    def out_proj_forward(self, x, name, P, tape=NO_TAPE):
+        outs, cache = self._bottleneck_forward(x, None, [name], P, tape)
         return outs[0], cache
+
+    def out_proj_cache(self, x, name, P, tape):
+        """Without the output: the B GEMM is skipped (local work only, never a collective)."""
+        return self._bottleneck_forward(x, None, [name], P, tape, output=False)[1]
 
     def out_proj_backward(self, dy, cache, P, Gr):
         return self._bottleneck_backward([dy], cache, P, Gr)
 
-    def _bottleneck_forward(self, x, norm_name, names, P, tape, need_output=True, recompute=False):
+    def _bottleneck_forward(self, x, norm_name, names, P, tape, output=True):
         As = [P[f"{nm}/A"] for nm in names]
         # online RMSNorm's first half: x * w and this shard's sum of squares, in one pass
         xw, ss = layers.rmsnorm_online_stats(x, P[norm_name]) if norm_name else (x, None)
@@ -66,13 +83,10 @@ class BottleneckTP(Strategy):
             Z, rstd = tape.take()
         else:
             Z, rstd = tape.keep(self._reduce_bottleneck(xw, ss, As))
-        Zs, sig = activate(copy_to_tp_region(Z, self.tp), self.act, recompute)
+        Zs, sig = activate(copy_to_tp_region(Z, self.tp), self.act, tape)
         sl = col_slices([A.shape[1] for A in As])
-        if need_output:
-            outs = grouped_matmul([Zs[:, s] for s in sl], [P[f"{nm}/B"] for nm in names], self.grouped)
-        else:
-            outs = [None] * len(names)
-        return outs, (x, xw, norm_name, Z, Zs, rstd, names, sl, sig)
+        outs = grouped_matmul([Zs[:, s] for s in sl], [P[f"{nm}/B"] for nm in names], self.grouped) if output else None
+        return outs, BottleneckCache(x, xw, norm_name, Z, Zs, rstd, names, sl, sig)
 
     def _reduce_bottleneck(self, xw, ss, As):
         """The only forward communication of a btp group: Z = rmsnorm(x)·A exactly, from shards.

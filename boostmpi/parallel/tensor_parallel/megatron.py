@@ -7,12 +7,19 @@
 The residual and the norms are replicated; embedding and head are vocabulary-parallel.
 """
 
+from typing import NamedTuple
+
 from boostmpi.backend import get_array_module
 from boostmpi.model import layers
 from boostmpi.model.layers import col_slices, concat_cols
 from boostmpi.model.recompute import NO_TAPE
 from boostmpi.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
-from boostmpi.parallel.tensor_parallel.base import ReplicatedResidual, column_parallel_input_grad
+from boostmpi.parallel.tensor_parallel.base import NormCache, ReplicatedResidual, column_parallel_input_grad
+
+
+class LinearCache(NamedTuple):
+    x: object  # [N, in/p] the row-parallel linear's input
+    name: str
 
 
 class MegatronTP(ReplicatedResidual):
@@ -21,7 +28,7 @@ class MegatronTP(ReplicatedResidual):
         self.n_heads = cfg.model.n_heads // self.p
         self.n_kv_heads = cfg.model.n_kv_heads // self.p
 
-    def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE, recompute=False):
+    def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE):
         n, rstd = layers.rmsnorm_forward(x, P[norm_name], self.eps)
         n = copy_to_tp_region(n, self.tp)
         Ws = [P[f"{nm}/W"] for nm in names]
@@ -30,21 +37,21 @@ class MegatronTP(ReplicatedResidual):
             outs = [y[:, s] for s in col_slices([W.shape[1] for W in Ws])]
         else:
             outs = [n @ W for W in Ws]
-        return outs, (x, n, norm_name, rstd, names)
+        return outs, NormCache(x, norm_name, rstd, (n, names))
 
     def in_proj_backward(self, douts, cache, P, Gr):
-        x, n, norm_name, rstd, names = cache
+        n, names = cache.inner
         Ws = [P[f"{nm}/W"] for nm in names]
         parts, req = column_parallel_input_grad(douts, Ws, self.grouped, self.tp)
         for nm, dy in zip(names, douts):  # weight gradients while the input gradient travels
             Gr[f"{nm}/W"] += n.T @ dy
         req.wait()
         dn = sum(parts[1:], parts[0])
-        return layers.rmsnorm_backward(dn, x, P[norm_name], rstd, Gr[norm_name])
+        return layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, Gr[cache.norm_name])
 
-    def out_proj_forward(self, x, name, P, tape=NO_TAPE, need_output=True, recompute=False):
+    def out_proj_forward(self, x, name, P, tape=NO_TAPE):
         y = get_array_module(x).ascontiguousarray(x @ P[f"{name}/W"])
-        return reduce_from_tp_region(y, self.tp), (x, name)
+        return reduce_from_tp_region(y, self.tp), LinearCache(x, name)
 
     def out_proj_backward(self, dy, cache, P, Gr):
         x, name = cache
