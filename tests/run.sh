@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: sets itself up (.venv, install), then runs
-#   1. the single-process tests (pytest),
+#   1. the single-process tests (pytest), the GPU suite among them: on a real GPU when CuPy reaches
+#      one, else on the CuPy stand-in and the CUDA execution harness (the header's "gpu:" line says
+#      which); its multi-rank GPU runs start their own `mpiexec -n 4` under a timeout,
 #   2. the MPI tests at 1, 2, 3 and 4 ranks (pytest-mpi under mpiexec, each under timeout),
 #   3. the system-MPI test: boostmpi without the [mpich] extra, mpi4py built against Debian's MPICH,
 #      two ranks under mpiexec.mpich (tests/sysmpi/run_sysmpi_test.sh; the first run compiles mpi4py),
