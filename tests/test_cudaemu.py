@@ -489,6 +489,18 @@ def test_unsupported_shared_declaration_is_a_clear_compile_error():
         cudaemu.Module('extern "C" __global__ void k(float* o) {\n  __shared__ float a[4], b[4];\n}\n')
 
 
+def test_signatures_are_read_after_preprocessing():
+    entries = cudaemu.entry_points(
+        'extern "C" __global__ void a(const float* __restrict__ x, unsigned int, long long n, bf16* y) {}\n'
+        'extern "C" __global__ void b(void) {}\n__global__ void not_extern_c(int k) {}\n')
+    assert sorted(entries) == ["a", "b"] and entries["b"] == []
+    x, count, n, y = entries["a"]
+    assert (x.name, x.is_pointer, x.pointee_dtype) == ("x", True, "float32")
+    assert (count.name, count.dtype) == ("", "uint32")
+    assert (n.name, n.dtype) == ("n", "int64")
+    assert (y.is_pointer, y.pointee, y.pointee_dtype) == (True, "bf16", None)
+
+
 def test_file_scope_shared_memory_is_refused():
     with pytest.raises(cudaemu.CompileError, match="`__shared__ buffer` .* is at file scope"):
         cudaemu.Module('__shared__ float buffer[32];\nextern "C" __global__ void k(float* o) { o[0] = buffer[0]; }\n')
