@@ -34,9 +34,10 @@ from pathlib import Path
 import numpy as np
 
 __all__ = [
-    "alloc", "Buffer", "DeviceArray", "Module", "Function", "set_schedule", "current_seed", "schedule", "describe_schedule", "live_bytes", "WARP_SIZE_OPTIONS",
-    "KernelError", "RaceError", "SharedBoundsError", "UninitializedSharedRead", "GlobalBoundsError", "DeadlockError",
-    "PartialWarpError", "LaunchError", "CompileError", "AllocationError",
+    "alloc", "Buffer", "DeviceArray", "live_bytes", "Module", "Function", "Param", "entry_points", "set_schedule",
+    "current_seed", "schedule", "describe_schedule", "cache_dir", "WARP_SIZE_OPTIONS", "KernelError", "RaceError",
+    "SharedBoundsError", "UninitializedSharedRead", "GlobalBoundsError", "DeadlockError", "PartialWarpError",
+    "LaunchError", "CompileError", "AllocationError", "FunctionNotFound",
 ]
 
 HERE = Path(__file__).resolve().parent
@@ -600,9 +601,6 @@ def _device_pointer(arg):
     if isinstance(ptr, (int, np.integer)) and not isinstance(arg, np.ndarray):
         return int(ptr)
     return None
-
-
-_launch_counts = {}
 
 
 class Function:
