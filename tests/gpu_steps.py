@@ -48,6 +48,8 @@ def step(arch, device, dtype, parallel=None, train=None, world=None):
     # one node: the local rank is the world rank, so each rank has its own (emulated) GPU
     local_rank = 0 if world is None else _world_rank()
     eng = Engine(cfg, world, local_rank=local_rank)
+    if device == "gpu" and world is not None and not eng.grid.use_nccl:
+        raise AssertionError("a multi-rank GPU run did not choose NCCL (parallel.comm = auto)")
     micro = batches()
     if cfg.parallel.dp > 1:  # data-parallel rank r takes micro-batch r: the same global batch
         micro = [micro[eng.grid.coords.dp]]
