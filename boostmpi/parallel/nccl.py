@@ -78,8 +78,6 @@ class _Event:
 
         cupy.cuda.get_current_stream().wait_event(self.event)
 
-    Wait = wait
-
 
 def _communicator(nccl, mpi_comm, size, rank):
     """A new NCCL communicator over the ranks of `mpi_comm` (collective over it)."""
