@@ -85,7 +85,7 @@ def head_backward(cache, scale, norm_w, lm_head, dnorm_w, dlm_head, tp):
     h, rstd, local, tidx, n, probs = cache.h, cache.rstd, cache.local, cache.tidx, cache.n, cache.probs
     xp = get_array_module(h)
     if n is None:  # lean cache: the same operations as the forward, from its saved statistics
-        n = h * rstd * norm_w
+        n = (h * rstd * norm_w).astype(h.dtype, copy=False)  # as the forward's norm stores it
         probs = xp.exp(_logits(n, lm_head) - cache.row_max[:, None])
         probs /= cache.sumexp[:, None]
     dlogits = probs
