@@ -30,24 +30,6 @@ DTYPES = {"f32": np.dtype(np.float32), "bf16": BF16}
 SM_COUNT = 2  # a small grid: the elementwise loop then strides
 
 
-class DeviceArray:
-    """A NumPy array copied into an emulated device allocation (what a kernel argument needs:
-    `.data.ptr`, `.dtype`)."""
-
-    def __init__(self, host=None, shape=None, dtype=None):
-        if host is None:
-            host = np.zeros(shape, dtype)
-        host = np.ascontiguousarray(host)
-        self.buf = cudaemu.alloc(host.nbytes)
-        self.buf.host[:] = host.reshape(-1).view(np.uint8)
-        self.dtype, self.shape = host.dtype, host.shape
-        self.data = self  # .data.ptr, as a CuPy array has
-        self.ptr = self.buf.ptr
-
-    def get(self):
-        return self.buf.host.view(self.dtype).reshape(self.shape).copy()
-
-
 @functools.lru_cache(maxsize=None)
 def _module(code, warp):
     return cudaemu.Module(code, loader.COMPILE_OPTIONS + (f"-DWARP_SIZE={warp}",))
@@ -101,8 +83,8 @@ def test_rmsnorm_forward_backward_match_layers(warp, suffix):
     for C in WIDTHS:
         N = 3
         x, w, dy = random((N, C), dtype, 1), random(C, dtype, 2), random((N, C), dtype, 3)
-        X, W, DY = DeviceArray(x), DeviceArray(w), DeviceArray(dy)
-        Y, R = DeviceArray(shape=(N, C), dtype=dtype), DeviceArray(shape=N, dtype=np.float32)
+        X, W, DY = cudaemu.DeviceArray(x), cudaemu.DeviceArray(w), cudaemu.DeviceArray(dy)
+        Y, R = cudaemu.DeviceArray(shape=(N, C), dtype=dtype), cudaemu.DeviceArray(shape=N, dtype=np.float32)
         # the loader's block, and one warp (several passes over the row)
         for block in (row_block(C, dtype, warp), warp):
             kernel("rmsnorm", f"rmsnorm_forward_{suffix}", warp)(N, block, (X, W, Y, R, np.int32(C), np.float32(EPS)))
@@ -113,8 +95,8 @@ def test_rmsnorm_forward_backward_match_layers(warp, suffix):
         N = 5
         x, dy = random((N, C), dtype, 4), random((N, C), dtype, 5)
         rstd = layers.rmsnorm_forward(f64(x), f64(w), EPS)[1]
-        X, DY, R = DeviceArray(x), DeviceArray(dy), DeviceArray(rstd[:, 0].astype(np.float32))
-        DX, P = DeviceArray(shape=(N, C), dtype=dtype), DeviceArray(shape=(2, C), dtype=np.float32)
+        X, DY, R = cudaemu.DeviceArray(x), cudaemu.DeviceArray(dy), cudaemu.DeviceArray(rstd[:, 0].astype(np.float32))
+        DX, P = cudaemu.DeviceArray(shape=(N, C), dtype=dtype), cudaemu.DeviceArray(shape=(2, C), dtype=np.float32)
         kernel("rmsnorm", f"rmsnorm_backward_{suffix}", warp)(
             2, row_block(C, dtype, warp), (DY, X, W, R, DX, P, np.int32(N), np.int32(C)), shared_mem=4 * C)
         dw_ref = np.zeros(C)
@@ -133,16 +115,16 @@ def test_online_rmsnorm_halves_make_rmsnorm(warp, suffix):
     x, w = random((N, C), dtype, 6), random(C, dtype, 7)
     xw_parts, ss_total = [], np.zeros(N, np.float32)
     for lo, hi in ((0, 40), (40, C)):  # two shards
-        X, W = DeviceArray(x[:, lo:hi]), DeviceArray(w[lo:hi])
-        XW, SS = DeviceArray(shape=(N, hi - lo), dtype=dtype), DeviceArray(shape=N, dtype=np.float32)
+        X, W = cudaemu.DeviceArray(x[:, lo:hi]), cudaemu.DeviceArray(w[lo:hi])
+        XW, SS = cudaemu.DeviceArray(shape=(N, hi - lo), dtype=dtype), cudaemu.DeviceArray(shape=N, dtype=np.float32)
         kernel("rmsnorm", f"rmsnorm_online_stats_{suffix}", warp)(
             N, row_block(hi - lo, dtype, warp), (X, W, XW, SS, np.int32(hi - lo)))
         assert_close(XW.get(), stored(f64(x[:, lo:hi]) * f64(w[lo:hi]), dtype), dtype, "xw")
         assert_close(SS.get(), (f64(x[:, lo:hi]) ** 2).sum(axis=1), np.float32, "ss")
         xw_parts.append(XW.get())
         ss_total += SS.get()
-    P, S = DeviceArray(np.concatenate(xw_parts, axis=1)), DeviceArray(ss_total)
-    out = DeviceArray(shape=(N, C), dtype=dtype)
+    P, S = cudaemu.DeviceArray(np.concatenate(xw_parts, axis=1)), cudaemu.DeviceArray(ss_total)
+    out = cudaemu.DeviceArray(shape=(N, C), dtype=dtype)
     kernel("rmsnorm", f"rescale_rows_{suffix}", warp)(
         N, row_block(C, dtype, warp), (P, S, out, np.int32(C), np.int32(C), np.float32(EPS)))
     # P was rounded to the storage type once before the rescale: compare at two roundings
@@ -157,10 +139,10 @@ def test_lowrank_elementwise_match_layers(warp, suffix):
     dtype = DTYPES[suffix]
     for n in (3000, 1027):  # vectorised + strided grid, and a scalar tail
         g, u, dy = random(n, dtype, 8, 3.0), random(n, dtype, 9), random(n, dtype, 10)
-        G, U, DY = DeviceArray(g), DeviceArray(u), DeviceArray(dy)
+        G, U, DY = cudaemu.DeviceArray(g), cudaemu.DeviceArray(u), cudaemu.DeviceArray(dy)
         grid = loader._elementwise_grid(n, dtype.itemsize, SM_COUNT)
         block = loader.ELEMENTWISE_BLOCK_THREADS
-        out, out2 = DeviceArray(shape=n, dtype=dtype), DeviceArray(shape=n, dtype=dtype)
+        out, out2 = cudaemu.DeviceArray(shape=n, dtype=dtype), cudaemu.DeviceArray(shape=n, dtype=dtype)
         G64, U64, DY64 = f64(g), f64(u), f64(dy)
 
         kernel("lowrank", f"silu_forward_{suffix}", warp)(grid, block, (G, out, np.int64(n)))
@@ -200,15 +182,15 @@ def test_softmax_xent(warp, suffix):
             targets = np.array([0, V - 1, 7, -1], itype)  # -1: bad data, NaN loss
             loss_ref, grad_ref = _xent_reference(logits, targets, 0.25)
             fn = kernel("softmax_xent", f"softmax_xent_{suffix}_{isuffix}", warp)
-            L, T = DeviceArray(shape=N, dtype=np.float32), DeviceArray(targets)
+            L, T = cudaemu.DeviceArray(shape=N, dtype=np.float32), cudaemu.DeviceArray(targets)
             # into a second buffer, then in place
-            X, D = DeviceArray(logits), DeviceArray(shape=(N, V), dtype=dtype)
+            X, D = cudaemu.DeviceArray(logits), cudaemu.DeviceArray(shape=(N, V), dtype=dtype)
             for out in (D, X):
                 fn(N, row_block(V, dtype, warp), (X, T, L, out, np.int32(1), np.int32(V), np.float32(0.25)))
                 np.testing.assert_allclose(L.get(), loss_ref, rtol=2e-5, atol=1e-5, err_msg=f"loss V={V}")
                 assert_close(out.get(), stored(grad_ref, dtype), dtype, f"dlogits V={V}")
             # loss only: dlogits untouched
-            X = DeviceArray(logits)
+            X = cudaemu.DeviceArray(logits)
             fn(N, row_block(V, dtype, warp), (X, T, L, X, np.int32(0), np.int32(V), np.float32(0.0)))
             np.testing.assert_array_equal(X.get().view(np.uint8), logits.view(np.uint8))
             np.testing.assert_allclose(L.get(), loss_ref, rtol=2e-5, atol=1e-5)
@@ -228,8 +210,8 @@ def test_every_entry_point_is_exercised():
 
 def _forward_args(N, C, dtype=np.float32, x_elems=None, y_elems=None):
     x = random(x_elems if x_elems is not None else N * C, dtype, 12)
-    return (DeviceArray(x), DeviceArray(random(C, dtype, 13)), DeviceArray(shape=y_elems or N * C, dtype=dtype),
-            DeviceArray(shape=N, dtype=np.float32), np.int32(C), np.float32(EPS))
+    return (cudaemu.DeviceArray(x), cudaemu.DeviceArray(random(C, dtype, 13)), cudaemu.DeviceArray(shape=y_elems or N * C, dtype=dtype),
+            cudaemu.DeviceArray(shape=N, dtype=np.float32), np.int32(C), np.float32(EPS))
 
 
 @pytest.mark.parametrize("seed", [None, 1, 2])
@@ -248,12 +230,39 @@ def test_removing_the_barrier_that_protects_reuse_is_a_race():
     code = mutated("rmsnorm", "__syncthreads();  // warp_partials is reused", "// warp_partials is reused")
     N, C = 3, 64
     x, dy, w = random((N, C), np.float32, 14), random((N, C), np.float32, 15), random(C, np.float32, 16)
-    args = (DeviceArray(dy), DeviceArray(x), DeviceArray(w), DeviceArray(np.ones(N, np.float32)),
-            DeviceArray(shape=(N, C), dtype=np.float32), DeviceArray(shape=(1, C), dtype=np.float32), np.int32(N),
+    args = (cudaemu.DeviceArray(dy), cudaemu.DeviceArray(x), cudaemu.DeviceArray(w), cudaemu.DeviceArray(np.ones(N, np.float32)),
+            cudaemu.DeviceArray(shape=(N, C), dtype=np.float32), cudaemu.DeviceArray(shape=(1, C), dtype=np.float32), np.int32(N),
             np.int32(C))
     with pytest.raises(cudaemu.RaceError, match="warp_partials"):
         kernel("rmsnorm", "rmsnorm_backward_f32", code=code)(1, 64, args, shared_mem=4 * C)
     kernel("rmsnorm", "rmsnorm_backward_f32")(1, 64, args, shared_mem=4 * C)
+
+
+def test_reading_the_target_logit_after_the_in_place_gradient_starts_is_a_global_race():
+    """softmax_xent reads row[target] before the reductions because, in place, other threads
+    overwrite the row after them; reading it late races with those writes."""
+    code = mutated("softmax_xent", "*loss_out = target_valid ? logsumexp - target_logit : nan;",
+                   "*loss_out = target_valid ? logsumexp - to_float(logits[target]) : nan;")
+    N, V = 2, 256
+    logits = random((N, V), np.float32, 23)
+    targets = cudaemu.DeviceArray(np.array([200, 3], np.int32))
+    loss = cudaemu.DeviceArray(shape=N, dtype=np.float32)
+    fn = kernel("softmax_xent", "softmax_xent_f32_i32", code=code)
+    X, D = cudaemu.DeviceArray(logits), cudaemu.DeviceArray(shape=(N, V), dtype=np.float32)
+    fn(N, 64, (X, targets, loss, D, np.int32(1), np.int32(V), np.float32(1.0)))  # out of place: no race
+    with pytest.raises(cudaemu.RaceError, match=r"global-memory race .* with no __syncthreads\(\) between"):
+        fn(N, 64, (X, targets, loss, X, np.int32(1), np.int32(V), np.float32(1.0)))
+
+
+def test_blocks_writing_one_partial_row_is_a_global_race():
+    code = mutated("rmsnorm", "dw_partial + static_cast<long long>(blockIdx.x) * C;", "dw_partial;")
+    N, C = 4, 64
+    args = (cudaemu.DeviceArray(random((N, C), np.float32, 24)), cudaemu.DeviceArray(random((N, C), np.float32, 25)),
+            cudaemu.DeviceArray(random(C, np.float32, 26)), cudaemu.DeviceArray(np.ones(N, np.float32)),
+            cudaemu.DeviceArray(shape=(N, C), dtype=np.float32), cudaemu.DeviceArray(shape=(2, C), dtype=np.float32),
+            np.int32(N), np.int32(C))
+    with pytest.raises(cudaemu.RaceError, match="in another block"):
+        kernel("rmsnorm", "rmsnorm_backward_f32", code=code)(2, 32, args, shared_mem=4 * C)
 
 
 @pytest.mark.parametrize("bad, expected", [
@@ -274,7 +283,7 @@ def test_other_argument_mismatches_are_refused():
     for index, bad, expected in [
         (5, 1e-6, r"argument 5 \(float eps\) gets a Python float \(passed as double\)"),
         (5, np.float64(1e-6), r"argument 5 \(float eps\) gets numpy.float64"),
-        (0, DeviceArray(np.zeros(128, np.float64)), r"argument 0 \(const float\* x\) gets an array of float64"),
+        (0, cudaemu.DeviceArray(np.zeros(128, np.float64)), r"argument 0 \(const float\* x\) gets an array of float64"),
         (0, np.zeros(128, np.float32), r"argument 0 \(const float\* x\) needs a device array"),
         (0, 12345, r"argument 0 \(const float\* x\) needs a device array, got a Python int"),
     ]:
@@ -313,11 +322,30 @@ def test_writing_one_element_past_an_allocation_is_reported():
         kernel("rmsnorm", "rmsnorm_forward_f32")(2, 32, args)
 
 
+class _Offset:
+    """A view `elements` into a device array, as a CuPy slice's .data.ptr is."""
+
+    def __init__(self, array, elements):
+        self.dtype, self.data = array.dtype, self
+        self.ptr = array.data.ptr + elements * array.dtype.itemsize
+
+
+def test_a_16_byte_load_from_a_misaligned_pointer_is_reported():
+    """The row kernels fall back to scalar loads when a pointer is not 16-byte aligned; without
+    that check a GPU faults on the misaligned vector load, and so does the harness."""
+    args = list(_forward_args(2, 64, x_elems=2 * 64 + 1))
+    args[0] = _Offset(args[0], 1)
+    kernel("rmsnorm", "rmsnorm_forward_f32")(2, 32, tuple(args))  # scalar path
+    code = mutated("rmsnorm", "if (C % V == 0 && aligned16(x) && aligned16(w) && aligned16(y))", "if (C % V == 0)")
+    with pytest.raises(cudaemu.GlobalBoundsError, match="misaligned 16-byte read"):
+        kernel("rmsnorm", "rmsnorm_forward_f32", code=code)(2, 32, tuple(args))
+
+
 def test_too_little_dynamic_shared_memory_is_a_shared_bounds_error():
     N, C = 2, 64
-    args = (DeviceArray(random((N, C), np.float32, 17)), DeviceArray(random((N, C), np.float32, 18)),
-            DeviceArray(random(C, np.float32, 19)), DeviceArray(np.ones(N, np.float32)),
-            DeviceArray(shape=(N, C), dtype=np.float32), DeviceArray(shape=(1, C), dtype=np.float32), np.int32(N),
+    args = (cudaemu.DeviceArray(random((N, C), np.float32, 17)), cudaemu.DeviceArray(random((N, C), np.float32, 18)),
+            cudaemu.DeviceArray(random(C, np.float32, 19)), cudaemu.DeviceArray(np.ones(N, np.float32)),
+            cudaemu.DeviceArray(shape=(N, C), dtype=np.float32), cudaemu.DeviceArray(shape=(1, C), dtype=np.float32), np.int32(N),
             np.int32(C))
     with pytest.raises(cudaemu.SharedBoundsError, match="past the end of `extern __shared__"):
         kernel("rmsnorm", "rmsnorm_backward_f32")(1, 32, args, shared_mem=4 * C - 4)
@@ -408,12 +436,12 @@ def synthetic(name, warp=32):
 
 
 def test_synthetic_kernels_report_each_error_class():
-    out = DeviceArray(shape=64, dtype=np.float32)
+    out = cudaemu.DeviceArray(shape=64, dtype=np.float32)
     synthetic("write_neighbour")(1, 64, (out, np.int32(1)))
     np.testing.assert_array_equal(out.get(), (np.arange(64) + 1) % 64)
-    with pytest.raises(cudaemu.RaceError, match="thread 1 writes it, thread 0 read it"):
+    with pytest.raises(cudaemu.RaceError, match=r"thread \d+ (writes it, thread \d+ read it|reads it, thread \d+ wrote it)"):
         synthetic("write_neighbour")(1, 64, (out, np.int32(0)))
-    with pytest.raises(cudaemu.RaceError, match="thread 1 writes it, thread 0 written it"):
+    with pytest.raises(cudaemu.RaceError, match=r"thread [01] writes it, thread [01] wrote it"):
         synthetic("two_writers")(1, 32, (out,))
     with pytest.raises(cudaemu.UninitializedSharedRead, match="`s` \\(byte 0\\)"):
         synthetic("read_unwritten")(1, 32, (out,))
@@ -434,7 +462,7 @@ def test_synthetic_kernels_report_each_error_class():
         synthetic("swap_neighbours")(1, 32, (out, np.uint32(0x0000FFFF)))
     with pytest.raises(cudaemu.PartialWarpError, match="exited"):
         synthetic("shuffle_after_exit")(1, 32, (out,))
-    src = DeviceArray(np.arange(32, dtype=np.float32))
+    src = cudaemu.DeviceArray(np.arange(32, dtype=np.float32))
     synthetic("copy_shifted")(1, 32, (src, out, np.int32(0)))
     with pytest.raises(cudaemu.GlobalBoundsError, match="4 bytes before"):
         synthetic("copy_shifted")(1, 32, (src, out, np.int32(-1)))
@@ -444,7 +472,7 @@ def test_synthetic_kernels_report_each_error_class():
 
 
 def test_warp64_shuffles_span_the_wavefront():
-    out = DeviceArray(shape=64, dtype=np.float32)
+    out = cudaemu.DeviceArray(shape=64, dtype=np.float32)
     code = SYNTHETIC + r"""
 extern "C" __global__ void reduce_wavefront(float* out) {
     float v = threadIdx.x;
@@ -459,6 +487,11 @@ extern "C" __global__ void reduce_wavefront(float* out) {
 def test_unsupported_shared_declaration_is_a_clear_compile_error():
     with pytest.raises(cudaemu.CompileError, match="cannot instrument the __shared__ declaration on line 2"):
         cudaemu.Module('extern "C" __global__ void k(float* o) {\n  __shared__ float a[4], b[4];\n}\n')
+
+
+def test_file_scope_shared_memory_is_refused():
+    with pytest.raises(cudaemu.CompileError, match="`__shared__ buffer` .* is at file scope"):
+        cudaemu.Module('__shared__ float buffer[32];\nextern "C" __global__ void k(float* o) { o[0] = buffer[0]; }\n')
 
 
 def test_unknown_function_and_bad_warp_size():
@@ -489,13 +522,13 @@ def test_seeded_schedules_give_the_same_bits():
     for seed in (None, 1, 2, 3):
         with cudaemu.schedule(seed):
             assert cudaemu.current_seed() == seed
-            X, DY, W = DeviceArray(x), DeviceArray(dy), DeviceArray(w)
-            R = DeviceArray(np.ones(N, np.float32))
-            DX, P = DeviceArray(shape=(N, C), dtype=np.float32), DeviceArray(shape=(2, C), dtype=np.float32)
+            X, DY, W = cudaemu.DeviceArray(x), cudaemu.DeviceArray(dy), cudaemu.DeviceArray(w)
+            R = cudaemu.DeviceArray(np.ones(N, np.float32))
+            DX, P = cudaemu.DeviceArray(shape=(N, C), dtype=np.float32), cudaemu.DeviceArray(shape=(2, C), dtype=np.float32)
             kernel("rmsnorm", "rmsnorm_backward_f32")(2, 64, (DY, X, W, R, DX, P, np.int32(N), np.int32(C)),
                                                       shared_mem=4 * C)
-            L = DeviceArray(shape=N, dtype=np.float32)
-            kernel("softmax_xent", "softmax_xent_f32_i32")(N, 64, (X, DeviceArray(np.arange(N, dtype=np.int32)), L, X,
+            L = cudaemu.DeviceArray(shape=N, dtype=np.float32)
+            kernel("softmax_xent", "softmax_xent_f32_i32")(N, 64, (X, cudaemu.DeviceArray(np.arange(N, dtype=np.int32)), L, X,
                                                                    np.int32(1), np.int32(C), np.float32(1.0)))
             results.append((DX.get(), P.get(), L.get(), X.get()))
     for other in results[1:]:

@@ -239,7 +239,7 @@ def replica_disagreement(engine):
 
 def optimizer_step(engine, optimizer, step):
     """What the trainer does after forward_backward: global-norm clipping, then AdamW. Returns the norm."""
-    grad_norm = engine.grad_norm()  # collective on a parallel engine
+    grad_norm = engine.grad_norm()  # summed over all ranks by forward_backward
     optimizer.step(engine.grads, learning_rate(step, engine.cfg.train), clip_coefficient(grad_norm, TRAIN["grad_clip"]))
     return grad_norm
 

@@ -13,7 +13,7 @@ import numpy as np
 from boostmpi.backend import get_array_module
 
 
-def _kernel_inputs(*arrays):
+def kernel_inputs(*arrays):
     """(the fused CUDA kernels of boostmpi.gpu.kernels, the arrays C-contiguous) when the arrays are
     CuPy arrays of float32 or bfloat16, all of one dtype; else (None, the arrays): the NumPy code
     below is then the path, and it is the specification each kernel is tested against
@@ -69,7 +69,7 @@ def grouped_matmul(lefts, rights, batched=True):
 # ---------------------------------------------------------------- RMSNorm
 # x [N, C], w [C] -> y [N, C]; rstd [N, 1] = 1/sqrt(mean(x^2) + eps)
 def rmsnorm_forward(x, w, eps):
-    k, (xc, wc) = _kernel_inputs(x, w)
+    k, (xc, wc) = kernel_inputs(x, w)
     if k is not None and x.ndim == 2:
         y, rstd = k.rmsnorm_forward(xc, wc, eps)
         return y, rstd[:, None]
@@ -79,7 +79,7 @@ def rmsnorm_forward(x, w, eps):
 
 
 def rmsnorm_backward(dy, x, w, rstd, dw):
-    k, (dyc, xc, wc) = _kernel_inputs(dy, x, w)
+    k, (dyc, xc, wc) = kernel_inputs(dy, x, w)
     if k is not None and x.ndim == 2:
         dx, dw_part = k.rmsnorm_backward(dyc, xc, wc, get_array_module(x).ascontiguousarray(rstd.reshape(-1)))
         dw += dw_part
@@ -102,7 +102,7 @@ def _accumulation_dtype(dtype):
 def rmsnorm_online_stats(x, w):
     """x [N, Cs], w [Cs] (this rank's shard) -> xw = x * w [N, Cs], ss = sum of x^2 per row [N]
     (in the accumulation dtype)."""
-    k, (xc, wc) = _kernel_inputs(x, w)
+    k, (xc, wc) = kernel_inputs(x, w)
     if k is not None and x.ndim == 2:
         return k.rmsnorm_online_stats(xc, wc)
     return x * w, (x * x).sum(axis=-1, dtype=_accumulation_dtype(x.dtype))
@@ -115,7 +115,7 @@ def online_rstd(ss_total, C, eps):
 
 def rescale_rows(P, ss_total, C, eps):
     """P [N, R], ss_total [N] -> P * online_rstd(ss_total) row by row [N, R], in P's dtype."""
-    k, (Pc,) = _kernel_inputs(P)
+    k, (Pc,) = kernel_inputs(P)
     if k is not None and P.ndim == 2 and ss_total.dtype == np.float32:
         return k.rescale_rows(Pc, get_array_module(P).ascontiguousarray(ss_total), C, eps)
     return (P * online_rstd(ss_total, C, eps)[:, None]).astype(P.dtype, copy=False)
@@ -150,7 +150,7 @@ def silu_forward(a):
 def silu_and_sigmoid(a, keep):
     """(silu(a), s): with `keep` (a recompute for an immediate backward) s = sigmoid(a) for
     `silu_backward` to reuse; None without it, and on the fused-kernel path."""
-    k, (ac,) = _kernel_inputs(a)
+    k, (ac,) = kernel_inputs(a)
     if k is not None:
         return k.silu_forward(ac), None
     s = sigmoid(a)
@@ -162,7 +162,7 @@ def silu_and_sigmoid(a, keep):
 
 def silu_backward(dz, a, s=None):
     """dz * silu'(a); `s` = sigmoid(a) when the forward kept it (the same bits either way)."""
-    k, (dzc, ac) = _kernel_inputs(dz, a)
+    k, (dzc, ac) = kernel_inputs(dz, a)
     if k is not None:
         return k.silu_backward(ac, dzc)
     return _silu_grad_times(sigmoid(a) if s is None else s, a, dz)
@@ -175,7 +175,7 @@ def gate_forward(g, u, act):
 
 def gate_and_sigmoid(g, u, act, keep):
     """(act(g) * u, s) with s as `silu_and_sigmoid` returns it (None without act)."""
-    k, (gc, uc) = _kernel_inputs(g, u)
+    k, (gc, uc) = kernel_inputs(g, u)
     if k is not None:
         return k.gate_forward(gc, uc, act), None
     if not act:
@@ -186,7 +186,7 @@ def gate_and_sigmoid(g, u, act, keep):
 
 
 def gate_backward(dy, g, u, act, s=None):
-    k, (dyc, gc, uc) = _kernel_inputs(dy, g, u)
+    k, (dyc, gc, uc) = kernel_inputs(dy, g, u)
     if k is not None:
         return k.gate_backward(gc, uc, dyc, act)
     if act:

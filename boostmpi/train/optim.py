@@ -37,7 +37,7 @@ class AdamW:
         mask = np.zeros(params.size, dtype=params.data.dtype)
         for s in specs:
             if s.decay:
-                a, b = params.offsets[s.name]
+                a, b = params.spans[s.name]  # a grouped block holds only decayed matrices
                 mask[a:b] = 1.0
         self.decay_mask = xp.asarray(mask)
         self.t = 0  # updates taken (for bias correction)

@@ -12,8 +12,9 @@ import numpy as np
 
 from boostmpi.data.progress import format_duration
 from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
-from boostmpi.errors import CheckpointError, DataError, TrainingDiverged, UserError
+from boostmpi.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, UserError
 from boostmpi.files import FilesystemError, atomic_file, check_dir_creatable, format_bytes, fs_error, make_dirs
+from boostmpi.parallel.comm import AXES
 from boostmpi.parallel.engine import Engine
 from boostmpi.train import checkpoint as ckpt
 from boostmpi.train.optim import AdamW, clip_coefficient, learning_rate
@@ -139,9 +140,9 @@ class Trainer:
             except UserError as exc:
                 verdict = (type(exc).__name__, str(exc))
         if self.world is not None:
-            verdict = self.world.bcast(verdict, root=0)  # small metadata between our own ranks
+            verdict = self.engine.grid.host.bcast(verdict)
         if verdict is not None:
-            kinds = (UserError, CheckpointError, DataError, FilesystemError)
+            kinds = (UserError, CheckpointError, ConfigError, DataError, FilesystemError)
             exc = {c.__name__: c for c in kinds}.get(verdict[0], UserError)(verdict[1])
             exc.all_ranks = True
             raise exc
@@ -162,8 +163,7 @@ class Trainer:
     def _resume(self, resume):
         """Continue from `resume` (a path), or automatically from the run's latest complete checkpoint."""
         path = self._root_decides(lambda: self._checkpoint_to_resume(resume))
-        if self.world is not None:
-            path = self.world.bcast(path, root=0)
+        path = self.engine.grid.host.bcast(path)
         if path is None:
             return
         f, step, saved_cfg = ckpt.open_model(path, check=False)
@@ -183,10 +183,35 @@ class Trainer:
             self.engine.load_global(self.optimizer.v, fo["v"])
             self.optimizer.t = int(fo.attrs["t"])
         state = ckpt.read_state(path)
-        self.loader.load_state_dict(state["data"])
+        self._check_global_batch(path, saved_cfg)
+        try:
+            self.loader.load_state_dict(state["data"])
+        except DataError as exc:  # every rank reads the same state: each raises, rank 0 prints
+            err = DataError(f"cannot resume {path}: {exc}. To train on these shards, start a new run: set a new "
+                            f"train.run_dir (or remove {self.run_dir} to start it afresh)")
+            err.all_ranks = True
+            raise err from None
         self.step = step
         self.resumed_from = path
         self.log(f"resumed from {path} (step {step})")
+
+    def _check_global_batch(self, path, saved_cfg):
+        """A different dp would silently change the global batch (micro_batch_size x grad_accum x dp):
+        refused unless train.global_batch_size is set, which says what the batch is to be."""
+        cfg = self.cfg
+        saved_train, saved_dp = saved_cfg.get("train", {}), saved_cfg.get("parallel", {}).get("dp")
+        before, now = saved_train.get("global_batch_size"), cfg.train.global_batch_size
+        if before is None or saved_dp is None or saved_dp == cfg.parallel.dp or before == now:
+            return
+        if cfg._explicit is None or "global_batch_size" in cfg._explicit.get("train", {}):
+            self.log(f"the global batch changes from {before} to {now} sequences at step {self.step} "
+                     f"(train.global_batch_size; dp {saved_dp} -> {cfg.parallel.dp})")
+            return
+        err = ConfigError(f"resuming {path} with parallel.dp = {cfg.parallel.dp} instead of {saved_dp} would change the "
+                          f"global batch from {before} to {now} sequences (micro_batch_size x grad_accum x dp); "
+                          f"set train.global_batch_size={before} to keep it (grad_accum follows), or ={now} to change it")
+        err.all_ranks = True
+        raise err
 
     # ------------------------------------------------------------------ checkpoint
     def save_checkpoint(self):
@@ -236,7 +261,8 @@ class Trainer:
                 micro = [self.loader.next_batch() for _ in range(tr.grad_accum)]
                 e.grid.counter.reset()
                 t0 = time.perf_counter()
-                loss = e.forward_backward(micro)
+                loss = e.forward_backward(micro, also_sum=self._step_sums)
+                comm, calls, stop = self._step_totals(e.summed)
                 if not math.isfinite(loss):
                     raise TrainingDiverged(f"the loss became {loss} at step {step + 1}; the last checkpoint is kept intact "
                                            f"(lower train.lr or raise train.warmup_steps)")
@@ -245,7 +271,6 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 self.step = step + 1
                 steps_done += 1
-                comm, calls = self._comm_counts()
                 row = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": gnorm,
                        "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "tokens": self.step * tokens_per_step,
                        "comm_bytes": comm, "comm_calls": calls}
@@ -258,8 +283,11 @@ class Trainer:
                     last_val = self.validate()
                     row["val_loss"] = last_val
                 if metrics:
-                    metrics.write(json.dumps(row) + "\n")
-                    metrics.flush()
+                    try:
+                        metrics.write(json.dumps(row) + "\n")
+                        metrics.flush()
+                    except OSError as exc:  # rank 0 alone: the job is ended from here (run_guarded)
+                        raise fs_error(exc, "cannot append to", self._metrics_path()) from exc
                 if self.step == 1 or self.step % max(1, tr.log_every) == 0 or self.step == tr.steps or want_val:
                     elapsed = time.perf_counter() - t_start
                     eta = elapsed / steps_done * (tr.steps - self.step)
@@ -270,7 +298,7 @@ class Trainer:
                 every = cfg.checkpoint.every
                 if (every and self.step % every == 0) or self.step == tr.steps:
                     self.save_checkpoint()
-                if self._preempted():
+                if stop:
                     if not (every and self.step % every == 0) and self.step != tr.steps:
                         self.save_checkpoint()
                     self.log(f"stopped by signal at step {self.step}: checkpoint written, resume by running the same command "
@@ -281,29 +309,27 @@ class Trainer:
                 metrics.close()
         return {"step": self.step, "preempted": False, "val_loss": last_val, "loss": loss if steps_done else None}
 
-    def _preempted(self):
-        flag = 1.0 if self.preemption.signal is not None else 0.0
-        return self.engine.world_sum(flag) > 0
+    def _step_sums(self):
+        """What the trainer adds to the step's one all-reduce: this rank's payload bytes and calls
+        per axis, and whether a stop signal has arrived here."""
+        counter = self.engine.grid.counter
+        return ([counter.bytes[a] for a in AXES] + [counter.calls[a] for a in AXES]
+                + [1.0 if self.preemption.signal is not None else 0.0])
 
-    def _comm_counts(self):
-        """This step's payload bytes and calls per axis, summed over all ranks (each group counted once)."""
-        counter, axes = self.engine.grid.counter, ("tp", "pp", "dp")
-        counts = np.array([counter.bytes[a] for a in axes] + [counter.calls[a] for a in axes], dtype=np.float64)
-        if self.world is not None:
-            from mpi4py import MPI
-
-            self.world.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
-        return dict(zip(axes, map(int, counts[:3]))), dict(zip(axes, map(int, counts[3:])))
+    @staticmethod
+    def _step_totals(summed):
+        """(bytes per axis, calls per axis, some rank was signalled to stop), summed over all ranks
+        (each group's traffic counted once)."""
+        n = len(AXES)
+        return (dict(zip(AXES, map(int, summed[:n]))), dict(zip(AXES, map(int, summed[n:2 * n]))),
+                summed[2 * n] > 0)
 
     def _memory(self):
         e = self.engine
         item = e.params.data.dtype.itemsize
         mine = np.array([e.params.size * item, e.grads.size * item, 2 * e.params.size * item,
                          e.saved_activation_bytes, peak_memory_bytes(e.xp)], dtype=np.float64)
-        if self.world is not None:
-            from mpi4py import MPI
-
-            self.world.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
+        mine = self.engine.grid.host.max(mine)
         keys = ("params", "grads", "optimizer", "activations_saved", "peak")
         return {k: int(v) for k, v in zip(keys, mine)}  # the largest rank's figure for each
 

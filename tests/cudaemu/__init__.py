@@ -6,7 +6,9 @@ and runs launches in `runtime.cpp`: blocks one after another, the threads of a b
 cooperative fibers switching at `__syncthreads()` and shuffles, warp size 32 or 64
 (`-DWARP_SIZE=<n>`). Errors the launch raises (all `KernelError`):
 
-  RaceError                 two threads of a block touch one shared byte, one writing, no barrier between
+  RaceError                 two threads of a block touch one shared byte, one writing, no barrier between;
+                            two threads of a launch touch one global byte, one writing, not in one block
+                            with a barrier between
   SharedBoundsError         shared index outside its variable (or a misaligned shared access)
   UninitializedSharedRead   shared memory read before any thread of the block wrote it
   GlobalBoundsError         global read/write outside a live allocation (guards, freed memory, misaligned)
@@ -32,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = [
-    "alloc", "Buffer", "Module", "Function", "set_schedule", "current_seed", "schedule", "live_bytes", "WARP_SIZE_OPTIONS",
+    "alloc", "Buffer", "DeviceArray", "Module", "Function", "set_schedule", "current_seed", "schedule", "live_bytes", "WARP_SIZE_OPTIONS",
     "KernelError", "RaceError", "SharedBoundsError", "UninitializedSharedRead", "GlobalBoundsError", "DeadlockError",
     "PartialWarpError", "LaunchError", "CompileError", "AllocationError",
 ]
@@ -97,7 +99,7 @@ _ERRORS = {1: KernelError, 2: RaceError, 3: SharedBoundsError, 4: UninitializedS
 # --------------------------------------------------------------------------------------------- building
 
 
-def _cache_dir():
+def cache_dir():
     base = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                                                        "boostmpi-cudaemu")
     path = Path(base)
@@ -119,15 +121,19 @@ def _run_compiler(cmd, what):
 
 def _build(key, sources, build):
     """Runs build(tmpdir) -> produced file in a private folder, publishes it atomically under key."""
-    final = _cache_dir() / key
+    final = cache_dir() / key
     if final.exists():
         return final
-    with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         tmp = Path(tmp)
         for name, text in sources.items():
             (tmp / name).write_text(text)
         produced = build(tmp)
-        os.replace(produced, final)
+        try:
+            os.replace(produced, final)
+        except OSError:
+            if not final.exists():  # not just another process (an MPI rank) publishing it first
+                raise
     return final
 
 
@@ -160,6 +166,7 @@ def _lib():
             lib.cudaemu_lookup.argtypes = [ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_ulonglong),
                                            ctypes.POINTER(ctypes.c_ulonglong)]
             lib.cudaemu_live_bytes.restype = ctypes.c_ulonglong
+            lib.cudaemu_take_unsupported.restype = ctypes.c_char_p
             lib.cudaemu_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint),
                                            ctypes.POINTER(ctypes.c_uint), ctypes.c_ulonglong, ctypes.c_ulonglong,
                                            ctypes.c_int, ctypes.c_int, ctypes.c_ulonglong, ctypes.POINTER(_Error)]
@@ -214,6 +221,21 @@ class Buffer:
 
 def alloc(nbytes):
     return Buffer(nbytes)
+
+
+class DeviceArray:
+    """A NumPy array copied into a device allocation: the least a kernel argument needs
+    (`.data.ptr`, `.dtype`), for tests that launch on the harness without the CuPy stand-in."""
+
+    def __init__(self, host=None, shape=None, dtype=None):
+        host = np.zeros(shape, dtype) if host is None else np.ascontiguousarray(host)
+        self.buf = Buffer(host.nbytes)
+        self.buf.host[:] = host.reshape(-1).view(np.uint8)
+        self.dtype, self.shape = host.dtype, host.shape
+        self.data = self.buf  # .data.ptr, as a CuPy array has
+
+    def get(self):
+        return self.buf.host.view(self.dtype).reshape(self.shape).copy()
 
 
 def live_bytes():
@@ -290,7 +312,7 @@ def instrument_shared(code):
 
     The only change made to the kernel text: one declaration statement becomes one statement on
     the same line(s), so line numbers stay those of the input.
-      __shared__ T name[dims];         ->  static char name__cudaemu_tag;
+      __shared__ T name[dims];         ->  static char name__cudaemu_tag[sizeof(T[dims])];
                                            auto& name = *cudaemu::shared_static<T[dims]>(&tag, "name", __LINE__);
       extern __shared__ T name[][d];   ->  auto* const name = cudaemu::shared_dynamic<T[d]>("name", __LINE__);
     """
@@ -305,7 +327,7 @@ def instrument_shared(code):
             if not dims.startswith("[]"):
                 return m.group(0)
             return f'auto* const {name} = cudaemu::shared_dynamic<{typ}{dims[2:]}>("{name}", __LINE__);' + newlines
-        return (f"static char {name}__cudaemu_tag; "
+        return (f"static char {name}__cudaemu_tag[sizeof({typ}{dims})]; "
                 f'auto& {name} = *cudaemu::shared_static<{typ}{dims}>(&{name}__cudaemu_tag, "{name}", __LINE__);' + newlines)
 
     out = _SHARED_DECL.sub(rewrite, code)
@@ -446,6 +468,7 @@ class Module:
             if cached is None:
                 cached = _modules[key] = _compile(key, code, flags, prelude)
         self._lib, self._entries, self._source_path = cached
+        self._key = key
 
     def get_function(self, name):
         if name not in self._entries:
@@ -456,6 +479,16 @@ class Module:
     @property
     def entry_points(self):
         return dict(self._entries)
+
+    def static_shared_bytes(self, name):
+        """Bytes of `__shared__` variables reachable from entry point `name` (CUDA's
+        shared_size_bytes): the tag symbols its code, and the functions it calls, refer to."""
+        with _lock:
+            table = _static_shared.get(self._key)
+            if table is None:
+                table = _static_shared[self._key] = _shared_by_entry(self._source_path.parent / "module.so",
+                                                                     list(self._entries))
+        return table[name]
 
 
 def _compile(key, code, flags, prelude):
@@ -478,7 +511,46 @@ def _compile(key, code, flags, prelude):
 
     folder = _build("module-" + key, {"kernel.cu": source, "prelude.h": prelude}, build)
     lib = ctypes.CDLL(str(folder / "module.so"), mode=ctypes.RTLD_LOCAL)
+    unsupported = _lib().cudaemu_take_unsupported().decode()
+    if unsupported:
+        raise CompileError(f"the kernel text cannot run on the harness: {unsupported}")
     return lib, entries, folder / "kernel.cu"
+
+
+_static_shared = {}
+_FUNCTION = re.compile(r"^[0-9a-f]+ <(.+)>:$")
+_REFERENCE = re.compile(r"<([^<>+]+)(?:\+0x[0-9a-f]+)?>")
+
+
+def _shared_by_entry(so, entries):
+    """{entry: static shared bytes} from the module's disassembly: the call/reference graph
+    from each entry point, and the sizes of the `__shared__` tag symbols it reaches."""
+    sizes = {}
+    for line in subprocess.run(["nm", "-S", "--defined-only", str(so)], capture_output=True, text=True,
+                               check=True).stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[3].endswith("__cudaemu_tag"):
+            sizes[parts[3]] = int(parts[1], 16)
+    refs, current = {}, None
+    for line in subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(so)], capture_output=True, text=True,
+                               check=True).stdout.splitlines():
+        m = _FUNCTION.match(line)
+        if m:
+            current = refs.setdefault(m.group(1), set())
+        elif current is not None:
+            current.update(r.split("@")[0] for r in _REFERENCE.findall(line))
+    table = {}
+    for entry in entries:
+        seen, stack, total = set(), [entry], 0
+        while stack:
+            symbol = stack.pop()
+            if symbol in seen:
+                continue
+            seen.add(symbol)
+            total += sizes.get(symbol, 0)
+            stack.extend(refs.get(symbol, ()))
+        table[entry] = total
+    return table
 
 
 def _dims(value, what):
@@ -541,6 +613,11 @@ class Function:
         self.params = params
         self.max_dynamic_shared_size_bytes = 0  # like the CUDA attribute: 0 = the default 48 KiB limit
         self._thunk = ctypes.cast(getattr(module._lib, f"__cudaemu_thunk_{name}"), ctypes.c_void_p).value
+
+    @property
+    def shared_size_bytes(self):
+        """Static shared memory per block, as CuPy's RawKernel.shared_size_bytes reports it."""
+        return self.module.static_shared_bytes(self.name)
 
     def _pointee_size(self, i):
         try:

@@ -66,10 +66,16 @@ const size_t PAGE = 4096;
 // that is not inside a live allocation's payload is reported (reads and writes alike).
 const size_t DEVICE_RESERVE = size_t(1) << 38;
 uintptr_t dev_base = 0, dev_bump = 0;
+struct GlobalShadow {  // per byte of an allocation, during one launch
+    uint32_t write_epoch, read_epoch;
+    int32_t writer, reader;  // global thread ids; reader -2: several threads in read_epoch
+    int32_t read_block;      // -2: reads from several blocks
+};
 struct Allocation {
     size_t nbytes;
     size_t pages;
     bool live;
+    std::vector<GlobalShadow> shadow;  // filled on first access in a launch, dropped after it
 };
 std::map<uintptr_t, Allocation> allocations;
 std::deque<uintptr_t> quarantine;  // freed, not yet reusable (use-after-free stays detectable)
@@ -124,11 +130,83 @@ std::vector<Pending> pending_uninitialized;  // reads of never-written bytes in 
 std::unordered_map<const void*, size_t> shared_by_tag;  // -> index into shared_vars
 size_t arena_cursor = 0, static_shared_bytes = 0, dynamic_offset = 0, dynamic_bytes = 0, shared_limit = 0;
 
+// ---------------------------------------------------------------------------- context switches
+// A fiber switch saves the callee-saved registers and the floating-point control words on the
+// old stack and restores them from the new one: no system call (ucontext's swapcontext saves
+// the signal mask, a syscall per switch, which dominated the run time). Other architectures
+// fall back to ucontext.
+#if defined(__x86_64__)
+extern "C" void cudaemu_switch(void** save_sp, void* load_sp);
+asm(R"(
+    .text
+    .globl cudaemu_switch
+    .type cudaemu_switch, @function
+cudaemu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size cudaemu_switch, .-cudaemu_switch
+)");
+
+struct Context {
+    void* sp = nullptr;
+};
+
+// A fresh context that starts in entry() on [stack, stack + size) (entry never returns).
+void context_init(Context& c, uint8_t* stack, size_t size, void (*entry)()) {
+    uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + size) & ~uintptr_t(15);
+    uint64_t* sp = reinterpret_cast<uint64_t*>(top);
+    *--sp = 0;                                   // keeps entry's frame 16-byte aligned, as after a call
+    *--sp = reinterpret_cast<uint64_t>(entry);   // where the switch's `ret` goes
+    for (int i = 0; i < 6; ++i) *--sp = 0;       // rbp rbx r12 r13 r14 r15
+    uint32_t mxcsr;
+    uint16_t fpucw;
+    asm volatile("stmxcsr %0" : "=m"(mxcsr));
+    asm volatile("fnstcw %0" : "=m"(fpucw));
+    *--sp = uint64_t(mxcsr) | (uint64_t(fpucw) << 32);
+    c.sp = sp;
+}
+
+inline void context_switch(Context& from, Context& to) { cudaemu_switch(&from.sp, to.sp); }
+#else
+struct Context {
+    ucontext_t uc;
+};
+
+void context_init(Context& c, uint8_t* stack, size_t size, void (*entry)()) {
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = stack;
+    c.uc.uc_stack.ss_size = size;
+    c.uc.uc_link = nullptr;
+    makecontext(&c.uc, entry, 0);
+}
+
+inline void context_switch(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
 // ---------------------------------------------------------------------------- fibers
 enum FiberState { RUNNABLE, AT_BARRIER, AT_SHUFFLE, DONE };
 const size_t STACK = 128 * 1024;
 struct Fiber {
-    ucontext_t ctx;
+    Context ctx;
     uint8_t* stack = nullptr;  // STACK bytes plus a guard page below
     Builtins vars;
     int tid;
@@ -139,12 +217,19 @@ struct Fiber {
     unsigned long long mask, value, result;
 };
 std::vector<Fiber> fibers;
-ucontext_t scheduler_ctx;
+Context scheduler_ctx;
 Fiber* current = nullptr;
 std::deque<int> run_queue;
 int nthreads = 0, warp_size = 32, barrier_arrivals = 0;
 uint32_t epoch = 1, block_first_epoch = 1;
 bool in_launch = false, aborting = false;
+uint32_t launch_first_epoch = 1;
+bool check_global_races = true;  // off when grid x block threads do not fit the shadow's int32 ids
+long long block_linear = 0;
+std::vector<Allocation*> shadowed;  // allocations with a global shadow in this launch
+uintptr_t hit_start = 0;            // the allocation of the previous access (reset per launch:
+Allocation* hit = nullptr;          // allocations change only between launches)
+std::string unsupported;  // a construct met while a module loads, taken by cudaemu_take_unsupported
 void (*thunk)(void**) = nullptr;
 void** thunk_args = nullptr;
 cudaemu_error* err = nullptr;
@@ -212,7 +297,7 @@ void set_pc(void* pc) {
         set_pc(pc);
         aborting = true;
     }
-    swapcontext(&current->ctx, &scheduler_ctx);
+    context_switch(current->ctx, scheduler_ctx);
     __builtin_unreachable();
 }
 
@@ -249,7 +334,7 @@ std::string uninitialized_report(void** pc) {
     return "";
 }
 
-void yield() { swapcontext(&current->ctx, &scheduler_ctx); }
+void yield() { context_switch(current->ctx, scheduler_ctx); }
 
 void make_runnable(Fiber& f) {
     f.state = RUNNABLE;
@@ -301,7 +386,7 @@ void shared_access(uintptr_t addr, size_t size, bool write, void* pc) {
         const char* conflict = nullptr;
         if (s.write_epoch == epoch && written_here && s.writer != tid) {
             other = s.writer;
-            conflict = "written";
+            conflict = "wrote";
         } else if (write && s.read_epoch == epoch && s.read_epoch >= block_first_epoch && s.reader != tid) {
             other = s.reader;
             conflict = "read";
@@ -327,11 +412,66 @@ void shared_access(uintptr_t addr, size_t size, bool write, void* pc) {
     }
 }
 
+// Global memory: two threads of one launch touching a byte, one writing, is a race unless they
+// are in the same block with a __syncthreads() between (blocks cannot synchronise in a launch).
+std::string global_thread_name(long long gid) {
+    const long long b = gid / nthreads, t = gid % nthreads;
+    if (b == block_linear) return thread_name(static_cast<int>(t));
+    return format("thread %lld of block %lld (linear)", t, b);
+}
+
+void global_race_check(Allocation& a, uintptr_t start, uintptr_t addr, size_t size, bool write, void* pc) {
+    if (a.shadow.empty()) {
+        a.shadow.assign(std::max<size_t>(a.nbytes, 1), GlobalShadow{0, 0, -1, -1, -1});
+        shadowed.push_back(&a);
+    }
+    const long long gid = block_linear * nthreads + current->tid;
+    const int32_t block = static_cast<int32_t>(block_linear);
+    for (size_t i = addr - start; i < addr - start + size; ++i) {
+        GlobalShadow& g = a.shadow[i];
+        const bool written = g.write_epoch >= launch_first_epoch && g.writer != gid;
+        const bool w_conflict = written && (g.writer / nthreads != block_linear || g.write_epoch == epoch);
+        bool r_conflict = false;
+        if (write && g.read_epoch >= launch_first_epoch)
+            r_conflict = g.read_block != block || (g.read_epoch == epoch && g.reader != gid);
+        if (w_conflict || r_conflict) {
+            const long long other = w_conflict ? g.writer : g.reader;
+            const std::string who = other >= 0 ? global_thread_name(other) : std::string("other threads");
+            const std::string where = (w_conflict ? g.writer / nthreads != block_linear : g.read_block != block)
+                                          ? "in another block (blocks do not synchronise within a launch)"
+                                          : "with no __syncthreads() between";
+            fail(RACE, format("global-memory race at byte %zu of the %zu-byte allocation at 0x%llx: %s %ss it, %s %s it %s",
+                              i, a.nbytes, (unsigned long long)start, thread_name(current->tid).c_str(),
+                              write ? "write" : "read", who.c_str(), w_conflict ? "wrote" : "read", where.c_str()),
+                 pc);
+        }
+        if (write) {
+            g.write_epoch = epoch;
+            g.writer = static_cast<int32_t>(gid);
+        } else if (g.read_epoch < launch_first_epoch) {
+            g.read_epoch = epoch, g.reader = static_cast<int32_t>(gid), g.read_block = block;
+        } else if (g.read_block != block) {
+            g.read_epoch = epoch, g.reader = static_cast<int32_t>(gid), g.read_block = -2;
+        } else if (g.read_epoch == epoch) {
+            if (g.reader != gid) g.reader = -2;
+        } else {
+            g.read_epoch = epoch, g.reader = static_cast<int32_t>(gid);
+        }
+    }
+}
+
 void global_access(uintptr_t addr, size_t size, bool write, void* pc) {
     const char* what = write ? "write" : "read";
-    uintptr_t start = 0;
-    const Allocation* a = find_allocation(addr, &start);
-    if (a && a->live && addr + size <= start + a->nbytes) return;
+    // the allocation of the previous access first: kernels stream through a few buffers
+    uintptr_t start = hit_start;
+    Allocation* a = hit;
+    if (!(a && addr >= start && addr + size <= start + a->nbytes && a->live))
+        a = const_cast<Allocation*>(find_allocation(addr, &start));
+    if (a && a->live && addr + size <= start + a->nbytes) {
+        hit = a, hit_start = start;
+        if (check_global_races) global_race_check(*a, start, addr, size, write, pc);
+        return;
+    }
     std::string where;
     if (a && !a->live) {
         where = format("inside a freed allocation of %zu bytes at 0x%llx", a->nbytes, (unsigned long long)start);
@@ -375,8 +515,9 @@ inline void access(const void* p, size_t size, bool write, void* pc) {
 }
 
 // ---------------------------------------------------------------------------- fibers and blocks
-void fiber_main(int tid) {
-    Fiber& f = fibers[tid];
+void fiber_main() {
+    Fiber& f = *current;
+    const int tid = f.tid;
     thunk(thunk_args);
     f.state = DONE;
     // a lane leaving while its warp waits for it at a shuffle
@@ -387,7 +528,8 @@ void fiber_main(int tid) {
             fail(PARTIAL_WARP, format("%s exited while %s waits for it at the shuffle on line %d", thread_name(tid).c_str(),
                                       thread_name(t).c_str(), g.line));
     }
-    swapcontext(&f.ctx, &scheduler_ctx);
+    context_switch(f.ctx, scheduler_ctx);
+    __builtin_unreachable();
 }
 
 void diagnose_stall() {
@@ -425,11 +567,7 @@ void run_block(const uint3_& block_idx, const uint3_& grid, const uint3_& block)
         f.vars.gridDim = grid;
         f.vars.warpSize = warp_size;
         f.state = RUNNABLE;
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = f.stack + PAGE;
-        f.ctx.uc_stack.ss_size = STACK;
-        f.ctx.uc_link = &scheduler_ctx;
-        makecontext(&f.ctx, reinterpret_cast<void (*)()>(fiber_main), 1, t);
+        context_init(f.ctx, f.stack + PAGE, STACK, fiber_main);
         run_queue.push_back(t);
     }
     int done = 0;
@@ -444,7 +582,7 @@ void run_block(const uint3_& block_idx, const uint3_& grid, const uint3_& block)
         run_queue.erase(run_queue.begin() + pick);
         current = &fibers[t];
         cudaemu_vars = &current->vars;
-        swapcontext(&scheduler_ctx, &current->ctx);
+        context_switch(scheduler_ctx, current->ctx);
         if (!aborting && current->state == DONE) ++done;
     }
     if (!aborting) {
@@ -477,6 +615,14 @@ unsigned long long cudaemu_alloc(unsigned long long nbytes) {
     if (mprotect(reinterpret_cast<void*>(start), pages * PAGE, PROT_READ | PROT_WRITE) != 0) return 0;
     allocations[start] = Allocation{nbytes, pages, true};
     return start;
+}
+
+// What a module did while loading that the harness cannot emulate ("" if nothing); clears it.
+const char* cudaemu_take_unsupported() {
+    static std::string taken;
+    taken.swap(unsupported);
+    unsupported.clear();
+    return taken.c_str();
 }
 
 // 0: freed; 1: not an allocation's start; 2: already freed
@@ -567,13 +713,19 @@ int cudaemu_launch(void (*entry)(void**), void** args, const unsigned* grid3, co
         for (size_t i = nblocks; i > 1; --i) std::swap(order[i - 1], order[next_random() % i]);
     in_launch = true;
     aborting = false;
+    hit = nullptr;
+    launch_first_epoch = epoch + 1;
+    check_global_races = static_cast<double>(nblocks) * nthreads < 2147483647.0;
     for (size_t i = 0; i < nblocks && !aborting; ++i) {
         const size_t b = order[i];
+        block_linear = static_cast<long long>(b);
         run_block(uint3_{unsigned(b % grid.x), unsigned((b / grid.x) % grid.y), unsigned(b / (size_t(grid.x) * grid.y))},
                   grid, block);
     }
     in_launch = false;
     cudaemu_vars = nullptr;
+    for (Allocation* a : shadowed) std::vector<GlobalShadow>().swap(a->shadow);
+    shadowed.clear();
     return err->kind;
 }
 
@@ -662,9 +814,9 @@ unsigned long long cudaemu_shfl(int kind, unsigned long long mask, unsigned long
 void* cudaemu_shared_static(const void* tag, unsigned long long size, unsigned long long align, const char* name, int line) {
     auto it = shared_by_tag.find(tag);
     if (it != shared_by_tag.end()) return arena + shared_vars[it->second].offset;
-    if (!current) {
-        fprintf(stderr, "cudaemu: __shared__ `%s` used outside a kernel launch\n", name);
-        abort();
+    if (!current) {  // a file-scope __shared__, initialised when the module loads
+        unsupported = format("`__shared__ %s` (line %d) is at file scope, which the harness does not emulate", name, line);
+        return new char[size]();
     }
     size_t offset = (arena_cursor + align - 1) / align * align;
     if (offset + size + REDZONE > ARENA)

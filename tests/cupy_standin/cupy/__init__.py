@@ -43,7 +43,7 @@ def _is_half(dt):
 
 # ================================================================== type resolution (CuPy's rules)
 def _loop_table(chars, bf16_after="e"):
-    """Loop dtypes in CuPy's order; bfloat16's loop directly after float16's (cupy#9494)."""
+    """Loop dtypes in CuPy's order; bfloat16's loop directly after float16's (CuPy pull request 9494, its bfloat16 support)."""
     out = []
     for c in chars:
         out.append(np.dtype(c))
@@ -78,10 +78,10 @@ class _Operand:
             self.value, self.dtype, self.weak = x._a, x.dtype, None
         elif isinstance(x, np.ndarray):
             raise TypeError(f"Unsupported type {type(x)}")
+        elif isinstance(x, np.generic):  # before Python numbers: np.float64 is a float subclass, but strong
+            self.value, self.dtype, self.weak = x, x.dtype, None
         elif isinstance(x, (bool, int, float, complex)):
             self.value, self.dtype, self.weak = x, np.dtype(type(x)), type(x)
-        elif isinstance(x, np.generic):
-            self.value, self.dtype, self.weak = x, x.dtype, None
         else:
             raise TypeError(f"Unsupported type {type(x)}")
 
