@@ -32,6 +32,11 @@ class RawKernel:
         self.max_dynamic_shared_size_bytes = 0
 
     @property
+    def shared_size_bytes(self):
+        """Static shared memory per block of the compiled kernel, as CuPy's RawKernel reports it."""
+        return self._function.shared_size_bytes
+
+    @property
     def attributes(self):
         return {"max_dynamic_shared_size_bytes": self.max_dynamic_shared_size_bytes}
 
