@@ -1,4 +1,4 @@
-"""GPU targets of issue 5, side by side in one run on one GPU (needs CuPy and a CUDA device; PyTorch
+"""The GPU targets, side by side in one run on one GPU (needs CuPy and a CUDA device; PyTorch
 with CUDA for the eager comparison):
 
   1. RMSNorm kernel bandwidth against a device-to-device copy of the same bytes (target >= 70%);

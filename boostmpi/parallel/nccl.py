@@ -4,7 +4,7 @@ The unique id is made by the group's rank 0 and broadcast over the group's MPI c
 (small metadata between our own ranks: the pickling `bcast` is fine). Collectives are enqueued on
 the current CuPy stream, so they are ordered with the kernels that produce and consume their
 buffers and need no synchronisation; `iallreduce` runs on a side stream and its `wait()` makes
-the current stream wait for it (the overlap of issue 4). Byte accounting is inherited from Group.
+the current stream wait for it (the backward's overlap of communication with local GEMMs). Byte accounting is inherited from Group.
 
 One communicator, two streams: the group's collectives are chained on the device in the order the
 host issued them, whichever stream they are on. An `iallreduce` first waits for the current stream,

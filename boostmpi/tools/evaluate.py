@@ -1,6 +1,6 @@
 """`boostmpi eval CHECKPOINT --data SHARD [--max-windows N] [--batch-size B]`.
 
-Prints one JSON line: `loss` (the mean over the evaluation windows of CONTRACT §5), `tokens`
+Prints one JSON line: `loss` (the mean over the evaluation windows of docs/FORMATS.md), `tokens`
 (windows x seq_len), `windows`, `step`. Runs on one process, whatever layout wrote the checkpoint.
 """
 

@@ -1,6 +1,6 @@
 """`boostmpi export CHECKPOINT --to torch|safetensors --out PATH`: the weights for other tools.
 
-Both formats hold the checkpoint's global tensors under the names of CONTRACT §3
+Both formats hold the checkpoint's global tensors under their checkpoint names (docs/FORMATS.md)
 (`layers/<i>/<lin>/A` ...), orientation y = x @ W, in the dtype they were stored in.
 
 - torch: `torch.save` of a plain {name: tensor} dict (nothing else pickled, so
@@ -27,7 +27,7 @@ SAFETENSORS_DTYPES = {np.dtype("float64"): "F64", np.dtype("float32"): "F32", np
 
 def register(subparsers):
     p = subparsers.add_parser("export", help="write a checkpoint's weights as a PyTorch state dict or safetensors",
-                              description="Export a checkpoint's weights (CONTRACT names) for PyTorch or safetensors readers.")
+                              description="Export a checkpoint's weights (checkpoint names) for PyTorch or safetensors readers.")
     p.add_argument("checkpoint", help="run directory (its latest checkpoint), checkpoint folder, or model.h5")
     p.add_argument("--to", required=True, choices=FORMATS, help="output format")
     p.add_argument("--out", required=True, metavar="PATH", help="output file (e.g. model.pt or model.safetensors)")

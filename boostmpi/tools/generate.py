@@ -1,6 +1,6 @@
 """`boostmpi generate CHECKPOINT --prompt TEXT`: sampling with a KV cache on one process.
 
-The forward pass here is the model of CONTRACT §1 written for incremental decoding: the keys
+The forward pass here is the model of docs/FORMATS.md written for incremental decoding: the keys
 and values of every position already seen are kept per layer, so each new token costs one row
 through the network plus one attention row over the cache. It reuses the layer math of
 boostmpi.model.layers and reads the checkpoint's global tensors, so any layout's checkpoint works.
@@ -71,7 +71,7 @@ def cached_attention(q, k, v, first_position):
 
 
 class Decoder:
-    """The CONTRACT §1 model on one process, fed a few tokens at a time through a KV cache."""
+    """The model (docs/FORMATS.md) on one process, fed a few tokens at a time through a KV cache."""
 
     def __init__(self, model_cfg, tensors, dtype=np.float32):
         self.m = model_cfg

@@ -1,7 +1,7 @@
 """Opening a checkpoint on one process, whatever layout wrote it (shared by the user tools).
 
 A checkpoint holds global (unsharded) tensors and the configuration of the run that wrote it
-(CONTRACT §3). The tools read it back with the parallel layout forced to one process
+(docs/FORMATS.md, Checkpoints). The tools read it back with the parallel layout forced to one process
 (tp = pp = dp = 1) on the CPU, in float32 unless the run trained in float64.
 """
 

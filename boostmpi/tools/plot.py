@@ -1,6 +1,6 @@
 """`boostmpi plot RUN_DIR... --out FILE.png [--x tokens|step]`: training curves of runs, overlaid.
 
-Three panels from each run's metrics.jsonl (CONTRACT §4): loss (solid) and validation loss
+Three panels from each run's metrics.jsonl (docs/FORMATS.md, Runs and metrics): loss (solid) and validation loss
 (dashed, dots) against tokens or steps; throughput (tokens_per_s) per step; communication bytes
 per step for each process-grid axis (tp solid, pp dashed, dp dotted; an axis that never
 communicated is left out, and a panel with no communication at all says so). One colour per

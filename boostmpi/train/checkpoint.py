@@ -1,4 +1,4 @@
-"""Checkpoints (CONTRACT §3): layout-free HDF5 files, written atomically, verified on load.
+"""Checkpoints (docs/FORMATS.md, Checkpoints): layout-free HDF5 files, written atomically, verified on load.
 
   <run_dir>/checkpoints/step_00000010/
       model.h5     global parameter tensors (plain h5py reads them on one process)
