@@ -75,6 +75,11 @@ def main():
     args = ap.parse_args()
     import cupy
 
+    if getattr(cupy, "__standin__", False):
+        print("error: bench/gpu_step.py measures a GPU, and this `cupy` is the tests' stand-in (no device: "
+              "kernels run on the CPU harness); run it where CuPy reaches a GPU", file=sys.stderr)
+        sys.exit(2)
+
     from boostmpi.config import config_from_dict
     from boostmpi.parallel.engine import Engine
     from boostmpi.sim.model import model_flops_per_step

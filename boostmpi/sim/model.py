@@ -6,6 +6,7 @@ recomputation, the data-parallel all-reduce, the optimizer, memory per device an
 docs/SIM.md explains every term.
 """
 
+import math
 from dataclasses import dataclass, field, replace
 
 from boostmpi.model.params import param_specs, stage_layers, tp_strategy
@@ -64,7 +65,7 @@ def comm_bytes(cfg):
     pp = par.tp * par.dp * M * 2 * (par.pp - 1) * N * shard * e
     dp = 0
     if par.dp > 1:
-        dp = sum(local_params(cfg, r, st) for r in range(par.tp) for st in range(par.pp))
+        dp = sum(stage_params(cfg, st)[1] for st in range(par.pp))
         dp *= ITEMSIZE[master_dtype(t.dtype)]
     return {"tp": int(tp), "pp": int(pp), "dp": int(dp)}
 
@@ -72,14 +73,22 @@ def comm_bytes(cfg):
 _PARAM_COUNTS = {}
 
 
-def local_params(cfg, tp_rank, stage):
-    """Parameters held by (tp_rank, stage), from the engine's own parameter specs."""
+def stage_params(cfg, stage):
+    """(parameters of the largest tensor-parallel rank, parameters summed over all tp ranks) of
+    pipeline stage `stage`, from the engine's own parameter specs of tp rank 0: split ranges give
+    the first rank the largest piece, and the sum over ranks is a sharded tensor once and a
+    replicated one tp times."""
     par = cfg.parallel
-    key = (cfg.model, par.tp, par.pp, par.tp_mode)  # what the layout of parameters depends on
+    # what the counts depend on: the layout, and which kind of stage this is (its number of
+    # identical layers, whether it holds the embedding, the head)
+    kind = (len(stage_layers(cfg.model.n_layers, par.pp, stage)), stage == 0, stage == par.pp - 1)
+    key = (cfg.model, par.tp, par.pp, par.tp_mode, kind)
     if key not in _PARAM_COUNTS:
-        _PARAM_COUNTS[key] = [[sum(spec.local_numel for spec in param_specs(cfg, r, st))
-                               for r in range(par.tp)] for st in range(par.pp)]
-    return _PARAM_COUNTS[key][stage][tp_rank]
+        specs = param_specs(cfg, 0, stage)
+        largest = sum(spec.local_numel for spec in specs)
+        total = sum(math.prod(spec.global_shape) * (par.tp if spec.tp_replicated else 1) for spec in specs)
+        _PARAM_COUNTS[key] = (largest, total)
+    return _PARAM_COUNTS[key]
 
 
 def model_flops_per_step(cfg):
@@ -139,7 +148,7 @@ def workload_of(cfg):
         layers_per_stage=[len(stage_layers(m.n_layers, par.pp, st)) for st in range(par.pp)],
         tp=par.tp, pp=par.pp, dp=par.dp, micro_batches=t.grad_accum, recompute=t.recompute,
         dtype=t.dtype, overlap=par.overlap,
-        params_per_stage=[max(local_params(cfg, r, st) for r in range(par.tp)) for st in range(par.pp)],
+        params_per_stage=[stage_params(cfg, st)[0] for st in range(par.pp)],
         p2p_elements=s.N * (s.C // s.p if strategy == "btp" else s.C),
         model_flops=model_flops_per_step(cfg), tokens_per_step=cfg.tokens_per_step)
 

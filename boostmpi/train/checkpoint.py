@@ -1,4 +1,4 @@
-"""Checkpoints (docs/FORMATS.md, Checkpoints): layout-free HDF5 files, written atomically, verified on load.
+"""Checkpoints: layout-free HDF5 files, written atomically, verified on load.
 
   <run_dir>/checkpoints/step_00000010/
       model.h5     global parameter tensors (plain h5py reads them on one process)
@@ -34,6 +34,11 @@ FORMAT = "boostmpi"
 FORMAT_VERSION = 1
 MARKER = "COMPLETE"
 FILES = ("model.h5", "optim.h5", "state.json")
+
+
+# how every command that takes a checkpoint describes its argument
+CHECKPOINT_ARG_HELP = ("a run directory (its latest checkpoint), its checkpoints/latest file, a step_<N> "
+                       "checkpoint folder, or its model.h5")
 
 
 def step_dir_name(step):
@@ -252,11 +257,31 @@ def find_latest(run_dir):
 
 
 def resolve(path):
-    """A checkpoint folder from a folder, a run directory, or a model.h5 path; verified complete."""
+    """A verified-complete checkpoint folder from what a user may name: a run directory (its newest
+    checkpoint), its `checkpoints/` folder or `checkpoints/latest` file (the one `latest` names),
+    a step folder, or a step folder's model.h5."""
+    path = os.fspath(path)
     if os.path.isfile(path) and os.path.basename(path) == "model.h5":
-        path = os.path.dirname(path)
+        path = os.path.dirname(path) or "."
+    elif os.path.isfile(path) and os.path.basename(path) == "latest":
+        try:
+            with open(path) as f:
+                name = f.read().strip()
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        if not name.startswith("step_") or os.sep in name:
+            raise CheckpointError(f"{path} does not name a checkpoint folder (it holds {name[:40]!r})")
+        path = os.path.join(os.path.dirname(path), name)
+    elif os.path.isfile(path):
+        raise CheckpointError(f"{path} is a file but not a checkpoint: name a run directory, its checkpoints/latest, "
+                              f"a step_<N> folder or its model.h5")
     if os.path.isdir(os.path.join(path, "checkpoints")):
         found = find_latest(path)
+        if found is None:
+            raise CheckpointError(f"{path} holds no complete checkpoint")
+        return found
+    if os.path.basename(os.path.normpath(path)) == "checkpoints" and os.path.isdir(path):
+        found = find_latest(os.path.dirname(os.path.abspath(path)))
         if found is None:
             raise CheckpointError(f"{path} holds no complete checkpoint")
         return found

@@ -12,7 +12,7 @@ import numpy as np
 
 from boostmpi.data.progress import format_duration
 from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
-from boostmpi.errors import CheckpointError, DataError, TrainingDiverged, UserError
+from boostmpi.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, UserError
 from boostmpi.files import FilesystemError, atomic_file, check_dir_creatable, format_bytes, fs_error, make_dirs
 from boostmpi.parallel.comm import AXES
 from boostmpi.parallel.engine import Engine
@@ -142,7 +142,7 @@ class Trainer:
         if self.world is not None:
             verdict = self.engine.grid.host.bcast(verdict)
         if verdict is not None:
-            kinds = (UserError, CheckpointError, DataError, FilesystemError)
+            kinds = (UserError, CheckpointError, ConfigError, DataError, FilesystemError)
             exc = {c.__name__: c for c in kinds}.get(verdict[0], UserError)(verdict[1])
             exc.all_ranks = True
             raise exc
@@ -183,10 +183,35 @@ class Trainer:
             self.engine.load_global(self.optimizer.v, fo["v"])
             self.optimizer.t = int(fo.attrs["t"])
         state = ckpt.read_state(path)
-        self.loader.load_state_dict(state["data"])
+        self._check_global_batch(path, saved_cfg)
+        try:
+            self.loader.load_state_dict(state["data"])
+        except DataError as exc:  # every rank reads the same state: each raises, rank 0 prints
+            err = DataError(f"cannot resume {path}: {exc}. To train on these shards, start a new run: set a new "
+                            f"train.run_dir (or remove {self.run_dir} to start it afresh)")
+            err.all_ranks = True
+            raise err from None
         self.step = step
         self.resumed_from = path
         self.log(f"resumed from {path} (step {step})")
+
+    def _check_global_batch(self, path, saved_cfg):
+        """A different dp would silently change the global batch (micro_batch_size x grad_accum x dp):
+        refused unless train.global_batch_size is set, which says what the batch is to be."""
+        cfg = self.cfg
+        saved_train, saved_dp = saved_cfg.get("train", {}), saved_cfg.get("parallel", {}).get("dp")
+        before, now = saved_train.get("global_batch_size"), cfg.train.global_batch_size
+        if before is None or saved_dp is None or saved_dp == cfg.parallel.dp or before == now:
+            return
+        if cfg._explicit is None or "global_batch_size" in cfg._explicit.get("train", {}):
+            self.log(f"the global batch changes from {before} to {now} sequences at step {self.step} "
+                     f"(train.global_batch_size; dp {saved_dp} -> {cfg.parallel.dp})")
+            return
+        err = ConfigError(f"resuming {path} with parallel.dp = {cfg.parallel.dp} instead of {saved_dp} would change the "
+                          f"global batch from {before} to {now} sequences (micro_batch_size x grad_accum x dp); "
+                          f"set train.global_batch_size={before} to keep it (grad_accum follows), or ={now} to change it")
+        err.all_ranks = True
+        raise err
 
     # ------------------------------------------------------------------ checkpoint
     def save_checkpoint(self):
@@ -258,8 +283,11 @@ class Trainer:
                     last_val = self.validate()
                     row["val_loss"] = last_val
                 if metrics:
-                    metrics.write(json.dumps(row) + "\n")
-                    metrics.flush()
+                    try:
+                        metrics.write(json.dumps(row) + "\n")
+                        metrics.flush()
+                    except OSError as exc:  # rank 0 alone: the job is ended from here (run_guarded)
+                        raise fs_error(exc, "cannot append to", self._metrics_path()) from exc
                 if self.step == 1 or self.step % max(1, tr.log_every) == 0 or self.step == tr.steps or want_val:
                     elapsed = time.perf_counter() - t_start
                     eta = elapsed / steps_done * (tr.steps - self.step)

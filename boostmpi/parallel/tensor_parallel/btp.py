@@ -78,53 +78,57 @@ class BottleneckTP(Strategy):
 
     def _bottleneck_forward(self, x, norm_name, names, P, tape, output=True):
         sl = col_slices([P[f"{nm}/A"].shape[1] for nm in names])
-        xw = x * P[norm_name] if norm_name else x
+        # online RMSNorm's first half: x * w and this shard's sum of squares, in one pass
+        xw, ss = layers.rmsnorm_online_stats(x, P[norm_name]) if norm_name else (x, None)
         if tape.replaying:
             Z, rstd = tape.take()
         else:
             A = P.columns([f"{nm}/A" for nm in names])  # [A_1 | A_2 | ...], stored side by side
-            Z, rstd = tape.keep(self._reduce_bottleneck(x, xw, A, sl, norm_name is not None))
+            Z, rstd = tape.keep(self._reduce_bottleneck(xw, ss, A, sl))
         Zs, sig = activate(copy_to_tp_region(Z, self.tp), self.act, tape)
         outs = grouped_matmul([Zs[:, s] for s in sl], [P[f"{nm}/B"] for nm in names], self.grouped) if output else None
         return outs, BottleneckCache(x, xw, norm_name, Z, Zs, rstd, names, sl, sig)
 
-    def _reduce_bottleneck(self, x, xw, A, sl, with_norm):
-        """The only forward communication of a btp group: Z = rmsnorm(x)·A exactly, from shards."""
-        xp = get_array_module(x)
-        R = A.shape[1]
-        if not with_norm:
-            return self._reduce_products(xw, A, sl, extra=None), None
-        ss = (x * x).sum(axis=-1)
+    def _reduce_bottleneck(self, xw, ss, A, sl):
+        """The only forward communication of a btp group: Z = rmsnorm(x)·A exactly, from shards.
+        Returns (Z, rstd [N, 1]); rstd is None without a norm."""
+        if ss is None:
+            return self._reduce_products(xw, A, sl), None
         if self.online:
-            # the sum of squares rides in the same all-reduce as the unnormalised A-product
-            buf = self._reduce_products(xw, A, sl, extra=ss)
-            rstd = (1.0 / xp.sqrt(buf[:, R] / self.C + self.eps))[:, None]
-            return buf[:, :R] * rstd, rstd
+            # the sum of squares rides in the same all-reduce as the unnormalised A-product,
+            # then online RMSNorm's second half rescales the rows
+            prod, ss_total = self._reduce_products(xw, A, sl, ss)
+            ss_total = ss_total.astype(ss.dtype)  # contiguous, in the accumulation dtype again
+            return layers.rescale_rows(prod, ss_total, self.C, self.eps), layers.online_rstd(ss_total, self.C, self.eps)[:, None]
         # sync: a separate all-reduce of the statistic first, then normalise and multiply
         reduce_from_tp_region(ss, self.tp)
-        rstd = (1.0 / xp.sqrt(ss / self.C + self.eps))[:, None]
-        return self._reduce_products(xw * rstd, A, sl, extra=None), rstd
+        return self._reduce_products(layers.rescale_rows(xw, ss, self.C, self.eps), A, sl), \
+            layers.online_rstd(ss, self.C, self.eps)[:, None]
 
-    def _reduce_products(self, x, A, sl, extra):
-        """[x·A_1 | x·A_2 | ... | extra] reduced from the tp region (A = [A_1 | A_2 | ...], A_j its
-        column slices `sl`): one GEMM and one all-reduce when grouped, else one of each per factor
-        (the statistic riding with the first)."""
+    def _reduce_products(self, x, A, sl, extra=None):
+        """x·[A_1 | A_2 | ...] reduced from the tp region (A = [A_1 | A_2 | ...], A_j its column
+        slices `sl`): one GEMM and one all-reduce when grouped, else one of each per factor. With
+        `extra` [N] (the sum of squares), returns (products, extra summed) from the same
+        all-reduce: one buffer in x's dtype, the products [N, R] first and `extra` after them, so
+        each part is a contiguous array."""
         xp = get_array_module(x)
         N, R = x.shape[0], A.shape[1]
-        buf = xp.empty((N, R + (extra is not None)), dtype=x.dtype)
+        flat = xp.empty(N * R + (N if extra is not None else 0), dtype=x.dtype)
+        prod, tail = flat[:N * R].reshape(N, R), flat[N * R:]
         if extra is not None:
-            buf[:, R] = extra
+            tail[...] = extra
         if self.grouped:
-            xp.matmul(x, A, out=buf[:, :R])
-            return reduce_from_tp_region(buf, self.tp)
-        for j, s in enumerate(sl):
-            piece = x @ A[:, s]
-            if j == 0 and extra is not None:
-                piece = reduce_from_tp_region(xp.concatenate([piece, extra[:, None]], axis=1), self.tp)
-                buf[:, s], buf[:, R] = piece[:, :-1], piece[:, -1]
-            else:
-                buf[:, s] = reduce_from_tp_region(xp.ascontiguousarray(piece), self.tp)
-        return buf
+            xp.matmul(x, A, out=prod)
+            reduce_from_tp_region(flat, self.tp)
+        else:
+            for j, s in enumerate(sl):
+                piece = x @ A[:, s]
+                if j == 0 and extra is not None:
+                    both = reduce_from_tp_region(xp.concatenate([piece.reshape(-1), tail]), self.tp)
+                    prod[:, s], tail[...] = both[:N * piece.shape[1]].reshape(piece.shape), both[N * piece.shape[1]:]
+                else:
+                    prod[:, s] = reduce_from_tp_region(xp.ascontiguousarray(piece), self.tp)
+        return (prod, tail) if extra is not None else prod
 
     def _bottleneck_backward(self, douts, cache, P, Gr):
         x, xw, norm_name, Z, Zs, rstd, names, sl, sig = cache
@@ -159,4 +163,4 @@ class BottleneckTP(Strategy):
         for s, nm in zip(sl, names):
             Gr[f"{nm}/A"] += xw.T @ dP[:, s]
         Gr[norm_name] += (dxw * x).sum(axis=0)
-        return dxw * P[norm_name] + 2.0 * x * dS
+        return (dxw * P[norm_name] + 2.0 * x * dS).astype(x.dtype, copy=False)  # float32 statistics, bf16 x
