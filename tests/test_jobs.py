@@ -76,6 +76,16 @@ def _site_bin(tmp_path, folder, *names):
     return str(where)
 
 
+def _basic_tools(tmp_path):
+    """A folder with only the commands the scripts' dry runs use: this machine may have a real srun
+    or mpiexec in /usr/bin (the Slurm and system-MPI tests install them)."""
+    where = tmp_path / "tools"
+    where.mkdir()
+    for name in ("bash", "dirname", "sort", "sed", "wc", "cat"):
+        (where / name).symlink_to(shutil.which(name))
+    return str(where)
+
+
 def _env_words(out):
     return dict(word.split("=", 1) for word in out["env"])
 
@@ -139,7 +149,7 @@ def test_slurm_scripts_never_launch_with_the_venvs_tools(tmp_path, script):
     _site_bin(tmp_path, "venv/bin", "srun", "python")
     p = _bash([script], {"BOOSTMPI_DRY_RUN": "1", "SLURM_JOB_ID": "1", "SLURM_NNODES": "2",
                          "SLURM_SUBMIT_DIR": str(REPO), "BOOSTMPI_VENV": str(venv),
-                         "PATH": f"{venv}/bin:/usr/bin:/bin"})
+                         "PATH": f"{venv}/bin:{_basic_tools(tmp_path)}"})
     assert p.returncode == 2
     assert f"error: no srun on PATH outside {venv}/bin" in p.stdout
 
@@ -258,7 +268,7 @@ def test_polaris_needs_the_nccl_plugin_on_several_nodes(tmp_path):
 
 
 def test_polaris_never_launches_with_the_venvs_mpiexec(tmp_path):
-    p, *_ = _polaris(tmp_path, PATH=f"{REPO / '.venv' / 'bin'}:/usr/bin:/bin", PBS_ACCOUNT="p")
+    p, *_ = _polaris(tmp_path, PATH=f"{REPO / '.venv' / 'bin'}:{_basic_tools(tmp_path)}", PBS_ACCOUNT="p")
     assert p.returncode == 2 and "error: no mpiexec with /pals/ in its path on PATH outside" in p.stdout
 
 
