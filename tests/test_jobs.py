@@ -76,6 +76,16 @@ def _site_bin(tmp_path, folder, *names):
     return str(where)
 
 
+def _basic_tools(tmp_path):
+    """A folder with only the commands the scripts' dry runs use: this machine may have a real srun
+    or mpiexec in /usr/bin (the Slurm and system-MPI tests install them)."""
+    where = tmp_path / "tools"
+    where.mkdir()
+    for name in ("bash", "dirname", "sort", "sed", "wc", "cat"):
+        (where / name).symlink_to(shutil.which(name))
+    return str(where)
+
+
 def _env_words(out):
     return dict(word.split("=", 1) for word in out["env"])
 
@@ -132,18 +142,6 @@ def test_frontier_one_node_needs_no_plugin_and_comm_mpi_turns_gpu_aware_mpi_on(t
     assert out["launch"][-2:] == ["--set", "parallel.comm=mpi"]
 
 
-def _system_bin_without(tmp_path, *names):
-    """A folder of links to every command of /usr/bin and /bin except `names`: this machine's own
-    system tools, without a real Slurm that may be installed here (the Slurm test installs one)."""
-    folder = tmp_path / "system-bin"
-    folder.mkdir()
-    for source in (Path("/usr/bin"), Path("/bin")):
-        for tool in source.iterdir():
-            if tool.name not in names and not (folder / tool.name).exists():
-                (folder / tool.name).symlink_to(tool)
-    return folder
-
-
 @pytest.mark.parametrize("script", ["jobs/frontier.sbatch", "jobs/perlmutter.sbatch"])
 def test_slurm_scripts_never_launch_with_the_venvs_tools(tmp_path, script):
     """Only the venv's bin holds an `srun`: that is not the site's launcher, the job stops."""
@@ -151,7 +149,7 @@ def test_slurm_scripts_never_launch_with_the_venvs_tools(tmp_path, script):
     _site_bin(tmp_path, "venv/bin", "srun", "python")
     p = _bash([script], {"BOOSTMPI_DRY_RUN": "1", "SLURM_JOB_ID": "1", "SLURM_NNODES": "2",
                          "SLURM_SUBMIT_DIR": str(REPO), "BOOSTMPI_VENV": str(venv),
-                         "PATH": f"{venv}/bin:{_system_bin_without(tmp_path, 'srun')}"})
+                         "PATH": f"{venv}/bin:{_basic_tools(tmp_path)}"})
     assert p.returncode == 2
     assert f"error: no srun on PATH outside {venv}/bin" in p.stdout
 
@@ -270,7 +268,7 @@ def test_polaris_needs_the_nccl_plugin_on_several_nodes(tmp_path):
 
 
 def test_polaris_never_launches_with_the_venvs_mpiexec(tmp_path):
-    p, *_ = _polaris(tmp_path, PATH=f"{REPO / '.venv' / 'bin'}:/usr/bin:/bin", PBS_ACCOUNT="p")
+    p, *_ = _polaris(tmp_path, PATH=f"{REPO / '.venv' / 'bin'}:{_basic_tools(tmp_path)}", PBS_ACCOUNT="p")
     assert p.returncode == 2 and "error: no mpiexec with /pals/ in its path on PATH outside" in p.stdout
 
 
