@@ -536,7 +536,7 @@ def test_export_hf_refuses_cola_saying_why(trained, tmp_path, capsys):
 def test_export_without_the_optional_packages_says_how_to_install_them(trained, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors", None)
     monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
-    assert_bad_input(capsys, ["safetensors package", "pip install 'boostmpi[export]'"], "export", trained[0],
+    assert_bad_input(capsys, ["safetensors package", "pip install -e '.[export]'"], "export", trained[0],
                      "--to", "safetensors", "--out", tmp_path / "m.safetensors")
     assert not (tmp_path / "m.safetensors").exists()
 

@@ -14,7 +14,8 @@
   exactly; `cola` is refused: silu(x @ A) @ B has no dense weight a LLaMA layer could hold. So is
   a model without the SiLU gate (`model.mlp_gate_act = false`), which LLaMA's MLP always applies.
 
-`pip install 'boostmpi[export]'` installs what these need (torch, safetensors, transformers).
+The `export` extra (`pip install -e '.[export]'` in a checkout) installs what these need (torch,
+safetensors, transformers).
 """
 
 import json
@@ -29,7 +30,7 @@ from boostmpi.train.checkpoint import CHECKPOINT_ARG_HELP
 from boostmpi.tools.loading import load_checkpoint
 
 FORMATS = ("torch", "safetensors", "hf")
-INSTALL_HINT = "pip install 'boostmpi[export]'"
+INSTALL_HINT = "install the export extra (pip install -e '.[export]' in a checkout)"
 
 
 def register(subparsers):
