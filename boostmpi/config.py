@@ -47,6 +47,7 @@ _RANGE_CHECKS = {
     "fraction": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     "beta": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "nonempty": (lambda v: v != "", "must not be empty"),
+    "zero_stage": (lambda v: v in (0, 1), "must be 0 (optimizer state replicated over dp) or 1 (sharded over dp)"),
 }
 
 
@@ -103,6 +104,7 @@ class ParallelConfig:
     overlap: bool = _key(True)
     comm: str = _key("auto", choices=("auto", "mpi", "nccl"))
     watchdog_s: float = _key(600.0, "nonnegative")  # seconds a collective may wait; 0 = off
+    zero_stage: int = _key(0, "zero_stage")  # 1: AdamW state sharded over the data-parallel group
 
 
 @dataclass(frozen=True)

@@ -3,18 +3,26 @@
 `Engine.forward_backward(micro_batches)` runs one optimizer step's forward and backward passes
 over this data-parallel rank's micro-batches and leaves the global-mean gradient in
 `engine.grads` (already summed over dp). The optimizer lives in boostmpi/train.
+
+Data parallelism (docs/COMMUNICATION.md): with `zero_stage = 0` every dp rank all-reduces the whole
+gradient and updates the whole flat buffer. With `zero_stage = 1` (ZeRO stage 1) dp rank r owns
+the contiguous slice `shard` of the flat buffer (`split_range(size, dp, r)`): each bucket's gradient
+is reduce-scattered as soon as it is final, so rank r receives the summed gradient of its slice only
+(`grad_shard`); AdamW keeps moments for that slice only and updates it; `optimizer_step` then
+all-gathers the updated slices so every rank holds the whole buffer again.
 """
 
 import numpy as np
 
 from boostmpi.backend import compute_dtype, get_xp, keep_host_memory, param_dtype
 from boostmpi.model import layers
-from boostmpi.model.params import FlatBuffer, init_global, param_specs, stage_layers
+from boostmpi.model.params import FlatBuffer, init_global, param_specs, split_range, stage_layers
 from boostmpi.model.transformer import block_backward, block_forward
 from boostmpi.parallel.comm import WATCHDOG, configure_watchdog
 from boostmpi.parallel.grid import ProcessGrid
 from boostmpi.parallel.pipeline import one_f_one_b
 from boostmpi.parallel.tensor_parallel import Tape, make_strategy
+from boostmpi.train.optim import clip_coefficient
 
 
 def _nbytes(obj, seen):
@@ -74,6 +82,15 @@ class Engine:
         self.saved_activation_bytes = 0  # per micro-batch, this stage, from the last step
         self.saved_activation_bytes_per_layer = []
         self._buckets = self._bucket_ranges()
+        # ZeRO-1: this dp rank's slice of the flat buffer for the optimizer (the whole buffer otherwise)
+        n, dp = self.params.size, self.grid.dp_size
+        self.zero_stage = par.zero_stage
+        self.sharded = par.zero_stage == 1 and dp > 1
+        self.dp_ranges = [split_range(n, dp, r) for r in range(dp)] if self.sharded else [(0, n)]
+        self.shard = self.dp_ranges[c.dp] if self.sharded else (0, n)
+        lo, hi = self.shard
+        # the dp-summed gradient of the slice: its own buffer when reduce-scattered, else a view
+        self.grad_shard = self.xp.zeros(hi - lo, dtype=self.pdtype) if self.sharded else self.grads.data
         self.init_params(tr.seed)
 
     # ------------------------------------------------------------------ parameters
@@ -177,8 +194,7 @@ class Engine:
 
         def bucket_done(key, mb):
             if mb == M - 1 and grid.dp.size > 1 and key in self._buckets and grid.dp.overlap:
-                a, b = self._buckets[key]
-                dp_reqs.append(grid.dp.iallreduce(self.grads.data[a:b]))
+                dp_reqs.append(self._reduce_bucket(*self._buckets[key]))
 
         for kind, mb in one_f_one_b(self.n_stages, self.stage, M):
             x, y = micro_batches[mb]
@@ -211,9 +227,38 @@ class Engine:
                     r.wait()
             else:
                 for a, b in self._buckets.values():
-                    grid.dp.allreduce(self.grads.data[a:b])
+                    self._reduce_bucket(a, b, blocking=True)
         mine = float(np.sum(losses)) / M if (self.last and grid.coords.tp == 0) else 0.0
         return self.world_sum(mine) / grid.dp_size
+
+    def _reduce_bucket(self, a, b, blocking=False):
+        """Sum the gradient range [a, b) over dp: all-reduced in place, or (ZeRO-1) reduce-scattered into
+        the owners' `grad_shard`. Returns a request to wait on (a completed one when blocking)."""
+        dp, grads = self.grid.dp, self.grads.data
+        if not self.sharded:
+            if blocking:
+                dp.allreduce(grads[a:b])
+                return None
+            return dp.iallreduce(grads[a:b])
+        lo, hi = self.shard
+        counts = [max(0, min(b, e) - max(a, s)) for s, e in self.dp_ranges]
+        x0 = min(max(a, lo), hi)
+        x1 = max(min(b, hi), x0)
+        out = self.grad_shard[x0 - lo:x1 - lo]
+        if blocking:
+            dp.reduce_scatter(grads[a:b], out, counts)
+            return None
+        return dp.ireduce_scatter(grads[a:b], out, counts)
+
+    def optimizer_step(self, optimizer, lr, max_norm):
+        """What follows forward_backward: the exact global gradient norm, clipping to `max_norm` (0 = off),
+        the AdamW update of this rank's slice and, under ZeRO-1, the all-gather of the updated slices
+        over dp. Returns the norm."""
+        norm = self.grad_norm()
+        optimizer.step(self.grad_shard, lr, clip_coefficient(norm, max_norm))
+        if self.sharded:
+            self.grid.dp.allgather_pieces(self.params.data, [e - s for s, e in self.dp_ranges])
+        return norm
 
     def evaluate(self, x, y):
         """Forward only, through the pipeline: the sum over all data-parallel ranks of (mean loss of
@@ -248,15 +293,21 @@ class Engine:
         return float(buf[0])
 
     def grad_norm(self):
-        """Global L2 norm of the gradient, each parameter counted once whatever the layout."""
+        """Global L2 norm of the dp-summed gradient, each element counted once whatever the layout:
+        tp-replicated parameters on tp rank 0 only; without ZeRO on dp rank 0 only (every dp rank holds
+        the whole sum), with ZeRO-1 every dp rank over its own slice."""
         c = self.grid.coords
+        lo, hi = self.shard
         sq = 0.0
-        if c.dp == 0:
+        if self.sharded or c.dp == 0:
             for s in self.specs:
                 if s.tp_replicated and c.tp != 0:
                     continue
-                g = self.grads[s.name]
-                sq += float((g * g).sum())
+                a, b = self.params.offsets[s.name]
+                a, b = max(a, lo), min(b, hi)
+                if a < b:
+                    g = self.grad_shard[a - lo:b - lo]
+                    sq += float((g * g).sum())
         return float(np.sqrt(self.world_sum(sq)))
 
     # ------------------------------------------------------------------ global tensors (checkpoints, tests)

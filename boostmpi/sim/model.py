@@ -520,9 +520,22 @@ def comm_bytes(cfg):
     pp = par.tp * par.dp * M * 2 * (par.pp - 1) * N * shard * e
     dp = 0
     if par.dp > 1:
-        dp = sum(local_params(cfg, r, st) for r in range(par.tp) for st in range(par.pp))
+        locals_ = [local_params(cfg, r, st) for r in range(par.tp) for st in range(par.pp)]
+        dp = sum(locals_) + sum(zero_allgather_elements(n, par) for n in locals_)
         dp *= ITEMSIZE[master_dtype(t.dtype)]
     return {"tp": int(tp), "pp": int(pp), "dp": int(dp)}
+
+
+# ------------------------------------------------------------------ ZeRO-1 (parallel.zero_stage = 1)
+def zero_slice(n_params, par):
+    """Elements of the flat buffer whose optimizer state one dp rank holds: all of them, or under
+    ZeRO-1 the largest dp slice, ceil(n / dp)."""
+    return -(-n_params // par.dp) if par.zero_stage and par.dp > 1 else n_params
+
+
+def zero_allgather_elements(n_params, par):
+    """Counted elements of ZeRO-1's all-gather of the updated slices (the piece of dp rank 0), else 0."""
+    return zero_slice(n_params, par) if par.zero_stage and par.dp > 1 else 0
 
 
 _PARAM_COUNTS = {}
@@ -610,14 +623,20 @@ def predict(cfg, machine):
     dp_time = 0.0
     if par.dp > 1:
         dp_time = max(allreduce_seconds(st["params"] * e_master, par.dp, dp_link) for st in stages)
+        if par.zero_stage:  # a ring reduce-scatter is the first half of a ring all-reduce
+            dp_time /= 2
         if par.overlap:  # buckets go out as layers finish; the last bucket cannot be hidden
             hidden = slowest["bwd"].total
             last_bucket = dp_time / (slowest["layers"] + 1)
             dp_time = max(dp_time - hidden, last_bucket)
+        if par.zero_stage:  # the updated slices, gathered after the optimizer: never hidden
+            dp_time += max(allgather_seconds(zero_slice(st["params"], par) * e_master, par.dp, dp_link)
+                           for st in stages)
 
     # AdamW over the local master buffer (+ the compute copy when it is a narrower dtype)
     params = max(st["params"] for st in stages)
-    opt_bytes = params * (machine.optimizer_passes * e_master + (e if e != e_master else 0))
+    owned = zero_slice(params, par)  # what this rank's AdamW updates and keeps moments for
+    opt_bytes = owned * machine.optimizer_passes * e_master + (params * e if e != e_master else 0)
     optimizer = opt_bytes / (machine.memory_bandwidth * machine.elementwise_efficiency)
 
     per_mb = PassTimes()
@@ -629,8 +648,8 @@ def predict(cfg, machine):
     time_s = sum(breakdown.values())
 
     memory = {"params": params * (e_master + (e if e != e_master else 0)),
-              "grads": params * e_master,
-              "optimizer": 2 * params * e_master,
+              "grads": (params + (owned if owned != params else 0)) * e_master,  # + ZeRO's reduced slice
+              "optimizer": 2 * owned * e_master,
               "activations": max(st["activations"] for st in stages)}
     memory["total"] = sum(memory.values())
     memory["capacity"] = machine.memory_capacity_bytes

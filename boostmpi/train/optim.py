@@ -28,25 +28,39 @@ def clip_coefficient(grad_norm, max_norm):
 
 
 class AdamW:
-    """One update over the whole flat parameter buffer per step (four vector operations, no loop over tensors)."""
+    """One update over a slice of the flat parameter buffer per step (four vector operations, no loop
+    over tensors). `shard = (lo, hi)` is the slice this rank updates: the whole buffer, or under ZeRO-1
+    its data-parallel share; the moments `m`, `v` exist for that slice only (flat arrays of hi - lo)."""
 
-    def __init__(self, params, specs, tr, xp=np):
+    def __init__(self, params, specs, tr, xp=np, shard=None):
         self.params, self.tr, self.xp = params, tr, xp
-        self.m = FlatBuffer(specs, params.data.dtype, xp)
-        self.v = FlatBuffer(specs, params.data.dtype, xp)
-        mask = np.zeros(params.size, dtype=params.data.dtype)
+        self.shard = (0, params.size) if shard is None else tuple(shard)
+        lo, hi = self.shard
+        self.m = xp.zeros(hi - lo, dtype=params.data.dtype)
+        self.v = xp.zeros(hi - lo, dtype=params.data.dtype)
+        mask = np.zeros(hi - lo, dtype=params.data.dtype)
         for s in specs:
             if s.decay:
                 a, b = params.offsets[s.name]
-                mask[a:b] = 1.0
+                a, b = max(a, lo), min(b, hi)
+                if a < b:
+                    mask[a - lo:b - lo] = 1.0
         self.decay_mask = xp.asarray(mask)
         self.t = 0  # updates taken (for bias correction)
-        self._scratch = xp.empty_like(params.data)
+        self._scratch = xp.empty_like(self.m)
+
+    @property
+    def nbytes(self):
+        """Bytes of optimizer state this rank holds (the two moments of its slice)."""
+        return int(self.m.nbytes + self.v.nbytes)
 
     def step(self, grads, lr, grad_scale=1.0):
+        """`grads`: a FlatBuffer laid out like the parameters, or the flat gradient of the slice."""
         xp, tr = self.xp, self.tr
         self.t += 1
-        p, m, v, g = self.params.data, self.m.data, self.v.data, grads.data
+        lo, hi = self.shard
+        g = grads.data[lo:hi] if isinstance(grads, FlatBuffer) else grads
+        p, m, v = self.params.data[lo:hi], self.m, self.v
         if grad_scale != 1.0:
             g = g * g.dtype.type(grad_scale)
         b1, b2 = tr.beta1, tr.beta2

@@ -15,7 +15,7 @@ from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_
 from boostmpi.errors import CheckpointError, DataError, TrainingDiverged, UserError
 from boostmpi.parallel.engine import Engine
 from boostmpi.train import checkpoint as ckpt
-from boostmpi.train.optim import AdamW, clip_coefficient, learning_rate
+from boostmpi.train.optim import AdamW, learning_rate
 
 
 def resolve_data(cfg):
@@ -78,7 +78,7 @@ class Trainer:
         self.is_root = self.rank == 0
         tr = cfg.train
         self.run_dir = tr.run_dir
-        self.optimizer = AdamW(e.params, e.specs, tr, e.xp)
+        self.optimizer = AdamW(e.params, e.specs, tr, e.xp, shard=e.shard)
         self.step = 0
         self.barrier()
         V, T = cfg.model.vocab_size, cfg.model.seq_len
@@ -233,8 +233,7 @@ class Trainer:
                 if not math.isfinite(loss):
                     raise TrainingDiverged(f"the loss became {loss} at step {step + 1}; the last checkpoint is kept intact "
                                            f"(lower train.lr or raise train.warmup_steps)")
-                gnorm = e.grad_norm()
-                self.optimizer.step(e.grads, lr, clip_coefficient(gnorm, tr.grad_clip))
+                gnorm = e.optimizer_step(self.optimizer, lr, tr.grad_clip)
                 dt = time.perf_counter() - t0
                 self.step = step + 1
                 steps_done += 1
@@ -290,7 +289,8 @@ class Trainer:
     def _memory(self):
         e = self.engine
         item = e.params.data.dtype.itemsize
-        mine = np.array([e.params.size * item, e.grads.size * item, 2 * e.params.size * item,
+        grads = e.grads.size * item + (e.grad_shard.nbytes if e.sharded else 0)  # + the reduce-scattered slice
+        mine = np.array([e.params.size * item, grads, self.optimizer.nbytes,
                          e.saved_activation_bytes, peak_memory_bytes(e.xp)], dtype=np.float64)
         if self.world is not None:
             from mpi4py import MPI
