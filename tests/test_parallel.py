@@ -298,7 +298,7 @@ def run_and_compare(case):
     engine = Engine(case.config(), comm)
     optimizer = AdamW(engine.params, engine.specs, engine.cfg.train, shard=engine.shard)
     expected = expected_traffic(case)
-    initial = engine.gather_global(engine.params)  # drawn whole, then sliced: the same under any layout
+    initial = engine.gather_global(engine.params)  # each shard drawn on its own: the same under any layout
     worst = on_root(lambda: worst_relative_error(initial, reference.gather_global(reference.params)))
     assert_all_ranks(rank != 0 or worst[1] == 0.0, lambda: f"initial parameters differ: {worst}")
     for step in range(STEPS):

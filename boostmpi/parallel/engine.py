@@ -16,7 +16,7 @@ import numpy as np
 
 from boostmpi.backend import compute_dtype, get_xp, keep_host_memory, param_dtype
 from boostmpi.model import layers
-from boostmpi.model.params import FlatBuffer, init_global, param_specs, split_range, stage_layers
+from boostmpi.model.params import FlatBuffer, init_local, param_specs, split_range, stage_layers
 from boostmpi.model.transformer import block_backward, block_forward
 from boostmpi.parallel.comm import WATCHDOG, configure_watchdog
 from boostmpi.parallel.grid import ProcessGrid
@@ -96,7 +96,7 @@ class Engine:
     # ------------------------------------------------------------------ parameters
     def init_params(self, seed):
         for s in self.specs:
-            self.params[s.name][...] = self.xp.asarray(init_global(s, seed)[s.local_slice()])
+            self.params[s.name][...] = self.xp.asarray(init_local(s, seed))
 
     def _bucket_ranges(self):
         """Data-parallel buckets: one per layer, one for the embedding, one for the head."""
