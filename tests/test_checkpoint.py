@@ -148,7 +148,7 @@ class SimulatedCrash(Exception):
 
 
 @pytest.mark.parametrize("stage", ["model.h5", "marker"])
-def test_a_crash_mid_write_leaves_the_previous_checkpoint_in_charge(stage, shards, tmp_path, capfd):
+def test_a_failure_mid_write_leaves_the_previous_checkpoint_in_charge(stage, shards, tmp_path, capfd):
     run_dir = tmp_path / "run"
     assert run_train(run_dir, *shards, "train.steps=2") == 0
     previous, folder = step_dir(run_dir, 2), run_dir / "checkpoints"
@@ -165,14 +165,10 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint_in_charge(stage, shard
     with pytest.raises(SimulatedCrash):
         ckpt.save(str(run_dir), 3, cfg, model, moments, 3, ckpt.read_state(previous), crash_hook=crash_at)
 
-    # the partial checkpoint is there, unfinished; everything that was there before is untouched
-    partial = [p for p in folder.iterdir() if p.name not in names_before]
-    assert len(partial) == 1 and (partial[0] / "model.h5").exists() and not (partial[0] / "COMPLETE").exists()
-    after = file_digests(folder)
-    assert {k: v for k, v in after.items() if not k.startswith(partial[0].name + "/")} == before
+    # the failed write took its temporary folder with it; everything that was there before is untouched
+    assert {p.name for p in folder.iterdir()} == names_before
+    assert file_digests(folder) == before
     assert ckpt.find_latest(str(run_dir)) == str(previous)
-    with pytest.raises(CheckpointError, match="incomplete"):
-        ckpt.resolve(str(partial[0]))
 
     # training again resumes from the previous checkpoint and writes step 3 in full
     capfd.readouterr()
@@ -235,3 +231,34 @@ def test_a_damaged_model_h5_is_refused_by_name(damage, shards, tmp_path, capfd):
     if importlib.util.find_spec("boostmpi.tools.evaluate") is None:
         pytest.skip("boostmpi eval is not there yet")
     assert_refused(capfd, ["eval", str(run_dir), "--data", str(shards[1])], tmp_path, model_h5)
+
+
+def test_resuming_from_an_older_checkpoint_moves_the_later_ones_aside(shards, tmp_path, capfd):
+    """A run that goes on from step 2 of a run that reached step 6 must write its own steps 4 and 6:
+    the old ones are moved aside (kept, never loaded), and `latest` names what the new run wrote."""
+    run_dir, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    assert run_train(run_dir, *shards, "train.steps=6", "checkpoint.every=2") == 0
+    old = {step: file_digests(step_dir(run_dir, step)) for step in (4, 6)}
+    old_rows = read_metrics(run_dir)
+    shutil.copytree(step_dir(run_dir, 2), tmp_path / "copy" / "checkpoints" / "step_00000002")
+
+    capfd.readouterr()
+    assert run_train(run_dir, *shards, "train.steps=6", "checkpoint.every=2", "train.lr=0.01",
+                     resume=step_dir(run_dir, 2)) == 0
+    out = capfd.readouterr().out
+    aside = [p for p in root.iterdir() if p.name.startswith("abandoned-")]
+    assert len(aside) == 1, sorted(p.name for p in root.iterdir())
+    assert f"step_00000004, step_00000006 and 4 metrics rows of the abandoned timeline are moved to {aside[0]}" in out
+    assert {step: file_digests(aside[0] / f"step_{step:08d}") for step in (4, 6)} == old
+    assert [json.loads(line) for line in (aside[0] / "metrics.jsonl").read_text().splitlines()] == old_rows[2:]
+
+    # every checkpoint the log announces holds this run's state, and `latest` names its last one
+    assert (root / "latest").read_text().strip() == "step_00000006"
+    for step in (4, 6):
+        assert f"checkpoint {step_dir(run_dir, step)}" in out
+        with h5py.File(step_dir(run_dir, step) / "model.h5", "r") as f:
+            assert json.loads(f.attrs["config"])["train"]["lr"] == 0.01
+    # the same continuation run elsewhere (from a copy of step 2) ends with the same weights
+    assert run_train(tmp_path / "copy", *shards, "train.steps=6", "checkpoint.every=2", "train.lr=0.01") == 0
+    assert_same_checkpoint(step_dir(run_dir, 6), step_dir(tmp_path / "copy", 6))
+    assert reproducible(read_metrics(run_dir))[2:] == reproducible(read_metrics(tmp_path / "copy"))

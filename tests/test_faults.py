@@ -7,6 +7,8 @@ corrupted and broken on purpose.
   one ignored;
 * SIGTERM writes a checkpoint and exits 0; the rerun resumes and ends like the uninterrupted run;
 * a truncated or bit-flipped model.h5 is refused (exit 2) with a message naming the file;
+* a full disk (or a file-size limit) while checkpointing ends every rank with one line naming the
+  space needed, exit 2, the previous checkpoint and `latest` untouched, no temporary folder left;
 * an exception on one rank ends every rank within seconds, naming the rank;
 * the watchdog ends a collective that a peer never joins, naming the axis and the call.
 
@@ -253,6 +255,9 @@ def test_kill_during_checkpoint_writing_keeps_the_previous_checkpoint(tmp_path, 
     status, out, _ = _run(_train_argv(run_dir))
     assert status == 0, out
     assert f"resumed from {previous} (step {kill_step - EVERY})" in out
+    # the killed writer's temporary folder is removed at the start, saying so
+    assert f"removed {partial[0]}, left by a writer that stopped before finishing it" in out
+    assert not partial[0].exists()
     assert _losses(run_dir) == reference
 
 
@@ -322,3 +327,88 @@ def test_the_watchdog_ends_a_collective_that_a_peer_never_joins():
     assert "parallel.watchdog_s = 1" in out
     assert "is waiting in:" in out and ", in allreduce" in out  # the stack of the waiting rank
     assert seconds < 20
+
+
+# ---------------------------------------------------------------- a full disk while checkpointing
+
+@pytest.fixture(scope="module")
+def text_shards(tmp_path_factory):
+    from train_helpers import write_text_shards
+
+    return write_text_shards(tmp_path_factory.mktemp("text"), max_bytes=60_000)
+
+
+def _checkpoint_folder_state(run_dir):
+    from train_helpers import file_digests
+
+    root = run_dir / "checkpoints"
+    return sorted(os.listdir(root)), file_digests(root)
+
+
+def _assert_disk_full_refusal(status, err, run_dir, before, *fragments):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: cannot write checkpoint step_00000004 into "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    # the previous checkpoint and `latest` untouched, and no temporary folder left behind
+    assert _checkpoint_folder_state(run_dir) == before
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+
+@pytest.mark.parametrize("where", ["model.h5", "optim.h5"])
+def test_a_write_that_hits_a_full_disk_removes_its_temporary_folder(where, text_shards, tmp_path, capfd, monkeypatch):
+    import errno
+
+    from boostmpi.train import checkpoint
+    from train_helpers import run_train, stop_signals_restored
+
+    run_dir = tmp_path / "run"
+    assert run_train(run_dir, *text_shards, "train.steps=2") == 0
+    before = _checkpoint_folder_state(run_dir)
+    write_h5 = checkpoint.write_h5
+
+    def write_until_full(path, tensors, attrs):
+        if os.path.basename(path) == where:  # part of the file is written, then the disk is full
+            open(path, "wb").write(b"\0" * 1000)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        write_h5(path, tensors, attrs)
+
+    monkeypatch.setattr(checkpoint, "write_h5", write_until_full)
+    capfd.readouterr()
+    with stop_signals_restored():
+        status = run_train(run_dir, *text_shards, "train.steps=4")
+    _assert_disk_full_refusal(status, capfd.readouterr().err, run_dir, before, "no space left on device", "it needs ")
+
+
+def test_too_little_free_space_is_refused_before_writing(text_shards, tmp_path, capfd, monkeypatch):
+    from boostmpi import files
+    from train_helpers import run_train
+
+    run_dir = tmp_path / "run"
+    assert run_train(run_dir, *text_shards, "train.steps=2") == 0
+    before = _checkpoint_folder_state(run_dir)
+    monkeypatch.setattr(files, "free_bytes", lambda path: 4096)
+    capfd.readouterr()
+    status = run_train(run_dir, *text_shards, "train.steps=4")
+    _assert_disk_full_refusal(status, capfd.readouterr().err, run_dir, before,
+                              "no space left on device; it needs ", "KiB, 4.0 KiB free")
+
+
+def test_a_file_size_limit_under_mpiexec_ends_every_rank_with_one_line(text_shards, tmp_path):
+    """`ulimit -f` below the size of optim.h5 (MPI itself needs about 10 MB of shared-memory files,
+    so the model is made big enough that its optimizer state is not): HDF5 would crash on the
+    failed write; the check before writing refuses it instead, on every rank."""
+    from train_helpers import run_train, train_argv
+
+    model = ["model.arch=full", "model.d_model=256", "model.d_ff=1024"]  # optim.h5 about 17 MB, model.h5 8 MB
+    run_dir = tmp_path / "run"
+    assert run_train(run_dir, *text_shards, "train.steps=2", *model) == 0
+    before = _checkpoint_folder_state(run_dir)
+    argv = train_argv(run_dir, *text_shards, "train.steps=4", "parallel.dp=2", *model)
+    command = " ".join(["ulimit -f 12000 &&", "exec timeout", str(JOB_TIMEOUT_S), MPIEXEC, "-n", "2", PY, "-m", "boostmpi",
+                        *(f"'{a}'" for a in argv)])
+    p = subprocess.run(["bash", "-c", command], cwd=REPO, env=_env(), capture_output=True, text=True,
+                       timeout=JOB_TIMEOUT_S + 30)
+    assert "Traceback" not in p.stderr and "Segmentation" not in p.stderr, p.stderr
+    _assert_disk_full_refusal(p.returncode, p.stderr, run_dir, before, "file-size limit", "(ulimit -f)")

@@ -28,7 +28,8 @@ import tempfile
 
 import numpy as np
 
-from boostmpi.data.shards import atomic_file, open_shard, write_shard
+from boostmpi.data.shards import open_shard, write_shard
+from boostmpi.files import atomic_file
 from boostmpi.data.tokenizer import ByteTokenizer, save_tokenizer
 from boostmpi.errors import DataError
 

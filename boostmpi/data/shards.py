@@ -7,14 +7,13 @@ nothing here loads a whole shard into RAM.
 Letters: T sequence length, B sequences per micro-batch (per data-parallel rank).
 """
 
-import contextlib
 import glob
 import os
-import tempfile
 
 import numpy as np
 
 from boostmpi.errors import DataError
+from boostmpi.files import atomic_file
 
 MAGIC = 20240520
 VERSION = 1
@@ -24,31 +23,6 @@ HEADER_DTYPE = np.dtype("<i4")
 TOKEN_DTYPE = np.dtype("<u2")
 MAX_TOKEN_ID = 65535
 MAX_SHARD_TOKENS = 2**31 - 1  # the count is an int32 in the header
-
-
-def _default_file_mode():
-    umask = os.umask(0)  # reading the umask means setting it; put it straight back
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-@contextlib.contextmanager
-def atomic_file(path, mode="w"):
-    """Write `path` through a temporary file in the same folder, renamed over it once complete,
-    so a reader (or a crash) never sees half a file."""
-    path = os.fspath(path)
-    fd, tmp_path = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, _default_file_mode())  # mkstemp makes the file private; shards are shared data
-        with os.fdopen(fd, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())  # the rename must never expose a file whose data is not on disk
-        os.replace(tmp_path, path)
-    except BaseException:
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
-        raise
 
 
 def write_shard(path, tokens):

@@ -20,8 +20,9 @@ import shutil
 
 import numpy as np
 
-from boostmpi.data.shards import MAX_TOKEN_ID, atomic_file, resolve_shards
+from boostmpi.data.shards import MAX_TOKEN_ID, resolve_shards
 from boostmpi.errors import DataError, UserError
+from boostmpi.files import atomic_file
 
 TOKENIZER_FILE = "tokenizer.json"
 HF_COPY_FILE = "hf_tokenizer.json"

@@ -17,7 +17,7 @@ import struct
 
 import numpy as np
 
-from boostmpi.data.shards import atomic_file
+from boostmpi.files import atomic_file
 from boostmpi.errors import UserError
 from boostmpi.tools.loading import load_checkpoint
 

@@ -13,6 +13,7 @@ import numpy as np
 from boostmpi.data.progress import format_duration
 from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
 from boostmpi.errors import CheckpointError, DataError, TrainingDiverged, UserError
+from boostmpi.files import FilesystemError, atomic_file, check_dir_creatable, format_bytes, fs_error, make_dirs
 from boostmpi.parallel.engine import Engine
 from boostmpi.train import checkpoint as ckpt
 from boostmpi.train.optim import AdamW, learning_rate
@@ -62,13 +63,6 @@ def peak_memory_bytes(xp):
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def format_bytes(n):
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{int(n)} B"
-
-
 class Trainer:
     def __init__(self, cfg, world=None, resume=None, config_path=None, out=None, local_rank=0):
         self.cfg, self.world, self.out = cfg, world, out
@@ -80,7 +74,8 @@ class Trainer:
         self.run_dir = tr.run_dir
         self.optimizer = AdamW(e.params, e.specs, tr, e.xp, shard=e.shard)
         self.step = 0
-        self.barrier()
+        self.resumed_from = None
+        self._root_decides(lambda: check_dir_creatable(self.run_dir, "train.run_dir"))
         V, T = cfg.model.vocab_size, cfg.model.seq_len
 
         def open_data(vocab_size):
@@ -96,10 +91,6 @@ class Trainer:
         self._resume(resume)
 
     # ------------------------------------------------------------------ helpers
-    def barrier(self):
-        if self.world is not None:
-            self.world.Barrier()
-
     def log(self, msg, live=False):
         """A line on rank 0. On a terminal, `live` lines overwrite each other (one progress line
         with ETA); in batch logs every line stays."""
@@ -134,7 +125,8 @@ class Trainer:
         if self.world is not None:
             verdict = self.world.bcast(verdict, root=0)  # small metadata between our own ranks
         if verdict is not None:
-            exc = {c.__name__: c for c in (UserError, CheckpointError, DataError)}.get(verdict[0], UserError)(verdict[1])
+            kinds = (UserError, CheckpointError, DataError, FilesystemError)
+            exc = {c.__name__: c for c in kinds}.get(verdict[0], UserError)(verdict[1])
             exc.all_ranks = True
             raise exc
         return value if self.is_root else (elsewhere() if elsewhere else None)
@@ -186,14 +178,17 @@ class Trainer:
         params = e.gather_global(e.params)
         m = e.gather_global(self.optimizer.m)
         v = e.gather_global(self.optimizer.v)
-        if self.is_root:
+
+        def write():
             state = {"data": self.loader.state_dict(), "seed": self.cfg.train.seed,
                      "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "dp": self.cfg.parallel.dp,
                                 "tp_mode": self.cfg.parallel.tp_mode}}
             path = ckpt.save(self.run_dir, self.step, self.cfg, params, (m, v), self.optimizer.t, state,
-                             keep=self.cfg.checkpoint.keep)
+                             keep=self.cfg.checkpoint.keep, log=self.log)
             self.log(f"checkpoint {path}")
-        self.barrier()
+
+        # a save that fails on rank 0 (a full disk) ends every rank with the same one-line error
+        self._root_decides(write)
 
     # ------------------------------------------------------------------ validation
     def validate(self):
@@ -212,11 +207,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def train(self):
         cfg, e, tr = self.cfg, self.engine, self.cfg.train
-        os.makedirs(self.run_dir, exist_ok=True) if self.is_root else None
-        if self.is_root:
-            self._write_config()
-            self._trim_metrics()
-        self.barrier()
+        self._root_decides(self._prepare_run_dir)
         tokens_per_step = cfg.tokens_per_step
         metrics = open(self._metrics_path(), "a") if self.is_root else None
         t_start = time.perf_counter()
@@ -310,23 +301,59 @@ class Trainer:
                 f"{mib(mem['optimizer'])}, saved activations {mib(mem['activations_saved'])} per micro-batch{layer} "
                 f"with recompute = {self.cfg.train.recompute}, peak {mib(mem['peak'])}")
 
-    def _write_config(self):
-        path = os.path.join(self.run_dir, "config.toml")
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(self.cfg.to_toml())
-        os.replace(tmp, path)
+    def _prepare_run_dir(self):
+        """Rank 0, before the first step: create the run directory, remove what a killed writer left,
+        move another timeline's checkpoints aside, record the configuration, trim the metrics."""
+        make_dirs(self.run_dir, "train.run_dir")
+        try:
+            for path in ckpt.remove_stale_temporaries(self.run_dir):
+                self.log(f"removed {path}, left by a writer that stopped before finishing it")
+            dropped = self._trim_metrics()
+            self._abandon_other_timelines(dropped)
+            with atomic_file(os.path.join(self.run_dir, "config.toml")) as f:
+                f.write(self.cfg.to_toml())
+        except OSError as exc:
+            raise fs_error(exc, "cannot write into train.run_dir", self.run_dir) from exc
+
+    def _abandon_other_timelines(self, dropped_rows):
+        """Checkpoints of this run directory that this run will not continue (past the step it starts
+        from, or all of them when it starts from another run's checkpoint) are moved aside, never
+        reused or deleted, and `latest` names the checkpoint this run continues from."""
+        root = ckpt.checkpoints_dir(self.run_dir)
+        resumed = self.resumed_from
+        own = not self._started_from_another_run()
+        others = [p for p in ckpt.complete_checkpoints(self.run_dir) if not own or ckpt.checkpoint_step(p) > self.step]
+        if not others:
+            return
+        start = f"step {self.step} of {resumed}" if resumed else "scratch"
+        dest = ckpt.move_aside(self.run_dir, others, f"checkpoints of a timeline abandoned when a run started from {start}",
+                               {"metrics.jsonl": "".join(dropped_rows)} if dropped_rows else None)
+        if own:
+            ckpt.write_latest(self.run_dir, os.path.basename(resumed))
+        elif os.path.exists(os.path.join(root, "latest")):
+            os.remove(os.path.join(root, "latest"))
+        names = ", ".join(os.path.basename(p) for p in others)
+        rows = f" and {len(dropped_rows)} metrics rows" if dropped_rows else ""
+        self.log(f"starting from {start}: the checkpoints {names}{rows} of the abandoned timeline are moved to {dest} "
+                 f"(kept, never loaded)")
 
     def _trim_metrics(self):
-        """On resume, drop rows past the checkpoint's step: they will be produced again, identically."""
+        """On resume, drop rows past the checkpoint's step (all of them when starting from another run's
+        checkpoint): they will be produced again. Returns the dropped rows."""
         path = self._metrics_path()
         if not os.path.exists(path):
-            return
+            return []
+        foreign = self._started_from_another_run()
         with open(path) as f:
             rows = [line for line in f if line.strip()]
-        keep = [line for line in rows if json.loads(line).get("step", 0) <= self.step]
-        if len(keep) != len(rows):
-            tmp = path + ".tmp"
-            with open(tmp, "w") as f:
-                f.writelines(keep)
-            os.replace(tmp, path)
+        past = [foreign or json.loads(line).get("step", 0) > self.step for line in rows]
+        if any(past):
+            with atomic_file(path) as f:
+                f.writelines(line for line, drop in zip(rows, past) if not drop)
+        return [line for line, drop in zip(rows, past) if drop]
+
+    def _started_from_another_run(self):
+        """True when this run continues a checkpoint outside its own run directory."""
+        resumed = self.resumed_from
+        root = ckpt.checkpoints_dir(self.run_dir)
+        return resumed is not None and os.path.realpath(os.path.dirname(resumed)) != os.path.realpath(root)
