@@ -310,7 +310,7 @@ class Engine:
                     sq += float((g * g).sum())
         return float(np.sqrt(self.world_sum(sq)))
 
-    # ------------------------------------------------------------------ global tensors (checkpoints, tests)
+    # ------------------------------------------------------------------ global tensors (tests)
     def gather_global(self, buffer):
         """The global (unsharded) tensors of a FlatBuffer laid out like the parameters.
 
@@ -344,8 +344,3 @@ class Engine:
                         out[sp.name] = np.empty(sp.global_shape, dtype=local.dtype)
                     out[sp.name][sp.local_slice()] = piece
         return out
-
-    def load_global(self, buffer, tensors):
-        """Fill this rank's shards of `buffer` from global tensors (a dict or an h5py group of them)."""
-        for s in self.specs:
-            buffer[s.name][...] = self.xp.asarray(np.asarray(tensors[s.name][s.local_slice()]), dtype=buffer.data.dtype)

@@ -6,6 +6,8 @@ Both formats hold the checkpoint's global tensors under the names of CONTRACT §
 - torch: `torch.save` of a plain {name: tensor} dict (nothing else pickled, so
   `torch.load(path, weights_only=True)` reads it); the configuration goes beside it in
   `<PATH without suffix>.json` ({"format", "step", "config"}). Needs PyTorch.
+- h5: a consolidated single-file copy of model.h5 (the same attributes and names, every tensor stored
+  in the file instead of virtual datasets over the rank files), for sharing one file.
 - safetensors: written here, no package needed: an 8-byte little-endian header length, a JSON
   header {name: {dtype, shape, data_offsets}, "__metadata__": {format, step, config}} padded with
   spaces to a multiple of 8 bytes, then the raw little-endian, C-order tensor bytes.
@@ -19,14 +21,15 @@ import numpy as np
 
 from boostmpi.files import atomic_file
 from boostmpi.errors import UserError
-from boostmpi.tools.loading import load_checkpoint
+from boostmpi.tools.loading import checkpoint_dir, load_checkpoint
+from boostmpi.train import checkpoint as ckpt
 
-FORMATS = ("torch", "safetensors")
+FORMATS = ("torch", "safetensors", "h5")
 SAFETENSORS_DTYPES = {np.dtype("float64"): "F64", np.dtype("float32"): "F32", np.dtype("float16"): "F16"}
 
 
 def register(subparsers):
-    p = subparsers.add_parser("export", help="write a checkpoint's weights as a PyTorch state dict or safetensors",
+    p = subparsers.add_parser("export", help="write a checkpoint's weights as a PyTorch state dict, safetensors or one HDF5 file",
                               description="Export a checkpoint's weights (CONTRACT names) for PyTorch or safetensors readers.")
     p.add_argument("checkpoint", help="run directory (its latest checkpoint), checkpoint folder, or model.h5")
     p.add_argument("--to", required=True, choices=FORMATS, help="output format")
@@ -93,6 +96,10 @@ def run(args):
     if args.to not in FORMATS:
         raise UserError(f"--to must be one of {', '.join(FORMATS)}, got {args.to!r}")
     check_out_path(args.out)
+    if args.to == "h5":
+        ckpt.write_consolidated(args.out, checkpoint_dir(args.checkpoint))
+        print(f"wrote a single-file copy of model.h5 to {args.out}")
+        return 0
     loaded = load_checkpoint(args.checkpoint)
     if args.to == "torch":
         sidecar = write_torch(args.out, loaded.tensors, {"format": "boostmpi", "step": loaded.step,

@@ -139,9 +139,7 @@ class Trainer:
                 raise UserError(f"{self.run_dir} already holds a run (metrics.jsonl) but no complete checkpoint to resume; "
                                 f"choose another train.run_dir or remove it")
             return None
-        path = ckpt.resolve(path)
-        ckpt.verify(path)  # sizes and SHA-256, once, not on every rank
-        return path
+        return ckpt.resolve(path)
 
     def _resume(self, resume):
         """Continue from `resume` (a path), or automatically from the run's latest complete checkpoint."""
@@ -150,23 +148,16 @@ class Trainer:
             path = self.world.bcast(path, root=0)
         if path is None:
             return
+        ckpt.verify_together(path, self.world)  # sizes and SHA-256 of every file, shared among the ranks
         f, step, saved_cfg = ckpt.open_model(path, check=False)
-        try:
-            mismatch = ckpt.model_mismatch(saved_cfg.get("model", {}), self.cfg.to_dict()["model"])
-            if mismatch:  # every rank reads the same attribute: each raises, rank 0 prints
-                err = CheckpointError(f"cannot resume from {path}: {mismatch}")
-                err.all_ranks = True
-                raise err
-            self.engine.load_global(self.engine.params, f)
-        finally:
-            f.close()
-        import h5py
-
-        with h5py.File(os.path.join(path, "optim.h5"), "r") as fo:
-            self.engine.load_global(self.optimizer.m, fo["m"])
-            self.engine.load_global(self.optimizer.v, fo["v"])
-            self.optimizer.t = int(fo.attrs["t"])
-        state = ckpt.read_state(path)
+        f.close()
+        mismatch = ckpt.model_mismatch(saved_cfg.get("model", {}), self.cfg.to_dict()["model"])
+        if mismatch:  # every rank reads the same attribute: each raises, rank 0 prints
+            err = CheckpointError(f"cannot resume from {path}: {mismatch}")
+            err.all_ranks = True
+            raise err
+        e = self.engine
+        step, state = ckpt.load(path, e.specs, e.params, self.optimizer, e.xp)
         self.loader.load_state_dict(state["data"])
         self.step = step
         self.resumed_from = path
@@ -174,21 +165,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoint
     def save_checkpoint(self):
-        e = self.engine
-        params = e.gather_global(e.params)
-        m = e.gather_global(self.optimizer.m)
-        v = e.gather_global(self.optimizer.v)
-
-        def write():
+        """Every rank writes its own pieces at once (checkpoint.save); a failure on any rank (a full
+        disk) ends every rank with the same one-line error, the previous checkpoint untouched."""
+        par = self.cfg.parallel
+        state = None
+        if self.is_root:
             state = {"data": self.loader.state_dict(), "seed": self.cfg.train.seed,
-                     "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "dp": self.cfg.parallel.dp,
-                                "tp_mode": self.cfg.parallel.tp_mode}}
-            path = ckpt.save(self.run_dir, self.step, self.cfg, params, (m, v), self.optimizer.t, state,
-                             keep=self.cfg.checkpoint.keep, log=self.log)
-            self.log(f"checkpoint {path}")
-
-        # a save that fails on rank 0 (a full disk) ends every rank with the same one-line error
-        self._root_decides(write)
+                     "layout": {"tp": par.tp, "pp": par.pp, "dp": par.dp, "tp_mode": par.tp_mode,
+                                "zero_stage": par.zero_stage}}
+        path = ckpt.save(self.run_dir, self.step, self.cfg, [ckpt.rank_state(self.engine, self.optimizer)],
+                         self.optimizer.t, state, comm=self.world, keep=self.cfg.checkpoint.keep, log=self.log)
+        self.log(f"checkpoint {path}")
 
     # ------------------------------------------------------------------ validation
     def validate(self):
