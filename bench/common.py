@@ -355,10 +355,11 @@ def mpi_worker():
 def launch_under_mpiexec(ranks, timeout_s, extra_args=(), record_command=True):
     """Run this script again as `timeout T mpiexec -n ranks python script args`; returns its exit status.
 
-    The mpiexec next to this Python (the virtualenv's) is used when there is one.
+    The mpiexec is the one `boostmpi.parallel.launch.find_mpiexec` picks for this Python.
     """
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    mpiexec = str(mpiexec) if mpiexec.exists() else "mpiexec"
+    from boostmpi.parallel.launch import find_mpiexec
+
+    mpiexec = find_mpiexec()
     env = dict(os.environ, **{_WORKER_ENV: "1"})
     if record_command:
         env[_COMMAND_ENV] = command_line()

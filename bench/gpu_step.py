@@ -10,8 +10,9 @@ with CUDA for the eager comparison):
     python bench/gpu_step.py [--batch 8] [--steps 5]
 
 Written and compiled-checked without a GPU (none was lent when it was written): its first run on a
-device is also its test. Model FLOPs per token: 6 x (matrix parameters) + 6 x L x T x d for causal
-attention (scores and values, half the square), the convention of the BOOST and Megatron papers.
+device is also its test. Model FLOPs are the performance model's (`boostmpi.sim.model.model_flops_per_step`):
+PaLM's 6 x (matrix parameters) + 12 x L x d x T per token, the full attention square as PaLM (App. B)
+and Narayanan et al. (SC21, Eq. 3) count it, so that MFU here and in `boostmpi sim` is one number.
 """
 
 import argparse
@@ -67,15 +68,6 @@ def gemm_rate(n=8192):
     return 2 * n ** 3 / gpu_time(lambda: a @ b, 10)
 
 
-def model_flops_per_step(cfg, tokens):
-    m = cfg.model
-    matrix = 0
-    for _name, (d_in, d_out, r) in m.linear_shapes().items():
-        matrix += d_in * d_out if r is None else r * (d_in + d_out)
-    matrix = matrix * m.n_layers + m.d_model * m.vocab_size
-    return 6 * matrix * tokens + 6 * m.n_layers * m.seq_len * m.d_model * tokens
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -85,6 +77,7 @@ def main():
 
     from boostmpi.config import config_from_dict
     from boostmpi.parallel.engine import Engine
+    from boostmpi.sim.model import model_flops_per_step
     from boostmpi.train.optim import AdamW
 
     props = cupy.cuda.runtime.getDeviceProperties(0)
@@ -106,7 +99,7 @@ def main():
         opt.step(eng.grads, 1e-4)
 
     t_ours = gpu_time(ours, args.steps)
-    flops = model_flops_per_step(cfg, args.batch * model["seq_len"])
+    flops = model_flops_per_step(cfg)  # one micro-batch of args.batch sequences per step
     print(f"boostmpi step {t_ours * 1e3:.1f} ms | {flops / t_ours / 1e12:.0f} TFLOP/s | MFU vs measured GEMM rate "
           f"{flops / t_ours / peak:.0%} (target >= 35%)")
 

@@ -121,7 +121,8 @@ boostmpi_job() {
   [ -n "$timer" ] && kill "$timer" 2>/dev/null
 
   read -r after steps < <(boostmpi_progress) || { echo "error: cannot read the progress of $RUN_DIR" >&2; return 1; }
-  if [ "$status" -ne 0 ]; then
+  # 75: the trainer stopped early on a signal and wrote a checkpoint (0: it finished train.steps)
+  if [ "$status" -ne 0 ] && [ "$status" -ne 75 ]; then
     echo "job: training failed with status $status at checkpoint step $after; the chain stops here" \
          "(fix the cause and submit again: it resumes from $RUN_DIR/checkpoints/latest)" >&2
     return "$status"

@@ -29,10 +29,9 @@ export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 if [ "${BOOSTMPI_DRY_RUN:-0}" = 1 ]; then
   PY="${BOOSTMPI_VENV:-$PWD/.venv}/bin/python"
 else
-  setup_venv plot
+  setup_venv plot,mpich                       # [mpich]: MPICH from PyPI, for one machine only
 fi
-MPIEXEC="$(dirname "$PY")/mpiexec"            # the MPICH that mpi4py was installed with
-[ -x "$MPIEXEC" ] || MPIEXEC=mpiexec
+MPIEXEC="$(boostmpi_mpiexec)" || exit 2       # the mpiexec of the MPI that mpi4py uses
 
 NRANKS="$NPROC"
 EXTRA_SETS=("parallel.tp_mode=$TP_MODE")

@@ -5,6 +5,8 @@ rank, and never leaves the other ranks waiting in a collective (a hang).
 - `assert_all_ranks(ok, message)`: every rank passes its own outcome; all raise if any failed.
 - `collectively(fn)`: runs rank-local code (no communication inside) and reports its exception,
   if any, on every rank.
+- `MPIEXEC`: the mpiexec for this interpreter (`boostmpi.parallel.launch.find_mpiexec`), or None
+  when there is none, for tests that start MPI jobs of their own.
 - `abort_on_error()`: around code that communicates, where the other ranks may already be inside
   a collective: an exception prints its rank and traceback and aborts the whole job (except the
   `AllRanksFailed` of the two above, which every rank raises together).
@@ -19,6 +21,14 @@ import traceback
 from contextlib import contextmanager, nullcontext
 
 import pytest
+
+from boostmpi.errors import UserError
+from boostmpi.parallel.launch import find_mpiexec
+
+try:
+    MPIEXEC = find_mpiexec()
+except UserError:
+    MPIEXEC = None
 
 # what a rank-local failure raises: any error, or pytest's own (pytest.raises, pytest.fail), which
 # derives from BaseException

@@ -8,7 +8,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=jobs/setup_env.sh
 source jobs/setup_env.sh
-setup_venv test,plot
+setup_venv test,plot,mpich
+MPIEXEC="$(boostmpi_mpiexec)" || exit 1
 
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
 status=0
@@ -19,7 +20,7 @@ timeout 1200 "$PY" -m pytest -q -p no:cacheprovider tests "$@" || status=1
 
 for n in 1 2 3 4; do
   step "MPI tests at $n ranks"
-  timeout 600 "$VENV/bin/mpiexec" -n "$n" "$PY" -m pytest -q -p no:cacheprovider --with-mpi -m mpi tests || status=1
+  timeout 600 "$MPIEXEC" -n "$n" "$PY" -m pytest -q -p no:cacheprovider --with-mpi -m mpi tests || status=1
 done
 
 step "real Slurm test"

@@ -5,7 +5,8 @@ corrupted and broken on purpose.
   restart continues the losses of an uninterrupted run exactly;
 * a kill while a checkpoint is being written leaves the previous one loadable and the partial
   one ignored;
-* SIGTERM writes a checkpoint and exits 0; the rerun resumes and ends like the uninterrupted run;
+* SIGTERM (to every rank) or SIGINT (Ctrl-C, to mpiexec) writes a checkpoint and exits 75; the
+  rerun resumes and ends like the uninterrupted run;
 * a truncated or bit-flipped model.h5 is refused (exit 2) with a message naming the file;
 * a full disk (or a file-size limit) while checkpointing ends every rank with one line naming the
   space needed, exit 2, the previous checkpoint and `latest` untouched, no temporary folder left;
@@ -18,7 +19,6 @@ before running the real `boostmpi` command line; nothing in the package is test-
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,9 +28,10 @@ from pathlib import Path
 
 import pytest
 
+from mpi_helpers import MPIEXEC
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-MPIEXEC = shutil.which("mpiexec", path=str(Path(PY).parent)) or shutil.which("mpiexec")
 RANKS = 4
 STEPS = 120
 EVERY = 10
@@ -147,8 +148,8 @@ def _wait_for_rows(run_dir, n, proc):
     pytest.fail(f"no {n} steps in {path} after {JOB_TIMEOUT_S} s")
 
 
-def _rank_pids(root_pid):
-    """{MPI rank: pid} of the ranks started under `root_pid` (found through /proc, by PMI_RANK)."""
+def _children():
+    """{parent pid: [child pids]} of every process (through /proc)."""
     children = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -158,6 +159,12 @@ def _rank_pids(root_pid):
                 continue
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
             children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def _rank_pids(root_pid):
+    """{MPI rank: pid} of the ranks started under `root_pid` (found through /proc, by PMI_RANK)."""
+    children = _children()
     ranks, todo = {}, [root_pid]
     while todo:
         pid = todo.pop()
@@ -266,21 +273,38 @@ def test_kill_during_checkpoint_writing_keeps_the_previous_checkpoint(fault, lef
     assert _losses(run_dir) == reference
 
 
-def test_sigterm_writes_a_checkpoint_exits_cleanly_and_the_rerun_resumes(tmp_path, reference):
+def _launcher_pid(timeout_pid):
+    """The mpiexec started by `timeout` (its child)."""
+    children = _children().get(timeout_pid)
+    if not children:
+        pytest.fail(f"no child of pid {timeout_pid}")
+    return children[0]
+
+
+@pytest.mark.parametrize("how", ["sigterm-to-every-rank", "ctrl-c-to-mpiexec"])
+def test_a_stop_signal_writes_a_checkpoint_exits_75_and_the_rerun_resumes(how, tmp_path, reference):
+    """SIGTERM to every task, as Slurm does at a time limit, or SIGINT to a plain mpiexec, as Ctrl-C
+    in its terminal does (Hydra forwards it to the ranks): one line, a checkpoint, exit status 75."""
     run_dir = tmp_path / "run"
     proc = _start(_train_argv(run_dir), tmp_path / "first.log")
     try:
         ranks = _wait_ranks(proc)
         _wait_for_rows(run_dir, 15, proc)
-        for pid in ranks.values():  # as Slurm does at a time limit: every task gets the signal
-            os.kill(pid, signal.SIGTERM)
+        if how == "ctrl-c-to-mpiexec":
+            os.kill(_launcher_pid(proc.pid), signal.SIGINT)
+        else:
+            for pid in ranks.values():
+                os.kill(pid, signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     log = (tmp_path / "first.log").read_text()
-    assert proc.returncode == 0, log
-    assert "stopped by signal at step" in log, log
+    assert proc.returncode == 75, log
+    assert log.count("stopped by signal at step") == 1, log
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log and "done: step" not in log, log
+    name = "SIGINT" if how == "ctrl-c-to-mpiexec" else "SIGTERM"
+    assert f"resume by running the same command ({name}; exit status 75)" in log, log
     stopped = int(log.split("stopped by signal at step ")[1].split(":")[0])
     assert 15 <= stopped < STEPS
 

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from boostmpi.parallel.launch import find_mpiexec
+from mpi_helpers import MPIEXEC
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 VENV_PY = str(REPO / ".venv" / "bin" / "python")  # what the scripts use by default
@@ -102,8 +105,7 @@ def test_polaris_renders_pals_mpiexec_with_gpu_binding(tmp_path):
 @pytest.mark.parametrize("nproc, tp, dp", [("2", 2, 1), ("1", 1, 1), ("4", 2, 2)])
 def test_local_renders_mpiexec_under_timeout(nproc, tp, dp):
     out = _render("jobs/local.sh", NPROC=nproc)
-    mpiexec = REPO / ".venv" / "bin" / "mpiexec"
-    mpiexec = str(mpiexec) if os.access(mpiexec, os.X_OK) else "mpiexec"  # the script's own fallback
+    mpiexec = find_mpiexec(VENV_PY)  # the one lookup, from bash as from Python
     assert out["launch"] == ["timeout", "7200", mpiexec, "-n", nproc,
                              *_train("configs/local.toml", "runs/local", tp, 1, dp, "parallel.tp_mode=btp")]
     assert out["resubmit"] == []
@@ -128,8 +130,7 @@ def test_an_impossible_layout_is_refused():
 
 def _body(tmp_path, steps, launch=None, **env):
     """Run one attempt of jobs/common.sh; RESUBMIT touches tmp_path/resubmitted."""
-    mpiexec = shutil.which("mpiexec", path=str(Path(PY).parent)) or "mpiexec"
-    launch = launch or f'timeout 120 {shlex.quote(mpiexec)} -n 2'
+    launch = launch or f'timeout 120 {shlex.quote(MPIEXEC)} -n 2'
     script = f"""
         source jobs/common.sh || exit 1
         CONFIG=configs/tiny.toml RUN_DIR={shlex.quote(str(tmp_path / "run"))} TP=2 PP=1 NRANKS=2

@@ -106,10 +106,10 @@ def test_kept_sigmoids_give_the_same_bits(rng, dtype, act):
     """A recompute keeps the SiLU's sigmoid for the backward: forward and backward are bit for bit
     those computed without it."""
     a, g, u, dz = (rng.standard_normal((5, 6)).astype(dtype) for _ in range(4))
-    z, s = layers.silu_forward(a, keep_sigmoid=True)
+    z, s = layers.silu_and_sigmoid(a, keep=True)
     np.testing.assert_array_equal(z, layers.silu_forward(a))
     np.testing.assert_array_equal(layers.silu_backward(dz, a, s), layers.silu_backward(dz, a))
-    y, s = layers.gate_forward(g, u, act, keep_sigmoid=True)
+    y, s = layers.gate_and_sigmoid(g, u, act, keep=True)
     assert (s is None) == (not act)
     np.testing.assert_array_equal(y, layers.gate_forward(g, u, act))
     for kept, plain in zip(layers.gate_backward(dz, g, u, act, s), layers.gate_backward(dz, g, u, act)):

@@ -9,7 +9,6 @@ process (`Engine(cfg)` without a communicator).
 """
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -24,7 +23,7 @@ from boostmpi.errors import ConfigError
 from boostmpi.parallel.engine import Engine
 from boostmpi.model.params import FlatBuffer, param_specs
 from boostmpi.train.optim import AdamW, learning_rate
-from mpi_helpers import abort_on_error, assert_all_ranks, collectively, on_root, running_under_mpi, world
+from mpi_helpers import MPIEXEC, abort_on_error, assert_all_ranks, collectively, on_root, running_under_mpi, world
 
 # vocab 61 is odd: the vocabulary-parallel embedding and head get uneven ranges
 MODEL = dict(vocab_size=61, d_model=32, n_layers=4, n_heads=4, d_ff=48, attn_rank=8, mlp_rank=12, seq_len=8)
@@ -402,11 +401,8 @@ def test_a_failure_on_one_rank_fails_every_rank():
         collectively(fails_on_rank_one)
 
 
-MPIEXEC = Path(sys.executable).with_name("mpiexec")
-
-
 @pytest.mark.mpi_skip  # it starts an MPI job of its own
-@pytest.mark.skipif(not (MPIEXEC.exists() or shutil.which("mpiexec")), reason="no mpiexec")
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
 def test_pytest_exit_status_is_nonzero_on_every_rank_when_one_rank_fails(tmp_path):
     (tmp_path / "test_one_rank_fails.py").write_text(textwrap.dedent("""
         from mpi4py import MPI
@@ -424,9 +420,8 @@ def test_pytest_exit_status_is_nonzero_on_every_rank_when_one_rank_fails(tmp_pat
         from mpi4py import MPI
         open({str(tmp_path)!r} + f"/status_{{MPI.COMM_WORLD.Get_rank()}}", "w").write(str(int(code)))
     """)
-    mpiexec = str(MPIEXEC) if MPIEXEC.exists() else shutil.which("mpiexec")
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    run = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", runner], cwd=tmp_path, env=env,
+    run = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", runner], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     statuses = {r: (tmp_path / f"status_{r}").read_text() for r in (0, 1) if (tmp_path / f"status_{r}").exists()}
     assert statuses == {0: "1", 1: "1"}, (statuses, run.stdout[-2000:], run.stderr[-2000:])

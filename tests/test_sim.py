@@ -12,7 +12,7 @@ import pytest
 
 from boostmpi.cli import main
 from boostmpi.config import config_from_dict
-from boostmpi.sim import model
+from boostmpi.sim import costs, model, plans
 from boostmpi.sim.calibrate import fit_allreduce
 from boostmpi.sim.machines import builtin_names, load_machine
 from boostmpi.sim.sweep import sweep
@@ -105,8 +105,8 @@ def test_paper_per_layer_forward_volumes():
 
     def forward_elements(name):
         cfg = paper_cfg(name)
-        plan = model.layer_plan(model.shape_of(cfg, "flash"), model.tp_strategy(cfg))
-        return sum(op.elements for op in plan if isinstance(op, model.Collective) and op.phase == "fwd")
+        plan = plans.layer_plan(plans.shape_of(cfg, "flash"), model.tp_strategy(cfg))
+        return sum(op.elements for op in plan if isinstance(op, plans.Collective) and op.phase == "fwd")
 
     assert forward_elements("full") == 2 * bs * d
     assert forward_elements("vanilla") == (5 * d + 2 * d_ff) * bs
@@ -161,12 +161,12 @@ def test_lowrank_memory_and_recompute_match_the_engine():
     from boostmpi.parallel.engine import Engine
 
     cfg = tiny({"tp": 1}, {"recompute": "lowrank", "dtype": "float32"})
-    s = model.shape_of(cfg, "matmul")
-    layer = model.layer_plan(s, "btp")
+    s = plans.shape_of(cfg, "matmul")
+    layer = plans.layer_plan(s, "btp")
     softmax = [op for op in layer if getattr(op, "name", "") == "softmax"]
-    again = [op for op in model.recompute_plan(layer, "lowrank") if getattr(op, "name", "") == "softmax"]
+    again = [op for op in plans.recompute_plan(layer, "lowrank") if getattr(op, "name", "") == "softmax"]
     assert len(softmax) == len(again) == 1 and again[0].fwd_passes == softmax[0].fwd_passes - 2
-    kept = s.N * s.C + model.kept_by_lowrank(layer, s)  # elements per layer, float32
+    kept = s.N * s.C + plans.kept_by_lowrank(layer, s)  # elements per layer, float32
     eng = Engine(cfg)
     x = np.zeros((2, TINY_MODEL["seq_len"]), dtype=np.int64)
     eng.forward_backward([(x, x)])
@@ -181,8 +181,8 @@ def test_overlap_hides_dp_communication():
 
 def test_groups_beyond_a_node_use_the_slower_link():
     machine = load_machine("a100-80gb")  # 4 GPUs per node
-    inside = model.group_link(machine, 4, 1)
-    across = model.group_link(machine, 2, 4)  # dp group of tp = 4 replicas: two nodes
+    inside = costs.group_link(machine, 4, 1)
+    across = costs.group_link(machine, 2, 4)  # dp group of tp = 4 replicas: two nodes
     assert inside.bandwidth == machine.intra_node_bandwidth
     assert across.bandwidth == machine.inter_node_bandwidth
 
@@ -191,7 +191,7 @@ def test_small_gemms_lose_efficiency():
     machine = load_machine("a100-80gb")
 
     def rate(m, n, k):
-        return 2 * m * n * k / model.gemm_seconds(m, n, k, 1, 2, machine, "bfloat16")
+        return 2 * m * n * k / costs.gemm_seconds(m, n, k, 1, 2, machine, "bfloat16")
 
     assert rate(8192, 8192, 8192) > rate(16384, 1024, 1024) > rate(16384, 4096, 256) > rate(256, 256, 256)
 
@@ -277,3 +277,114 @@ def test_calibrate_writes_a_usable_profile(tmp_path, capsys):
     assert machine.device == "cpu" and machine.attention == "matmul"
     assert machine.peak("float64") > 1e8 and machine.intra_node_bandwidth > 1e7
     assert model.predict_step_time(tiny({"tp": 2}), machine) > 0
+
+
+# ------------------------------------------------------------------ model FLOPs
+def test_model_flops_are_palms_and_the_gpu_bench_uses_them():
+    """6N + 12 L C T per token (PaLM App. B; SC21 Eq. 3 without its recompute pass), and one copy."""
+    import importlib.util
+    import sys
+
+    cfg = paper_cfg("full")
+    m = cfg.model
+    K = m.kv_dim
+    per_layer = m.d_model * (2 * m.d_model + 2 * K) + 3 * m.d_model * m.d_ff
+    N = m.n_layers * per_layer + m.d_model * m.vocab_size
+    tokens = cfg.tokens_per_step
+    assert model.model_flops_per_step(cfg) == 6 * N * tokens + 12 * m.n_layers * m.d_model * m.seq_len * tokens
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("gpu_step", ROOT / "bench" / "gpu_step.py")
+    gpu_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_step)
+    source = (ROOT / "bench" / "gpu_step.py").read_text()
+    assert "from boostmpi.sim.model import model_flops_per_step" in source
+    assert not hasattr(gpu_step, "model_flops_per_step")  # no second formula at module level
+
+
+# ------------------------------------------------------------------ across nodes
+def test_dp_allreduce_across_nodes_is_hierarchical():
+    """Members on one node reduce over NVLink, then each drives its own share of the node's NICs."""
+    machine = load_machine("a100-80gb")  # 4 GPUs per node, 25 GB/s of NIC per GPU
+    n = 4e9
+    intra = costs.Link(machine.intra_node_bandwidth, machine.intra_node_latency)
+    inter = costs.Link(machine.inter_node_bandwidth, machine.inter_node_latency)
+    # dp = 8 with tp = 1: 4 members per node, 2 nodes
+    got = costs.group_allreduce_seconds(n, 8, 1, machine)
+    assert got == pytest.approx(costs.allreduce_seconds(n, 4, intra) + costs.allreduce_seconds(n / 4, 2, inter))
+    assert got < costs.allreduce_seconds(n, 8, inter)  # a flat ring at NIC speed would be slower
+    # tp = 4 fills the node: one member per node, the ring runs at the NIC's speed
+    assert costs.group_allreduce_seconds(n, 8, 4, machine) == pytest.approx(costs.allreduce_seconds(n, 8, inter))
+    # inside a node: the plain ring over NVLink
+    assert costs.group_allreduce_seconds(n, 4, 1, machine) == pytest.approx(costs.allreduce_seconds(n, 4, intra))
+
+
+# ------------------------------------------------------------------ published runs
+# The error bounds recorded in docs/SIM.md ("Validation against published runs"): a change to the
+# model that makes the worst or the median row worse than this fails here.
+PUBLISHED_WORST_BOUND = 0.151
+PUBLISHED_MEDIAN_BOUND = 0.085
+
+
+def test_published_runs_within_recorded_bounds():
+    from boostmpi.sim import published
+
+    rows = published.validation_table()
+    assert len(rows) == 13
+    summary = published.summary(rows)
+    assert summary["worst"] <= PUBLISHED_WORST_BOUND, published.format_table(rows)
+    assert summary["median"] <= PUBLISHED_MEDIAN_BOUND, published.format_table(rows)
+    for run, predicted, _ in rows:
+        assert run.source and run.assumed and run.derived and predicted > 0
+
+
+def test_sc21_measured_time_follows_eq3():
+    """Table 1's 1T row: 502 PFLOP/s aggregate is 3072 GPUs x 163 TFLOP/s of Eq. 3's FLOPs."""
+    from boostmpi.sim import published
+
+    run = published.published_runs()[9]
+    flops = published.sc21_flops_per_iteration(3072, 2048, 128, 25600, 51200)
+    assert flops / run.measured_s == pytest.approx(502.0e15, rel=0.005)
+    assert run.workload.dp == 6 and run.workload.micro_batches == 512
+
+
+def test_gpt_mlp_is_4h_gelu_without_a_gate():
+    """Forward GEMM FLOPs of a GPT layer are SC21's 24 B s h^2 (split t ways), attention aside."""
+    from boostmpi.sim import published
+
+    w = published.published_runs()[2].workload  # 7.5B, t = 4
+    s = w.shape
+    plan = plans.layer_plan(s, "megatron")
+    names = [op.name for op in plan]
+    assert "gelu" in names and "up" in names and "gate*up" not in names and "gate" not in names
+    flops = sum(2 * op.m * op.n * op.k * op.batch for op in plan
+                if isinstance(op, plans.Gemm) and op.name not in ("scores", "probs@v"))
+    assert flops == 24 * s.N * s.C * s.C // s.p
+
+
+def test_interleaving_divides_the_bubble():
+    from dataclasses import replace
+
+    from boostmpi.sim import published
+
+    run = published.published_runs()[6]  # 145.6B, p = 8, v = 2
+    machine = load_machine(run.machine)
+    times = {v: model.predict_workload(replace(run.workload, virtual_stages=v), machine) for v in (1, 2)}
+    w, e = run.workload, 2
+    p2p = costs.p2p_seconds(w.p2p_elements * e, costs.group_link(machine, 2, w.tp))
+    for v, p in times.items():
+        slot = p.details["forward_s"] + p.details["backward_s"]
+        expected = (w.pp - 1) / v * slot + 2 * (v * w.micro_batches + w.pp - 1) * p2p
+        assert p.breakdown["pp_bubble_and_p2p"] == pytest.approx(expected)
+    assert times[2].breakdown["pp_bubble_and_p2p"] < times[1].breakdown["pp_bubble_and_p2p"]
+
+
+def test_tp_beyond_a_node_is_hierarchical():
+    """tp = 8 on 4-GPU nodes: its all-reduces run over NVLink and then the NICs, not a flat NIC ring."""
+    machine = load_machine("a100-80gb")
+    s = plans.shape_of(tiny({"tp": 8, "tp_mode": "vanilla"}, model_={"arch": "full", "n_heads": 8,
+                                                                      "n_kv_heads": 8}), "flash")
+    op = plans.Collective("x", "allreduce", 1 << 24, "fwd")
+    t = costs.pass_times([op], False, s, machine, "bfloat16").tp_comm
+    assert t == pytest.approx(costs.group_allreduce_seconds(2 << 24, 8, 1, machine))
+    inter = costs.Link(machine.inter_node_bandwidth, machine.inter_node_latency)
+    assert t < costs.allreduce_seconds(2 << 24, 8, inter)

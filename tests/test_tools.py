@@ -30,6 +30,7 @@ from boostmpi.tools.loading import load_checkpoint, load_checkpoint_engine
 from boostmpi.tools.plot import make_figure
 from boostmpi.train import checkpoint as ckpt
 from boostmpi.train.trainer import Trainer
+from mpi_helpers import MPIEXEC
 
 SENTENCE = "the quick brown fox jumps over the lazy dog. "
 SEQ_LEN = 16
@@ -200,11 +201,8 @@ def test_eval_bad_input_is_one_line_and_exit_status_2(trained, tmp_path, capsys)
 @pytest.mark.mpi_skip  # it starts an MPI job of its own
 def test_eval_of_a_checkpoint_written_by_tensor_parallel_ranks(trained, tmp_path, capsys):
     """A real tp = 2 run: its global tensors evaluate on one process to the run's own val_loss."""
-    mpiexec = Path(sys.executable).with_name("mpiexec")
-    if not mpiexec.exists():
-        mpiexec = shutil.which("mpiexec")
-        if mpiexec is None:
-            pytest.skip("no mpiexec")
+    if MPIEXEC is None:
+        pytest.skip("no mpiexec")
     _, shard, _ = trained
     run_dir = tmp_path / "tp2"
     sets = {"model.arch": "svd", "model.vocab_size": VOCAB, "model.d_model": 32, "model.n_layers": 2,
@@ -213,7 +211,7 @@ def test_eval_of_a_checkpoint_written_by_tensor_parallel_ranks(trained, tmp_path
             "train.val_windows": 4, "train.run_dir": str(run_dir), "data.train": str(shard), "data.val": str(shard)}
     config = tmp_path / "empty.toml"
     config.write_text("")
-    command = [str(mpiexec), "-n", "2", sys.executable, "-m", "boostmpi", "train", "--config", str(config)]
+    command = [MPIEXEC, "-n", "2", sys.executable, "-m", "boostmpi", "train", "--config", str(config)]
     for key, value in sets.items():
         command += ["--set", f"{key}={value}"]
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",

@@ -6,6 +6,8 @@ Every `*_backward` *accumulates* into the gradient arrays it is given (`+=`) and
 gradient of its input. Arrays may be NumPy or CuPy: `xp = get_array_module(x)`.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 
 from boostmpi.backend import get_array_module
@@ -21,6 +23,44 @@ def _kernels_for(*arrays):
     from boostmpi.gpu import kernels
 
     return kernels
+
+
+# ---------------------------------------------------------------- grouped GEMMs
+# The linears that read one input (q/k/v, gate/up) form a group: their factors can run as one GEMM
+# on the concatenated weights, or pairwise as one batched GEMM.
+def col_slices(widths):
+    """Column slices of consecutive blocks of the given widths."""
+    out, start = [], 0
+    for w in widths:
+        out.append(slice(start, start + w))
+        start += w
+    return out
+
+
+def concat_cols(mats):
+    xp = get_array_module(mats[0])
+    return mats[0] if len(mats) == 1 else xp.concatenate(mats, axis=1)
+
+
+def grouped_matmul(lefts, rights, batched=True):
+    """[l @ r for l, r in pairs]; with `batched`, pairs of equal shapes run as one batched GEMM
+    (the grouped B factors: gate/up, and k/v, whose shapes agree) on a GPU. NumPy's batched matmul
+    is a loop of the same BLAS calls, so on the CPU stacking the operands would only add copies."""
+    xp = get_array_module(lefts[0])
+    if xp is np:
+        return [l @ r for l, r in zip(lefts, rights)]
+    outs = [None] * len(lefts)
+    by_shape = {}
+    for j, (l, r) in enumerate(zip(lefts, rights)):
+        by_shape.setdefault((l.shape, r.shape) if batched else j, []).append(j)
+    for idx in by_shape.values():
+        if len(idx) == 1:
+            outs[idx[0]] = lefts[idx[0]] @ rights[idx[0]]
+            continue
+        stacked = xp.matmul(xp.stack([lefts[j] for j in idx]), xp.stack([rights[j] for j in idx]))
+        for k, j in enumerate(idx):
+            outs[j] = stacked[k]
+    return outs
 
 
 # ---------------------------------------------------------------- RMSNorm
@@ -69,24 +109,21 @@ def _silu_grad_times(s, a, dz):
     return t
 
 
-def silu_forward(a, keep_sigmoid=False):
-    """silu(a); with `keep_sigmoid` (a recompute for an immediate backward) returns (silu(a), s),
-    s = sigmoid(a) for `silu_backward` to reuse, or None on the fused-kernel path."""
+def silu_forward(a):
+    return silu_and_sigmoid(a, keep=False)[0]
+
+
+def silu_and_sigmoid(a, keep):
+    """(silu(a), s): with `keep` (a recompute for an immediate backward) s = sigmoid(a) for
+    `silu_backward` to reuse; None without it, and on the fused-kernel path."""
     k = _kernels_for(a)
     if k is not None:
-        z = k.silu_forward(a)
-        return (z, None) if keep_sigmoid else z
+        return k.silu_forward(a), None
     s = sigmoid(a)
-    if keep_sigmoid:
+    if keep:
         return a * s, s
     s *= a
-    return s
-
-
-def silu_forward_for(a, recompute):
-    """(silu(a), s): s = sigmoid(a) kept for an immediate backward when `recompute`, else None
-    (a plain forward keeps no extra array)."""
-    return silu_forward(a, keep_sigmoid=True) if recompute else (silu_forward(a), None)
+    return s, None
 
 
 def silu_backward(dz, a, s=None):
@@ -98,23 +135,20 @@ def silu_backward(dz, a, s=None):
 
 
 # y = act(g) * u, act = silu when `act`, identity otherwise. g, u [N, F]
-def gate_forward(g, u, act, keep_sigmoid=False):
-    """act(g) * u; with `keep_sigmoid` returns (y, s) as `silu_forward` does (s None without act)."""
+def gate_forward(g, u, act):
+    return gate_and_sigmoid(g, u, act, keep=False)[0]
+
+
+def gate_and_sigmoid(g, u, act, keep):
+    """(act(g) * u, s) with s as `silu_and_sigmoid` returns it (None without act)."""
     k = _kernels_for(g, u)
-    s = None
     if k is not None:
-        y = k.gate_forward(g, u, act)
-    elif not act:
-        y = g * u
-    else:
-        y, s = silu_forward_for(g, keep_sigmoid)
-        y *= u
-    return (y, s) if keep_sigmoid else y
-
-
-def gate_forward_for(g, u, act, recompute):
-    """(act(g) * u, s) as `silu_forward_for` returns them."""
-    return gate_forward(g, u, act, keep_sigmoid=True) if recompute else (gate_forward(g, u, act), None)
+        return k.gate_forward(g, u, act), None
+    if not act:
+        return g * u, None
+    y, s = silu_and_sigmoid(g, keep)
+    y *= u
+    return y, s
 
 
 def gate_backward(dy, g, u, act, s=None):
@@ -217,6 +251,16 @@ def _scores(qb, kb, t0, t1, G, sdtype, xp):
     return s
 
 
+class AttentionCache(NamedTuple):
+    qs: object  # [B, Hkv, G, T, Dh] queries, scaled by 1/sqrt(Dh)
+    kh: object  # [B, Hkv, T, Dh]
+    vh: object  # [B, Hkv, T, Dh]
+    out: object  # [B, T, Hkv, G, Dh] the output (token-major; o is a view of it)
+    row_max: object  # [B, Hkv, G, T] softmax statistics
+    row_sum: object
+    tiles: object  # the probability tiles when kept (`keep_probs`), else None
+
+
 # q [B, T, H, Dh], k, v [B, T, Hkv, Dh] -> o [B, T, H*Dh]
 def attention_forward(q, k, v, keep_probs=False, stats=None):
     """`stats` = (row_max, row_sum) [B, Hkv, G, T] of an earlier forward on the same q, k: a
@@ -263,7 +307,7 @@ def attention_forward(q, k, v, keep_probs=False, stats=None):
         if tiles is not None:
             s /= total
             tiles.append(s)
-    return out.reshape(B, T, H * Dh), (qs, kh, vh, out, row_max, row_sum, tiles)
+    return out.reshape(B, T, H * Dh), AttentionCache(qs, kh, vh, out, row_max, row_sum, tiles)
 
 
 def attention_backward(do, cache):

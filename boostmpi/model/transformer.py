@@ -1,60 +1,87 @@
-"""The transformer block and the model's flat forward/backward, written once for every layout.
+"""The transformer block, written once for every layout.
 
-Tensor parallelism enters only through `tpx` (boostmpi/parallel/tensor_parallel.py), which owns how
+Tensor parallelism enters only through `tpx` (boostmpi/parallel/tensor_parallel/), which owns how
 each linear group is split and communicated; with a group of one it is the single-device model.
+Recompute enters only through the `Tape` a forward is handed (boostmpi/model/recompute.py).
 Shapes: h [N, Cl] where N = B*T and Cl is the local residual width (C, or C/p under btp);
 Hl, Hkvl are the local heads.
 """
 
+from dataclasses import dataclass
+
 from boostmpi.model import layers
-from boostmpi.parallel.tensor_parallel import NO_TAPE
+from boostmpi.model.recompute import NO_TAPE
 
 
-def block_forward(h, i, P, tpx, rope, shape, tape=NO_TAPE, recompute=False):
-    """One decoder layer: h + attn(norm(h)), then + mlp(norm(.)). Returns (h_out, cache).
+@dataclass
+class BlockCache:
+    """What a block's backward reads. The backward takes each part out (`pop`) as it reads it,
+    so the layer's activations leave memory while its backward runs."""
+    qkv: object  # the strategy's cache of attn_norm and q/k/v
+    attn: object  # layers.AttentionCache
+    o: object
+    gate_up: object  # the strategy's cache of mlp_norm and gate/up
+    gate: tuple  # (g, u, sigmoid(g) when kept, else None)
+    down: object = None
 
-    `recompute=True`: a recompute whose cache the backward consumes at once. It never reads the
-    layer's output, so the strategy may skip the last B product (local work only, never a
-    collective), and the cache may hold what the backward would otherwise compute again (the
-    sigmoids of the SiLUs, the attention probabilities): the same bits either way."""
-    B, T = shape
-    N = B * T
-    Dh = tpx.C // tpx.cfg.model.n_heads
-    pre = f"layers/{i}/"
-    (q, k, v), c_qkv = tpx.in_proj_forward(h, pre + "attn_norm", [pre + "q", pre + "k", pre + "v"], P, tape,
-                                           recompute=recompute)
-    q = layers.rope_forward(q.reshape(B, T, tpx.n_heads, Dh), *rope)
-    k = layers.rope_forward(k.reshape(B, T, tpx.n_kv_heads, Dh), *rope)
-    stats = tape.replay() if tape.replaying else None  # lowrank keeps the softmax statistics
-    o, c_att = layers.attention_forward(q, k, v.reshape(B, T, tpx.n_kv_heads, Dh), keep_probs=recompute, stats=stats)
-    tape.record(c_att[4:6])
-    y, c_o = tpx.out_proj_forward(o.reshape(N, -1), pre + "o", P, tape, recompute=recompute)
-    h = h + y
-    (g, u), c_gu = tpx.in_proj_forward(h, pre + "mlp_norm", [pre + "gate", pre + "up"], P, tape, recompute=recompute)
-    act = tpx.cfg.model.mlp_gate_act
-    a, s_gate = layers.gate_forward_for(g, u, act, recompute)
-    y, c_down = tpx.out_proj_forward(a, pre + "down", P, tape, need_output=not recompute, recompute=recompute)
-    return (h + y if y is not None else None), [c_qkv, c_att, c_o, c_gu, (g, u, act, s_gate), c_down]
+    def pop(self, part):
+        value = getattr(self, part)
+        setattr(self, part, None)
+        return value
 
 
-def block_backward(dh, cache, P, Gr, tpx, rope):
-    """Accumulates the layer's parameter gradients into Gr; returns d(input residual).
+class Block:
+    """Decoder layer i, bound to this rank's parameters P, strategy and rope tables, for
+    micro-batches of shape (B, T): h + attn(norm(h)), then + mlp(norm(.))."""
 
-    `cache` (the list block_forward returned) is emptied, and each part is let go as soon as the
-    backward has read it, so the layer's activations leave memory while its backward runs."""
-    c_qkv, c_att, c_o, c_gu, (g, u, act, s_gate), c_down = cache
-    cache.clear()
-    da = tpx.out_proj_backward(dh, c_down, P, Gr)
-    del c_down
-    dg, du = layers.gate_backward(da, g, u, act, s_gate)
-    del da, g, u, s_gate
-    dh = dh + tpx.in_proj_backward([dg, du], c_gu, P, Gr)
-    del dg, du, c_gu
-    do = tpx.out_proj_backward(dh, c_o, P, Gr)
-    del c_o
-    B, T = c_att[1].shape[0], c_att[1].shape[2]
-    dq, dk, dv = layers.attention_backward(do.reshape(B, T, -1), c_att)
-    del do, c_att
-    dq = layers.rope_backward(dq, *rope).reshape(B * T, -1)
-    dk = layers.rope_backward(dk, *rope).reshape(B * T, -1)
-    return dh + tpx.in_proj_backward([dq, dk, dv.reshape(B * T, -1)], c_qkv, P, Gr)
+    def __init__(self, i, P, tpx, rope, shape):
+        self.i, self.P, self.tpx, self.rope, self.shape = i, P, tpx, rope, shape
+        self.pre = f"layers/{i}/"
+
+    def forward(self, h, tape=NO_TAPE):
+        """-> (h_out, BlockCache)."""
+        h, a, cache = self._up_to_down(h, tape)
+        y, cache.down = self.tpx.out_proj_forward(a, self.pre + "down", self.P, tape)
+        return h + y, cache
+
+    def recompute(self, h, tape):
+        """The BlockCache of the forward again, for a backward that follows at once (`tape` replays
+        or reruns): the layer's output is never read, so it is not produced."""
+        h, a, cache = self._up_to_down(h, tape)
+        cache.down = self.tpx.out_proj_cache(a, self.pre + "down", self.P, tape)
+        return cache
+
+    def _up_to_down(self, h, tape):
+        P, tpx, rope, pre = self.P, self.tpx, self.rope, self.pre
+        B, T = self.shape
+        Dh = tpx.C // tpx.cfg.model.n_heads
+        (q, k, v), c_qkv = tpx.in_proj_forward(h, pre + "attn_norm", [pre + "q", pre + "k", pre + "v"], P, tape)
+        q = layers.rope_forward(q.reshape(B, T, tpx.n_heads, Dh), *rope)
+        k = layers.rope_forward(k.reshape(B, T, tpx.n_kv_heads, Dh), *rope)
+        stats = tape.take() if tape.replaying else None  # lowrank keeps the softmax statistics
+        o, c_att = layers.attention_forward(q, k, v.reshape(B, T, tpx.n_kv_heads, Dh),
+                                            keep_probs=tape.backward_follows, stats=stats)
+        tape.keep((c_att.row_max, c_att.row_sum))
+        y, c_o = tpx.out_proj_forward(o.reshape(B * T, -1), pre + "o", P, tape)
+        h = h + y
+        (g, u), c_gu = tpx.in_proj_forward(h, pre + "mlp_norm", [pre + "gate", pre + "up"], P, tape)
+        a, s_gate = layers.gate_and_sigmoid(g, u, tpx.cfg.model.mlp_gate_act, keep=tape.backward_follows)
+        return h, a, BlockCache(c_qkv, c_att, c_o, c_gu, (g, u, s_gate))
+
+    def backward(self, dh, cache, Gr):
+        """Accumulates the layer's parameter gradients into Gr; returns d(input residual)."""
+        P, tpx, rope = self.P, self.tpx, self.rope
+        act = tpx.cfg.model.mlp_gate_act
+        da = tpx.out_proj_backward(dh, cache.pop("down"), P, Gr)
+        g, u, s_gate = cache.pop("gate")
+        dg, du = layers.gate_backward(da, g, u, act, s_gate)
+        del da, g, u, s_gate
+        dh = dh + tpx.in_proj_backward([dg, du], cache.pop("gate_up"), P, Gr)
+        del dg, du
+        do = tpx.out_proj_backward(dh, cache.pop("o"), P, Gr)
+        B, T = self.shape
+        dq, dk, dv = layers.attention_backward(do.reshape(B, T, -1), cache.pop("attn"))
+        del do
+        dq = layers.rope_backward(dq, *rope).reshape(B * T, -1)
+        dk = layers.rope_backward(dk, *rope).reshape(B * T, -1)
+        return dh + tpx.in_proj_backward([dq, dk, dv.reshape(B * T, -1)], cache.pop("qkv"), P, Gr)

@@ -17,11 +17,12 @@ import numpy as np
 from boostmpi.backend import compute_dtype, get_xp, keep_host_memory, param_dtype
 from boostmpi.model import layers
 from boostmpi.model.params import FlatBuffer, init_local, param_specs, split_range, stage_layers
-from boostmpi.model.transformer import block_backward, block_forward
+from boostmpi.model.recompute import POLICIES, Saved, Tape
+from boostmpi.model.transformer import Block, BlockCache
 from boostmpi.parallel.comm import WATCHDOG, configure_watchdog
 from boostmpi.parallel.grid import ProcessGrid
 from boostmpi.parallel.pipeline import one_f_one_b
-from boostmpi.parallel.tensor_parallel import Tape, make_strategy
+from boostmpi.parallel.tensor_parallel import make_strategy
 from boostmpi.train.optim import clip_coefficient
 
 
@@ -31,6 +32,8 @@ def _nbytes(obj, seen):
         return 0
     if isinstance(obj, Tape):
         return _nbytes(obj.items, seen)
+    if isinstance(obj, (Saved, BlockCache)):
+        return _nbytes(vars(obj), seen)
     if isinstance(obj, dict):
         return sum(_nbytes(o, seen) for o in obj.values())
     if isinstance(obj, (tuple, list)):
@@ -55,12 +58,12 @@ class Engine:
         if self.xp is np:
             keep_host_memory()
         else:
-            from boostmpi.parallel.nccl import select_device
+            from boostmpi.parallel.startup import resolve_comm, select_gpu
 
-            self.device_id = select_device(local_rank)
+            self.device_id = select_gpu(world, local_rank)  # and no two ranks of a node on one GPU
             # MPI reads GPU buffers directly (CUDA-aware MPI): the producing stream must be done first
             sync = lambda: self.xp.cuda.get_current_stream().synchronize()  # noqa: E731
-            use_nccl = par.comm in ("auto", "nccl")
+            use_nccl = resolve_comm(par.comm, world) == "nccl"  # "auto" falls back to MPI if NCCL is missing
         configure_watchdog(par.watchdog_s)  # a collective waiting longer than this ends the job
         self.grid = ProcessGrid(world, par.tp, par.pp, par.dp, overlap=par.overlap, sync=sync, use_nccl=use_nccl)
         c = self.grid.coords
@@ -78,7 +81,7 @@ class Engine:
         self.cparams = self.params if same else FlatBuffer(self.specs, self.cdtype, self.xp)
         self.tpx = make_strategy(cfg, self.grid)
         self.rope = layers.rope_tables(m.seq_len, m.d_model // m.n_heads, m.rope_theta, self.cdtype, self.xp)
-        self.recompute = tr.recompute
+        self.policy = POLICIES[tr.recompute]()
         self.saved_activation_bytes = 0  # per micro-batch, this stage, from the last step
         self.saved_activation_bytes_per_layer = []
         self._buckets = self._bucket_ranges()
@@ -114,31 +117,27 @@ class Engine:
             self.cparams.data[...] = self.params.data
 
     def _stage_forward(self, x, y, h, keep=True):
-        """Returns (h_out or loss, saved). `h` is the received activation (None on the first stage)."""
+        """Returns (h_out or loss, saved). `h` is the received activation (None on the first stage).
+        With `keep`, `saved` holds what the recompute policy keeps for the backward."""
         P, tpx, B, T = self.cparams, self.tpx, x.shape[0], x.shape[1]
         ids = self.xp.asarray(x.reshape(-1))
         if self.first:
             h = tpx.embed_forward(ids, P)
         saved = {"ids": ids, "layers": []}
         for i in self.layers:
+            block = Block(i, P, tpx, self.rope, (B, T))
             if not keep:
-                h, _ = block_forward(h, i, P, tpx, self.rope, (B, T))
-            elif self.recompute == "none":
-                h, cache = block_forward(h, i, P, tpx, self.rope, (B, T))
-                saved["layers"].append(cache)
-            elif self.recompute == "layer":
-                saved["layers"].append(h)
-                h, _ = block_forward(h, i, P, tpx, self.rope, (B, T))
-            else:  # lowrank: the residual, the post-all-reduce rank-r activations, the softmax statistics
-                tape = Tape("record")
-                # the first layer's input is the embedding lookup: without a collective, it is
-                # looked up again from the token ids instead of kept
-                look_up_again = self.first and i == self.layers[0] and tpx.embedding_is_local
-                saved["layers"].append((None if look_up_again else h, tape))
-                h, _ = block_forward(h, i, P, tpx, self.rope, (B, T), tape)
+                h, _ = block.forward(h)
+                continue
+            # the first layer's input is the embedding lookup: without a collective, a policy
+            # may look it up again from the token ids instead of keeping it
+            input_is_lookup = self.first and i == self.layers[0] and tpx.embedding_is_local
+            h, entry = self.policy.forward(block, h, input_is_lookup)
+            saved["layers"].append(entry)
         if not self.last:
             return h, saved
-        loss, saved["head"] = tpx.head_forward(h, self.xp.asarray(y.reshape(-1)), P, lean=keep and self.recompute == "lowrank")
+        lean = keep and self.policy.lean_head
+        loss, saved["head"] = tpx.head_forward(h, self.xp.asarray(y.reshape(-1)), P, lean=lean)
         return loss, saved
 
     def _stage_backward(self, dh, saved, shape, scale, on_bucket_done):
@@ -146,23 +145,15 @@ class Engine:
         if self.last:
             dh = tpx.head_backward(saved.pop("head"), scale, P, Gr)
             on_bucket_done("head")
-        # each layer's saved entry is taken out of `saved` and block_backward empties its cache:
-        # activations leave memory layer by layer as the backward goes
+        # each layer's saved entry is taken out of `saved` and the block's backward empties its
+        # cache: activations leave memory layer by layer as the backward goes
+        look_up = lambda: tpx.embed_forward(saved["ids"], P)  # noqa: E731
         for i in reversed(self.layers):
+            block = Block(i, P, tpx, self.rope, shape)
             entry = saved["layers"].pop()
-            if self.recompute == "none":
-                cache = entry
-            elif self.recompute == "layer":  # re-issues this layer's forward collectives
-                _, cache = block_forward(entry, i, P, tpx, self.rope, shape, recompute=True)
-            else:  # replays the recorded collectives: no communication
-                h_in, tape = entry
-                if h_in is None:
-                    h_in = tpx.embed_forward(saved["ids"], P)
-                tape.mode, tape._next = "replay", 0
-                _, cache = block_forward(h_in, i, P, tpx, self.rope, shape, tape, recompute=True)
-                del h_in, tape
+            cache = self.policy.cache(block, entry, look_up)
             del entry
-            dh = block_backward(dh, cache, P, Gr, tpx, self.rope)
+            dh = block.backward(dh, cache, Gr)
             on_bucket_done(i)
         if self.first:
             tpx.embed_backward(saved["ids"], dh, Gr)

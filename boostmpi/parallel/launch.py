@@ -8,13 +8,15 @@ on any rank ends the whole job with MPI_Abort after printing the rank and traceb
 
 import faulthandler
 import os
+import shutil
 import signal
 import sys
 import traceback
 
 from boostmpi.errors import UserError
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # Slurm's --signal and time limit, PBS's qdel / walltime
+# Slurm's --signal and time limit, PBS's qdel / walltime, Ctrl-C on an interactive mpiexec
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _stop_signal = None
 
 
@@ -24,7 +26,7 @@ def _record_stop_signal(signum, frame):
 
 
 def stop_signal_received():
-    """The stop signal (SIGTERM/SIGUSR1) that arrived during start-up, before training took over, or None."""
+    """The stop signal (SIGTERM/SIGUSR1/SIGINT) that arrived during start-up, before training took over, or None."""
     return _stop_signal
 
 
@@ -55,6 +57,29 @@ def init_mpi():
     local_rank = local.Get_rank()
     local.Free()
     return (world if size > 1 else None), rank, size, local_rank
+
+
+def find_mpiexec(python=None):
+    """The `mpiexec` that starts ranks of `python` (default: this interpreter) on this machine.
+
+    In order: $BOOSTMPI_MPIEXEC (a command name or path); the `mpiexec` next to the interpreter (a
+    venv with the [mpich] extra has MPICH's); `mpiexec` on PATH (a venv whose mpi4py was built
+    against the system MPI). Batch jobs never use this: they call the site's launcher (jobs/).
+    """
+    chosen = os.environ.get("BOOSTMPI_MPIEXEC")
+    if chosen:
+        found = shutil.which(chosen)
+        if found is None:
+            raise UserError(f"BOOSTMPI_MPIEXEC={chosen} is not an executable command")
+        return found
+    beside = os.path.join(os.path.dirname(python or sys.executable), "mpiexec")
+    if os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise UserError(f"no mpiexec next to {python or sys.executable} or on PATH; install boostmpi[mpich] "
+                        "or the system MPI (apt-get install mpich), or set BOOSTMPI_MPIEXEC")
+    return found
 
 
 def mpi_library():

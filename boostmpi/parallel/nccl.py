@@ -35,6 +35,22 @@ def _nccl():
     return nccl
 
 
+def nccl_unavailable_reason():
+    """None when CuPy can load NCCL (RCCL on ROCm), else why not, in a few words."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # CuPy warns when the library is missing; the caller says it once
+            warnings.simplefilter("ignore")
+            from cupy.cuda import nccl
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no NCCL"
+        return f"cupy.cuda.nccl does not import ({type(exc).__name__}: {exc})"
+    if not getattr(nccl, "available", True) or not hasattr(nccl, "NcclCommunicator"):
+        return ("CuPy cannot load the NCCL library (CUDA wheels: pip install boostmpi[gpu], which brings "
+                "nvidia-nccl-cu12; or load the site's nccl module; ROCm: RCCL comes with the rocm module)")
+    return None
+
+
 def _dtype(nccl, dtype):
     import numpy as np
 

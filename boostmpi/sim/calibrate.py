@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 from boostmpi.errors import UserError
+from boostmpi.files import write_file_atomically
+from boostmpi.parallel.launch import find_mpiexec
 
 # (m, n, k): squares, then thin in each dim, the shapes of low-rank layers on a small model
 GEMM_SHAPES = [(64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 512),
@@ -46,7 +48,7 @@ def run(args):
         raise UserError(f"directory of --out {out} does not exist")
     started = time.perf_counter()
     compute = _run_probe([sys.executable, "-m", "boostmpi.sim.calibrate", "--probe-compute"], "compute")
-    mpiexec = _find_mpiexec()
+    mpiexec = find_mpiexec()
     network = _run_probe([mpiexec, "-n", str(args.ranks), sys.executable, "-m", "boostmpi.sim.calibrate",
                           "--probe-mpi"], "MPI")
     profile = build_profile(args.name, compute, network, args.ranks)
@@ -55,7 +57,7 @@ def run(args):
     header = (f"# Measured by `boostmpi calibrate --ranks {args.ranks}` on {os.uname().nodename} "
               f"in {time.perf_counter() - started:.0f} s.\n# One device = one MPI rank on one core, "
               "single-threaded NumPy. docs/SIM.md explains each key.\n")
-    out.write_text(header + machine_to_toml(profile, _NOTES))
+    write_file_atomically(out, header + machine_to_toml(profile, _NOTES))
     machine_from_file(out)  # what we wrote must read back
     print(f"wrote {out}: float64 {profile.peak_flops['float64'] / 1e9:.1f} GFLOP/s, "
           f"float32 {profile.peak_flops['float32'] / 1e9:.1f} GFLOP/s, elementwise "
@@ -75,14 +77,6 @@ _NOTES = {
     "intra_node_latency": "fitted ring all-reduce step latency",
     "inter_node_bandwidth": "not measured: same as intra-node",
 }
-
-
-def _find_mpiexec():
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if not found:
-        raise UserError(f"no mpiexec next to {sys.executable} or on PATH: cannot measure MPI")
-    return found
 
 
 def _run_probe(command, what):
@@ -130,7 +124,7 @@ def fit_gemm_overheads(machine, measured):
     """Grid search of (k0, c0) minimising the squared log error of the model's GEMM times."""
     from dataclasses import replace
 
-    from boostmpi.sim.model import ITEMSIZE, gemm_seconds
+    from boostmpi.sim.costs import ITEMSIZE, gemm_seconds
 
     grid = [0.0] + [2.0 ** i for i in range(0, 11)]
     best = None
@@ -260,7 +254,7 @@ def _probe_main(argv):
     kind, out = argv[0], Path(argv[-1])
     result = probe_compute() if kind == "--probe-compute" else probe_mpi()
     if result is not None:
-        out.write_text(json.dumps(result))
+        write_file_atomically(out, json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@
 """
 
 import json
+import os
 
 from boostmpi.errors import UserError
+from boostmpi.files import atomic_file
 from boostmpi.sim.machines import load_machine
 from boostmpi.sim.model import BREAKDOWN_KEYS, predict
 from boostmpi.sim.sweep import format_table, sweep
@@ -116,7 +118,8 @@ def plot_breakdowns(labelled, path, title):
     ax.legend(fontsize=7)
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=120)
+        with atomic_file(path, "wb") as f:
+            fig.savefig(f, format=os.path.splitext(path)[1].lstrip(".").lower() or "png", dpi=120)
     except OSError as exc:
         raise UserError(f"cannot write plot {path}: {exc.strerror or exc}") from None
     finally:

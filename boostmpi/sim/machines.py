@@ -19,6 +19,8 @@ ALIASES = {
     "perlmutter": "a100-80gb",  # the "gpu&hbm80g" nodes; the 40 GB nodes are a100-40gb
     "polaris": "a100-40gb",
     "frontier": "mi250x-gcd",
+    "selene": "a100-80gb-dgx",
+    "dgx-a100": "a100-80gb-dgx",
     "a100": "a100-80gb",
     "h100": "h100-sxm",
     "mi250x": "mi250x-gcd",

@@ -8,11 +8,20 @@ from boostmpi.errors import UserError
 
 
 def register(subparsers):
-    p = subparsers.add_parser("train", help="train a model (run under mpiexec/srun for several ranks)")
+    p = subparsers.add_parser(
+        "train", help="train a model (run under mpiexec/srun for several ranks)",
+        description="Train the configured model on one process or, under mpiexec/srun, on tp x pp x dp MPI ranks. "
+                    "Writes train.run_dir: config.toml, metrics.jsonl (one JSON line per step) and checkpoints/. "
+                    "Started again, it resumes from the run directory's latest checkpoint. SIGTERM, SIGUSR1 or "
+                    "Ctrl-C (SIGINT) write a checkpoint at the next step boundary and stop.",
+        epilog="exit status: 0 finished train.steps; 75 stopped early by a signal, with a checkpoint to resume from "
+               "(run the same command again); 2 bad input (configuration, data, checkpoint, filesystem); "
+               "1 internal failure")
     p.add_argument("--config", required=True, help="TOML configuration file")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a configuration key")
     p.add_argument("--resume", default=None, metavar="CHECKPOINT",
-                   help="resume from this checkpoint (default: the run directory's latest complete one, if any)")
+                   help="start from this checkpoint instead: a run directory (its latest checkpoint), its "
+                        "checkpoints/latest file, or a step folder (default: this run directory's latest, if any)")
     p.set_defaults(func=run)
 
 
@@ -24,9 +33,12 @@ def run(args):
 
     def body():
         from boostmpi.config import load_config
+        from boostmpi.parallel.startup import check_mpi
+
+        check_mpi(world, rank, local_rank)  # prints the MPI library and transport; refuses a wrong MPI
 
         cfg = load_config(args.config, overrides=args.set, world_size=size)
-        from boostmpi.train.trainer import Trainer, prepare_builtin
+        from boostmpi.train.trainer import STOPPED_EARLY_EXIT, Trainer, prepare_builtin
 
         if rank == 0:
             print(banner(cfg, args.config, size, local_rank), flush=True)
@@ -47,6 +59,8 @@ def run(args):
             # data and checkpoint problems may be seen by some ranks only: end the job from here
             exc.all_ranks = getattr(exc, "all_ranks", world is None)
             raise
+        if result["preempted"]:  # the trainer printed the one line saying so
+            return STOPPED_EARLY_EXIT
         if rank == 0:
             print(f"done: step {result['step']}; results in {cfg.train.run_dir} "
                   f"(metrics.jsonl, config.toml, checkpoints/)", flush=True)

@@ -40,21 +40,37 @@ def prepare_builtin(cfg, is_root):
         ensure_builtin(cfg.data.builtin_dir)
 
 
+# the exit status of a run stopped early by a signal, with a checkpoint to resume from (sysexits.h's
+# EX_TEMPFAIL: "try again later"); a finished run exits 0
+STOPPED_EARLY_EXIT = 75
+
+
 class _Preemption:
-    """SIGTERM / SIGUSR1 set a flag; the loop checkpoints at the next step boundary and exits cleanly."""
+    """SIGTERM / SIGUSR1 / SIGINT set a flag; the loop checkpoints at the next step boundary and exits.
+    A second SIGINT (Ctrl-C pressed again) stops at once, without a checkpoint."""
 
     def __init__(self):
-        from boostmpi.parallel.launch import stop_signal_received
+        from boostmpi.parallel.launch import STOP_SIGNALS, stop_signal_received
 
         self.signal = stop_signal_received()  # one that arrived during start-up is not lost
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        self._since = time.monotonic()
+        for sig in STOP_SIGNALS:
             try:
                 signal.signal(sig, self._handler)
             except ValueError:  # not the main thread
                 pass
 
     def _handler(self, signum, frame):
-        self.signal = signum
+        now = time.monotonic()
+        # the same Ctrl-C can arrive twice at once (from the terminal and forwarded by the launcher)
+        if signum == signal.SIGINT and self.signal == signal.SIGINT and now - self._since > 1.0:
+            print("interrupted again: stopping now, without a checkpoint", file=sys.stderr, flush=True)
+            os._exit(130)
+        if self.signal is None:
+            self.signal, self._since = signum, now
+
+    def name(self):
+        return signal.Signals(self.signal).name if self.signal is not None else "a signal on another rank"
 
 
 def peak_memory_bytes(xp):
@@ -243,7 +259,8 @@ class Trainer:
                 if self._preempted():
                     if not (every and self.step % every == 0) and self.step != tr.steps:
                         self.save_checkpoint()
-                    self.log(f"stopped by signal at step {self.step}: checkpoint written, resume by running the same command")
+                    self.log(f"stopped by signal at step {self.step}: checkpoint written, resume by running the same command "
+                             f"({self.preemption.name()}; exit status {STOPPED_EARLY_EXIT})")
                     return {"step": self.step, "preempted": True, "val_loss": last_val}
         finally:
             if metrics:

@@ -1,0 +1,112 @@
+"""Recompute: what a layer keeps between its forward and its backward, and how it gets the rest back.
+
+`[train] recompute` picks one policy (`POLICIES`):
+  none      the layer's whole cache is kept.
+  layer     only the layer's input is kept; the backward runs the layer's forward again first,
+            collectives included.
+  lowrank   the layer's input and a `Tape` are kept: what each of the layer's collectives produced
+            (the post-all-reduce rank-R activations, with the RMSNorm statistic that rode along)
+            and the attention's two softmax statistics per head and token. The recompute replays
+            the tape instead of computing the A GEMMs and communicating again, and instead of
+            reducing the attention scores again. The first layer of the first stage keeps no input
+            when the embedding lookup is local: it is looked up again from the token ids.
+
+A forward learns what is asked of it from the `Tape` it is handed (its `mode`):
+  "forward"  a plain forward: keeps nothing extra.
+  "record"   lowrank's forward: `keep` appends each collective's result.
+  "replay"   lowrank's recompute: `take` hands them back in order.
+  "rerun"    layer's recompute: everything computed again.
+In the last two the backward follows at once (`backward_follows`): the forward's cache may then
+also hold what the backward would otherwise compute again (the SiLUs' sigmoids, the attention's
+probability tiles) and the layer's output, which nothing reads, is not produced.
+"""
+
+from dataclasses import dataclass
+
+
+class Tape:
+    def __init__(self, mode="forward"):
+        self.mode = mode
+        self.items = []  # tuples of arrays (None for an absent statistic), in forward order
+        self._next = 0
+
+    def start_recording(self):
+        self.mode, self.items, self._next = "record", [], 0
+        return self
+
+    def start_replaying(self):
+        self.mode, self._next = "replay", 0
+        return self
+
+    @property
+    def replaying(self):
+        return self.mode == "replay"
+
+    @property
+    def backward_follows(self):
+        return self.mode in ("replay", "rerun")
+
+    def keep(self, item):
+        """Record `item` when recording; returns it either way."""
+        if self.mode == "record":
+            self.items.append(item)
+        return item
+
+    def take(self):
+        """The next recorded item (replaying)."""
+        item = self.items[self._next]
+        self._next += 1
+        return item
+
+    def nbytes(self):
+        return sum(a.nbytes for item in self.items for a in item if a is not None)
+
+
+NO_TAPE = Tape()  # a plain forward
+RERUN = Tape("rerun")  # the recompute of a layer that kept only its input
+
+
+@dataclass
+class Saved:
+    """What one layer keeps between its forward and its backward."""
+    cache: object = None  # the whole cache (none)
+    h: object = None  # the layer's input (layer, lowrank; None where it is looked up again)
+    tape: Tape = None  # lowrank
+
+
+class NoRecompute:
+    lean_head = False
+
+    def forward(self, block, h, input_is_lookup):
+        h_out, cache = block.forward(h)
+        return h_out, Saved(cache=cache)
+
+    def cache(self, block, saved, look_up):
+        return saved.cache
+
+
+class LayerRecompute:
+    lean_head = False
+
+    def forward(self, block, h, input_is_lookup):
+        h_out, _ = block.forward(h)
+        return h_out, Saved(h=h)
+
+    def cache(self, block, saved, look_up):
+        return block.recompute(saved.h, RERUN)  # re-issues the layer's forward collectives
+
+
+class LowRankRecompute:
+    lean_head = True  # the head keeps the gathered residual and the softmax statistics, not the logits
+
+    def forward(self, block, h, input_is_lookup):
+        tape = Tape().start_recording()
+        h_out, _ = block.forward(h, tape)
+        return h_out, Saved(h=None if input_is_lookup else h, tape=tape)
+
+    def cache(self, block, saved, look_up):
+        h = look_up() if saved.h is None else saved.h
+        return block.recompute(h, saved.tape.start_replaying())  # no communication
+
+
+POLICIES = {"none": NoRecompute, "layer": LayerRecompute, "lowrank": LowRankRecompute}

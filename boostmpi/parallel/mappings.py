@@ -1,0 +1,80 @@
+"""Region mappings: how a tensor enters and leaves the tensor-parallel region.
+
+The names are Megatron-LM's. Each mapping is a pair of functions, the forward under its own name
+and the backward under `<name>_backward`, and each is one collective (or none) on the tp group:
+
+  mapping                  forward                          backward
+  copy_to_tp_region        identity                         all-reduce (sum)
+  reduce_from_tp_region    all-reduce (sum, or max)         identity
+  gather_from_tp_region    all-gather along the last dim    split: this rank's columns
+  scatter_to_tp_region     split: this rank's columns       all-gather along the last dim
+
+A replicated input that a column-parallel factor reads is *copied to* the region; the partial
+output of a row-parallel factor is *reduced from* it; btp's residual shards are *gathered from*
+it for the head. `*_async` variants start the collective and return a request: `.wait()` on it
+before reading the buffer, so local GEMMs run while the collective travels.
+With a group of one every mapping is the identity and moves nothing.
+"""
+
+from boostmpi.backend import get_array_module
+from boostmpi.model.params import split_range
+
+
+def copy_to_tp_region(x, tp):
+    """forward: identity (every rank reads the same x).  backward: copy_to_tp_region_backward."""
+    return x
+
+
+def copy_to_tp_region_backward(dx, tp):
+    """backward of copy_to_tp_region: the partial input gradients of all ranks, summed in place."""
+    return tp.allreduce(dx)
+
+
+def copy_to_tp_region_backward_async(grads, tp):
+    """copy_to_tp_region_backward of each array in `grads`, started; wait() sums them in place."""
+    return _Requests([tp.iallreduce(g) for g in grads])
+
+
+def reduce_from_tp_region(y, tp, op="sum"):
+    """forward: all-reduce of the partial outputs in place (op "sum", or "max" for a statistic).
+    backward: identity (reduce_from_tp_region_backward)."""
+    return tp.allreduce(y, op=op)
+
+
+def reduce_from_tp_region_backward(dy, tp):
+    """backward of reduce_from_tp_region: every rank already holds the whole gradient."""
+    return dy
+
+
+def gather_from_tp_region(x, tp):
+    """forward: [N, c] shards -> [N, c * p], rank order along the last dim.  backward: scatter_to_tp_region."""
+    if tp.size == 1:
+        return x
+    xp = get_array_module(x)
+    parts = tp.allgather(x)  # [p, N, c]
+    return xp.ascontiguousarray(parts.transpose(1, 0, 2).reshape(x.shape[0], -1))
+
+
+def gather_from_tp_region_backward(dy, tp):
+    """backward of gather_from_tp_region: this rank's columns of the gradient."""
+    return scatter_to_tp_region(dy, tp)
+
+
+def scatter_to_tp_region(x, tp):
+    """forward: this rank's contiguous columns of x [N, C] (the first C mod p ranks one wider).
+    backward: gather_from_tp_region."""
+    if tp.size == 1:
+        return x
+    a, b = split_range(x.shape[-1], tp.size, tp.rank)
+    return get_array_module(x).ascontiguousarray(x[..., a:b])
+
+
+class _Requests:
+    """Several started collectives, completed together by `wait()`."""
+
+    def __init__(self, reqs):
+        self.reqs = reqs
+
+    def wait(self):
+        for r in self.reqs:
+            r.wait()

@@ -1,0 +1,264 @@
+"""Start-up checks, run on every rank before any training work, so that a wrong setting shows in
+the first lines of the log instead of as a slow or silently broken run.
+
+- `check_mpi(world, rank, local_rank)`: prints (rank 0) the MPI library, the file it was loaded
+  from, its transport where the library says so, and how many nodes the ranks span. It refuses a
+  multi-node batch job (Slurm or PBS) that runs on the MPICH wheel from PyPI: that MPICH's own
+  network stack cannot use the site's high-speed network (Slingshot's `cxi`), so the job would
+  crawl over TCP or die at launch. `BOOSTMPI_ALLOW_PYPI_MPI=1` overrides. It also refuses ranks
+  that each see a world of one while the launcher started several: an MPI that cannot talk to
+  the launcher (each rank would train alone).
+- `select_gpu(world, local_rank)`: makes this rank's GPU current, then every rank gathers the
+  PCI bus id of its GPU. Two ranks of one node on the same GPU stop the job (with one GPU visible
+  per rank, device ids alone cannot show that), and so does a GPU-mapping variable that the job
+  promised (`BOOSTMPI_GPU_MAP_VAR`, set by the Polaris job to `PMI_LOCAL_RANK`) but the launcher
+  did not set.
+- `resolve_comm(requested, world)`: for GPU runs, "nccl" when every rank can load NCCL (RCCL on
+  ROCm), else "mpi" with a warning for `parallel.comm = "auto"`, or a stop for `"nccl"`. MPI
+  carrying GPU buffers on Cray MPICH needs MPICH_GPU_SUPPORT_ENABLED=1: checked here too.
+
+Every verdict that ends the job is reached from gathered or reduced values, so all ranks raise
+the same UserError together (exit 2, printed once) and none is left waiting in a collective.
+"""
+
+import glob
+import importlib.metadata
+import os
+import re
+import sys
+
+from boostmpi.errors import UserError
+
+ALLOW_PYPI_MPI = "BOOSTMPI_ALLOW_PYPI_MPI"
+GPU_MAP_VAR = "BOOSTMPI_GPU_MAP_VAR"
+SITE_SETUP = "jobs/setup_frontier.sh, jobs/setup_perlmutter.sh or jobs/setup_polaris.sh"
+
+
+# ---------------------------------------------------------------- MPI library and transport
+
+def loaded_mpi_library(maps="/proc/self/maps"):
+    """Path of the MPI shared library this process has loaded, or None when it cannot be told."""
+    try:
+        with open(maps) as f:
+            paths = {line.split()[-1] for line in f if "/" in line}
+    except OSError:
+        return None
+    names = re.compile(r"^lib(mpi|mpich)(_[a-z0-9_]+)?\.so")  # libmpi, libmpich, Cray's libmpi_gnu_123
+    found = sorted(p for p in paths if names.match(os.path.basename(p)) and "fort" not in p and "cxx" not in p)
+    return found[0] if found else None
+
+
+def pypi_mpich_libraries():
+    """The shared libraries of the `mpich` wheel from PyPI in this environment (empty when absent)."""
+    try:
+        dist = importlib.metadata.distribution("mpich")
+    except importlib.metadata.PackageNotFoundError:
+        return set()
+    return {os.path.realpath(dist.locate_file(f)) for f in dist.files or () if ".so" in f.name}
+
+
+def is_pypi_mpich(library_path, wheel_libraries):
+    """True when the loaded MPI is the PyPI wheel's (unknown path: when the wheel is installed)."""
+    if library_path is None:
+        return bool(wheel_libraries)
+    return os.path.realpath(library_path) in wheel_libraries
+
+
+def transport(version_text, environ):
+    """What the MPI library says about its transport, plus the variables that choose one."""
+    device = re.search(r"MPICH Device:[ \t]*([^\n]+)", version_text)
+    if device:
+        what = device.group(1)  # ch4:ofi (libfabric), ch4:ucx, ch3:nemesis...
+    elif "CRAY MPICH" in version_text:
+        what = "ofi (Cray MPICH over libfabric; cxi on Slingshot)"
+    elif "Open MPI" in version_text:
+        what = "chosen at run time by Open MPI"
+    else:
+        what = "not reported by the library"
+    chosen = [f"{k}={environ[k]}" for k in ("FI_PROVIDER", "UCX_TLS", "OMPI_MCA_pml") if environ.get(k)]
+    return what + (f" ({', '.join(chosen)})" if chosen else "")
+
+
+def scheduler(environ):
+    """'Slurm', 'PBS' or None: the batch system this process runs under."""
+    if environ.get("SLURM_JOB_ID"):
+        return "Slurm"
+    if environ.get("PBS_JOBID"):
+        return "PBS"
+    return None
+
+
+def launcher_task_count(environ):
+    """How many tasks the launcher says it started (srun, Hydra/PALS PMI), or None."""
+    for key in ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "PALS_SIZE"):
+        value = environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def site_mpi_problem(nodes, batch_system, pypi, environ):
+    """The one-line reason to refuse this job's MPI, or None."""
+    if nodes < 2 or batch_system is None or not pypi or environ.get(ALLOW_PYPI_MPI) == "1":
+        return None
+    return (f"this {nodes}-node {batch_system} job runs on the MPICH wheel from PyPI, whose own network stack "
+            f"cannot use the site's high-speed network; install boostmpi without the [mpich] extra and build "
+            f"mpi4py against the site's MPI ({SITE_SETUP}), or set {ALLOW_PYPI_MPI}=1 to run on it anyway")
+
+
+def count_nodes(world, local_rank):
+    """How many nodes the ranks span, by MPI's own account (ranks sharing memory form a node)."""
+    from mpi4py import MPI
+
+    return 1 if world is None else world.allreduce(int(local_rank == 0), op=MPI.SUM)
+
+
+def check_mpi(world, rank, local_rank, environ=None, out=None):
+    """Print what MPI this job runs on (rank 0) and stop a job whose MPI cannot serve it."""
+    from mpi4py import MPI
+
+    environ = os.environ if environ is None else environ
+    out = out or sys.stdout
+    size = 1 if world is None else world.Get_size()
+    tasks = launcher_task_count(environ)
+    if size == 1 and tasks is not None and tasks > 1:
+        # every process is a world of its own: nothing collective can follow, each one stops
+        raise UserError(f"the launcher started {tasks} tasks but MPI sees a world of 1 rank: mpi4py's MPI cannot "
+                        f"talk to this launcher (for example the PyPI MPICH under srun or PALS); build mpi4py "
+                        f"against the MPI the launcher belongs to ({SITE_SETUP})")
+    library = loaded_mpi_library()
+    pypi = is_pypi_mpich(library, pypi_mpich_libraries())
+    nodes = count_nodes(world, local_rank)
+    any_pypi = pypi if world is None else bool(world.allreduce(int(pypi), op=MPI.MAX))
+    version = MPI.Get_library_version()
+    if rank == 0:
+        name = version.strip().splitlines()[0].strip()
+        print(f"mpi: {name} | {library or 'library file unknown'}{' (PyPI wheel)' if pypi else ''} | "
+              f"transport {transport(version, environ)} | {size} rank(s) on {nodes} node(s)", file=out, flush=True)
+    problem = site_mpi_problem(nodes, scheduler(environ), any_pypi, environ)
+    if problem:
+        raise UserError(problem)
+    return nodes
+
+
+# ---------------------------------------------------------------- one GPU per rank
+
+def gpu_pci_bus_id(device_id):
+    """The PCI bus id of CUDA/ROCm device `device_id` as this process sees it (lower case)."""
+    import cupy
+
+    bus = getattr(cupy.cuda.Device(device_id), "pci_bus_id", None)
+    if bus is None:
+        bus = cupy.cuda.runtime.deviceGetPCIBusId(device_id)
+    return str(bus).strip().lower()
+
+
+def gpu_mapping_problem(records):
+    """The one-line reason to stop, or None. `records`: one (host, rank, PCI bus id, GPU-map variable
+    name or "", whether that variable is set) per rank, gathered from all ranks."""
+    unset = [(rank, var) for _, rank, _, var, is_set in records if var and not is_set]
+    if unset:
+        var = unset[0][1]
+        return (f"{var} is not set on rank(s) {_ranks([r for r, _ in unset])}, but the job maps GPUs to ranks from "
+                f"it ({GPU_MAP_VAR}={var}): start the ranks with the launcher the job script names")
+    owners = {}
+    for host, rank, bus, _, _ in records:
+        owners.setdefault((host, bus), []).append(rank)
+    for (host, bus), ranks in sorted(owners.items()):
+        if len(ranks) > 1:
+            return (f"ranks {_ranks(ranks)} on node {host} share the GPU at PCI bus {bus}: each rank needs its own "
+                    f"GPU; check the launcher's GPU binding (srun --gpus-per-task=1 --gpu-bind=closest, or the "
+                    f"job's CUDA_VISIBLE_DEVICES wrapper) and the ranks per node")
+    return None
+
+
+def check_gpu_per_rank(world, rank, bus_id, environ=None, out=None):
+    """Gather every rank's GPU bus id; stop (all ranks together) on a shared GPU or an unset map variable."""
+    from mpi4py import MPI
+
+    environ = os.environ if environ is None else environ
+    out = out or sys.stdout
+    map_var = environ.get(GPU_MAP_VAR, "")
+    record = (MPI.Get_processor_name(), rank, bus_id, map_var, environ.get(map_var, "") != "" if map_var else True)
+    records = [record] if world is None else world.allgather(record)
+    problem = gpu_mapping_problem(records)
+    if problem:
+        raise UserError(problem)
+    if rank == 0:
+        per_node = {}
+        for host, r, bus, _, _ in records:
+            per_node.setdefault(host, []).append(f"{r}:{bus}")
+        shown = "; ".join(f"{host} {' '.join(v)}" for host, v in sorted(per_node.items())[:4])
+        more = f" (+{len(per_node) - 4} more nodes)" if len(per_node) > 4 else ""
+        print(f"gpus: one per rank, rank:PCI bus | {shown}{more}", file=out, flush=True)
+
+
+def select_gpu(world, local_rank):
+    """Make this rank's GPU current (by local rank) and verify that no two ranks of a node share one."""
+    from boostmpi.parallel.nccl import select_device
+
+    device = select_device(local_rank)
+    rank = 0 if world is None else world.Get_rank()
+    check_gpu_per_rank(world, rank, gpu_pci_bus_id(device))
+    return device
+
+
+# ---------------------------------------------------------------- NCCL / RCCL
+
+def net_plugins(environ):
+    """NCCL/RCCL network plugin libraries the dynamic loader can find (NCCL_NET_PLUGIN, LD_LIBRARY_PATH)."""
+    found = []
+    named = environ.get("NCCL_NET_PLUGIN", "")
+    if named and os.path.isfile(named):
+        found.append(named)
+    for folder in filter(None, environ.get("LD_LIBRARY_PATH", "").split(":")):
+        found += sorted(glob.glob(os.path.join(folder, "lib*ccl-net*.so")))
+    return list(dict.fromkeys(found))
+
+
+def _nccl_version():
+    try:
+        from cupy.cuda import nccl
+
+        v = int(nccl.get_version())
+        return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 10000 else f"{v // 1000}.{v // 100 % 10}.{v % 100}"
+    except Exception:  # noqa: BLE001 - the version is for the log only
+        return "version unknown"
+
+
+def resolve_comm(requested, world, environ=None, out=None, err=None):
+    """'nccl' or 'mpi' for a GPU run: what `parallel.comm` ("auto", "nccl", "mpi") becomes here."""
+    from mpi4py import MPI
+
+    from boostmpi.parallel.nccl import nccl_unavailable_reason
+
+    environ = os.environ if environ is None else environ
+    out, err = out or sys.stdout, err or sys.stderr
+    rank = 0 if world is None else world.Get_rank()
+    choice = "mpi"
+    if requested in ("auto", "nccl"):
+        reason = nccl_unavailable_reason()
+        missing = reason is not None if world is None else bool(world.allreduce(int(reason is not None), op=MPI.MAX))
+        if not missing:
+            choice = "nccl"
+        elif requested == "nccl":
+            raise UserError(f"parallel.comm = \"nccl\" but {reason or 'NCCL cannot be loaded on some rank'}; "
+                            f"install it or set parallel.comm = \"mpi\"")
+        elif rank == 0:
+            print(f"warning: parallel.comm = \"auto\" but {reason or 'NCCL cannot be loaded on some rank'}; "
+                  f"the GPUs exchange data through MPI instead", file=err, flush=True)
+    if choice == "mpi" and "CRAY MPICH" in MPI.Get_library_version() and environ.get("MPICH_GPU_SUPPORT_ENABLED") != "1":
+        raise UserError("MPI would carry GPU buffers but MPICH_GPU_SUPPORT_ENABLED is not 1: set it (with the "
+                        "craype-accel module of the GPU loaded) or make NCCL/RCCL available")
+    if rank == 0:
+        if choice == "nccl":
+            plugins = net_plugins(environ)
+            print(f"comm: nccl {_nccl_version()} | NCCL_NET={environ.get('NCCL_NET', '(unset: any network)')} | "
+                  f"net plugin {', '.join(plugins) if plugins else 'none found'}", file=out, flush=True)
+        else:
+            print("comm: mpi (GPU buffers through MPI)", file=out, flush=True)
+    return choice
+
+
+def _ranks(ranks):
+    return ", ".join(str(r) for r in sorted(ranks)[:8]) + (" ..." if len(ranks) > 8 else "")

@@ -1,0 +1,106 @@
+"""The interface every tensor-parallel strategy implements, and what they share.
+
+  in_proj_forward(x, norm_name, names, P, tape) -> (outs, cache)   norm + the linears reading it
+  in_proj_backward(douts, cache, P, Gr) -> dx
+  out_proj_forward(x, name, P, tape) -> (y, cache)                  o and down, into the residual
+  out_proj_cache(x, name, P, tape) -> cache                         the same cache, y not needed
+  out_proj_backward(dy, cache, P, Gr) -> dx
+  embed_forward(ids, P) -> h, embed_backward(ids, dh, Gr)
+  head_forward(h, targets, P, lean) -> (loss, HeadCache), head_backward(cache, scale, P, Gr) -> dh
+`P` and `Gr` are the parameter and gradient views of this rank. The `tape`
+(boostmpi/model/recompute.py) says what the forward is for: it records the post-communication
+rank-R activations so that recompute = "lowrank" replays them instead of communicating again, and
+when the backward follows at once the cache also holds the SiLU's sigmoid (NumPy path), which the
+backward would otherwise compute again.
+"""
+
+from typing import NamedTuple
+
+from boostmpi.backend import get_array_module
+from boostmpi.model import layers
+from boostmpi.model.layers import concat_cols
+from boostmpi.model.params import split_range
+from boostmpi.parallel import vocab_parallel
+from boostmpi.parallel.mappings import copy_to_tp_region_backward_async
+
+
+class Strategy:
+    def __init__(self, cfg, grid):
+        m = cfg.model
+        self.cfg = cfg
+        self.tp = grid.tp
+        self.p = grid.tp.size
+        self.t = grid.tp.rank
+        self.C = m.d_model
+        self.eps = m.norm_eps
+        self.act = m.arch == "cola"  # a SiLU between the factors
+        self.grouped = cfg.parallel.grouped
+        self.V = m.vocab_size
+        self.v0, self.v1 = split_range(self.V, self.p, self.t)
+        # local residual columns and local heads; a strategy that shards them sets its own
+        self.res_cols = (0, self.C)
+        self.n_heads = m.n_heads
+        self.n_kv_heads = m.n_kv_heads
+
+    # -- the head: final norm on the whole residual, vocabulary-parallel logits and cross-entropy
+    def _gather_residual(self, h):
+        return h
+
+    def _gather_residual_backward(self, dh):
+        return dh
+
+    def out_proj_cache(self, x, name, P, tape):
+        """out_proj_forward's cache, for a recompute that never reads the output."""
+        return self.out_proj_forward(x, name, P, tape)[1]
+
+    def head_forward(self, h, targets, P, lean=False):
+        """h [N, C_local], targets [N] -> (loss: mean CE over N, cache). `lean` (recompute =
+        lowrank): keep only what came out of collectives; the backward recomputes the logits."""
+        return vocab_parallel.head_forward(self._gather_residual(h), targets, P["final_norm"], P["lm_head"],
+                                           self.eps, self.v0, self.tp, lean)
+
+    def head_backward(self, cache, scale, P, Gr):
+        """d(loss)/d(h) for loss = scale * sum of per-token CE; returns dh [N, C_local]."""
+        dh = vocab_parallel.head_backward(cache, scale, P["final_norm"], P["lm_head"], Gr["final_norm"],
+                                          Gr["lm_head"], self.tp)
+        return self._gather_residual_backward(dh)
+
+
+def activate(Z, act, tape):
+    """(silu(Z), its sigmoid when the backward follows at once, else None); (Z, None) without act."""
+    return layers.silu_and_sigmoid(Z, keep=tape.backward_follows) if act else (Z, None)
+
+
+class NormCache(NamedTuple):
+    """The cache of a replicated RMSNorm and the linears that read its output."""
+    x: object  # [N, C] the norm's input
+    norm_name: str
+    rstd: object  # [N, 1]
+    inner: object  # the linears' cache
+
+
+class ReplicatedResidual(Strategy):
+    """What the Megatron-style strategies share: residual and norms replicated on every tp rank,
+    and a vocabulary-parallel embedding."""
+
+    @property
+    def embedding_is_local(self):
+        return self.p == 1
+
+    def embed_forward(self, ids, P):
+        return vocab_parallel.embedding_forward(P["embed"], ids, self.v0, self.v1, self.tp)
+
+    def embed_backward(self, ids, dh, Gr):
+        vocab_parallel.embedding_backward(Gr["embed"], ids, dh, self.v0, self.v1)
+
+
+def column_parallel_input_grad(douts, mats, grouped, tp):
+    """d(input) of column-parallel linears reading one input: sum_j d_j · M_j^T, then
+    copy_to_tp_region's backward, started (one GEMM and one all-reduce when grouped, else one of
+    each per linear). Returns (parts, request): after request.wait() the gradient is sum(parts)."""
+    xp = get_array_module(douts[0])
+    if grouped:
+        parts = [xp.ascontiguousarray(concat_cols(douts) @ concat_cols(mats).T)]
+    else:
+        parts = [xp.ascontiguousarray(d @ M.T) for d, M in zip(douts, mats)]
+    return parts, copy_to_tp_region_backward_async(parts, tp)

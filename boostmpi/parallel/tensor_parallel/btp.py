@@ -1,0 +1,161 @@
+"""Bottleneck-aware tensor parallelism ('btp'): the residual stays sharded along C and the only
+communication of a low-rank group is at rank R.
+
+A group (q/k/v, gate/up, or o, down alone) runs
+  [RMSNorm] -> A row-parallel [C/p, R] -> reduce_from_tp_region (the rank-R activation, with the
+  online RMSNorm's sum of squares riding in the same all-reduce) -> SiLU (cola) on the replicated
+  R-vector -> copy_to_tp_region -> B column-parallel [R, out/p].
+The embedding is sharded along C (no communication); the head gathers the residual from the region.
+"""
+
+from typing import NamedTuple
+
+from boostmpi.backend import get_array_module
+from boostmpi.model import layers
+from boostmpi.model.layers import col_slices, concat_cols, grouped_matmul
+from boostmpi.model.params import split_range
+from boostmpi.model.recompute import NO_TAPE
+from boostmpi.parallel.mappings import (copy_to_tp_region, copy_to_tp_region_backward_async, gather_from_tp_region,
+                                        gather_from_tp_region_backward, reduce_from_tp_region)
+from boostmpi.parallel.tensor_parallel.base import Strategy, activate
+
+
+class BottleneckCache(NamedTuple):
+    x: object  # [N, C/p] the group's input (the residual shard)
+    xw: object  # x * norm weight (x without a norm)
+    norm_name: object  # the RMSNorm's parameter name, None for o and down
+    Z: object  # [N, R] the reduced bottleneck activation, normalised
+    Zs: object  # silu(Z) (cola), else Z
+    rstd: object  # [N, 1] the RMSNorm statistic, None without a norm
+    names: list  # the group's linears
+    sl: list  # their column slices of Z
+    sig: object  # sigmoid(Z) when kept for the backward, else None
+
+
+class BottleneckTP(Strategy):
+    def __init__(self, cfg, grid):
+        super().__init__(cfg, grid)
+        m = cfg.model
+        self.res_cols = split_range(self.C, self.p, self.t)
+        self.n_heads = m.n_heads // self.p
+        self.n_kv_heads = m.n_kv_heads // self.p
+        self.online = cfg.parallel.norm == "online"
+
+    # -- embedding sharded along C: no communication either way
+    embedding_is_local = True
+
+    def embed_forward(self, ids, P):
+        return layers.embedding_forward(P["embed"], ids)
+
+    def embed_backward(self, ids, dh, Gr):
+        layers.embedding_backward(Gr["embed"], ids, dh)
+
+    # -- the head reads the whole residual
+    def _gather_residual(self, h):
+        return gather_from_tp_region(h, self.tp)
+
+    def _gather_residual_backward(self, dh):
+        return gather_from_tp_region_backward(dh, self.tp)
+
+    # -- a low-rank group
+    def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE):
+        return self._bottleneck_forward(x, norm_name, names, P, tape)
+
+    def in_proj_backward(self, douts, cache, P, Gr):
+        return self._bottleneck_backward(douts, cache, P, Gr)
+
+    def out_proj_forward(self, x, name, P, tape=NO_TAPE):
+        outs, cache = self._bottleneck_forward(x, None, [name], P, tape)
+        return outs[0], cache
+
+    def out_proj_cache(self, x, name, P, tape):
+        """Without the output: the B GEMM is skipped (local work only, never a collective)."""
+        return self._bottleneck_forward(x, None, [name], P, tape, output=False)[1]
+
+    def out_proj_backward(self, dy, cache, P, Gr):
+        return self._bottleneck_backward([dy], cache, P, Gr)
+
+    def _bottleneck_forward(self, x, norm_name, names, P, tape, output=True):
+        As = [P[f"{nm}/A"] for nm in names]
+        xw = x * P[norm_name] if norm_name else x
+        if tape.replaying:
+            Z, rstd = tape.take()
+        else:
+            Z, rstd = tape.keep(self._reduce_bottleneck(x, xw, As, norm_name is not None))
+        Zs, sig = activate(copy_to_tp_region(Z, self.tp), self.act, tape)
+        sl = col_slices([A.shape[1] for A in As])
+        outs = grouped_matmul([Zs[:, s] for s in sl], [P[f"{nm}/B"] for nm in names], self.grouped) if output else None
+        return outs, BottleneckCache(x, xw, norm_name, Z, Zs, rstd, names, sl, sig)
+
+    def _reduce_bottleneck(self, x, xw, As, with_norm):
+        """The only forward communication of a btp group: Z = rmsnorm(x)·A exactly, from shards."""
+        xp = get_array_module(x)
+        R = sum(A.shape[1] for A in As)
+        if not with_norm:
+            return self._reduce_products(xw, As, extra=None), None
+        ss = (x * x).sum(axis=-1)
+        if self.online:
+            # the sum of squares rides in the same all-reduce as the unnormalised A-product
+            buf = self._reduce_products(xw, As, extra=ss)
+            rstd = (1.0 / xp.sqrt(buf[:, R] / self.C + self.eps))[:, None]
+            return buf[:, :R] * rstd, rstd
+        # sync: a separate all-reduce of the statistic first, then normalise and multiply
+        reduce_from_tp_region(ss, self.tp)
+        rstd = (1.0 / xp.sqrt(ss / self.C + self.eps))[:, None]
+        return self._reduce_products(xw * rstd, As, extra=None), rstd
+
+    def _reduce_products(self, x, As, extra):
+        """[x·A_1 | x·A_2 | ... | extra] reduced from the tp region: one GEMM and one all-reduce when
+        grouped, else one of each per factor (the statistic riding with the first)."""
+        xp = get_array_module(x)
+        N = x.shape[0]
+        R = sum(A.shape[1] for A in As)
+        buf = xp.empty((N, R + (extra is not None)), dtype=x.dtype)
+        if extra is not None:
+            buf[:, R] = extra
+        if self.grouped:
+            xp.matmul(x, concat_cols(As), out=buf[:, :R])
+            return reduce_from_tp_region(buf, self.tp)
+        sl = col_slices([A.shape[1] for A in As])
+        for j, (s, A) in enumerate(zip(sl, As)):
+            piece = x @ A
+            if j == 0 and extra is not None:
+                piece = reduce_from_tp_region(xp.concatenate([piece, extra[:, None]], axis=1), self.tp)
+                buf[:, s], buf[:, R] = piece[:, :-1], piece[:, -1]
+            else:
+                buf[:, s] = reduce_from_tp_region(xp.ascontiguousarray(piece), self.tp)
+        return buf
+
+    def _bottleneck_backward(self, douts, cache, P, Gr):
+        x, xw, norm_name, Z, Zs, rstd, names, sl, sig = cache
+        xp = get_array_module(x)
+        dZs = xp.empty_like(Z)
+        Bs = [P[f"{nm}/B"] for nm in names]
+        for s, d in zip(sl, grouped_matmul(douts, [B.T for B in Bs], self.grouped)):
+            dZs[:, s] = d
+        # copy_to_tp_region's backward sums the partial dZ of every rank, started before dB's GEMMs
+        # (one all-reduce when grouped, else one per factor)
+        pieces = [dZs] if self.grouped or len(sl) == 1 else [xp.ascontiguousarray(dZs[:, s]) for s in sl]
+        req = copy_to_tp_region_backward_async(pieces, self.tp)
+        for nm, dB in zip(names, grouped_matmul([Zs[:, s].T for s in sl], douts, self.grouped)):
+            Gr[f"{nm}/B"] += dB
+        req.wait()
+        if len(pieces) > 1:
+            for s, piece in zip(sl, pieces):
+                dZs[:, s] = piece
+        dZ = layers.silu_backward(dZs, Z, sig) if self.act else dZs
+        As = [P[f"{nm}/A"] for nm in names]
+        if norm_name is None:
+            dx = dZ @ concat_cols(As).T
+            for s, nm in zip(sl, names):
+                Gr[f"{nm}/A"] += xw.T @ dZ[:, s]
+            return dx
+        # exact backward of Z = (sum_i xw_i·A_i) * rstd(S), S = sum of squares over all shards;
+        # dZ and Z are replicated over the tp group, so the statistic's gradient dS is local
+        dP = dZ * rstd
+        dS = (-0.5 / self.C) * (dZ * Z).sum(axis=-1, keepdims=True) * (rstd * rstd)
+        dxw = dP @ concat_cols(As).T
+        for s, nm in zip(sl, names):
+            Gr[f"{nm}/A"] += xw.T @ dP[:, s]
+        Gr[norm_name] += (dxw * x).sum(axis=0)
+        return dxw * P[norm_name] + 2.0 * x * dS

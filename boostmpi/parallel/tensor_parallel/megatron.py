@@ -1,0 +1,59 @@
+"""Megatron-LM tensor parallelism for the full-rank model.
+
+  attention: [RMSNorm, replicated] -> copy_to_tp_region -> q/k/v column-parallel (local heads) ->
+             attention on the local heads -> o row-parallel -> reduce_from_tp_region
+  MLP:       [RMSNorm, replicated] -> copy_to_tp_region -> gate/up column-parallel (F/p) ->
+             gated product -> down row-parallel -> reduce_from_tp_region
+The residual and the norms are replicated; embedding and head are vocabulary-parallel.
+"""
+
+from typing import NamedTuple
+
+from boostmpi.backend import get_array_module
+from boostmpi.model import layers
+from boostmpi.model.layers import col_slices, concat_cols
+from boostmpi.model.recompute import NO_TAPE
+from boostmpi.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
+from boostmpi.parallel.tensor_parallel.base import NormCache, ReplicatedResidual, column_parallel_input_grad
+
+
+class LinearCache(NamedTuple):
+    x: object  # [N, in/p] the row-parallel linear's input
+    name: str
+
+
+class MegatronTP(ReplicatedResidual):
+    def __init__(self, cfg, grid):
+        super().__init__(cfg, grid)
+        self.n_heads = cfg.model.n_heads // self.p
+        self.n_kv_heads = cfg.model.n_kv_heads // self.p
+
+    def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE):
+        n, rstd = layers.rmsnorm_forward(x, P[norm_name], self.eps)
+        n = copy_to_tp_region(n, self.tp)
+        Ws = [P[f"{nm}/W"] for nm in names]
+        if self.grouped:
+            y = n @ concat_cols(Ws)
+            outs = [y[:, s] for s in col_slices([W.shape[1] for W in Ws])]
+        else:
+            outs = [n @ W for W in Ws]
+        return outs, NormCache(x, norm_name, rstd, (n, names))
+
+    def in_proj_backward(self, douts, cache, P, Gr):
+        n, names = cache.inner
+        Ws = [P[f"{nm}/W"] for nm in names]
+        parts, req = column_parallel_input_grad(douts, Ws, self.grouped, self.tp)
+        for nm, dy in zip(names, douts):  # weight gradients while the input gradient travels
+            Gr[f"{nm}/W"] += n.T @ dy
+        req.wait()
+        dn = sum(parts[1:], parts[0])
+        return layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, Gr[cache.norm_name])
+
+    def out_proj_forward(self, x, name, P, tape=NO_TAPE):
+        y = get_array_module(x).ascontiguousarray(x @ P[f"{name}/W"])
+        return reduce_from_tp_region(y, self.tp), LinearCache(x, name)
+
+    def out_proj_backward(self, dy, cache, P, Gr):
+        x, name = cache
+        Gr[f"{name}/W"] += x.T @ dy  # reduce_from_tp_region's backward is the identity
+        return dy @ P[f"{name}/W"].T

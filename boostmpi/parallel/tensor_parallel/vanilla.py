@@ -1,0 +1,79 @@
+"""Vanilla low-rank tensor parallelism: Megatron's recipe applied to each factor of a low-rank linear.
+
+  [RMSNorm, replicated] -> copy_to_tp_region -> A column-parallel [in, R/p] -> SiLU (cola) on the
+  local R/p slice -> B row-parallel [R/p, out] -> reduce_from_tp_region (the full [N, out] output).
+The residual, the norms and the attention are replicated; embedding and head are vocabulary-parallel.
+"""
+
+from typing import NamedTuple
+
+from boostmpi.backend import get_array_module
+from boostmpi.model import layers
+from boostmpi.model.layers import col_slices, concat_cols
+from boostmpi.model.recompute import NO_TAPE
+from boostmpi.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
+from boostmpi.parallel.tensor_parallel.base import NormCache, ReplicatedResidual, activate, column_parallel_input_grad
+
+
+class FactorCache(NamedTuple):
+    x: object  # [N, in] the group's input (replicated)
+    Z: object  # [N, R/p] x · A, this rank's columns
+    Zs: object  # silu(Z) (cola), else Z
+    names: list  # the group's linears
+    sl: list  # their column slices of Z
+    sig: object  # sigmoid(Z) when kept for the backward, else None
+
+
+class VanillaLowRankTP(ReplicatedResidual):
+    def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE):
+        n, rstd = layers.rmsnorm_forward(x, P[norm_name], self.eps)
+        outs, cache = self._factor_forward(n, names, P, tape)
+        return outs, NormCache(x, norm_name, rstd, cache)
+
+    def in_proj_backward(self, douts, cache, P, Gr):
+        dn = self._factor_backward(douts, cache.inner, P, Gr)
+        return layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, Gr[cache.norm_name])
+
+    def out_proj_forward(self, x, name, P, tape=NO_TAPE):
+        # a recompute produces the output too: its all-reduce is part of the forward's collectives
+        outs, cache = self._factor_forward(x, [name], P, tape)
+        return outs[0], cache
+
+    def out_proj_backward(self, dy, cache, P, Gr):
+        return self._factor_backward([dy], cache, P, Gr)
+
+    def _factor_forward(self, x, names, P, tape):
+        xp = get_array_module(x)
+        x = copy_to_tp_region(x, self.tp)
+        As = [P[f"{nm}/A"] for nm in names]
+        sl = col_slices([A.shape[1] for A in As])
+        if tape.replaying:
+            (Z,) = tape.take()
+        elif self.grouped:
+            Z = tape.keep((x @ concat_cols(As),))[0]
+        else:
+            Z = tape.keep((xp.concatenate([x @ A for A in As], axis=1),))[0]
+        Zs, sig = activate(Z, self.act, tape)
+        ys = [xp.ascontiguousarray(Zs[:, s] @ P[f"{nm}/B"]) for s, nm in zip(sl, names)]
+        if self.grouped and len(ys) > 1 and self.p > 1:  # one all-reduce for the whole group
+            widths = [y.shape[1] for y in ys]
+            buf = reduce_from_tp_region(xp.concatenate(ys, axis=1), self.tp)
+            ys = [buf[:, s] for s in col_slices(widths)]
+        else:
+            ys = [reduce_from_tp_region(y, self.tp) for y in ys]
+        return ys, FactorCache(x, Z, Zs, names, sl, sig)
+
+    def _factor_backward(self, douts, cache, P, Gr):
+        x, Z, Zs, names, sl, sig = cache
+        xp = get_array_module(x)
+        dZs = xp.empty_like(Z)
+        for s, nm, dy in zip(sl, names, douts):  # reduce_from_tp_region's backward is the identity
+            dZs[:, s] = dy @ P[f"{nm}/B"].T
+            Gr[f"{nm}/B"] += Zs[:, s].T @ dy
+        dZ = layers.silu_backward(dZs, Z, sig) if self.act else dZs
+        As = [P[f"{nm}/A"] for nm in names]
+        parts, req = column_parallel_input_grad([dZ[:, s] for s in sl], As, self.grouped, self.tp)
+        for s, nm in zip(sl, names):  # weight gradients while the input gradient travels
+            Gr[f"{nm}/A"] += x.T @ dZ[:, s]
+        req.wait()
+        return sum(parts[1:], parts[0])

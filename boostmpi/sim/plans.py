@@ -1,0 +1,363 @@
+"""Operation plans: what one tensor-parallel rank runs for one layer and one micro-batch.
+
+A plan is a list of operations in forward order (GEMMs, elementwise passes, the attention core,
+collectives), each with the activations its backward needs. The cost model (`costs.py`) prices
+them and the step model (`model.py`) assembles a step from them, so time, bytes per axis and
+activation memory are all read off one list and cannot disagree. The plans follow the engine's
+layouts (docs/DESIGN.md) and the collectives follow docs/COMMUNICATION.md element for element.
+
+Letters as everywhere: N = B*T tokens of a micro-batch, C d_model, F d_ff, K kv width,
+Ra/Rm attention/MLP rank, p = tp. docs/SIM.md explains every term.
+"""
+
+from dataclasses import dataclass, replace
+
+from boostmpi.model.params import tp_strategy
+
+
+# Full-buffer memory passes of the softmax of materialised attention scores, as boostmpi's NumPy
+# attention runs it: forward = mask add (3), max (1), subtract (2), exp (2), sum (1), divide (2);
+# backward = (dP*P) (3) and its row sum (1), subtract (2), multiply (3).
+_SOFTMAX_PASSES = (11, 9)
+_SOFTMAX_REDUCTION_PASSES = 2  # max and sum: what a recompute handed the statistics skips
+# Cross-entropy over the local logits: max, exp-sum, target pick (forward); softmax minus one-hot (backward).
+_CROSS_ENTROPY_PASSES = (3, 3)
+
+
+# ------------------------------------------------------------------ operations of a plan
+@dataclass
+class Gemm:
+    """y[m, n] = x[m, k] @ w[k, n], `batch` times; backward is dx (m, k, n) and dw (k, n, m)."""
+    name: str
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+    saved: int = 0  # elements kept for backward (the input x, unless another op already keeps it)
+
+
+@dataclass
+class Pointwise:
+    """A memory-bound kernel over `elements` values: `passes` full reads/writes forward and backward."""
+    name: str
+    elements: int
+    fwd_passes: float
+    bwd_passes: float
+    saved: int = 0
+
+
+def unary(name, n, saved=0):  # y = f(x): read x, write y; backward reads x and dy, writes dx
+    return Pointwise(name, n, 2, 3, saved)
+
+
+def binary(name, n, saved=0):  # y = f(a, b): backward reads a, b, dy and writes da, db
+    return Pointwise(name, n, 3, 5, saved)
+
+
+@dataclass
+class Attention:
+    """The fused (flash) attention core: B*H heads of T x T x Dh, causal."""
+    name: str
+    heads: int  # B * local q heads
+    T: int
+    Dh: int
+    saved: int = 0
+
+
+@dataclass
+class Collective:
+    """`kind` allreduce or allgather of `elements` contributed per member, in the forward or backward."""
+    name: str
+    kind: str
+    elements: int
+    phase: str  # "fwd" or "bwd"
+    saved: int = 0
+    keeps_output: bool = True  # under recompute = lowrank its output is kept, so it is never reissued
+
+
+@dataclass
+class Shape:
+    """The sizes a plan needs, per micro-batch and per tensor-parallel rank."""
+    B: int
+    T: int
+    C: int
+    F: int
+    H: int
+    Hkv: int
+    Dh: int
+    V: int
+    Ra: int  # 0 for arch full
+    Rm: int
+    p: int
+    cola: bool
+    gate_act: bool
+    grouped: bool
+    sync_norm: bool
+    attention: str  # "flash" or "matmul"
+    gated: bool = True  # MLP = down(act(gate) * up); False: GPT's down(gelu(up)), no gate
+    # full passes of the softmax over the T x T scores when attention = "matmul": the NumPy
+    # engine's by default; a GPU framework's fused scale-mask-softmax (+ dropout) moves fewer
+    softmax_passes: tuple = _SOFTMAX_PASSES
+    softmax_saved_per_row: int = 2  # what the backward keeps of the scores per row (T: the probs)
+    eager: bool = False  # elementwise work as eager PyTorch runs it (EAGER_PYTORCH_PASSES), not fused
+
+    @property
+    def N(self):
+        return self.B * self.T
+
+    @property
+    def K(self):
+        return self.Hkv * self.Dh
+
+
+def shape_of(cfg, attention):
+    m, par = cfg.model, cfg.parallel
+    ranks = m.linear_shapes()
+    return Shape(B=cfg.train.micro_batch_size, T=m.seq_len, C=m.d_model, F=m.d_ff, H=m.n_heads,
+                 Hkv=m.n_kv_heads, Dh=m.head_dim, V=m.vocab_size, Ra=ranks["q"][2] or 0,
+                 Rm=ranks["gate"][2] or 0, p=par.tp, cola=m.arch == "cola", gate_act=m.mlp_gate_act,
+                 grouped=par.grouped, sync_norm=par.norm == "sync", attention=attention)
+
+
+# ------------------------------------------------------------------ plans
+def attention_core(s, heads, kv_heads):
+    """The attention of `heads` q heads and `kv_heads` kv heads on this rank (q, k, v in, o out)."""
+    N, T, Dh, B = s.N, s.T, s.Dh, s.B
+    # q, k, v are what the backward of the core reads besides its output, which the o GEMM keeps
+    qkv = N * Dh * (heads + 2 * kv_heads)
+    if s.attention == "flash":  # plus the log-sum-exp of every row
+        return [Attention("attention", B * heads, T, Dh, saved=qkv + B * heads * T)]
+    group = heads // kv_heads
+    scores = B * heads * T * T
+    return [
+        Gemm("scores", group * T, T, Dh, batch=B * kv_heads, saved=qkv),
+        # the engine's tiled softmax keeps two statistics per row (maximum, sum), never the T x T
+        # probabilities: its backward recomputes them tile by tile (boostmpi/model/layers.py)
+        Pointwise("softmax", scores, *s.softmax_passes, saved=s.softmax_saved_per_row * B * heads * T),
+        Gemm("probs@v", group * T, Dh, T, batch=B * kv_heads),
+    ]
+
+
+def norm(name, n_tokens, width):
+    return Pointwise(name, n_tokens * width, 2, 3, saved=n_tokens * width + n_tokens)
+
+
+def layer_plan(s, strategy):
+    """One layer, one micro-batch, one tensor-parallel rank: ops in forward order."""
+    ops = {"btp": _btp_layer, "vanilla": _vanilla_layer, "megatron": _megatron_layer}[strategy](s)
+    return eager_pytorch(ops) if s.eager else ops
+
+
+# Full passes (forward, backward) of the elementwise work of a LLaMA block as eager PyTorch runs
+# it, kernel by kernel, instead of the fused kernels of the default plan. A pass is one read or
+# write of the tensor in the 16-bit compute dtype; an fp32 intermediate counts 2.
+#   RMSNorm `(x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).type_as(x) * w`: upcast 1 + 2,
+#     pow 2 + 2, mean 2, scale 2 + 2, downcast 2 + 1, weight 1 + 1 = 18 forward; backward: weight
+#     (dx and the dw reduction) 5, downcast 3, scale 4, its row sum 4, pow 6, sum of the two
+#     gradients 6, upcast 3 = 31;
+#   RoPE through complex fp32 views: upcast 1 + 2, complex product 2 + 2, downcast 2 + 1 = 10
+#     forward, the same 10 backward (per element of q and k);
+#   SwiGLU `silu(a) * b`: silu 1 + 1, product 2 + 1 = 5 forward; backward: both product
+#     gradients 3 + 3, silu 3 = 9;
+#   cross-entropy on logits upcast to fp32: upcast 1 + 2, log-softmax 2 + 2 + 2 = 9 forward;
+#     backward: the scattered gradient 2, log-softmax 6, downcast 3 = 11.
+EAGER_PYTORCH_PASSES = {"norm": (18, 31), "rope": (10, 10), "gate*up": (5, 9), "cross_entropy": (9, 11)}
+
+
+def eager_pytorch(ops):
+    """`ops` with the elementwise passes of eager PyTorch (EAGER_PYTORCH_PASSES)."""
+    out = []
+    for op in ops:
+        kind = "norm" if op.name.endswith("norm") else op.name
+        if isinstance(op, Pointwise) and kind in EAGER_PYTORCH_PASSES:
+            op = replace(op, fwd_passes=EAGER_PYTORCH_PASSES[kind][0], bwd_passes=EAGER_PYTORCH_PASSES[kind][1])
+        out.append(op)
+    return out
+
+
+def _megatron_layer(s):
+    N, C, F, K, p = s.N, s.C, s.F, s.K, s.p
+    ops = [norm("attn_norm", N, C)]
+    widths = {"q": C // p, "k": K // p, "v": K // p}
+    if s.grouped:
+        ops.append(Gemm("qkv", N, sum(widths.values()), C, saved=N * C))
+        ops.append(Collective("qkv.dx", "allreduce", N * C, "bwd"))
+    else:
+        for i, (lin, w) in enumerate(widths.items()):
+            ops.append(Gemm(lin, N, w, C, saved=N * C if i == 0 else 0))
+            ops.append(Collective(f"{lin}.dx", "allreduce", N * C, "bwd"))
+    ops.append(unary("rope", N * (C + K) // p))
+    ops += attention_core(s, s.H // p, s.Hkv // p)
+    ops.append(Gemm("o", N, C, C // p, saved=N * C // p))
+    ops.append(Collective("o.y", "allreduce", N * C, "fwd"))
+    ops.append(binary("residual", N * C))
+    ops.append(norm("mlp_norm", N, C))
+    if not s.gated:  # GPT: up (column-parallel), GELU, down (row-parallel)
+        ops.append(Gemm("up", N, F // p, C, saved=N * C))
+        ops.append(Collective("up.dx", "allreduce", N * C, "bwd"))
+        ops.append(unary("gelu", N * F // p, saved=N * F // p))
+    elif s.grouped:
+        ops.append(Gemm("gate_up", N, 2 * F // p, C, saved=N * C))
+        ops.append(Collective("gate_up.dx", "allreduce", N * C, "bwd"))
+    else:
+        for i, lin in enumerate(("gate", "up")):
+            ops.append(Gemm(lin, N, F // p, C, saved=N * C if i == 0 else 0))
+            ops.append(Collective(f"{lin}.dx", "allreduce", N * C, "bwd"))
+    if s.gated:
+        ops.append(binary("gate*up", N * F // p, saved=2 * N * F // p))
+    ops.append(Gemm("down", N, C, F // p, saved=N * F // p))
+    ops.append(Collective("down.y", "allreduce", N * C, "fwd"))
+    ops.append(binary("residual", N * C))
+    return ops
+
+
+def _vanilla_layer(s):
+    """Megatron applied to each factor: A column-parallel along R, B row-parallel, all-reduce after B."""
+    N, C, F, K, p = s.N, s.C, s.F, s.K, s.p
+    Ra, Rm = s.Ra // p, s.Rm // p
+
+    def factor_pairs(names, d_in, r, outs, saved_input):
+        """Linears sharing one input: grouped = one A GEMM; each B ends in an all-reduce of its output."""
+        ops = []
+        if s.grouped:
+            ops += [Gemm("+".join(names) + ".A", N, r * len(names), d_in, saved=saved_input),
+                    Collective("+".join(names) + ".dx", "allreduce", N * d_in, "bwd")]
+        else:
+            for i, name in enumerate(names):
+                ops += [Gemm(f"{name}.A", N, r, d_in, saved=saved_input if i == 0 else 0),
+                        Collective(f"{name}.dx", "allreduce", N * d_in, "bwd")]
+        if s.cola:
+            ops.append(unary("silu", N * r * len(names), saved=N * r * len(names)))
+        for name, d_out in zip(names, outs):
+            ops += [Gemm(f"{name}.B", N, d_out, r, saved=N * r),
+                    Collective(f"{name}.y", "allreduce", N * d_out, "fwd")]
+        return ops
+
+    ops = [norm("attn_norm", N, C)]
+    ops += factor_pairs(("q", "k", "v"), C, Ra, (C, K, K), N * C)
+    ops.append(unary("rope", N * (C + K)))
+    ops += attention_core(s, s.H, s.Hkv)  # replicated: every rank holds every head
+    ops += factor_pairs(("o",), C, Ra, (C,), N * C)
+    ops.append(binary("residual", N * C))
+    ops.append(norm("mlp_norm", N, C))
+    ops += factor_pairs(("gate", "up"), C, Rm, (F, F), N * C)
+    ops.append(binary("gate*up", N * F, saved=2 * N * F))
+    ops += factor_pairs(("down",), F, Rm, (C,), N * F)
+    ops.append(binary("residual", N * C))
+    return ops
+
+
+def _btp_layer(s):
+    """Bottleneck-aware: residual sharded along C, A row-parallel, all-reduce of the rank-R activation."""
+    N, p = s.N, s.p
+    Cl, Fl, Kl = s.C // p, s.F // p, s.K // p
+    Ra, Rm = s.Ra, s.Rm
+
+    def a_group(names, d_in_local, r, with_norm_statistic):
+        """A GEMMs of linears sharing one input, then their all-reduce(s) of [N, r] each."""
+        stat = N if with_norm_statistic and not s.sync_norm else 0
+        ops = []
+        if with_norm_statistic and s.sync_norm:
+            ops.append(Collective("norm.sumsq", "allreduce", N, "fwd"))
+        if s.grouped:
+            ops += [Gemm("+".join(names) + ".A", N, r * len(names), d_in_local, saved=N * d_in_local),
+                    Collective("+".join(names) + ".z", "allreduce", N * r * len(names) + stat, "fwd")]
+        else:
+            for i, name in enumerate(names):
+                ops += [Gemm(f"{name}.A", N, r, d_in_local, saved=N * d_in_local if i == 0 else 0),
+                        Collective(f"{name}.z", "allreduce", N * r + (stat if i == 0 else 0), "fwd")]
+        if with_norm_statistic:  # z arrives unnormalised: scale each token's row by 1/rms
+            ops.append(unary("norm.scale", N * r * len(names)))
+        if s.cola:
+            ops.append(unary("silu", N * r * len(names), saved=N * r * len(names)))
+        return ops
+
+    def b_gemms(names, r, outs):
+        ops = []
+        for name, d_out in zip(names, outs):
+            ops += [Gemm(f"{name}.B", N, d_out, r, saved=N * r),
+                    Collective(f"{name}.dz", "allreduce", N * r, "bwd")]
+        return ops
+
+    ops = [norm("attn_norm", N, Cl)]
+    ops += a_group(("q", "k", "v"), Cl, Ra, True)
+    ops += b_gemms(("q", "k", "v"), Ra, (Cl, Kl, Kl))
+    ops.append(unary("rope", N * (Cl + Kl)))
+    ops += attention_core(s, s.H // p, s.Hkv // p)
+    ops += a_group(("o",), Cl, Ra, False)
+    ops += b_gemms(("o",), Ra, (Cl,))
+    ops.append(binary("residual", N * Cl))
+    ops.append(norm("mlp_norm", N, Cl))
+    ops += a_group(("gate", "up"), Cl, Rm, True)
+    ops += b_gemms(("gate", "up"), Rm, (Fl, Fl))
+    ops.append(binary("gate*up", N * Fl, saved=2 * N * Fl))
+    ops += a_group(("down",), Fl, Rm, False)
+    ops += b_gemms(("down",), Rm, (Cl,))
+    ops.append(binary("residual", N * Cl))
+    return ops
+
+
+def embedding_plan(s, strategy):
+    N, C, p = s.N, s.C, s.p
+    if strategy == "btp":  # each rank looks up its own columns: no communication
+        return [Pointwise("embedding", N * C // p, 2, 2)]
+    return [Pointwise("embedding", N * C, 2, 2),
+            Collective("embedding.y", "allreduce", N * C, "fwd")]
+
+
+def head_plan(s, strategy):
+    """Final norm, vocabulary-parallel LM head and the sharded cross-entropy."""
+    N, C, p = s.N, s.C, s.p
+    V_local = -(-s.V // p)  # the largest of the uneven vocabulary ranges sets the pace
+    ops = []
+    if strategy == "btp":
+        ops.append(Collective("final.gather", "allgather", N * C // p, "fwd"))
+    ops += [norm("final_norm", N, C),
+            Gemm("lm_head", N, V_local, C, saved=N * C),
+            Collective("lm_head.dx", "allreduce", N * C, "bwd"),
+            Pointwise("cross_entropy", N * V_local, *_CROSS_ENTROPY_PASSES, saved=N * V_local),
+            Collective("ce.max", "allreduce", N, "fwd"),
+            Collective("ce.sums", "allreduce", 2 * N, "fwd")]
+    return eager_pytorch(ops) if s.eager else ops
+
+
+def recompute_plan(ops, recompute):
+    """The forward ops the backward runs again first, or None when nothing is recomputed.
+
+    `layer` runs the whole forward again. `lowrank` keeps the output of every forward collective
+    (btp: the rank-R z after its all-reduce; vanilla: each B output after its all-reduce), so
+    neither those collectives nor the GEMMs that feed them straight in run again; it also keeps
+    the softmax statistics, so the tiled softmax runs again without its two row reductions.
+    """
+    if recompute == "none":
+        return None
+    if recompute == "layer":
+        return list(ops)
+    again = []
+    for op, following in zip(ops, ops[1:] + [None]):
+        feeds_kept = isinstance(following, Collective) and following.phase == "fwd"
+        if isinstance(op, Collective) or (isinstance(op, Gemm) and feeds_kept):
+            continue
+        if isinstance(op, Pointwise) and op.name == "softmax":
+            op = replace(op, fwd_passes=op.fwd_passes - _SOFTMAX_REDUCTION_PASSES)
+        again.append(op)
+    return again
+
+
+def saved_elements(ops):
+    return sum(op.saved for op in ops)
+
+
+def kept_by_lowrank(ops, s):
+    """Elements `recompute = lowrank` keeps per layer besides its input: the outputs of the forward
+    collectives and the attention's softmax statistics (a log-sum-exp per row for flash, the
+    maximum and sum for the engine's tiled attention), so its recompute reduces no scores again."""
+    stats = s.B * (s.H // s.p) * s.T * (1 if s.attention == "flash" else 2)
+    return stats + sum(op.elements for op in ops if isinstance(op, Collective) and op.phase == "fwd")
+
+
+def plan_strategy(cfg):
+    """The plan to use: without tensor parallelism the low-rank modes run the same computation,
+    and the btp plan states what `recompute = lowrank` keeps (the rank-R activations)."""
+    strategy = tp_strategy(cfg)
+    return "btp" if strategy == "vanilla" and cfg.parallel.tp == 1 else strategy

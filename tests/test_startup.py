@@ -1,0 +1,287 @@
+"""Start-up checks (boostmpi/parallel/startup.py): the MPI report and the refusal of the PyPI MPICH
+in a multi-node batch job, the GPU-per-rank check with faked PCI bus ids (no GPU here), and the
+NCCL availability decision on a fake `cupy.cuda.nccl`.
+
+Single-process and under MPI (`mpiexec -n N python -m pytest --with-mpi -m mpi`): the collective
+checks run on every rank with per-rank fake bus ids.
+"""
+
+import io
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from boostmpi.errors import UserError
+from boostmpi.parallel import startup
+from mpi_helpers import collectively, world
+
+REPO = Path(__file__).resolve().parents[1]
+CRAY = "MPI VERSION    : CRAY MPICH version 8.1.28.2 (ANL base 3.4a2)\nMPI BUILD INFO : Wed Nov 15 2023\n"
+MPICH = "MPICH Version:\t4.0.2\nMPICH Release date:\tThu Apr  7 2022\nMPICH ABI:\t14:2:2\nMPICH Device:\tch4:ucx\n"
+
+
+# ---------------------------------------------------------------- MPI library, transport, site MPI
+
+def test_transport_is_read_from_the_library_version_and_the_choosing_variables():
+    assert startup.transport(MPICH, {}) == "ch4:ucx"
+    assert startup.transport(MPICH, {"UCX_TLS": "shm,tcp"}) == "ch4:ucx (UCX_TLS=shm,tcp)"
+    assert startup.transport(CRAY, {"FI_PROVIDER": "cxi"}).startswith("ofi (Cray MPICH over libfabric")
+    assert startup.transport("Open MPI v5.0.3, package: ...", {}) == "chosen at run time by Open MPI"
+    assert startup.transport("Intel(R) MPI Library 2021.6", {}) == "not reported by the library"
+
+
+def test_the_loaded_mpi_library_is_found_in_the_process_map(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libmpichfort.so.12\n"
+                    "7f01-7f02 r-xp 0 08:01 2 /opt/cray/pe/mpich/8.1.28/ofi/gnu/12.3/lib/libmpi_gnu_123.so.12.0.0\n"
+                    "7f02-7f03 r-xp 0 08:01 3 /venv/lib/python3.11/site-packages/mpi4py/MPI.cpython-311.so\n"
+                    "7f03-7f04 rw-p 0 00:00 0 [heap]\n")
+    assert startup.loaded_mpi_library(str(maps)) == "/opt/cray/pe/mpich/8.1.28/ofi/gnu/12.3/lib/libmpi_gnu_123.so.12.0.0"
+    assert startup.loaded_mpi_library(str(tmp_path / "absent")) is None
+
+
+def test_this_process_knows_whether_its_mpi_is_the_pypi_wheel():
+    from mpi4py import MPI  # noqa: F401 - loads the MPI library
+
+    library = startup.loaded_mpi_library()
+    assert library is not None and os.path.exists(library)
+    wheel = startup.pypi_mpich_libraries()
+    # tests/run.sh's venv has the [mpich] extra, and mpi4py loads that wheel's MPICH; the
+    # system-MPI venv has no wheel and loads Debian's
+    assert startup.is_pypi_mpich(library, wheel) == bool(wheel), (library, sorted(wheel))
+    assert startup.is_pypi_mpich(None, {"/x/libmpi.so.12"}) and not startup.is_pypi_mpich(None, set())
+    assert not startup.is_pypi_mpich("/usr/lib/libmpich.so.12", {"/venv/lib/libmpi.so.12"})
+
+
+@pytest.mark.parametrize("nodes, system, pypi, env, refused", [
+    (2, "Slurm", True, {}, True),
+    (4, "PBS", True, {}, True),
+    (2, "Slurm", True, {"BOOSTMPI_ALLOW_PYPI_MPI": "1"}, False),
+    (1, "Slurm", True, {}, False),      # one node: shared memory, the wheel is fine
+    (2, None, True, {}, False),         # no batch system: a workstation's own cluster
+    (2, "PBS", False, {}, False),       # the site's MPI
+])
+def test_a_multinode_batch_job_on_the_pypi_mpich_is_refused(nodes, system, pypi, env, refused):
+    problem = startup.site_mpi_problem(nodes, system, pypi, env)
+    assert (problem is not None) == refused
+    if refused:
+        assert f"{nodes}-node {system} job runs on the MPICH wheel from PyPI" in problem
+        assert "BOOSTMPI_ALLOW_PYPI_MPI=1" in problem and "\n" not in problem
+
+
+def test_the_batch_system_and_the_launcher_task_count_come_from_the_environment():
+    assert startup.scheduler({"SLURM_JOB_ID": "7"}) == "Slurm"
+    assert startup.scheduler({"PBS_JOBID": "7.polaris"}) == "PBS"
+    assert startup.scheduler({}) is None
+    assert startup.launcher_task_count({"SLURM_STEP_NUM_TASKS": "8"}) == 8
+    assert startup.launcher_task_count({"PMI_SIZE": "4"}) == 4
+    assert startup.launcher_task_count({}) is None
+
+
+def _train_args(tmp_path, *sets):
+    args = ["train", "--config", str(REPO / "configs" / "tiny.toml"), "--set", f"train.run_dir={tmp_path / 'run'}",
+            "--set", "train.steps=2", "--set", "checkpoint.every=0"]
+    for kv in sets:
+        args += ["--set", kv]
+    return args
+
+
+@pytest.mark.mpi_skip  # one process pretending to be part of a 2-node job
+def test_train_refuses_a_two_node_slurm_job_on_the_pypi_mpich(tmp_path, monkeypatch, capsys):
+    """The wiring through `boostmpi train`: this machine has one node, so the node count is faked."""
+    from boostmpi.cli import main
+
+    monkeypatch.setattr(startup, "count_nodes", lambda world, local_rank: 2)
+    monkeypatch.setattr(startup, "pypi_mpich_libraries", lambda: {"/the/wheel/libmpi.so.12"})
+    monkeypatch.setattr(startup, "loaded_mpi_library", lambda: "/the/wheel/libmpi.so.12")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("BOOSTMPI_ALLOW_PYPI_MPI", raising=False)
+    assert main(_train_args(tmp_path)) == 2
+    out, err = capsys.readouterr()
+    assert "(PyPI wheel)" in out and "on 2 node(s)" in out
+    assert "error: this 2-node Slurm job runs on the MPICH wheel from PyPI" in err
+    assert not (tmp_path / "run").exists()  # refused before any training work
+
+    monkeypatch.setenv("BOOSTMPI_ALLOW_PYPI_MPI", "1")
+    assert main(_train_args(tmp_path)) == 0
+    assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.mpi_skip  # it starts a process of its own
+def test_ranks_that_each_see_a_world_of_one_are_refused(tmp_path):
+    env = dict(os.environ, SLURM_STEP_NUM_TASKS="2", PYTHONPATH=str(REPO), OPENBLAS_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "boostmpi", *_train_args(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "error: the launcher started 2 tasks but MPI sees a world of 1 rank" in p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- one GPU per rank (faked bus ids)
+
+def test_gpu_mapping_problems():
+    ok = [("n1", 0, "0000:07:00.0", "", True), ("n1", 1, "0000:46:00.0", "", True),
+          ("n2", 2, "0000:07:00.0", "", True)]  # the same bus id on another node is another GPU
+    assert startup.gpu_mapping_problem(ok) is None
+    shared = ok + [("n2", 3, "0000:07:00.0", "", True)]
+    assert startup.gpu_mapping_problem(shared).startswith("ranks 2, 3 on node n2 share the GPU at PCI bus 0000:07:00.0")
+    unset = [("n1", 0, "0000:07:00.0", "PMI_LOCAL_RANK", True), ("n1", 1, "0000:46:00.0", "PMI_LOCAL_RANK", False)]
+    assert startup.gpu_mapping_problem(unset).startswith("PMI_LOCAL_RANK is not set on rank(s) 1")
+
+
+def _fake_bus(rank, distinct):
+    return f"0000:{(rank if distinct else 7):02x}:00.0"
+
+
+@pytest.mark.mpi
+def test_every_rank_checks_the_gathered_bus_ids_together():
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    out = io.StringIO()
+    collectively(startup.check_gpu_per_rank, comm, rank, _fake_bus(rank, True), {}, out)
+    if rank == 0:
+        assert out.getvalue().startswith("gpus: one per rank") and _fake_bus(size - 1, True) in out.getvalue()
+
+    def shared():
+        with pytest.raises(UserError) as caught:
+            startup.check_gpu_per_rank(comm, rank, _fake_bus(rank, False), {}, io.StringIO())
+        return str(caught.value)
+
+    if size > 1:  # every rank raises the same verdict: nobody is left in a collective
+        messages = comm.allgather(collectively(shared))
+        assert len(set(messages)) == 1 and "share the GPU at PCI bus 0000:07:00.0" in messages[0]
+
+    def unset_on_odd_ranks():
+        env = {"BOOSTMPI_GPU_MAP_VAR": "PMI_LOCAL_RANK", **({} if rank % 2 else {"PMI_LOCAL_RANK": str(rank)})}
+        if size == 1:
+            startup.check_gpu_per_rank(comm, rank, _fake_bus(rank, True), env, io.StringIO())
+            return "passed"
+        with pytest.raises(UserError, match=r"PMI_LOCAL_RANK is not set on rank\(s\) 1"):
+            startup.check_gpu_per_rank(comm, rank, _fake_bus(rank, True), env, io.StringIO())
+        return "refused"
+
+    assert collectively(unset_on_odd_ranks) == ("passed" if size == 1 else "refused")
+
+
+class _FakeDevice:
+    """cupy.cuda.Device on a fake node with `count` GPUs; bus id from the device id."""
+
+    current = None
+
+    def __init__(self, device_id):
+        self.id = device_id
+        self.pci_bus_id = f"0000:{0x07 + 0x20 * device_id:02X}:00.0"
+
+    def use(self):
+        _FakeDevice.current = self.id
+
+
+def _fake_cupy(monkeypatch, gpus, nccl=None):
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.ModuleType("cupy.cuda")
+    cupy.cuda.Device = _FakeDevice
+    cupy.cuda.runtime = types.SimpleNamespace(getDeviceCount=lambda: gpus)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cupy.cuda)
+    if nccl is not None:
+        cupy.cuda.nccl = nccl
+        monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
+    return cupy
+
+
+@pytest.mark.mpi
+def test_select_gpu_stops_ranks_that_see_one_gpu_each_but_share_it(monkeypatch):
+    """Two ranks of a node, each shown one GPU (device 0) by a launcher that did not bind them:
+    the device ids look fine, the bus ids show the sharing."""
+    comm = world()
+    local = comm.Split_type(__import__("mpi4py").MPI.COMM_TYPE_SHARED)
+    local_rank, local_size = local.Get_rank(), local.Get_size()
+    local.Free()
+    _fake_cupy(monkeypatch, gpus=8)
+    assert collectively(startup.select_gpu, comm, local_rank) == local_rank  # 8 GPUs: one each
+    _fake_cupy(monkeypatch, gpus=1)
+
+    def one_visible_each():
+        if local_size == 1:
+            return startup.select_gpu(comm, local_rank)
+        with pytest.raises(UserError, match="share the GPU at PCI bus 0000:07:00.0"):
+            startup.select_gpu(comm, local_rank)
+        return "refused"
+
+    assert collectively(one_visible_each) == (0 if local_size == 1 else "refused")
+
+
+# ---------------------------------------------------------------- NCCL availability
+
+def _nccl_module(available):
+    nccl = types.ModuleType("cupy.cuda.nccl")
+    nccl.available = available
+    if available:
+        nccl.NcclCommunicator = object
+        nccl.get_version = lambda: 22501
+    return nccl
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("requested", ["auto", "nccl", "mpi"])
+def test_comm_is_nccl_when_every_rank_can_load_it(monkeypatch, requested):
+    _fake_cupy(monkeypatch, gpus=1, nccl=_nccl_module(True))
+    out = io.StringIO()
+    env = {"NCCL_NET": "AWS Libfabric", "LD_LIBRARY_PATH": ""}
+    choice = collectively(startup.resolve_comm, requested, world(), env, out, io.StringIO())
+    assert choice == ("mpi" if requested == "mpi" else "nccl")
+    if world().Get_rank() == 0 and requested != "mpi":
+        assert out.getvalue().startswith("comm: nccl 2.25.1 | NCCL_NET=AWS Libfabric | net plugin none found")
+
+
+@pytest.mark.mpi
+def test_auto_falls_back_to_mpi_with_a_warning_and_nccl_stops(monkeypatch):
+    _fake_cupy(monkeypatch, gpus=1, nccl=_nccl_module(False))
+    err = io.StringIO()
+    assert collectively(startup.resolve_comm, "auto", world(), {}, io.StringIO(), err) == "mpi"
+    if world().Get_rank() == 0:
+        assert err.getvalue().startswith("warning: parallel.comm = \"auto\" but CuPy cannot load the NCCL library")
+
+    def asked_for_nccl():
+        with pytest.raises(UserError, match="parallel.comm = \"nccl\" but"):
+            startup.resolve_comm("nccl", world(), {}, io.StringIO(), io.StringIO())
+
+    collectively(asked_for_nccl)
+
+
+def test_nccl_missing_on_one_rank_only_is_missing_for_all(monkeypatch):
+    """The decision is reduced over the ranks (MAX of 'missing'): a rank that could load NCCL
+    still falls back when another cannot, so all ranks use the same transport."""
+    class World:
+        def Get_rank(self):
+            return 0
+
+        def allreduce(self, value, op):
+            return max(value, 1)  # another rank reports NCCL missing
+
+    _fake_cupy(monkeypatch, gpus=1, nccl=_nccl_module(True))
+    err = io.StringIO()
+    assert startup.resolve_comm("auto", World(), {}, io.StringIO(), err) == "mpi"
+    assert "NCCL cannot be loaded on some rank" in err.getvalue()
+
+
+def test_gpu_buffers_through_cray_mpich_need_gpu_support(monkeypatch):
+    from mpi4py import MPI
+
+    _fake_cupy(monkeypatch, gpus=1, nccl=_nccl_module(False))
+    monkeypatch.setattr(MPI, "Get_library_version", lambda: CRAY)
+    with pytest.raises(UserError, match="MPICH_GPU_SUPPORT_ENABLED is not 1"):
+        startup.resolve_comm("mpi", None, {}, io.StringIO(), io.StringIO())
+    assert startup.resolve_comm("mpi", None, {"MPICH_GPU_SUPPORT_ENABLED": "1"}, io.StringIO(), io.StringIO()) == "mpi"
+
+
+def test_net_plugins_are_found_on_the_library_path(tmp_path):
+    (tmp_path / "librccl-net.so").write_bytes(b"")
+    (tmp_path / "libother.so").write_bytes(b"")
+    env = {"LD_LIBRARY_PATH": f"/nonexistent:{tmp_path}"}
+    assert startup.net_plugins(env) == [str(tmp_path / "librccl-net.so")]
+    assert startup.net_plugins({"NCCL_NET_PLUGIN": str(tmp_path / "librccl-net.so")}) == [str(tmp_path / "librccl-net.so")]
