@@ -26,30 +26,72 @@ COMMANDS = {
 }
 
 
+DESCRIPTION = ("Train low-rank bottleneck language models with bottleneck-aware 3D parallelism (NumPy/CuPy,\n"
+               "MPI), and evaluate, inspect, sample, export and model them.")
+EPILOG = """\
+Run `boostmpi COMMAND --help` for a command's options. Under mpiexec or srun, `train` runs on
+every rank; the other commands run on one process.
+
+exit status: 0 success; 2 bad input (configuration, data, checkpoint, command line, filesystem),
+one line `error: ...`; 1 an internal failure; train only: 75 stopped early by a signal, with a
+checkpoint to resume from."""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every command name and its description on one line."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=20, width=100)
+        self._action_max_length = 18  # room for the longest command name at the commands' indentation
+
+
 def build_parser(only=None):
-    parser = argparse.ArgumentParser(prog="boostmpi", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    """The command-line parser; with `only`, the other commands' modules are not imported."""
+    parser = argparse.ArgumentParser(prog="boostmpi", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"boostmpi {version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name, module in COMMANDS.items():
         if only is not None and name != only:
-            sub.add_parser(name, help=f"(see boostmpi {name} --help)")
+            sub.add_parser(name)
             continue
         importlib.import_module(module).register(sub)
     return parser
 
 
+def version():
+    try:
+        from importlib.metadata import version as installed_version
+
+        return installed_version("boostmpi")
+    except Exception:  # noqa: BLE001 - run from a checkout without installing
+        return "(not installed)"
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    if command not in COMMANDS:
-        build_parser(only="__none__").print_help(sys.stderr)
-        if command is not None:
-            print(f"error: unknown command {command!r}", file=sys.stderr)
+    if command == "help":  # `boostmpi help [COMMAND]`
+        argv = [a for a in argv if a != "help"] + ["--help"]
+        command = next((a for a in argv if not a.startswith("-")), None)
+    if command is None:
+        if any(a in ("-h", "--help", "--version") for a in argv):
+            return _parse_and_run(build_parser(), argv)
+        build_parser().print_help(sys.stderr)
+        print("error: no command given", file=sys.stderr)
         return 2
-    parser = build_parser(only=command)
+    if command not in COMMANDS:
+        print(f"error: unknown command {command!r}; the commands are {', '.join(COMMANDS)} "
+              f"(boostmpi --help describes them)", file=sys.stderr)
+        return 2
+    return _parse_and_run(build_parser(only=command), argv)
+
+
+def _parse_and_run(parser, argv):
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse prints its own one-line error
-        return 0 if exc.code == 0 else 2
+    except SystemExit as exc:  # --help and --version exit 0; argparse prints its own one-line error
+        return 0 if not exc.code else 2
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
@@ -60,3 +102,10 @@ def main(argv=None):
     except BrokenPipeError:  # output piped into `head` and the like: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:  # a path the filesystem refused: a one-line error, not a traceback
+        if exc.filename is None:
+            raise
+        from boostmpi.files import fs_error
+
+        print(f"error: {fs_error(exc, 'cannot use')}", file=sys.stderr)
+        return 2

@@ -15,7 +15,7 @@ rest again, exactly as if they had been given on the command line.
 import difflib
 import math
 import numbers
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import tomllib
@@ -30,9 +30,15 @@ RANK_KEY_OF = {"q": "attn_rank", "k": "attn_rank", "v": "attn_rank", "o": "attn_
                "gate": "mlp_rank", "up": "mlp_rank", "down": "mlp_rank"}
 
 
-def _key(default, check=None, choices=None):
-    """A key with a default; `check` names an entry of _RANGE_CHECKS."""
-    return field(default=default, metadata={"check": check, "choices": choices})
+def _key(default, check=None, choices=None, name=None):
+    """A key with a default; `check` names an entry of _RANGE_CHECKS; `name` is the key's name in the
+    configuration when it cannot be the attribute's (a Python keyword: `async` is attribute `async_`)."""
+    return field(default=default, metadata={"check": check, "choices": choices, "key": name})
+
+
+def _key_of(f):
+    """The configuration name of a dataclass field."""
+    return f.metadata.get("key") or f.name
 
 
 def _derived(rule, describe, check=None):
@@ -144,11 +150,13 @@ class DataConfig:
 class CheckpointConfig:
     every: int = _key(0, "nonnegative")  # steps; 0 = only at the end
     keep: int = _key(0, "nonnegative")  # 0 = keep all complete checkpoints, else the newest N
+    # true: written from a snapshot by a background thread while training goes on (one save at a time)
+    async_: bool = _key(False, name="async")
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
             "data": DataConfig, "checkpoint": CheckpointConfig}
-_FIELDS = {name: {f.name: f for f in fields(cls)} for name, cls in SECTIONS.items()}
+_FIELDS = {name: {_key_of(f): f for f in fields(cls)} for name, cls in SECTIONS.items()}
 
 # section -> key -> default; None marks a derived key
 DEFAULTS = {name: {key: f.default for key, f in keys.items()} for name, keys in _FIELDS.items()}
@@ -172,7 +180,8 @@ class Config:
         return t.micro_batch_size * t.grad_accum * self.parallel.dp * self.model.seq_len
 
     def to_dict(self):
-        return {name: asdict(getattr(self, name)) for name in SECTIONS}
+        return {name: {key: getattr(getattr(self, name), f.name) for key, f in _FIELDS[name].items()}
+                for name in SECTIONS}
 
     def to_toml(self):
         lines = ["# boostmpi configuration, every key resolved"]
@@ -208,23 +217,23 @@ class Config:
         return "" if explicit or describe is None else f" (derived: {describe})"
 
     def _show(self, section, key):
-        value = getattr(getattr(self, section), key)
+        value = getattr(getattr(self, section), _FIELDS[section][key].name)
         return f"{section}.{key} = {_toml_value(value)}{self._origin(section, key)}"
 
     # -- checks ---------------------------------------------------------------------------
 
     def _check_key(self, section, f):
-        value = getattr(getattr(self, section), f.name)
-        _checked_type(section, f.name, value)
+        key, value = _key_of(f), getattr(getattr(self, section), f.name)
+        _checked_type(section, key, value)
         choices = f.metadata.get("choices")
         if choices and value not in choices:
-            raise _error(f"{section}.{f.name} must be one of {', '.join(choices)}, got {value!r}")
+            raise _error(f"{section}.{key} must be one of {', '.join(choices)}, got {value!r}")
         check = f.metadata.get("check")
         if check:
             holds, requirement = _RANGE_CHECKS[check]
             if not holds(value):
-                raise _error(f"{section}.{f.name} {requirement}, got {_toml_value(value)}"
-                             f"{self._origin(section, f.name)}")
+                raise _error(f"{section}.{key} {requirement}, got {_toml_value(value)}"
+                             f"{self._origin(section, key)}")
 
     def _check_model(self):
         m = self.model
@@ -369,7 +378,8 @@ def _build(explicit, world_size):
             else:
                 section[key] = f.default
     _resolve_batch(values["train"], values["parallel"]["dp"], explicit.get("train", {}))
-    cfg = Config(**{name: cls(**values[name]) for name, cls in SECTIONS.items()}, _explicit=explicit)
+    cfg = Config(**{name: cls(**{_FIELDS[name][k].name: v for k, v in values[name].items()})
+                    for name, cls in SECTIONS.items()}, _explicit=explicit)
     return cfg.validate(world_size)
 
 

@@ -5,6 +5,7 @@ Damaged and unfinished checkpoints are refused the same way; those cases live in
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -133,3 +134,91 @@ def test_a_nan_loss_stops_with_one_line_and_keeps_the_last_checkpoint(shards, tm
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     assert [r["step"] for r in read_metrics(run_dir)] == [r["step"] for r in rows] + list(range(3, diverged_at))
     assert read_metrics(run_dir)[: len(rows)] == rows
+
+
+def checkpoint_as_if_written_with(run_dir, step, **changes):
+    """Rewrite checkpoint `step` of `run_dir` as if its run had been configured with `changes`."""
+    from boostmpi.config import load_config
+    from boostmpi.train import checkpoint as ckpt
+    from train_helpers import h5_datasets
+
+    folder = run_dir / "checkpoints" / f"step_{step:08d}"
+    cfg = load_config(run_dir / "config.toml").replace(**changes)
+    model, optim = h5_datasets(folder / "model.h5"), h5_datasets(folder / "optim.h5")
+    moments = tuple({k.split("/", 1)[1]: v for k, v in optim.items() if k.startswith(f"{which}/")} for which in "mv")
+    state = ckpt.read_state(folder)
+    shutil.rmtree(folder)
+    ckpt.save_global(str(run_dir), step, cfg, model, moments, step, state)
+
+
+def test_resuming_with_another_dp_that_would_change_the_global_batch_is_refused(shards, tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    assert run_train(run_dir, *shards, "train.steps=2") == 0
+    # the checkpoint of a run on dp = 2 ranks: 2 x 2 sequences per step; resumed here on dp = 1
+    checkpoint_as_if_written_with(run_dir, 2, **{"parallel.dp": 2, "train.global_batch_size": 4})
+    assert_refused(capfd, train_argv(run_dir, *shards, "train.steps=4"), run_dir / "checkpoints",
+                   "parallel.dp = 1 instead of 2", "global batch from 4 to 2 sequences", "train.global_batch_size=4")
+    # saying what the global batch is to be goes on, and says so
+    assert run_train(run_dir, *shards, "train.steps=4", "train.global_batch_size=4") == 0
+    out = capfd.readouterr().out
+    assert "resumed from" in out and "global batch" not in out  # 4 = 2 x grad_accum 2 on dp 1: unchanged
+    assert read_metrics(run_dir)[-1]["step"] == 4
+
+
+def test_resuming_on_other_shards_says_to_start_a_new_run(shards, tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    assert run_train(run_dir, *shards, "train.steps=2") == 0
+    other = tmp_path / "other.bin"
+    write_shard(other, np.asarray(np.fromfile(shards[0], dtype=np.uint16)[256 * 2:][:5000]))
+    assert_refused(capfd, train_argv(run_dir, other, shards[1], "train.steps=4"), run_dir / "checkpoints",
+                   "saved data position", "set a new train.run_dir", f"remove {run_dir}")
+
+
+def run_boostmpi(*argv, cwd=REPO):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "boostmpi", *map(str, argv)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_help_goes_to_stdout_with_a_line_per_command_and_exits_0():
+    from boostmpi.cli import COMMANDS
+
+    for argv in (["--help"], ["-h"], ["help"]):
+        done = run_boostmpi(*argv)
+        assert done.returncode == 0 and done.stderr == "", (argv, done.stderr)
+        lines = done.stdout.splitlines()
+        for name in COMMANDS:  # each command on a line of its own, with what it does
+            line = next((line for line in lines if line.split()[:1] == [name]), None)
+            assert line is not None and len(line.split()) > 2, (name, done.stdout)
+        assert "exit status" in done.stdout
+    done = run_boostmpi("train", "--help")
+    assert done.returncode == 0 and "Train the configured model" in done.stdout and "75 stopped early" in done.stdout
+    done = run_boostmpi("generate", "--help")
+    assert done.returncode == 0 and "keeps its last" in " ".join(done.stdout.split())
+    done = run_boostmpi("nosuch")
+    assert done.returncode == 2 and done.stderr.startswith("error: unknown command 'nosuch'")
+    assert len(done.stderr.splitlines()) == 1
+
+
+# ---------------------------------------------------------------- filesystem errors: one line, exit 2
+
+def test_a_run_dir_that_is_a_file_or_below_a_file_is_refused(shards, tmp_path, capfd):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder\n")
+    assert_refused(capfd, train_argv(a_file, *shards), tmp_path, "train.run_dir", str(a_file), "is a file, not a folder")
+    below = a_file / "runs" / "x"
+    assert_refused(capfd, train_argv(below, *shards), tmp_path, "train.run_dir", str(below), "cannot be created",
+                   f"{a_file} is a file, not a folder")
+
+
+def test_a_run_dir_on_a_read_only_filesystem_is_refused(shards, tmp_path):
+    from train_helpers import run_on_a_private_tmpfs
+
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    argv = " ".join(f"'{a}'" for a in train_argv(mount / "run", *shards))
+    done = run_on_a_private_tmpfs(mount, "ro,size=1m", f"exec {sys.executable} -m boostmpi {argv}",
+                                  env=dict(os.environ, PYTHONPATH=str(REPO), OPENBLAS_NUM_THREADS="1"))
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0] == f"error: train.run_dir {mount / 'run'} is on a read-only filesystem ({mount})", lines[0]

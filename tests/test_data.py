@@ -366,6 +366,20 @@ def test_data_command_bad_input_is_exit_status_2(tmp_path, capsys):
     assert main(["data", "--out", str(tmp_path / "o")]) == 2
     assert main(["data", str(tmp_path / "empty"), "--out", str(tmp_path / "o"), "--val-fraction", "1.5"]) == 2
     assert main(["data", str(tmp_path / "empty"), "--builtin", "--out", str(tmp_path / "o")]) == 2
+    # a tokenizer name that is none of byte, a tiktoken encoding or a .json file: named as unknown,
+    # not as a missing package
+    capsys.readouterr()
+    assert main(["data", str(tmp_path / "empty"), "--out", str(tmp_path / "o"), "--tokenizer", "nosuchtok"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: unknown tokenizer 'nosuchtok': use byte, a tiktoken encoding (") and "gpt2" in err, err
+    assert len(err.splitlines()) == 1
+    # an --out below a file
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "t.txt").write_text("some text\n" * 50)
+    assert main(["data", str(tmp_path / "text"), "--out", str(tmp_path / "afile" / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "afile" in err and "is a file, not a folder" in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
 
 
@@ -445,3 +459,17 @@ def test_progress_plain_and_live_lines():
     with Progress(total=10, desc="steps", stream=tty) as progress:
         progress.update(10)
     assert tty.getvalue().startswith("\r") and tty.getvalue().endswith("\n")
+
+
+def test_the_output_of_boostmpi_data_below_data_is_not_tracked_by_git():
+    import shutil
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(["git", "check-ignore", "data/mine/train_000000.bin", "data/mine/tokenizer.json"],
+                             cwd=repo, capture_output=True, text=True)
+    assert ignored.stdout.split() == ["data/mine/train_000000.bin", "data/mine/tokenizer.json"], ignored
+    kept = subprocess.run(["git", "check-ignore", "data/builtin/builtin.json"], cwd=repo, capture_output=True, text=True)
+    assert kept.returncode == 1, kept.stdout  # the project's own files stay tracked

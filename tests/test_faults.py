@@ -442,3 +442,34 @@ def test_a_file_size_limit_under_mpiexec_ends_every_rank_with_one_line(text_shar
                        timeout=JOB_TIMEOUT_S + 30)
     assert "Traceback" not in p.stderr and "Segmentation" not in p.stderr, p.stderr
     _assert_disk_full_refusal(p.returncode, p.stderr, run_dir, before, "file-size limit", "(ulimit -f)")
+
+
+def test_a_really_full_disk_under_mpiexec_ends_every_rank_with_one_line(text_shards, tmp_path):
+    """The run directory on a small tmpfs of its own, with room for less than one more checkpoint."""
+    import hashlib
+
+    from train_helpers import run_on_a_private_tmpfs, run_train, train_argv
+
+    source = tmp_path / "source"
+    assert run_train(source, *text_shards, "train.steps=2") == 0
+    previous = source / "checkpoints" / "step_00000002"
+    used = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
+    checkpoint = sum(p.stat().st_size for p in previous.iterdir())
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    run_dir = mount / "run"
+    argv = " ".join(f"'{a}'" for a in train_argv(run_dir, *text_shards, "train.steps=4", "parallel.tp=2"))
+    script = (f"cp -a {source} {run_dir} && "
+              f"{{ timeout {JOB_TIMEOUT_S} {MPIEXEC} -n 2 {PY} -m boostmpi {argv} >/dev/null; echo \"status $?\" >&3; }} "
+              f"3>&1 2>&1 1>/dev/null | cat; ls -A {run_dir / 'checkpoints'}; cat {run_dir / 'checkpoints' / 'latest'}; "
+              f"cd {run_dir / 'checkpoints'} && sha256sum step_00000002/*")
+    # room for what is there and a little more, but not for a second checkpoint
+    done = run_on_a_private_tmpfs(mount, f"size={(used + checkpoint // 2) // 4096 * 4 + 16}k", script, env=_env())
+    lines = done.stdout.splitlines()
+    errors = [line for line in lines if not line.startswith(("status", "step_", "latest")) and "  step_" not in line]
+    assert f"status 2" in lines, done.stdout + done.stderr
+    assert len(errors) == 1 and errors[0].startswith("error: cannot write checkpoint step_00000004 into "), lines
+    assert "no space left on device; it needs " in errors[0] and " free; nothing was written" in errors[0], errors[0]
+    assert [line for line in lines if line.startswith(("step_", "latest"))] == ["latest", "step_00000002", "step_00000002"]
+    digests = {f"step_00000002/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest() for p in previous.iterdir()}
+    assert {line.split()[1]: line.split()[0] for line in lines if "  step_" in line} == digests

@@ -192,10 +192,51 @@ def test_eval_bad_input_is_one_line_and_exit_status_2(trained, tmp_path, capsys)
     assert_bad_input(capsys, ["bytes.bin", "token id 195", "128"], "eval", run_dir, "--data", too_big)
 
     assert_bad_input(capsys, ["--batch-size"], "eval", run_dir, "--data", shard, "--batch-size", 0)
-    assert_bad_input(capsys, ["max_windows"], "eval", run_dir, "--data", shard, "--max-windows", 0)
+    assert_bad_input(capsys, ["--max-windows"], "eval", run_dir, "--data", shard, "--max-windows", 0)
     stray_file = tmp_path / "weights.bin"
     stray_file.write_bytes(b"x")
-    assert_bad_input(capsys, ["weights.bin", "not a model.h5"], "eval", stray_file, "--data", shard)
+    assert_bad_input(capsys, ["weights.bin", "is a file but not a checkpoint"], "eval", stray_file, "--data", shard)
+
+
+def test_every_checkpoint_argument_accepts_the_latest_file_and_the_checkpoints_folder(trained, capsys, tmp_path):
+    run_dir, shard, _ = trained
+    step_folder = ckpt.find_latest(str(run_dir))
+    for name in (run_dir, run_dir / "checkpoints", run_dir / "checkpoints" / "latest", step_folder,
+                 Path(step_folder) / "model.h5"):
+        assert ckpt.resolve(name) == step_folder, name
+        status, out, err = run_cli(capsys, "eval", name, "--data", shard, "--max-windows", 2)
+        assert status == 0 and json.loads(out)["step"] == 150, err
+    for command in (["inspect"], ["generate", "--prompt", "the", "--max-new-tokens", "2"]):
+        status, _, err = run_cli(capsys, command[0], run_dir / "checkpoints" / "latest", *command[1:])
+        assert status == 0, err
+    status, _, err = run_cli(capsys, "export", run_dir / "checkpoints" / "latest", "--to", "safetensors",
+                             "--out", tmp_path / "m.safetensors")
+    assert status == 0, err
+    bad_latest = tmp_path / "checkpoints" / "latest"
+    bad_latest.parent.mkdir()
+    bad_latest.write_text("../../etc\n")
+    assert_bad_input(capsys, [str(bad_latest), "does not name a checkpoint folder"], "eval", bad_latest, "--data", shard)
+
+
+def test_eval_takes_a_glob_of_shards_and_averages_over_all_their_windows(trained, capsys, tmp_path):
+    run_dir, shard, _ = trained
+    tokens = np.asarray(open_shard(shard))
+    write_shard(tmp_path / "val_000000.bin", tokens[: 10 * SEQ_LEN + 1])
+    write_shard(tmp_path / "val_000001.bin", tokens[5: 5 + 6 * SEQ_LEN + 1])
+    write_shard(tmp_path / "val_000002.bin", tokens[:3])  # too short for a window: passed over
+    losses = []
+    for name in ("val_000000.bin", "val_000001.bin"):
+        status, out, _ = run_cli(capsys, "eval", run_dir, "--data", tmp_path / name)
+        losses.append(json.loads(out))
+    status, out, err = run_cli(capsys, "eval", run_dir, "--data", str(tmp_path / "val_*.bin"))
+    assert status == 0, err
+    result = json.loads(out)
+    assert result["windows"] == 16 and result["shards"] == 2 and result["tokens"] == 16 * SEQ_LEN
+    assert result["loss"] == pytest.approx((10 * losses[0]["loss"] + 6 * losses[1]["loss"]) / 16, rel=1e-6)
+    status, out, _ = run_cli(capsys, "eval", run_dir, "--data", str(tmp_path / "val_*.bin"), "--max-windows", 12)
+    assert json.loads(out)["windows"] == 12 and json.loads(out)["shards"] == 2
+    assert_bad_input(capsys, ["no token shards match", "nothing_*.bin"], "eval", run_dir, "--data",
+                     str(tmp_path / "nothing_*.bin"))
 
 
 @pytest.mark.mpi_skip  # it starts an MPI job of its own
@@ -465,10 +506,59 @@ def test_export_bad_input(trained, tmp_path, capsys, monkeypatch):
     assert_bad_input(capsys, ["is a folder"], "export", run_dir, "--to", "safetensors", "--out", tmp_path)
     assert_bad_input(capsys, [".json"], "export", run_dir, "--to", "torch", "--out", tmp_path / "m.json")
     assert_bad_input(capsys, ["nowhere"], "export", tmp_path / "nowhere", "--to", "torch", "--out", tmp_path / "m.pt")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert_bad_input(capsys, ["--out", str(a_file), "is a file, not a folder"], "export", run_dir, "--to", "safetensors",
+                     "--out", a_file / "m.safetensors")
     monkeypatch.setitem(sys.modules, "torch", None)  # as if PyTorch were not installed
     assert_bad_input(capsys, ["needs PyTorch", "--to safetensors"], "export", run_dir, "--to", "torch",
                      "--out", tmp_path / "m.pt")
     assert not (tmp_path / "m.pt").exists()
+
+
+@pytest.mark.parametrize("arch", ["full", "svd"])
+def test_export_hf_loads_in_transformers_with_the_same_logits(arch, tmp_path, capsys):
+    """LlamaForCausalLM.from_pretrained on the exported folder, fed the same tokens as boostmpi's own
+    forward (the KV-cache decoder), gives the same logits; svd's pairs are multiplied out."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    shard = tmp_path / "sentence.bin"
+    write_shard(shard, np.frombuffer((SENTENCE * 20).encode(), dtype=np.uint8))
+    # not LLaMA's defaults, so that a setting not carried over would show; GQA (4 heads, 2 kv heads)
+    cfg = tiny_config(tmp_path / "run", shard, steps=3).replace(**{
+        "model.arch": arch, "model.rope_theta": 500.0, "model.norm_eps": 1e-5, "model.mlp_rank": 12})
+    Trainer(cfg, out=io.StringIO()).train()
+    status, out, err = run_cli(capsys, "export", tmp_path / "run", "--to", "hf", "--out", tmp_path / "hf")
+    assert status == 0, err
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+
+    loaded = load_checkpoint(tmp_path / "run")
+    ids = np.frombuffer(b"the lazy dog. the quick", dtype=np.uint8)[:SEQ_LEN].astype(np.int64)
+    decoder = Decoder(loaded.cfg.model, loaded.tensors, np.float64)  # boostmpi's forward, in float64
+    ours = decoder.forward(ids, decoder.new_cache())
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        theirs = model(torch.as_tensor(ids)[None]).logits[0].numpy()
+    np.testing.assert_allclose(theirs, ours, rtol=1e-5, atol=1e-5)  # float32 weights, float64 compute on both sides
+    assert model.config.rope_parameters["rope_theta"] == 500.0 and model.config.num_key_value_heads == 2
+
+    status, _, err = run_cli(capsys, "export", tmp_path / "run", "--to", "hf", "--out", tmp_path / "hf")
+    assert status == 2 and "already exists" in err  # never written over
+
+
+def test_export_hf_refuses_cola_saying_why(trained, tmp_path, capsys):
+    assert_bad_input(capsys, ["arch = cola", "no dense weight", "--to safetensors"], "export", trained[0], "--to", "hf",
+                     "--out", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and os.listdir(tmp_path) == []
+
+
+def test_export_without_the_optional_packages_says_how_to_install_them(trained, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
+    assert_bad_input(capsys, ["safetensors package", "pip install 'boostmpi[export]'"], "export", trained[0],
+                     "--to", "safetensors", "--out", tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
 
 
 # ---------------------------------------------------------------- plot
@@ -500,14 +590,41 @@ def test_plot_overlays_runs(trained, tmp_path, capsys):
     labels = [line.get_label() for line in fig.axes[0].get_lines()]
     assert labels == ["full loss", "full val_loss", "svd loss", "svd val_loss", "cola loss"]
     assert list(fig.axes[0].get_lines()[0].get_xdata()) == [64, 128, 192, 256]
+    # communication: grouped bars side by side, one per run and axis, each labelled with its size
+    comm = fig.axes[2]
+    bars = [patch for container in comm.containers for patch in getattr(container, "patches", [])]
+    assert len(bars) == 5 and len({(round(b.get_x(), 6), b.get_width()) for b in bars}) == 5  # none hides another
+    assert sorted(round(b.get_height()) for b in bars) == [100, 100, 512, 1024, 4096]
+    assert [t.get_text() for t in comm.get_xticklabels()] == ["tp axis", "pp axis", "dp axis"]
+    assert {t.get_text() for t in comm.texts} >= {"4.0 KiB", "1.0 KiB", "512 B", "100 B"}
+    assert [t.get_text() for t in comm.get_legend().get_texts()] == ["svd", "cola"]
     fig, _ = make_figure(runs, x="step")
     assert list(fig.axes[0].get_lines()[0].get_xdata()) == [1, 2, 3, 4]
+    fig, n_series = make_figure(runs[:1])  # no communication at all: the panel says so
+    assert n_series == 3 and "no communication" in fig.axes[2].texts[0].get_text()
 
     out = tmp_path / "curves.png"
     status, text, _ = run_cli(capsys, "plot", *runs, trained[0], "--out", out, "--x", "step")
     assert status == 0 and "16 series" in text  # the trained run adds loss, val_loss, throughput
     assert out.read_bytes()[:8] == PNG_SIGNATURE
     assert out.stat().st_size > 10_000
+
+
+def test_plot_and_export_to_a_read_only_filesystem_are_one_line(trained, tmp_path):
+    from train_helpers import run_on_a_private_tmpfs
+
+    run_dir = fake_run(tmp_path, "good", {"tp": 0, "pp": 0, "dp": 0})
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OPENBLAS_NUM_THREADS="1")
+    script = (f"{sys.executable} -m boostmpi plot {run_dir} --out {mount}/o.png; echo status $?; "
+              f"{sys.executable} -m boostmpi export {trained[0]} --to safetensors --out {mount}/m.safetensors; "
+              f"echo status $?")
+    done = run_on_a_private_tmpfs(mount, "ro,size=64k", script, env=env)
+    assert done.stdout.split() == ["status", "2", "status", "2"], done.stdout
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2 and all(line.startswith(f"error: --out {mount}/") for line in lines), done.stderr
+    assert all("read-only filesystem" in line for line in lines), lines
 
 
 def test_plot_bad_input(tmp_path, capsys):
@@ -530,5 +647,9 @@ def test_plot_bad_input(tmp_path, capsys):
     assert_bad_input(capsys, ["no tokens column", "--x step"], "plot", no_tokens, "--out", out)
     assert run_cli(capsys, "plot", no_tokens, "--out", out, "--x", "step")[0] == 0
     assert_bad_input(capsys, ["does not exist"], "plot", good, "--out", tmp_path / "nowhere" / "o.png")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert_bad_input(capsys, ["--out", str(a_file), "is a file, not a folder"], "plot", good, "--out", a_file / "o.png")
+    assert_bad_input(capsys, ["--out", "is a folder"], "plot", good, "--out", tmp_path)
     status, _, err = run_cli(capsys, "plot", good, "--out", out, "--x", "time")
     assert status == 2 and "--x" in err

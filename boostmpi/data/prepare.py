@@ -23,6 +23,7 @@ from boostmpi.data.corpus import (
 from boostmpi.data.progress import Progress
 from boostmpi.data.tokenizer import HF_COPY_FILE, TOKENIZER_FILE, tokenizer_from_name
 from boostmpi.errors import DataError, UserError
+from boostmpi.files import check_dir_creatable, make_dirs
 
 
 def register(subparsers):
@@ -76,8 +77,7 @@ def find_input_files(inputs, pattern=None, exclude_dir=None):
 
 def clear_out_dir(out_dir, force):
     """Make `out_dir` ready for new shards: refuse to overwrite old ones unless `force`, then remove them."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise DataError(f"--out {out_dir} exists and is not a folder")
+    check_dir_creatable(out_dir, "--out")
     train_glob, val_glob = shard_globs(out_dir)
     old = glob.glob(train_glob) + glob.glob(val_glob)
     old += [p for p in (os.path.join(out_dir, TOKENIZER_FILE), os.path.join(out_dir, HF_COPY_FILE)) if os.path.exists(p)]
@@ -85,7 +85,7 @@ def clear_out_dir(out_dir, force):
         raise DataError(f"--out {out_dir} already holds shards; pass --force to replace them")
     for path in old:  # stale shards beyond the new last one would otherwise join the glob
         os.remove(path)
-    os.makedirs(out_dir, exist_ok=True)
+    make_dirs(out_dir, "--out")
 
 
 def run(args):

@@ -1,4 +1,4 @@
-"""llm.c token shards (CONTRACT §5): write, open, evaluation windows, the training stream.
+"""llm.c token shards: write, open, evaluation windows, the training stream.
 
 A shard is a header of 256 little-endian int32 (magic 20240520, version 1, token count,
 then zeros) followed by the tokens as little-endian uint16. Shards are memory-mapped:
@@ -111,7 +111,7 @@ def window_count(n_tokens, T):
 
 
 def eval_windows(tokens, T, max_windows=None, name=None):
-    """The evaluation windows of a shard (CONTRACT §5) as int64 arrays x, y of shape [n, T].
+    """The evaluation windows of a shard as int64 arrays x, y of shape [n, T].
 
     x[k] = tokens[kT : kT+T], y[k] = tokens[kT+1 : kT+T+1], for every k with kT+T+1 <= len(tokens),
     at most `max_windows` of them.

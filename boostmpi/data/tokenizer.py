@@ -172,12 +172,29 @@ class HFTokenizer(Tokenizer):
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+# tiktoken's encodings (tiktoken.list_encoding_names() when the package is there)
+TIKTOKEN_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base")
+
+
+def tiktoken_encodings():
+    try:
+        import tiktoken
+
+        return tuple(tiktoken.list_encoding_names())
+    except (ImportError, AttributeError):
+        return TIKTOKEN_ENCODINGS
+
+
 def tokenizer_from_name(name):
     """The tokenizer a command line names: "byte", a tiktoken encoding ("gpt2"), or a .json file."""
     if name == "byte":
         return ByteTokenizer()
     if name.endswith(".json") or os.path.sep in name:
         return HFTokenizer(name)
+    known = tiktoken_encodings()
+    if name not in known:
+        raise UserError(f"unknown tokenizer {name!r}: use byte, a tiktoken encoding ({', '.join(known)}), "
+                        f"or the path of a Hugging Face tokenizer .json file")
     return TiktokenTokenizer(name)
 
 

@@ -5,8 +5,9 @@ CuPy >= 14 stores natively), returns new arrays, and has a NumPy twin of the sam
 signature in `boostmpi.gpu.twins` -- the specification a parity test holds it to.
 Importing this module needs no CuPy; calling a wrapper does.
 
-Where the sources are: $BOOSTMPI_KERNELS_DIR if set (an installed package cannot carry the
-top-level `kernels/` folder), else `kernels/` beside the `boostmpi` package in a checkout.
+Where the sources are: $BOOSTMPI_KERNELS_DIR if set; else `boostmpi/gpu/cuda/` in an installed
+wheel (the build copies the project's top-level `kernels/` folder there); else `kernels/` beside
+the `boostmpi` package in a checkout (and an editable install).
 """
 
 import functools
@@ -27,11 +28,18 @@ _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.MULTILINE)
 
 
 def kernels_dir():
+    """The folder holding the kernels' .cu sources (see the module docstring for the order)."""
     override = os.environ.get(KERNELS_DIR_ENV)
-    directory = Path(override) if override else Path(__file__).resolve().parents[2] / "kernels"
-    if not directory.is_dir():
-        raise FileNotFoundError(f"CUDA kernel sources not found in {directory}; set {KERNELS_DIR_ENV} to the folder holding the .cu files")
-    return directory
+    if override:
+        candidates = [Path(override)]
+    else:
+        here = Path(__file__).resolve().parent
+        candidates = [here / "cuda", here.parents[1] / "kernels"]
+    for directory in candidates:
+        if directory.is_dir() and any(directory.glob("*.cu")):
+            return directory
+    raise FileNotFoundError(f"CUDA kernel sources not found in {' or '.join(map(str, candidates))}; "
+                            f"set {KERNELS_DIR_ENV} to the folder holding the .cu files")
 
 
 def kernel_source(name):

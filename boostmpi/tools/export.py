@@ -1,62 +1,70 @@
-"""`boostmpi export CHECKPOINT --to torch|safetensors --out PATH`: the weights for other tools.
+"""`boostmpi export CHECKPOINT --to torch|safetensors|hf|h5 --out PATH`: the weights for other tools.
 
-Both formats hold the checkpoint's global tensors under the names of CONTRACT §3
-(`layers/<i>/<lin>/A` ...), orientation y = x @ W, in the dtype they were stored in.
-
-- torch: `torch.save` of a plain {name: tensor} dict (nothing else pickled, so
+- torch: `torch.save` of a plain {name: tensor} dict under boostmpi's own names
+  (`layers/<i>/<lin>/A` ...), orientation y = x @ W (nothing else pickled, so
   `torch.load(path, weights_only=True)` reads it); the configuration goes beside it in
   `<PATH without suffix>.json` ({"format", "step", "config"}). Needs PyTorch.
+- safetensors: the same tensors and names in one safetensors file, written by the `safetensors`
+  package (its NumPy API), the configuration in its metadata ({"format", "step", "config"}).
+- hf: a folder that Hugging Face `transformers` loads as it is with
+  `LlamaForCausalLM.from_pretrained(PATH)`: `config.json` (LLaMA: sizes, grouped-query heads,
+  rope theta, RMSNorm epsilon, untied head) and `model.safetensors` under LLaMA's names, each
+  linear weight [out, in]. `full` exports its weights; `svd` each pair multiplied out into its
+  dense weight W = A @ B (in float64, then rounded once to the stored dtype), the same function
+  exactly; `cola` is refused: silu(x @ A) @ B has no dense weight a LLaMA layer could hold. So is
+  a model without the SiLU gate (`model.mlp_gate_act = false`), which LLaMA's MLP always applies.
+
 - h5: a consolidated single-file copy of model.h5 (the same attributes and names, every tensor stored
   in the file instead of virtual datasets over the rank files), for sharing one file.
-- safetensors: written here, no package needed: an 8-byte little-endian header length, a JSON
-  header {name: {dtype, shape, data_offsets}, "__metadata__": {format, step, config}} padded with
-  spaces to a multiple of 8 bytes, then the raw little-endian, C-order tensor bytes.
+
+`pip install 'boostmpi[export]'` installs what these need (torch, safetensors, transformers).
 """
 
 import json
 import os
-import struct
+import shutil
 
 import numpy as np
 
-from boostmpi.files import atomic_file
 from boostmpi.errors import UserError
-from boostmpi.tools.loading import checkpoint_dir, load_checkpoint
+from boostmpi.files import atomic_file, check_writable_parent, fsync_dir
 from boostmpi.train import checkpoint as ckpt
+from boostmpi.train.checkpoint import CHECKPOINT_ARG_HELP
+from boostmpi.tools.loading import checkpoint_dir, load_checkpoint
 
-FORMATS = ("torch", "safetensors", "h5")
-SAFETENSORS_DTYPES = {np.dtype("float64"): "F64", np.dtype("float32"): "F32", np.dtype("float16"): "F16"}
+FORMATS = ("torch", "safetensors", "hf", "h5")
+INSTALL_HINT = "pip install 'boostmpi[export]'"
 
 
 def register(subparsers):
-    p = subparsers.add_parser("export", help="write a checkpoint's weights as a PyTorch state dict, safetensors or one HDF5 file",
-                              description="Export a checkpoint's weights (CONTRACT names) for PyTorch or safetensors readers.")
-    p.add_argument("checkpoint", help="run directory (its latest checkpoint), checkpoint folder, or model.h5")
+    p = subparsers.add_parser("export", help="write a checkpoint's weights for PyTorch, safetensors, Hugging Face or as one HDF5 file",
+                              description="Export a checkpoint's weights: boostmpi's names as a PyTorch state dict or "
+                                          "a safetensors file, or a Hugging Face LLaMA folder (--to hf) that "
+                                          "transformers loads as it is.",
+                              epilog=f"The formats need optional packages: {INSTALL_HINT}.")
+    p.add_argument("checkpoint", help=CHECKPOINT_ARG_HELP)
     p.add_argument("--to", required=True, choices=FORMATS, help="output format")
-    p.add_argument("--out", required=True, metavar="PATH", help="output file (e.g. model.pt or model.safetensors)")
+    p.add_argument("--out", required=True, metavar="PATH",
+                   help="output file (model.pt, model.safetensors, model.h5), or for --to hf a folder that does not exist yet")
     p.set_defaults(func=run)
+
+
+def _safetensors_numpy():
+    try:
+        import safetensors.numpy
+    except ImportError as exc:
+        raise UserError(f"this export needs the safetensors package, which is not importable ({exc}); "
+                        f"{INSTALL_HINT}") from exc
+    return safetensors.numpy
 
 
 def write_safetensors(path, tensors, metadata):
     """Write {name: np.ndarray} and {str: str} metadata as a safetensors file, atomically."""
-    header = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
-    arrays, offset = [], 0
-    for name, value in tensors.items():
-        value = np.asarray(value)
-        if value.dtype not in SAFETENSORS_DTYPES:
-            raise UserError(f"tensor {name} has dtype {value.dtype}, which this safetensors writer does not handle")
-        array = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<"))
-        header[name] = {"dtype": SAFETENSORS_DTYPES[value.dtype], "shape": list(array.shape),
-                        "data_offsets": [offset, offset + array.nbytes]}
-        arrays.append(array)
-        offset += array.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % 8)  # the tensor data starts 8-byte aligned
+    st = _safetensors_numpy()
+    data = st.save({name: np.ascontiguousarray(value) for name, value in tensors.items()},
+                   metadata={str(k): str(v) for k, v in metadata.items()})
     with atomic_file(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for array in arrays:
-            f.write(array.tobytes(order="C"))
+        f.write(data)
 
 
 def torch_sidecar_path(path):
@@ -70,7 +78,7 @@ def write_torch(path, tensors, metadata):
         import torch
     except ImportError as exc:
         raise UserError(f"export --to torch needs PyTorch, which is not importable ({type(exc).__name__}: {exc}); "
-                        f"install torch or use --to safetensors") from exc
+                        f"{INSTALL_HINT}, or use --to safetensors") from exc
     sidecar = torch_sidecar_path(path)
     if os.path.abspath(sidecar) == os.path.abspath(path):
         raise UserError(f"--out {path} ends in .json, the name of the configuration written beside the tensors; "
@@ -84,18 +92,76 @@ def write_torch(path, tensors, metadata):
     return sidecar
 
 
-def check_out_path(path):
-    if os.path.isdir(path):
-        raise UserError(f"--out {path} is a folder; give a file name, e.g. {os.path.join(path, 'model.pt')}")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UserError(f"--out {path}: the folder {parent} does not exist")
+HF_LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+def hf_llama(model, tensors):
+    """(config.json dict, {HF name: tensor [out, in]}) of a `full` or `svd` model; UserError for the others."""
+    if model.arch == "cola":
+        raise UserError("--to hf cannot export arch = cola: silu(x @ A) @ B has no dense weight that a LLaMA "
+                        "layer could hold; export --to safetensors or --to torch instead")
+    if not model.mlp_gate_act:
+        raise UserError("--to hf needs model.mlp_gate_act = true: LLaMA's MLP always applies SiLU to the gate")
+    dtype = tensors["embed"].dtype
+
+    def dense(prefix):
+        if model.arch == "full":
+            return tensors[prefix + "/W"]
+        product = tensors[prefix + "/A"].astype(np.float64) @ tensors[prefix + "/B"].astype(np.float64)
+        return product.astype(dtype)
+
+    weights = {"model.embed_tokens.weight": tensors["embed"], "model.norm.weight": tensors["final_norm"],
+               "lm_head.weight": tensors["lm_head"].T}
+    for i in range(model.n_layers):
+        weights[f"model.layers.{i}.input_layernorm.weight"] = tensors[f"layers/{i}/attn_norm"]
+        weights[f"model.layers.{i}.post_attention_layernorm.weight"] = tensors[f"layers/{i}/mlp_norm"]
+        for name, hf in HF_LINEARS.items():
+            weights[f"model.layers.{i}.{hf}.weight"] = dense(f"layers/{i}/{name}").T  # HF keeps [out, in]
+    theta = float(model.rope_theta)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": model.vocab_size, "hidden_size": model.d_model, "intermediate_size": model.d_ff,
+        "num_hidden_layers": model.n_layers, "num_attention_heads": model.n_heads,
+        "num_key_value_heads": model.n_kv_heads, "head_dim": model.head_dim,
+        "max_position_embeddings": model.seq_len, "rms_norm_eps": float(model.norm_eps),
+        "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "torch_dtype": str(dtype), "dtype": str(dtype),
+    }
+    return config, {name: np.ascontiguousarray(w) for name, w in weights.items()}
+
+
+def write_hf(out_dir, loaded):
+    """The Hugging Face folder (config.json + model.safetensors), made beside `out_dir` and renamed into place."""
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise UserError(f"--out {out_dir} already exists; --to hf writes a new folder (remove it or name another)")
+    check_writable_parent(os.path.join(out_dir, "config.json") if os.path.isdir(out_dir) else out_dir, "--out")
+    config, weights = hf_llama(loaded.cfg.model, loaded.tensors)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        write_safetensors(os.path.join(tmp, "model.safetensors"), weights, {"format": "pt"})
+        with atomic_file(os.path.join(tmp, "config.json")) as f:
+            json.dump(dict(config, boostmpi={"step": loaded.step, "arch": loaded.cfg.model.arch}), f, indent=1)
+            f.write("\n")
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty, checked above
+        os.rename(tmp, out_dir)
+        fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return len(weights)
 
 
 def run(args):
     if args.to not in FORMATS:
         raise UserError(f"--to must be one of {', '.join(FORMATS)}, got {args.to!r}")
-    check_out_path(args.out)
+    if args.to != "hf":
+        check_writable_parent(args.out, "--out")
     if args.to == "h5":
         ckpt.write_consolidated(args.out, checkpoint_dir(args.checkpoint))
         print(f"wrote a single-file copy of model.h5 to {args.out}")
@@ -105,8 +171,12 @@ def run(args):
         sidecar = write_torch(args.out, loaded.tensors, {"format": "boostmpi", "step": loaded.step,
                                                          "config": loaded.saved_config})
         print(f"wrote {len(loaded.tensors)} tensors to {args.out} and the configuration to {sidecar}")
-    else:
+    elif args.to == "safetensors":
         write_safetensors(args.out, loaded.tensors, {"format": "boostmpi", "step": loaded.step,
                                                  "config": json.dumps(loaded.saved_config, sort_keys=True)})
         print(f"wrote {len(loaded.tensors)} tensors and the configuration to {args.out}")
+    else:
+        count = write_hf(args.out, loaded)
+        print(f"wrote {args.out}/config.json and {args.out}/model.safetensors ({count} tensors, LLaMA names); "
+              f"load it with transformers.LlamaForCausalLM.from_pretrained({args.out!r})")
     return 0

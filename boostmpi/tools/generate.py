@@ -1,6 +1,6 @@
 """`boostmpi generate CHECKPOINT --prompt TEXT`: sampling with a KV cache on one process.
 
-The forward pass here is the model of CONTRACT §1 written for incremental decoding: the keys
+The forward pass here is the model of the training engine written for incremental decoding: the keys
 and values of every position already seen are kept per layer, so each new token costs one row
 through the network plus one attention row over the cache. It reuses the layer math of
 boostmpi.model.layers and reads the checkpoint's global tensors, so any layout's checkpoint works.
@@ -21,14 +21,20 @@ from boostmpi.data.shards import resolve_shards
 from boostmpi.data.tokenizer import ByteTokenizer, tokenizer_for_shards, tokenizer_from_name
 from boostmpi.errors import UserError
 from boostmpi.model import layers
+from boostmpi.train.checkpoint import CHECKPOINT_ARG_HELP
 from boostmpi.tools.loading import load_checkpoint
 
 
 def register(subparsers):
-    p = subparsers.add_parser("generate", help="sample text from a checkpoint",
-                              description="Sample a continuation of a prompt from a checkpoint (one process, KV cache).")
-    p.add_argument("checkpoint", help="run directory (its latest checkpoint), checkpoint folder, or model.h5")
-    p.add_argument("--prompt", required=True, help="text to continue (empty: start a new document)")
+    p = subparsers.add_parser(
+        "generate", help="sample text from a checkpoint",
+        description="Sample a continuation of a prompt from a checkpoint (one process, KV cache). The model sees "
+                    "at most model.seq_len tokens, the positions it was trained on: a longer prompt keeps its last "
+                    "seq_len tokens (the start is cut), and when the context is full it keeps its last seq_len // 2 "
+                    "tokens and goes on from there.")
+    p.add_argument("checkpoint", help=CHECKPOINT_ARG_HELP)
+    p.add_argument("--prompt", required=True,
+                   help="text to continue (empty: start a new document); only its last seq_len tokens are used")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = all (default)")
@@ -71,7 +77,7 @@ def cached_attention(q, k, v, first_position):
 
 
 class Decoder:
-    """The CONTRACT §1 model on one process, fed a few tokens at a time through a KV cache."""
+    """The model on one process, fed a few tokens at a time through a KV cache."""
 
     def __init__(self, model_cfg, tensors, dtype=np.float32):
         self.m = model_cfg

@@ -15,13 +15,14 @@ import numpy as np
 from boostmpi.config import config_from_dict
 from boostmpi.errors import CheckpointError, ConfigError
 from boostmpi.train import checkpoint as ckpt
+from boostmpi.train.checkpoint import CHECKPOINT_ARG_HELP
 from boostmpi.tools.loading import checkpoint_dir
 
 
 def register(subparsers):
     p = subparsers.add_parser("inspect", help="describe a checkpoint: config, step, layout, parameters",
                               description="Describe a checkpoint: configuration, step, layout, parameter counts, checksums.")
-    p.add_argument("checkpoint", help="run directory (its latest checkpoint), checkpoint folder, or model.h5")
+    p.add_argument("checkpoint", help=CHECKPOINT_ARG_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--stats", action="store_true", help="add per-tensor statistics (mean, std, min, max, rms)")
     p.set_defaults(func=run)

@@ -1,8 +1,8 @@
 """Opening a checkpoint on one process, whatever layout wrote it (shared by the user tools).
 
-A checkpoint holds global (unsharded) tensors and the configuration of the run that wrote it
-(CONTRACT §3). The tools read it back with the parallel layout forced to one process
-(tp = pp = dp = 1) on the CPU, in float32 unless the run trained in float64.
+A checkpoint holds global (unsharded) tensors and the configuration of the run that wrote it.
+The tools read it back with the parallel layout forced to one process (tp = pp = dp = 1) on
+the CPU, in float32 unless the run trained in float64.
 """
 
 import os
@@ -17,10 +17,8 @@ from boostmpi.train import checkpoint as ckpt
 
 
 def checkpoint_dir(path):
-    """The verified-complete checkpoint folder named by a run dir, a checkpoint dir or a model.h5."""
-    path = os.fspath(path)
-    if os.path.isfile(path) and os.path.basename(path) != "model.h5":
-        raise CheckpointError(f"{path} is a file but not a model.h5: name a run directory, a checkpoint folder or its model.h5")
+    """The verified-complete checkpoint folder named by a run directory, its checkpoints/latest
+    file, a step folder or its model.h5."""
     return ckpt.resolve(path)
 
 

@@ -1,19 +1,22 @@
 """`boostmpi plot RUN_DIR... --out FILE.png [--x tokens|step]`: training curves of runs, overlaid.
 
-Three panels from each run's metrics.jsonl (CONTRACT §4): loss (solid) and validation loss
-(dashed, dots) against tokens or steps; throughput (tokens_per_s) per step; communication bytes
-per step for each process-grid axis (tp solid, pp dashed, dp dotted; an axis that never
-communicated is left out, and a panel with no communication at all says so). One colour per
-run, labelled by the run directory's name. Needs matplotlib (drawn with its Agg backend).
+Three panels from each run's metrics.jsonl (one JSON object per step): loss (solid) and
+validation loss (dashed, dots) against tokens or steps; throughput (tokens_per_s) per step; and
+the communication per step of each process-grid axis as grouped bars, one bar per run side by
+side (so runs never hide each other), its height the median bytes per step, written on it in
+B/KiB/MiB/GiB, a whisker from the smallest to the largest step. An axis no run communicated on
+is left out, and a panel with no communication at all says so. One colour per run, labelled by
+the run directory's name. Needs matplotlib (drawn with its Agg backend).
 """
 
 import json
+import math
 import os
 
 from boostmpi.errors import UserError
+from boostmpi.files import atomic_file, check_writable_parent, format_bytes
 
 AXES = ("tp", "pp", "dp")
-AXIS_STYLES = {"tp": "-", "pp": "--", "dp": ":"}
 
 
 def register(subparsers):
@@ -89,35 +92,73 @@ def make_figure(run_dirs, x="tokens"):
         if xs:
             ax_loss.plot(xs, ys, "o--", color=color, label=f"{label} val_loss")
         ax_speed.plot(*series(rows, "step", "tokens_per_s"), color=color, label=label)
-        comm_rows = [r for r in rows if isinstance(r.get("comm_bytes"), dict)]
-        for axis in AXES:
-            steps = [r["step"] for r in comm_rows]
-            nbytes = [r["comm_bytes"].get(axis, 0) for r in comm_rows]
-            if any(nbytes):
-                ax_comm.plot(steps, nbytes, AXIS_STYLES[axis], color=color, label=f"{label} {axis}")
     ax_loss.set(title="loss", xlabel=x, ylabel="cross-entropy")
     ax_speed.set(title="throughput", xlabel="step", ylabel="tokens / s")
-    ax_comm.set(title="communication per step", xlabel="step", ylabel="bytes")
-    if ax_comm.get_lines():
-        ax_comm.set_yscale("log")
-    else:
-        ax_comm.text(0.5, 0.5, "no communication\n(single process)", ha="center", va="center",
-                     transform=ax_comm.transAxes)
-    for ax in (ax_loss, ax_speed, ax_comm):
+    comm_series = draw_communication(ax_comm, [(label, rows) for label, rows, _ in runs])
+    for ax in (ax_loss, ax_speed):
         ax.grid(alpha=0.3)
         if ax.get_lines():
             ax.legend(fontsize="small")
     fig.tight_layout()
-    return fig, sum(len(ax.get_lines()) for ax in (ax_loss, ax_speed, ax_comm))
+    return fig, len(ax_loss.get_lines()) + len(ax_speed.get_lines()) + comm_series
+
+
+def communication_summary(rows):
+    """{axis: (median, smallest, largest) payload bytes per step} of the axes a run communicated on."""
+    import numpy as np
+
+    per_step = [r["comm_bytes"] for r in rows if isinstance(r.get("comm_bytes"), dict)]
+    summary = {}
+    for axis in AXES:
+        values = np.array([float(c.get(axis) or 0) for c in per_step])
+        if values.size and values.any():
+            summary[axis] = (float(np.median(values)), float(values.min()), float(values.max()))
+    return summary
+
+
+def draw_communication(ax, runs):
+    """Grouped bars of `communication_summary` for [(label, rows)]; returns the number of bars drawn."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    summaries = [communication_summary(rows) for _, rows in runs]
+    axes = [axis for axis in AXES if any(axis in s for s in summaries)]
+    ax.set(title="communication per step (median; whisker: min to max)", ylabel="payload bytes per step")
+    if not axes:
+        ax.text(0.5, 0.5, "no communication\n(single process)", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xticks([])
+        return 0
+    width = 0.8 / len(runs)
+    bars = 0
+    for index, ((label, _), summary) in enumerate(zip(runs, summaries)):
+        where = [i for i, axis in enumerate(axes) if axis in summary]
+        if not where:
+            continue
+        medians = [summary[axes[i]][0] for i in where]
+        spread = [[m - summary[axes[i]][1] for i, m in zip(where, medians)],
+                  [summary[axes[i]][2] - m for i, m in zip(where, medians)]]
+        drawn = ax.bar([i - 0.4 + width * (index + 0.5) for i in where], medians, width, yerr=spread, capsize=3,
+                       color=f"C{index % 10}", label=label)
+        ax.bar_label(drawn, labels=[format_bytes(m) for m in medians], fontsize="x-small", padding=2)
+        bars += len(where)
+    ax.set_xticks(range(len(axes)), [f"{axis} axis" for axis in axes])
+    # ticks at round numbers of the largest binary unit below the tallest bar (0, 1, 2, 3, 4 KiB)
+    top = max(summary[axis][2] for summary in summaries for axis in summary) * 1.15
+    unit = 1024 ** max(0, int(math.log(top, 1024)))
+    ax.set_yticks([v * unit for v in MaxNLocator(nbins=5, steps=[1, 2, 2.5, 5, 10]).tick_values(0, top / unit)
+                   if 0 <= v * unit <= top])
+    ax.set_ylim(0, top)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: format_bytes(value)))
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize="small")
+    return bars
 
 
 def run(args):
-    parent = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(parent):
-        raise UserError(f"--out {args.out}: the folder {parent} does not exist")
+    check_writable_parent(args.out, "--out")
     fig, n_series = make_figure(args.run_dirs, args.x)
     try:
-        fig.savefig(args.out, format="png", dpi=100)
+        with atomic_file(args.out, "wb") as f:
+            fig.savefig(f, format="png", dpi=100)
     finally:
         import matplotlib.pyplot as plt
 

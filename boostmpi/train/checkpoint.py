@@ -43,6 +43,11 @@ MARKER = "COMPLETE"
 FILES = ("model.h5", "optim.h5", "state.json")
 
 
+# how every command that takes a checkpoint describes its argument
+CHECKPOINT_ARG_HELP = ("a run directory (its latest checkpoint), its checkpoints/latest file, a step_<N> "
+                       "checkpoint folder, or its model.h5")
+
+
 def step_dir_name(step):
     return f"step_{step:08d}"
 
@@ -318,6 +323,111 @@ def _failure(exc, name, root, needed, kept):
     return ("FilesystemError", f"{error}; the partial checkpoint is removed, {kept}")
 
 
+class PendingSave:
+    """One checkpoint on its way, in three phases: the constructor (collective: rank 0 checks the free
+    space and makes the temporary folder), `write()` (this rank's files only, no communication: it can
+    run in a background thread while training goes on, from a snapshot) and `finish()` (collective: rank
+    0 publishes the checkpoint once every rank reported its file complete, or everyone raises the first
+    failure). `save` runs the three in a row."""
+
+    KEPT = "the previous checkpoint and `latest` are unchanged"
+
+    def __init__(self, run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, crash_hook=None, log=None):
+        self.run_dir, self.step, self.cfg, self.states, self.adam_t, self.state = run_dir, step, cfg, states, adam_t, state
+        self.comm, self.keep, self.crash_hook, self.log = comm, keep, crash_hook, log
+        self.agree = _Agreement(comm)
+        self.is_root = comm is None or comm.Get_rank() == 0
+        self.root = checkpoints_dir(run_dir)
+        self.name = step_dir_name(step)
+        self.final = os.path.join(self.root, self.name)
+        self.needed, largest = estimate_bytes(cfg, states[0].params.itemsize)
+        self.records, self.error, self.written = {}, None, False
+        tmp, error = None, None
+        if self.is_root:
+            try:
+                make_dirs(self.root, "checkpoint folder")
+                try:
+                    check_space(self.root, self.needed, f"cannot write checkpoint {self.name} into", largest_file=largest)
+                except FilesystemError as exc:
+                    raise FilesystemError(f"{exc}; nothing was written, {self.KEPT}") from None
+                tmp = os.path.join(self.root, f".{self.name}.tmp-{os.getpid()}")
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+            except UserError as exc:
+                error = (type(exc).__name__, str(exc))
+        self.tmp, error = self.agree.bcast((tmp, error))
+        self.agree.check(error)
+
+    @property
+    def nbytes(self):
+        """Bytes of the arrays this save writes from (a snapshot's memory, when it is one)."""
+        return sum(st.nbytes for st in self.states)
+
+    def write(self):
+        """This rank's files: written, fsynced, size and SHA-256 recorded; a failure is kept for `finish`."""
+        try:
+            for st in self.states:
+                path = os.path.join(self.tmp, rank_file_name(*st.coords))
+                write_rank_file(path, self.cfg, st, self.step)
+                self.records[os.path.basename(path)] = _file_record(path)
+            if self.crash_hook:
+                self.crash_hook("rank file")
+        except Exception as exc:  # noqa: BLE001 -- reported on every rank by finish()
+            self.error = _failure(exc, self.name, self.root, self.needed, self.KEPT)
+        self.written = True
+
+    def finish(self):
+        """Publish the checkpoint (collective); returns its folder, or raises on every rank."""
+        gathered = self.agree.gather((self.records, self.error))
+        verdict = None
+        if self.is_root:
+            try:
+                self._publish_on_root(gathered)
+            except BaseException as exc:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                failure = _failure(exc, self.name, self.root, self.needed, self.KEPT)
+                if isinstance(exc, UserError):
+                    verdict = (type(exc).__name__, str(exc))
+                elif isinstance(exc, Exception) and (self.comm is not None or _os_error_of(exc) is not None):
+                    verdict = failure
+                else:  # an interrupt (or, on one process, a crash a test simulates) goes up as it is
+                    if self.comm is not None:
+                        self.agree.bcast(failure)  # the others stop too
+                    raise
+        self.agree.check(self.agree.bcast(verdict))
+        return self.final
+
+    def _publish_on_root(self, gathered):
+        cfg, tmp, name = self.cfg, self.tmp, self.name
+        errors = [e for _, e in gathered if e is not None]
+        if errors:
+            raise _raised(errors[0])
+        marker = {}
+        for r, _ in gathered:
+            marker.update(r)
+        expected = {rank_file_name(t, st, d) for t in range(cfg.parallel.tp) for st in range(cfg.parallel.pp)
+                    for d in range(cfg.parallel.dp)}
+        if set(marker) != expected:
+            raise CheckpointError(f"cannot write checkpoint {name}: rank files {sorted(expected - set(marker))} "
+                                  f"were not reported; {self.KEPT}")
+        for file_name, record in marker.items():  # every rank's file is there, as its writer recorded it
+            if os.path.getsize(os.path.join(tmp, file_name)) != record["bytes"]:
+                raise CheckpointError(f"cannot write checkpoint {name}: {file_name} is not the size its rank "
+                                      f"wrote; {self.KEPT}")
+        write_virtual_files(tmp, cfg, self.step, self.adam_t, self.states[0].params.dtype)
+        if self.crash_hook:
+            self.crash_hook("model.h5")
+        with atomic_file(os.path.join(tmp, "state.json")) as f:
+            json.dump(dict(self.state, step=int(self.step)), f, indent=1, sort_keys=True)
+        for file_name in FILES:
+            marker[file_name] = _file_record(os.path.join(tmp, file_name))
+        if self.crash_hook:
+            self.crash_hook("marker")
+        with atomic_file(os.path.join(tmp, MARKER)) as f:
+            json.dump(marker, f, indent=1, sort_keys=True)
+        _publish(self.run_dir, tmp, self.final, self.step, self.keep, self.log)
+
+
 def save(run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, crash_hook=None, log=None):
     """Write checkpoint `step`, collectively over `comm` (every rank calls it; None: one process, which
     writes every RankState in `states`). Returns the folder on every rank.
@@ -332,82 +442,9 @@ def save(run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, crash_hoo
     `crash_hook(stage)` lets tests fail at "rank file", "model.h5" or "marker"; `log(line)` receives what
     the save did besides writing.
     """
-    agree = _Agreement(comm)
-    is_root = comm is None or comm.Get_rank() == 0
-    root = checkpoints_dir(run_dir)
-    name = step_dir_name(step)
-    final = os.path.join(root, name)
-    kept = "the previous checkpoint and `latest` are unchanged"
-    needed, largest = estimate_bytes(cfg, states[0].params.itemsize)
-    tmp, error = None, None
-    if is_root:
-        try:
-            make_dirs(root, "checkpoint folder")
-            try:
-                check_space(root, needed, f"cannot write checkpoint {name} into", largest_file=largest)
-            except FilesystemError as exc:
-                raise FilesystemError(f"{exc}; nothing was written, {kept}") from None
-            tmp = os.path.join(root, f".{name}.tmp-{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        except UserError as exc:
-            error = (type(exc).__name__, str(exc))
-    tmp, error = agree.bcast((tmp, error))
-    agree.check(error)
-
-    records, error = {}, None
-    try:
-        for st in states:
-            path = os.path.join(tmp, rank_file_name(*st.coords))
-            write_rank_file(path, cfg, st, step)
-            records[os.path.basename(path)] = _file_record(path)
-        if crash_hook:
-            crash_hook("rank file")
-    except Exception as exc:  # noqa: BLE001 -- reported on every rank, the temporary folder removed
-        error = _failure(exc, name, root, needed, kept)
-    gathered = agree.gather((records, error))
-    verdict = None
-    if is_root:
-        errors = [e for _, e in gathered if e is not None]
-        try:
-            if errors:
-                raise _raised(errors[0])
-            marker = {}
-            for r, _ in gathered:
-                marker.update(r)
-            expected = {rank_file_name(t, st, d) for t in range(cfg.parallel.tp) for st in range(cfg.parallel.pp)
-                        for d in range(cfg.parallel.dp)}
-            if set(marker) != expected:
-                raise CheckpointError(f"cannot write checkpoint {name}: rank files {sorted(expected - set(marker))} "
-                                      f"were not reported; {kept}")
-            for file_name, record in marker.items():  # every rank's file is there, as its writer recorded it
-                if os.path.getsize(os.path.join(tmp, file_name)) != record["bytes"]:
-                    raise CheckpointError(f"cannot write checkpoint {name}: {file_name} is not the size its rank "
-                                          f"wrote; {kept}")
-            write_virtual_files(tmp, cfg, step, adam_t, states[0].params.dtype)
-            if crash_hook:
-                crash_hook("model.h5")
-            with atomic_file(os.path.join(tmp, "state.json")) as f:
-                json.dump(dict(state, step=int(step)), f, indent=1, sort_keys=True)
-            for file_name in FILES:
-                marker[file_name] = _file_record(os.path.join(tmp, file_name))
-            if crash_hook:
-                crash_hook("marker")
-            with atomic_file(os.path.join(tmp, MARKER)) as f:
-                json.dump(marker, f, indent=1, sort_keys=True)
-            _publish(run_dir, tmp, final, step, keep, log)
-        except BaseException as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(exc, UserError):
-                verdict = (type(exc).__name__, str(exc))
-            elif isinstance(exc, Exception) and (comm is not None or _os_error_of(exc) is not None):
-                verdict = _failure(exc, name, root, needed, kept)
-            else:  # an interrupt (or, on one process, a crash a test simulates) goes up as it is
-                if comm is not None:
-                    agree.bcast(_failure(exc, name, root, needed, kept))  # the others stop too
-                raise
-    agree.check(agree.bcast(verdict))
-    return final
+    pending = PendingSave(run_dir, step, cfg, states, adam_t, state, comm, keep, crash_hook, log)
+    pending.write()
+    return pending.finish()
 
 
 def _raised(error):
@@ -552,11 +589,31 @@ def find_latest(run_dir):
 
 
 def resolve(path):
-    """A checkpoint folder from a folder, a run directory, or a model.h5 path; verified complete."""
+    """A verified-complete checkpoint folder from what a user may name: a run directory (its newest
+    checkpoint), its `checkpoints/` folder or `checkpoints/latest` file (the one `latest` names),
+    a step folder, or a step folder's model.h5."""
+    path = os.fspath(path)
     if os.path.isfile(path) and os.path.basename(path) == "model.h5":
-        path = os.path.dirname(path)
+        path = os.path.dirname(path) or "."
+    elif os.path.isfile(path) and os.path.basename(path) == "latest":
+        try:
+            with open(path) as f:
+                name = f.read().strip()
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        if not name.startswith("step_") or os.sep in name:
+            raise CheckpointError(f"{path} does not name a checkpoint folder (it holds {name[:40]!r})")
+        path = os.path.join(os.path.dirname(path), name)
+    elif os.path.isfile(path):
+        raise CheckpointError(f"{path} is a file but not a checkpoint: name a run directory, its checkpoints/latest, "
+                              f"a step_<N> folder or its model.h5")
     if os.path.isdir(os.path.join(path, "checkpoints")):
         found = find_latest(path)
+        if found is None:
+            raise CheckpointError(f"{path} holds no complete checkpoint")
+        return found
+    if os.path.basename(os.path.normpath(path)) == "checkpoints" and os.path.isdir(path):
+        found = find_latest(os.path.dirname(os.path.abspath(path)))
         if found is None:
             raise CheckpointError(f"{path} holds no complete checkpoint")
         return found

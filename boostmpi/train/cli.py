@@ -5,6 +5,7 @@ import signal
 import numpy as np
 
 from boostmpi.errors import UserError
+from boostmpi.files import fs_error
 
 
 def register(subparsers):
@@ -20,8 +21,9 @@ def register(subparsers):
     p.add_argument("--config", required=True, help="TOML configuration file")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a configuration key")
     p.add_argument("--resume", default=None, metavar="CHECKPOINT",
-                   help="start from this checkpoint instead: a run directory (its latest checkpoint), its "
-                        "checkpoints/latest file, or a step folder (default: this run directory's latest, if any)")
+                   help="start from this checkpoint instead of this run directory's latest (if any): "
+                        "a run directory (its latest checkpoint), its checkpoints/latest file, a step_<N> folder, "
+                        "or its model.h5")
     p.set_defaults(func=run)
 
 
@@ -43,8 +45,11 @@ def run(args):
         if rank == 0:
             print(banner(cfg, args.config, size, local_rank), flush=True)
         try:
-            prepare_builtin(cfg, rank == 0)
-        except UserError as exc:
+            try:
+                prepare_builtin(cfg, rank == 0)
+            except OSError as exc:
+                raise fs_error(exc, "cannot prepare the built-in corpus in data.builtin_dir") from exc
+        except UserError as exc:  # rank 0 alone: the job is ended from here (run_guarded)
             exc.all_ranks = False
             raise
         if world is not None:

@@ -6,13 +6,14 @@ import os
 import resource
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
 
 from boostmpi.data.progress import format_duration
 from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
-from boostmpi.errors import CheckpointError, DataError, TrainingDiverged, UserError
+from boostmpi.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, UserError
 from boostmpi.files import FilesystemError, atomic_file, check_dir_creatable, format_bytes, fs_error, make_dirs
 from boostmpi.parallel.engine import Engine
 from boostmpi.train import checkpoint as ckpt
@@ -91,6 +92,8 @@ class Trainer:
         self.optimizer = AdamW(e.params, e.specs, tr, e.xp, shard=e.shard)
         self.step = 0
         self.resumed_from = None
+        self._in_flight = None  # (PendingSave, writer thread) of an asynchronous checkpoint
+        self.snapshot_bytes = 0  # memory of the last asynchronous checkpoint's snapshot
         self._root_decides(lambda: check_dir_creatable(self.run_dir, "train.run_dir"))
         V, T = cfg.model.vocab_size, cfg.model.seq_len
 
@@ -141,7 +144,7 @@ class Trainer:
         if self.world is not None:
             verdict = self.world.bcast(verdict, root=0)  # small metadata between our own ranks
         if verdict is not None:
-            kinds = (UserError, CheckpointError, DataError, FilesystemError)
+            kinds = (UserError, CheckpointError, ConfigError, DataError, FilesystemError)
             exc = {c.__name__: c for c in kinds}.get(verdict[0], UserError)(verdict[1])
             exc.all_ranks = True
             raise exc
@@ -174,24 +177,77 @@ class Trainer:
             raise err
         e = self.engine
         step, state = ckpt.load(path, e.specs, e.params, self.optimizer, e.xp)
-        self.loader.load_state_dict(state["data"])
+        self._check_global_batch(path, saved_cfg)
+        try:
+            self.loader.load_state_dict(state["data"])
+        except DataError as exc:  # every rank reads the same state: each raises, rank 0 prints
+            err = DataError(f"cannot resume {path}: {exc}. To train on these shards, start a new run: set a new "
+                            f"train.run_dir (or remove {self.run_dir} to start it afresh)")
+            err.all_ranks = True
+            raise err from None
         self.step = step
         self.resumed_from = path
         self.log(f"resumed from {path} (step {step})")
 
+    def _check_global_batch(self, path, saved_cfg):
+        """A different dp would silently change the global batch (micro_batch_size x grad_accum x dp):
+        refused unless train.global_batch_size is set, which says what the batch is to be."""
+        cfg = self.cfg
+        saved_train, saved_dp = saved_cfg.get("train", {}), saved_cfg.get("parallel", {}).get("dp")
+        before, now = saved_train.get("global_batch_size"), cfg.train.global_batch_size
+        if before is None or saved_dp is None or saved_dp == cfg.parallel.dp or before == now:
+            return
+        if cfg._explicit is None or "global_batch_size" in cfg._explicit.get("train", {}):
+            self.log(f"the global batch changes from {before} to {now} sequences at step {self.step} "
+                     f"(train.global_batch_size; dp {saved_dp} -> {cfg.parallel.dp})")
+            return
+        err = ConfigError(f"resuming {path} with parallel.dp = {cfg.parallel.dp} instead of {saved_dp} would change the "
+                          f"global batch from {before} to {now} sequences (micro_batch_size x grad_accum x dp); "
+                          f"set train.global_batch_size={before} to keep it (grad_accum follows), or ={now} to change it")
+        err.all_ranks = True
+        raise err
+
     # ------------------------------------------------------------------ checkpoint
     def save_checkpoint(self):
         """Every rank writes its own pieces at once (checkpoint.save); a failure on any rank (a full
-        disk) ends every rank with the same one-line error, the previous checkpoint untouched."""
-        par = self.cfg.parallel
+        disk) ends every rank with the same one-line error, the previous checkpoint untouched.
+
+        With `checkpoint.async = true` the ranks take a snapshot of what they write (its bytes are
+        reported as memory.checkpoint_snapshot), rank 0 prepares the folder, and a background thread
+        writes each rank's file while training goes on; `poll_async_save` publishes it at a later step
+        boundary. At most one save is in flight: a new one first waits for the previous one."""
+        self.poll_async_save(wait=True)
+        par, asynchronous = self.cfg.parallel, self.cfg.checkpoint.async_
         state = None
         if self.is_root:
             state = {"data": self.loader.state_dict(), "seed": self.cfg.train.seed,
                      "layout": {"tp": par.tp, "pp": par.pp, "dp": par.dp, "tp_mode": par.tp_mode,
                                 "zero_stage": par.zero_stage}}
-        path = ckpt.save(self.run_dir, self.step, self.cfg, [ckpt.rank_state(self.engine, self.optimizer)],
-                         self.optimizer.t, state, comm=self.world, keep=self.cfg.checkpoint.keep, log=self.log)
-        self.log(f"checkpoint {path}")
+        states = [ckpt.rank_state(self.engine, self.optimizer, copy=asynchronous)]
+        args = (self.run_dir, self.step, self.cfg, states, self.optimizer.t, state)
+        kwargs = dict(comm=self.world, keep=self.cfg.checkpoint.keep, log=self.log)
+        if not asynchronous:
+            self.log(f"checkpoint {ckpt.save(*args, **kwargs)}")
+            return
+        pending = ckpt.PendingSave(*args, **kwargs)
+        self.snapshot_bytes = pending.nbytes
+        thread = threading.Thread(target=pending.write, name="boostmpi-checkpoint", daemon=True)
+        thread.start()
+        self._in_flight = (pending, thread)
+
+    def poll_async_save(self, wait=False):
+        """Publish the asynchronous save in flight once every rank has written its file (collective;
+        with `wait`, first wait for this rank's writer). A write that failed on any rank stops every
+        rank with its one-line error; the previous checkpoint stays the latest."""
+        if self._in_flight is None:
+            return
+        pending, thread = self._in_flight
+        if wait:
+            thread.join()
+        if self.engine.world_sum(0.0 if pending.written else 1.0) > 0:
+            return  # some rank is still writing: look again at the next step boundary
+        self._in_flight = None
+        self.log(f"checkpoint {pending.finish()}")
 
     # ------------------------------------------------------------------ validation
     def validate(self):
@@ -244,8 +300,11 @@ class Trainer:
                     last_val = self.validate()
                     row["val_loss"] = last_val
                 if metrics:
-                    metrics.write(json.dumps(row) + "\n")
-                    metrics.flush()
+                    try:
+                        metrics.write(json.dumps(row) + "\n")
+                        metrics.flush()
+                    except OSError as exc:  # rank 0 alone: the job is ended from here (run_guarded)
+                        raise fs_error(exc, "cannot append to", self._metrics_path()) from exc
                 if self.step == 1 or self.step % max(1, tr.log_every) == 0 or self.step == tr.steps or want_val:
                     elapsed = time.perf_counter() - t_start
                     eta = elapsed / steps_done * (tr.steps - self.step)
@@ -253,12 +312,15 @@ class Trainer:
                     self.log(f"step {self.step:>6d}/{tr.steps} | loss {loss:.4f}{val} | lr {lr:.2e} | "
                              f"{tokens_per_step / dt:,.0f} tok/s | elapsed {format_duration(elapsed)} | eta {format_duration(eta)}",
                              live=not want_val and self.step != tr.steps)
+                self.poll_async_save(wait=self.step == tr.steps)
                 every = cfg.checkpoint.every
                 if (every and self.step % every == 0) or self.step == tr.steps:
                     self.save_checkpoint()
+                    self.poll_async_save(wait=self.step == tr.steps)
                 if self._preempted():
                     if not (every and self.step % every == 0) and self.step != tr.steps:
                         self.save_checkpoint()
+                    self.poll_async_save(wait=True)
                     self.log(f"stopped by signal at step {self.step}: checkpoint written, resume by running the same command "
                              f"({self.preemption.name()}; exit status {STOPPED_EARLY_EXIT})")
                     return {"step": self.step, "preempted": True, "val_loss": last_val}
@@ -286,12 +348,12 @@ class Trainer:
         item = e.params.data.dtype.itemsize
         grads = e.grads.size * item + (e.grad_shard.nbytes if e.sharded else 0)  # + the reduce-scattered slice
         mine = np.array([e.params.size * item, grads, self.optimizer.nbytes,
-                         e.saved_activation_bytes, peak_memory_bytes(e.xp)], dtype=np.float64)
+                         e.saved_activation_bytes, self.snapshot_bytes, peak_memory_bytes(e.xp)], dtype=np.float64)
         if self.world is not None:
             from mpi4py import MPI
 
             self.world.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
-        keys = ("params", "grads", "optimizer", "activations_saved", "peak")
+        keys = ("params", "grads", "optimizer", "activations_saved", "checkpoint_snapshot", "peak")
         return {k: int(v) for k, v in zip(keys, mine)}  # the largest rank's figure for each
 
     def _memory_line(self, mem):
