@@ -132,15 +132,26 @@ def _stream_key(seed, name):
 def _normals(key, start, count):
     """Standard normals of elements [start, start + count) of a parameter's stream, in float64.
 
-    Element k of the global tensor (C order) is made from 64-bit words 2k and 2k+1 of the Philox-4x64
-    stream keyed by `key` (Box-Muller: one normal from two uniforms), so any run of elements is produced
-    on its own, by advancing the counter to the run's start, and equals the same elements of the whole
-    tensor bit for bit."""
-    block, skip = divmod(int(start), 2)  # a counter value gives four words: two elements
-    words = np.random.Philox(key=key, counter=[block, 0, 0, 0]).random_raw(2 * (skip + count))[2 * skip:]
-    u1 = ((words[0::2] >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53  # (0, 1]
-    u2 = (words[1::2] >> np.uint64(11)).astype(np.float64) * 2.0 ** -53  # [0, 1)
-    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+    Elements 2j and 2j+1 of the global tensor (C order) are the Box-Muller pair made from 64-bit words
+    2j and 2j+1 of the Philox-4x64 stream keyed by `key` (53-bit uniforms u, v as NumPy's `random()`
+    makes them: radius sqrt(-2 ln(1 - u)), angle 2 pi v; cosine then sine). So any run of elements is
+    produced on its own, by advancing the counter to the run's first pair, and equals the same elements
+    of the whole tensor bit for bit."""
+    first, last = start // 2, (start + count + 1) // 2  # the pairs the run touches
+    block, skip = divmod(2 * first, 4)  # a counter value gives four words: two pairs
+    words = np.random.Generator(np.random.Philox(key=key, counter=[block, 0, 0, 0])).random(skip + 2 * (last - first))
+    u, v = words[skip::2], words[skip + 1::2]
+    np.subtract(1.0, u, out=u)  # (0, 1]
+    np.log(u, out=u)
+    u *= -2.0
+    np.sqrt(u, out=u)
+    v *= 2.0 * np.pi
+    out = np.empty(2 * (last - first))
+    np.cos(v, out=out[0::2])
+    np.sin(v, out=out[1::2])
+    out[0::2] *= u
+    out[1::2] *= u
+    return out[start - 2 * first:start - 2 * first + count]
 
 
 def global_runs(spec, box):
