@@ -23,7 +23,7 @@ from boostmpi.parallel.comm import WATCHDOG, configure_watchdog
 from boostmpi.parallel.grid import ProcessGrid
 from boostmpi.parallel.pipeline import one_f_one_b
 from boostmpi.parallel.tensor_parallel import make_strategy
-from boostmpi.train.optim import clip_coefficient
+from boostmpi.train.optim import clip_coefficient, touched
 
 
 def _nbytes(obj, seen):
@@ -75,6 +75,7 @@ class Engine:
         self.cdtype = compute_dtype(tr.dtype, self.xp)
         self.params = FlatBuffer(self.specs, self.pdtype, self.xp)  # master weights
         self.grads = FlatBuffer(self.specs, self.pdtype, self.xp)
+        touched(self.grads.data)  # its pages fault in now, not in the first step's backward
         # mixed precision (bf16 on GPUs): compute on a low-precision copy, refreshed every step;
         # gradients accumulate in the master dtype
         same = np.dtype(self.cdtype) == np.dtype(self.pdtype)
@@ -93,7 +94,7 @@ class Engine:
         self.shard = self.dp_ranges[c.dp] if self.sharded else (0, n)
         lo, hi = self.shard
         # the dp-summed gradient of the slice: its own buffer when reduce-scattered, else a view
-        self.grad_shard = self.xp.zeros(hi - lo, dtype=self.pdtype) if self.sharded else self.grads.data
+        self.grad_shard = touched(self.xp.empty(hi - lo, dtype=self.pdtype)) if self.sharded else self.grads.data
         self.init_params(tr.seed)
 
     # ------------------------------------------------------------------ parameters
