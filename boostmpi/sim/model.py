@@ -6,9 +6,10 @@ recomputation, the data-parallel all-reduce, the optimizer, memory per device an
 docs/SIM.md explains every term.
 """
 
+import math
 from dataclasses import dataclass, field, replace
 
-from boostmpi.model.params import param_specs, stage_layers, tp_strategy
+from boostmpi.model.params import all_global_specs, param_specs, stage_layers, tp_strategy
 from boostmpi.sim.costs import (ITEMSIZE, PassTimes, group_allreduce_seconds, group_link, p2p_seconds,
                                 pass_times)
 from boostmpi.sim.plans import (Collective, Shape, embedding_plan, head_plan, kept_by_lowrank, layer_plan,
@@ -75,6 +76,23 @@ def zero_slice(n_params, dp, zero_stage):
     """Elements of the flat buffer whose optimizer state one dp rank holds: all of them, or under
     ZeRO-1 the largest dp slice, ceil(n / dp)."""
     return -(-n_params // dp) if zero_stage and dp > 1 else n_params
+
+
+def checkpoint_bytes(cfg):
+    """(largest rank's bytes, total bytes) of a checkpoint's rank files: every rank writes parameters
+    and both AdamW moments (master dtype) of its dp share of its tp/pp shard (docs/CHECKPOINTS.md)."""
+    par, e = cfg.parallel, ITEMSIZE[master_dtype(cfg.train.dtype)]
+    shares = [-(-local_params(cfg, r, st) // par.dp) for r in range(par.tp) for st in range(par.pp)]
+    total = sum(math.prod(s.global_shape) for s in all_global_specs(cfg))  # each element once
+    return 3 * e * max(shares), 3 * e * total
+
+
+def checkpoint_seconds(cfg, rank_write_bandwidth, filesystem_bandwidth):
+    """Seconds to write a checkpoint when every rank writes its file at once: the largest rank's bytes
+    at `rank_write_bandwidth` (bytes/s one process writes), or the total at `filesystem_bandwidth`
+    (bytes/s the filesystem takes from all writers together), whichever is slower."""
+    largest, total = checkpoint_bytes(cfg)
+    return max(largest / rank_write_bandwidth, total / filesystem_bandwidth)
 
 
 def zero_allgather_elements(n_params, dp, zero_stage):
