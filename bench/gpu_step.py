@@ -1,4 +1,4 @@
-"""GPU targets of issue 5, side by side in one run on one GPU (needs CuPy and a CUDA device; PyTorch
+"""The GPU targets, side by side in one run on one GPU (needs CuPy and a CUDA device; PyTorch
 with CUDA for the eager comparison):
 
   1. RMSNorm kernel bandwidth against a device-to-device copy of the same bytes (target >= 70%);
@@ -74,6 +74,11 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
     import cupy
+
+    if getattr(cupy, "__standin__", False):
+        print("error: bench/gpu_step.py measures a GPU, and this `cupy` is the tests' stand-in (no device: "
+              "kernels run on the CPU harness); run it where CuPy reaches a GPU", file=sys.stderr)
+        sys.exit(2)
 
     from boostmpi.config import config_from_dict
     from boostmpi.parallel.engine import Engine

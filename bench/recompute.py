@@ -25,7 +25,7 @@ saves >= 1.5x more memory per ms of added time than layer.
 
     PYTHONPATH=. .venv/bin/python bench/recompute.py [--no-rss] [--append bench/RESULTS.md]
 
-The script starts itself under `timeout <--timeout> .venv/bin/mpiexec -n <--ranks>`.
+The script starts itself under `timeout <--timeout> mpiexec -n <--ranks>` (the mpiexec of `boostmpi.parallel.launch.find_mpiexec`).
 """
 
 import common  # first: one BLAS thread before numpy loads

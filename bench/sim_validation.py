@@ -31,6 +31,8 @@ import numpy as np  # noqa: E402
 
 from common import REPO  # noqa: E402
 
+from boostmpi.parallel.launch import find_mpiexec  # noqa: E402
+
 MODEL = {"arch": "cola", "vocab_size": 1024, "d_model": 512, "n_layers": 4, "n_heads": 8,
          "rank": 128, "d_ff": 1376, "seq_len": 256}
 TRAIN = {"micro_batch_size": 4, "grad_accum": 1, "dtype": "float32"}
@@ -109,8 +111,7 @@ def run_layout(layout, warmup, repeats, extra_env):
     cfg = config(layout)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        mpiexec = Path(sys.executable).parent / "mpiexec"
-        cmd = ["timeout", str(RUN_TIMEOUT_S), str(mpiexec), "-n", str(world_size(cfg)), sys.executable,
+        cmd = ["timeout", str(RUN_TIMEOUT_S), find_mpiexec(), "-n", str(world_size(cfg)), sys.executable,
                str(Path(__file__).resolve()), "--measure", layout, "--warmup", str(warmup),
                "--repeats", str(repeats), "--out", str(out)]
         env = dict(os.environ, **extra_env,

@@ -19,7 +19,7 @@ so the baseline is vanilla without it; the grouped variant is reported beside it
 
     PYTHONPATH=. .venv/bin/python bench/tp_modes.py [--append bench/RESULTS.md]
 
-The script starts itself under `timeout <--timeout> .venv/bin/mpiexec -n <--ranks>`.
+The script starts itself under `timeout <--timeout> mpiexec -n <--ranks>` (the mpiexec of `boostmpi.parallel.launch.find_mpiexec`).
 """
 
 import common  # first: one BLAS thread before numpy loads

@@ -21,14 +21,10 @@ from pathlib import Path
 import tomllib
 
 from boostmpi.errors import ConfigError
+from boostmpi.model.params import LINEAR_DIMS, RANK_OF, sizes_split_evenly, tp_strategy
 
 ARCHS = ("full", "svd", "cola")
 LOWRANK_ARCHS = ("svd", "cola")
-
-# which rank key factorises each linear of a layer (CONTRACT §1)
-RANK_KEY_OF = {"q": "attn_rank", "k": "attn_rank", "v": "attn_rank", "o": "attn_rank",
-               "gate": "mlp_rank", "up": "mlp_rank", "down": "mlp_rank"}
-
 
 def _key(default, check=None, choices=None, name=None):
     """A key with a default; `check` names an entry of _RANGE_CHECKS; `name` is the key's name in the
@@ -92,11 +88,9 @@ class ModelConfig:
 
     def linear_shapes(self):
         """name -> (d_in, d_out, rank) for each linear of a layer; rank is None for arch full."""
-        C, F, KV = self.d_model, self.d_ff, self.kv_dim
-        dims = {"q": (C, C), "k": (C, KV), "v": (C, KV), "o": (C, C),
-                "gate": (C, F), "up": (C, F), "down": (F, C)}
-        return {name: (d_in, d_out, getattr(self, RANK_KEY_OF[name]) if self.is_lowrank else None)
-                for name, (d_in, d_out) in dims.items()}
+        size = {"d_model": self.d_model, "n_heads": self.d_model, "n_kv_heads": self.kv_dim, "d_ff": self.d_ff}
+        return {name: (size[d_in], size[d_out], getattr(self, RANK_OF[name]) if self.is_lowrank else None)
+                for name, (d_in, d_out) in LINEAR_DIMS.items()}
 
 
 @dataclass(frozen=True)
@@ -248,7 +242,7 @@ class Config:
         if not m.is_lowrank:
             return
         for name, (d_in, d_out, rank) in m.linear_shapes().items():
-            key = RANK_KEY_OF[name]
+            key = RANK_OF[name]
             if rank <= 0:
                 raise _error(f"model.{key} must be positive, got {rank}{self._origin('model', key)}")
             if rank > min(d_in, d_out):
@@ -270,16 +264,10 @@ class Config:
                          "every tensor-parallel rank needs part of the vocabulary")
         if p.tp == 1:
             return
-        if p.tp_mode == "btp":
-            if not m.is_lowrank:
-                raise _error(f"parallel.tp_mode = btp needs a low-rank arch; use tp_mode = \"vanilla\" "
-                             f"for full (model.arch = \"full\", parallel.tp = {p.tp})")
-            sharded = ("d_model", "n_heads", "n_kv_heads", "d_ff")
-        elif m.is_lowrank:  # vanilla splits each factor along its rank
-            sharded = ("attn_rank", "mlp_rank")
-        else:  # Megatron: heads and the MLP hidden dim are split
-            sharded = ("n_heads", "n_kv_heads", "d_ff")
-        for key in sharded:
+        if p.tp_mode == "btp" and not m.is_lowrank:
+            raise _error(f"parallel.tp_mode = btp needs a low-rank arch; use tp_mode = \"vanilla\" "
+                         f"for full (model.arch = \"full\", parallel.tp = {p.tp})")
+        for key in sizes_split_evenly(tp_strategy(self)):  # the sharding rules of boostmpi/model/params.py
             if getattr(m, key) % p.tp:
                 raise _error(f"{self._show('model', key)} is not divisible by parallel.tp = {p.tp}, "
                              f"which tp_mode = \"{p.tp_mode}\" with arch = \"{m.arch}\" needs")
@@ -489,6 +477,6 @@ def _toml_value(value):
     return repr(value)  # only in messages about values of a wrong type
 
 
-__all__ = ["ARCHS", "LOWRANK_ARCHS", "RANK_KEY_OF", "SECTIONS", "DEFAULTS", "Config", "ModelConfig",
+__all__ = ["ARCHS", "LOWRANK_ARCHS", "SECTIONS", "DEFAULTS", "Config", "ModelConfig",
            "ParallelConfig", "TrainConfig", "DataConfig", "CheckpointConfig", "load_config",
            "config_from_dict", "parse_overrides"]

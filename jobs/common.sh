@@ -13,7 +13,9 @@
 #   STOP_SIGNAL   (optional) the signal forwarded to the launcher when the job is told to stop (default USR1)
 #   STOP_AFTER_S  (optional) seconds after the start at which the job tells the ranks to stop by itself,
 #                 for schedulers that give no warning before the time limit (PBS)
-# and may set BOOSTMPI_DRY_RUN=1 to print the commands instead of running them.
+# and may set BOOSTMPI_DRY_RUN=1 to print the commands (launch, resubmit, env) instead of running them.
+# Helpers for the site scripts: boostmpi_site_launcher (the site's srun/mpiexec, never the venv's),
+# boostmpi_require_net (NCCL_NET on multi-node runs), boostmpi_env_summary.
 #
 # One attempt: exit at once if RUN_DIR/DONE exists; otherwise train (resuming from the latest
 # complete checkpoint, which `boostmpi train` does by itself). SIGTERM, SIGUSR1 or SIGINT to this
@@ -28,6 +30,50 @@ boostmpi_require_job() {
     echo "error: $1 is not set: this script runs inside a batch job; submit it with: $2" >&2
     exit 2
   fi
+}
+
+# boostmpi_site_launcher NAME [PART]: prints the absolute path of the site's launcher NAME (srun,
+# PALS mpiexec) from PATH, never the one in the venv of $PY (a PyPI MPICH's Hydra, which rejects
+# the site's options and runs the wrong MPI); with PART, the first NAME whose path contains PART
+# (/pals/: PALS's mpiexec, not a conda environment's). Stops with status 2 when there is none.
+boostmpi_site_launcher() {
+  local name="$1" part="${2:-}" dir venv_bin real
+  venv_bin="$(cd "$(dirname "$PY")" 2>/dev/null && pwd -P)"
+  local -a dirs
+  IFS=: read -r -a dirs <<< "$PATH"
+  for dir in "${dirs[@]}"; do
+    [ -n "$dir" ] && [ -x "$dir/$name" ] && [ ! -d "$dir/$name" ] || continue
+    real="$(cd "$dir" && pwd -P)"
+    [ "$real" = "$venv_bin" ] && continue
+    case "$real/$name" in *"$part"*) ;; *) continue ;; esac
+    printf '%s\n' "$real/$name"
+    return 0
+  done
+  echo "error: no $name${part:+ with $part in its path} on PATH outside ${venv_bin:-the venv}:" \
+       "load the site's modules first (the job script does)" >&2
+  exit 2
+}
+
+# boostmpi_require_net NNODES NAME: on more than one node, NCCL/RCCL must use the network NAME
+# (the name its Slingshot plugin registers): NCCL_NET makes a missing or broken plugin an error at
+# start-up instead of a silent fall-back to TCP sockets. One node needs no network plugin.
+boostmpi_require_net() {
+  if [ "$1" -gt 1 ]; then
+    export NCCL_NET="$2"
+  fi
+}
+
+# boostmpi_env_summary: the job's communication and threading settings, one NAME=value word each.
+boostmpi_env_summary() {
+  local name
+  local -a words=()
+  for name in $(compgen -e | LC_ALL=C sort); do
+    case "$name" in
+      NCCL_*|FI_*|MPICH_*|HSA_*|ROCM_HOME|CUPY_*|OMP_NUM_THREADS|OPENBLAS_NUM_THREADS|BOOSTMPI_GPU_MAP_VAR|LD_LIBRARY_PATH)
+        words+=("$name=${!name}") ;;
+    esac
+  done
+  boostmpi_quote ${words[@]+"${words[@]}"}
 }
 
 # boostmpi_layout: sets DP from NRANKS, TP and PP, or stops with status 2.
@@ -89,6 +135,7 @@ boostmpi_job() {
   if [ "${BOOSTMPI_DRY_RUN:-0}" = 1 ]; then
     echo "launch: $(boostmpi_quote "${LAUNCH[@]}" "${TRAIN[@]}")"
     echo "resubmit: $(boostmpi_quote ${RESUBMIT[@]+"${RESUBMIT[@]}"})"
+    echo "env: $(boostmpi_env_summary)"
     return 0
   fi
   if [ -f "$RUN_DIR/DONE" ]; then
@@ -98,6 +145,7 @@ boostmpi_job() {
   local before after steps status
   read -r before steps < <(boostmpi_progress) || { echo "error: cannot read the progress of $RUN_DIR with $PY" >&2; return 1; }
   echo "job: $(date '+%F %T') starting at checkpoint step $before: $(boostmpi_quote "${LAUNCH[@]}" "${TRAIN[@]}")"
+  echo "job: environment: $(boostmpi_env_summary)"
 
   "${LAUNCH[@]}" "${TRAIN[@]}" &
   BOOSTMPI_LAUNCHER_PID=$!

@@ -6,13 +6,19 @@ zero; the session-finish hook below makes every rank's status non-zero when any 
 run fails however its ranks' statuses are combined.
 """
 
+import os
 import sys
 
 import pytest
 
+from gpu_setup import GPU
 from mpi_helpers import checks_comm, report_through, running_under_mpi
 
 _FINISH_COMM = pytest.StashKey()
+
+
+def pytest_report_header(config):
+    return f"gpu: {GPU.describe()}"
 
 
 def pytest_configure(config):

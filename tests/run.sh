@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # The whole test suite: sets itself up (.venv, install), then runs
-#   1. the single-process tests (pytest),
+#   1. the single-process tests (pytest), the GPU suite among them: on a real GPU when CuPy reaches
+#      one, else on the CuPy stand-in and the CUDA execution harness (the header's "gpu:" line says
+#      which); its multi-rank GPU runs start their own `mpiexec -n 4` under a timeout,
 #   2. the MPI tests at 1, 2, 3 and 4 ranks (pytest-mpi under mpiexec, each under timeout),
-#   3. the real-Slurm test when this machine allows it (root and apt), otherwise it says why it skipped.
+#   3. the system-MPI test: boostmpi without the [mpich] extra, mpi4py built against Debian's MPICH,
+#      two ranks under mpiexec.mpich (tests/sysmpi/run_sysmpi_test.sh; the first run compiles mpi4py),
+#   4. the real-Slurm test on that same system MPI,
+#   3 and 4 when this machine allows them (root and apt), otherwise each says why it skipped.
 # Exit status is non-zero when anything failed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 # shellcheck source=jobs/setup_env.sh
 source jobs/setup_env.sh
 setup_venv test,plot,mpich
@@ -22,6 +27,9 @@ for n in 1 2 3 4; do
   step "MPI tests at $n ranks"
   timeout 600 "$MPIEXEC" -n "$n" "$PY" -m pytest -q -p no:cacheprovider --with-mpi -m mpi tests || status=1
 done
+
+step "system-MPI test"
+timeout 900 bash tests/sysmpi/run_sysmpi_test.sh || status=1
 
 step "real Slurm test"
 if [ -x tests/slurm/run_slurm_test.sh ] || [ -f tests/slurm/run_slurm_test.sh ]; then

@@ -18,19 +18,21 @@ from mpi_helpers import MPIEXEC
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 VENV_PY = str(REPO / ".venv" / "bin" / "python")  # what the scripts use by default
-SCRIPTS = ["jobs/common.sh", "jobs/local.sh", "jobs/frontier.sbatch", "jobs/perlmutter.sbatch", "jobs/polaris.pbs",
-           "tests/slurm/run_slurm_test.sh"]
+SCRIPTS = ["jobs/common.sh", "jobs/setup_env.sh", "jobs/local.sh", "jobs/frontier.sbatch", "jobs/perlmutter.sbatch",
+           "jobs/polaris.pbs", "jobs/setup_frontier.sh", "jobs/setup_perlmutter.sh", "jobs/setup_polaris.sh",
+           "tests/run.sh", "tests/slurm/run_slurm_test.sh", "tests/sysmpi/system_mpi.sh", "tests/sysmpi/run_sysmpi_test.sh"]
 
 
 def _bash(args, env=None, timeout=60):
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_", "BOOSTMPI_"))}
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "PBS_", "BOOSTMPI_", "NCCL_", "FI_", "MPICH_", "PMI_"))}
     base.update(env or {})
     return subprocess.run(["bash", *args], cwd=REPO, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=timeout)
 
 
 def _render(script, **env):
-    """{'launch': [words], 'resubmit': [words]} that `script` prints in a dry run."""
+    """{'launch': [words], 'resubmit': [words], 'env': [NAME=value words]} of a dry run of `script`."""
     p = _bash([script], dict(env, BOOSTMPI_DRY_RUN="1"))
     assert p.returncode == 0, p.stdout
     lines = dict(line.split(": ", 1) if ": " in line else (line.rstrip(":"), "") for line in p.stdout.splitlines())
@@ -64,42 +66,200 @@ def test_shellcheck_clean():
     assert p.returncode == 0, p.stdout
 
 
-def test_frontier_renders_one_rank_per_gcd():
-    out = _render("jobs/frontier.sbatch", SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_SUBMIT_DIR=str(REPO))
+def _site_bin(tmp_path, folder, *names):
+    """A fake site folder of executables (srun, PALS mpiexec) that the dry run resolves by path."""
+    where = tmp_path / folder
+    where.mkdir(parents=True)
+    for name in names:
+        (where / name).write_text("#!/bin/sh\nexit 0\n")
+        (where / name).chmod(0o755)
+    return str(where)
+
+
+def _env_words(out):
+    return dict(word.split("=", 1) for word in out["env"])
+
+
+def _directives(script, prefix):
+    """The scheduler directives of a job script: {option: value}."""
+    found = {}
+    for line in (REPO / script).read_text().splitlines():
+        if line.startswith(prefix + " "):
+            words = shlex.split(line[len(prefix) + 1:])
+            option, _, value = words[0].partition("=")
+            found.setdefault(option, []).append(value or (words[1] if len(words) > 1 else ""))
+    return found
+
+
+def _hours(hms):
+    h, m, sec = (int(x) for x in hms.split(":"))
+    return h + m / 60 + sec / 3600
+
+
+def test_frontier_header_fits_the_batch_partition_limits():
+    d = _directives("jobs/frontier.sbatch", "#SBATCH")
+    nodes, hours = int(d["-N"][0]), _hours(d["-t"][0])
+    assert d["-p"] == ["batch"] and "-q" not in d  # the debug QOS forbids chaining
+    # OLCF's node-count bins: 1-91 nodes <= 2 h, 92-183 <= 6 h, 184+ <= 12 h
+    assert hours <= (2 if nodes <= 91 else 6 if nodes <= 183 else 12)
+    assert d["--requeue"] == [""] and d["--signal"] == ["B:USR1@120"] and d["--network"] == ["disable_rdzv_get"]
+
+
+def test_frontier_renders_one_rank_per_gcd_with_the_site_srun(tmp_path):
+    site = _site_bin(tmp_path, "usr/bin", "srun")
+    venv = str(REPO / ".venv")
+    out = _render("jobs/frontier.sbatch", SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_SUBMIT_DIR=str(REPO),
+                  BOOSTMPI_VENV=venv, PATH=f"{venv}/bin:{site}:{os.environ['PATH']}")
     assert out["launch"] == [
-        "srun", "-N", "2", "-n", "16", "--ntasks-per-node=8", "-c", "7", "--gpus-per-task=1", "--gpu-bind=closest",
-        "--kill-on-bad-exit=1",
-        *_train("configs/cola_d1024.toml", "runs/frontier-cola_d1024", 8, 1, 2, "train.device=gpu")]
+        f"{site}/srun", "-N", "2", "-n", "16", "--ntasks-per-node=8", "-c", "7", "--gpus-per-task=1",
+        "--gpu-bind=closest", "--kill-on-bad-exit=1",
+        *_train("configs/cola_d1024.toml", "runs/frontier-cola_d1024", 8, 1, 2, "train.device=gpu",
+                "parallel.comm=nccl", py=f"{venv}/bin/python")]
     assert out["resubmit"] == ["scontrol", "requeue", "4242"]
+    env = _env_words(out)
+    assert env["NCCL_NET"] == "OFI"  # two nodes: the plugin is required
+    assert env["MPICH_GPU_SUPPORT_ENABLED"] == "0"  # RCCL carries the device buffers
+    assert env["NCCL_SOCKET_IFNAME"] == "hsn0,hsn1,hsn2,hsn3"
+    assert env["OMP_NUM_THREADS"] == env["OPENBLAS_NUM_THREADS"] == "1"
 
 
-def test_perlmutter_renders_one_rank_per_a100():
+def test_frontier_one_node_needs_no_plugin_and_comm_mpi_turns_gpu_aware_mpi_on(tmp_path):
+    site = _site_bin(tmp_path, "usr/bin", "srun")
+    out = _render("jobs/frontier.sbatch", SLURM_JOB_ID="1", SLURM_NNODES="1", SLURM_SUBMIT_DIR=str(REPO), COMM="mpi",
+                  PATH=f"{site}:{os.environ['PATH']}")
+    env = _env_words(out)
+    assert "NCCL_NET" not in env and env["MPICH_GPU_SUPPORT_ENABLED"] == "1"
+    assert out["launch"][-2:] == ["--set", "parallel.comm=mpi"]
+
+
+@pytest.mark.parametrize("script", ["jobs/frontier.sbatch", "jobs/perlmutter.sbatch"])
+def test_slurm_scripts_never_launch_with_the_venvs_tools(tmp_path, script):
+    """Only the venv's bin holds an `srun`: that is not the site's launcher, the job stops."""
+    venv = tmp_path / "venv"
+    _site_bin(tmp_path, "venv/bin", "srun", "python")
+    p = _bash([script], {"BOOSTMPI_DRY_RUN": "1", "SLURM_JOB_ID": "1", "SLURM_NNODES": "2",
+                         "SLURM_SUBMIT_DIR": str(REPO), "BOOSTMPI_VENV": str(venv),
+                         "PATH": f"{venv}/bin:/usr/bin:/bin"})
+    assert p.returncode == 2
+    assert f"error: no srun on PATH outside {venv}/bin" in p.stdout
+
+
+def test_perlmutter_header_asks_for_the_gpus_and_the_regular_qos():
+    d = _directives("jobs/perlmutter.sbatch", "#SBATCH")
+    assert d["-C"] == ["gpu"] and d["-q"] == ["regular"] and d["--gpus-per-node"] == ["4"]
+    assert d["--requeue"] == [""] and d["--signal"] == ["B:USR1@120"]
+
+
+def test_perlmutter_renders_one_rank_per_a100(tmp_path):
+    site = _site_bin(tmp_path, "usr/bin", "srun")
     out = _render("jobs/perlmutter.sbatch", SLURM_JOB_ID="77", SLURM_NNODES="3", SLURM_SUBMIT_DIR=str(REPO),
-                  TP="2", PP="2", RUN_DIR="/scratch/me/run")
+                  TP="2", PP="2", RUN_DIR="/scratch/me/run", PATH=f"{site}:{os.environ['PATH']}")
+    py = str(REPO / ".venv-perlmutter" / "bin" / "python")
     assert out["launch"] == [
-        "srun", "-N", "3", "-n", "12", "--ntasks-per-node=4", "-c", "32", "--cpu-bind=cores", "--gpus-per-task=1",
-        "--gpu-bind=none", "--kill-on-bad-exit=1",
-        *_train("configs/cola_d1024.toml", "/scratch/me/run", 2, 2, 3, "train.device=gpu")]
+        f"{site}/srun", "-N", "3", "-n", "12", "--ntasks-per-node=4", "-c", "32", "--cpu-bind=cores",
+        "--gpus-per-node=4", "--gpu-bind=none", "--kill-on-bad-exit=1",
+        *_train("configs/cola_d1024.toml", "/scratch/me/run", 2, 2, 3, "train.device=gpu", "parallel.comm=nccl",
+                py=py)]
     assert out["resubmit"] == ["scontrol", "requeue", "77"]
+    env = _env_words(out)
+    assert env["NCCL_NET"] == "AWS Libfabric" and env["MPICH_GPU_SUPPORT_ENABLED"] == "0"
+    assert env["FI_CXI_DISABLE_HOST_REGISTER"] == "1" and env["NCCL_NET_GDR_LEVEL"] == "PHB"
+
+
+def _polaris(tmp_path, nodes=("x3001c0s1b0n0", "x3001c0s1b0n0", "x3001c0s7b1n0"), plugin=True, **env):
+    """Dry run of jobs/polaris.pbs on fake nodes, a fake PALS and (optionally) a fake NCCL plugin."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("".join(n + "\n" for n in nodes))  # PBS may list a node once per chunk
+    pals = _site_bin(tmp_path, "opt/cray/pals/1.3.4/bin", "mpiexec")
+    plugin_dir = tmp_path / "aws-ofi-nccl" / "lib"
+    plugin_dir.mkdir(parents=True)
+    if plugin:
+        (plugin_dir / "libnccl-net.so").write_bytes(b"")
+    venv = str(REPO / ".venv")  # its bin has the PyPI MPICH's mpiexec, first on PATH: it must be passed over
+    base = dict(PBS_JOBID="123.polaris-pbs-01", PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=str(REPO),
+                BOOSTMPI_VENV=venv, BOOSTMPI_NCCL_PLUGIN_DIR=str(plugin_dir),
+                PATH=f"{venv}/bin:{pals}:{os.environ['PATH']}")
+    base.update(env)
+    return _bash(["jobs/polaris.pbs"], dict(base, BOOSTMPI_DRY_RUN="1")), pals, str(plugin_dir), nodefile
+
+
+def _parsed(p):
+    assert p.returncode == 0, p.stdout
+    lines = dict(line.split(": ", 1) for line in p.stdout.splitlines() if ": " in line)
+    return {k: shlex.split(v) for k, v in lines.items() if k in ("launch", "resubmit", "env")}
 
 
 def test_polaris_renders_pals_mpiexec_with_gpu_binding(tmp_path):
-    nodefile = tmp_path / "nodes"
-    nodefile.write_text("x3001c0s1b0n0\nx3001c0s1b0n0\nx3001c0s7b1n0\n")  # PBS may list a node once per chunk
-    out = _render("jobs/polaris.pbs", PBS_JOBID="123.polaris-pbs-01", PBS_NODEFILE=str(nodefile),
-                  PBS_O_WORKDIR=str(REPO), PBS_ACCOUNT="myproject")
+    p, pals, plugin_dir, nodefile = _polaris(tmp_path, PBS_ACCOUNT="myproject")
+    out = _parsed(p)
     launch = out["launch"]
-    assert launch[:13] == ["mpiexec", "-n", "8", "--ppn", "4", "--depth", "8", "--cpu-bind", "depth",
+    assert launch[:13] == [f"{pals}/mpiexec", "-n", "8", "--ppn", "4", "--depth", "8", "--cpu-bind", "depth",
                            "--hostfile", str(nodefile), "bash", "-c"]
     assert launch[14:] == ["gpu-bind", *_train("configs/cola_d1024.toml", "runs/polaris-cola_d1024", 4, 1, 2,
-                                               "train.device=gpu")]
+                                               "train.device=gpu", "parallel.comm=nccl",
+                                               py=str(REPO / ".venv" / "bin" / "python"))]
     # the wrapper, run as PALS runs it on a node: local rank r sees GPU 3 - r only
     wrapper = launch[13]
     seen = [_bash(["-c", wrapper, "gpu-bind", "bash", "-c", "echo $CUDA_VISIBLE_DEVICES"],
-                  {"PALS_LOCAL_RANKID": str(r)}).stdout.strip() for r in range(8)]
+                  {"PMI_LOCAL_RANK": str(r)}).stdout.strip() for r in range(8)]
     assert seen == ["3", "2", "1", "0", "3", "2", "1", "0"]
-    assert out["resubmit"] == ["qsub", "-A", "myproject", "-W", "depend=afterany:123.polaris-pbs-01",
-                               f"{REPO}/jobs/polaris.pbs"]
+    unset = _bash(["-c", wrapper, "gpu-bind", "bash", "-c", "echo started"])
+    assert unset.returncode == 2 and "error: PMI_LOCAL_RANK is not set" in unset.stdout
+    assert "started" not in unset.stdout
+    env = _env_words(out)
+    assert env["NCCL_NET"] == "AWS Libfabric" and env["LD_LIBRARY_PATH"].startswith(plugin_dir + ":")
+    assert env["BOOSTMPI_GPU_MAP_VAR"] == "PMI_LOCAL_RANK" and env["MPICH_GPU_SUPPORT_ENABLED"] == "0"
+    assert env["NCCL_COLLNET_ENABLE"] == "1" and env["FI_CXI_DEFAULT_CQ_SIZE"] == "131072"
+    venv = str(REPO / ".venv")
+    assert out["resubmit"] == [
+        "qsub", "-A", "myproject", "-q", "debug", "-l", "select=2:system=polaris", "-l", "walltime=01:00:00",
+        "-v", f"TP=4,PP=1,CONFIG=configs/cola_d1024.toml,RUN_DIR=runs/polaris-cola_d1024,COMM=nccl,BOOSTMPI_VENV={venv}",
+        "-W", "depend=afterany:123.polaris-pbs-01", f"{REPO}/jobs/polaris.pbs"]
+
+
+def test_polaris_without_an_account_resubmits_without_one_and_says_so(tmp_path):
+    p, *_ = _polaris(tmp_path)
+    assert "no project account is known for this job" in p.stdout
+    assert "-A" not in _parsed(p)["resubmit"]
+
+
+@pytest.mark.parametrize("queue, nodes, walltime, refused", [
+    ("debug", 2, "01:00:00", None),
+    ("debug", 3, "01:00:00", "queue debug takes 1-2 nodes for at most 1 h, not 3 nodes for 60 min"),
+    ("debug", 2, "02:00:00", "queue debug takes 1-2 nodes for at most 1 h, not 2 nodes for 120 min"),
+    ("prod", 2, "01:00:00", "queue prod takes 10-496 nodes for at most 24 h, not 2 nodes for 60 min"),
+    ("prod", 10, "03:00:00", None),
+    ("debug-scaling", 10, "01:00:00", None),
+    ("preemptable", 4, "72:00:00", None),
+    ("preemptable", 11, "01:00:00", "queue preemptable takes 1-10 nodes for at most 72 h, not 11 nodes for 60 min"),
+])
+def test_polaris_queue_limits(tmp_path, queue, nodes, walltime, refused):
+    p, *_ = _polaris(tmp_path, nodes=[f"x3001c0s{i}b0n0" for i in range(nodes)], PBS_O_QUEUE=queue,
+                     BOOSTMPI_WALLTIME=walltime, PBS_ACCOUNT="p")
+    if refused is None:
+        out = _parsed(p)
+        assert out["resubmit"][3:8] == ["-q", queue, "-l", f"select={nodes}:system=polaris", "-l"]
+    else:
+        assert p.returncode == 2 and f"error: {refused}" in p.stdout
+
+
+def test_polaris_header_is_a_valid_debug_job():
+    d = _directives("jobs/polaris.pbs", "#PBS")
+    assert d["-q"] == ["debug"] and d["-r"] == ["y"]
+    assert "select=2:system=polaris" in [f"{k}={v}" for k, v in (x.split("=", 1) for x in d["-l"])]
+
+
+def test_polaris_needs_the_nccl_plugin_on_several_nodes(tmp_path):
+    p, _, plugin_dir, _ = _polaris(tmp_path, plugin=False, PBS_ACCOUNT="p")
+    assert p.returncode == 2 and f"error: no NCCL network plugin at {plugin_dir}/libnccl-net.so" in p.stdout
+    p, *_ = _polaris(tmp_path / "one", nodes=["x3001c0s1b0n0"], plugin=False, PBS_ACCOUNT="p")
+    assert "NCCL_NET" not in _env_words(_parsed(p))  # one node: no network plugin needed
+
+
+def test_polaris_never_launches_with_the_venvs_mpiexec(tmp_path):
+    p, *_ = _polaris(tmp_path, PATH=f"{REPO / '.venv' / 'bin'}:/usr/bin:/bin", PBS_ACCOUNT="p")
+    assert p.returncode == 2 and "error: no mpiexec with /pals/ in its path on PATH outside" in p.stdout
 
 
 @pytest.mark.parametrize("nproc, tp, dp", [("2", 2, 1), ("1", 1, 1), ("4", 2, 2)])

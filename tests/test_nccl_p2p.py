@@ -10,9 +10,10 @@ the rank had already waited for (the engine waits on each receive at once).
 With the per-direction channels every schedule completes; with every op on one stream per rank
 (the design the channels replaced) the same schedules deadlock, which is what the check is for.
 
-Also here: a tp or dp group's collectives share one communicator between the current stream and
-the side stream of `iallreduce`; a fake that tracks what each stream and event covers checks that
-they are chained on the device in the order the host issued them.
+Also here, under MPI on the CuPy stand-in: a tp or dp group's collectives share one communicator
+between the current stream and the side stream of `iallreduce`, and the stand-in's NCCL checks
+that they are chained on the device in the order the host issued them; and a send waits for its
+receive.
 """
 
 import itertools
@@ -24,6 +25,8 @@ import pytest
 
 from boostmpi.parallel.comm import CommCounter
 from boostmpi.parallel.pipeline import one_f_one_b
+from gpu_setup import GPU
+from mpi_helpers import abort_on_error
 
 _ids = itertools.count(1)
 
@@ -195,92 +198,95 @@ def test_a_group_without_channels_refuses_point_to_point(monkeypatch):
         group.isend(_Buffer(), 1)
 
 
-# ---------------------------------------------------------------- collectives on one communicator, two streams
-class _OrderStream:
-    """A stream that records what it was given: collectives, and waits on events (with what they cover)."""
-
-    def __init__(self, non_blocking=False):
-        self.ptr = next(_ids)
-        self.items = []  # ("op", index) or ("wait", frozenset of op indices the event covers)
-        _ORDER["streams"][self.ptr] = self
-
-    def covered(self):
-        """Every collective that has finished once this stream's work so far has run."""
-        done = set()
-        for kind, what in self.items:
-            done |= {what} if kind == "op" else set(what)
-        return done
-
-    def wait_event(self, event):
-        self.items.append(("wait", frozenset(event.covers)))
+# ---------------------------------------------------------------- the NCCL stand-in, between real ranks
+# A tp or dp group's collectives share one communicator between the current stream and the side
+# stream of `iallreduce`; the CuPy stand-in's NCCL (tests/cupy_standin/cupy/cuda/nccl.py) refuses an
+# operation that is not ordered on the device after every earlier one of its communicator, and
+# carries out the data over MPI. These run where the stand-in is in use (the GPU suite otherwise
+# runs on a real device), on the first two ranks of the job.
+needs_standin = pytest.mark.skipif(not GPU.standin, reason="checks the CuPy stand-in's NCCL; a real GPU is in use")
 
 
-class _OrderEvent:
-    def __init__(self, disable_timing=True):
-        self.covers = frozenset()
+def _pair_group(p2p=False):
+    """An NcclGroup over world ranks 0 and 1 (None on the others), made on every rank together."""
+    from mpi4py import MPI
 
-    def record(self, stream):
-        self.covers = frozenset(stream.covered())
-
-
-class _OrderCommunicator:
-    def __init__(self, size, uid, rank):
-        pass
-
-    def _enqueue(self, stream_ptr):
-        stream = _ORDER["streams"][stream_ptr]
-        index = len(_ORDER["ops"])
-        _ORDER["ops"].append(frozenset(stream.covered()))  # what had to finish before this one starts
-        stream.items.append(("op", index))
-
-    def allReduce(self, send, recv, count, dtype, op, stream):
-        self._enqueue(stream)
-
-    def allGather(self, send, recv, count, dtype, stream):
-        self._enqueue(stream)
-
-
-_ORDER = {}
-
-
-def _ordered_group(monkeypatch):
-    _ORDER.update(streams={}, ops=[])
-    main = _OrderStream()
-    _install_fake_cupy(monkeypatch, stream=_OrderStream, event=_OrderEvent, communicator=_OrderCommunicator,
-                       current=lambda: main)
-    cupy = sys.modules["cupy"]
-    cupy.ascontiguousarray = lambda a: a
-    cupy.empty = lambda shape, dtype=None: _Buffer()
     from boostmpi.parallel.nccl import NcclGroup
 
-    return NcclGroup("tp", _MpiComm(2, 0), CommCounter()), main
+    world = MPI.COMM_WORLD
+    comm = world.Split(0 if world.Get_rank() < 2 else 1, world.Get_rank())
+    if world.Get_rank() >= 2:
+        comm.Free()
+        return None
+    return NcclGroup("tp", comm, CommCounter(), p2p=p2p)
 
 
-def _chained(ops):
-    """Each collective starts only after every collective issued before it has finished."""
-    return all(set(range(i)) <= set(before) for i, before in enumerate(ops))
+def _filled(value, n=5):
+    import cupy
+
+    return cupy.full(n, float(value), dtype=np.float32)
 
 
-def test_collectives_on_one_communicator_run_in_issue_order(monkeypatch):
-    """An all-reduce on the current stream waits for side-stream all-reduces issued before it, even
-    ones the caller has not waited for yet; consecutive side-stream ones do not hold the current stream."""
-    group, main = _ordered_group(monkeypatch)
-    first = group.iallreduce(_Buffer())
-    second = group.iallreduce(_Buffer())  # ungrouped pieces: both in flight at once
-    assert not any(kind == "wait" for kind, _ in main.items)  # the current stream is free to compute
-    group.allreduce(_Buffer())  # issued before anyone waited for the two
-    group.allgather(_Buffer())
-    third = group.iallreduce(_Buffer())
-    third.wait()
-    first.wait(), second.wait()  # late waits are harmless
-    group.allreduce(_Buffer())
-    assert len(_ORDER["ops"]) == 6 and _chained(_ORDER["ops"])
+@needs_standin
+@pytest.mark.mpi(min_size=2)
+def test_collectives_on_one_communicator_run_in_issue_order():
+    """Side-stream all-reduces in flight, an all-reduce and an all-gather on the current stream
+    issued before anyone waited for them: the stand-in accepts the order and every sum is right."""
+    with abort_on_error():
+        group = _pair_group()
+        if group is None:
+            return
+        r = group.rank + 1  # 1 and 2: every all-reduce gives 3 x its input's scale
+        a, b, c, e = _filled(r), _filled(10 * r), _filled(100 * r), _filled(1000 * r)
+        first, second = group.iallreduce(a), group.iallreduce(b)
+        group.allreduce(c)
+        gathered = group.allgather(_filled(r, 3))
+        third = group.iallreduce(e)
+        third.wait()
+        first.wait(), second.wait()
+        for arr, want in ((a, 3), (b, 30), (c, 300), (e, 3000)):
+            assert (arr.get() == want).all(), (arr.get(), want)
+        assert (gathered.get() == np.array([[1.0] * 3, [2.0] * 3])).all()
 
 
-def test_the_order_check_can_fail(monkeypatch):
-    """Without the chaining (the current stream never waiting for the side stream), the check fails."""
-    group, _main = _ordered_group(monkeypatch)
-    group._collective_stream = group._stream
-    group.iallreduce(_Buffer())
-    group.allreduce(_Buffer())
-    assert not _chained(_ORDER["ops"])
+@needs_standin
+@pytest.mark.mpi(min_size=2)
+def test_an_unordered_collective_is_refused():
+    """The check can fail: without the chaining (the current stream never waiting for the side
+    stream) an all-reduce could run while an earlier one of its communicator still does."""
+    from cupy.cuda.nccl import NcclOrderError
+
+    with abort_on_error():
+        group = _pair_group()
+        if group is None:
+            return
+        group._collective_stream = group._stream
+        pending = group.iallreduce(_filled(1))
+        with pytest.raises(NcclOrderError, match="not ordered after"):
+            group.allreduce(_filled(2))
+        pending.wait()
+
+
+@needs_standin
+@pytest.mark.mpi(min_size=2)
+def test_a_send_waits_for_the_matching_receive():
+    """NCCL's rule: a send's stream is blocked until the peer posts the receive (here 1 s late)."""
+    import time
+
+    import cupy
+
+    with abort_on_error():
+        group = _pair_group(p2p=True)
+        if group is None:
+            return
+        buf = _filled(7.0) if group.rank == 0 else cupy.zeros(5, dtype=np.float32)
+        group.comm.Barrier()
+        start = time.monotonic()
+        if group.rank == 0:
+            group.isend(buf, 1).wait()
+            cupy.cuda.get_current_stream().synchronize()
+            assert time.monotonic() - start >= 0.9
+        else:
+            time.sleep(1.0)
+            group.irecv(buf, 0).wait()
+            assert (buf.get() == 7.0).all()

@@ -1,20 +1,110 @@
-"""The 1F1B schedule (boostmpi/parallel/pipeline.py) without a model: call sequences recorded with
-fakes, their invariants, and a simulated multi-stage run with blocking receives that must finish.
+"""The 1F1B pipeline as the engine runs it: `Engine.forward_backward`'s own loop, with its stage
+passes and pipeline messages replaced by fakes that record the call sequence; its invariants, and
+a simulated multi-stage run of those sequences with blocking receives that must finish.
 """
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 
-from boostmpi.parallel.pipeline import one_f_one_b, run_schedule
+from boostmpi.parallel.comm import HostCollectives
+from boostmpi.parallel.engine import Engine
+from boostmpi.parallel.pipeline import one_f_one_b
 
 SHAPES = [(stages, micro) for stages in (1, 2, 3, 4, 5) for micro in (1, 2, 3, 4, 7, 8)]
+B, T, WIDTH = 2, 3, 4
+
+
+class _Request:
+    def wait(self):
+        return None
+
+
+class _PipelineGroup:
+    """Records the engine's point-to-point calls; a receive fills its buffer with the micro-batch."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def isend(self, buf, dest, tag=0):
+        self.calls.append(("send", dest, tag))
+        return _Request()
+
+    def irecv(self, buf, source, tag=0):
+        self.calls.append(("recv", source, tag))
+        buf[...] = tag // 2
+        return _Request()
+
+
+class RecordingEngine(Engine):
+    """The engine's forward_backward loop around fake stage passes: F(mb) and B(mb) are recorded
+    in the order the loop runs them, between the pipeline messages it sends and receives."""
+
+    def __init__(self, n_stages, stage):
+        self.calls = []
+        self.xp, self.cdtype = np, np.float32
+        self.stage, self.n_stages = stage, n_stages
+        self.first, self.last = stage == 0, stage == n_stages - 1
+        group_of_one = SimpleNamespace(size=1, overlap=True)
+        self.grid = SimpleNamespace(pp=_PipelineGroup(self.calls), dp=group_of_one, dp_size=1,
+                                    coords=SimpleNamespace(tp=0), host=HostCollectives(None))
+        self.tpx = SimpleNamespace(res_cols=(0, WIDTH))
+        self.grads = SimpleNamespace(data=np.zeros(1))
+        self._buckets = {}
+
+    def _refresh_compute_params(self):
+        pass
+
+    def _account_saved(self, saved):
+        pass
+
+    def _grad_sq(self):
+        return 0.0
+
+    def _stage_forward(self, x, y, h, keep=True):
+        mb = int(x[0, 0])
+        assert h is None if self.first else (h == mb).all()  # what stage - 1 sent for this micro-batch
+        self.calls.append(("F", mb))
+        out = 0.0 if self.last else np.full((B * T, WIDTH), mb, dtype=self.cdtype)
+        return out, {"mb": mb}
+
+    def _stage_backward(self, dh, saved, shape, scale, on_bucket_done):
+        mb = saved["mb"]
+        assert dh is None if self.last else (dh == mb).all()
+        self.calls.append(("B", mb))
+        return np.full((B * T, WIDTH), mb, dtype=self.cdtype)
+
+
+def engine_calls(n_stages, stage, n_micro):
+    """Everything Engine.forward_backward of `stage` did, in order: ("F"|"B", mb), ("send"|"recv", peer, tag)."""
+    engine = RecordingEngine(n_stages, stage)
+    micro = [(np.full((B, T), mb), np.full((B, T), mb)) for mb in range(n_micro)]
+    engine.forward_backward(micro)
+    return engine.calls
 
 
 def recorded_calls(n_stages, stage, n_micro):
-    """What the schedule makes a stage call, recorded by fake forward/backward functions."""
-    calls = []
-    run_schedule(one_f_one_b(n_stages, stage, n_micro),
-                 forward=lambda mb: calls.append(("F", mb)), backward=lambda mb: calls.append(("B", mb)))
-    return calls
+    """The stage passes the engine ran, in order."""
+    return [c for c in engine_calls(n_stages, stage, n_micro) if c[0] in ("F", "B")]
+
+
+@pytest.mark.parametrize("n_stages,n_micro", SHAPES)
+def test_messages_frame_each_pass(n_stages, n_micro):
+    """A forward receives its input from the previous stage first and sends its output on; a
+    backward receives its gradient from the next stage first and sends its own back."""
+    for stage in range(n_stages):
+        calls = engine_calls(n_stages, stage, n_micro)
+        first, last = stage == 0, stage == n_stages - 1
+        expected = []
+        for kind, mb in one_f_one_b(n_stages, stage, n_micro):
+            if kind == "F":
+                expected += ([] if first else [("recv", stage - 1, 2 * mb)]) + [("F", mb)]
+                expected += [] if last else [("send", stage + 1, 2 * mb)]
+            else:
+                expected += ([] if last else [("recv", stage + 1, 2 * mb + 1)]) + [("B", mb)]
+                expected += [] if first else [("send", stage - 1, 2 * mb + 1)]
+        assert calls == expected
 
 
 @pytest.mark.parametrize("n_stages,n_micro", SHAPES)
@@ -94,7 +184,7 @@ def simulate(schedules):
 
 @pytest.mark.parametrize("n_stages,n_micro", SHAPES)
 def test_simulated_pipeline_completes_without_deadlock(n_stages, n_micro):
-    order = simulate([one_f_one_b(n_stages, s, n_micro) for s in range(n_stages)])
+    order = simulate([recorded_calls(n_stages, s, n_micro) for s in range(n_stages)])
     assert len(order) == 2 * n_stages * n_micro
 
 

@@ -388,3 +388,37 @@ def test_tp_beyond_a_node_is_hierarchical():
     assert t == pytest.approx(costs.group_allreduce_seconds(2 << 24, 8, 1, machine))
     inter = costs.Link(machine.inter_node_bandwidth, machine.inter_node_latency)
     assert t < costs.allreduce_seconds(2 << 24, 8, inter)
+
+
+def test_sweep_explains_the_winner_and_marks_what_does_not_fit(capsys):
+    from boostmpi.sim.sweep import PARTS, explain_winner, parts
+
+    rows = sweep(tiny(train={"grad_accum": 4}), load_machine("a100-80gb"), 4, keep_infeasible=True)
+    lines = explain_winner(rows)
+    assert lines[0].startswith("fastest: ") and lines[1].startswith("margin over #2")
+    best, second = rows[0], rows[1]
+    assert sum(parts(best["breakdown"]).values()) == pytest.approx(best["time_s"])
+    assert f"{second['time_s'] - best['time_s']:.4f} s" in lines[1] and set(PARTS) >= {"compute", "dp comm"}
+    # a model too large for 4 GPUs' memory: every layout is listed with --all, marked NO
+    big = ["--set", "model.d_model=8192", "--set", "model.n_heads=64", "--set", "model.n_kv_heads=64",
+           "--set", "model.n_layers=48", "--set", "model.d_ff=22016", "--set", "model.rank=2048",
+           "--set", "model.vocab_size=32000"]
+    assert main(["sim", "--config", str(TINY), "--machine", "a100-40gb", "--sweep", "--gpus", "4",
+                 "--arch", "full", *big]) == 2
+    assert "no layout of this model fits" in capsys.readouterr().err
+    assert main(["sim", "--config", str(TINY), "--machine", "a100-40gb", "--sweep", "--gpus", "4",
+                 "--arch", "full", "--all", *big]) == 0
+    out = capsys.readouterr().out
+    assert "0 feasible layouts" in out and " NO" in out and "full" in out and "cola" not in out
+
+
+@pytest.mark.parametrize("machine_name, gpus", [("polaris", 16), ("frontier", 256), ("perlmutter", 1024)])
+def test_sweep_ranks_multi_node_layouts(machine_name, gpus):
+    """Layouts across nodes are ranked; dp groups that leave a node pay the NICs."""
+    machine = load_machine(machine_name)
+    cfg = tiny(train={"grad_accum": gpus})
+    rows = sweep(cfg, machine, gpus, archs=["cola"])
+    assert rows and all(r["tp"] * r["pp"] * r["dp"] == gpus for r in rows)
+    assert [r["time_s"] for r in rows] == sorted(r["time_s"] for r in rows)
+    across = [r for r in rows if r["dp"] * r["tp"] * r["pp"] > machine.gpus_per_node and r["dp"] > 1]
+    assert across and all(r["breakdown"]["dp_comm"] > 0 for r in across)

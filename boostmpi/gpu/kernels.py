@@ -1,8 +1,10 @@
 """The CUDA kernels of `kernels/*.cu` on CuPy: a memoised loader and one wrapper per kernel.
 
 Each wrapper takes C-contiguous CuPy arrays of float32 or bfloat16 (`ml_dtypes.bfloat16`, which
-CuPy >= 14 stores natively), returns new arrays, and has a NumPy twin of the same name and
-signature in `boostmpi.gpu.twins` -- the specification a parity test holds it to.
+CuPy >= 14 stores natively) and returns new arrays. The model calls them from the functions of
+the same name in `boostmpi.model.layers` (and the vocabulary-parallel head), whose NumPy code is the
+CPU path and the one specification each kernel is tested against (tests/test_kernels.py): the
+kernels compute in float32 and round their big outputs once to the storage dtype.
 Importing this module needs no CuPy; calling a wrapper does.
 
 Where the sources are: $BOOSTMPI_KERNELS_DIR if set; else `boostmpi/gpu/cuda/` in an installed
@@ -22,7 +24,7 @@ KERNELS_DIR_ENV = "BOOSTMPI_KERNELS_DIR"
 COMPILE_OPTIONS = ("-std=c++14",)
 MAX_BLOCK_THREADS = 1024
 ELEMENTWISE_BLOCK_THREADS = 256
-DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024  # above this a kernel must opt in
+DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024  # static + dynamic shared memory per block; above it a kernel must opt in
 
 _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.MULTILINE)
 
@@ -156,6 +158,18 @@ def _elementwise_grid(n, itemsize, sm_count):
     return max(1, min(-(-n // per_block), 16 * sm_count))
 
 
+def _reserve_dynamic_shared(kernel, nbytes, device, what):
+    """Lets `kernel` launch with `nbytes` of dynamic shared memory: a block holds its static
+    shared memory plus the dynamic part, within the default per-block limit or, opted in,
+    within what the device allows; raises a clear error beyond that."""
+    total = kernel.shared_size_bytes + nbytes
+    if total > device.max_shared_bytes:
+        raise ValueError(f"{what} needs {nbytes} bytes of dynamic shared memory per block ({total} with the kernel's "
+                         f"static shared memory), the device has {device.max_shared_bytes}")
+    if total > DEFAULT_DYNAMIC_SHARED_BYTES:
+        kernel.max_dynamic_shared_size_bytes = nbytes
+
+
 def _launch_rows(module_name, entry_point, rows, width, itemsize, args):
     """One block per row of `width` elements."""
     if rows > 0:
@@ -191,10 +205,7 @@ def rmsnorm_backward(dy, x, w, rstd):
     kernel = _kernel("rmsnorm", f"rmsnorm_backward_{suffix}")
     # each block keeps its running dw (C floats) in shared memory
     shared_bytes = 4 * C
-    if shared_bytes > device.max_shared_bytes:
-        raise ValueError(f"rmsnorm_backward: C = {C} needs {shared_bytes} bytes of shared memory per block, the device has {device.max_shared_bytes}")
-    if shared_bytes > DEFAULT_DYNAMIC_SHARED_BYTES:
-        kernel.max_dynamic_shared_size_bytes = shared_bytes
+    _reserve_dynamic_shared(kernel, shared_bytes, device, f"rmsnorm_backward: C = {C}")
     blocks = min(N, 2 * device.sm_count)
     dw_partial = cupy.empty((blocks, C), dtype=np.float32)
     _launch(kernel, blocks, _row_block(C, x.itemsize, device.warp_size),

@@ -13,16 +13,19 @@ import numpy as np
 from boostmpi.backend import get_array_module
 
 
-def _kernels_for(*arrays):
-    """The fused CUDA kernels (boostmpi.gpu.kernels) when every array is a contiguous CuPy array of
-    float32, else None: the NumPy code below is then the path (and the kernels' specification)."""
-    if get_array_module(arrays[0]) is np:
-        return None
-    if not all(a.flags.c_contiguous and (a.dtype == np.float32 or a.dtype.name == "bfloat16") for a in arrays):
-        return None
+def kernel_inputs(*arrays):
+    """(the fused CUDA kernels of boostmpi.gpu.kernels, the arrays C-contiguous) when the arrays are
+    CuPy arrays of float32 or bfloat16, all of one dtype; else (None, the arrays): the NumPy code
+    below is then the path, and it is the specification each kernel is tested against
+    (tests/test_kernels.py). A strided input (a column block of a grouped GEMM's output) is copied
+    once: cheaper on a GPU than the unfused operations."""
+    xp = get_array_module(arrays[0])
+    dtype = arrays[0].dtype
+    if xp is np or not (dtype == np.float32 or dtype.name == "bfloat16") or any(a.dtype != dtype for a in arrays):
+        return None, arrays
     from boostmpi.gpu import kernels
 
-    return kernels
+    return kernels, tuple(xp.ascontiguousarray(a) for a in arrays)
 
 
 # ---------------------------------------------------------------- grouped GEMMs
@@ -66,25 +69,56 @@ def grouped_matmul(lefts, rights, batched=True):
 # ---------------------------------------------------------------- RMSNorm
 # x [N, C], w [C] -> y [N, C]; rstd [N, 1] = 1/sqrt(mean(x^2) + eps)
 def rmsnorm_forward(x, w, eps):
-    k = _kernels_for(x, w)
+    k, (xc, wc) = kernel_inputs(x, w)
     if k is not None and x.ndim == 2:
-        y, rstd = k.rmsnorm_forward(x, w, eps)
+        y, rstd = k.rmsnorm_forward(xc, wc, eps)
         return y, rstd[:, None]
     xp = get_array_module(x)
     rstd = 1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return x * rstd * w, rstd
+    return (x * rstd * w).astype(x.dtype, copy=False), rstd  # a float32 rstd does not widen bf16 x
 
 
 def rmsnorm_backward(dy, x, w, rstd, dw):
-    k = _kernels_for(dy, x, w)
+    k, (dyc, xc, wc) = kernel_inputs(dy, x, w)
     if k is not None and x.ndim == 2:
-        dx, dw_part = k.rmsnorm_backward(dy, x, w, get_array_module(x).ascontiguousarray(rstd.reshape(-1)))
+        dx, dw_part = k.rmsnorm_backward(dyc, xc, wc, get_array_module(x).ascontiguousarray(rstd.reshape(-1)))
         dw += dw_part
         return dx
     dyw = dy * w
     dw += (dy * x * rstd).sum(axis=0)
     proj = (dyw * x).mean(axis=-1, keepdims=True) * (rstd * rstd)
-    return rstd * (dyw - x * proj)
+    return (rstd * (dyw - x * proj)).astype(x.dtype, copy=False)
+
+
+# ---------------------------------------------------------------- online RMSNorm (bottleneck-aware TP)
+# rmsnorm(x, w) @ A from channel shards x_s, w_s, A_s: each rank computes x_s * w_s and the sum of
+# squares of its shard, multiplies x_s * w_s by A_s, and one all-reduce sums both over the shards;
+# then rescale_rows(P, ss_total, C, eps) = rsqrt(ss_total / C + eps) * P = rmsnorm(x, w) @ A.
+def _accumulation_dtype(dtype):
+    """float32 for float32 and 16-bit floats (as the kernels accumulate), float64 for float64."""
+    return np.promote_types(dtype, np.float32)
+
+
+def rmsnorm_online_stats(x, w):
+    """x [N, Cs], w [Cs] (this rank's shard) -> xw = x * w [N, Cs], ss = sum of x^2 per row [N]
+    (in the accumulation dtype)."""
+    k, (xc, wc) = kernel_inputs(x, w)
+    if k is not None and x.ndim == 2:
+        return k.rmsnorm_online_stats(xc, wc)
+    return x * w, (x * x).sum(axis=-1, dtype=_accumulation_dtype(x.dtype))
+
+
+def online_rstd(ss_total, C, eps):
+    """rstd [N] = 1/sqrt(ss_total / C + eps) from the sum of squares over all C channels."""
+    return 1.0 / get_array_module(ss_total).sqrt(ss_total / C + eps)
+
+
+def rescale_rows(P, ss_total, C, eps):
+    """P [N, R], ss_total [N] -> P * online_rstd(ss_total) row by row [N, R], in P's dtype."""
+    k, (Pc,) = kernel_inputs(P)
+    if k is not None and P.ndim == 2 and ss_total.dtype == np.float32:
+        return k.rescale_rows(Pc, get_array_module(P).ascontiguousarray(ss_total), C, eps)
+    return (P * online_rstd(ss_total, C, eps)[:, None]).astype(P.dtype, copy=False)
 
 
 # ---------------------------------------------------------------- SiLU and the gated product
@@ -101,7 +135,7 @@ def sigmoid(a):
 def _silu_grad_times(s, a, dz):
     """dz * silu'(a) = dz * s * (1 + a * (1 - s)), computed in the buffer `s` = sigmoid(a)."""
     xp = get_array_module(s)
-    t = xp.subtract(1.0, s)
+    t = xp.subtract(s.dtype.type(1.0), s)  # a Python 1.0 would widen a bfloat16 s to float32 (CuPy's rules)
     t *= a
     t += 1.0
     t *= s
@@ -116,9 +150,9 @@ def silu_forward(a):
 def silu_and_sigmoid(a, keep):
     """(silu(a), s): with `keep` (a recompute for an immediate backward) s = sigmoid(a) for
     `silu_backward` to reuse; None without it, and on the fused-kernel path."""
-    k = _kernels_for(a)
+    k, (ac,) = kernel_inputs(a)
     if k is not None:
-        return k.silu_forward(a), None
+        return k.silu_forward(ac), None
     s = sigmoid(a)
     if keep:
         return a * s, s
@@ -128,9 +162,9 @@ def silu_and_sigmoid(a, keep):
 
 def silu_backward(dz, a, s=None):
     """dz * silu'(a); `s` = sigmoid(a) when the forward kept it (the same bits either way)."""
-    k = _kernels_for(dz, a)
+    k, (dzc, ac) = kernel_inputs(dz, a)
     if k is not None:
-        return k.silu_backward(a, dz)
+        return k.silu_backward(ac, dzc)
     return _silu_grad_times(sigmoid(a) if s is None else s, a, dz)
 
 
@@ -141,9 +175,9 @@ def gate_forward(g, u, act):
 
 def gate_and_sigmoid(g, u, act, keep):
     """(act(g) * u, s) with s as `silu_and_sigmoid` returns it (None without act)."""
-    k = _kernels_for(g, u)
+    k, (gc, uc) = kernel_inputs(g, u)
     if k is not None:
-        return k.gate_forward(g, u, act), None
+        return k.gate_forward(gc, uc, act), None
     if not act:
         return g * u, None
     y, s = silu_and_sigmoid(g, keep)
@@ -152,9 +186,9 @@ def gate_and_sigmoid(g, u, act, keep):
 
 
 def gate_backward(dy, g, u, act, s=None):
-    k = _kernels_for(dy, g, u)
+    k, (dyc, gc, uc) = kernel_inputs(dy, g, u)
     if k is not None:
-        return k.gate_backward(g, u, dy, act)
+        return k.gate_backward(gc, uc, dyc, act)
     if act:
         s = sigmoid(g) if s is None else s
         du = g * s

@@ -10,9 +10,53 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from boostmpi.backend import get_array_module
+
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 ATTN_IN = ("q", "k", "v")
 MLP_IN = ("gate", "up")
+OUT_PROJ = ("o", "down")
+
+# ---------------------------------------------------------------- the sharding rules
+# For each tensor-parallel strategy, the dim along which each kind of parameter is split over the
+# tp group (None: every tp rank holds it whole). A linear is x @ W [d_in, d_out], or x @ A @ B with
+# A [d_in, R], B [R, d_out]; "W_out" is the W of o and down.
+SHARD_DIM = {
+    # the residual stays sharded along C: A row-parallel, B column-parallel, norms and embedding along C
+    "btp": {"embed": 1, "norm": 0, "A": 0, "B": 1, "final_norm": None, "lm_head": 1},
+    # Megatron on each factor: A column-parallel along R, B row-parallel along R; vocabulary-parallel embedding
+    "vanilla": {"embed": 0, "norm": None, "A": 1, "B": 0, "final_norm": None, "lm_head": 1},
+    # Megatron, full rank: q/k/v/gate/up column-parallel, o/down row-parallel
+    "megatron": {"embed": 0, "norm": None, "W": 1, "W_out": 0, "final_norm": None, "lm_head": 1},
+}
+# Each dim of each linear, by the model size it is made of. Splitting "n_heads" or "n_kv_heads"
+# means whole heads per rank; the vocabulary may split unevenly (the first V mod p ranks one larger).
+LINEAR_DIMS = {"q": ("d_model", "n_heads"), "k": ("d_model", "n_kv_heads"), "v": ("d_model", "n_kv_heads"),
+               "o": ("n_heads", "d_model"), "gate": ("d_model", "d_ff"), "up": ("d_model", "d_ff"),
+               "down": ("d_ff", "d_model")}
+RANK_OF = {"q": "attn_rank", "k": "attn_rank", "v": "attn_rank", "o": "attn_rank",
+           "gate": "mlp_rank", "up": "mlp_rank", "down": "mlp_rank"}
+_SIZE_ORDER = ("d_model", "n_heads", "n_kv_heads", "d_ff", "attn_rank", "mlp_rank")
+
+
+def _kinds(mode):
+    """(parameter kind, the model size along each of its dims) for the matrices of a layer."""
+    for lin in LINEARS:
+        d_in, d_out = LINEAR_DIMS[lin]
+        if mode == "megatron":
+            yield ("W_out" if lin in OUT_PROJ else "W"), (d_in, d_out)
+        else:
+            yield "A", (d_in, RANK_OF[lin])
+            yield "B", (RANK_OF[lin], d_out)
+    yield "embed", ("vocab_size", "d_model")
+    yield "norm", ("d_model",)
+
+
+def sizes_split_evenly(mode):
+    """The model sizes that tp strategy `mode` splits into equal parts (each must divide by tp), in
+    config order; derived from SHARD_DIM."""
+    split = {dims[SHARD_DIM[mode][kind]] for kind, dims in _kinds(mode) if SHARD_DIM[mode][kind] is not None}
+    return [size for size in _SIZE_ORDER if size in split]
 
 
 @dataclass(frozen=True)
@@ -26,6 +70,7 @@ class ParamSpec:
     init: str  # "ones" or "normal"
     init_std: float
     layer: object  # layer index, or None for embed / final_norm / lm_head
+    group: object = None  # the grouped GEMM reading this factor ("layers/<i>/attn_in", ".../mlp_in"), or None
 
     @property
     def local_shape(self):
@@ -77,42 +122,51 @@ def param_specs(cfg, tp_rank=0, pp_stage=0):
     """
     m, par = cfg.model, cfg.parallel
     p, t = par.tp, tp_rank
-    mode = tp_strategy(cfg)
+    rule = SHARD_DIM[tp_strategy(cfg)]
     C, V, L = m.d_model, m.vocab_size, m.n_layers
     specs = []
 
-    def add(name, shape, dim, decay, init, std, layer):
-        if p == 1:
-            dim = None
+    def add(name, shape, kind, decay, init, std, layer, group=None):
+        dim = rule[kind] if p > 1 else None
         start, stop = split_range(shape[dim], p, t) if dim is not None else (0, 0)
-        specs.append(ParamSpec(name, tuple(shape), dim, start, stop, decay, init, std, layer))
+        specs.append(ParamSpec(name, tuple(shape), dim, start, stop, decay, init, std, layer, group))
 
     first, last = pp_stage == 0, pp_stage == par.pp - 1
     if first:
-        # btp keeps the residual sharded along C from the very start; the others split the vocabulary.
-        add("embed", (V, C), 1 if mode == "btp" else 0, True, "normal", 0.02, None)
+        add("embed", (V, C), "embed", True, "normal", 0.02, None)
     out_scale = 1.0 / np.sqrt(2.0 * L)
+    shapes = m.linear_shapes()
     for i in stage_layers(L, par.pp, pp_stage):
         pre = f"layers/{i}"
-        norm_dim = 0 if mode == "btp" else None
-        add(f"{pre}/attn_norm", (C,), norm_dim, False, "ones", 0.0, i)
-        for lin in LINEARS:
-            if lin == "gate":
-                add(f"{pre}/mlp_norm", (C,), norm_dim, False, "ones", 0.0, i)
-            d_in, d_out, r = m.linear_shapes()[lin]
+        for norm, group in (("attn_norm", ATTN_IN), ("mlp_norm", MLP_IN)):
+            add(f"{pre}/{norm}", (C,), "norm", False, "ones", 0.0, i)
+            # the group's first factors side by side (one grouped GEMM reads them), then the rest
+            grouped = f"{pre}/{'attn_in' if group is ATTN_IN else 'mlp_in'}"
+            for lin in group:
+                d_in, d_out, r = shapes[lin]
+                if r is None:
+                    add(f"{pre}/{lin}/W", (d_in, d_out), "W", True, "normal", 0.02, i, grouped)
+                else:
+                    add(f"{pre}/{lin}/A", (d_in, r), "A", True, "normal", _lowrank_std(d_in, d_out, r), i, grouped)
+            for lin in group:
+                d_in, d_out, r = shapes[lin]
+                if r is not None:
+                    add(f"{pre}/{lin}/B", (r, d_out), "B", True, "normal", _lowrank_std(d_in, d_out, r), i)
+            out = OUT_PROJ[0] if group is ATTN_IN else OUT_PROJ[1]
+            d_in, d_out, r = shapes[out]
             if r is None:
-                std = 0.02 * (out_scale if lin in ("o", "down") else 1.0)
-                row_parallel = lin in ("o", "down")
-                add(f"{pre}/{lin}/W", (d_in, d_out), 0 if row_parallel else 1, True, "normal", std, i)
+                add(f"{pre}/{out}/W", (d_in, d_out), "W_out", True, "normal", 0.02 * out_scale, i)
             else:
-                std = float(r) ** -0.25 * float(d_in + d_out) ** -0.25
-                a_dim, b_dim = (0, 1) if mode == "btp" else (1, 0)
-                add(f"{pre}/{lin}/A", (d_in, r), a_dim, True, "normal", std, i)
-                add(f"{pre}/{lin}/B", (r, d_out), b_dim, True, "normal", std, i)
+                add(f"{pre}/{out}/A", (d_in, r), "A", True, "normal", _lowrank_std(d_in, d_out, r), i)
+                add(f"{pre}/{out}/B", (r, d_out), "B", True, "normal", _lowrank_std(d_in, d_out, r), i)
     if last:
-        add("final_norm", (C,), None, False, "ones", 0.0, None)
-        add("lm_head", (C, V), 1, True, "normal", 0.02, None)
+        add("final_norm", (C,), "final_norm", False, "ones", 0.0, None)
+        add("lm_head", (C, V), "lm_head", True, "normal", 0.02, None)
     return specs
+
+
+def _lowrank_std(d_in, d_out, r):
+    return float(r) ** -0.25 * float(d_in + d_out) ** -0.25
 
 
 def all_global_specs(cfg):
@@ -199,17 +253,34 @@ def init_global(spec, seed):
 
 
 class FlatBuffer:
-    """One flat array holding every local parameter (or gradient, or moment), with named views."""
+    """One flat array holding every local parameter (or gradient, or moment), with named views.
 
-    def __init__(self, specs, dtype, xp=np):
+    Parameters lie in spec order. The factors one grouped GEMM reads (the A factors, or the full-rank
+    W, of q/k/v and of gate/up: specs sharing a `group`) are stored side by side, as the column
+    blocks of one [d_in_local, sum of widths] matrix: `columns(names)` is that matrix as a view, and
+    each factor's view is its column slice. `spans[name]` is the flat range of the block holding a
+    parameter (its own range, or its group's)."""
+
+    def __init__(self, specs, dtype, xp=np, data=None):
         self.specs = list(specs)
-        self.offsets = {}
-        offset = 0
-        for s in self.specs:
-            self.offsets[s.name] = (offset, offset + s.local_numel)
-            offset += s.local_numel
-        self.data = xp.zeros(offset, dtype=dtype)
-        self.views = {s.name: self.data[a:b].reshape(s.local_shape) for s, (a, b) in zip(self.specs, self.offsets.values())}
+        self.blocks = _blocks(self.specs)  # [(specs, start, stop)]
+        size = self.blocks[-1][2] if self.blocks else 0
+        self.data = xp.zeros(size, dtype=dtype) if data is None else data
+        self.views, self.spans, self._groups = {}, {}, {}
+        for members, a, b in self.blocks:
+            block = self.data[a:b]
+            if len(members) == 1:
+                self.views[members[0].name] = block.reshape(members[0].local_shape)
+            else:
+                rows = members[0].local_shape[0]
+                block = block.reshape(rows, -1)
+                self._groups[tuple(s.name for s in members)] = block
+                col = 0
+                for s in members:
+                    self.views[s.name] = block[:, col: col + s.local_shape[1]]
+                    col += s.local_shape[1]
+            for s in members:
+                self.spans[s.name] = (a, b)
 
     def __getitem__(self, name):
         return self.views[name]
@@ -227,13 +298,26 @@ class FlatBuffer:
     def size(self):
         return self.data.size
 
-    def layer_ranges(self):
-        """(layer or None, start, stop) contiguous groups of parameters, in buffer order."""
-        groups = []
-        for s in self.specs:
-            a, b = self.offsets[s.name]
-            if groups and groups[-1][0] == s.layer and groups[-1][2] == a:
-                groups[-1] = (s.layer, groups[-1][1], b)
-            else:
-                groups.append((s.layer, a, b))
-        return groups
+    def columns(self, names):
+        """[P[n_1] | P[n_2] | ...]: a view when these are a group stored side by side (or one
+        name), else a concatenated copy."""
+        if len(names) == 1:
+            return self.views[names[0]]
+        group = self._groups.get(tuple(names))
+        if group is not None:
+            return group
+        xp = get_array_module(self.data)
+        return xp.concatenate([self.views[n] for n in names], axis=1)
+
+
+def _blocks(specs):
+    """Consecutive specs of one group form one block; every other spec is a block of its own."""
+    blocks, offset = [], 0
+    for s in specs:
+        if blocks and s.group is not None and blocks[-1][0][-1].group == s.group:
+            members, a, _ = blocks[-1]
+            blocks[-1] = (members + [s], a, offset + s.local_numel)
+        else:
+            blocks.append(([s], offset, offset + s.local_numel))
+        offset += s.local_numel
+    return blocks

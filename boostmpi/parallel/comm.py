@@ -117,6 +117,50 @@ def configure_watchdog(seconds):
     WATCHDOG.configure(seconds)
 
 
+class HostCollectives:
+    """Host-side collectives on the world communicator: losses, norms, counters, flags and small
+    metadata between our own ranks. Every call is watched by `WATCHDOG` and none is counted as
+    model traffic. `comm` None: one process, every call returns its input."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def _call(self, call, fn):
+        if self.comm is None:
+            return None
+        with WATCHDOG.watching("world", call):
+            return fn(self.comm)
+
+    def sum(self, values):
+        """Element-wise sum over all ranks of a sequence of floats, as a float64 array."""
+        return self._reduce(values, "sum")
+
+    def max(self, values):
+        return self._reduce(values, "max")
+
+    def _reduce(self, values, op):
+        buf = np.array(values, dtype=np.float64).reshape(-1)
+        if self.comm is not None:
+            from mpi4py import MPI
+
+            mpi_op = MPI.SUM if op == "sum" else MPI.MAX
+            self._call("Allreduce", lambda c: c.Allreduce(MPI.IN_PLACE, buf, op=mpi_op))
+        return buf
+
+    def bcast(self, obj, root=0):
+        """A small picklable object from `root` to every rank."""
+        return obj if self.comm is None else self._call("bcast", lambda c: c.bcast(obj, root=root))
+
+    def barrier(self):
+        self._call("Barrier", lambda c: c.Barrier())
+
+    def send(self, buf, dest, tag):
+        self._call(f"Send to rank {dest}", lambda c: c.Send(buf, dest=dest, tag=tag))
+
+    def recv(self, buf, source, tag):
+        self._call(f"Recv from rank {source}", lambda c: c.Recv(buf, source=source, tag=tag))
+
+
 class _Done:
     """A request that has already completed (blocking fallback, or a group of one)."""
 
@@ -222,16 +266,18 @@ class Group:
         req = self.comm.Ireduce_scatter(_mpi_buf(buf), _mpi_buf(out), recvcounts=counts, op=MPI.SUM)
         return _WatchedRequest(req, self, "Ireduce_scatter", buf.nbytes)
 
-    def allgather_pieces(self, buf, counts):
+    def allgather_pieces(self, buf, counts, counted=False):
         """In place: member i's piece sits at offset sum(counts[:i]) of `buf`; afterwards every member
-        holds every piece. Counted as the piece of group rank 0 (the largest when pieces are near-equal)."""
+        holds every piece. Counted as the piece of group rank 0 (the largest when pieces are near-equal),
+        unless the caller `counted` it already (`count_allgather_pieces`)."""
         if self.size == 1:
             return buf
         from mpi4py import MPI
 
         counts = [int(c) for c in counts]
         displs = [int(d) for d in np.concatenate([[0], np.cumsum(counts)[:-1]])]
-        self._count_collective(counts[0] * buf.itemsize)
+        if not counted:
+            self.count_allgather_pieces(buf, counts)
         self._sync()
         t0 = time.perf_counter()
         WATCHDOG.begin(self.axis, "Allgatherv", counts[0] * buf.itemsize)
@@ -241,6 +287,11 @@ class Group:
             WATCHDOG.end()
         self.wait_seconds += time.perf_counter() - t0
         return buf
+
+    def count_allgather_pieces(self, buf, counts):
+        """Count an `allgather_pieces` of `buf` ahead of issuing it (so that it falls in the step's totals)."""
+        if self.size > 1:
+            self._count_collective(int(counts[0]) * buf.itemsize)
 
     # -- point to point (pipeline)
     # (the requests' wait time is not added to wait_seconds: a receive also waits for the peer's compute)
@@ -271,7 +322,6 @@ class _WatchedRequest:
         if self.timed:
             self.group.wait_seconds += time.perf_counter() - t0
 
-    Wait = wait  # mpi4py's spelling, which the pipeline code uses
 
 
 def _xp(buf):

@@ -19,8 +19,8 @@ from boostmpi.model import layers
 from boostmpi.model.params import FlatBuffer, init_local, param_specs, split_range, stage_layers
 from boostmpi.model.recompute import POLICIES, Saved, Tape
 from boostmpi.model.transformer import Block, BlockCache
-from boostmpi.parallel.comm import WATCHDOG, configure_watchdog
-from boostmpi.parallel.grid import ProcessGrid
+from boostmpi.parallel.comm import configure_watchdog
+from boostmpi.parallel.grid import Coords, ProcessGrid, rank_of
 from boostmpi.parallel.pipeline import one_f_one_b
 from boostmpi.parallel.tensor_parallel import make_strategy
 from boostmpi.train.optim import clip_coefficient, touched
@@ -107,7 +107,7 @@ class Engine:
         buckets = {}
         for s in self.specs:
             key = s.layer if s.layer is not None else ("embed" if s.name == "embed" else "head")
-            a, b = self.params.offsets[s.name]
+            a, b = self.params.spans[s.name]
             lo, hi = buckets.get(key, (a, b))
             buckets[key] = (min(lo, a), max(hi, b))
         return buckets
@@ -168,11 +168,14 @@ class Engine:
         self.saved_activation_bytes = sum(self.saved_activation_bytes_per_layer) + _nbytes(saved, seen)
 
     # ------------------------------------------------------------------ a whole step
-    def forward_backward(self, micro_batches):
+    def forward_backward(self, micro_batches, also_sum=None):
         """Forward and backward of this dp rank's micro-batches [(x, y), ...] (int arrays [B, T]).
 
         Returns the mean loss over the global batch (the same value on every rank); gradients of the
-        global mean loss are left in self.grads, summed over data parallelism.
+        global mean loss are left in self.grads, summed over data parallelism, and their global norm
+        in `grad_norm()`. Loss and norm are summed over all ranks in one host all-reduce at the end
+        of the step; `also_sum()`, when given, returns more floats (counters, flags) to sum in the
+        same call, read once the step's traffic is over: their sums are left in `self.summed`.
         """
         xp, grid = self.xp, self.grid
         self._refresh_compute_params()
@@ -194,7 +197,7 @@ class Engine:
                 h = None
                 if not self.first:
                     h = xp.empty((B * T, Cl), dtype=self.cdtype)
-                    grid.pp.irecv(h, prev, tag=2 * mb).Wait()
+                    grid.pp.irecv(h, prev, tag=2 * mb).wait()
                 out, saved[mb] = self._stage_forward(x, y, h)
                 if self.last:
                     losses.append(out)
@@ -206,13 +209,13 @@ class Engine:
                 dh = None
                 if not self.last:
                     dh = xp.empty((B * T, Cl), dtype=self.cdtype)
-                    grid.pp.irecv(dh, nxt, tag=2 * mb + 1).Wait()
+                    grid.pp.irecv(dh, nxt, tag=2 * mb + 1).wait()
                 dx = self._stage_backward(dh, saved.pop(mb), (B, T), scale, lambda key, mb=mb: bucket_done(key, mb))
                 if not self.first:
                     dx = xp.ascontiguousarray(dx)
                     sends.append((grid.pp.isend(dx, prev, tag=2 * mb + 1), dx))
         for req, _buf in sends:
-            req.Wait()
+            req.wait()
         if grid.dp.size > 1:
             if grid.dp.overlap:
                 for r in dp_reqs:
@@ -221,7 +224,13 @@ class Engine:
                 for a, b in self._buckets.values():
                     self._reduce_bucket(a, b, blocking=True)
         mine = float(np.sum(losses)) / M if (self.last and grid.coords.tp == 0) else 0.0
-        return self.world_sum(mine) / grid.dp_size
+        if self.sharded:  # the all-gather optimizer_step issues next belongs to this step's traffic
+            grid.dp.count_allgather_pieces(self.params.data, [e - s for s, e in self.dp_ranges])
+        extra = list(also_sum()) if also_sum else []
+        totals = grid.host.sum([mine, self._grad_sq(), *extra])
+        self._grad_norm = float(np.sqrt(totals[1]))
+        self.summed = totals[2:]
+        return float(totals[0]) / grid.dp_size
 
     def _reduce_bucket(self, a, b, blocking=False):
         """Sum the gradient range [a, b) over dp: all-reduced in place, or (ZeRO-1) reduce-scattered into
@@ -249,7 +258,7 @@ class Engine:
         norm = self.grad_norm()
         optimizer.step(self.grad_shard, lr, clip_coefficient(norm, max_norm))
         if self.sharded:
-            self.grid.dp.allgather_pieces(self.params.data, [e - s for s, e in self.dp_ranges])
+            self.grid.dp.allgather_pieces(self.params.data, [e - s for s, e in self.dp_ranges], counted=True)
         return norm
 
     def evaluate(self, x, y):
@@ -264,43 +273,39 @@ class Engine:
             h = None
             if not self.first:
                 h = xp.empty((B * T, Cl), dtype=self.cdtype)
-                grid.pp.irecv(h, self.stage - 1, tag=0).Wait()
+                grid.pp.irecv(h, self.stage - 1, tag=0).wait()
             out, _ = self._stage_forward(x, y, h, keep=False)
             if not self.last:
-                grid.pp.isend(out, self.stage + 1, tag=0).Wait()
+                grid.pp.isend(out, self.stage + 1, tag=0).wait()
             elif grid.coords.tp == 0:
                 mine = out * B
-        return self.world_sum(mine)
+        return float(self.grid.host.sum([mine])[0])
 
-    # ------------------------------------------------------------------ bookkeeping (not counted as traffic)
-    def world_sum(self, value):
-        """Sum of a float over all ranks, for logging and clipping; not model traffic, so not counted."""
-        if self.grid.world is None:
-            return float(value)
-        from mpi4py import MPI
-
-        buf = np.array([value], dtype=np.float64)
-        with WATCHDOG.watching("world", "Allreduce"):
-            self.grid.world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        return float(buf[0])
-
-    def grad_norm(self):
-        """Global L2 norm of the dp-summed gradient, each element counted once whatever the layout:
-        tp-replicated parameters on tp rank 0 only; without ZeRO on dp rank 0 only (every dp rank holds
-        the whole sum), with ZeRO-1 every dp rank over its own slice."""
+    # ------------------------------------------------------------------ the gradient's norm
+    def _grad_sq(self):
+        """This rank's part of the squared norm of the dp-summed gradient, each element counted once
+        whatever the layout: tp-replicated parameters on tp rank 0 only; without ZeRO on dp rank 0 only
+        (every dp rank holds the whole sum), with ZeRO-1 every dp rank over its own slice."""
         c = self.grid.coords
         lo, hi = self.shard
-        sq = 0.0
+        sq, seen = 0.0, set()
         if self.sharded or c.dp == 0:
             for s in self.specs:
                 if s.tp_replicated and c.tp != 0:
                     continue
-                a, b = self.params.offsets[s.name]
+                a, b = self.grads.spans[s.name]  # its block (a grouped block holds no replicated tensor)
+                if a in seen:
+                    continue
+                seen.add(a)
                 a, b = max(a, lo), min(b, hi)
                 if a < b:
                     g = self.grad_shard[a - lo:b - lo]
                     sq += float((g * g).sum())
-        return float(np.sqrt(self.world_sum(sq)))
+        return sq
+
+    def grad_norm(self):
+        """Global L2 norm of the dp-summed gradient of the last forward_backward."""
+        return self._grad_norm
 
     # ------------------------------------------------------------------ global tensors (tests)
     def gather_global(self, buffer):
@@ -316,23 +321,21 @@ class Engine:
         local = np.ascontiguousarray(to_numpy(buffer.data))
         if grid.world_rank != 0:
             if c.dp == 0:
-                grid.world.Send(local, dest=0, tag=77)
+                grid.host.send(local, dest=0, tag=77)
             return None
         out = {}
         for s in range(grid.pp_size):
             for t in range(grid.tp_size):
                 specs = param_specs(cfg, t, s)
-                src = (s * grid.tp_size) + t  # world rank of (dp=0, pp=s, tp=t)
+                src = rank_of(Coords(dp=0, pp=s, tp=t), grid.tp_size, grid.pp_size)
                 if src == 0:
                     flat = local
                 else:
                     flat = np.empty(sum(sp.local_numel for sp in specs), dtype=local.dtype)
-                    grid.world.Recv(flat, source=src, tag=77)
-                offset = 0
+                    grid.host.recv(flat, source=src, tag=77)
+                remote = FlatBuffer(specs, local.dtype, np, data=flat)
                 for sp in specs:
-                    piece = flat[offset: offset + sp.local_numel].reshape(sp.local_shape)
-                    offset += sp.local_numel
                     if sp.name not in out:
                         out[sp.name] = np.empty(sp.global_shape, dtype=local.dtype)
-                    out[sp.name][sp.local_slice()] = piece
+                    out[sp.name][sp.local_slice()] = remote[sp.name]
         return out

@@ -7,7 +7,7 @@ are consecutive and sit inside one node when tp divides the ranks per node.
 from dataclasses import dataclass
 
 from boostmpi.errors import ConfigError
-from boostmpi.parallel.comm import CommCounter, Group
+from boostmpi.parallel.comm import CommCounter, Group, HostCollectives
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class ProcessGrid:
         self.tp_size, self.pp_size, self.dp_size = tp, pp, dp
         self.coords = coords_of(rank, tp, pp, dp)
         self.counter = CommCounter()
+        self.host = HostCollectives(world)  # bookkeeping over all ranks, watched, not counted
         c = self.coords
 
         def split(color, key, n):

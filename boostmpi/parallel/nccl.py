@@ -4,7 +4,7 @@ The unique id is made by the group's rank 0 and broadcast over the group's MPI c
 (small metadata between our own ranks: the pickling `bcast` is fine). Collectives are enqueued on
 the current CuPy stream, so they are ordered with the kernels that produce and consume their
 buffers and need no synchronisation; `iallreduce` runs on a side stream and its `wait()` makes
-the current stream wait for it (the overlap of issue 4). Byte accounting is inherited from Group.
+the current stream wait for it. Byte accounting is inherited from Group.
 
 One communicator, two streams: the group's collectives are chained on the device in the order the
 host issued them, whichever stream they are on. An `iallreduce` first waits for the current stream,
@@ -23,7 +23,8 @@ flows the same way, in the same order on both ends, so no cycle can form; each o
 for the current stream (the buffer's producer, or its previous user in CuPy's memory pool) and
 hands back an event that the current stream waits on.
 
-Not exercised in CI (no GPU there): the GPU test suite runs it on a device when one is lent.
+Without a GPU, CI runs it unchanged on the CuPy stand-in's NCCL, carried out by MPI between real
+ranks with NCCL's ordering rules (tests/test_gpu.py, tests/test_nccl_p2p.py; docs/GPU.md).
 """
 
 from boostmpi.parallel.comm import Group
@@ -76,8 +77,6 @@ class _Event:
         import cupy
 
         cupy.cuda.get_current_stream().wait_event(self.event)
-
-    Wait = wait
 
 
 def _communicator(nccl, mpi_comm, size, rank):
@@ -185,12 +184,13 @@ class NcclGroup(Group):
     def reduce_scatter(self, buf, out, counts):
         self.ireduce_scatter(buf, out, counts, blocking=True)
 
-    def allgather_pieces(self, buf, counts):
+    def allgather_pieces(self, buf, counts, counted=False):
         """Pieces of unequal length: one broadcast per member, in one NCCL group, in place."""
         if self.size == 1:
             return buf
         nccl = _nccl()
-        self._count_collective(int(counts[0]) * buf.itemsize)
+        if not counted:
+            self.count_allgather_pieces(buf, counts)
         stream, dtype, offset = self._collective_stream(), _dtype(nccl, buf.dtype), 0
         nccl.groupStart()
         for root, count in enumerate(counts):

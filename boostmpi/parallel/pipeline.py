@@ -15,8 +15,3 @@ def one_f_one_b(n_stages, stage, n_micro):
     steps.extend(("B", mb) for mb in range(n_micro - warmup, n_micro))
     return steps
 
-
-def run_schedule(steps, forward, backward):
-    """Call forward(mb) / backward(mb) in schedule order (the engine passes real ones, tests fakes)."""
-    for kind, mb in steps:
-        (forward if kind == "F" else backward)(mb)

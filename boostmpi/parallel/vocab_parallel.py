@@ -43,8 +43,8 @@ def embedding_backward(dtable, ids, dh, v0, v1):
 # ---------------------------------------------------------------- final norm, logits, cross-entropy
 class HeadCache(NamedTuple):
     """What the head's backward reads. A full cache holds the normalised input `n` and the
-    probabilities; a lean one (recompute = "lowrank") holds only what came out of collectives,
-    the softmax's row maximum and sum of exponentials, and the backward recomputes the rest."""
+    probabilities (or, on the fused-kernel path, the logits); a lean one (recompute = "lowrank")
+    holds only what came out of collectives and the backward recomputes the rest."""
     h: object  # [N, C] the gathered residual
     rstd: object  # [N, 1] the final norm's statistic
     local: object  # [N] the target lies in this rank's vocabulary range
@@ -53,6 +53,7 @@ class HeadCache(NamedTuple):
     probs: object = None  # [N, V/p] softmax over the whole vocabulary, full cache only
     row_max: object = None  # [N] lean cache only
     sumexp: object = None  # [N] lean cache only
+    logits: object = None  # [N, V] the fused kernel's full cache (its backward overwrites them)
 
 
 def _logits(n, lm_head):
@@ -60,38 +61,75 @@ def _logits(n, lm_head):
     return logits.astype(np.promote_types(logits.dtype, np.float32), copy=False)  # softmax and loss in >= fp32
 
 
-def head_forward(h, targets, norm_w, lm_head, eps, v0, tp, lean=False):
-    """h [N, C] (whole on every rank), targets [N] -> (mean cross-entropy over N, HeadCache)."""
-    xp = get_array_module(h)
-    n, rstd = layers.rmsnorm_forward(h, norm_w, eps)
-    logits = _logits(n, lm_head)
+def cross_entropy_forward(logits, targets, v0, tp, normalise=True):
+    """logits [N, V/p] (this rank's vocabulary columns [v0, v0 + V/p)), targets [N] -> (loss per row
+    [N], probs [N, V/p], row max [N], sum of exponentials [N], local [N], tidx [N]): probs is
+    exp(logits - row max), divided by the sum over the whole vocabulary when `normalise`.
+    With a group of one it is the plain cross-entropy, the softmax_xent kernel's specification."""
+    xp = get_array_module(logits)
     mx = reduce_from_tp_region(logits.max(axis=-1), tp, op="max")
     probs = xp.exp(logits - mx[:, None])
-    local = (targets >= v0) & (targets < v0 + lm_head.shape[1])
+    local = (targets >= v0) & (targets < v0 + logits.shape[1])
     tidx = xp.where(local, targets - v0, 0)
     rows = xp.arange(len(targets))
     stats = xp.stack([probs.sum(axis=-1), xp.where(local, logits[rows, tidx], 0)], axis=1)
     reduce_from_tp_region(stats, tp)
     sumexp, target_logit = stats[:, 0], stats[:, 1]
     losses = xp.log(sumexp) + mx - target_logit
+    if normalise:
+        probs /= sumexp[:, None]
+    return losses, probs, mx, sumexp, local, tidx
+
+
+def cross_entropy_backward(probs, local, tidx, scale):
+    """dlogits = (probs - onehot(target)) * scale, in the buffer of the normalised `probs`."""
+    xp = get_array_module(probs)
+    rows = xp.arange(len(tidx))
+    probs[rows[local], tidx[local]] -= 1.0
+    probs *= scale
+    return probs
+
+
+def _fused_xent(logits, tp):
+    """The fused softmax_xent kernel (boostmpi.gpu.kernels) when the whole vocabulary is on this
+    rank and the logits are on a GPU, else None. Under vocabulary parallelism the softmax needs the
+    other ranks' row maximum and sum between its two passes, which one kernel launch cannot wait
+    for: the plain operations above run there."""
+    k, _ = layers.kernel_inputs(logits)
+    return k if tp.size == 1 and k is not None else None
+
+
+def head_forward(h, targets, norm_w, lm_head, eps, v0, tp, lean=False):
+    """h [N, C] (whole on every rank), targets [N] -> (mean cross-entropy over N, HeadCache)."""
+    n, rstd = layers.rmsnorm_forward(h, norm_w, eps)
+    logits = _logits(n, lm_head)
+    k = _fused_xent(logits, tp)
+    if k is not None:
+        targets = targets.astype(np.int64, copy=False)
+        losses, _ = k.softmax_xent(logits, targets)
+        keep = {} if lean else dict(n=n, logits=logits)
+        return float(losses.mean()), HeadCache(h, rstd, None, targets, **keep)
+    losses, probs, mx, sumexp, local, tidx = cross_entropy_forward(logits, targets, v0, tp, normalise=not lean)
     if lean:
         return float(losses.mean()), HeadCache(h, rstd, local, tidx, row_max=mx, sumexp=sumexp)
-    probs /= sumexp[:, None]
     return float(losses.mean()), HeadCache(h, rstd, local, tidx, n=n, probs=probs)
 
 
 def head_backward(cache, scale, norm_w, lm_head, dnorm_w, dlm_head, tp):
     """d(loss)/d(h) for loss = scale * sum of per-token cross-entropy; accumulates into dnorm_w, dlm_head."""
-    h, rstd, local, tidx, n, probs = cache.h, cache.rstd, cache.local, cache.tidx, cache.n, cache.probs
+    h, rstd, n = cache.h, cache.rstd, cache.n
     xp = get_array_module(h)
     if n is None:  # lean cache: the same operations as the forward, from its saved statistics
-        n = h * rstd * norm_w
-        probs = xp.exp(_logits(n, lm_head) - cache.row_max[:, None])
-        probs /= cache.sumexp[:, None]
-    dlogits = probs
-    rows = xp.arange(len(tidx))
-    dlogits[rows[local], tidx[local]] -= 1.0
-    dlogits *= scale
+        n = (h * rstd * norm_w).astype(h.dtype, copy=False)  # as the forward's norm stores it
+    if cache.local is None:  # the fused kernel's cache: the gradient overwrites the logits
+        logits = cache.logits if cache.logits is not None else _logits(n, lm_head)
+        _, dlogits = _fused_xent(logits, tp).softmax_xent(logits, cache.tidx, grad_scale=scale, out=logits)
+    else:
+        probs = cache.probs
+        if probs is None:
+            probs = xp.exp(_logits(n, lm_head) - cache.row_max[:, None])
+            probs /= cache.sumexp[:, None]
+        dlogits = cross_entropy_backward(probs, cache.local, cache.tidx, scale)
     dn = dlogits.astype(n.dtype, copy=False) @ lm_head.T  # partial over the vocabulary shards
     req = copy_to_tp_region_backward_async([dn], tp)  # n was copied to the region for the lm_head
     dlm_head += n.T @ dlogits

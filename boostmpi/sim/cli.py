@@ -1,7 +1,7 @@
 """`boostmpi sim`: predict time, communication and memory of a configured model and layout.
 
     boostmpi sim --config FILE [--set section.key=value ...] --machine NAME|PROFILE.toml
-                 [--json] [--plot out.png] [--sweep --gpus N [--top K]]
+                 [--json] [--plot out.png] [--sweep --gpus N [--top K] [--arch A] [--all]]
 """
 
 import json
@@ -11,7 +11,7 @@ from boostmpi.errors import UserError
 from boostmpi.files import atomic_file
 from boostmpi.sim.machines import load_machine
 from boostmpi.sim.model import BREAKDOWN_KEYS, predict
-from boostmpi.sim.sweep import format_table, sweep
+from boostmpi.sim.sweep import explain_winner, format_table, sweep
 
 
 def register(subparsers):
@@ -28,6 +28,10 @@ def register(subparsers):
     p.add_argument("--sweep", action="store_true", help="rank every feasible layout and arch")
     p.add_argument("--gpus", type=int, help="number of devices for --sweep")
     p.add_argument("--top", type=int, default=20, help="rows of the --sweep table")
+    p.add_argument("--arch", action="append", choices=("full", "svd", "cola"),
+                   help="--sweep only these archs (repeatable; default all three)")
+    p.add_argument("--all", action="store_true",
+                   help="--sweep also lists the layouts that do not fit in device memory")
     p.set_defaults(func=run)
 
 
@@ -39,16 +43,20 @@ def run(args):
     if args.sweep:
         if args.gpus is None:
             raise UserError("--sweep needs --gpus N")
-        rows = sweep(cfg, machine, args.gpus)
-        if not rows:
+        every = sweep(cfg, machine, args.gpus, archs=args.arch, keep_infeasible=True)
+        fitting = [r for r in every if r["fits"]]
+        if not fitting and not args.all:
             raise UserError(f"no layout of this model fits on {args.gpus} x {machine.name}")
+        rows = every if args.all else fitting
         if args.json:
             print(json.dumps({"machine": machine.name, "gpus": args.gpus, "layouts": rows}))
         else:
-            print(f"{len(rows)} feasible layouts on {args.gpus} x {machine.name}, fastest first "
-                  f"(global batch {cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.parallel.dp} "
+            print(f"{len(fitting)} feasible layouts ({len(every) - len(fitting)} more do not fit) on "
+                  f"{args.gpus} x {machine.name}, fastest first (global batch "
+                  f"{cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.parallel.dp} "
                   f"sequences of {cfg.model.seq_len} tokens)")
             print(format_table(rows, args.top))
+            print("\n".join([""] + explain_winner(every)))
         if args.plot:
             plot_breakdowns([(_label(r), r["breakdown"]) for r in rows[:args.top]], args.plot,
                             f"{machine.name}, {args.gpus} devices")

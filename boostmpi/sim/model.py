@@ -9,7 +9,7 @@ docs/SIM.md explains every term.
 import math
 from dataclasses import dataclass, field, replace
 
-from boostmpi.model.params import all_global_specs, param_specs, stage_layers, tp_strategy
+from boostmpi.model.params import all_global_specs, param_specs, split_range, stage_layers, tp_strategy
 from boostmpi.sim.costs import (ITEMSIZE, PassTimes, group_allreduce_seconds, group_link, p2p_seconds,
                                 pass_times)
 from boostmpi.sim.plans import (Collective, Shape, embedding_plan, head_plan, kept_by_lowrank, layer_plan,
@@ -65,13 +65,30 @@ def comm_bytes(cfg):
     pp = par.tp * par.dp * M * 2 * (par.pp - 1) * N * shard * e
     dp = 0
     if par.dp > 1:
-        locals_ = [local_params(cfg, r, st) for r in range(par.tp) for st in range(par.pp)]
-        dp = sum(locals_) + sum(zero_allgather_elements(n, par.dp, par.zero_stage) for n in locals_)
+        dp = sum(stage_params(cfg, st)[1] for st in range(par.pp))
+        dp += sum(zero_allgather_elements(n, par.dp, par.zero_stage) for st in range(par.pp) for n in rank_params(cfg, st))
         dp *= ITEMSIZE[master_dtype(t.dtype)]
     return {"tp": int(tp), "pp": int(pp), "dp": int(dp)}
 
 
 # ------------------------------------------------------------------ ZeRO-1 (parallel.zero_stage = 1)
+def rank_params(cfg, stage):
+    """Local parameter count of every tensor-parallel rank of pipeline stage `stage` (split ranges
+    give the first ranks one more row or column where a dim does not divide)."""
+    tp = cfg.parallel.tp
+    counts = [0] * tp
+    for spec in param_specs(cfg, 0, stage):
+        numel = math.prod(spec.global_shape)
+        for t in range(tp):
+            if spec.shard_dim is None:
+                counts[t] += numel
+            else:
+                size = spec.global_shape[spec.shard_dim]
+                a, b = split_range(size, tp, t)
+                counts[t] += numel // size * (b - a)
+    return counts
+
+
 def zero_slice(n_params, dp, zero_stage):
     """Elements of the flat buffer whose optimizer state one dp rank holds: all of them, or under
     ZeRO-1 the largest dp slice, ceil(n / dp)."""
@@ -82,7 +99,7 @@ def checkpoint_bytes(cfg):
     """(largest rank's bytes, total bytes) of a checkpoint's rank files: every rank writes parameters
     and both AdamW moments (master dtype) of its dp share of its tp/pp shard (docs/CHECKPOINTS.md)."""
     par, e = cfg.parallel, ITEMSIZE[master_dtype(cfg.train.dtype)]
-    shares = [-(-local_params(cfg, r, st) // par.dp) for r in range(par.tp) for st in range(par.pp)]
+    shares = [-(-n // par.dp) for st in range(par.pp) for n in rank_params(cfg, st)]
     total = sum(math.prod(s.global_shape) for s in all_global_specs(cfg))  # each element once
     return 3 * e * max(shares), 3 * e * total
 
@@ -103,14 +120,22 @@ def zero_allgather_elements(n_params, dp, zero_stage):
 _PARAM_COUNTS = {}
 
 
-def local_params(cfg, tp_rank, stage):
-    """Parameters held by (tp_rank, stage), from the engine's own parameter specs."""
+def stage_params(cfg, stage):
+    """(parameters of the largest tensor-parallel rank, parameters summed over all tp ranks) of
+    pipeline stage `stage`, from the engine's own parameter specs of tp rank 0: split ranges give
+    the first rank the largest piece, and the sum over ranks is a sharded tensor once and a
+    replicated one tp times."""
     par = cfg.parallel
-    key = (cfg.model, par.tp, par.pp, par.tp_mode)  # what the layout of parameters depends on
+    # what the counts depend on: the layout, and which kind of stage this is (its number of
+    # identical layers, whether it holds the embedding, the head)
+    kind = (len(stage_layers(cfg.model.n_layers, par.pp, stage)), stage == 0, stage == par.pp - 1)
+    key = (cfg.model, par.tp, par.pp, par.tp_mode, kind)
     if key not in _PARAM_COUNTS:
-        _PARAM_COUNTS[key] = [[sum(spec.local_numel for spec in param_specs(cfg, r, st))
-                               for r in range(par.tp)] for st in range(par.pp)]
-    return _PARAM_COUNTS[key][stage][tp_rank]
+        specs = param_specs(cfg, 0, stage)
+        largest = sum(spec.local_numel for spec in specs)
+        total = sum(math.prod(spec.global_shape) * (par.tp if spec.tp_replicated else 1) for spec in specs)
+        _PARAM_COUNTS[key] = (largest, total)
+    return _PARAM_COUNTS[key]
 
 
 def model_flops_per_step(cfg):
@@ -171,7 +196,7 @@ def workload_of(cfg):
         layers_per_stage=[len(stage_layers(m.n_layers, par.pp, st)) for st in range(par.pp)],
         tp=par.tp, pp=par.pp, dp=par.dp, micro_batches=t.grad_accum, recompute=t.recompute,
         dtype=t.dtype, overlap=par.overlap, zero_stage=par.zero_stage,
-        params_per_stage=[max(local_params(cfg, r, st) for r in range(par.tp)) for st in range(par.pp)],
+        params_per_stage=[stage_params(cfg, st)[0] for st in range(par.pp)],
         p2p_elements=s.N * (s.C // s.p if strategy == "btp" else s.C),
         model_flops=model_flops_per_step(cfg), tokens_per_step=cfg.tokens_per_step)
 

@@ -60,14 +60,54 @@ def sweep(cfg, machine, gpus, archs=None, keep_infeasible=False):
     return rows
 
 
+# what a step's time is made of, for explaining the winner's margin
+PARTS = {"compute": ("gemm", "elementwise", "optimizer"), "tp comm": ("tp_comm",),
+         "pipeline bubble + p2p": ("pp_bubble_and_p2p",), "dp comm": ("dp_comm",)}
+
+
+def parts(breakdown):
+    return {name: sum(breakdown[k] for k in keys) for name, keys in PARTS.items()}
+
+
+def describe(row):
+    return (f"{row['arch']} tp={row['tp']} pp={row['pp']} dp={row['dp']} {row['tp_mode']} "
+            f"recompute={row['recompute']}")
+
+
+def explain_winner(rows):
+    """Lines on what the fastest layout is made of and where it gains over the runner-up."""
+    fitting = [r for r in rows if r["fits"]]
+    if not fitting:
+        return []
+    best = fitting[0]
+    mine = parts(best["breakdown"])
+    shares = ", ".join(f"{name} {seconds / best['time_s']:.0%}" for name, seconds in mine.items())
+    lines = [f"fastest: {describe(best)}: {best['time_s']:.4f} s ({shares})"]
+    if len(fitting) > 1:
+        second = fitting[1]
+        margin = second["time_s"] - best["time_s"]
+        theirs = parts(second["breakdown"])
+        deltas = sorted(((theirs[n] - mine[n], n) for n in PARTS), reverse=True)
+        gains = ", ".join(f"{name} {delta:+.4f} s" for delta, name in deltas if abs(delta) >= 5e-5)
+        lines.append(f"margin over #2 ({describe(second)}): {margin:.4f} s "
+                     f"({margin / second['time_s']:.1%} of its step); #2 spends more on: {gains or 'nothing'}")
+    unfit = [r for r in rows if not r["fits"] and r["time_s"] < best["time_s"]]
+    if unfit:
+        r = unfit[0]
+        lines.append(f"faster but does not fit: {describe(r)}: {r['time_s']:.4f} s, "
+                     f"needs {r['memory_gib']:.1f} GiB")
+    return lines
+
+
 def format_table(rows, top=20):
     header = f"{'#':>3} {'arch':5} {'tp':>3} {'pp':>3} {'dp':>4} {'mode':8} {'recompute':9} " \
-             f"{'accum':>5} {'time_s':>9} {'tokens/s':>11} {'mfu':>6} {'mem_GiB':>8}"
+             f"{'accum':>5} {'time_s':>9} {'tokens/s':>11} {'mfu':>6} {'mem_GiB':>8} {'fits':>4}"
     lines = [header]
     for i, r in enumerate(rows[:top], 1):
         lines.append(f"{i:>3} {r['arch']:5} {r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {r['tp_mode']:8} "
                      f"{r['recompute']:9} {r['grad_accum']:>5} {r['time_s']:>9.4f} "
-                     f"{r['tokens_per_s']:>11.0f} {r['mfu']:>6.1%} {r['memory_gib']:>8.1f}")
+                     f"{r['tokens_per_s']:>11.0f} {r['mfu']:>6.1%} {r['memory_gib']:>8.1f} "
+                     f"{'yes' if r['fits'] else 'NO':>4}")
     if len(rows) > top:
-        lines.append(f"... {len(rows) - top} more feasible layouts (--top to show more)")
+        lines.append(f"... {len(rows) - top} more layouts (--top to show more)")
     return "\n".join(lines)

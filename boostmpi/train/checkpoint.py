@@ -35,7 +35,8 @@ import numpy as np
 
 from boostmpi.errors import CheckpointError, UserError
 from boostmpi.files import FilesystemError, atomic_file, check_space, fs_error, fsync_dir, make_dirs, write_file_atomically
-from boostmpi.model.params import all_global_specs, local_box, param_specs, split_range
+from boostmpi.model.params import FlatBuffer, all_global_specs, local_box, param_specs, split_range
+from boostmpi.model.params import _blocks as flat_blocks  # the FlatBuffer's layout from specs alone
 
 FORMAT = "boostmpi"
 FORMAT_VERSION = 1
@@ -92,12 +93,17 @@ def _os_error_of(exc):
 # ------------------------------------------------------------------ what each rank writes
 class Piece(NamedTuple):
     """One box of a global tensor that one rank writes: `name`, its `index` among that rank's pieces
-    of the tensor, `box` ((start, stop) per dim, global coordinates) and `offset`, the flat position of
-    its first element in the rank's local buffer (its elements follow contiguously, in C order)."""
+    of the tensor, `box` ((start, stop) per dim, global coordinates), and where its elements sit in
+    the rank's flat buffer: the block (the parameter's own range, or its group's [rows, width] matrix
+    of factors side by side) starting at flat offset `start`, of row `width`, rows `rows` and columns
+    `cols` of it."""
     name: str
     index: int
     box: tuple
-    offset: int
+    start: int
+    width: int
+    rows: tuple
+    cols: tuple
 
     @property
     def shape(self):
@@ -111,32 +117,64 @@ class Piece(NamedTuple):
     def key(self):
         return f"{self.name}/{self.index}"
 
+    def _region(self, flat, base):
+        (r0, r1), (c0, c1) = self.rows, self.cols
+        if r1 - r0 == 1:  # part of one row: contiguous
+            i = self.start + r0 * self.width + c0 - base
+            return flat[i:i + c1 - c0]
+        i = self.start + r0 * self.width - base  # whole rows of the block: its columns c0:c1
+        return flat[i:i + (r1 - r0) * self.width].reshape(r1 - r0, self.width)[:, c0:c1]
 
-def _boxes(spec, a, b):
-    """Local flat range [a, b) of `spec`'s shard as boxes in global coordinates, with each box's flat
-    start: a vector gives one box; a matrix up to three (a partial first row, whole rows, a partial
-    last row)."""
-    box0 = local_box(spec)
-    if len(spec.local_shape) == 1:
-        return [(((box0[0][0] + a, box0[0][0] + b),), a)]
-    width = spec.local_shape[1]
-    (r_base, _), (c_base, _) = box0
-    out = []
+    def take(self, flat, base):
+        """The piece's values from `flat`, a flat buffer's elements [base, base + len(flat))."""
+        return self._region(flat, base).reshape(self.shape)
 
-    def add(r0, r1, c0, c1):
-        if r1 > r0 and c1 > c0:
-            out.append((((r_base + r0, r_base + r1), (c_base + c0, c_base + c1)), r0 * width + c0))
+    def put(self, flat, base, values):
+        """Store the piece's values into `flat` (elements [base, ...) of a flat buffer)."""
+        region = self._region(flat, base)
+        region[...] = np.asarray(values).reshape(region.shape)
 
+
+def _rects(rows, width, a, b):
+    """The flat range [a, b) of a [rows, width] matrix as rectangles (r0, r1, c0, c1): a partial first
+    row, whole rows, a partial last row."""
     r0, c0 = divmod(a, width)
     r1, c1 = divmod(b, width)
     if r0 == r1:
-        add(r0, r0 + 1, c0, c1)
-        return out
+        return [(r0, r0 + 1, c0, c1)] if c1 > c0 else []
+    out = []
     if c0:
-        add(r0, r0 + 1, c0, width)
+        out.append((r0, r0 + 1, c0, width))
         r0 += 1
-    add(r0, r1, 0, width)
-    add(r1, r1 + 1, 0, c1)
+    if r1 > r0:
+        out.append((r0, r1, 0, width))
+    if c1:
+        out.append((r1, r1 + 1, 0, c1))
+    return out
+
+
+def block_pieces(members, start, stop, lo, hi):
+    """The Pieces of a flat-buffer block [start, stop) (its parameters `members`, side by side when a
+    group) that fall in the flat range [lo, hi)."""
+    a, b = max(start, lo), min(stop, hi)
+    if a >= b:
+        return []
+    matrix = len(members[0].local_shape) == 2
+    rows = members[0].local_shape[0] if matrix else 1
+    width = (stop - start) // rows
+    out, col = [], 0
+    for s in members:
+        w, index = (s.local_shape[1] if matrix else s.local_numel), 0
+        origin = [lo_ for lo_, _ in local_box(s)]  # the shard's place in the global tensor
+        for r0, r1, c0, c1 in _rects(rows, width, a - start, b - start):
+            x0, x1 = max(c0, col), min(c1, col + w)
+            if x0 >= x1:
+                continue
+            local = ((r0, r1), (x0 - col, x1 - col)) if matrix else ((x0 - col, x1 - col),)
+            box = tuple((p + o, q + o) for (p, q), o in zip(local, origin))
+            out.append(Piece(s.name, index, box, start, width, (r0, r1), (x0, x1)))
+            index += 1
+        col += w
     return out
 
 
@@ -151,21 +189,14 @@ def rank_pieces(cfg, tp_rank, pp_stage, dp_rank):
     """(lo, hi, [Piece]): what rank (tp_rank, pp_stage, dp_rank) of `cfg`'s layout writes. Tensors
     replicated over tp are written by tp rank 0 only; every element of every global tensor is written
     by exactly one rank."""
-    specs = param_specs(cfg, tp_rank, pp_stage)
-    offsets, n = {}, 0
-    for s in specs:
-        offsets[s.name] = n
-        n += s.local_numel
+    blocks = flat_blocks(param_specs(cfg, tp_rank, pp_stage))
+    n = blocks[-1][2] if blocks else 0
     lo, hi = write_range(n, cfg.parallel.dp, dp_rank)
     pieces = []
-    for s in specs:
-        if s.tp_replicated and tp_rank != 0:
+    for members, a, b in blocks:
+        if members[0].tp_replicated and tp_rank != 0:  # replicated tensors are blocks of their own
             continue
-        a, b = max(offsets[s.name], lo), min(offsets[s.name] + s.local_numel, hi)
-        if a >= b:
-            continue
-        for j, (box, rel) in enumerate(_boxes(s, a - offsets[s.name], b - offsets[s.name])):
-            pieces.append(Piece(s.name, j, box, offsets[s.name] + rel))
+        pieces += block_pieces(members, a, b, lo, hi)
     return lo, hi, pieces
 
 
@@ -213,7 +244,9 @@ def global_rank_states(cfg, tensors, moments):
             specs = param_specs(cfg, t, st)
             flats = []
             for source in (tensors, *moments):
-                flats.append(np.concatenate([np.asarray(source[s.name][s.local_slice()]).reshape(-1) for s in specs]))
+                buffer = FlatBuffer(specs, np.asarray(source[specs[0].name]).dtype)  # the engine's layout
+                read_params(source, specs, buffer)
+                flats.append(buffer.data)
             for d in range(cfg.parallel.dp):
                 lo, hi = write_range(flats[0].size, cfg.parallel.dp, d)
                 out.append(RankState((t, st, d), lo, *(f[lo:hi] for f in flats)))
@@ -235,8 +268,7 @@ def write_rank_file(path, cfg, state, step):
         f.attrs["coords"] = np.asarray(state.coords, dtype=np.int64)
         for group, flat in (("model", state.params), ("m", state.m), ("v", state.v)):
             for p in pieces:
-                a = p.offset - lo
-                ds = f.create_dataset(f"{group}/{p.key}", data=flat[a:a + p.size].reshape(p.shape))
+                ds = f.create_dataset(f"{group}/{p.key}", data=p.take(flat, lo))
                 ds.attrs["box"] = np.asarray(p.box, dtype=np.int64)
 
 
@@ -710,21 +742,17 @@ def read_params(tensors, specs, buffer, xp=np):
         buffer[s.name][...] = xp.asarray(np.asarray(tensors[s.name][s.local_slice()]), dtype=buffer.data.dtype)
 
 
-def read_moments(optim_h5, specs, offsets, optimizer, xp=np):
-    """Fill the AdamW moments of the optimizer's slice [lo, hi) of the flat buffer from optim.h5, reading
-    for each parameter only the boxes that fall in the slice; sets the optimizer's step count."""
+def read_moments(optim_h5, params, optimizer, xp=np):
+    """Fill the AdamW moments of the optimizer's slice [lo, hi) of the flat buffer (laid out like the
+    FlatBuffer `params`) from optim.h5, reading for each parameter only the boxes that fall in the
+    slice; sets the optimizer's step count."""
     lo, hi = optimizer.shard
     host = {"m": np.empty(hi - lo, dtype=optimizer.m.dtype), "v": np.empty(hi - lo, dtype=optimizer.v.dtype)}
-    for s in specs:
-        start = offsets[s.name][0]
-        a, b = max(start, lo), min(start + s.local_numel, hi)
-        if a >= b:
-            continue
-        for box, rel in _boxes(s, a - start, b - start):
-            n, at = int(np.prod([y - x for x, y in box])), start + rel - lo
-            index = tuple(slice(x, y) for x, y in box)
+    for members, a, b in params.blocks:
+        for p in block_pieces(members, a, b, lo, hi):
+            index = tuple(slice(x, y) for x, y in p.box)
             for which, out in host.items():
-                out[at:at + n] = np.asarray(optim_h5[f"{which}/{s.name}"][index]).reshape(-1)
+                p.put(out, lo, optim_h5[f"{which}/{p.name}"][index])
     optimizer.m[...] = xp.asarray(host["m"])
     optimizer.v[...] = xp.asarray(host["v"])
     optimizer.t = int(optim_h5.attrs["t"])
@@ -742,5 +770,5 @@ def load(ckpt_dir, specs, params, optimizer=None, xp=np):
         f.close()
     if optimizer is not None:
         with h5py.File(os.path.join(ckpt_dir, "optim.h5"), "r") as fo:
-            read_moments(fo, specs, params.offsets, optimizer, xp)
+            read_moments(fo, params, optimizer, xp)
     return step, read_state(ckpt_dir)

@@ -40,6 +40,7 @@ def run(args):
         check_mpi(world, rank, local_rank)  # prints the MPI library and transport; refuses a wrong MPI
 
         cfg = load_config(args.config, overrides=args.set, world_size=size)
+        from boostmpi.parallel.comm import HostCollectives
         from boostmpi.train.trainer import STOPPED_EARLY_EXIT, Trainer, prepare_builtin
 
         if rank == 0:
@@ -52,8 +53,7 @@ def run(args):
         except UserError as exc:  # rank 0 alone: the job is ended from here (run_guarded)
             exc.all_ranks = False
             raise
-        if world is not None:
-            world.Barrier()
+        HostCollectives(world).barrier()
         try:
             trainer = Trainer(cfg, world, resume=args.resume, config_path=args.config, local_rank=local_rank)
             # a diverging run overflows before its loss is checked: NumPy's warnings would bury

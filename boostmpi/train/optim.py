@@ -41,7 +41,7 @@ class AdamW:
         mask = np.zeros(hi - lo, dtype=params.data.dtype)
         for s in specs:
             if s.decay:
-                a, b = params.offsets[s.name]
+                a, b = params.spans[s.name]  # its block (a grouped block holds only decayed matrices)
                 a, b = max(a, lo), min(b, hi)
                 if a < b:
                     mask[a - lo:b - lo] = 1.0

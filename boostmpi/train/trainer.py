@@ -15,6 +15,7 @@ from boostmpi.data.progress import format_duration
 from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
 from boostmpi.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, UserError
 from boostmpi.files import FilesystemError, atomic_file, check_dir_creatable, format_bytes, fs_error, make_dirs
+from boostmpi.parallel.comm import AXES
 from boostmpi.parallel.engine import Engine
 from boostmpi.train import checkpoint as ckpt
 from boostmpi.train.optim import AdamW, learning_rate
@@ -142,7 +143,7 @@ class Trainer:
             except UserError as exc:
                 verdict = (type(exc).__name__, str(exc))
         if self.world is not None:
-            verdict = self.world.bcast(verdict, root=0)  # small metadata between our own ranks
+            verdict = self.engine.grid.host.bcast(verdict)
         if verdict is not None:
             kinds = (UserError, CheckpointError, ConfigError, DataError, FilesystemError)
             exc = {c.__name__: c for c in kinds}.get(verdict[0], UserError)(verdict[1])
@@ -163,8 +164,7 @@ class Trainer:
     def _resume(self, resume):
         """Continue from `resume` (a path), or automatically from the run's latest complete checkpoint."""
         path = self._root_decides(lambda: self._checkpoint_to_resume(resume))
-        if self.world is not None:
-            path = self.world.bcast(path, root=0)
+        path = self.engine.grid.host.bcast(path)
         if path is None:
             return
         ckpt.verify_together(path, self.world)  # sizes and SHA-256 of every file, shared among the ranks
@@ -244,7 +244,7 @@ class Trainer:
         pending, thread = self._in_flight
         if wait:
             thread.join()
-        if self.engine.world_sum(0.0 if pending.written else 1.0) > 0:
+        if self.engine.grid.host.sum([0.0 if pending.written else 1.0])[0] > 0:
             return  # some rank is still writing: look again at the next step boundary
         self._in_flight = None
         self.log(f"checkpoint {pending.finish()}")
@@ -279,7 +279,8 @@ class Trainer:
                 micro = [self.loader.next_batch() for _ in range(tr.grad_accum)]
                 e.grid.counter.reset()
                 t0 = time.perf_counter()
-                loss = e.forward_backward(micro)
+                loss = e.forward_backward(micro, also_sum=self._step_sums)
+                comm, calls, stop = self._step_totals(e.summed)
                 if not math.isfinite(loss):
                     raise TrainingDiverged(f"the loss became {loss} at step {step + 1}; the last checkpoint is kept intact "
                                            f"(lower train.lr or raise train.warmup_steps)")
@@ -287,7 +288,6 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 self.step = step + 1
                 steps_done += 1
-                comm, calls = self._comm_counts()
                 row = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": gnorm,
                        "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "tokens": self.step * tokens_per_step,
                        "comm_bytes": comm, "comm_calls": calls}
@@ -317,7 +317,7 @@ class Trainer:
                 if (every and self.step % every == 0) or self.step == tr.steps:
                     self.save_checkpoint()
                     self.poll_async_save(wait=self.step == tr.steps)
-                if self._preempted():
+                if stop:
                     if not (every and self.step % every == 0) and self.step != tr.steps:
                         self.save_checkpoint()
                     self.poll_async_save(wait=True)
@@ -329,19 +329,20 @@ class Trainer:
                 metrics.close()
         return {"step": self.step, "preempted": False, "val_loss": last_val, "loss": loss if steps_done else None}
 
-    def _preempted(self):
-        flag = 1.0 if self.preemption.signal is not None else 0.0
-        return self.engine.world_sum(flag) > 0
+    def _step_sums(self):
+        """What the trainer adds to the step's one all-reduce: this rank's payload bytes and calls
+        per axis, and whether a stop signal has arrived here."""
+        counter = self.engine.grid.counter
+        return ([counter.bytes[a] for a in AXES] + [counter.calls[a] for a in AXES]
+                + [1.0 if self.preemption.signal is not None else 0.0])
 
-    def _comm_counts(self):
-        """This step's payload bytes and calls per axis, summed over all ranks (each group counted once)."""
-        counter, axes = self.engine.grid.counter, ("tp", "pp", "dp")
-        counts = np.array([counter.bytes[a] for a in axes] + [counter.calls[a] for a in axes], dtype=np.float64)
-        if self.world is not None:
-            from mpi4py import MPI
-
-            self.world.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
-        return dict(zip(axes, map(int, counts[:3]))), dict(zip(axes, map(int, counts[3:])))
+    @staticmethod
+    def _step_totals(summed):
+        """(bytes per axis, calls per axis, some rank was signalled to stop), summed over all ranks
+        (each group's traffic counted once)."""
+        n = len(AXES)
+        return (dict(zip(AXES, map(int, summed[:n]))), dict(zip(AXES, map(int, summed[n:2 * n]))),
+                summed[2 * n] > 0)
 
     def _memory(self):
         e = self.engine
@@ -349,10 +350,7 @@ class Trainer:
         grads = e.grads.size * item + (e.grad_shard.nbytes if e.sharded else 0)  # + the reduce-scattered slice
         mine = np.array([e.params.size * item, grads, self.optimizer.nbytes,
                          e.saved_activation_bytes, self.snapshot_bytes, peak_memory_bytes(e.xp)], dtype=np.float64)
-        if self.world is not None:
-            from mpi4py import MPI
-
-            self.world.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
+        mine = self.engine.grid.host.max(mine)
         keys = ("params", "grads", "optimizer", "activations_saved", "checkpoint_snapshot", "peak")
         return {k: int(v) for k, v in zip(keys, mine)}  # the largest rank's figure for each
 

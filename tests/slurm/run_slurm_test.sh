@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The real-Slurm test. Starts a one-node Slurm cluster on this machine (Debian's slurmctld, slurmd
 # and munge; proctrack/linuxproc, task/none, MpiDefault=pmi2) and submits a 4-rank job whose body
-# is the production one (jobs/common.sh, launched with `srun --mpi=pmi2 --overcommit`). The job
+# is the production one (jobs/common.sh, launched by the site's srun found by path, as
+# `srun --mpi=pmi2 --overcommit`). The ranks run on the system MPI, as on a cluster: the venv of
+# tests/sysmpi (boostmpi without the [mpich] extra, mpi4py built against Debian's MPICH). The job
 # must train, be preempted by a signal to its batch shell (like `--signal=B:USR1@120`), checkpoint,
 # requeue itself, resume and finish (DONE). Then it stops the daemons it started.
-# Needs root, .venv, and Slurm installed or apt-get able to install it; otherwise it prints why
-# it skips and exits 0. Exit status 1 when a check fails.
+# Needs root, and Slurm and Debian's MPICH installed or apt-get able to install them; otherwise it
+# prints why it skips and exits 0. Exit status 1 when a check fails.
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-PY="${PY:-$REPO/.venv/bin/python}"
 STEPS=400          # the tiny model: 10-20 s of training with 4 ranks on 2 cores; the signal must come first
 EVERY=100          # periodic checkpoints; the preemption one falls between them
 WAIT_S=150         # longest wait for any one stage
@@ -16,7 +17,10 @@ WAIT_S=150         # longest wait for any one stage
 skip() { echo "skipped: $*"; exit 0; }
 
 [ "$(id -u)" -eq 0 ] || skip "the Slurm test needs root (to install and run slurmctld, slurmd and munged)"
-[ -x "$PY" ] || skip "no Python at $PY (run tests/run.sh, which creates .venv)"
+cd "$REPO" || exit 1
+# shellcheck source=tests/sysmpi/system_mpi.sh
+source tests/sysmpi/system_mpi.sh
+system_mpi_venv || exit $(($? == 1 ? 0 : 1))   # sets PY: the system-MPI venv
 if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null ||
    ! command -v sbatch >/dev/null; then
   command -v apt-get >/dev/null || skip "Slurm is not installed and there is no apt-get to install it"
@@ -116,7 +120,8 @@ TP=2 PP=1 NRANKS=4
 PY="$PY"
 EXTRA_SETS=(train.steps=$STEPS checkpoint.every=$EVERY)
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 PYTHONPATH="$REPO"
-LAUNCH=(srun --mpi=pmi2 --overcommit -n "\$NRANKS" --kill-on-bad-exit=1)
+SRUN="\$(boostmpi_site_launcher srun)" || exit 2
+LAUNCH=("\$SRUN" --mpi=pmi2 --overcommit -n "\$NRANKS" --kill-on-bad-exit=1)
 RESUBMIT=(scontrol requeue "\$SLURM_JOB_ID")
 STOP_SIGNAL=USR1
 boostmpi_job
@@ -141,6 +146,11 @@ grep -q "stopped by signal at step" "$JOB_OUT" || fail "the ranks did not stop o
 grep -q "queueing the next attempt" "$JOB_OUT" || fail "the job did not requeue itself"
 grep -q "resumed from $RUN_DIR/checkpoints/step_" "$JOB_OUT" || fail "the second attempt did not resume from a checkpoint"
 grep -q "finished all $STEPS steps" "$JOB_OUT" || fail "the second attempt did not finish"
+mpi_line="$(grep -m1 '^mpi: ' "$JOB_OUT")" || fail "no start-up line 'mpi: ...' in the job's output"
+case "$mpi_line" in
+  *"/libmpich.so"*"4 rank(s) on 1 node(s)"*) ;;
+  *) fail "the ranks did not run on Debian's MPICH under srun: $mpi_line" ;;
+esac
 restarts="$(scontrol show job "$JOB_ID" | grep -o 'Restarts=[0-9]*')"
 [ "$restarts" = "Restarts=1" ] || fail "expected one requeue, scontrol says $restarts"
 "$PY" - "$RUN_DIR/metrics.jsonl" "$STEPS" <<'EOF' || fail "metrics.jsonl does not hold each step once"
@@ -149,5 +159,5 @@ steps = [json.loads(line)["step"] for line in open(sys.argv[1]) if line.strip()]
 sys.exit(0 if steps == list(range(1, int(sys.argv[2]) + 1)) else 1)
 EOF
 stopped_at="$(grep -o 'stopped by signal at step [0-9]*' "$JOB_OUT" | grep -o '[0-9]*$' | head -1)"
-echo "slurm test passed in ${SECONDS} s: job $JOB_ID trained, stopped on SIGUSR1 at step $stopped_at with a checkpoint," \
-     "requeued itself, resumed and finished all $STEPS steps"
+echo "slurm test passed in ${SECONDS} s: job $JOB_ID trained on the system MPI ($mpi_line), stopped on SIGUSR1" \
+     "at step $stopped_at with a checkpoint, requeued itself, resumed and finished all $STEPS steps"

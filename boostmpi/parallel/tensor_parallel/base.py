@@ -94,13 +94,14 @@ class ReplicatedResidual(Strategy):
         vocab_parallel.embedding_backward(Gr["embed"], ids, dh, self.v0, self.v1)
 
 
-def column_parallel_input_grad(douts, mats, grouped, tp):
-    """d(input) of column-parallel linears reading one input: sum_j d_j · M_j^T, then
-    copy_to_tp_region's backward, started (one GEMM and one all-reduce when grouped, else one of
-    each per linear). Returns (parts, request): after request.wait() the gradient is sum(parts)."""
+def column_parallel_input_grad(douts, P, names, grouped, tp):
+    """d(input) of column-parallel matrices P[names] reading one input: sum_j d_j · M_j^T, then
+    copy_to_tp_region's backward, started (one GEMM on the matrices side by side and one all-reduce
+    when grouped, else one of each per matrix). Returns (parts, request): after request.wait()
+    the gradient is sum(parts)."""
     xp = get_array_module(douts[0])
     if grouped:
-        parts = [xp.ascontiguousarray(concat_cols(douts) @ concat_cols(mats).T)]
+        parts = [xp.ascontiguousarray(concat_cols(douts) @ P.columns(names).T)]
     else:
-        parts = [xp.ascontiguousarray(d @ M.T) for d, M in zip(douts, mats)]
+        parts = [xp.ascontiguousarray(d @ P[n].T) for d, n in zip(douts, names)]
     return parts, copy_to_tp_region_backward_async(parts, tp)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from boostmpi.backend import get_array_module
 from boostmpi.model import layers
-from boostmpi.model.layers import col_slices, concat_cols, grouped_matmul
+from boostmpi.model.layers import col_slices, grouped_matmul
 from boostmpi.model.params import split_range
 from boostmpi.model.recompute import NO_TAPE
 from boostmpi.parallel.mappings import (copy_to_tp_region, copy_to_tp_region_backward_async, gather_from_tp_region,
@@ -76,55 +76,58 @@ class BottleneckTP(Strategy):
         return self._bottleneck_backward([dy], cache, P, Gr)
 
     def _bottleneck_forward(self, x, norm_name, names, P, tape, output=True):
-        As = [P[f"{nm}/A"] for nm in names]
-        xw = x * P[norm_name] if norm_name else x
+        sl = col_slices([P[f"{nm}/A"].shape[1] for nm in names])
+        # online RMSNorm's first half: x * w and this shard's sum of squares, in one pass
+        xw, ss = layers.rmsnorm_online_stats(x, P[norm_name]) if norm_name else (x, None)
         if tape.replaying:
             Z, rstd = tape.take()
         else:
-            Z, rstd = tape.keep(self._reduce_bottleneck(x, xw, As, norm_name is not None))
+            A = P.columns([f"{nm}/A" for nm in names])  # [A_1 | A_2 | ...], stored side by side
+            Z, rstd = tape.keep(self._reduce_bottleneck(xw, ss, A, sl))
         Zs, sig = activate(copy_to_tp_region(Z, self.tp), self.act, tape)
-        sl = col_slices([A.shape[1] for A in As])
         outs = grouped_matmul([Zs[:, s] for s in sl], [P[f"{nm}/B"] for nm in names], self.grouped) if output else None
         return outs, BottleneckCache(x, xw, norm_name, Z, Zs, rstd, names, sl, sig)
 
-    def _reduce_bottleneck(self, x, xw, As, with_norm):
-        """The only forward communication of a btp group: Z = rmsnorm(x)·A exactly, from shards."""
-        xp = get_array_module(x)
-        R = sum(A.shape[1] for A in As)
-        if not with_norm:
-            return self._reduce_products(xw, As, extra=None), None
-        ss = (x * x).sum(axis=-1)
+    def _reduce_bottleneck(self, xw, ss, A, sl):
+        """The only forward communication of a btp group: Z = rmsnorm(x)·A exactly, from shards.
+        Returns (Z, rstd [N, 1]); rstd is None without a norm."""
+        if ss is None:
+            return self._reduce_products(xw, A, sl), None
         if self.online:
-            # the sum of squares rides in the same all-reduce as the unnormalised A-product
-            buf = self._reduce_products(xw, As, extra=ss)
-            rstd = (1.0 / xp.sqrt(buf[:, R] / self.C + self.eps))[:, None]
-            return buf[:, :R] * rstd, rstd
+            # the sum of squares rides in the same all-reduce as the unnormalised A-product,
+            # then online RMSNorm's second half rescales the rows
+            prod, ss_total = self._reduce_products(xw, A, sl, ss)
+            ss_total = ss_total.astype(ss.dtype)  # contiguous, in the accumulation dtype again
+            return layers.rescale_rows(prod, ss_total, self.C, self.eps), layers.online_rstd(ss_total, self.C, self.eps)[:, None]
         # sync: a separate all-reduce of the statistic first, then normalise and multiply
         reduce_from_tp_region(ss, self.tp)
-        rstd = (1.0 / xp.sqrt(ss / self.C + self.eps))[:, None]
-        return self._reduce_products(xw * rstd, As, extra=None), rstd
+        return self._reduce_products(layers.rescale_rows(xw, ss, self.C, self.eps), A, sl), \
+            layers.online_rstd(ss, self.C, self.eps)[:, None]
 
-    def _reduce_products(self, x, As, extra):
-        """[x·A_1 | x·A_2 | ... | extra] reduced from the tp region: one GEMM and one all-reduce when
-        grouped, else one of each per factor (the statistic riding with the first)."""
+    def _reduce_products(self, x, A, sl, extra=None):
+        """x·[A_1 | A_2 | ...] reduced from the tp region (A = [A_1 | A_2 | ...], A_j its column
+        slices `sl`): one GEMM and one all-reduce when grouped, else one of each per factor. With
+        `extra` [N] (the sum of squares), returns (products, extra summed) from the same
+        all-reduce: one buffer in x's dtype, the products [N, R] first and `extra` after them, so
+        each part is a contiguous array."""
         xp = get_array_module(x)
-        N = x.shape[0]
-        R = sum(A.shape[1] for A in As)
-        buf = xp.empty((N, R + (extra is not None)), dtype=x.dtype)
+        N, R = x.shape[0], A.shape[1]
+        flat = xp.empty(N * R + (N if extra is not None else 0), dtype=x.dtype)
+        prod, tail = flat[:N * R].reshape(N, R), flat[N * R:]
         if extra is not None:
-            buf[:, R] = extra
+            tail[...] = extra
         if self.grouped:
-            xp.matmul(x, concat_cols(As), out=buf[:, :R])
-            return reduce_from_tp_region(buf, self.tp)
-        sl = col_slices([A.shape[1] for A in As])
-        for j, (s, A) in enumerate(zip(sl, As)):
-            piece = x @ A
-            if j == 0 and extra is not None:
-                piece = reduce_from_tp_region(xp.concatenate([piece, extra[:, None]], axis=1), self.tp)
-                buf[:, s], buf[:, R] = piece[:, :-1], piece[:, -1]
-            else:
-                buf[:, s] = reduce_from_tp_region(xp.ascontiguousarray(piece), self.tp)
-        return buf
+            xp.matmul(x, A, out=prod)
+            reduce_from_tp_region(flat, self.tp)
+        else:
+            for j, s in enumerate(sl):
+                piece = x @ A[:, s]
+                if j == 0 and extra is not None:
+                    both = reduce_from_tp_region(xp.concatenate([piece.reshape(-1), tail]), self.tp)
+                    prod[:, s], tail[...] = both[:N * piece.shape[1]].reshape(piece.shape), both[N * piece.shape[1]:]
+                else:
+                    prod[:, s] = reduce_from_tp_region(xp.ascontiguousarray(piece), self.tp)
+        return (prod, tail) if extra is not None else prod
 
     def _bottleneck_backward(self, douts, cache, P, Gr):
         x, xw, norm_name, Z, Zs, rstd, names, sl, sig = cache
@@ -144,9 +147,9 @@ class BottleneckTP(Strategy):
             for s, piece in zip(sl, pieces):
                 dZs[:, s] = piece
         dZ = layers.silu_backward(dZs, Z, sig) if self.act else dZs
-        As = [P[f"{nm}/A"] for nm in names]
+        A = P.columns([f"{nm}/A" for nm in names])
         if norm_name is None:
-            dx = dZ @ concat_cols(As).T
+            dx = dZ @ A.T
             for s, nm in zip(sl, names):
                 Gr[f"{nm}/A"] += xw.T @ dZ[:, s]
             return dx
@@ -154,8 +157,8 @@ class BottleneckTP(Strategy):
         # dZ and Z are replicated over the tp group, so the statistic's gradient dS is local
         dP = dZ * rstd
         dS = (-0.5 / self.C) * (dZ * Z).sum(axis=-1, keepdims=True) * (rstd * rstd)
-        dxw = dP @ concat_cols(As).T
+        dxw = dP @ A.T
         for s, nm in zip(sl, names):
             Gr[f"{nm}/A"] += xw.T @ dP[:, s]
         Gr[norm_name] += (dxw * x).sum(axis=0)
-        return dxw * P[norm_name] + 2.0 * x * dS
+        return (dxw * P[norm_name] + 2.0 * x * dS).astype(x.dtype, copy=False)  # float32 statistics, bf16 x

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from boostmpi.backend import get_array_module
 from boostmpi.model import layers
-from boostmpi.model.layers import col_slices, concat_cols
+from boostmpi.model.layers import col_slices
 from boostmpi.model.recompute import NO_TAPE
 from boostmpi.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 from boostmpi.parallel.tensor_parallel.base import NormCache, ReplicatedResidual, column_parallel_input_grad
@@ -31,18 +31,17 @@ class MegatronTP(ReplicatedResidual):
     def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE):
         n, rstd = layers.rmsnorm_forward(x, P[norm_name], self.eps)
         n = copy_to_tp_region(n, self.tp)
-        Ws = [P[f"{nm}/W"] for nm in names]
+        W_names = [f"{nm}/W" for nm in names]
         if self.grouped:
-            y = n @ concat_cols(Ws)
-            outs = [y[:, s] for s in col_slices([W.shape[1] for W in Ws])]
+            y = n @ P.columns(W_names)  # the matrices stored side by side: one GEMM
+            outs = [y[:, s] for s in col_slices([P[w].shape[1] for w in W_names])]
         else:
-            outs = [n @ W for W in Ws]
+            outs = [n @ P[w] for w in W_names]
         return outs, NormCache(x, norm_name, rstd, (n, names))
 
     def in_proj_backward(self, douts, cache, P, Gr):
         n, names = cache.inner
-        Ws = [P[f"{nm}/W"] for nm in names]
-        parts, req = column_parallel_input_grad(douts, Ws, self.grouped, self.tp)
+        parts, req = column_parallel_input_grad(douts, P, [f"{nm}/W" for nm in names], self.grouped, self.tp)
         for nm, dy in zip(names, douts):  # weight gradients while the input gradient travels
             Gr[f"{nm}/W"] += n.T @ dy
         req.wait()

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from boostmpi.backend import get_array_module
 from boostmpi.model import layers
-from boostmpi.model.layers import col_slices, concat_cols
+from boostmpi.model.layers import col_slices
 from boostmpi.model.recompute import NO_TAPE
 from boostmpi.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 from boostmpi.parallel.tensor_parallel.base import NormCache, ReplicatedResidual, activate, column_parallel_input_grad
@@ -45,14 +45,14 @@ class VanillaLowRankTP(ReplicatedResidual):
     def _factor_forward(self, x, names, P, tape):
         xp = get_array_module(x)
         x = copy_to_tp_region(x, self.tp)
-        As = [P[f"{nm}/A"] for nm in names]
-        sl = col_slices([A.shape[1] for A in As])
+        A_names = [f"{nm}/A" for nm in names]
+        sl = col_slices([P[n].shape[1] for n in A_names])
         if tape.replaying:
             (Z,) = tape.take()
         elif self.grouped:
-            Z = tape.keep((x @ concat_cols(As),))[0]
+            Z = tape.keep((x @ P.columns(A_names),))[0]  # the factors stored side by side: one GEMM
         else:
-            Z = tape.keep((xp.concatenate([x @ A for A in As], axis=1),))[0]
+            Z = tape.keep((xp.concatenate([x @ P[n] for n in A_names], axis=1),))[0]
         Zs, sig = activate(Z, self.act, tape)
         ys = [xp.ascontiguousarray(Zs[:, s] @ P[f"{nm}/B"]) for s, nm in zip(sl, names)]
         if self.grouped and len(ys) > 1 and self.p > 1:  # one all-reduce for the whole group
@@ -71,8 +71,8 @@ class VanillaLowRankTP(ReplicatedResidual):
             dZs[:, s] = dy @ P[f"{nm}/B"].T
             Gr[f"{nm}/B"] += Zs[:, s].T @ dy
         dZ = layers.silu_backward(dZs, Z, sig) if self.act else dZs
-        As = [P[f"{nm}/A"] for nm in names]
-        parts, req = column_parallel_input_grad([dZ[:, s] for s in sl], As, self.grouped, self.tp)
+        parts, req = column_parallel_input_grad([dZ[:, s] for s in sl], P, [f"{nm}/A" for nm in names],
+                                                self.grouped, self.tp)
         for s, nm in zip(sl, names):  # weight gradients while the input gradient travels
             Gr[f"{nm}/A"] += x.T @ dZ[:, s]
         req.wait()

@@ -1,0 +1,695 @@
+"""A CuPy stand-in for tests on machines where CuPy cannot reach a GPU (see README.md here).
+
+Arrays live in device allocations of the CUDA execution harness; arithmetic is carried out by
+NumPy on views of that memory, with CuPy's type rules (ufunc loop tables, weak Python scalars,
+float32 accumulation for 16-bit floats), CuPy's refusals (implicit conversion to NumPy, NumPy
+operands) and RawKernel launches that run the kernel source itself through the harness.
+"""
+
+import builtins
+
+import numpy as np
+
+from cupy import _memory
+from cupy._memory import get_default_memory_pool, get_default_pinned_memory_pool  # noqa: F401
+from cupy import cuda  # noqa: F401
+
+__version__ = "14.0.0+standin"
+__standin__ = True  # what tests and bench/ check to tell the stand-in from a GPU
+
+try:
+    import ml_dtypes
+
+    bfloat16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # CuPy too has bfloat16 only with ml_dtypes
+    bfloat16 = None
+
+dtype = np.dtype
+promote_types = np.promote_types
+can_cast = np.can_cast
+finfo, iinfo = np.finfo, np.iinfo
+bool_, int8, int16, int32, int64 = np.bool_, np.int8, np.int16, np.int32, np.int64
+uint8, uint16, uint32, uint64 = np.uint8, np.uint16, np.uint32, np.uint64
+float16, float32, float64, complex64, complex128 = np.float16, np.float32, np.float64, np.complex64, np.complex128
+inf, nan, pi, e, newaxis = np.inf, np.nan, np.pi, np.e, None
+
+_IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. "
+             "Please use `.get()` to construct a NumPy array explicitly.")
+
+
+def _is_half(dt):
+    return dt == np.float16 or (bfloat16 is not None and dt == bfloat16)
+
+
+# ================================================================== type resolution (CuPy's rules)
+def _loop_table(chars, bf16_after="e"):
+    """Loop dtypes in CuPy's order; bfloat16's loop directly after float16's (CuPy pull request 9494, its bfloat16 support)."""
+    out = []
+    for c in chars:
+        out.append(np.dtype(c))
+        if c == bf16_after and bfloat16 is not None:
+            out.append(bfloat16)
+    return out
+
+
+_ARITHMETIC = _loop_table("?bBhHiIlLqQefdFD")
+_INEXACT = _loop_table("efdFD")
+_TRUE_DIVIDE = [np.dtype("q")] + _loop_table("efdFD")  # CuPy's 'qq->d' family first
+_ROUNDING = _loop_table("efd")
+_BITWISE = [np.dtype(c) for c in "?bBhHiIlLqQ"]
+_SCALAR_KIND = {bool: 0, int: 1, float: 2, complex: 2}
+
+
+def _kind_score(dt):
+    if dt == np.bool_:
+        return 0
+    if dt.kind in "iu":
+        return 1
+    return 2 if dt.kind in "fc" or dt == bfloat16 else 3
+
+
+class _Operand:
+    """One ufunc input: a device array, or a scalar (weak when it is a Python number)."""
+
+    __slots__ = ("value", "dtype", "weak")
+
+    def __init__(self, x):
+        if isinstance(x, ndarray):
+            self.value, self.dtype, self.weak = x._a, x.dtype, None
+        elif isinstance(x, np.ndarray):
+            raise TypeError(f"Unsupported type {type(x)}")
+        elif isinstance(x, np.generic):  # before Python numbers: np.float64 is a float subclass, but strong
+            self.value, self.dtype, self.weak = x, x.dtype, None
+        elif isinstance(x, (bool, int, float, complex)):
+            self.value, self.dtype, self.weak = x, np.dtype(type(x)), type(x)
+        else:
+            raise TypeError(f"Unsupported type {type(x)}")
+
+
+def _use_weak_scalars(operands):
+    """CuPy's _check_should_use_weak_scalar: weak only against arrays of at least the scalar's kind."""
+    arrays = [_kind_score(o.dtype) for o in operands if o.weak is None]
+    scalars = [_SCALAR_KIND[o.weak] for o in operands if o.weak is not None]
+    return bool(arrays) and bool(scalars) and builtins.max(arrays) >= builtins.max(scalars)
+
+
+def _select_loop(name, loops, operands):
+    """The first loop every input casts to safely (a weak scalar: if it does not promote the loop)."""
+    weak = _use_weak_scalars(operands)
+    for loop in loops:
+        for o in operands:
+            if np.can_cast(o.dtype, loop):
+                continue
+            if not (weak and o.weak is not None):
+                break
+            try:
+                if np.result_type(o.weak(0), loop) != loop:
+                    break
+            except TypeError:
+                break
+        else:
+            return loop
+    raise TypeError(f"Wrong type ({tuple(o.dtype for o in operands)}) of arguments for cupy_{name}")
+
+
+def result_type(*arrays_and_dtypes):
+    dts = [a.dtype if isinstance(a, ndarray) else a for a in arrays_and_dtypes]
+    return np.result_type(*dts)
+
+
+# ================================================================== the array
+def _check_same_kind(src, dst, what):
+    if src == dst or src.kind == dst.kind or np.can_cast(src, dst, "same_kind"):
+        return
+    raise TypeError(f"Cannot cast {what} from {src!r} to {dst!r} according to the rule 'same_kind'")
+
+
+def _compute(loop, values):
+    """Inputs as NumPy values in the loop's dtype; 16-bit floats are computed in float32 (as
+    CuPy's half and bfloat16 loops do) and rounded once by the caller."""
+    work = np.dtype(np.float32) if _is_half(loop) else np.dtype(loop)
+    return [v.astype(work, copy=False) if isinstance(v, np.ndarray) else work.type(v) for v in values]
+
+
+class ndarray:
+    """A device array. Not convertible to NumPy implicitly; `.get()` copies it to the host."""
+
+    __array_priority__ = 100
+    __array_ufunc__ = None  # NumPy operators give way to ours, which refuse NumPy operands
+
+    def __init__(self, shape, dtype=float, memptr=None, strides=None, order="C"):
+        if memptr is not None or strides is not None:
+            raise NotImplementedError("the stand-in makes arrays from memptr only through cupy functions")
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        dt = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        self._mem = _memory.get_default_memory_pool().malloc(nbytes) if nbytes else None
+        self._a = _memory.empty_bytes_view(self._mem, nbytes, dt, shape) if nbytes else np.empty(shape, dt)
+        self.base = None
+
+    @classmethod
+    def _view(cls, a, mem, base):
+        out = cls.__new__(cls)
+        out._a, out._mem, out.base = a, mem, base
+        return out
+
+    def _wrap_result(self, r):
+        """A NumPy result of an operation on self._a: a view of our memory, or a new device array."""
+        if not isinstance(r, np.ndarray):
+            r = np.asarray(r)
+        if self._mem is not None and r.size and np.may_share_memory(r, self._a):
+            return ndarray._view(r, self._mem, self if self.base is None else self.base)
+        return _device_copy(r)
+
+    # -- attributes
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    ndim = property(lambda self: self._a.ndim)
+    size = property(lambda self: self._a.size)
+    itemsize = property(lambda self: self._a.itemsize)
+    nbytes = property(lambda self: self._a.nbytes)
+    strides = property(lambda self: self._a.strides)
+    flags = property(lambda self: self._a.flags)
+    T = property(lambda self: self.transpose())
+
+    @property
+    def data(self):
+        if self._mem is None:
+            return _memory.MemoryPointer(None, 0)
+        return _memory.MemoryPointer(self._mem, _memory.device_address(self._mem, self._a))
+
+    @property
+    def device(self):
+        return cuda.Device()
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "typestr": self.dtype.str, "descr": self.dtype.descr,
+                "data": (self.data.ptr, False), "version": 3,
+                "strides": None if self.flags.c_contiguous else self.strides, "stream": 1}
+
+    # -- conversions: explicit only
+    def __array__(self, *args, **kwargs):
+        raise TypeError(_IMPLICIT)
+
+    def __array_function__(self, func, types, args, kwargs):
+        impl = globals().get(func.__name__)
+        if impl is None or not callable(impl):
+            return NotImplemented
+        return impl(*args, **kwargs)
+
+    def get(self, stream=None, order="C", out=None):
+        host = np.array(self._a, copy=True, order=order)
+        if out is not None:
+            out[...] = host
+            return out
+        return host
+
+    def item(self):
+        if self.size != 1:
+            raise ValueError("can only convert an array of size 1 to a Python scalar")
+        return self._a.reshape(-1)[0].item()
+
+    def tolist(self):
+        return self._a.tolist()
+
+    def __float__(self):
+        return float(self.item())
+
+    def __int__(self):
+        return int(self.item())
+
+    def __index__(self):
+        if self.dtype.kind not in "iu" or self.ndim:
+            raise TypeError("only integer scalar arrays can be converted to a scalar index")
+        return int(self.item())
+
+    def __bool__(self):
+        return bool(self.item())
+
+    def __len__(self):
+        if not self.ndim:
+            raise TypeError("len() of unsized object")
+        return self.shape[0]
+
+    def __iter__(self):
+        if not self.ndim:
+            raise TypeError("iteration over a 0-d array")
+        return (self[i] for i in range(self.shape[0]))
+
+    def __repr__(self):
+        return repr(self._a).replace("array(", "array(", 1)
+
+    def __str__(self):
+        return str(self._a)
+
+    def __format__(self, spec):
+        return format(self.item(), spec) if self.size == 1 else str(self)
+
+    # -- shape and views
+    def reshape(self, *shape, order="C"):
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        return self._wrap_result(self._a.reshape(shape, order=order))
+
+    def transpose(self, *axes):
+        axes = axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
+        return self._wrap_result(self._a.transpose(*axes) if axes else self._a.T)
+
+    def swapaxes(self, a, b):
+        return self._wrap_result(self._a.swapaxes(a, b))
+
+    def ravel(self, order="C"):
+        return self._wrap_result(self._a.ravel(order))
+
+    def flatten(self):
+        return _device_copy(self._a.flatten())
+
+    def squeeze(self, axis=None):
+        return self._wrap_result(self._a.squeeze(axis))
+
+    def view(self, dtype=None):
+        return self._wrap_result(self._a if dtype is None else self._a.view(dtype))
+
+    def copy(self, order="C"):
+        return _device_copy(self._a, order)
+
+    def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
+        dt = np.dtype(dtype)
+        if not copy and dt == self.dtype:
+            return self
+        return _device_copy(self._a.astype(dt))
+
+    def fill(self, value):
+        if isinstance(value, np.ndarray) and value.ndim:
+            raise TypeError(f"Unsupported type {type(value)}")
+        self._a.fill(value._a.item() if isinstance(value, ndarray) else value)
+
+    # -- indexing
+    @staticmethod
+    def _index(key):
+        key = key if isinstance(key, tuple) else (key,)
+        out = []
+        for k in key:
+            if isinstance(k, ndarray):
+                k = k._a
+            out.append(k)
+        if not any(k is Ellipsis for k in out):
+            out.append(Ellipsis)  # integer indexing gives a 0-d array view, as CuPy's does
+        return tuple(out)
+
+    def __getitem__(self, key):
+        return self._wrap_result(self._a[self._index(key)])
+
+    def __setitem__(self, key, value):
+        if isinstance(value, np.ndarray) and value.ndim:
+            raise TypeError(f"Unsupported type {type(value)}")  # CuPy fills with scalars only
+        if isinstance(value, ndarray):
+            value = value._a
+        self._a[self._index(key)] = value
+
+    # -- reductions
+    def sum(self, axis=None, dtype=None, out=None, keepdims=False):
+        return _reduce("sum", self, axis, dtype, out, keepdims)
+
+    def prod(self, axis=None, dtype=None, out=None, keepdims=False):
+        return _reduce("prod", self, axis, dtype, out, keepdims)
+
+    def mean(self, axis=None, dtype=None, out=None, keepdims=False):
+        return _reduce("mean", self, axis, dtype, out, keepdims)
+
+    def max(self, axis=None, out=None, keepdims=False):
+        return _reduce("max", self, axis, None, out, keepdims)
+
+    def min(self, axis=None, out=None, keepdims=False):
+        return _reduce("min", self, axis, None, out, keepdims)
+
+    def argmax(self, axis=None):
+        return _device_copy(np.asarray(self._a.argmax(axis)))
+
+    def cumsum(self, axis=None, dtype=None):
+        return _device_copy(self._a.cumsum(axis, dtype))
+
+    def all(self, axis=None, keepdims=False):
+        return _device_copy(np.asarray(self._a.all(axis, keepdims=keepdims)))
+
+    def any(self, axis=None, keepdims=False):
+        return _device_copy(np.asarray(self._a.any(axis, keepdims=keepdims)))
+
+    def dot(self, other):
+        return matmul(self, other)
+
+    # -- operators
+    def __neg__(self):
+        return negative(self)
+
+    def __pos__(self):
+        return self
+
+    def __abs__(self):
+        return absolute(self)
+
+    def __matmul__(self, other):
+        return matmul(self, other)
+
+    def __rmatmul__(self, other):
+        return matmul(other, self)
+
+    def __imatmul__(self, other):
+        return matmul(self, other, out=self)
+
+
+def _binary_operators():
+    ops = {"add": add, "sub": subtract, "mul": multiply, "truediv": true_divide, "pow": power,
+           "and": bitwise_and, "or": bitwise_or, "xor": bitwise_xor, "floordiv": floor_divide}
+    for short, uf in ops.items():
+        setattr(ndarray, f"__{short}__", lambda self, other, uf=uf: uf(self, other))
+        setattr(ndarray, f"__r{short}__", lambda self, other, uf=uf: uf(other, self))
+        setattr(ndarray, f"__i{short}__", lambda self, other, uf=uf: uf(self, other, out=self))
+    for short, uf in {"lt": less, "le": less_equal, "gt": greater, "ge": greater_equal,
+                      "eq": equal, "ne": not_equal}.items():
+        setattr(ndarray, f"__{short}__", lambda self, other, uf=uf: uf(self, other))
+    ndarray.__invert__ = lambda self: invert(self)
+    ndarray.__hash__ = None
+
+
+def _device_copy(host, order="C"):
+    """A new device array holding a copy of the NumPy array `host`."""
+    host = np.asarray(host)
+    out = ndarray(host.shape, host.dtype)
+    out._a[...] = host
+    return out
+
+
+# ================================================================== ufuncs
+class ufunc:
+    def __init__(self, name, np_func, loops, nin, out_dtype=None):
+        self.__name__ = name
+        self.name = f"cupy_{name}"
+        self._np, self._loops, self.nin = np_func, loops, nin
+        self._out_dtype = np.dtype(out_dtype) if out_dtype is not None and not callable(out_dtype) else out_dtype
+
+    def __repr__(self):
+        return f"<ufunc '{self.__name__}' (stand-in)>"
+
+    def __call__(self, *args, out=None, dtype=None, casting="same_kind"):
+        if len(args) == self.nin + 1 and out is None:
+            args, out = args[:-1], args[-1]
+        if len(args) != self.nin:
+            raise TypeError(f"{self.__name__} takes {self.nin} inputs, got {len(args)}")
+        operands = [_Operand(a) for a in args]
+        if not any(isinstance(a, ndarray) for a in args) and out is None:
+            raise TypeError(f"{self.__name__}: the stand-in needs at least one device array")
+        loop = np.dtype(dtype) if dtype is not None else _select_loop(self.__name__, self._loops, operands)
+        result = self._np(*_compute(loop, [o.value for o in operands]))
+        res_dtype = self._out_dtype(loop) if callable(self._out_dtype) else self._out_dtype or loop
+        result = np.asarray(result).astype(res_dtype, copy=False)
+        if out is None:
+            return _device_copy(result)
+        if not isinstance(out, ndarray):
+            raise TypeError(f"Output arrays must be cupy.ndarray, got {type(out)}")
+        _check_same_kind(np.dtype(res_dtype), out.dtype, "ufunc output")
+        out._a[...] = np.broadcast_to(result, out.shape).astype(out.dtype, copy=False)
+        return out
+
+    def at(self, a, indices, b=None):
+        if self.__name__ not in ("add", "subtract", "maximum", "minimum"):
+            raise NotImplementedError(f"`{self.__name__}.at` is not supported yet")
+        idx = indices._a if isinstance(indices, ndarray) else indices
+        if isinstance(b, np.ndarray):
+            raise TypeError(f"Unsupported type {type(b)}")
+        value = b._a.astype(a.dtype) if isinstance(b, ndarray) else b
+        getattr(np, self.__name__).at(a._a, idx, value)
+
+    def reduce(self, array, axis=0, dtype=None, out=None, keepdims=False):
+        if self.__name__ == "add":
+            return array.sum(axis, dtype, out, keepdims)
+        if self.__name__ == "maximum":
+            return array.max(axis, out, keepdims)
+        raise NotImplementedError(f"`{self.__name__}.reduce` is not supported yet")
+
+
+def _reciprocal(x):
+    return np.reciprocal(x)
+
+
+add = ufunc("add", np.add, _ARITHMETIC, 2)
+subtract = ufunc("subtract", np.subtract, _ARITHMETIC[1:], 2)
+multiply = ufunc("multiply", np.multiply, _ARITHMETIC, 2)
+true_divide = divide = ufunc("true_divide", np.true_divide, _TRUE_DIVIDE, 2,
+                             out_dtype=lambda loop: np.dtype(np.float64) if loop.kind in "iu" else loop)
+floor_divide = ufunc("floor_divide", np.floor_divide, _ARITHMETIC[1:], 2)
+power = ufunc("power", np.power, _ARITHMETIC, 2)
+maximum = ufunc("maximum", np.maximum, _ARITHMETIC, 2)
+minimum = ufunc("minimum", np.minimum, _ARITHMETIC, 2)
+negative = ufunc("negative", np.negative, _ARITHMETIC[1:], 1)
+absolute = abs = ufunc("absolute", np.absolute, _ARITHMETIC, 1)
+reciprocal = ufunc("reciprocal", _reciprocal, _ARITHMETIC[1:], 1)
+exp = ufunc("exp", np.exp, _INEXACT, 1)
+log = ufunc("log", np.log, _INEXACT, 1)
+sqrt = ufunc("sqrt", np.sqrt, _INEXACT, 1)
+tanh = ufunc("tanh", np.tanh, _INEXACT, 1)
+square = ufunc("square", np.square, _ARITHMETIC, 1)
+floor = ufunc("floor", np.floor, _ROUNDING, 1)
+isfinite = ufunc("isfinite", np.isfinite, _ARITHMETIC, 1, out_dtype=np.dtype(bool))
+isnan = ufunc("isnan", np.isnan, _ARITHMETIC, 1, out_dtype=np.dtype(bool))
+less = ufunc("less", np.less, _ARITHMETIC, 2, out_dtype=np.dtype(bool))
+less_equal = ufunc("less_equal", np.less_equal, _ARITHMETIC, 2, out_dtype=np.dtype(bool))
+greater = ufunc("greater", np.greater, _ARITHMETIC, 2, out_dtype=np.dtype(bool))
+greater_equal = ufunc("greater_equal", np.greater_equal, _ARITHMETIC, 2, out_dtype=np.dtype(bool))
+equal = ufunc("equal", np.equal, _ARITHMETIC, 2, out_dtype=np.dtype(bool))
+not_equal = ufunc("not_equal", np.not_equal, _ARITHMETIC, 2, out_dtype=np.dtype(bool))
+bitwise_and = logical_and = ufunc("bitwise_and", np.bitwise_and, _BITWISE, 2)
+bitwise_or = ufunc("bitwise_or", np.bitwise_or, _BITWISE, 2)
+bitwise_xor = ufunc("bitwise_xor", np.bitwise_xor, _BITWISE, 2)
+invert = ufunc("invert", np.invert, _BITWISE, 1)
+_binary_operators()
+
+
+# ================================================================== reductions
+def _reduce(kind, a, axis, dtype, out, keepdims):
+    """CuPy's reductions: integers sum in int64 and average in float64; float16 and bfloat16
+    accumulate in float32 and round once; with `dtype`, the work happens in that dtype."""
+    src = a.dtype
+    if kind in ("max", "min"):
+        if a.size == 0 and axis is None:
+            raise ValueError("zero-size array to reduction operation which has no identity")
+        result = getattr(np, kind)(a._a.astype(np.float32) if _is_half(src) else a._a, axis=axis, keepdims=keepdims)
+        res_dtype = src
+    else:
+        if dtype is not None:
+            res_dtype = work = np.dtype(dtype)
+        elif src.kind in "biu" or src == np.bool_:
+            res_dtype = work = np.dtype(np.float64) if kind == "mean" else np.dtype(np.int64 if src.kind != "u" else np.uint64)
+        else:
+            res_dtype, work = src, src
+        if _is_half(work):
+            work = np.dtype(np.float32)
+        result = getattr(np, kind)(a._a.astype(work, copy=False), axis=axis, keepdims=keepdims)
+    result = np.asarray(result).astype(res_dtype, copy=False)
+    if out is None:
+        return _device_copy(result)
+    out._a[...] = result
+    return out
+
+
+def sum(a, axis=None, dtype=None, out=None, keepdims=False):  # noqa: A001
+    return a.sum(axis, dtype, out, keepdims)
+
+
+def mean(a, axis=None, dtype=None, out=None, keepdims=False):
+    return a.mean(axis, dtype, out, keepdims)
+
+
+def amax(a, axis=None, out=None, keepdims=False):
+    return a.max(axis, out, keepdims)
+
+
+max = amax  # noqa: A001
+
+
+def amin(a, axis=None, out=None, keepdims=False):
+    return a.min(axis, out, keepdims)
+
+
+min = amin  # noqa: A001
+
+
+# ================================================================== linear algebra
+def matmul(a, b, out=None, dtype=None):
+    """CuPy's matmul: the result dtype is promote_types of the operands (bfloat16 @ bfloat16 is
+    bfloat16, computed by cuBLAS with float32 accumulation and rounded once)."""
+    x, y = _Operand(a), _Operand(b)
+    if x.weak is not None or y.weak is not None or not isinstance(a, ndarray) or not isinstance(b, ndarray):
+        raise ValueError("Scalar operands are not allowed, use '*' instead")
+    res = np.dtype(dtype) if dtype is not None else np.promote_types(a.dtype, b.dtype)
+    work = np.float32 if _is_half(res) else res
+    result = np.matmul(a._a.astype(work, copy=False), b._a.astype(work, copy=False)).astype(res, copy=False)
+    if out is None:
+        return _device_copy(result)
+    _check_same_kind(res, out.dtype, "matmul output")
+    out._a[...] = result
+    return out
+
+
+dot = matmul
+
+
+# ================================================================== creation and manipulation
+def empty(shape, dtype=float, order="C"):
+    return ndarray(shape, dtype)
+
+
+def zeros(shape, dtype=float, order="C"):
+    out = ndarray(shape, dtype)
+    out._a[...] = 0
+    return out
+
+
+def ones(shape, dtype=float, order="C"):
+    out = ndarray(shape, dtype)
+    out._a[...] = 1
+    return out
+
+
+def full(shape, fill_value, dtype=None, order="C"):
+    out = ndarray(shape, np.result_type(fill_value) if dtype is None else dtype)
+    out._a[...] = fill_value
+    return out
+
+
+def empty_like(a, dtype=None, order="K", subok=None, shape=None):
+    return empty(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
+
+
+def zeros_like(a, dtype=None, order="K", subok=None, shape=None):
+    return zeros(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
+
+
+def ones_like(a, dtype=None, order="K", subok=None, shape=None):
+    return ones(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
+
+
+def array(obj, dtype=None, copy=True, order="K", ndmin=0):
+    if isinstance(obj, ndarray):
+        return obj.astype(obj.dtype if dtype is None else dtype, copy=copy)
+    if isinstance(obj, (list, tuple)) and any(isinstance(o, ndarray) for o in obj):
+        return stack(obj).astype(dtype or result_type(*obj), copy=False)
+    host = np.array(obj, dtype=dtype, ndmin=ndmin)  # host -> device: an explicit transfer
+    return _device_copy(host)
+
+
+def asarray(a, dtype=None, order=None):
+    return array(a, dtype, copy=False)
+
+
+def ascontiguousarray(a, dtype=None):
+    if not isinstance(a, ndarray):
+        raise TypeError(f"Argument 'a' has incorrect type (expected cupy.ndarray, got {type(a).__name__})")
+    dt = a.dtype if dtype is None else np.dtype(dtype)
+    if a.flags.c_contiguous and dt == a.dtype:
+        return a
+    return _device_copy(np.ascontiguousarray(a._a, dtype=dt))
+
+
+def asnumpy(a, stream=None, order="C", out=None):
+    if isinstance(a, ndarray):
+        return a.get(out=out)
+    return np.asarray(a, order=order)
+
+
+def get_array_module(*args):
+    return _module() if any(isinstance(a, ndarray) for a in args) else np
+
+
+def _module():
+    import sys
+
+    return sys.modules[__name__]
+
+
+def arange(start, stop=None, step=1, dtype=None):
+    return _device_copy(np.arange(start, stop, step, dtype=dtype) if stop is not None else np.arange(start, dtype=dtype))
+
+
+def _devices(arrays):
+    for a in arrays:
+        if not isinstance(a, ndarray):
+            raise TypeError(f"Only cupy arrays can be concatenated, got {type(a)}")
+    return [a._a for a in arrays]
+
+
+def concatenate(arrays, axis=0, out=None, dtype=None):
+    arrays = list(arrays)
+    host = np.concatenate(_devices(arrays), axis=axis, dtype=dtype)
+    if out is None:
+        return _device_copy(host)
+    out._a[...] = host
+    return out
+
+
+def stack(arrays, axis=0, out=None, dtype=None):
+    arrays = list(arrays)
+    host = np.stack(_devices(arrays), axis=axis, dtype=dtype)
+    if out is None:
+        return _device_copy(host)
+    out._a[...] = host
+    return out
+
+
+def where(condition, x=None, y=None):
+    if x is None and y is None:
+        return tuple(_device_copy(i) for i in np.nonzero(condition._a))
+    operands = [_Operand(x), _Operand(y)]
+    loop = _select_loop("where", _ARITHMETIC, operands)
+    if not isinstance(condition, ndarray):
+        raise TypeError(f"Unsupported type {type(condition)}")
+    xv, yv = _compute(loop, [o.value for o in operands])
+    return _device_copy(np.where(condition._a.astype(bool), xv, yv).astype(loop, copy=False))
+
+
+def transpose(a, axes=None):
+    return a.transpose(axes) if axes is not None else a.transpose()
+
+
+def reshape(a, newshape, order="C"):
+    return a.reshape(newshape, order=order)
+
+
+def copyto(dst, src, casting="same_kind"):
+    if isinstance(src, np.ndarray):
+        raise TypeError(f"Unsupported type {type(src)}")
+    dst._a[...] = src._a if isinstance(src, ndarray) else src
+
+
+def allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False):
+    return _device_copy(np.asarray(np.allclose(_devices([a])[0], _devices([b])[0], rtol, atol, equal_nan)))
+
+
+def isscalar(x):
+    return np.isscalar(x)
+
+
+class _Random:
+    """cupy.random's generator functions that bench/ uses (drawn on the host, then copied)."""
+
+    def __init__(self):
+        self._rng = np.random.default_rng(0)
+
+    def seed(self, seed=None):
+        self._rng = np.random.default_rng(seed)
+
+    def standard_normal(self, size=None, dtype=float):
+        return _device_copy(self._rng.standard_normal(size, dtype=np.dtype(dtype)))
+
+    def random(self, size=None, dtype=float):
+        return _device_copy(self._rng.random(size, dtype=np.dtype(dtype)))
+
+    def randint(self, low, high=None, size=None, dtype=int):
+        return _device_copy(self._rng.integers(low, high, size, dtype=dtype))
+
+
+random = _Random()
+
+
+# ================================================================== kernels
+from cupy._kernel import RawKernel, RawModule  # noqa: E402,F401

@@ -1,0 +1,157 @@
+"""Device memory of the stand-in: allocations of the CUDA execution harness behind CuPy's pool.
+
+Every device array lives in a harness allocation (guard regions on both sides), so a RawKernel
+launch sees the same bytes the array does, and the NCCL stand-in finds an array's memory from a
+raw pointer. The pool imitates CuPy's MemoryPool where the project reads it: sizes rounded up
+to 512 bytes, freed blocks kept for reuse, `used_bytes` / `total_bytes` / `free_all_blocks`.
+"""
+
+import bisect
+import weakref
+
+import numpy as np
+
+ALLOCATION_UNIT = 512  # CuPy's pool rounds every request up to this
+POISON_BYTE = 0xFF  # float32, bfloat16 and float64 NaN; -1 for integers
+
+
+def _harness():
+    import cudaemu
+
+    return cudaemu
+
+
+def _host_address(arr):
+    return arr.__array_interface__["data"][0]
+
+
+class Memory:
+    """One block handed out by the pool; returned to it when the last array using it is gone."""
+
+    def __init__(self, pool, raw, size):
+        self.pool, self.raw, self.size = pool, raw, size
+        self.ptr = raw.ptr
+        self.host = raw.host[:size]
+        _register(self)
+        weakref.finalize(self, pool._release, raw, size, self.ptr)
+
+
+class MemoryPointer:
+    """What `ndarray.data` is: the memory and a device address inside it."""
+
+    def __init__(self, mem, ptr):
+        self.mem, self.ptr = mem, ptr
+
+    def __int__(self):
+        return self.ptr
+
+
+class MemoryPool:
+    def __init__(self):
+        self._free = {}  # rounded size -> raw harness allocations
+        self._used = 0
+        self._total = 0
+
+    def malloc(self, nbytes):
+        size = max(ALLOCATION_UNIT, -(-int(nbytes) // ALLOCATION_UNIT) * ALLOCATION_UNIT)
+        cached = self._free.get(size)
+        if cached:
+            raw = cached.pop()
+        else:
+            raw = _harness().alloc(size)
+            self._total += size
+        self._used += size
+        mem = Memory(self, raw, size)
+        mem.host[...] = POISON_BYTE  # CuPy's memory is uninitialised: make unwritten reads show
+        return mem
+
+    def _release(self, raw, size, ptr):
+        _unregister(ptr)
+        self._used -= size
+        self._free.setdefault(size, []).append(raw)
+
+    def used_bytes(self):
+        return self._used
+
+    def free_bytes(self):
+        return self._total - self._used
+
+    def total_bytes(self):
+        return self._total
+
+    def n_free_blocks(self):
+        return sum(len(v) for v in self._free.values())
+
+    def free_all_blocks(self, stream=None):
+        for size, raws in self._free.items():
+            for raw in raws:
+                raw.free()
+                self._total -= size
+        self._free.clear()
+
+    def set_limit(self, size=None, fraction=None):  # accepted, as CuPy does; no limit is enforced
+        pass
+
+    def get_limit(self):
+        return 0
+
+
+_DEFAULT_POOL = MemoryPool()
+
+
+def get_default_memory_pool():
+    return _DEFAULT_POOL
+
+
+class PinnedMemoryPool:
+    def used_bytes(self):
+        return 0
+
+    def total_bytes(self):
+        return 0
+
+    def free_all_blocks(self):
+        pass
+
+
+_PINNED_POOL = PinnedMemoryPool()
+
+
+def get_default_pinned_memory_pool():
+    return _PINNED_POOL
+
+
+# ------------------------------------------------------------------ pointer -> memory
+_starts = []  # sorted device addresses of live blocks
+_blocks = {}  # address -> weakref to Memory
+
+
+def _register(mem):
+    bisect.insort(_starts, mem.ptr)
+    _blocks[mem.ptr] = weakref.ref(mem)
+
+
+def _unregister(ptr):
+    i = bisect.bisect_left(_starts, ptr)
+    if i < len(_starts) and _starts[i] == ptr:
+        del _starts[i]
+    _blocks.pop(ptr, None)
+
+
+def host_view(ptr, nbytes):
+    """The bytes [ptr, ptr + nbytes) of a live device array, as a writable NumPy uint8 view."""
+    i = bisect.bisect_right(_starts, ptr) - 1
+    mem = _blocks[_starts[i]]() if i >= 0 else None
+    if mem is None or ptr + nbytes > mem.ptr + mem.size:
+        raise ValueError(f"device address {ptr:#x} (+{nbytes} bytes) is not inside a live allocation")
+    offset = ptr - mem.ptr
+    return mem.host[offset: offset + nbytes], mem
+
+
+def device_address(mem, arr):
+    """The device address of arr's first element; arr is a NumPy view of mem.host."""
+    return mem.ptr + (_host_address(arr) - _host_address(mem.host))
+
+
+def empty_bytes_view(mem, nbytes, dtype, shape):
+    return np.ndarray(shape, dtype=dtype, buffer=mem.host[:nbytes]) if nbytes else np.empty(shape, dtype)

@@ -1,0 +1,44 @@
+"""`cupy.cuda` of the stand-in: devices, streams, events, the memory pool, NCCL (see cuda/nccl.py)."""
+
+import threading
+
+from cupy._memory import MemoryPointer, MemoryPool, PinnedMemoryPool  # noqa: F401
+from cupy.cuda import runtime  # noqa: F401
+from cupy.cuda._queue import Event, Stream, StandinDeadlock, get_current_stream, get_elapsed_time  # noqa: F401
+
+_local = threading.local()
+
+
+class Device:
+    def __init__(self, device=None):
+        self.id = getattr(_local, "device", 0) if device is None else int(device)
+
+    def use(self):
+        runtime._check(self.id)
+        _local.device = self.id
+
+    def synchronize(self):
+        from cupy.cuda import _queue
+
+        _queue.wait_for({op.id for op in _queue._pending}, f"synchronize of device {self.id}")
+
+    @property
+    def compute_capability(self):
+        props = runtime.getDeviceProperties(self.id)
+        return f"{props['major']}{props['minor']}"
+
+    def __enter__(self):
+        self._previous = Device().id
+        self.use()
+        return self
+
+    def __exit__(self, *exc):
+        _local.device = self._previous
+        return False
+
+    def __repr__(self):
+        return f"<CUDA Device {self.id} (stand-in)>"
+
+
+def is_available():
+    return runtime.getDeviceCount() > 0

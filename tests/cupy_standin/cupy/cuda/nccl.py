@@ -1,0 +1,234 @@
+"""`cupy.cuda.nccl` of the stand-in: NCCL communicators carried out by mpi4py between the real ranks.
+
+Each NcclCommunicator owns an MPI communicator over exactly its members (made with
+`MPI_Comm_create_group`, so only the members take part), and each operation is device work
+queued on the stream it was given (cuda/_queue.py):
+- it starts when everything its stream covers has finished, and an operation whose stream does
+  not cover every earlier operation of the same communicator is refused (NcclOrderError): NCCL
+  runs a communicator's operations in issue order, and two of them on unordered streams may run
+  at once and hang or mix their data;
+- `send` is a synchronous-mode MPI send: it completes only once the peer has posted the matching
+  receive, which is NCCL's rule (its stream is blocked until then);
+- `allReduce` gathers every member's contribution and sums (or takes the max of) them in rank
+  order, in float32 for 16-bit types, rounding once: every member gets the same bits, as with NCCL.
+Data is read from device memory when the operation starts and written when it finishes.
+"""
+
+import itertools
+
+import numpy as np
+
+from cupy._memory import host_view
+from cupy.cuda import _queue
+
+NCCL_INT8, NCCL_CHAR, NCCL_UINT8, NCCL_INT32, NCCL_INT, NCCL_UINT32 = 0, 0, 1, 2, 2, 3
+NCCL_INT64, NCCL_UINT64, NCCL_FLOAT16, NCCL_HALF, NCCL_FLOAT32, NCCL_FLOAT = 4, 5, 6, 6, 7, 7
+NCCL_FLOAT64, NCCL_DOUBLE, NCCL_BFLOAT16 = 8, 8, 9
+NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
+
+
+def _bfloat16():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+_DTYPES = {NCCL_INT8: np.int8, NCCL_UINT8: np.uint8, NCCL_INT32: np.int32, NCCL_UINT32: np.uint32,
+           NCCL_INT64: np.int64, NCCL_UINT64: np.uint64, NCCL_FLOAT16: np.float16, NCCL_FLOAT32: np.float32,
+           NCCL_FLOAT64: np.float64, NCCL_BFLOAT16: _bfloat16}
+_REDUCE = {NCCL_SUM: np.add, NCCL_PROD: np.multiply, NCCL_MAX: np.maximum, NCCL_MIN: np.minimum}
+_TAG_BASE = 23000  # COMM_WORLD tags of the rendezvous that makes a communicator
+_serial = itertools.count()
+
+
+class NcclError(RuntimeError):
+    pass
+
+
+class NcclOrderError(NcclError):
+    """Two operations of one communicator are not ordered on the device."""
+
+
+def _dtype(code):
+    t = _DTYPES.get(code)
+    if t is None:
+        raise NcclError(f"ncclInvalidArgument: unknown datatype {code}")
+    return np.dtype(t() if callable(t) and not isinstance(t, type) else t)
+
+
+def get_version():
+    return 22105
+
+
+def get_build_version():
+    return 22105
+
+
+def get_unique_id():
+    """A token naming the maker (its world rank) and a serial number of its own."""
+    from mpi4py import MPI
+
+    return (0x4E43434C, MPI.COMM_WORLD.Get_rank(), next(_serial))
+
+
+def _stream(stream):
+    """The stand-in Stream for a raw pointer (0: the null stream)."""
+    if isinstance(stream, _queue.Stream):
+        return stream
+    for s in _queue.Stream._live:
+        if s.ptr == stream:
+            return s
+    raise NcclError(f"ncclInvalidArgument: {stream:#x} is not a stream of this process")
+
+
+class NcclCommunicator:
+    def __init__(self, ndev, commId, rank):
+        from mpi4py import MPI
+
+        if not (isinstance(commId, tuple) and len(commId) == 3 and commId[0] == 0x4E43434C):
+            raise NcclError("ncclInvalidArgument: the unique id was not made by get_unique_id()")
+        world = MPI.COMM_WORLD
+        _, root, serial = commId
+        tag = _TAG_BASE + serial % 5000
+        me = world.Get_rank()
+        if me == root:  # the maker learns every member's world rank, then tells them all
+            members = {rank: me}
+            for _ in range(ndev - 1):
+                r, w = world.recv(source=MPI.ANY_SOURCE, tag=tag)
+                members[r] = w
+            if sorted(members) != list(range(ndev)):
+                raise NcclError(f"ncclInvalidUsage: ranks {sorted(members)} joined a communicator of {ndev}")
+            order = [members[r] for r in range(ndev)]
+            for w in order:
+                if w != me:
+                    world.send(order, dest=w, tag=tag)
+        else:
+            world.send((rank, me), dest=root, tag=tag)
+            order = world.recv(source=root, tag=tag)
+        self._mpi = world.Create_group(world.Get_group().Incl(order), tag=tag)
+        self._rank, self._size = rank, ndev
+        self._issued = []  # every op of this communicator, in issue order
+
+    def rank_id(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+    def device_id(self):
+        from cupy.cuda import Device
+
+        return Device().id
+
+    def destroy(self):
+        if self._mpi is not None:
+            self._mpi.Free()
+            self._mpi = None
+
+    abort = destroy
+
+    # -- queueing
+    def _enqueue(self, what, stream, start, test, finish=None):
+        if self._mpi is None:
+            raise NcclError("ncclInvalidUsage: the communicator was destroyed")
+        stream = _stream(stream)
+        op = _queue.DeviceOp(f"NCCL {what} on communicator rank {self._rank}/{self._size}", start, test, finish)
+        unordered = [earlier for earlier in self._issued if earlier.id not in stream.covered]
+        if unordered:
+            raise NcclOrderError(f"{op.what} on stream {stream.ptr:#x} is not ordered after {unordered} of the same "
+                                 f"communicator: NCCL may run them at once (make the stream wait for them)")
+        self._issued.append(op)
+        _queue.enqueue(stream, op)
+
+    def _requests(self):
+        state = {"reqs": []}
+
+        def test():
+            from mpi4py import MPI
+
+            return MPI.Request.Testall(state["reqs"])
+
+        return state, test
+
+    # -- collectives
+    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+        dt = _dtype(datatype)
+        if op not in _REDUCE:
+            raise NcclError(f"ncclInvalidArgument: reduction {op}")
+        nbytes = count * dt.itemsize
+        send, _ = host_view(sendbuf, nbytes)
+        recv, _ = host_view(recvbuf, nbytes)
+        gathered = np.empty((self._size, nbytes), np.uint8)
+        state, test = self._requests()
+
+        def start():
+            state["reqs"] = [self._mpi.Iallgather(send.copy(), gathered)]
+
+        def finish():
+            parts = gathered.view(dt).reshape(self._size, count)
+            work = np.float32 if dt.itemsize == 2 and dt.kind != "i" and dt.kind != "u" else dt
+            total = parts[0].astype(work)
+            for part in parts[1:]:
+                total = _REDUCE[op](total, part.astype(work))
+            recv.view(dt)[...] = total.astype(dt)
+
+        self._enqueue(f"allReduce of {count} x {dt}", stream, start, test, finish)
+
+    def allGather(self, sendbuf, recvbuf, count, datatype, stream):
+        dt = _dtype(datatype)
+        nbytes = count * dt.itemsize
+        send, _ = host_view(sendbuf, nbytes)
+        recv, _ = host_view(recvbuf, nbytes * self._size)
+        gathered = np.empty(nbytes * self._size, np.uint8)
+        state, test = self._requests()
+
+        def start():
+            state["reqs"] = [self._mpi.Iallgather(send.copy(), gathered)]
+
+        def finish():
+            recv[...] = gathered
+
+        self._enqueue(f"allGather of {count} x {dt}", stream, start, test, finish)
+
+    def broadcast(self, sendbuf, recvbuf, count, datatype, root, stream):
+        dt = _dtype(datatype)
+        nbytes = count * dt.itemsize
+        recv, _ = host_view(recvbuf, nbytes)
+        send = host_view(sendbuf, nbytes)[0] if self._rank == root else None
+        data = np.empty(nbytes, np.uint8)
+        state, test = self._requests()
+
+        def start():
+            if send is not None:
+                data[...] = send
+            state["reqs"] = [self._mpi.Ibcast(data, root=root)]
+
+        def finish():
+            recv[...] = data
+
+        self._enqueue(f"broadcast of {count} x {dt} from {root}", stream, start, test, finish)
+
+    # -- point to point
+    def send(self, sendbuf, count, datatype, peer, stream):
+        dt = _dtype(datatype)
+        send, _ = host_view(sendbuf, count * dt.itemsize)
+        state, test = self._requests()
+
+        def start():
+            state["reqs"] = [self._mpi.Issend(send.copy(), dest=peer, tag=0)]
+
+        self._enqueue(f"send of {count} x {dt} to {peer}", stream, start, test)
+
+    def recv(self, recvbuf, count, datatype, peer, stream):
+        dt = _dtype(datatype)
+        recv, _ = host_view(recvbuf, count * dt.itemsize)
+        data = np.empty(count * dt.itemsize, np.uint8)
+        state, test = self._requests()
+
+        def start():
+            state["reqs"] = [self._mpi.Irecv(data, source=peer, tag=0)]
+
+        def finish():
+            recv[...] = data
+
+        self._enqueue(f"recv of {count} x {dt} from {peer}", stream, start, test, finish)

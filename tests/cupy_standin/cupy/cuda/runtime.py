@@ -1,0 +1,86 @@
+"""`cupy.cuda.runtime` of the stand-in: the device count and properties of a chosen GPU model.
+
+BOOSTMPI_STANDIN_GPU selects it: a100 (default), h100 or mi250x (one GCD of an MI250X, as ROCm
+shows it: a 64-wide wavefront, and no `sharedMemPerBlockOptin` key). The numbers are the vendors'
+published figures for these parts; the project reads warpSize, multiProcessorCount and the
+shared-memory limits.
+"""
+
+import os
+
+GiB = 2**30
+
+DEVICES = {
+    "a100": dict(count=4, is_hip=False, props={
+        "name": b"NVIDIA A100-SXM4-40GB", "totalGlobalMem": 40 * GiB, "multiProcessorCount": 108,
+        "warpSize": 32, "maxThreadsPerBlock": 1024, "maxThreadsPerMultiProcessor": 2048,
+        "sharedMemPerBlock": 48 * 1024, "sharedMemPerBlockOptin": 163 * 1024,
+        "sharedMemPerMultiprocessor": 164 * 1024, "regsPerBlock": 65536, "regsPerMultiprocessor": 65536,
+        "major": 8, "minor": 0, "clockRate": 1410000, "memoryClockRate": 1215000, "memoryBusWidth": 5120,
+        "l2CacheSize": 40 * 2**20, "maxBlocksPerMultiProcessor": 32,
+    }),
+    "h100": dict(count=4, is_hip=False, props={
+        "name": b"NVIDIA H100 80GB HBM3", "totalGlobalMem": 80 * GiB, "multiProcessorCount": 132,
+        "warpSize": 32, "maxThreadsPerBlock": 1024, "maxThreadsPerMultiProcessor": 2048,
+        "sharedMemPerBlock": 48 * 1024, "sharedMemPerBlockOptin": 227 * 1024,
+        "sharedMemPerMultiprocessor": 228 * 1024, "regsPerBlock": 65536, "regsPerMultiprocessor": 65536,
+        "major": 9, "minor": 0, "clockRate": 1980000, "memoryClockRate": 2619000, "memoryBusWidth": 5120,
+        "l2CacheSize": 50 * 2**20, "maxBlocksPerMultiProcessor": 32,
+    }),
+    "mi250x": dict(count=8, is_hip=True, props={
+        "name": b"AMD Instinct MI250X", "gcnArchName": b"gfx90a:sramecc+:xnack-", "totalGlobalMem": 64 * GiB,
+        "multiProcessorCount": 110, "warpSize": 64, "maxThreadsPerBlock": 1024,
+        "maxThreadsPerMultiProcessor": 2048, "sharedMemPerBlock": 64 * 1024,
+        "maxSharedMemoryPerMultiProcessor": 64 * 1024, "regsPerBlock": 65536, "major": 9, "minor": 0,
+        "clockRate": 1700000, "memoryClockRate": 1600000, "memoryBusWidth": 4096, "l2CacheSize": 8 * 2**20,
+    }),
+}
+
+
+def model():
+    name = os.environ.get("BOOSTMPI_STANDIN_GPU", "a100").lower()
+    if name not in DEVICES:
+        raise ValueError(f"BOOSTMPI_STANDIN_GPU={name!r}: expected one of {', '.join(DEVICES)}")
+    return DEVICES[name]
+
+
+is_hip = model()["is_hip"]
+
+
+class CUDARuntimeError(RuntimeError):
+    pass
+
+
+def getDeviceCount():
+    return model()["count"]
+
+
+def _check(device):
+    if not 0 <= device < getDeviceCount():
+        raise CUDARuntimeError("cudaErrorInvalidDevice: invalid device ordinal")
+
+
+def getDeviceProperties(device):
+    _check(device)
+    return dict(model()["props"])
+
+
+def getDevice():
+    from cupy.cuda import Device
+
+    return Device().id
+
+
+def runtimeGetVersion():
+    return 60200000 if is_hip else 12040
+
+
+def driverGetVersion():
+    return runtimeGetVersion()
+
+
+def memGetInfo():
+    from cupy._memory import get_default_memory_pool
+
+    total = model()["props"]["totalGlobalMem"]
+    return total - get_default_memory_pool().total_bytes(), total

@@ -1,0 +1,62 @@
+"""Which CuPy the tests get: the real one when it reaches a GPU, else the stand-in in tests/cupy_standin.
+
+Imported by conftest.py before any test imports boostmpi (whose backend imports `cupy` once).
+With the stand-in, its folder goes first on sys.path and on PYTHONPATH (so subprocesses and
+`mpiexec` runs started by tests get it too), with tests/ itself for the CUDA execution harness
+(`cudaemu`), and BOOSTMPI_CUPY_STANDIN=1 records the choice for those children.
+BOOSTMPI_CUPY_STANDIN=1 forces the stand-in; =0 forbids it (the GPU tests then need a real device).
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+STANDIN = TESTS / "cupy_standin"
+_PROBE = "import cupy, sys; sys.exit(0 if cupy.cuda.runtime.getDeviceCount() > 0 else 3)"
+
+
+def _real_cupy_reaches_a_gpu():
+    spec = importlib.util.find_spec("cupy")
+    if spec is None or (spec.origin and Path(spec.origin).is_relative_to(STANDIN)):
+        return False
+    try:  # in a child process: a CuPy that cannot find a driver must not stay imported here
+        return subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+class _Gpu:
+    def __init__(self):
+        choice = os.environ.get("BOOSTMPI_CUPY_STANDIN")
+        self.standin = choice == "1" or (choice != "0" and not _real_cupy_reaches_a_gpu())
+        if self.standin:
+            self.install()
+
+    def install(self):
+        for path in (str(TESTS), str(STANDIN)):
+            if path in sys.path:
+                sys.path.remove(path)
+            sys.path.insert(0, path)
+        parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(STANDIN), str(TESTS))]
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(STANDIN), str(TESTS)] + parts)
+        os.environ["BOOSTMPI_CUPY_STANDIN"] = "1"
+        for name in [m for m in sys.modules if m == "cupy" or m.startswith("cupy.")]:
+            del sys.modules[name]
+
+    def describe(self):
+        if self.standin:
+            from cupy.cuda import runtime
+
+            name = runtime.getDeviceProperties(0)["name"].decode()
+            return (f"CuPy stand-in + CUDA execution harness on the CPU (no GPU used), emulating {name} "
+                    f"(BOOSTMPI_STANDIN_GPU={os.environ.get('BOOSTMPI_STANDIN_GPU', 'a100')})")
+        import cupy
+
+        name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+        return f"real GPU: {name}, CuPy {cupy.__version__}"
+
+
+GPU = _Gpu()

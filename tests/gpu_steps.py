@@ -1,0 +1,95 @@
+"""One training step of a tiny model on the GPU path, for tests/test_gpu.py, in-process or across ranks.
+
+`step(...)` builds an Engine and returns (loss, {name: global gradient as float64}) on world rank 0
+(None elsewhere). Run as a script under mpiexec (`python tests/gpu_steps.py OUT.npz`), it runs
+every multi-rank layout of `LAYOUTS` for every arch and dtype and rank 0 writes the results to
+OUT.npz; a rank that fails aborts the job (MPI_Abort), so the caller sees a non-zero exit and
+every rank's traceback instead of a hang.
+"""
+
+import sys
+import traceback
+
+import numpy as np
+
+MODEL = dict(vocab_size=61, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, rank=16, seq_len=16)
+ARCHS = ("full", "svd", "cola")
+DTYPES = ("float32", "bfloat16")
+B = 2
+# (name, ranks, parallel settings, train settings); two micro-batches per step on every layout
+LAYOUTS = [
+    ("tp2", 2, dict(tp=2), {}),
+    ("tp2-pp2", 4, dict(tp=2, pp=2), {}),
+    ("tp2-dp2", 4, dict(tp=2, dp=2), {}),
+    ("tp2-dp2-no-overlap", 4, dict(tp=2, dp=2, overlap=False), {}),
+    ("tp2-pp2-lowrank", 4, dict(tp=2, pp=2), dict(recompute="lowrank")),
+]
+
+
+def batches(n_micro=2):
+    x = np.random.default_rng(0).integers(0, MODEL["vocab_size"], (n_micro, B, MODEL["seq_len"] + 1))
+    return [(m[:, :-1], m[:, 1:]) for m in x]
+
+
+def config(arch, device, dtype, parallel=None, train=None):
+    from boostmpi.config import config_from_dict
+
+    parallel = dict(parallel or {})
+    if arch == "full":  # full rank runs Megatron TP, which the config spells tp_mode = "vanilla"
+        parallel.setdefault("tp_mode", "vanilla")
+    return config_from_dict({"model": dict(MODEL, arch=arch), "parallel": parallel,
+                             "train": {"device": device, "dtype": dtype, "micro_batch_size": B, **(train or {})}})
+
+
+def step(arch, device, dtype, parallel=None, train=None, world=None):
+    from boostmpi.parallel.engine import Engine
+
+    cfg = config(arch, device, dtype, parallel, train)
+    eng = Engine(cfg, world)
+    micro = batches()
+    if cfg.parallel.dp > 1:  # data-parallel rank r takes micro-batch r: the same global batch
+        micro = [micro[eng.grid.coords.dp]]
+    loss = eng.forward_backward(micro)
+    if world is None:
+        from boostmpi.backend import to_numpy
+
+        return loss, {s.name: to_numpy(eng.grads[s.name]).astype(np.float64) for s in eng.specs}
+    grads = eng.gather_global(eng.grads)
+    return None if grads is None else (loss, {k: v.astype(np.float64) for k, v in grads.items()})
+
+
+def _run_layouts(out_path):
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    results = {}
+    for name, ranks, parallel, train in LAYOUTS:
+        if ranks > world.Get_size():
+            continue
+        color = world.Get_rank() // ranks
+        comm = world.Split(color, world.Get_rank())
+        for arch in ARCHS:
+            if train.get("recompute") == "lowrank" and arch == "full":
+                continue
+            for dtype in DTYPES:
+                got = step(arch, "gpu", dtype, parallel, train, world=comm) if color == 0 else None
+                if got is not None:
+                    loss, grads = got
+                    results[f"{name}/{arch}/{dtype}/loss"] = np.float64(loss)
+                    for k, v in grads.items():
+                        results[f"{name}/{arch}/{dtype}/grad/{k}"] = v
+        comm.Free()
+    if world.Get_rank() == 0:
+        np.savez(out_path, **results)
+    world.Barrier()
+
+
+if __name__ == "__main__":
+    try:
+        _run_layouts(sys.argv[1])
+    except BaseException:  # noqa: BLE001 - any failure ends every rank, never a hang
+        from mpi4py import MPI
+
+        sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()}: {traceback.format_exc()}")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)

@@ -1,0 +1,77 @@
+"""Host-side collectives (losses, norms, counters, flags, metadata): one helper, every call watched,
+and one world-wide all-reduce per training step."""
+
+import io
+
+import numpy as np
+from mpi4py import MPI
+
+from boostmpi.config import config_from_dict
+from boostmpi.data.shards import write_shard
+from boostmpi.parallel.comm import WATCHDOG, HostCollectives
+from boostmpi.train.trainer import Trainer
+from train_helpers import stop_signals_restored
+
+
+class RecordingComm:
+    """Stands in for a world communicator of one rank; records each call and whether the watchdog
+    was watching it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _note(self, name):
+        self.calls.append((name, WATCHDOG._open is not None and WATCHDOG._open[0] == "world"))
+
+    def Allreduce(self, sendbuf, recvbuf, op):
+        assert sendbuf is MPI.IN_PLACE
+        self._note("Allreduce")
+
+    def bcast(self, obj, root=0):
+        self._note("bcast")
+        return obj
+
+    def Barrier(self):
+        self._note("Barrier")
+
+    def Send(self, buf, dest, tag):
+        self._note("Send")
+
+    def Recv(self, buf, source, tag):
+        self._note("Recv")
+
+
+def test_every_host_collective_is_watched():
+    comm = RecordingComm()
+    host = HostCollectives(comm)
+    assert list(host.sum([1.0, 2.0])) == [1.0, 2.0] and list(host.max([3.0])) == [3.0]
+    assert host.bcast({"a": 1}) == {"a": 1}
+    host.barrier()
+    host.send(np.zeros(2), 0, 1)
+    host.recv(np.zeros(2), 0, 1)
+    assert [name for name, _ in comm.calls] == ["Allreduce", "Allreduce", "bcast", "Barrier", "Send", "Recv"]
+    assert all(watched for _, watched in comm.calls), comm.calls
+    assert WATCHDOG._open is None
+
+
+def test_a_training_step_makes_one_world_all_reduce(tmp_path):
+    """Loss, gradient norm, traffic counters and the stop flag travel together; the memory figures
+    (a maximum) only on the steps that log them."""
+    shard = tmp_path / "tokens.bin"
+    write_shard(shard, np.frombuffer(b"the same short sentence, again and again. " * 40, dtype=np.uint8))
+    steps, log_every = 6, 3
+    cfg = config_from_dict({
+        "model": {"arch": "cola", "vocab_size": 256, "d_model": 16, "n_layers": 1, "n_heads": 2,
+                  "n_kv_heads": 2, "rank": 4, "d_ff": 32, "seq_len": 8},
+        "train": {"run_dir": str(tmp_path / "run"), "steps": steps, "micro_batch_size": 2, "val_every": 0,
+                  "val_windows": 2, "log_every": log_every},
+        "data": {"train": str(shard), "val": str(shard)}})
+    with stop_signals_restored():
+        trainer = Trainer(cfg, out=io.StringIO())
+        comm = RecordingComm()
+        trainer.engine.grid.host = HostCollectives(comm)
+        trainer.train()
+    reductions = [name for name, _ in comm.calls if name == "Allreduce"]
+    logged = len({1, steps} | set(range(log_every, steps + 1, log_every)))
+    validations = 1  # the last step validates
+    assert len(reductions) == steps + logged + validations, comm.calls
