@@ -312,6 +312,8 @@ def test_a_stop_signal_writes_a_checkpoint_exits_75_and_the_rerun_resumes(how, t
 
     latest = find_latest(str(run_dir))
     assert latest == str(run_dir / "checkpoints" / f"step_{stopped:08d}")
+    if how == "ctrl-c-to-mpiexec":
+        return  # the same checkpoint either way: resuming it is checked once, below
 
     status, out, _ = _run(_train_argv(run_dir))
     assert status == 0, out
