@@ -15,7 +15,7 @@ rest again, exactly as if they had been given on the command line.
 import difflib
 import math
 import numbers
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import tomllib
@@ -26,9 +26,15 @@ from boostmpi.model.params import LINEAR_DIMS, RANK_OF, sizes_split_evenly, tp_s
 ARCHS = ("full", "svd", "cola")
 LOWRANK_ARCHS = ("svd", "cola")
 
-def _key(default, check=None, choices=None):
-    """A key with a default; `check` names an entry of _RANGE_CHECKS."""
-    return field(default=default, metadata={"check": check, "choices": choices})
+def _key(default, check=None, choices=None, name=None):
+    """A key with a default; `check` names an entry of _RANGE_CHECKS; `name` is the key's name in the
+    configuration when it cannot be the attribute's (a Python keyword: `async` is attribute `async_`)."""
+    return field(default=default, metadata={"check": check, "choices": choices, "key": name})
+
+
+def _key_of(f):
+    """The configuration name of a dataclass field."""
+    return f.metadata.get("key") or f.name
 
 
 def _derived(rule, describe, check=None):
@@ -43,6 +49,7 @@ _RANGE_CHECKS = {
     "fraction": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     "beta": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "nonempty": (lambda v: v != "", "must not be empty"),
+    "zero_stage": (lambda v: v in (0, 1), "must be 0 (optimizer state replicated over dp) or 1 (sharded over dp)"),
 }
 
 
@@ -97,6 +104,7 @@ class ParallelConfig:
     overlap: bool = _key(True)
     comm: str = _key("auto", choices=("auto", "mpi", "nccl"))
     watchdog_s: float = _key(600.0, "nonnegative")  # seconds a collective may wait; 0 = off
+    zero_stage: int = _key(0, "zero_stage")  # 1: AdamW state sharded over the data-parallel group
 
 
 @dataclass(frozen=True)
@@ -136,11 +144,13 @@ class DataConfig:
 class CheckpointConfig:
     every: int = _key(0, "nonnegative")  # steps; 0 = only at the end
     keep: int = _key(0, "nonnegative")  # 0 = keep all complete checkpoints, else the newest N
+    # true: written from a snapshot by a background thread while training goes on (one save at a time)
+    async_: bool = _key(False, name="async")
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
             "data": DataConfig, "checkpoint": CheckpointConfig}
-_FIELDS = {name: {f.name: f for f in fields(cls)} for name, cls in SECTIONS.items()}
+_FIELDS = {name: {_key_of(f): f for f in fields(cls)} for name, cls in SECTIONS.items()}
 
 # section -> key -> default; None marks a derived key
 DEFAULTS = {name: {key: f.default for key, f in keys.items()} for name, keys in _FIELDS.items()}
@@ -164,7 +174,8 @@ class Config:
         return t.micro_batch_size * t.grad_accum * self.parallel.dp * self.model.seq_len
 
     def to_dict(self):
-        return {name: asdict(getattr(self, name)) for name in SECTIONS}
+        return {name: {key: getattr(getattr(self, name), f.name) for key, f in _FIELDS[name].items()}
+                for name in SECTIONS}
 
     def to_toml(self):
         lines = ["# boostmpi configuration, every key resolved"]
@@ -200,23 +211,23 @@ class Config:
         return "" if explicit or describe is None else f" (derived: {describe})"
 
     def _show(self, section, key):
-        value = getattr(getattr(self, section), key)
+        value = getattr(getattr(self, section), _FIELDS[section][key].name)
         return f"{section}.{key} = {_toml_value(value)}{self._origin(section, key)}"
 
     # -- checks ---------------------------------------------------------------------------
 
     def _check_key(self, section, f):
-        value = getattr(getattr(self, section), f.name)
-        _checked_type(section, f.name, value)
+        key, value = _key_of(f), getattr(getattr(self, section), f.name)
+        _checked_type(section, key, value)
         choices = f.metadata.get("choices")
         if choices and value not in choices:
-            raise _error(f"{section}.{f.name} must be one of {', '.join(choices)}, got {value!r}")
+            raise _error(f"{section}.{key} must be one of {', '.join(choices)}, got {value!r}")
         check = f.metadata.get("check")
         if check:
             holds, requirement = _RANGE_CHECKS[check]
             if not holds(value):
-                raise _error(f"{section}.{f.name} {requirement}, got {_toml_value(value)}"
-                             f"{self._origin(section, f.name)}")
+                raise _error(f"{section}.{key} {requirement}, got {_toml_value(value)}"
+                             f"{self._origin(section, key)}")
 
     def _check_model(self):
         m = self.model
@@ -355,7 +366,8 @@ def _build(explicit, world_size):
             else:
                 section[key] = f.default
     _resolve_batch(values["train"], values["parallel"]["dp"], explicit.get("train", {}))
-    cfg = Config(**{name: cls(**values[name]) for name, cls in SECTIONS.items()}, _explicit=explicit)
+    cfg = Config(**{name: cls(**{_FIELDS[name][k].name: v for k, v in values[name].items()})
+                    for name, cls in SECTIONS.items()}, _explicit=explicit)
     return cfg.validate(world_size)
 
 

@@ -148,7 +148,7 @@ def checkpoint_as_if_written_with(run_dir, step, **changes):
     moments = tuple({k.split("/", 1)[1]: v for k, v in optim.items() if k.startswith(f"{which}/")} for which in "mv")
     state = ckpt.read_state(folder)
     shutil.rmtree(folder)
-    ckpt.save(str(run_dir), step, cfg, model, moments, step, state)
+    ckpt.save_global(str(run_dir), step, cfg, model, moments, step, state)
 
 
 def test_resuming_with_another_dp_that_would_change_the_global_batch_is_refused(shards, tmp_path, capfd):

@@ -55,7 +55,9 @@ def test_model_h5_is_plain_hdf5_at_contract_names_and_global_shapes(arch, shards
     # attn_rank != mlp_rank, so that a factor with the wrong rank key would show in its shape
     assert run_train(run_dir, *shards, f"model.arch={arch}", "model.mlp_rank=12", "train.steps=2") == 0
     folder = step_dir(run_dir, 2)
-    assert sorted(p.name for p in folder.iterdir()) == ["COMPLETE", "model.h5", "optim.h5", "state.json"]
+    # one process writes one rank file; model.h5 and optim.h5 are virtual datasets over it
+    assert sorted(p.name for p in folder.iterdir()) == ["COMPLETE", "model.h5", "optim.h5", "rank-tp0-pp0-dp0.h5",
+                                                        "state.json"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == folder.name
 
     with h5py.File(folder / "model.h5", "r") as f:
@@ -87,7 +89,7 @@ def test_round_trip_into_a_fresh_engine_gives_the_same_weights_and_loss(shards, 
     fresh = Engine(cfg)
     assert fresh.evaluate(x, y) != trainer.engine.evaluate(x, y)  # the untrained weights differ
     with h5py.File(step_dir(run_dir, 3) / "model.h5", "r") as f:
-        fresh.load_global(fresh.params, f)
+        ckpt.read_params(f, fresh.specs, fresh.params)
     assert np.array_equal(fresh.params.data, trainer.engine.params.data)
     assert fresh.evaluate(x, y) == trainer.engine.evaluate(x, y)
 
@@ -163,7 +165,7 @@ def test_a_failure_mid_write_leaves_the_previous_checkpoint_in_charge(stage, sha
     optim = h5_datasets(previous / "optim.h5")
     moments = tuple({k.split("/", 1)[1]: v for k, v in optim.items() if k.startswith(f"{which}/")} for which in "mv")
     with pytest.raises(SimulatedCrash):
-        ckpt.save(str(run_dir), 3, cfg, model, moments, 3, ckpt.read_state(previous), crash_hook=crash_at)
+        ckpt.save_global(str(run_dir), 3, cfg, model, moments, 3, ckpt.read_state(previous), crash_hook=crash_at)
 
     # the failed write took its temporary folder with it; everything that was there before is untouched
     assert {p.name for p in folder.iterdir()} == names_before
@@ -262,3 +264,44 @@ def test_resuming_from_an_older_checkpoint_moves_the_later_ones_aside(shards, tm
     assert run_train(tmp_path / "copy", *shards, "train.steps=6", "checkpoint.every=2", "train.lr=0.01") == 0
     assert_same_checkpoint(step_dir(run_dir, 6), step_dir(tmp_path / "copy", 6))
     assert reproducible(read_metrics(run_dir))[2:] == reproducible(read_metrics(tmp_path / "copy"))
+
+
+def test_async_save_writes_the_checkpoints_of_a_synchronous_one(shards, tmp_path):
+    settings = ("train.dtype=float64", "train.steps=6", "checkpoint.every=2")
+    sync, asynchronous = tmp_path / "sync", tmp_path / "async"
+    assert run_train(sync, *shards, *settings) == 0
+    assert run_train(asynchronous, *shards, *settings, "checkpoint.async=true") == 0
+    for step in (2, 4, 6):
+        assert_same_checkpoint(step_dir(sync, step), step_dir(asynchronous, step))
+        ckpt.verify(str(step_dir(asynchronous, step)))
+    assert ckpt.find_latest(str(asynchronous)) == str(step_dir(asynchronous, 6))
+    assert reproducible(read_metrics(asynchronous)) == reproducible(read_metrics(sync))
+    # the snapshot is accounted: parameters and both moments of the whole local buffer (one rank)
+    n = sum(t.size for t in h5_datasets(step_dir(sync, 6) / "model.h5").values())
+    assert read_metrics(asynchronous)[-1]["memory"]["checkpoint_snapshot"] == 3 * 8 * n
+    assert read_metrics(sync)[-1]["memory"]["checkpoint_snapshot"] == 0
+
+
+def test_a_failed_async_write_stops_the_run_with_the_previous_checkpoint_intact(shards, tmp_path, capfd, monkeypatch):
+    import errno
+    import os
+
+    run_dir = tmp_path / "run"
+    write = ckpt.write_rank_file
+    calls = []
+
+    def fail_the_second(path, *args):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        write(path, *args)
+
+    monkeypatch.setattr(ckpt, "write_rank_file", fail_the_second)
+    capfd.readouterr()
+    status = run_train(run_dir, *shards, "train.steps=6", "checkpoint.every=2", "checkpoint.async=true")
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith("error: cannot write checkpoint step_00000004 into") and "no space left" in err[0], err
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_00000002"]
+    assert ckpt.find_latest(str(run_dir)) == str(step_dir(run_dir, 2))
+    ckpt.verify(str(step_dir(run_dir, 2)))

@@ -62,16 +62,19 @@ FAULT_LAUNCHER = textwrap.dedent('''
             return next_batch(self)
 
         shards.TrainLoader.next_batch = failing_next_batch
-    elif fault.startswith("kill-while-saving-step-"):  # SIGKILL between model.h5 and the rest
+    elif "-while-saving-step-" in fault:
+        # kill-while-saving-step-N: rank 0 gets SIGKILL between model.h5 and the rest;
+        # kill-rank-1-while-saving-step-N: rank 1 gets it once its own file is written, the others still writing
         from boostmpi.train import checkpoint
 
         kill_step = int(fault.rsplit("-", 1)[1])
+        victim, at = (1, "rank file") if fault.startswith("kill-rank-1-") else (0, "model.h5")
         save = checkpoint.save
 
         def save_then_die(run_dir, step, *args, **kwargs):
             if step == kill_step:
                 def die_after_model_h5(stage):
-                    if stage == "model.h5":
+                    if stage == at and rank == victim:
                         os.kill(os.getpid(), signal.SIGKILL)
 
                 kwargs["crash_hook"] = die_after_model_h5
@@ -237,20 +240,22 @@ def test_kill_9_of_one_rank_ends_all_and_the_restart_continues_exactly(tmp_path,
     assert _losses(run_dir) == reference  # exactly: same steps, bit-identical losses
 
 
-def test_kill_during_checkpoint_writing_keeps_the_previous_checkpoint(tmp_path, reference):
+@pytest.mark.parametrize("fault,left", [("kill-while-saving-step-", "model.h5"),
+                                        ("kill-rank-1-while-saving-step-", "rank-tp1-pp0-dp0.h5")])
+def test_kill_during_checkpoint_writing_keeps_the_previous_checkpoint(fault, left, tmp_path, reference):
     from boostmpi.errors import CheckpointError
     from boostmpi.train import checkpoint
 
     run_dir = tmp_path / "run"
     kill_step = 3 * EVERY
-    fault = f"kill-while-saving-step-{kill_step}"
-    status, out, seconds = _run(_train_argv(run_dir, program=("-c", FAULT_LAUNCHER)), BOOSTMPI_FAULT=fault)
+    status, out, seconds = _run(_train_argv(run_dir, program=("-c", FAULT_LAUNCHER)),
+                                BOOSTMPI_FAULT=f"{fault}{kill_step}")
     assert status != 0, out
     assert seconds < 30, out
 
     root = run_dir / "checkpoints"
     partial = [p for p in root.iterdir() if p.name.startswith(f".step_{kill_step:08d}.tmp")]
-    assert len(partial) == 1 and (partial[0] / "model.h5").exists(), sorted(os.listdir(root))
+    assert len(partial) == 1 and (partial[0] / left).exists(), sorted(os.listdir(root))
     assert not (partial[0] / checkpoint.MARKER).exists()
     with pytest.raises(CheckpointError, match="incomplete"):
         checkpoint.resolve(str(partial[0]))
@@ -382,7 +387,7 @@ def _assert_disk_full_refusal(status, err, run_dir, before, *fragments):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
 
 
-@pytest.mark.parametrize("where", ["model.h5", "optim.h5"])
+@pytest.mark.parametrize("where", ["rank file", "model.h5"])
 def test_a_write_that_hits_a_full_disk_removes_its_temporary_folder(where, text_shards, tmp_path, capfd, monkeypatch):
     import errno
 
@@ -392,15 +397,16 @@ def test_a_write_that_hits_a_full_disk_removes_its_temporary_folder(where, text_
     run_dir = tmp_path / "run"
     assert run_train(run_dir, *text_shards, "train.steps=2") == 0
     before = _checkpoint_folder_state(run_dir)
-    write_h5 = checkpoint.write_h5
+    writer = "write_rank_file" if where == "rank file" else "write_virtual_files"
+    write = getattr(checkpoint, writer)
 
-    def write_until_full(path, tensors, attrs):
-        if os.path.basename(path) == where:  # part of the file is written, then the disk is full
-            open(path, "wb").write(b"\0" * 1000)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-        write_h5(path, tensors, attrs)
+    def write_until_full(path, *args):
+        target = path if where == "rank file" else os.path.join(path, "model.h5")
+        open(target, "wb").write(b"\0" * 1000)  # part of the file is written, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), target)
 
-    monkeypatch.setattr(checkpoint, "write_h5", write_until_full)
+    assert write is not None
+    monkeypatch.setattr(checkpoint, writer, write_until_full)
     capfd.readouterr()
     with stop_signals_restored():
         status = run_train(run_dir, *text_shards, "train.steps=4")
@@ -418,7 +424,7 @@ def test_too_little_free_space_is_refused_before_writing(text_shards, tmp_path, 
     capfd.readouterr()
     status = run_train(run_dir, *text_shards, "train.steps=4")
     _assert_disk_full_refusal(status, capfd.readouterr().err, run_dir, before,
-                              "no space left on device; it needs ", "KiB, 4.0 KiB free")
+                              "no space left on device; it needs ", "iB, 4.0 KiB free")
 
 
 def test_a_file_size_limit_under_mpiexec_ends_every_rank_with_one_line(text_shards, tmp_path):

@@ -52,6 +52,7 @@ class RecordingEngine(Engine):
         self.tpx = SimpleNamespace(res_cols=(0, WIDTH))
         self.grads = SimpleNamespace(data=np.zeros(1))
         self._buckets = {}
+        self.sharded = False  # no ZeRO-1 slices
 
     def _refresh_compute_params(self):
         pass

@@ -25,32 +25,37 @@ RTOL = 1e-10
 COMMON = ("train.dtype=float64", f"train.steps={STEPS}", f"checkpoint.every={CUT}", f"train.val_every={CUT}",
           "train.val_windows=4", "train.warmup_steps=2")
 
-# name -> (tp, pp, dp, tp_mode), for the tiny config (4 heads, 2 kv heads, rank 8, 2 layers)
+# name -> (tp, pp, dp, tp_mode, zero_stage), for the tiny config (4 heads, 2 kv heads, rank 8, 2 layers);
+# each rank writes its own file of a checkpoint, and each reads only its pieces of any other layout's
 LAYOUTS = {
-    "tp2-btp": (2, 1, 1, "btp"),
-    "tp2-vanilla": (2, 1, 1, "vanilla"),
-    "pp2": (1, 2, 1, "btp"),
-    "dp2": (1, 1, 2, "btp"),
-    "dp3": (1, 1, 3, "btp"),
-    "tp2-pp2": (2, 2, 1, "btp"),
-    "tp2-dp2-vanilla": (2, 1, 2, "vanilla"),
-    "pp2-dp2": (1, 2, 2, "btp"),
-    "tp4-vanilla": (4, 1, 1, "vanilla"),
+    "tp2-btp": (2, 1, 1, "btp", 0),
+    "tp2-vanilla": (2, 1, 1, "vanilla", 0),
+    "pp2": (1, 2, 1, "btp", 0),
+    "dp2": (1, 1, 2, "btp", 0),
+    "dp2-zero1": (1, 1, 2, "btp", 1),
+    "dp3": (1, 1, 3, "btp", 0),
+    "dp3-zero1": (1, 1, 3, "btp", 1),
+    "tp2-pp2": (2, 2, 1, "btp", 0),
+    "tp2-dp2-vanilla": (2, 1, 2, "vanilla", 0),
+    "tp2-dp2-zero1": (2, 1, 2, "btp", 1),
+    "pp2-dp2-zero1": (1, 2, 2, "btp", 1),
+    "tp4-vanilla": (4, 1, 1, "vanilla", 0),
 }
-ONE_RANK = (1, 1, 1, "btp")
+ONE_RANK = (1, 1, 1, "btp", 0)
 
 
 def layout_settings(layout):
-    tp, pp, dp, mode = layout
+    tp, pp, dp, mode, zero = layout
     per_replica = GLOBAL_BATCH // dp
     grad_accum = 2 if per_replica % 2 == 0 else 1  # several micro-batches wherever they fit (1F1B under pp)
     return (f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}", f"parallel.tp_mode={mode}",
+            f"parallel.zero_stage={zero}",
             f"train.micro_batch_size={per_replica // grad_accum}", f"train.grad_accum={grad_accum}", *COMMON)
 
 
 def layouts_here():
     size = world().Get_size()
-    return [name for name, (tp, pp, dp, _) in LAYOUTS.items() if tp * pp * dp == size]
+    return [name for name, (tp, pp, dp, _, _) in LAYOUTS.items() if tp * pp * dp == size]
 
 
 def step_dir(run_dir, step):
@@ -158,6 +163,25 @@ def test_every_layout_trains_like_one_rank(name, one_rank_run, layout_runs):
         rows = reproducible(read_metrics(layout_runs[name]))
         assert_close_rows(rows, reproducible(read_metrics(one_rank_run)), name)
         assert any(r["comm_bytes"][axis] > 0 for r in rows for axis in ("tp", "pp", "dp")), name
+
+    on_root(check)
+
+
+@pytest.mark.parametrize("name", [n for n, layout in LAYOUTS.items() if layout[4] == 1])
+def test_zero_stage_1_reports_each_ranks_share_of_the_optimizer_state(name, layout_runs):
+    """memory.optimizer is the largest rank's AdamW state: under ZeRO-1 its dp share, ceil(n / dp)
+    elements of each moment, against the whole buffer of the same layout without ZeRO."""
+    skip_unless_here(name)
+    tp, pp, dp, mode, _ = LAYOUTS[name]
+    replicated = next((n for n, layout in LAYOUTS.items() if layout == (tp, pp, dp, "btp", 0) and n in layout_runs), None)
+    if replicated is None:
+        pytest.skip(f"no zero_stage 0 run of {name}'s layout here")
+
+    def check():
+        whole = read_metrics(layout_runs[replicated])[0]["memory"]["optimizer"]
+        share = read_metrics(layout_runs[name])[0]["memory"]["optimizer"]
+        n = whole // 16  # two float64 moments of every local parameter
+        assert share == 16 * -(-n // dp), (share, whole)
 
     on_root(check)
 

@@ -97,7 +97,7 @@ def test_loading_forces_one_process_layout_with_the_checkpoints_weights(trained,
                            "train.dtype": "float64", "train.run_dir": str(tmp_path / "other")})
     loaded = load_checkpoint(run_dir)
     tensors64 = {k: v.astype(np.float64) for k, v in loaded.tensors.items()}
-    ckpt.save(str(tmp_path / "other"), 7, other, tensors64, (tensors64, tensors64), 1,
+    ckpt.save_global(str(tmp_path / "other"), 7, other, tensors64, (tensors64, tensors64), 1,
               {"layout": {"tp": 2, "pp": 2, "dp": 2, "tp_mode": "btp"}})
 
     engine, one, step = load_checkpoint_engine(tmp_path / "other")
@@ -259,7 +259,7 @@ def test_eval_of_a_checkpoint_written_by_tensor_parallel_ranks(trained, tmp_path
                PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert describe(run_dir)["layout"] == {"tp": 2, "pp": 1, "dp": 1, "tp_mode": "vanilla"}
+    assert describe(run_dir)["layout"] == {"tp": 2, "pp": 1, "dp": 1, "tp_mode": "vanilla", "zero_stage": 0}
     val_loss = [json.loads(line) for line in open(run_dir / "metrics.jsonl")][-1]["val_loss"]
     status, out, _ = run_cli(capsys, "eval", run_dir, "--data", shard, "--max-windows", 4)
     assert status == 0 and json.loads(out)["loss"] == pytest.approx(val_loss, rel=1e-5)
@@ -277,9 +277,9 @@ def test_inspect_counts_and_statistics(trained, capsys):
     assert info["parameters"]["actual"] == outer + L * sum(R * (i + o) for i, o in shapes)
     assert info["parameters"]["dense_equivalent"] == outer + L * sum(i * o for i, o in shapes)
     assert info["step"] == 150 and info["checksums"]["ok"]
-    assert info["layout"] == {"tp": 1, "pp": 1, "dp": 1, "tp_mode": "btp"}
+    assert info["layout"] == {"tp": 1, "pp": 1, "dp": 1, "tp_mode": "btp", "zero_stage": 0}
     assert info["config"]["model"]["arch"] == "cola"
-    assert set(info["files"]) == {"COMPLETE", "model.h5", "optim.h5", "state.json"}
+    assert set(info["files"]) == {"COMPLETE", "model.h5", "optim.h5", "state.json", "rank-tp0-pp0-dp0.h5"}
     assert info["files"]["model.h5"] == os.path.getsize(Path(info["checkpoint"]) / "model.h5")
     with h5py.File(Path(info["checkpoint"]) / "model.h5", "r") as f:
         w = np.asarray(f["layers/0/q/A"], dtype=np.float64)
@@ -307,13 +307,16 @@ def test_inspect_counts_and_statistics(trained, capsys):
 def test_inspect_reports_failed_checksums_and_bad_paths(trained, tmp_path, capsys):
     run_dir, _, _ = trained
     ckpt_dir = copy_checkpoint(run_dir, tmp_path / "step")
-    with open(ckpt_dir / "optim.h5", "r+b") as f:
+    rank_file = ckpt_dir / "rank-tp0-pp0-dp0.h5"  # the moments' bytes live in the rank file
+    with open(rank_file, "r+b") as f:
         f.seek(-8, os.SEEK_END)
-        f.write(b"\0" * 8)
+        last = f.read(8)
+        f.seek(-8, os.SEEK_END)
+        f.write(bytes(b ^ 0xFF for b in last))
     status, out, err = run_cli(capsys, "inspect", ckpt_dir)
     assert status == 2
     assert "step         150" in out and "checksums    FAILED" in out
-    assert err.startswith("error: ") and "optim.h5" in err and "corrupted" in err
+    assert err.startswith("error: ") and rank_file.name in err and "corrupted" in err
     assert_bad_input(capsys, ["nowhere", "does not exist"], "inspect", tmp_path / "nowhere")
     (ckpt_dir / "COMPLETE").unlink()
     assert_bad_input(capsys, ["incomplete"], "inspect", ckpt_dir)
@@ -475,6 +478,23 @@ def test_export_round_trip_into_torch_reproduces_the_eval_loss(trained, tmp_path
             model = TorchLlama(config["model"], weights, dtype="float32")
             loss = model(torch.as_tensor(x), torch.as_tensor(y)).item()
         assert loss == pytest.approx(boostmpi_loss, rel=1e-5, abs=1e-6)
+
+
+def test_export_h5_is_one_self_contained_file_equal_to_the_checkpoint(trained, tmp_path, capsys):
+    run_dir, _, _ = trained
+    out = tmp_path / "shared" / "model.h5"
+    out.parent.mkdir()
+    assert run_cli(capsys, "export", run_dir, "--to", "h5", "--out", out)[0] == 0
+    source = ckpt.find_latest(str(run_dir))
+    with h5py.File(out, "r") as f, h5py.File(source + "/model.h5", "r") as g:
+        assert dict(f.attrs) == dict(g.attrs)
+        names = []
+        g.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+        assert names and all(g[n].is_virtual for n in names)
+        for name in names:
+            assert not f[name].is_virtual
+            np.testing.assert_array_equal(f[name][()], g[name][()])
+    assert sorted(os.listdir(out.parent)) == ["model.h5"]  # nothing else needed beside it
 
 
 def test_export_bad_input(trained, tmp_path, capsys, monkeypatch):

@@ -178,12 +178,78 @@ def all_global_specs(cfg):
     return list(seen.values())
 
 
-def init_global(spec, seed):
-    """The full tensor of `spec`, drawn from a generator keyed by (seed, name): identical for any layout."""
+def _stream_key(seed, name):
+    """The Philox key of one parameter: (seed, CRC-32 of its name)."""
+    return np.array([int(seed), zlib.crc32(name.encode())], dtype=np.uint64)
+
+
+def _normals(key, start, count):
+    """Standard normals of elements [start, start + count) of a parameter's stream, in float64.
+
+    Elements 2j and 2j+1 of the global tensor (C order) are the Box-Muller pair made from 64-bit words
+    2j and 2j+1 of the Philox-4x64 stream keyed by `key` (53-bit uniforms u, v as NumPy's `random()`
+    makes them: radius sqrt(-2 ln(1 - u)), angle 2 pi v; cosine then sine). So any run of elements is
+    produced on its own, by advancing the counter to the run's first pair, and equals the same elements
+    of the whole tensor bit for bit."""
+    first, last = start // 2, (start + count + 1) // 2  # the pairs the run touches
+    block, skip = divmod(2 * first, 4)  # a counter value gives four words: two pairs
+    words = np.random.Generator(np.random.Philox(key=key, counter=[block, 0, 0, 0])).random(skip + 2 * (last - first))
+    u, v = words[skip::2], words[skip + 1::2]
+    np.subtract(1.0, u, out=u)  # (0, 1]
+    np.log(u, out=u)
+    u *= -2.0
+    np.sqrt(u, out=u)
+    v *= 2.0 * np.pi
+    out = np.empty(2 * (last - first))
+    np.cos(v, out=out[0::2])
+    np.sin(v, out=out[1::2])
+    out[0::2] *= u
+    out[1::2] *= u
+    return out[start - 2 * first:start - 2 * first + count]
+
+
+def global_runs(spec, box):
+    """The rectangle `box` (a tuple of (start, stop) per dim, global coordinates) of `spec`'s tensor as
+    C-order runs: [(first global element index, length, slice of the box as a flat array)]."""
+    shape = spec.global_shape
+    if len(shape) == 1 or box[1] == (0, shape[1]):  # whole rows (or a vector): one run
+        count = int(np.prod([b - a for a, b in box]))
+        return [(box[0][0] * int(np.prod(shape[1:], dtype=np.int64)), count, slice(0, count))]
+    (r0, r1), (c0, c1) = box
+    width = c1 - c0
+    return [(row * shape[1] + c0, width, slice(i * width, (i + 1) * width)) for i, row in enumerate(range(r0, r1))]
+
+
+def init_box(spec, seed, box):
+    """The elements of `spec`'s initial tensor inside `box` (global coordinates), without drawing the
+    rest: the same values whatever the layout that asks for them."""
+    shape = tuple(b - a for a, b in box)
     if spec.init == "ones":
-        return np.ones(spec.global_shape, dtype=np.float64)
-    rng = np.random.default_rng([int(seed), zlib.crc32(spec.name.encode())])
-    return rng.standard_normal(spec.global_shape) * spec.init_std
+        return np.ones(shape, dtype=np.float64)
+    out = np.empty(int(np.prod(shape)), dtype=np.float64)
+    key = _stream_key(seed, spec.name)
+    for start, count, where in global_runs(spec, box):
+        out[where] = _normals(key, start, count)
+    out *= spec.init_std
+    return out.reshape(shape)
+
+
+def local_box(spec):
+    """This rank's shard of `spec` as a box (global coordinates)."""
+    box = [(0, n) for n in spec.global_shape]
+    if spec.shard_dim is not None:
+        box[spec.shard_dim] = (spec.start, spec.stop)
+    return tuple(box)
+
+
+def init_local(spec, seed):
+    """This rank's shard of `spec`'s initial tensor (float64), drawn element by element."""
+    return init_box(spec, seed, local_box(spec))
+
+
+def init_global(spec, seed):
+    """The whole initial tensor of `spec` (tests and tools; the engine draws only its shards)."""
+    return init_box(spec, seed, tuple((0, n) for n in spec.global_shape))
 
 
 class FlatBuffer:

@@ -237,6 +237,60 @@ class Group:
             WATCHDOG.end()
         self.wait_seconds += time.perf_counter() - t0
 
+    def reduce_scatter(self, buf, out, counts):
+        """Sum `buf` over the group; member i receives elements [sum(counts[:i]), sum(counts[:i+1])) of
+        the sum in `out` (counts may differ and be zero). Counted as `buf`: what each member contributes."""
+        self.ireduce_scatter(buf, out, counts, blocking=True)
+
+    def ireduce_scatter(self, buf, out, counts, blocking=False):
+        """Start `reduce_scatter`; `.wait()` on the result before reading `out`."""
+        if self.size == 1:
+            out[...] = buf
+            return _DONE
+        from mpi4py import MPI
+
+        self._count_collective(buf.nbytes)
+        self._sync()
+        counts = [int(c) for c in counts]
+        if blocking or not self.overlap:
+            t0 = time.perf_counter()
+            WATCHDOG.begin(self.axis, "Reduce_scatter", buf.nbytes)
+            try:
+                self.comm.Reduce_scatter(_mpi_buf(buf), _mpi_buf(out), recvcounts=counts, op=MPI.SUM)
+            finally:
+                WATCHDOG.end()
+            self.wait_seconds += time.perf_counter() - t0
+            return _DONE
+        req = self.comm.Ireduce_scatter(_mpi_buf(buf), _mpi_buf(out), recvcounts=counts, op=MPI.SUM)
+        return _WatchedRequest(req, self, "Ireduce_scatter", buf.nbytes)
+
+    def allgather_pieces(self, buf, counts, counted=False):
+        """In place: member i's piece sits at offset sum(counts[:i]) of `buf`; afterwards every member
+        holds every piece. Counted as the piece of group rank 0 (the largest when pieces are near-equal),
+        unless the caller `counted` it already (`count_allgather_pieces`)."""
+        if self.size == 1:
+            return buf
+        from mpi4py import MPI
+
+        counts = [int(c) for c in counts]
+        displs = [int(d) for d in np.concatenate([[0], np.cumsum(counts)[:-1]])]
+        if not counted:
+            self.count_allgather_pieces(buf, counts)
+        self._sync()
+        t0 = time.perf_counter()
+        WATCHDOG.begin(self.axis, "Allgatherv", counts[0] * buf.itemsize)
+        try:
+            self.comm.Allgatherv(MPI.IN_PLACE, [_mpi_buf(buf), counts, displs, MPI._typedict[buf.dtype.char]])
+        finally:
+            WATCHDOG.end()
+        self.wait_seconds += time.perf_counter() - t0
+        return buf
+
+    def count_allgather_pieces(self, buf, counts):
+        """Count an `allgather_pieces` of `buf` ahead of issuing it (so that it falls in the step's totals)."""
+        if self.size > 1:
+            self._count_collective(int(counts[0]) * buf.itemsize)
+
     # -- point to point (pipeline)
     # (the requests' wait time is not added to wait_seconds: a receive also waits for the peer's compute)
     def isend(self, buf, dest, tag=0):

@@ -3,19 +3,27 @@
 `Engine.forward_backward(micro_batches)` runs one optimizer step's forward and backward passes
 over this data-parallel rank's micro-batches and leaves the global-mean gradient in
 `engine.grads` (already summed over dp). The optimizer lives in boostmpi/train.
+
+Data parallelism (docs/COMMUNICATION.md): with `zero_stage = 0` every dp rank all-reduces the whole
+gradient and updates the whole flat buffer. With `zero_stage = 1` (ZeRO stage 1) dp rank r owns
+the contiguous slice `shard` of the flat buffer (`split_range(size, dp, r)`): each bucket's gradient
+is reduce-scattered as soon as it is final, so rank r receives the summed gradient of its slice only
+(`grad_shard`); AdamW keeps moments for that slice only and updates it; `optimizer_step` then
+all-gathers the updated slices so every rank holds the whole buffer again.
 """
 
 import numpy as np
 
 from boostmpi.backend import compute_dtype, get_xp, keep_host_memory, param_dtype
 from boostmpi.model import layers
-from boostmpi.model.params import FlatBuffer, init_global, param_specs, stage_layers
+from boostmpi.model.params import FlatBuffer, init_local, param_specs, split_range, stage_layers
 from boostmpi.model.recompute import POLICIES, Saved, Tape
 from boostmpi.model.transformer import Block, BlockCache
 from boostmpi.parallel.comm import configure_watchdog
 from boostmpi.parallel.grid import Coords, ProcessGrid, rank_of
 from boostmpi.parallel.pipeline import one_f_one_b
 from boostmpi.parallel.tensor_parallel import make_strategy
+from boostmpi.train.optim import clip_coefficient, touched
 
 
 def _nbytes(obj, seen):
@@ -67,6 +75,7 @@ class Engine:
         self.cdtype = compute_dtype(tr.dtype, self.xp)
         self.params = FlatBuffer(self.specs, self.pdtype, self.xp)  # master weights
         self.grads = FlatBuffer(self.specs, self.pdtype, self.xp)
+        touched(self.grads.data)  # its pages fault in now, not in the first step's backward
         # mixed precision (bf16 on GPUs): compute on a low-precision copy, refreshed every step;
         # gradients accumulate in the master dtype
         same = np.dtype(self.cdtype) == np.dtype(self.pdtype)
@@ -77,12 +86,21 @@ class Engine:
         self.saved_activation_bytes = 0  # per micro-batch, this stage, from the last step
         self.saved_activation_bytes_per_layer = []
         self._buckets = self._bucket_ranges()
+        # ZeRO-1: this dp rank's slice of the flat buffer for the optimizer (the whole buffer otherwise)
+        n, dp = self.params.size, self.grid.dp_size
+        self.zero_stage = par.zero_stage
+        self.sharded = par.zero_stage == 1 and dp > 1
+        self.dp_ranges = [split_range(n, dp, r) for r in range(dp)] if self.sharded else [(0, n)]
+        self.shard = self.dp_ranges[c.dp] if self.sharded else (0, n)
+        lo, hi = self.shard
+        # the dp-summed gradient of the slice: its own buffer when reduce-scattered, else a view
+        self.grad_shard = touched(self.xp.empty(hi - lo, dtype=self.pdtype)) if self.sharded else self.grads.data
         self.init_params(tr.seed)
 
     # ------------------------------------------------------------------ parameters
     def init_params(self, seed):
         for s in self.specs:
-            self.params[s.name][...] = self.xp.asarray(init_global(s, seed)[s.local_slice()])
+            self.params[s.name][...] = self.xp.asarray(init_local(s, seed))
 
     def _bucket_ranges(self):
         """Data-parallel buckets: one per layer, one for the embedding, one for the head."""
@@ -171,8 +189,7 @@ class Engine:
 
         def bucket_done(key, mb):
             if mb == M - 1 and grid.dp.size > 1 and key in self._buckets and grid.dp.overlap:
-                a, b = self._buckets[key]
-                dp_reqs.append(grid.dp.iallreduce(self.grads.data[a:b]))
+                dp_reqs.append(self._reduce_bucket(*self._buckets[key]))
 
         for kind, mb in one_f_one_b(self.n_stages, self.stage, M):
             x, y = micro_batches[mb]
@@ -205,13 +222,44 @@ class Engine:
                     r.wait()
             else:
                 for a, b in self._buckets.values():
-                    grid.dp.allreduce(self.grads.data[a:b])
+                    self._reduce_bucket(a, b, blocking=True)
         mine = float(np.sum(losses)) / M if (self.last and grid.coords.tp == 0) else 0.0
+        if self.sharded:  # the all-gather optimizer_step issues next belongs to this step's traffic
+            grid.dp.count_allgather_pieces(self.params.data, [e - s for s, e in self.dp_ranges])
         extra = list(also_sum()) if also_sum else []
         totals = grid.host.sum([mine, self._grad_sq(), *extra])
         self._grad_norm = float(np.sqrt(totals[1]))
         self.summed = totals[2:]
         return float(totals[0]) / grid.dp_size
+
+    def _reduce_bucket(self, a, b, blocking=False):
+        """Sum the gradient range [a, b) over dp: all-reduced in place, or (ZeRO-1) reduce-scattered into
+        the owners' `grad_shard`. Returns a request to wait on (a completed one when blocking)."""
+        dp, grads = self.grid.dp, self.grads.data
+        if not self.sharded:
+            if blocking:
+                dp.allreduce(grads[a:b])
+                return None
+            return dp.iallreduce(grads[a:b])
+        lo, hi = self.shard
+        counts = [max(0, min(b, e) - max(a, s)) for s, e in self.dp_ranges]
+        x0 = min(max(a, lo), hi)
+        x1 = max(min(b, hi), x0)
+        out = self.grad_shard[x0 - lo:x1 - lo]
+        if blocking:
+            dp.reduce_scatter(grads[a:b], out, counts)
+            return None
+        return dp.ireduce_scatter(grads[a:b], out, counts)
+
+    def optimizer_step(self, optimizer, lr, max_norm):
+        """What follows forward_backward: the exact global gradient norm, clipping to `max_norm` (0 = off),
+        the AdamW update of this rank's slice and, under ZeRO-1, the all-gather of the updated slices
+        over dp. Returns the norm."""
+        norm = self.grad_norm()
+        optimizer.step(self.grad_shard, lr, clip_coefficient(norm, max_norm))
+        if self.sharded:
+            self.grid.dp.allgather_pieces(self.params.data, [e - s for s, e in self.dp_ranges], counted=True)
+        return norm
 
     def evaluate(self, x, y):
         """Forward only, through the pipeline: the sum over all data-parallel ranks of (mean loss of
@@ -235,22 +283,31 @@ class Engine:
 
     # ------------------------------------------------------------------ the gradient's norm
     def _grad_sq(self):
-        """This rank's part of the squared gradient norm: each parameter counted once whatever the layout."""
+        """This rank's part of the squared norm of the dp-summed gradient, each element counted once
+        whatever the layout: tp-replicated parameters on tp rank 0 only; without ZeRO on dp rank 0 only
+        (every dp rank holds the whole sum), with ZeRO-1 every dp rank over its own slice."""
         c = self.grid.coords
-        sq = 0.0
-        if c.dp == 0:
+        lo, hi = self.shard
+        sq, seen = 0.0, set()
+        if self.sharded or c.dp == 0:
             for s in self.specs:
                 if s.tp_replicated and c.tp != 0:
                     continue
-                g = self.grads[s.name]
-                sq += float((g * g).sum())
+                a, b = self.grads.spans[s.name]  # its block (a grouped block holds no replicated tensor)
+                if a in seen:
+                    continue
+                seen.add(a)
+                a, b = max(a, lo), min(b, hi)
+                if a < b:
+                    g = self.grad_shard[a - lo:b - lo]
+                    sq += float((g * g).sum())
         return sq
 
     def grad_norm(self):
-        """Global L2 norm of the gradient of the last forward_backward."""
+        """Global L2 norm of the dp-summed gradient of the last forward_backward."""
         return self._grad_norm
 
-    # ------------------------------------------------------------------ global tensors (checkpoints, tests)
+    # ------------------------------------------------------------------ global tensors (tests)
     def gather_global(self, buffer):
         """The global (unsharded) tensors of a FlatBuffer laid out like the parameters.
 
@@ -282,8 +339,3 @@ class Engine:
                         out[sp.name] = np.empty(sp.global_shape, dtype=local.dtype)
                     out[sp.name][sp.local_slice()] = remote[sp.name]
         return out
-
-    def load_global(self, buffer, tensors):
-        """Fill this rank's shards of `buffer` from global tensors (a dict or an h5py group of them)."""
-        for s in self.specs:
-            buffer[s.name][...] = self.xp.asarray(np.asarray(tensors[s.name][s.local_slice()]), dtype=buffer.data.dtype)

@@ -153,6 +153,53 @@ class NcclGroup(Group):
                                  self._collective_stream().ptr)
         return out
 
+    def ireduce_scatter(self, buf, out, counts, blocking=False):
+        """Pieces of unequal length: one reduce per member, rooted at that member, in one NCCL group."""
+        if self.size == 1:
+            out[...] = buf
+            from boostmpi.parallel.comm import _DONE
+
+            return _DONE
+        nccl = _nccl()
+        self._count_collective(buf.nbytes)
+        side = self.overlap and not blocking
+        if side:
+            self.side_stream.wait_event(_Event(self._stream()).event)
+        stream = self.side_stream if side else self._collective_stream()
+        dtype, offset = _dtype(nccl, buf.dtype), 0
+        nccl.groupStart()
+        for root, count in enumerate(counts):
+            recv = out.data.ptr if root == self.rank else buf.data.ptr  # only the root's target is written
+            self.nccl_comm.reduce(buf.data.ptr + offset * buf.itemsize, recv, int(count), dtype, nccl.NCCL_SUM,
+                                  root, stream.ptr)
+            offset += int(count)
+        nccl.groupEnd()
+        if not side:
+            from boostmpi.parallel.comm import _DONE
+
+            return _DONE
+        self._side_done = _Event(self.side_stream)
+        return self._side_done
+
+    def reduce_scatter(self, buf, out, counts):
+        self.ireduce_scatter(buf, out, counts, blocking=True)
+
+    def allgather_pieces(self, buf, counts, counted=False):
+        """Pieces of unequal length: one broadcast per member, in one NCCL group, in place."""
+        if self.size == 1:
+            return buf
+        nccl = _nccl()
+        if not counted:
+            self.count_allgather_pieces(buf, counts)
+        stream, dtype, offset = self._collective_stream(), _dtype(nccl, buf.dtype), 0
+        nccl.groupStart()
+        for root, count in enumerate(counts):
+            ptr = buf.data.ptr + offset * buf.itemsize
+            self.nccl_comm.broadcast(ptr, ptr, int(count), dtype, root, stream.ptr)
+            offset += int(count)
+        nccl.groupEnd()
+        return buf
+
     def _p2p_channel(self, direction):
         if direction not in self.p2p:
             raise RuntimeError(f"NCCL group '{self.axis}' was made without p2p=True: it has no send/receive channels")

@@ -9,7 +9,7 @@ docs/SIM.md explains every term.
 import math
 from dataclasses import dataclass, field, replace
 
-from boostmpi.model.params import param_specs, stage_layers, tp_strategy
+from boostmpi.model.params import all_global_specs, param_specs, split_range, stage_layers, tp_strategy
 from boostmpi.sim.costs import (ITEMSIZE, PassTimes, group_allreduce_seconds, group_link, p2p_seconds,
                                 pass_times)
 from boostmpi.sim.plans import (Collective, Shape, embedding_plan, head_plan, kept_by_lowrank, layer_plan,
@@ -66,8 +66,55 @@ def comm_bytes(cfg):
     dp = 0
     if par.dp > 1:
         dp = sum(stage_params(cfg, st)[1] for st in range(par.pp))
+        dp += sum(zero_allgather_elements(n, par.dp, par.zero_stage) for st in range(par.pp) for n in rank_params(cfg, st))
         dp *= ITEMSIZE[master_dtype(t.dtype)]
     return {"tp": int(tp), "pp": int(pp), "dp": int(dp)}
+
+
+# ------------------------------------------------------------------ ZeRO-1 (parallel.zero_stage = 1)
+def rank_params(cfg, stage):
+    """Local parameter count of every tensor-parallel rank of pipeline stage `stage` (split ranges
+    give the first ranks one more row or column where a dim does not divide)."""
+    tp = cfg.parallel.tp
+    counts = [0] * tp
+    for spec in param_specs(cfg, 0, stage):
+        numel = math.prod(spec.global_shape)
+        for t in range(tp):
+            if spec.shard_dim is None:
+                counts[t] += numel
+            else:
+                size = spec.global_shape[spec.shard_dim]
+                a, b = split_range(size, tp, t)
+                counts[t] += numel // size * (b - a)
+    return counts
+
+
+def zero_slice(n_params, dp, zero_stage):
+    """Elements of the flat buffer whose optimizer state one dp rank holds: all of them, or under
+    ZeRO-1 the largest dp slice, ceil(n / dp)."""
+    return -(-n_params // dp) if zero_stage and dp > 1 else n_params
+
+
+def checkpoint_bytes(cfg):
+    """(largest rank's bytes, total bytes) of a checkpoint's rank files: every rank writes parameters
+    and both AdamW moments (master dtype) of its dp share of its tp/pp shard (docs/CHECKPOINTS.md)."""
+    par, e = cfg.parallel, ITEMSIZE[master_dtype(cfg.train.dtype)]
+    shares = [-(-n // par.dp) for st in range(par.pp) for n in rank_params(cfg, st)]
+    total = sum(math.prod(s.global_shape) for s in all_global_specs(cfg))  # each element once
+    return 3 * e * max(shares), 3 * e * total
+
+
+def checkpoint_seconds(cfg, rank_write_bandwidth, filesystem_bandwidth):
+    """Seconds to write a checkpoint when every rank writes its file at once: the largest rank's bytes
+    at `rank_write_bandwidth` (bytes/s one process writes), or the total at `filesystem_bandwidth`
+    (bytes/s the filesystem takes from all writers together), whichever is slower."""
+    largest, total = checkpoint_bytes(cfg)
+    return max(largest / rank_write_bandwidth, total / filesystem_bandwidth)
+
+
+def zero_allgather_elements(n_params, dp, zero_stage):
+    """Counted elements of ZeRO-1's all-gather of the updated slices (the piece of dp rank 0), else 0."""
+    return zero_slice(n_params, dp, zero_stage) if zero_stage and dp > 1 else 0
 
 
 _PARAM_COUNTS = {}
@@ -135,6 +182,7 @@ class Workload:
     tokens_per_step: int
     virtual_stages: int = 1  # interleaved 1F1B: model chunks per pipeline rank
     dp_sharded: bool = False  # FSDP / ZeRO-3: parameters gathered per layer, gradients reduce-scattered
+    zero_stage: int = 0  # 1: AdamW moments sharded over dp, gradients reduce-scattered, slices all-gathered
     attention: str = None  # "flash" or "matmul" when the framework fixes it, else the machine's
 
 
@@ -147,7 +195,7 @@ def workload_of(cfg):
         shape=s, strategy=strategy,
         layers_per_stage=[len(stage_layers(m.n_layers, par.pp, st)) for st in range(par.pp)],
         tp=par.tp, pp=par.pp, dp=par.dp, micro_batches=t.grad_accum, recompute=t.recompute,
-        dtype=t.dtype, overlap=par.overlap,
+        dtype=t.dtype, overlap=par.overlap, zero_stage=par.zero_stage,
         params_per_stage=[stage_params(cfg, st)[0] for st in range(par.pp)],
         p2p_elements=s.N * (s.C // s.p if strategy == "btp" else s.C),
         model_flops=model_flops_per_step(cfg), tokens_per_step=cfg.tokens_per_step)
@@ -223,17 +271,21 @@ def predict_workload(w, machine, comm=None):
             dp_time = max(group_allreduce_seconds(st["params"] * (2 * e + e_master), w.dp, stride,
                                                   machine, fraction=0.5) for st in stages)
             hidden = M * slot
-        else:
-            dp_time = max(group_allreduce_seconds(st["params"] * e_master, w.dp, stride, machine)
-                          for st in stages)
+        else:  # ZeRO-1 reduce-scatters: the first half of the all-reduce
+            dp_time = max(group_allreduce_seconds(st["params"] * e_master, w.dp, stride, machine,
+                                                  fraction=0.5 if w.zero_stage else 1.0) for st in stages)
             hidden = slowest["bwd"].total
         if w.overlap:  # buckets go out as layers finish; the last bucket cannot be hidden
             last_bucket = dp_time / (slowest["layers"] + 1)
             dp_time = max(dp_time - hidden, last_bucket)
+        if w.zero_stage and not w.dp_sharded:  # ZeRO-1's all-gather of the updated slices, after the optimizer
+            dp_time += max(group_allreduce_seconds(st["params"] * e_master, w.dp, stride, machine, fraction=0.5)
+                           for st in stages)
 
     # AdamW over the local master buffer (+ the compute copy when it is a narrower dtype)
     params = max(st["params"] for st in stages) / shard
-    opt_bytes = params * (machine.optimizer_passes * e_master + (e if e != e_master else 0))
+    owned = zero_slice(params, w.dp, w.zero_stage)  # what this rank's AdamW updates and keeps moments for
+    opt_bytes = owned * machine.optimizer_passes * e_master + (params * e if e != e_master else 0)
     optimizer = opt_bytes / (machine.memory_bandwidth * machine.elementwise_efficiency)
 
     per_mb = PassTimes()
@@ -245,8 +297,8 @@ def predict_workload(w, machine, comm=None):
     time_s = sum(breakdown.values())
 
     memory = {"params": params * (e_master + (e if e != e_master else 0)),
-              "grads": params * e_master,
-              "optimizer": 2 * params * e_master,
+              "grads": (params + (owned if owned != params else 0)) * e_master,  # + ZeRO-1's summed slice
+              "optimizer": 2 * owned * e_master,
               "activations": max(st["activations"] for st in stages)}
     memory["total"] = sum(memory.values())
     memory["capacity"] = machine.memory_capacity_bytes

@@ -1,4 +1,4 @@
-"""`boostmpi export CHECKPOINT --to torch|safetensors|hf --out PATH`: the weights for other tools.
+"""`boostmpi export CHECKPOINT --to torch|safetensors|hf|h5 --out PATH`: the weights for other tools.
 
 - torch: `torch.save` of a plain {name: tensor} dict under boostmpi's own names
   (`layers/<i>/<lin>/A` ...), orientation y = x @ W (nothing else pickled, so
@@ -14,8 +14,11 @@
   exactly; `cola` is refused: silu(x @ A) @ B has no dense weight a LLaMA layer could hold. So is
   a model without the SiLU gate (`model.mlp_gate_act = false`), which LLaMA's MLP always applies.
 
-The `export` extra (`pip install -e '.[export]'` in a checkout) installs what these need (torch,
-safetensors, transformers).
+- h5: a consolidated single-file copy of model.h5 (the same attributes and names, every tensor stored
+  in the file instead of virtual datasets over the rank files), for sharing one file.
+
+The `export` extra (`pip install -e '.[export]'` in a checkout) installs what torch, safetensors and
+hf need (torch, safetensors, transformers).
 """
 
 import json
@@ -26,15 +29,16 @@ import numpy as np
 
 from boostmpi.errors import UserError
 from boostmpi.files import atomic_file, check_writable_parent, fsync_dir
+from boostmpi.train import checkpoint as ckpt
 from boostmpi.train.checkpoint import CHECKPOINT_ARG_HELP
-from boostmpi.tools.loading import load_checkpoint
+from boostmpi.tools.loading import checkpoint_dir, load_checkpoint
 
-FORMATS = ("torch", "safetensors", "hf")
+FORMATS = ("torch", "safetensors", "hf", "h5")
 INSTALL_HINT = "install the export extra (pip install -e '.[export]' in a checkout)"
 
 
 def register(subparsers):
-    p = subparsers.add_parser("export", help="write a checkpoint's weights for PyTorch, safetensors or Hugging Face",
+    p = subparsers.add_parser("export", help="write a checkpoint's weights for PyTorch, safetensors, Hugging Face or as one HDF5 file",
                               description="Export a checkpoint's weights: boostmpi's names as a PyTorch state dict or "
                                           "a safetensors file, or a Hugging Face LLaMA folder (--to hf) that "
                                           "transformers loads as it is.",
@@ -42,7 +46,7 @@ def register(subparsers):
     p.add_argument("checkpoint", help=CHECKPOINT_ARG_HELP)
     p.add_argument("--to", required=True, choices=FORMATS, help="output format")
     p.add_argument("--out", required=True, metavar="PATH",
-                   help="output file (model.pt, model.safetensors), or for --to hf a folder that does not exist yet")
+                   help="output file (model.pt, model.safetensors, model.h5), or for --to hf a folder that does not exist yet")
     p.set_defaults(func=run)
 
 
@@ -159,6 +163,10 @@ def run(args):
         raise UserError(f"--to must be one of {', '.join(FORMATS)}, got {args.to!r}")
     if args.to != "hf":
         check_writable_parent(args.out, "--out")
+    if args.to == "h5":
+        ckpt.write_consolidated(args.out, checkpoint_dir(args.checkpoint))
+        print(f"wrote a single-file copy of model.h5 to {args.out}")
+        return 0
     loaded = load_checkpoint(args.checkpoint)
     if args.to == "torch":
         sidecar = write_torch(args.out, loaded.tensors, {"format": "boostmpi", "step": loaded.step,

@@ -83,5 +83,5 @@ def load_checkpoint_engine(path, dtype=None):
 
     loaded = load_checkpoint(path, dtype)
     engine = Engine(loaded.cfg, world=None)
-    engine.load_global(engine.params, loaded.tensors)
+    ckpt.read_params(loaded.tensors, engine.specs, engine.params)
     return engine, loaded.cfg, loaded.step

@@ -1,20 +1,24 @@
-"""Checkpoints: layout-free HDF5 files, written atomically, verified on load.
+"""Checkpoints: the one module that writes and reads model.h5, optim.h5, state.json (docs/CHECKPOINTS.md).
 
   <run_dir>/checkpoints/step_00000010/
-      model.h5     global parameter tensors (plain h5py reads them on one process)
-      optim.h5     AdamW moments `m/<name>`, `v/<name>` as global tensors, attribute `t`
+      rank-tp<t>-pp<s>-dp<d>.h5   what each rank wrote: its pieces of the parameters and AdamW moments
+      model.h5     global parameter tensors: virtual datasets over the rank files (plain h5py reads them)
+      optim.h5     AdamW moments `m/<name>`, `v/<name>` as global tensors (virtual), attribute `t`
       state.json   step, data position, RNG seed, layout that wrote it
-      COMPLETE     written last: sizes and SHA-256 of the three files above
+      COMPLETE     written last: sizes and SHA-256 of every file above
   <run_dir>/checkpoints/latest   the name of the newest complete checkpoint
   <run_dir>/checkpoints/abandoned-<time>/   checkpoints of a timeline a run did not continue
 
-Writing: every rank sends its shards to world rank 0 (buffer-based MPI), which checks the free
-space, writes into a hidden temporary folder, fsyncs, writes COMPLETE, renames the folder into
-place and then replaces `latest` atomically. A crash at any point leaves the previous checkpoint
-and `latest` untouched; a folder without COMPLETE is never loaded; a write that fails (a full
-disk) removes its temporary folder; a killed writer's one is removed when the next run starts.
-A checkpoint folder always holds the state of the run that wrote it: one of another timeline is
-moved aside, never reused. Nothing is pickled or executed on load.
+Writing (`save`, collective): every rank writes its own file at once into a hidden temporary folder;
+rank 0 checks the free space first and, once every rank reported a complete file, writes the virtual
+files, COMPLETE, renames the folder into place and replaces `latest` atomically. A crash at any point
+leaves the previous checkpoint and `latest` untouched; a folder without COMPLETE is never loaded; a
+write that fails on any rank (a full disk) removes its temporary folder and stops every rank with one
+line; a killed writer's folder is removed when the next run starts. A checkpoint folder always holds
+the state of the run that wrote it: one of another timeline is moved aside, never reused.
+
+Reading (`load`): each rank reads only the hyperslabs of its own shards and optimizer slice, under any
+layout. Nothing is pickled or executed on load.
 """
 
 import contextlib
@@ -25,10 +29,14 @@ import re
 import shutil
 import time
 
+from typing import NamedTuple
+
 import numpy as np
 
-from boostmpi.errors import CheckpointError
+from boostmpi.errors import CheckpointError, UserError
 from boostmpi.files import FilesystemError, atomic_file, check_space, fs_error, fsync_dir, make_dirs, write_file_atomically
+from boostmpi.model.params import FlatBuffer, all_global_specs, local_box, param_specs, split_range
+from boostmpi.model.params import _blocks as flat_blocks  # the FlatBuffer's layout from specs alone
 
 FORMAT = "boostmpi"
 FORMAT_VERSION = 1
@@ -62,28 +70,12 @@ def _fsync_file(path):
         os.fsync(f.fileno())
 
 
-def write_h5(path, tensors, attrs):
-    import h5py
-
-    with h5py.File(path, "w") as f:
-        for k, v in attrs.items():
-            f.attrs[k] = v
-        for name, arr in tensors.items():
-            f.create_dataset(name, data=arr)
-
-
 # HDF5 metadata beside the raw tensor bytes: object headers, group links, attributes (measured on
 # the tiny config: about 1 KiB per dataset). The allowance is generous so that the check before
 # writing never lets HDF5 run into a full disk: the library does not survive that cleanly (it
 # can crash while closing the file).
 H5_BYTES_PER_DATASET = 4 << 10
 H5_BYTES_PER_FILE = 64 << 10
-
-
-def h5_size_estimate(tensors, attrs_bytes=0):
-    """An upper estimate of the bytes of an HDF5 file holding `tensors`."""
-    return (sum(int(np.asarray(t).nbytes) for t in tensors.values()) + H5_BYTES_PER_DATASET * len(tensors)
-            + H5_BYTES_PER_FILE + attrs_bytes)
 
 
 def _os_error_of(exc):
@@ -98,57 +90,405 @@ def _os_error_of(exc):
     return None
 
 
-def save(run_dir, step, cfg, model_tensors, moments, adam_t, state, keep=0, crash_hook=None, log=None):
-    """Write checkpoint `step` (world rank 0 only); returns its folder. `crash_hook(stage)` lets tests
-    simulate a crash; `log(line)` receives what the save did besides writing (a folder moved aside).
+# ------------------------------------------------------------------ what each rank writes
+class Piece(NamedTuple):
+    """One box of a global tensor that one rank writes: `name`, its `index` among that rank's pieces
+    of the tensor, `box` ((start, stop) per dim, global coordinates), and where its elements sit in
+    the rank's flat buffer: the block (the parameter's own range, or its group's [rows, width] matrix
+    of factors side by side) starting at flat offset `start`, of row `width`, rows `rows` and columns
+    `cols` of it."""
+    name: str
+    index: int
+    box: tuple
+    start: int
+    width: int
+    rows: tuple
+    cols: tuple
 
-    A complete folder of the same step is never reused: it belongs to another timeline (a run that
-    went on from an older checkpoint) and is moved aside, not deleted. Before writing, the free
-    space (and the file-size limit) is checked against what the checkpoint needs; a write that fails
-    anyway removes the temporary folder and raises a FilesystemError. Either way the previous
-    checkpoint and `latest` are untouched.
-    """
-    root = checkpoints_dir(run_dir)
-    make_dirs(root, "checkpoint folder")
-    name = step_dir_name(step)
-    final = os.path.join(root, name)
+    @property
+    def shape(self):
+        return tuple(b - a for a, b in self.box)
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape))
+
+    @property
+    def key(self):
+        return f"{self.name}/{self.index}"
+
+    def _region(self, flat, base):
+        (r0, r1), (c0, c1) = self.rows, self.cols
+        if r1 - r0 == 1:  # part of one row: contiguous
+            i = self.start + r0 * self.width + c0 - base
+            return flat[i:i + c1 - c0]
+        i = self.start + r0 * self.width - base  # whole rows of the block: its columns c0:c1
+        return flat[i:i + (r1 - r0) * self.width].reshape(r1 - r0, self.width)[:, c0:c1]
+
+    def take(self, flat, base):
+        """The piece's values from `flat`, a flat buffer's elements [base, base + len(flat))."""
+        return self._region(flat, base).reshape(self.shape)
+
+    def put(self, flat, base, values):
+        """Store the piece's values into `flat` (elements [base, ...) of a flat buffer)."""
+        region = self._region(flat, base)
+        region[...] = np.asarray(values).reshape(region.shape)
+
+
+def _rects(rows, width, a, b):
+    """The flat range [a, b) of a [rows, width] matrix as rectangles (r0, r1, c0, c1): a partial first
+    row, whole rows, a partial last row."""
+    r0, c0 = divmod(a, width)
+    r1, c1 = divmod(b, width)
+    if r0 == r1:
+        return [(r0, r0 + 1, c0, c1)] if c1 > c0 else []
+    out = []
+    if c0:
+        out.append((r0, r0 + 1, c0, width))
+        r0 += 1
+    if r1 > r0:
+        out.append((r0, r1, 0, width))
+    if c1:
+        out.append((r1, r1 + 1, 0, c1))
+    return out
+
+
+def block_pieces(members, start, stop, lo, hi):
+    """The Pieces of a flat-buffer block [start, stop) (its parameters `members`, side by side when a
+    group) that fall in the flat range [lo, hi)."""
+    a, b = max(start, lo), min(stop, hi)
+    if a >= b:
+        return []
+    matrix = len(members[0].local_shape) == 2
+    rows = members[0].local_shape[0] if matrix else 1
+    width = (stop - start) // rows
+    out, col = [], 0
+    for s in members:
+        w, index = (s.local_shape[1] if matrix else s.local_numel), 0
+        origin = [lo_ for lo_, _ in local_box(s)]  # the shard's place in the global tensor
+        for r0, r1, c0, c1 in _rects(rows, width, a - start, b - start):
+            x0, x1 = max(c0, col), min(c1, col + w)
+            if x0 >= x1:
+                continue
+            local = ((r0, r1), (x0 - col, x1 - col)) if matrix else ((x0 - col, x1 - col),)
+            box = tuple((p + o, q + o) for (p, q), o in zip(local, origin))
+            out.append(Piece(s.name, index, box, start, width, (r0, r1), (x0, x1)))
+            index += 1
+        col += w
+    return out
+
+
+def write_range(n_local, dp, dp_rank):
+    """The part [lo, hi) of a (tp, pp) rank's flat buffer that data-parallel rank `dp_rank` writes: the
+    same near-equal split as ZeRO-1's optimizer slices, so every rank writes what its optimizer owns
+    and the dp replicas of one shard share the writing."""
+    return split_range(n_local, dp, dp_rank)
+
+
+def rank_pieces(cfg, tp_rank, pp_stage, dp_rank):
+    """(lo, hi, [Piece]): what rank (tp_rank, pp_stage, dp_rank) of `cfg`'s layout writes. Tensors
+    replicated over tp are written by tp rank 0 only; every element of every global tensor is written
+    by exactly one rank."""
+    blocks = flat_blocks(param_specs(cfg, tp_rank, pp_stage))
+    n = blocks[-1][2] if blocks else 0
+    lo, hi = write_range(n, cfg.parallel.dp, dp_rank)
+    pieces = []
+    for members, a, b in blocks:
+        if members[0].tp_replicated and tp_rank != 0:  # replicated tensors are blocks of their own
+            continue
+        pieces += block_pieces(members, a, b, lo, hi)
+    return lo, hi, pieces
+
+
+def rank_file_name(tp_rank, pp_stage, dp_rank):
+    return f"rank-tp{tp_rank}-pp{pp_stage}-dp{dp_rank}.h5"
+
+
+class RankState(NamedTuple):
+    """What one rank hands to `save`: its grid coordinates (tp, pp, dp), and host arrays over its write
+    range [base, base + len): the parameters and the two AdamW moments of those flat elements."""
+    coords: tuple
+    base: int
+    params: np.ndarray
+    m: np.ndarray
+    v: np.ndarray
+
+    @property
+    def nbytes(self):
+        return int(self.params.nbytes + self.m.nbytes + self.v.nbytes)
+
+
+def rank_state(engine, optimizer, copy=False):
+    """This rank's RankState: views of its write range (`copy=True`: a snapshot that training may run on
+    beside, for an asynchronous save)."""
+    from boostmpi.backend import to_numpy
+
+    c = engine.grid.coords
+    lo, hi = write_range(engine.params.size, engine.grid.dp_size, c.dp)
+    o_lo = optimizer.shard[0]  # the optimizer's slice always covers the write range
+
+    def host(a):
+        a = to_numpy(a)
+        return np.array(a, copy=True) if copy else a
+
+    return RankState((c.tp, c.pp, c.dp), lo, host(engine.params.data[lo:hi]), host(optimizer.m[lo - o_lo:hi - o_lo]),
+                     host(optimizer.v[lo - o_lo:hi - o_lo]))
+
+
+def global_rank_states(cfg, tensors, moments):
+    """The RankState of every rank of `cfg`'s layout, cut from global tensors (name -> array) and moments
+    ({name: m}, {name: v}): for writing a checkpoint of any layout from one process."""
+    out = []
+    for t in range(cfg.parallel.tp):
+        for st in range(cfg.parallel.pp):
+            specs = param_specs(cfg, t, st)
+            flats = []
+            for source in (tensors, *moments):
+                buffer = FlatBuffer(specs, np.asarray(source[specs[0].name]).dtype)  # the engine's layout
+                read_params(source, specs, buffer)
+                flats.append(buffer.data)
+            for d in range(cfg.parallel.dp):
+                lo, hi = write_range(flats[0].size, cfg.parallel.dp, d)
+                out.append(RankState((t, st, d), lo, *(f[lo:hi] for f in flats)))
+    return out
+
+
+def write_rank_file(path, cfg, state, step):
+    """One rank's file: `model/<name>/<i>`, `m/<name>/<i>`, `v/<name>/<i>` for each of its pieces,
+    each dataset carrying its global box."""
+    import h5py
+
+    lo, hi, pieces = rank_pieces(cfg, *state.coords)
+    if (lo, hi) != (state.base, state.base + state.params.size):
+        raise ValueError(f"rank {state.coords} hands over elements [{state.base}, {state.base + state.params.size}) "
+                         f"but writes [{lo}, {hi})")
+    with h5py.File(path, "w") as f:
+        f.attrs["format"] = FORMAT
+        f.attrs["step"] = int(step)
+        f.attrs["coords"] = np.asarray(state.coords, dtype=np.int64)
+        for group, flat in (("model", state.params), ("m", state.m), ("v", state.v)):
+            for p in pieces:
+                ds = f.create_dataset(f"{group}/{p.key}", data=p.take(flat, lo))
+                ds.attrs["box"] = np.asarray(p.box, dtype=np.int64)
+
+
+def write_virtual_files(folder, cfg, step, adam_t, dtype):
+    """model.h5 and optim.h5: every global tensor as an HDF5 virtual dataset over the rank files, by
+    relative file names (the folder can be moved or copied); the fill value NaN marks an element no
+    source covers, which a complete checkpoint never has."""
+    import h5py
+
+    par = cfg.parallel
+    layouts = {}
+    for t in range(par.tp):
+        for st in range(par.pp):
+            for d in range(par.dp):
+                source = rank_file_name(t, st, d)
+                for p in rank_pieces(cfg, t, st, d)[2]:
+                    layouts.setdefault(p.name, []).append((source, p))
+    shapes = {s.name: s.global_shape for s in all_global_specs(cfg)}
     config_json = json.dumps(cfg.to_dict(), sort_keys=True)
-    opt = {f"m/{k}": v for k, v in moments[0].items()}
-    opt.update({f"v/{k}": v for k, v in moments[1].items()})
-    sizes = [h5_size_estimate(model_tensors, len(config_json)), h5_size_estimate(opt), 64 << 10]
-    needed = sum(sizes)
-    kept = "the previous checkpoint and `latest` are unchanged"
-    try:
-        check_space(root, needed, f"cannot write checkpoint {name} into", largest_file=max(sizes))
-    except FilesystemError as exc:
-        raise FilesystemError(f"{exc}; nothing was written, {kept}") from None
-    tmp = os.path.join(root, f".{name}.tmp-{os.getpid()}")
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        write_h5(os.path.join(tmp, "model.h5"), model_tensors,
-                 {"format": FORMAT, "format_version": FORMAT_VERSION, "step": int(step), "config": config_json})
-        if crash_hook:
-            crash_hook("model.h5")
-        write_h5(os.path.join(tmp, "optim.h5"), opt, {"format": FORMAT, "step": int(step), "t": int(adam_t)})
-        with atomic_file(os.path.join(tmp, "state.json")) as f:
-            json.dump(dict(state, step=int(step)), f, indent=1, sort_keys=True)
+    files = (("model.h5", ("model",), {"format": FORMAT, "format_version": FORMAT_VERSION, "step": int(step),
+                                      "config": config_json}),
+             ("optim.h5", ("m", "v"), {"format": FORMAT, "step": int(step), "t": int(adam_t)}))
+    for file_name, groups, attrs in files:
+        with h5py.File(os.path.join(folder, file_name), "w") as f:
+            for k, v in attrs.items():
+                f.attrs[k] = v
+            for group in groups:
+                for name, shape in shapes.items():
+                    layout = h5py.VirtualLayout(shape=shape, dtype=dtype)
+                    for source, p in layouts[name]:
+                        layout[tuple(slice(a, b) for a, b in p.box)] = h5py.VirtualSource(
+                            source, f"{group}/{p.key}", shape=p.shape)
+                    target = name if group == "model" else f"{group}/{name}"
+                    f.create_virtual_dataset(target, layout, fillvalue=np.nan)
+
+
+def _file_record(path):
+    _fsync_file(path)
+    return {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+
+
+def estimate_bytes(cfg, itemsize):
+    """Upper estimates (whole checkpoint, largest file) of the bytes a checkpoint of `cfg`'s layout needs:
+    every rank file (parameters and two moments of its pieces, HDF5 metadata per dataset), the virtual
+    files and state.json."""
+    par = cfg.parallel
+    total, largest = H5_BYTES_PER_FILE * 3, 0
+    for t in range(par.tp):
+        for st in range(par.pp):
+            for d in range(par.dp):
+                lo, hi, pieces = rank_pieces(cfg, t, st, d)
+                size = 3 * sum(p.size for p in pieces) * itemsize + 3 * H5_BYTES_PER_DATASET * len(pieces)
+                size += H5_BYTES_PER_FILE
+                total, largest = total + size + 6 * H5_BYTES_PER_DATASET * len(pieces), max(largest, size)
+    return total, largest
+
+
+class _Agreement:
+    """Collective verdicts of a save over `comm` (None: one process). `check(error)` raises the first
+    error any rank met, on every rank, as the same one-line UserError."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def bcast(self, value):
+        return value if self.comm is None else self.comm.bcast(value, root=0)
+
+    def gather(self, value):
+        return [value] if self.comm is None else self.comm.gather(value, root=0)
+
+    def check(self, error):
+        errors = [error] if self.comm is None else self.comm.allgather(error)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise _raised(first)
+
+
+def _failure(exc, name, root, needed, kept):
+    """(class name, one-line message) of an exception met while writing checkpoint `name`."""
+    os_exc = _os_error_of(exc)
+    if os_exc is None:
+        return ("CheckpointError", f"cannot write checkpoint {name}: {type(exc).__name__}: {exc}; {kept}")
+    error = fs_error(os_exc, f"cannot write checkpoint {name} into", root, needed=needed)
+    return ("FilesystemError", f"{error}; the partial checkpoint is removed, {kept}")
+
+
+class PendingSave:
+    """One checkpoint on its way, in three phases: the constructor (collective: rank 0 checks the free
+    space and makes the temporary folder), `write()` (this rank's files only, no communication: it can
+    run in a background thread while training goes on, from a snapshot) and `finish()` (collective: rank
+    0 publishes the checkpoint once every rank reported its file complete, or everyone raises the first
+    failure). `save` runs the three in a row."""
+
+    KEPT = "the previous checkpoint and `latest` are unchanged"
+
+    def __init__(self, run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, crash_hook=None, log=None):
+        self.run_dir, self.step, self.cfg, self.states, self.adam_t, self.state = run_dir, step, cfg, states, adam_t, state
+        self.comm, self.keep, self.crash_hook, self.log = comm, keep, crash_hook, log
+        self.agree = _Agreement(comm)
+        self.is_root = comm is None or comm.Get_rank() == 0
+        self.root = checkpoints_dir(run_dir)
+        self.name = step_dir_name(step)
+        self.final = os.path.join(self.root, self.name)
+        self.needed, largest = estimate_bytes(cfg, states[0].params.itemsize)
+        self.records, self.error, self.written = {}, None, False
+        tmp, error = None, None
+        if self.is_root:
+            try:
+                make_dirs(self.root, "checkpoint folder")
+                try:
+                    check_space(self.root, self.needed, f"cannot write checkpoint {self.name} into", largest_file=largest)
+                except FilesystemError as exc:
+                    raise FilesystemError(f"{exc}; nothing was written, {self.KEPT}") from None
+                tmp = os.path.join(self.root, f".{self.name}.tmp-{os.getpid()}")
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+            except UserError as exc:
+                error = (type(exc).__name__, str(exc))
+        self.tmp, error = self.agree.bcast((tmp, error))
+        self.agree.check(error)
+
+    @property
+    def nbytes(self):
+        """Bytes of the arrays this save writes from (a snapshot's memory, when it is one)."""
+        return sum(st.nbytes for st in self.states)
+
+    def write(self):
+        """This rank's files: written, fsynced, size and SHA-256 recorded; a failure is kept for `finish`."""
+        try:
+            for st in self.states:
+                path = os.path.join(self.tmp, rank_file_name(*st.coords))
+                write_rank_file(path, self.cfg, st, self.step)
+                self.records[os.path.basename(path)] = _file_record(path)
+            if self.crash_hook:
+                self.crash_hook("rank file")
+        except Exception as exc:  # noqa: BLE001 -- reported on every rank by finish()
+            self.error = _failure(exc, self.name, self.root, self.needed, self.KEPT)
+        self.written = True
+
+    def finish(self):
+        """Publish the checkpoint (collective); returns its folder, or raises on every rank."""
+        gathered = self.agree.gather((self.records, self.error))
+        verdict = None
+        if self.is_root:
+            try:
+                self._publish_on_root(gathered)
+            except BaseException as exc:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                failure = _failure(exc, self.name, self.root, self.needed, self.KEPT)
+                if isinstance(exc, UserError):
+                    verdict = (type(exc).__name__, str(exc))
+                elif isinstance(exc, Exception) and (self.comm is not None or _os_error_of(exc) is not None):
+                    verdict = failure
+                else:  # an interrupt (or, on one process, a crash a test simulates) goes up as it is
+                    if self.comm is not None:
+                        self.agree.bcast(failure)  # the others stop too
+                    raise
+        self.agree.check(self.agree.bcast(verdict))
+        return self.final
+
+    def _publish_on_root(self, gathered):
+        cfg, tmp, name = self.cfg, self.tmp, self.name
+        errors = [e for _, e in gathered if e is not None]
+        if errors:
+            raise _raised(errors[0])
         marker = {}
+        for r, _ in gathered:
+            marker.update(r)
+        expected = {rank_file_name(t, st, d) for t in range(cfg.parallel.tp) for st in range(cfg.parallel.pp)
+                    for d in range(cfg.parallel.dp)}
+        if set(marker) != expected:
+            raise CheckpointError(f"cannot write checkpoint {name}: rank files {sorted(expected - set(marker))} "
+                                  f"were not reported; {self.KEPT}")
+        for file_name, record in marker.items():  # every rank's file is there, as its writer recorded it
+            if os.path.getsize(os.path.join(tmp, file_name)) != record["bytes"]:
+                raise CheckpointError(f"cannot write checkpoint {name}: {file_name} is not the size its rank "
+                                      f"wrote; {self.KEPT}")
+        write_virtual_files(tmp, cfg, self.step, self.adam_t, self.states[0].params.dtype)
+        if self.crash_hook:
+            self.crash_hook("model.h5")
+        with atomic_file(os.path.join(tmp, "state.json")) as f:
+            json.dump(dict(self.state, step=int(self.step)), f, indent=1, sort_keys=True)
         for file_name in FILES:
-            path = os.path.join(tmp, file_name)
-            _fsync_file(path)
-            marker[file_name] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
-        if crash_hook:
-            crash_hook("marker")
+            marker[file_name] = _file_record(os.path.join(tmp, file_name))
+        if self.crash_hook:
+            self.crash_hook("marker")
         with atomic_file(os.path.join(tmp, MARKER)) as f:
-            json.dump(marker, f, indent=1)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os_exc = _os_error_of(exc)
-        if os_exc is None:
-            raise
-        error = fs_error(os_exc, f"cannot write checkpoint {name} into", root, needed=needed)
-        raise FilesystemError(f"{error}; the partial checkpoint is removed, {kept}") from exc
+            json.dump(marker, f, indent=1, sort_keys=True)
+        _publish(self.run_dir, tmp, self.final, self.step, self.keep, self.log)
+
+
+def save(run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, crash_hook=None, log=None):
+    """Write checkpoint `step`, collectively over `comm` (every rank calls it; None: one process, which
+    writes every RankState in `states`). Returns the folder on every rank.
+
+    Every rank writes its own file `rank-tp<t>-pp<s>-dp<d>.h5` into a hidden temporary folder, at the
+    same time as the others, fsyncs it and records its size and SHA-256. Rank 0 then writes model.h5 and
+    optim.h5 (virtual datasets over the rank files) and state.json, and only when every rank reported a
+    complete file writes COMPLETE (every file's size and SHA-256), renames the folder into place and
+    replaces `latest`. A failure on any rank (a full disk, an exception) removes the temporary folder and
+    raises the same one-line error on every rank; the previous checkpoint and `latest` are untouched.
+    A complete folder of the same step belongs to another timeline and is moved aside, never reused.
+    `crash_hook(stage)` lets tests fail at "rank file", "model.h5" or "marker"; `log(line)` receives what
+    the save did besides writing.
+    """
+    pending = PendingSave(run_dir, step, cfg, states, adam_t, state, comm, keep, crash_hook, log)
+    pending.write()
+    return pending.finish()
+
+
+def _raised(error):
+    """The UserError of a (class name, message) verdict, marked as raised on every rank."""
+    exc = {c.__name__: c for c in (FilesystemError, CheckpointError)}.get(error[0], CheckpointError)(error[1])
+    exc.all_ranks = True
+    return exc
+
+
+def _publish(run_dir, tmp, final, step, keep, log):
+    """Rename a complete temporary folder into place, point `latest` at it, prune to `keep`."""
+    root, name = checkpoints_dir(run_dir), os.path.basename(final)
     if is_complete(final):  # another timeline's checkpoint of this step: moved aside, never reused
         moved = move_aside(run_dir, [final], f"replaced by a new checkpoint of step {step}")
         if log:
@@ -161,7 +501,31 @@ def save(run_dir, step, cfg, model_tensors, moments, adam_t, state, keep=0, cras
     if keep > 0:
         for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    return final
+
+
+def save_global(run_dir, step, cfg, tensors, moments, adam_t, state, **kwargs):
+    """`save` from one process, for `cfg`'s layout, of global tensors and moments ({name: m}, {name: v})."""
+    return save(run_dir, step, cfg, global_rank_states(cfg, tensors, moments), adam_t, state, **kwargs)
+
+
+def write_consolidated(path, ckpt_dir):
+    """A single-file copy of a checkpoint's model.h5 at `path`: the same attributes, every tensor stored
+    in the file itself (no virtual datasets), for sharing one file."""
+    import h5py
+
+    src, _, _ = open_model(ckpt_dir)
+    try:
+        with atomic_file(path, "wb") as out, h5py.File(out, "w") as f:
+            for k, v in src.attrs.items():
+                f.attrs[k] = v
+
+            def copy(name, obj):
+                if isinstance(obj, h5py.Dataset):
+                    f.create_dataset(name, data=obj[()])
+
+            src.visititems(copy)
+    finally:
+        src.close()
 
 
 def write_latest(run_dir, name):
@@ -292,14 +656,25 @@ def resolve(path):
     return path
 
 
-def verify(ckpt_dir, files=FILES):
-    """Check sizes and SHA-256 against the COMPLETE marker; a truncated or altered file is refused by name."""
+def recorded_files(ckpt_dir):
+    """The files the COMPLETE marker records (the three global files and every rank file), sorted."""
     try:
         with open(os.path.join(ckpt_dir, MARKER)) as f:
             marker = json.load(f)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint marker {os.path.join(ckpt_dir, MARKER)} is unreadable: {exc}") from exc
-    for name in files:
+    if not isinstance(marker, dict):
+        raise CheckpointError(f"checkpoint marker {os.path.join(ckpt_dir, MARKER)} is not a table of files")
+    return marker
+
+
+def verify(ckpt_dir, files=None, part=(0, 1)):
+    """Check sizes and SHA-256 against the COMPLETE marker (every recorded file, or `files`); a truncated,
+    altered or missing file is refused by name. `part = (i, n)` checks every n-th file from the i-th, so
+    n ranks verify a checkpoint together."""
+    marker = recorded_files(ckpt_dir)
+    names = sorted(marker) if files is None else list(files)
+    for name in names[part[0]::part[1]]:
         path = os.path.join(ckpt_dir, name)
         if name not in marker:
             continue
@@ -312,13 +687,25 @@ def verify(ckpt_dir, files=FILES):
             raise CheckpointError(f"{path} is corrupted: its SHA-256 does not match the one recorded when it was written")
 
 
+def verify_together(ckpt_dir, comm=None):
+    """`verify` collectively over `comm`, each rank checking its share of the files; a problem found by
+    any rank is raised on every rank."""
+    rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
+    error = None
+    try:
+        verify(ckpt_dir, part=(rank, size))
+    except CheckpointError as exc:
+        error = ("CheckpointError", str(exc))
+    _Agreement(comm).check(error)
+
+
 def open_model(ckpt_dir, check=True):
     """(h5py.File of model.h5, its step, its config dict), verified unless check=False."""
     import h5py
 
     path = os.path.join(ckpt_dir, "model.h5")
-    if check:
-        verify(ckpt_dir, files=("model.h5",))
+    if check:  # model.h5 and the rank files its virtual datasets read
+        verify(ckpt_dir, files=[n for n in recorded_files(ckpt_dir) if n not in ("optim.h5", "state.json")])
     try:
         f = h5py.File(path, "r")
     except OSError as exc:
@@ -347,5 +734,41 @@ def model_mismatch(saved_model, model):
     return None
 
 
-def as_numpy(group, name):
-    return np.asarray(group[name])
+# ------------------------------------------------------------------ reading, under any layout
+def read_params(tensors, specs, buffer, xp=np):
+    """Fill this rank's shards of FlatBuffer `buffer` from global tensors: model.h5 (an h5py File, whose
+    virtual datasets read only the hyperslab asked for from the rank files holding it) or a dict."""
+    for s in specs:
+        buffer[s.name][...] = xp.asarray(np.asarray(tensors[s.name][s.local_slice()]), dtype=buffer.data.dtype)
+
+
+def read_moments(optim_h5, params, optimizer, xp=np):
+    """Fill the AdamW moments of the optimizer's slice [lo, hi) of the flat buffer (laid out like the
+    FlatBuffer `params`) from optim.h5, reading for each parameter only the boxes that fall in the
+    slice; sets the optimizer's step count."""
+    lo, hi = optimizer.shard
+    host = {"m": np.empty(hi - lo, dtype=optimizer.m.dtype), "v": np.empty(hi - lo, dtype=optimizer.v.dtype)}
+    for members, a, b in params.blocks:
+        for p in block_pieces(members, a, b, lo, hi):
+            index = tuple(slice(x, y) for x, y in p.box)
+            for which, out in host.items():
+                p.put(out, lo, optim_h5[f"{which}/{p.name}"][index])
+    optimizer.m[...] = xp.asarray(host["m"])
+    optimizer.v[...] = xp.asarray(host["v"])
+    optimizer.t = int(optim_h5.attrs["t"])
+
+
+def load(ckpt_dir, specs, params, optimizer=None, xp=np):
+    """This rank's parameters (FlatBuffer `params`) and, with `optimizer`, its moments and step count,
+    from a checkpoint written under any layout. Returns (step, state.json's content)."""
+    import h5py
+
+    f, step, _ = open_model(ckpt_dir, check=False)
+    try:
+        read_params(f, specs, params, xp)
+    finally:
+        f.close()
+    if optimizer is not None:
+        with h5py.File(os.path.join(ckpt_dir, "optim.h5"), "r") as fo:
+            read_moments(fo, params, optimizer, xp)
+    return step, read_state(ckpt_dir)

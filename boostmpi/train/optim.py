@@ -28,43 +28,73 @@ def clip_coefficient(grad_norm, max_norm):
 
 
 class AdamW:
-    """One update over the whole flat parameter buffer per step (four vector operations, no loop over tensors)."""
+    """One update over a slice of the flat parameter buffer per step (four vector operations, no loop
+    over tensors). `shard = (lo, hi)` is the slice this rank updates: the whole buffer, or under ZeRO-1
+    its data-parallel share; the moments `m`, `v` exist for that slice only (flat arrays of hi - lo)."""
 
-    def __init__(self, params, specs, tr, xp=np):
+    def __init__(self, params, specs, tr, xp=np, shard=None):
         self.params, self.tr, self.xp = params, tr, xp
-        self.m = FlatBuffer(specs, params.data.dtype, xp)
-        self.v = FlatBuffer(specs, params.data.dtype, xp)
-        mask = np.zeros(params.size, dtype=params.data.dtype)
+        self.shard = (0, params.size) if shard is None else tuple(shard)
+        lo, hi = self.shard
+        self.m = touched(xp.empty(hi - lo, dtype=params.data.dtype))
+        self.v = touched(xp.empty(hi - lo, dtype=params.data.dtype))
+        mask = np.zeros(hi - lo, dtype=params.data.dtype)
         for s in specs:
             if s.decay:
-                a, b = params.spans[s.name]  # a grouped block holds only decayed matrices
-                mask[a:b] = 1.0
-        self.decay_mask = xp.asarray(mask)
+                a, b = params.spans[s.name]  # its block (a grouped block holds only decayed matrices)
+                a, b = max(a, lo), min(b, hi)
+                if a < b:
+                    mask[a - lo:b - lo] = 1.0
+        self.decay_mask = xp.asarray(mask)  # written above: its pages are in
         self.t = 0  # updates taken (for bias correction)
-        self._scratch = xp.empty_like(params.data)
+        self._scratch = touched(xp.empty_like(self.m))
+        # the clipped gradient (clipping may start at any step: made now, not inside the first one)
+        self._scaled = touched(xp.empty_like(self.m)) if tr.grad_clip > 0 else None
+
+    @property
+    def nbytes(self):
+        """Bytes of optimizer state this rank holds (the two moments of its slice)."""
+        return int(self.m.nbytes + self.v.nbytes)
 
     def step(self, grads, lr, grad_scale=1.0):
+        """`grads`: a FlatBuffer laid out like the parameters, or the flat gradient of the slice."""
         xp, tr = self.xp, self.tr
         self.t += 1
-        p, m, v, g = self.params.data, self.m.data, self.v.data, grads.data
-        if grad_scale != 1.0:
-            g = g * g.dtype.type(grad_scale)
+        lo, hi = self.shard
+        g = grads.data[lo:hi] if isinstance(grads, FlatBuffer) else grads
+        p, m, v, tmp = self.params.data[lo:hi], self.m, self.v, self._scratch
+        # every operation in place or into the scratch buffer: no full-size temporary per step (a large
+        # one is a fresh mmap every time, whose pages fault in again); the same roundings as the
+        # textbook expressions in the comments
+        if grad_scale != 1.0:  # g = g * scale
+            if self._scaled is None:
+                self._scaled = touched(xp.empty_like(m))
+            g = xp.multiply(g, g.dtype.type(grad_scale), out=self._scaled)
         b1, b2 = tr.beta1, tr.beta2
-        m *= b1
-        m += (1.0 - b1) * g
-        v *= b2
-        tmp = self._scratch
+        m *= b1  # m = b1 m + (1 - b1) g
+        xp.multiply(g, 1.0 - b1, out=tmp)
+        m += tmp
+        v *= b2  # v = b2 v + (1 - b2) g^2
         xp.multiply(g, g, out=tmp)
         tmp *= 1.0 - b2
         v += tmp
         bc1 = 1.0 - b1 ** self.t
         bc2 = 1.0 - b2 ** self.t
         # p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)   (decoupled decay, matrices only)
-        if tr.weight_decay:
-            p -= (lr * tr.weight_decay) * self.decay_mask * p
+        if tr.weight_decay:  # p -= (lr wd) mask p
+            xp.multiply(self.decay_mask, lr * tr.weight_decay, out=tmp)
+            tmp *= p
+            p -= tmp
         xp.sqrt(v, out=tmp)
         tmp /= math.sqrt(bc2)
         tmp += tr.adam_eps
         xp.divide(m, tmp, out=tmp)
         tmp *= lr / bc1
         p -= tmp
+
+
+def touched(array):
+    """`array` with every page written once: the first step does not pay the page faults of buffers
+    that live for the whole run (zeros from calloc are not yet backed by memory)."""
+    array.fill(0)
+    return array

@@ -6,6 +6,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -17,7 +18,7 @@ from boostmpi.files import FilesystemError, atomic_file, check_dir_creatable, fo
 from boostmpi.parallel.comm import AXES
 from boostmpi.parallel.engine import Engine
 from boostmpi.train import checkpoint as ckpt
-from boostmpi.train.optim import AdamW, clip_coefficient, learning_rate
+from boostmpi.train.optim import AdamW, learning_rate
 
 
 def resolve_data(cfg):
@@ -89,9 +90,11 @@ class Trainer:
         self.is_root = self.rank == 0
         tr = cfg.train
         self.run_dir = tr.run_dir
-        self.optimizer = AdamW(e.params, e.specs, tr, e.xp)
+        self.optimizer = AdamW(e.params, e.specs, tr, e.xp, shard=e.shard)
         self.step = 0
         self.resumed_from = None
+        self._in_flight = None  # (PendingSave, writer thread) of an asynchronous checkpoint
+        self.snapshot_bytes = 0  # memory of the last asynchronous checkpoint's snapshot
         self._root_decides(lambda: check_dir_creatable(self.run_dir, "train.run_dir"))
         V, T = cfg.model.vocab_size, cfg.model.seq_len
 
@@ -156,9 +159,7 @@ class Trainer:
                 raise UserError(f"{self.run_dir} already holds a run (metrics.jsonl) but no complete checkpoint to resume; "
                                 f"choose another train.run_dir or remove it")
             return None
-        path = ckpt.resolve(path)
-        ckpt.verify(path)  # sizes and SHA-256, once, not on every rank
-        return path
+        return ckpt.resolve(path)
 
     def _resume(self, resume):
         """Continue from `resume` (a path), or automatically from the run's latest complete checkpoint."""
@@ -166,23 +167,16 @@ class Trainer:
         path = self.engine.grid.host.bcast(path)
         if path is None:
             return
+        ckpt.verify_together(path, self.world)  # sizes and SHA-256 of every file, shared among the ranks
         f, step, saved_cfg = ckpt.open_model(path, check=False)
-        try:
-            mismatch = ckpt.model_mismatch(saved_cfg.get("model", {}), self.cfg.to_dict()["model"])
-            if mismatch:  # every rank reads the same attribute: each raises, rank 0 prints
-                err = CheckpointError(f"cannot resume from {path}: {mismatch}")
-                err.all_ranks = True
-                raise err
-            self.engine.load_global(self.engine.params, f)
-        finally:
-            f.close()
-        import h5py
-
-        with h5py.File(os.path.join(path, "optim.h5"), "r") as fo:
-            self.engine.load_global(self.optimizer.m, fo["m"])
-            self.engine.load_global(self.optimizer.v, fo["v"])
-            self.optimizer.t = int(fo.attrs["t"])
-        state = ckpt.read_state(path)
+        f.close()
+        mismatch = ckpt.model_mismatch(saved_cfg.get("model", {}), self.cfg.to_dict()["model"])
+        if mismatch:  # every rank reads the same attribute: each raises, rank 0 prints
+            err = CheckpointError(f"cannot resume from {path}: {mismatch}")
+            err.all_ranks = True
+            raise err
+        e = self.engine
+        step, state = ckpt.load(path, e.specs, e.params, self.optimizer, e.xp)
         self._check_global_batch(path, saved_cfg)
         try:
             self.loader.load_state_dict(state["data"])
@@ -215,21 +209,45 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoint
     def save_checkpoint(self):
-        e = self.engine
-        params = e.gather_global(e.params)
-        m = e.gather_global(self.optimizer.m)
-        v = e.gather_global(self.optimizer.v)
+        """Every rank writes its own pieces at once (checkpoint.save); a failure on any rank (a full
+        disk) ends every rank with the same one-line error, the previous checkpoint untouched.
 
-        def write():
+        With `checkpoint.async = true` the ranks take a snapshot of what they write (its bytes are
+        reported as memory.checkpoint_snapshot), rank 0 prepares the folder, and a background thread
+        writes each rank's file while training goes on; `poll_async_save` publishes it at a later step
+        boundary. At most one save is in flight: a new one first waits for the previous one."""
+        self.poll_async_save(wait=True)
+        par, asynchronous = self.cfg.parallel, self.cfg.checkpoint.async_
+        state = None
+        if self.is_root:
             state = {"data": self.loader.state_dict(), "seed": self.cfg.train.seed,
-                     "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "dp": self.cfg.parallel.dp,
-                                "tp_mode": self.cfg.parallel.tp_mode}}
-            path = ckpt.save(self.run_dir, self.step, self.cfg, params, (m, v), self.optimizer.t, state,
-                             keep=self.cfg.checkpoint.keep, log=self.log)
-            self.log(f"checkpoint {path}")
+                     "layout": {"tp": par.tp, "pp": par.pp, "dp": par.dp, "tp_mode": par.tp_mode,
+                                "zero_stage": par.zero_stage}}
+        states = [ckpt.rank_state(self.engine, self.optimizer, copy=asynchronous)]
+        args = (self.run_dir, self.step, self.cfg, states, self.optimizer.t, state)
+        kwargs = dict(comm=self.world, keep=self.cfg.checkpoint.keep, log=self.log)
+        if not asynchronous:
+            self.log(f"checkpoint {ckpt.save(*args, **kwargs)}")
+            return
+        pending = ckpt.PendingSave(*args, **kwargs)
+        self.snapshot_bytes = pending.nbytes
+        thread = threading.Thread(target=pending.write, name="boostmpi-checkpoint", daemon=True)
+        thread.start()
+        self._in_flight = (pending, thread)
 
-        # a save that fails on rank 0 (a full disk) ends every rank with the same one-line error
-        self._root_decides(write)
+    def poll_async_save(self, wait=False):
+        """Publish the asynchronous save in flight once every rank has written its file (collective;
+        with `wait`, first wait for this rank's writer). A write that failed on any rank stops every
+        rank with its one-line error; the previous checkpoint stays the latest."""
+        if self._in_flight is None:
+            return
+        pending, thread = self._in_flight
+        if wait:
+            thread.join()
+        if self.engine.grid.host.sum([0.0 if pending.written else 1.0])[0] > 0:
+            return  # some rank is still writing: look again at the next step boundary
+        self._in_flight = None
+        self.log(f"checkpoint {pending.finish()}")
 
     # ------------------------------------------------------------------ validation
     def validate(self):
@@ -266,8 +284,7 @@ class Trainer:
                 if not math.isfinite(loss):
                     raise TrainingDiverged(f"the loss became {loss} at step {step + 1}; the last checkpoint is kept intact "
                                            f"(lower train.lr or raise train.warmup_steps)")
-                gnorm = e.grad_norm()
-                self.optimizer.step(e.grads, lr, clip_coefficient(gnorm, tr.grad_clip))
+                gnorm = e.optimizer_step(self.optimizer, lr, tr.grad_clip)
                 dt = time.perf_counter() - t0
                 self.step = step + 1
                 steps_done += 1
@@ -295,12 +312,15 @@ class Trainer:
                     self.log(f"step {self.step:>6d}/{tr.steps} | loss {loss:.4f}{val} | lr {lr:.2e} | "
                              f"{tokens_per_step / dt:,.0f} tok/s | elapsed {format_duration(elapsed)} | eta {format_duration(eta)}",
                              live=not want_val and self.step != tr.steps)
+                self.poll_async_save(wait=self.step == tr.steps)
                 every = cfg.checkpoint.every
                 if (every and self.step % every == 0) or self.step == tr.steps:
                     self.save_checkpoint()
+                    self.poll_async_save(wait=self.step == tr.steps)
                 if stop:
                     if not (every and self.step % every == 0) and self.step != tr.steps:
                         self.save_checkpoint()
+                    self.poll_async_save(wait=True)
                     self.log(f"stopped by signal at step {self.step}: checkpoint written, resume by running the same command "
                              f"({self.preemption.name()}; exit status {STOPPED_EARLY_EXIT})")
                     return {"step": self.step, "preempted": True, "val_loss": last_val}
@@ -327,10 +347,11 @@ class Trainer:
     def _memory(self):
         e = self.engine
         item = e.params.data.dtype.itemsize
-        mine = np.array([e.params.size * item, e.grads.size * item, 2 * e.params.size * item,
-                         e.saved_activation_bytes, peak_memory_bytes(e.xp)], dtype=np.float64)
+        grads = e.grads.size * item + (e.grad_shard.nbytes if e.sharded else 0)  # + the reduce-scattered slice
+        mine = np.array([e.params.size * item, grads, self.optimizer.nbytes,
+                         e.saved_activation_bytes, self.snapshot_bytes, peak_memory_bytes(e.xp)], dtype=np.float64)
         mine = self.engine.grid.host.max(mine)
-        keys = ("params", "grads", "optimizer", "activations_saved", "peak")
+        keys = ("params", "grads", "optimizer", "activations_saved", "checkpoint_snapshot", "peak")
         return {k: int(v) for k, v in zip(keys, mine)}  # the largest rank's figure for each
 
     def _memory_line(self, mem):
