@@ -45,7 +45,11 @@ def step(arch, device, dtype, parallel=None, train=None, world=None):
     from boostmpi.parallel.engine import Engine
 
     cfg = config(arch, device, dtype, parallel, train)
-    eng = Engine(cfg, world)
+    # one node: the local rank is the world rank, so each rank has its own (emulated) GPU
+    local_rank = 0 if world is None else _world_rank()
+    eng = Engine(cfg, world, local_rank=local_rank)
+    if device == "gpu" and world is not None and not eng.grid.use_nccl:
+        raise AssertionError("a multi-rank GPU run did not choose NCCL (parallel.comm = auto)")
     micro = batches()
     if cfg.parallel.dp > 1:  # data-parallel rank r takes micro-batch r: the same global batch
         micro = [micro[eng.grid.coords.dp]]
@@ -56,6 +60,12 @@ def step(arch, device, dtype, parallel=None, train=None, world=None):
         return loss, {s.name: to_numpy(eng.grads[s.name]).astype(np.float64) for s in eng.specs}
     grads = eng.gather_global(eng.grads)
     return None if grads is None else (loss, {k: v.astype(np.float64) for k, v in grads.items()})
+
+
+def _world_rank():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
 
 
 def _run_layouts(out_path):

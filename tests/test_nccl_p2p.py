@@ -211,9 +211,10 @@ def _pair_group(p2p=False):
     """An NcclGroup over world ranks 0 and 1 (None on the others), made on every rank together."""
     from mpi4py import MPI
 
-    from boostmpi.parallel.nccl import NcclGroup
+    from boostmpi.parallel.nccl import NcclGroup, select_device
 
     world = MPI.COMM_WORLD
+    select_device(world.Get_rank())  # one GPU per rank, as NCCL requires
     comm = world.Split(0 if world.Get_rank() < 2 else 1, world.Get_rank())
     if world.Get_rank() >= 2:
         comm.Free()

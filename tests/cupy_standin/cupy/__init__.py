@@ -238,7 +238,7 @@ class ndarray:
         return (self[i] for i in range(self.shape[0]))
 
     def __repr__(self):
-        return repr(self._a).replace("array(", "array(", 1)
+        return repr(self._a)
 
     def __str__(self):
         return str(self._a)
@@ -618,22 +618,20 @@ def _devices(arrays):
     return [a._a for a in arrays]
 
 
-def concatenate(arrays, axis=0, out=None, dtype=None):
-    arrays = list(arrays)
-    host = np.concatenate(_devices(arrays), axis=axis, dtype=dtype)
+def _joined(np_join, arrays, axis, out, dtype):
+    host = np_join(_devices(list(arrays)), axis=axis, dtype=dtype)
     if out is None:
         return _device_copy(host)
     out._a[...] = host
     return out
+
+
+def concatenate(arrays, axis=0, out=None, dtype=None):
+    return _joined(np.concatenate, arrays, axis, out, dtype)
 
 
 def stack(arrays, axis=0, out=None, dtype=None):
-    arrays = list(arrays)
-    host = np.stack(_devices(arrays), axis=axis, dtype=dtype)
-    if out is None:
-        return _device_copy(host)
-    out._a[...] = host
-    return out
+    return _joined(np.stack, arrays, axis, out, dtype)
 
 
 def where(condition, x=None, y=None):

@@ -32,6 +32,11 @@ class RawKernel:
         self.max_dynamic_shared_size_bytes = 0
 
     @property
+    def shared_size_bytes(self):
+        """Static shared memory per block of the compiled kernel, as CuPy's RawKernel reports it."""
+        return self._function.shared_size_bytes
+
+    @property
     def attributes(self):
         return {"max_dynamic_shared_size_bytes": self.max_dynamic_shared_size_bytes}
 
@@ -42,6 +47,13 @@ class RawKernel:
             if int(value) > limit:
                 raise CUDADriverError(f"CUDA_ERROR_INVALID_VALUE: max_dynamic_shared_size_bytes {value} > {limit}")
         object.__setattr__(self, key, value)
+        if key == "max_dynamic_shared_size_bytes" and "_function" in self.__dict__:
+            self._function.max_dynamic_shared_size_bytes = int(value)  # the harness enforces it too
+
+    @property
+    def shared_size_bytes(self):
+        """Static shared memory per block (the loader adds it to the dynamic part it asks for)."""
+        return self._function.shared_size_bytes
 
     def __call__(self, grid, block, args, *, shared_mem=0, stream=None, enable_cooperative_groups=False):
         props = runtime.getDeviceProperties(_current_device())

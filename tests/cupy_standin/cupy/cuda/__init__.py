@@ -23,6 +23,10 @@ class Device:
         _queue.wait_for({op.id for op in _queue._pending}, f"synchronize of device {self.id}")
 
     @property
+    def pci_bus_id(self):
+        return runtime.deviceGetPCIBusId(self.id)
+
+    @property
     def compute_capability(self):
         props = runtime.getDeviceProperties(self.id)
         return f"{props['major']}{props['minor']}"

@@ -21,21 +21,17 @@ import numpy as np
 from cupy._memory import host_view
 from cupy.cuda import _queue
 
+available = True  # CuPy's flag: the NCCL library loaded
+
 NCCL_INT8, NCCL_CHAR, NCCL_UINT8, NCCL_INT32, NCCL_INT, NCCL_UINT32 = 0, 0, 1, 2, 2, 3
 NCCL_INT64, NCCL_UINT64, NCCL_FLOAT16, NCCL_HALF, NCCL_FLOAT32, NCCL_FLOAT = 4, 5, 6, 6, 7, 7
 NCCL_FLOAT64, NCCL_DOUBLE, NCCL_BFLOAT16 = 8, 8, 9
 NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
 
 
-def _bfloat16():
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-_DTYPES = {NCCL_INT8: np.int8, NCCL_UINT8: np.uint8, NCCL_INT32: np.int32, NCCL_UINT32: np.uint32,
-           NCCL_INT64: np.int64, NCCL_UINT64: np.uint64, NCCL_FLOAT16: np.float16, NCCL_FLOAT32: np.float32,
-           NCCL_FLOAT64: np.float64, NCCL_BFLOAT16: _bfloat16}
+_DTYPES = {NCCL_INT8: "int8", NCCL_UINT8: "uint8", NCCL_INT32: "int32", NCCL_UINT32: "uint32", NCCL_INT64: "int64",
+           NCCL_UINT64: "uint64", NCCL_FLOAT16: "float16", NCCL_FLOAT32: "float32", NCCL_FLOAT64: "float64",
+           NCCL_BFLOAT16: "bfloat16"}
 _REDUCE = {NCCL_SUM: np.add, NCCL_PROD: np.multiply, NCCL_MAX: np.maximum, NCCL_MIN: np.minimum}
 _TAG_BASE = 23000  # COMM_WORLD tags of the rendezvous that makes a communicator
 _serial = itertools.count()
@@ -50,10 +46,14 @@ class NcclOrderError(NcclError):
 
 
 def _dtype(code):
-    t = _DTYPES.get(code)
-    if t is None:
+    name = _DTYPES.get(code)
+    if name is None:
         raise NcclError(f"ncclInvalidArgument: unknown datatype {code}")
-    return np.dtype(t() if callable(t) and not isinstance(t, type) else t)
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
 
 
 def get_version():
@@ -69,6 +69,12 @@ def get_unique_id():
     from mpi4py import MPI
 
     return (0x4E43434C, MPI.COMM_WORLD.Get_rank(), next(_serial))
+
+
+def _device_bus_id():
+    from cupy.cuda import Device
+
+    return Device().pci_bus_id
 
 
 def _stream(stream):
@@ -91,20 +97,26 @@ class NcclCommunicator:
         _, root, serial = commId
         tag = _TAG_BASE + serial % 5000
         me = world.Get_rank()
-        if me == root:  # the maker learns every member's world rank, then tells them all
-            members = {rank: me}
+        gpu = (MPI.Get_processor_name(), _device_bus_id())
+        if me == root:  # the maker learns every member's world rank and GPU, then tells them all
+            members = {rank: (me, gpu)}
             for _ in range(ndev - 1):
-                r, w = world.recv(source=MPI.ANY_SOURCE, tag=tag)
-                members[r] = w
+                r, w, their_gpu = world.recv(source=MPI.ANY_SOURCE, tag=tag)
+                members[r] = (w, their_gpu)
+            problem = None
             if sorted(members) != list(range(ndev)):
-                raise NcclError(f"ncclInvalidUsage: ranks {sorted(members)} joined a communicator of {ndev}")
-            order = [members[r] for r in range(ndev)]
+                problem = f"ncclInvalidUsage: ranks {sorted(members)} joined a communicator of {ndev}"
+            elif len({g for _, g in members.values()}) < ndev:  # NCCL: "Duplicate GPU detected"
+                problem = f"ncclInvalidUsage: duplicate GPU detected among {sorted(members.values())}"
+            order = [members[r][0] for r in sorted(members)]
             for w in order:
                 if w != me:
-                    world.send(order, dest=w, tag=tag)
+                    world.send((order, problem), dest=w, tag=tag)
         else:
-            world.send((rank, me), dest=root, tag=tag)
-            order = world.recv(source=root, tag=tag)
+            world.send((rank, me, gpu), dest=root, tag=tag)
+            order, problem = world.recv(source=root, tag=tag)
+        if problem:
+            raise NcclError(problem)
         self._mpi = world.Create_group(world.Get_group().Incl(order), tag=tag)
         self._rank, self._size = rank, ndev
         self._issued = []  # every op of this communicator, in issue order

@@ -65,6 +65,20 @@ def getDeviceProperties(device):
     return dict(model()["props"])
 
 
+# PCI bus ids of a node's GPUs, in device order (distinct per device, as the start-up check needs)
+_BUS_IDS = {"a100": ["0000:07:00.0", "0000:46:00.0", "0000:85:00.0", "0000:c7:00.0"],
+            "h100": ["0000:19:00.0", "0000:3b:00.0", "0000:4c:00.0", "0000:5d:00.0"],
+            "mi250x": ["0000:c1:00.0", "0000:c6:00.0", "0000:c9:00.0", "0000:ce:00.0", "0000:d1:00.0",
+                       "0000:d6:00.0", "0000:d9:00.0", "0000:de:00.0"]}
+
+
+def deviceGetPCIBusId(device):
+    _check(device)
+    import os
+
+    return _BUS_IDS[os.environ.get("BOOSTMPI_STANDIN_GPU", "a100").lower()][device]
+
+
 def getDevice():
     from cupy.cuda import Device
 
@@ -84,3 +98,9 @@ def memGetInfo():
 
     total = model()["props"]["totalGlobalMem"]
     return total - get_default_memory_pool().total_bytes(), total
+
+
+def deviceGetPCIBusId(device):
+    """A distinct PCI bus id per device, in the form CUDA gives it (start-up checks compare them)."""
+    _check(device)
+    return f"0000:{0x07 + 0x40 * device:02x}:00.0"
