@@ -42,16 +42,16 @@ class Strategy:
         self.n_heads = m.n_heads
         self.n_kv_heads = m.n_kv_heads
 
+    def out_proj_cache(self, x, name, P, tape):
+        """out_proj_forward's cache, for a recompute that never reads the output."""
+        return self.out_proj_forward(x, name, P, tape)[1]
+
     # -- the head: final norm on the whole residual, vocabulary-parallel logits and cross-entropy
     def _gather_residual(self, h):
         return h
 
     def _gather_residual_backward(self, dh):
         return dh
-
-    def out_proj_cache(self, x, name, P, tape):
-        """out_proj_forward's cache, for a recompute that never reads the output."""
-        return self.out_proj_forward(x, name, P, tape)[1]
 
     def head_forward(self, h, targets, P, lean=False):
         """h [N, C_local], targets [N] -> (loss: mean CE over N, cache). `lean` (recompute =
