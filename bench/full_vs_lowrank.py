@@ -1,4 +1,4 @@
-"""Full-rank against CoLA low-rank: one training step each, one process, one thread (issue 2).
+"""Full-rank against CoLA low-rank: one training step each, one process, one thread.
 
 d=1024, 16 heads, d_ff=2736, 4 layers, T=256, vocab 256; cola with r=256. A step is forward +
 backward + AdamW update (Engine.forward_backward, AdamW.step), float32. The two models are timed

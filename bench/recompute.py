@@ -1,4 +1,4 @@
-"""Activation recomputation and communication overlap at 2 ranks, tp=2 btp (issue 4).
+"""Activation recomputation and communication overlap at 2 ranks, tp=2 btp.
 
 cola d=1024 (16 heads), r=256, d_ff=2736, 4 layers, T=256, vocab 256, float32, one thread per
 rank. Cases: `train.recompute` none / layer / lowrank, each with `parallel.overlap` on and off,

@@ -1,4 +1,4 @@
-"""The performance model against the CPU engine (issue 7): predicted vs measured step time.
+"""The performance model against the CPU engine: predicted vs measured step time.
 
 1. `boostmpi calibrate` measures this machine and writes a profile (one device = one MPI rank on
    one core, single-threaded NumPy).
@@ -36,7 +36,7 @@ from boostmpi.parallel.launch import find_mpiexec  # noqa: E402
 MODEL = {"arch": "cola", "vocab_size": 1024, "d_model": 512, "n_layers": 4, "n_heads": 8,
          "rank": 128, "d_ff": 1376, "seq_len": 256}
 TRAIN = {"micro_batch_size": 4, "grad_accum": 1, "dtype": "float32"}
-# name -> [parallel] section; the three issue 7 requires first
+# name -> [parallel] section; the three required layouts first
 LAYOUTS = {
     "tp1": {},
     "tp2-btp": {"tp": 2, "tp_mode": "btp"},

@@ -1,4 +1,4 @@
-"""One training step of boostmpi's NumPy path against PyTorch CPU eager (issue 2).
+"""One training step of boostmpi's NumPy path against PyTorch CPU eager.
 
 Same model (cola, d=512, 4 layers, 8 heads, r=128, d_ff=1376, T=256, vocab 256), same weights
 (taken from the engine), same batch, float32, one thread each, in one process, interleaved

@@ -1,4 +1,4 @@
-"""Tensor-parallel modes at 2 ranks: step time and tp traffic (issue 3).
+"""Tensor-parallel modes at 2 ranks: step time and tp traffic.
 
 cola d=1024 (16 heads), r=256, d_ff=2736, 4 layers, T=256, vocab 256, tp=2, one thread per rank,
 float32, side by side in one mpiexec launch (every case's engine lives in the same two processes
@@ -12,9 +12,9 @@ and the cases are timed interleaved round by round):
                     one input-gradient all-reduce): an ablation, not the paper's baseline
   full megatron     arch=full, tp_mode=vanilla: standard Megatron TP of the dense model
 A step is forward + backward + AdamW update; its time is the slowest rank's. Traffic is read from
-the engine's counters (bytes and calls on the tp axis for one step, CONTRACT §4 accounting).
+the engine's counters (bytes and calls on the tp axis for one step, docs/FORMATS.md accounting).
 Targets: btp moves >= 5x fewer tp bytes than vanilla and its step is faster; online makes fewer
-tp calls than sync. Grouping is one of BOOST's own techniques (issue 3, "grouped low-rank GEMMs"),
+tp calls than sync. Grouping is one of BOOST's own techniques (grouped low-rank GEMMs),
 so the baseline is vanilla without it; the grouped variant is reported beside it.
 
     PYTHONPATH=. .venv/bin/python bench/tp_modes.py [--append bench/RESULTS.md]

@@ -1,4 +1,4 @@
-"""The run configuration: five TOML sections resolved into frozen dataclasses (CONTRACT §2).
+"""The run configuration: five TOML sections resolved into frozen dataclasses (docs/FORMATS.md, Configuration).
 
 Values come in layers, later wins: the defaults below < the TOML file < `--set section.key=value`
 overrides. A key declared with `_derived(...)` has no default of its own: unless set

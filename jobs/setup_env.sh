@@ -25,6 +25,10 @@ install_mpi4py_from_source() {
       --no-binary mpi4py "mpi4py>=3.1" || { echo "error: building mpi4py with MPICC=$mpicc failed" >&2; exit 1; }
 }
 
+_boostmpi_hash() {
+  printf '%s' "$1" | "$PY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])'
+}
+
 setup_venv() {
   local extras="${1:-}"
   VENV="${BOOSTMPI_VENV:-$PWD/.venv}"
@@ -35,13 +39,17 @@ setup_venv() {
     python3 -m venv ${BOOSTMPI_VENV_OPTIONS:-} "$VENV" ||
       { echo "error: python3 -m venv failed (install python3-venv)" >&2; exit 1; }
   fi
-  local spec="." stamp key
+  local spec="." stamp
   [ -n "$extras" ] && spec=".[$extras]"
-  key="$(cat pyproject.toml)|$extras|${BOOSTMPI_MPICC:-}"
-  key="$(printf '%s' "$key" | "$PY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
-  stamp="$VENV/.boostmpi-installed-$key"
+  if [ -n "${BOOSTMPI_MPICC:-}" ]; then  # once per venv and compiler wrapper, not per pyproject.toml
+    stamp="$VENV/.mpi4py-built-with-$(_boostmpi_hash "$BOOSTMPI_MPICC")"
+    if [ ! -f "$stamp" ]; then
+      install_mpi4py_from_source "$BOOSTMPI_MPICC"
+      touch "$stamp"
+    fi
+  fi
+  stamp="$VENV/.boostmpi-installed-$(_boostmpi_hash "$(cat pyproject.toml)|$extras")"
   if [ ! -f "$stamp" ]; then
-    [ -n "${BOOSTMPI_MPICC:-}" ] && install_mpi4py_from_source "$BOOSTMPI_MPICC"
     echo "installing boostmpi$([ -n "$extras" ] && echo "[$extras]") into $VENV (first run only)"
     "$PY" -m pip install -q --disable-pip-version-check -e "$spec" || { echo "error: pip install failed" >&2; exit 1; }
     touch "$stamp"

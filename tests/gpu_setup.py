@@ -51,8 +51,11 @@ class _Gpu:
             from cupy.cuda import runtime
 
             name = runtime.getDeviceProperties(0)["name"].decode()
+            import cudaemu
+
             return (f"CuPy stand-in + CUDA execution harness on the CPU (no GPU used), emulating {name} "
-                    f"(BOOSTMPI_STANDIN_GPU={os.environ.get('BOOSTMPI_STANDIN_GPU', 'a100')})")
+                    f"(BOOSTMPI_STANDIN_GPU={os.environ.get('BOOSTMPI_STANDIN_GPU', 'a100')}); harness schedule: "
+                    f"{cudaemu.describe_schedule()}")
         import cupy
 
         name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()

@@ -29,7 +29,7 @@ for n in 1 2 3 4; do
 done
 
 step "system-MPI test"
-timeout 900 bash tests/sysmpi/run_sysmpi_test.sh || status=1
+timeout 1200 bash tests/sysmpi/run_sysmpi_test.sh || status=1
 
 step "real Slurm test"
 if [ -x tests/slurm/run_slurm_test.sh ] || [ -f tests/slurm/run_slurm_test.sh ]; then

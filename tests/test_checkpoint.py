@@ -1,4 +1,4 @@
-"""Checkpoints end to end (CONTRACT §3): model.h5 readable with plain h5py at the CONTRACT's names
+"""Checkpoints end to end (docs/FORMATS.md): model.h5 readable with plain h5py at the documented names
 and global shapes, the round trip into a fresh engine, exact resume (bit-identical losses and
 weights), atomic writes under a simulated crash, `keep` pruning, and damaged files refused by name.
 
@@ -32,7 +32,7 @@ def step_dir(run_dir, step):
 
 
 def contract_shapes(m):
-    """name -> global shape of every tensor of model.h5, written out from CONTRACT §1 and §3."""
+    """name -> global shape of every tensor of model.h5, written out from docs/FORMATS.md."""
     d, V, kv = m["d_model"], m["vocab_size"], m["n_kv_heads"] * (m["d_model"] // m["n_heads"])
     dims = {"q": (d, d), "k": (d, kv), "v": (d, kv), "o": (d, d),
             "gate": (d, m["d_ff"]), "up": (d, m["d_ff"]), "down": (m["d_ff"], d)}

@@ -55,11 +55,26 @@ def stored(a, dtype):
     return f64(np.asarray(a).astype(dtype))
 
 
+def _ordered_bf16(values):
+    """bfloat16 bit patterns as integers ordered like the values (ulp distance = difference)."""
+    bits = np.asarray(values, np.float64).astype(BF16).view(np.uint16).astype(np.int64)
+    return np.where(bits < 0x8000, bits, 0x8000 - bits)
+
+
 def assert_close(got, want, dtype, what):
+    """fp32 outputs: within accumulation-order differences of the float64 reference. bf16
+    outputs: the fp32 result rounded once to nearest even, so nearly every element is the
+    reference's own rounding and none is more than one bf16 ulp from it (away from values that
+    cancel to near zero, where fp32 error shows)."""
     got, want = f64(got), f64(want)
-    # fp32: accumulation-order differences; bf16: one rounding of the fp32 result (2^-8 relative)
-    rtol, atol = (2e-5, 1e-6) if dtype == np.float32 else (2 ** -7, 1e-6)
-    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=what)
+    if dtype == np.float32:
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6, err_msg=what)
+        return
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6, err_msg=what)
+    large = np.abs(want) >= 1e-3 * np.abs(want).max()
+    ulps = np.abs(_ordered_bf16(got) - _ordered_bf16(want))[large]
+    assert ulps.max(initial=0) <= 1 and np.mean(ulps != 0) <= 0.03, (
+        f"{what}: bf16 results {ulps.max(initial=0)} ulps from the rounded reference, {np.mean(ulps != 0):.1%} not equal")
 
 
 def random(shape, dtype, seed, scale=1.0):
@@ -194,6 +209,21 @@ def test_softmax_xent(warp, suffix):
             fn(N, row_block(V, dtype, warp), (X, T, L, X, np.int32(0), np.int32(V), np.float32(0.0)))
             np.testing.assert_array_equal(X.get().view(np.uint8), logits.view(np.uint8))
             np.testing.assert_allclose(L.get(), loss_ref, rtol=2e-5, atol=1e-5)
+
+
+def test_bf16_parity_sees_truncation_instead_of_rounding():
+    """The bf16 checks are tight enough to tell round-to-nearest-even from truncation."""
+    code = mutated("rmsnorm", "    u += 0x7fffu + ((u >> 16) & 1u);\n", "")
+    N, C = 4, 64
+    x, w = random((N, C), BF16, 30), random(C, BF16, 31)
+    X, W, Y, R = cudaemu.DeviceArray(x), cudaemu.DeviceArray(w), cudaemu.DeviceArray(shape=(N, C), dtype=BF16), \
+        cudaemu.DeviceArray(shape=N, dtype=np.float32)
+    y_ref = layers.rmsnorm_forward(f64(x), f64(w), EPS)[0]
+    kernel("rmsnorm", "rmsnorm_forward_bf16")(N, 32, (X, W, Y, R, np.int32(C), np.float32(EPS)))
+    assert_close(Y.get(), y_ref, BF16, "rounded")
+    kernel("rmsnorm", "rmsnorm_forward_bf16", code=code)(N, 32, (X, W, Y, R, np.int32(C), np.float32(EPS)))
+    with pytest.raises(AssertionError, match="not equal"):
+        assert_close(Y.get(), y_ref, BF16, "truncated")
 
 
 def test_every_entry_point_is_exercised():
@@ -487,6 +517,18 @@ extern "C" __global__ void reduce_wavefront(float* out) {
 def test_unsupported_shared_declaration_is_a_clear_compile_error():
     with pytest.raises(cudaemu.CompileError, match="cannot instrument the __shared__ declaration on line 2"):
         cudaemu.Module('extern "C" __global__ void k(float* o) {\n  __shared__ float a[4], b[4];\n}\n')
+
+
+def test_signatures_are_read_after_preprocessing():
+    entries = cudaemu.entry_points(
+        'extern "C" __global__ void a(const float* __restrict__ x, unsigned int, long long n, bf16* y) {}\n'
+        'extern "C" __global__ void b(void) {}\n__global__ void not_extern_c(int k) {}\n')
+    assert sorted(entries) == ["a", "b"] and entries["b"] == []
+    x, count, n, y = entries["a"]
+    assert (x.name, x.is_pointer, x.pointee_dtype) == ("x", True, "float32")
+    assert (count.name, count.dtype) == ("", "uint32")
+    assert (n.name, n.dtype) == ("n", "int64")
+    assert (y.is_pointer, y.pointee, y.pointee_dtype) == (True, "bf16", None)
 
 
 def test_file_scope_shared_memory_is_refused():

@@ -307,6 +307,8 @@ def test_a_stop_signal_writes_a_checkpoint_exits_75_and_the_rerun_resumes(how, t
 
     latest = find_latest(str(run_dir))
     assert latest == str(run_dir / "checkpoints" / f"step_{stopped:08d}")
+    if how == "ctrl-c-to-mpiexec":
+        return  # the same checkpoint either way: resuming it is checked once, below
 
     status, out, _ = _run(_train_argv(run_dir))
     assert status == 0, out
@@ -429,7 +431,7 @@ def test_a_file_size_limit_under_mpiexec_ends_every_rank_with_one_line(text_shar
     run_dir = tmp_path / "run"
     assert run_train(run_dir, *text_shards, "train.steps=2", *model) == 0
     before = _checkpoint_folder_state(run_dir)
-    argv = train_argv(run_dir, *text_shards, "train.steps=4", "parallel.dp=2", *model)
+    argv = train_argv(run_dir, *text_shards, "train.steps=4", "parallel.tp=2", "parallel.tp_mode=vanilla", *model)
     command = " ".join(["ulimit -f 12000 &&", "exec timeout", str(JOB_TIMEOUT_S), MPIEXEC, "-n", "2", PY, "-m", "boostmpi",
                         *(f"'{a}'" for a in argv)])
     p = subprocess.run(["bash", "-c", command], cwd=REPO, env=_env(), capture_output=True, text=True,

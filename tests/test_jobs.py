@@ -132,6 +132,18 @@ def test_frontier_one_node_needs_no_plugin_and_comm_mpi_turns_gpu_aware_mpi_on(t
     assert out["launch"][-2:] == ["--set", "parallel.comm=mpi"]
 
 
+def _system_bin_without(tmp_path, *names):
+    """A folder of links to every command of /usr/bin and /bin except `names`: this machine's own
+    system tools, without a real Slurm that may be installed here (the Slurm test installs one)."""
+    folder = tmp_path / "system-bin"
+    folder.mkdir()
+    for source in (Path("/usr/bin"), Path("/bin")):
+        for tool in source.iterdir():
+            if tool.name not in names and not (folder / tool.name).exists():
+                (folder / tool.name).symlink_to(tool)
+    return folder
+
+
 @pytest.mark.parametrize("script", ["jobs/frontier.sbatch", "jobs/perlmutter.sbatch"])
 def test_slurm_scripts_never_launch_with_the_venvs_tools(tmp_path, script):
     """Only the venv's bin holds an `srun`: that is not the site's launcher, the job stops."""
@@ -139,7 +151,7 @@ def test_slurm_scripts_never_launch_with_the_venvs_tools(tmp_path, script):
     _site_bin(tmp_path, "venv/bin", "srun", "python")
     p = _bash([script], {"BOOSTMPI_DRY_RUN": "1", "SLURM_JOB_ID": "1", "SLURM_NNODES": "2",
                          "SLURM_SUBMIT_DIR": str(REPO), "BOOSTMPI_VENV": str(venv),
-                         "PATH": f"{venv}/bin:/usr/bin:/bin"})
+                         "PATH": f"{venv}/bin:{_system_bin_without(tmp_path, 'srun')}"})
     assert p.returncode == 2
     assert f"error: no srun on PATH outside {venv}/bin" in p.stdout
 

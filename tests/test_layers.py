@@ -220,7 +220,7 @@ def strategy_at_tp1(mode, arch, extra, rng):
 
 
 def reference_linear(arch, P, name, x):
-    """CONTRACT §1's L(x), written out here."""
+    """The documented L(x) (docs/FORMATS.md), written out here."""
     if arch == "full":
         return x @ P[name + "/W"]
     hidden = x @ P[name + "/A"]

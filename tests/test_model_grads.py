@@ -1,5 +1,5 @@
 """The whole model (one process, `Engine(cfg)`) against the PyTorch autograd oracle, and the
-initialisation rules of CONTRACT §1.
+initialisation rules of docs/FORMATS.md.
 
 Gradients: for each arch, with and without GQA, with and without mlp_gate_act, the loss and every
 parameter's gradient match tests/torch_llama.py, relative to the gradient's largest entry:

@@ -1,4 +1,4 @@
-"""Activation recomputation (issue 4): `none`, `layer` and `lowrank` give bit-identical losses and
+"""Activation recomputation: `none`, `layer` and `lowrank` give bit-identical losses and
 gradients; `lowrank` issues exactly the collectives of `none`, `layer` the extra forward ones;
 the saved bytes equal docs/MEMORY.md; overlap on or off changes nothing.
 

@@ -1,4 +1,4 @@
-"""A checkpoint written under one parallel layout resumes under any other (CONTRACT §3, issue 3):
+"""A checkpoint written under one parallel layout resumes under any other (docs/FORMATS.md, Checkpoints):
 the next losses are those of the uninterrupted run within 1e-10 relative, in float64.
 
 Run with `timeout 300 mpiexec -n N python -m pytest --with-mpi tests/test_resume_layouts.py`

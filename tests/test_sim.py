@@ -422,3 +422,38 @@ def test_sweep_ranks_multi_node_layouts(machine_name, gpus):
     assert [r["time_s"] for r in rows] == sorted(r["time_s"] for r in rows)
     across = [r for r in rows if r["dp"] * r["tp"] * r["pp"] > machine.gpus_per_node and r["dp"] > 1]
     assert across and all(r["breakdown"]["dp_comm"] > 0 for r in across)
+
+
+# ------------------------------------------------------------------ the GPU step's op trace
+def test_trace_pricing_matches_the_cost_model():
+    from boostmpi.sim import trace
+
+    machine = load_machine("a100-80gb")
+    ops = [trace.TracedOp("gemm", "matmul", "model.layers.x", 0, "bfloat16", (1, 512, 256, 128)),
+           trace.TracedOp("elementwise", "add", "model.layers.x", 3 << 20),
+           trace.TracedOp("kernel", "rmsnorm", "gpu.kernels._launch", 1 << 20),
+           trace.TracedOp("collective", "allReduce", "parallel.x", 1 << 20),
+           trace.TracedOp("elementwise", "multiply", "train.optim.step", 1 << 20)]
+    p = trace.price(ops, machine, tp=2)
+    assert p["gemm"] == pytest.approx(costs.gemm_seconds(512, 256, 128, 1, 2, machine, "bfloat16"))
+    assert p["elementwise"] == pytest.approx(costs.pointwise_seconds(4 << 20, 1, 1, machine)
+                                             + machine.kernel_launch_s)
+    assert p["tp_comm"] == pytest.approx(costs.group_allreduce_seconds(1 << 20, 2, 1, machine))
+    assert p["optimizer"] > 0 and p["launches"] == 3 and p["elementwise_bytes"] == 4 << 20
+
+
+def test_gpu_trace_runs_on_the_standin():
+    """bench/gpu_trace.py records a real GPU step (the stand-in) and prices it beside the model."""
+    import re
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_trace.py"), "--scale", "32", "--top", "3"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    m = re.search(r"per layer: (\d+) kernel launches in the trace \((\d+) GEMMs\), (\d+) in the analytical "
+                  r"plan \((\d+) GEMMs", done.stdout)
+    assert m, done.stdout
+    traced, traced_gemms, planned, planned_gemms = map(int, m.groups())
+    assert traced_gemms > 0 and planned_gemms > 0 and traced >= planned > 0
+    assert "| step |" in done.stdout and "model.layers" in done.stdout

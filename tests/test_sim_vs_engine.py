@@ -1,4 +1,4 @@
-"""The performance model counts the engine's communication exactly (issue 7, "How it is checked").
+"""The performance model counts the engine's communication exactly.
 
 For every layout the parallel tests run (tests/test_parallel.py `cases`: tp in {1, 2, 4}, pp and dp
 up to 3, both tp modes, archs full/svd/cola, online/sync norm, grouped or not, recompute none,

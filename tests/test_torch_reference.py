@@ -1,4 +1,4 @@
-"""Checks that the PyTorch oracle (tests/torch_llama.py) computes the model of CONTRACT §1.
+"""Checks that the PyTorch oracle (tests/torch_llama.py) computes the model of docs/FORMATS.md.
 
 Each test checks one property by a route that shares no code with the oracle's formula for it:
 complex-number RoPE, repeated kv heads, changed future tokens, W = A @ B, a loop-by-loop NumPy
@@ -125,7 +125,7 @@ def test_zero_lm_head_gives_log_vocab(dtype):
 
 
 def naive_forward_logits(cfg, params, x):
-    """The CONTRACT §1 formulas one batch row, token and head at a time, in NumPy."""
+    """The model's formulas (docs/FORMATS.md) one batch row, token and head at a time, in NumPy."""
     C, H, Hkv = cfg["d_model"], cfg["n_heads"], cfg["n_kv_heads"]
     Dh, eps = C // H, cfg["norm_eps"]
 

@@ -1,5 +1,5 @@
 """`boostmpi train` end to end on real text: each arch learns (the validation loss falls well below
-the unigram entropy of the training data), metrics.jsonl carries the CONTRACT §4 keys, and the
+the unigram entropy of the training data), metrics.jsonl carries the keys of docs/FORMATS.md, and the
 progress line has its documented format."""
 
 import math
@@ -51,7 +51,7 @@ def test_training_on_text_beats_the_unigram_entropy(arch, text_shards, tmp_path,
     out = capfd.readouterr().out
     rows = read_metrics(run_dir)
 
-    # one row per optimizer step, each with the CONTRACT §4 keys; evaluation rows carry val_loss
+    # one row per optimizer step, each with the keys of docs/FORMATS.md; evaluation rows carry val_loss
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
         assert {"step", "loss", "lr", "tokens_per_s", "comm_bytes"} <= set(r), r

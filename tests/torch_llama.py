@@ -1,8 +1,8 @@
-"""PyTorch reference of the model of CONTRACT §1: the test oracle for our NumPy/CuPy code and
+"""PyTorch reference of the model of docs/FORMATS.md: the test oracle for our NumPy/CuPy code and
 the "PyTorch CPU eager" baseline of the speed benchmark.
 
-Written from the CONTRACT alone, as if for one device, with autograd doing the backward pass.
-Parameters use the checkpoint names and global shapes of CONTRACT §3, orientation y = x @ W.
+Written from docs/FORMATS.md alone, as if for one device, with autograd doing the backward pass.
+Parameters use the checkpoint names and global shapes of docs/FORMATS.md, orientation y = x @ W.
 Torch is a test/bench-only dependency: nothing under boostmpi/ imports this file.
 
 Letters: B batch, T sequence, C d_model, H q heads, Hkv kv heads, Dh head dim, F d_ff, V vocab.
@@ -29,7 +29,7 @@ def torch_dtype(dtype):
 
 
 def gate_activation_on(model_cfg):
-    """mlp_gate_act, defaulting as CONTRACT §1 says when the key is absent."""
+    """mlp_gate_act, defaulting as docs/FORMATS.md says when the key is absent."""
     return model_cfg.get("mlp_gate_act", model_cfg["arch"] != "cola")
 
 
@@ -58,7 +58,7 @@ def linear_shapes(model_cfg):
 
 
 def param_shapes(model_cfg):
-    """Parameter name -> global shape, in a fixed order (CONTRACT §3)."""
+    """Parameter name -> global shape, in a fixed order (docs/FORMATS.md)."""
     arch = model_cfg["arch"]
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}")
@@ -81,7 +81,7 @@ def param_shapes(model_cfg):
 
 def init_params_numpy(model_cfg, seed):
     """Random float64 parameters for tests: dense N(0, 0.02^2), low-rank factors with the CoLA
-    scale of CONTRACT §1. Unlike the training init, norm weights are 1 + N(0, 0.1^2) so that
+    scale of docs/FORMATS.md. Unlike the training init, norm weights are 1 + N(0, 0.1^2) so that
     tests exercise them."""
     rng = np.random.default_rng(seed)
     params = {}
@@ -144,9 +144,9 @@ def causal_attention(q, k, v):
 
 
 class TorchLlama(torch.nn.Module):
-    """The CONTRACT §1 model holding copies of `params` as nn.Parameters.
+    """The model of docs/FORMATS.md holding copies of `params` as nn.Parameters.
 
-    `self.weights[name]` is the parameter called `name` in CONTRACT §3; after `loss.backward()`
+    `self.weights[name]` is the parameter called `name` in the checkpoint; after `loss.backward()`
     its `.grad` is the gradient in the same shape."""
 
     def __init__(self, model_cfg, params, dtype=torch.float64):

@@ -1,6 +1,6 @@
 """Parameter specifications, layout-independent initialisation and flat buffers.
 
-Every parameter is described by a `ParamSpec`: its CONTRACT §3 name, its global shape, and the
+Every parameter is described by a `ParamSpec`: its checkpoint name (docs/FORMATS.md), its global shape, and the
 slice of it that this rank holds under the configured tensor-parallel mode. The rules of which
 dim is split live here and nowhere else (the engine, checkpoints and `boostmpi sim` all read them).
 """

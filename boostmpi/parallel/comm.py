@@ -197,15 +197,8 @@ class Group:
             return buf
         from mpi4py import MPI
 
-        self._count_collective(buf.nbytes)
-        self._sync()
-        t0 = time.perf_counter()
-        WATCHDOG.begin(self.axis, "Allreduce", buf.nbytes)
-        try:
-            self.comm.Allreduce(MPI.IN_PLACE, _mpi_buf(buf), op=MPI.SUM if op == "sum" else MPI.MAX)
-        finally:
-            WATCHDOG.end()
-        self.wait_seconds += time.perf_counter() - t0
+        mpi_op = MPI.SUM if op == "sum" else MPI.MAX
+        self._blocking("Allreduce", buf.nbytes, lambda: self.comm.Allreduce(MPI.IN_PLACE, _mpi_buf(buf), op=mpi_op))
         return buf
 
     def iallreduce(self, buf):
@@ -228,16 +221,21 @@ class Group:
         if self.size == 1:
             return buf[None]
         out = xp.empty((self.size,) + buf.shape, dtype=buf.dtype)
-        self._count_collective(buf.nbytes)
+        self._blocking("Allgather", buf.nbytes,
+                       lambda: self.comm.Allgather(_mpi_buf(xp.ascontiguousarray(buf)), _mpi_buf(out)))
+        return out
+
+    def _blocking(self, call, nbytes, run):
+        """A blocking collective: counted, after the stream sync, watched, its wait timed."""
+        self._count_collective(nbytes)
         self._sync()
         t0 = time.perf_counter()
-        WATCHDOG.begin(self.axis, "Allgather", buf.nbytes)
+        WATCHDOG.begin(self.axis, call, nbytes)
         try:
-            self.comm.Allgather(_mpi_buf(xp.ascontiguousarray(buf)), _mpi_buf(out))
+            run()
         finally:
             WATCHDOG.end()
         self.wait_seconds += time.perf_counter() - t0
-        return out
 
     # -- point to point (pipeline)
     # (the requests' wait time is not added to wait_seconds: a receive also waits for the peer's compute)

@@ -1,7 +1,7 @@
 """Region mappings: how a tensor enters and leaves the tensor-parallel region.
 
-The names are Megatron-LM's. Each mapping is a pair of functions, the forward under its own name
-and the backward under `<name>_backward`, and each is one collective (or none) on the tp group:
+The names are Megatron-LM's. Each direction of each mapping is one collective (or none) on the
+tp group; the forward is the function of the mapping's name, the backward `<name>_backward`:
 
   mapping                  forward                          backward
   copy_to_tp_region        identity                         all-reduce (sum)
@@ -11,9 +11,10 @@ and the backward under `<name>_backward`, and each is one collective (or none) o
 
 A replicated input that a column-parallel factor reads is *copied to* the region; the partial
 output of a row-parallel factor is *reduced from* it; btp's residual shards are *gathered from*
-it for the head. `*_async` variants start the collective and return a request: `.wait()` on it
-before reading the buffer, so local GEMMs run while the collective travels.
-With a group of one every mapping is the identity and moves nothing.
+it for the head. copy_to's backward exists only started (`copy_to_tp_region_backward_async`,
+returning a request to `.wait()` on before reading the buffers), so the weight-gradient GEMMs run
+while it travels; scatter_to's backward is gather_from's forward. With a group of one every
+mapping is the identity and moves nothing.
 """
 
 from boostmpi.backend import get_array_module
@@ -21,17 +22,13 @@ from boostmpi.model.params import split_range
 
 
 def copy_to_tp_region(x, tp):
-    """forward: identity (every rank reads the same x).  backward: copy_to_tp_region_backward."""
+    """forward: identity (every rank reads the same x).  backward: copy_to_tp_region_backward_async."""
     return x
 
 
-def copy_to_tp_region_backward(dx, tp):
-    """backward of copy_to_tp_region: the partial input gradients of all ranks, summed in place."""
-    return tp.allreduce(dx)
-
-
 def copy_to_tp_region_backward_async(grads, tp):
-    """copy_to_tp_region_backward of each array in `grads`, started; wait() sums them in place."""
+    """backward of copy_to_tp_region, started for each array in `grads`: the partial input
+    gradients of all ranks; wait() on the result sums them in place."""
     return _Requests([tp.iallreduce(g) for g in grads])
 
 

@@ -34,9 +34,10 @@ from pathlib import Path
 import numpy as np
 
 __all__ = [
-    "alloc", "Buffer", "DeviceArray", "Module", "Function", "set_schedule", "current_seed", "schedule", "live_bytes", "WARP_SIZE_OPTIONS",
-    "KernelError", "RaceError", "SharedBoundsError", "UninitializedSharedRead", "GlobalBoundsError", "DeadlockError",
-    "PartialWarpError", "LaunchError", "CompileError", "AllocationError",
+    "alloc", "Buffer", "DeviceArray", "live_bytes", "Module", "Function", "Param", "entry_points", "set_schedule",
+    "current_seed", "schedule", "describe_schedule", "cache_dir", "WARP_SIZE_OPTIONS", "KernelError", "RaceError",
+    "SharedBoundsError", "UninitializedSharedRead", "GlobalBoundsError", "DeadlockError", "PartialWarpError",
+    "LaunchError", "CompileError", "AllocationError", "FunctionNotFound",
 ]
 
 HERE = Path(__file__).resolve().parent
@@ -294,7 +295,8 @@ def schedule(seed):
         set_schedule(previous)
 
 
-def _schedule_text():
+def describe_schedule():
+    """The schedule in use, in words (for a test session's header and every error message)."""
     return "blocks in order, fibers round-robin" if _seed is None else f"schedule seed {_seed} ({SEED_ENV}={_seed} repeats it)"
 
 
@@ -601,9 +603,6 @@ def _device_pointer(arg):
     return None
 
 
-_launch_counts = {}
-
-
 class Function:
     """One entry point; call it like cupy.RawKernel: fn(grid, block, args, shared_mem=0)."""
 
@@ -709,7 +708,7 @@ class Function:
             if error.has_pc:
                 message += self._location(error.object.decode(), error.pc_offset)
             raise _ERRORS.get(kind, KernelError)(
-                f"{self.name} (grid {grid3}, block {block3}, warp {self.module.warp_size}): {message} [{_schedule_text()}]")
+                f"{self.name} (grid {grid3}, block {block3}, warp {self.module.warp_size}): {message} [{describe_schedule()}]")
 
     def _location(self, obj, offset):
         """ ' at line N `text` (in f, inlined into line M ...)' from the debug info of the module."""

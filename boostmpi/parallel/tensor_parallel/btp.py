@@ -16,7 +16,8 @@ from boostmpi.model.layers import col_slices, grouped_matmul
 from boostmpi.model.params import split_range
 from boostmpi.model.recompute import NO_TAPE
 from boostmpi.parallel.mappings import (copy_to_tp_region, copy_to_tp_region_backward_async, gather_from_tp_region,
-                                        gather_from_tp_region_backward, reduce_from_tp_region)
+                                        gather_from_tp_region_backward, reduce_from_tp_region,
+                                        reduce_from_tp_region_backward)
 from boostmpi.parallel.tensor_parallel.base import Strategy, activate
 
 
@@ -147,6 +148,7 @@ class BottleneckTP(Strategy):
             for s, piece in zip(sl, pieces):
                 dZs[:, s] = piece
         dZ = layers.silu_backward(dZs, Z, sig) if self.act else dZs
+        dZ = reduce_from_tp_region_backward(dZ, self.tp)  # Z was reduced from the region
         A = P.columns([f"{nm}/A" for nm in names])
         if norm_name is None:
             dx = dZ @ A.T

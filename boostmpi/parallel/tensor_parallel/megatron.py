@@ -13,7 +13,7 @@ from boostmpi.backend import get_array_module
 from boostmpi.model import layers
 from boostmpi.model.layers import col_slices
 from boostmpi.model.recompute import NO_TAPE
-from boostmpi.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
+from boostmpi.parallel.mappings import copy_to_tp_region, reduce_from_tp_region, reduce_from_tp_region_backward
 from boostmpi.parallel.tensor_parallel.base import NormCache, ReplicatedResidual, column_parallel_input_grad
 
 
@@ -54,5 +54,6 @@ class MegatronTP(ReplicatedResidual):
 
     def out_proj_backward(self, dy, cache, P, Gr):
         x, name = cache
-        Gr[f"{name}/W"] += x.T @ dy  # reduce_from_tp_region's backward is the identity
+        dy = reduce_from_tp_region_backward(dy, self.tp)
+        Gr[f"{name}/W"] += x.T @ dy
         return dy @ P[f"{name}/W"].T

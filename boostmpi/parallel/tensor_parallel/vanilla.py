@@ -11,7 +11,7 @@ from boostmpi.backend import get_array_module
 from boostmpi.model import layers
 from boostmpi.model.layers import col_slices
 from boostmpi.model.recompute import NO_TAPE
-from boostmpi.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
+from boostmpi.parallel.mappings import copy_to_tp_region, reduce_from_tp_region, reduce_from_tp_region_backward
 from boostmpi.parallel.tensor_parallel.base import NormCache, ReplicatedResidual, activate, column_parallel_input_grad
 
 
@@ -67,7 +67,8 @@ class VanillaLowRankTP(ReplicatedResidual):
         x, Z, Zs, names, sl, sig = cache
         xp = get_array_module(x)
         dZs = xp.empty_like(Z)
-        for s, nm, dy in zip(sl, names, douts):  # reduce_from_tp_region's backward is the identity
+        douts = [reduce_from_tp_region_backward(dy, self.tp) for dy in douts]
+        for s, nm, dy in zip(sl, names, douts):
             dZs[:, s] = dy @ P[f"{nm}/B"].T
             Gr[f"{nm}/B"] += Zs[:, s].T @ dy
         dZ = layers.silu_backward(dZs, Z, sig) if self.act else dZs

@@ -98,3 +98,9 @@ def memGetInfo():
 
     total = model()["props"]["totalGlobalMem"]
     return total - get_default_memory_pool().total_bytes(), total
+
+
+def deviceGetPCIBusId(device):
+    """A distinct PCI bus id per device, in the form CUDA gives it (start-up checks compare them)."""
+    _check(device)
+    return f"0000:{0x07 + 0x40 * device:02x}:00.0"

@@ -1,0 +1,105 @@
+"""Pricing an op trace of the engine's own GPU step with a machine profile.
+
+A trace is what one training step launches, op by op, as recorded on the CuPy stand-in
+(`bench/gpu_trace.py`): every GEMM with its shape and dtype, every other kernel (elementwise
+ufunc, reduction, copy, gather, fused RawKernel) with the bytes it reads and writes, every
+collective with its bytes. Each op is priced as the analytical model prices its own ops
+(`costs.py`): a GEMM by the same roofline with tile/wave quantisation, any other kernel as a
+stream of its bytes at `memory.bandwidth x elementwise_efficiency` plus `kernel_launch_s`, a
+collective by the same ring/hierarchical formulas over the tensor-parallel group. The difference
+to the analytical model is then what the implementation does that the model does not assume:
+extra passes, unfused elementwise chains, copies, more launches.
+"""
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from boostmpi.sim.costs import (ITEMSIZE, gemm_seconds, group_allreduce_seconds, group_link, p2p_seconds,
+                                pointwise_seconds)
+from boostmpi.sim.plans import Attention, Collective, Gemm, Pointwise, layer_plan, recompute_plan
+
+
+@dataclass
+class TracedOp:
+    kind: str  # "gemm", "elementwise", "reduction", "copy", "kernel" (a fused RawKernel), "collective"
+    name: str  # ufunc / kernel / collective name
+    site: str  # the boostmpi function that issued it (module.function)
+    nbytes: int  # bytes read + written (collectives: the payload each rank contributes)
+    dtype: str = "float32"
+    gemm: tuple = None  # (batch, m, n, k) for GEMMs
+
+
+def op_seconds(op, machine, tp):
+    if op.kind == "gemm":
+        batch, m, n, k = op.gemm
+        dtype = op.dtype if op.dtype in ITEMSIZE else "float32"
+        return gemm_seconds(m, n, k, batch, ITEMSIZE[dtype], machine, dtype)
+    if op.kind == "collective":
+        if op.name == "send" or op.name == "recv":
+            return p2p_seconds(op.nbytes, group_link(machine, 2, tp))
+        fraction = 0.5 if op.name == "allGather" else 1.0
+        size = op.nbytes * (tp if op.name == "allGather" else 1)
+        return group_allreduce_seconds(size, tp, 1, machine, fraction=fraction)
+    return pointwise_seconds(op.nbytes, 1, 1, machine)  # nbytes already counts every pass
+
+
+OPTIMIZER_SITE = "train.optim."
+
+
+def price(ops, machine, tp=1):
+    """Seconds of a trace in the model's breakdown categories ("gemm", "elementwise", "tp_comm",
+    "optimizer": what the optimizer module issues), plus the kernel launches and bytes of the
+    non-GEMM kernels outside the optimizer."""
+    out = {"gemm": 0.0, "elementwise": 0.0, "tp_comm": 0.0, "optimizer": 0.0, "launches": 0,
+           "gemm_launches": 0, "elementwise_bytes": 0}
+    for op in ops:
+        seconds = op_seconds(op, machine, tp)
+        if op.site.startswith(OPTIMIZER_SITE):
+            out["optimizer"] += seconds
+            continue
+        if op.kind == "gemm":
+            out["gemm"] += seconds
+        elif op.kind == "collective":
+            out["tp_comm"] += seconds
+        else:
+            out["elementwise"] += seconds
+            out["elementwise_bytes"] += op.nbytes
+        out["launches"] += op.kind != "collective"
+        out["gemm_launches"] += op.kind == "gemm"
+    return out
+
+
+def plan_launches_and_bytes(s, strategy, recompute, itemsize):
+    """Kernels, GEMMs and non-GEMM bytes of one layer (forward, backward, recompute) as the analytical
+    model counts them: a GEMM is one kernel forward and two backward, an elementwise op or the
+    fused attention one each way, a replayed op once more."""
+    ops = layer_plan(s, strategy)
+    again = recompute_plan(ops, recompute) or []
+    launches, gemms, moved = 0, 0, 0.0
+    for op, backward in [(o, False) for o in ops + again] + [(o, True) for o in ops]:
+        if isinstance(op, Gemm):
+            launches += 2 if backward else 1
+            gemms += 2 if backward else 1
+        elif isinstance(op, Pointwise):
+            launches += 1
+            moved += (op.bwd_passes if backward else op.fwd_passes) * op.elements * itemsize
+        elif isinstance(op, Attention):
+            launches += 1
+        elif isinstance(op, Collective):
+            continue
+    return launches, gemms, moved
+
+
+def by_site(ops, machine, tp=1):
+    """[(site, kind, launches, bytes, seconds)] of the kernels (collectives aside), grouped by the
+    function that issued them and their kind, most seconds first."""
+    groups = defaultdict(lambda: [0, 0, 0.0])
+    for op in ops:
+        if op.kind == "collective":
+            continue
+        g = groups[(op.site, op.kind)]
+        g[0] += 1
+        g[1] += op.nbytes
+        g[2] += op_seconds(op, machine, tp)
+    return sorted(((site, kind, n, b, s) for (site, kind), (n, b, s) in groups.items()),
+                  key=lambda row: -row[4])
