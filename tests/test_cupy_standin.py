@@ -120,6 +120,8 @@ def test_launch_limits_of_a_real_device(cupy):
     a = cupy.ones(8, dtype=np.float32)
     with pytest.raises(CUDADriverError, match="threads per block"):
         fn((1,), (2048,), (a, a, 8))
+    assert fn.shared_size_bytes == 0  # the elementwise kernels use no shared memory
+    assert kernels._kernel("rmsnorm", "rmsnorm_forward_f32").shared_size_bytes > 0  # block_reduce's partials
     with pytest.raises(CUDADriverError, match="without opting in"):
         fn((1,), (32,), (a, a, 8), shared_mem=64 * 1024)
     with pytest.raises(CUDADriverError, match="max_dynamic_shared_size_bytes"):

@@ -33,27 +33,23 @@ class RawKernel:
 
     @property
     def shared_size_bytes(self):
-        """Static shared memory per block of the compiled kernel, as CuPy's RawKernel reports it."""
+        """Static shared memory per block (the harness reads it from the compiled entry point)."""
         return self._function.shared_size_bytes
 
     @property
     def attributes(self):
-        return {"max_dynamic_shared_size_bytes": self.max_dynamic_shared_size_bytes}
+        return {"max_dynamic_shared_size_bytes": self.max_dynamic_shared_size_bytes,
+                "shared_size_bytes": self.shared_size_bytes}
 
     def __setattr__(self, key, value):
         if key == "max_dynamic_shared_size_bytes":
-            props = runtime.getDeviceProperties(_current_device())
-            limit = props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"])
-            if int(value) > limit:
-                raise CUDADriverError(f"CUDA_ERROR_INVALID_VALUE: max_dynamic_shared_size_bytes {value} > {limit}")
+            limit = _optin_limit()
+            if int(value) + (self.shared_size_bytes if "_function" in self.__dict__ else 0) > limit:
+                raise CUDADriverError(f"CUDA_ERROR_INVALID_VALUE: max_dynamic_shared_size_bytes {value} (plus the "
+                                      f"static shared memory) > {limit}")
+            if "_function" in self.__dict__:
+                self._function.max_dynamic_shared_size_bytes = int(value)
         object.__setattr__(self, key, value)
-        if key == "max_dynamic_shared_size_bytes" and "_function" in self.__dict__:
-            self._function.max_dynamic_shared_size_bytes = int(value)  # the harness enforces it too
-
-    @property
-    def shared_size_bytes(self):
-        """Static shared memory per block (the loader adds it to the dynamic part it asks for)."""
-        return self._function.shared_size_bytes
 
     def __call__(self, grid, block, args, *, shared_mem=0, stream=None, enable_cooperative_groups=False):
         props = runtime.getDeviceProperties(_current_device())
@@ -64,13 +60,21 @@ class RawKernel:
         if threads > props["maxThreadsPerBlock"]:
             raise CUDADriverError(f"CUDA_ERROR_INVALID_VALUE: {threads} threads per block (at most {props['maxThreadsPerBlock']})")
         shared_mem = int(shared_mem)
-        allowed = max(STATIC_SHARED_LIMIT, self.max_dynamic_shared_size_bytes)
-        if shared_mem > allowed:
-            raise CUDADriverError(f"CUDA_ERROR_INVALID_VALUE: {shared_mem} bytes of dynamic shared memory without opting in "
-                                  f"(max_dynamic_shared_size_bytes = {self.max_dynamic_shared_size_bytes})")
+        static = self.shared_size_bytes
+        if self.max_dynamic_shared_size_bytes == 0 and static + shared_mem > STATIC_SHARED_LIMIT:
+            raise CUDADriverError(f"CUDA_ERROR_INVALID_VALUE: {shared_mem} bytes of dynamic shared memory (+{static} "
+                                  f"static) above {STATIC_SHARED_LIMIT} without opting in (max_dynamic_shared_size_bytes)")
+        if self.max_dynamic_shared_size_bytes and shared_mem > self.max_dynamic_shared_size_bytes:
+            raise CUDADriverError(f"CUDA_ERROR_INVALID_VALUE: {shared_mem} bytes of dynamic shared memory, more than "
+                                  f"max_dynamic_shared_size_bytes = {self.max_dynamic_shared_size_bytes}")
         if not isinstance(args, tuple):
             raise TypeError("kernel arguments must be a tuple")
         self._function(grid, block, args, shared_mem=shared_mem)
+
+
+def _optin_limit():
+    props = runtime.getDeviceProperties(_current_device())
+    return props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"])
 
 
 def _current_device():
