@@ -11,10 +11,18 @@ the same step is predicted by the analytical model (`boostmpi.sim.model.predict`
 
 The paper's 7B layout scaled down: d = 4096 / --scale, heads of 128, d_ff and rank in the same
 ratios, vocabulary 32000 / --scale, T = 4096 / --scale, micro-batch 4, bf16, cola, btp, grouped,
-recompute = lowrank, one tp rank (tp = 1: the btp plan without its all-reduces). Traced at 1 and
-2 layers and extrapolated by layer count to 32: per layer = trace(2) - trace(1).
+recompute = lowrank, tensor parallelism --tp (the paper's 7B layout is tp = 4; at least --tp heads).
+Traced at 1 and 2 layers and extrapolated by layer count to 32: per layer = trace(2) - trace(1).
+
+With --tp N > 1 it runs under mpiexec with N ranks, one stand-in GPU per rank (local rank = world
+rank, one node); the NCCL stand-in carries the collectives between the ranks, and rank 0 records
+its own launches and NCCL calls (every rank of a tp group issues the same ones) and prints. Its
+NCCL payload bytes are printed beside the engine's own byte counters (summed over the ranks) and
+the analytical model's `comm_bytes`; the collectives are priced with the profile's link bandwidths
+over a tp group of N.
 
     python bench/gpu_trace.py [--scale 8] [--machine a100-80gb] [--top 12]
+    mpiexec -n 4 python bench/gpu_trace.py --tp 4 [--scale 8] ...
 """
 
 import common  # noqa: F401 - first: one BLAS thread before numpy loads
@@ -33,9 +41,12 @@ import gpu_setup  # noqa: E402,F401 - puts the stand-in first on sys.path
 
 import numpy as np  # noqa: E402
 
-from boostmpi.sim.trace import TracedOp  # noqa: E402
+from boostmpi.sim.trace import TracedOp, price  # noqa: E402
 
 LAYERS = 32
+# modules whose frames are skipped when naming the call site: the array module, and the
+# communicators a collective passes through on its way to NCCL
+INTERNAL = ("backend.py", "parallel/comm.py", "parallel/nccl.py")
 
 
 # ---------------------------------------------------------------- the recorder
@@ -46,7 +57,7 @@ class Recorder:
     def site(self):
         for frame in inspect.stack()[2:]:
             path = frame.filename
-            if "/boostmpi/" in path and not path.endswith("backend.py"):
+            if "/boostmpi/" in path and not path.endswith(INTERNAL):
                 module = path.split("/boostmpi/")[-1].removesuffix(".py").replace("/", ".")
                 return f"{module}.{frame.function}"
         return "?"
@@ -155,22 +166,27 @@ def install(rec):
 
 
 # ---------------------------------------------------------------- the step
-def config(scale, layers):
+def config(scale, layers, tp=1):
     from boostmpi.config import config_from_dict
 
     d = 4096 // scale
-    model = dict(arch="cola", d_model=d, n_heads=d // 128, d_ff=16 * -(-11008 // scale // 16),
+    model = dict(arch="cola", d_model=d, n_heads=max(d // 128, tp), d_ff=16 * -(-11008 // scale // 16),
                  rank=1024 // scale, vocab_size=32000 // scale, seq_len=4096 // scale, n_layers=layers)
-    return config_from_dict({"model": model, "parallel": {"tp": 1, "tp_mode": "btp", "grouped": True},
+    return config_from_dict({"model": model, "parallel": {"tp": tp, "tp_mode": "btp", "grouped": True},
                              "train": {"device": "gpu", "dtype": "bfloat16", "micro_batch_size": 4,
                                        "recompute": "lowrank"}})
 
 
-def trace_step(rec, cfg):
+def trace_step(rec, cfg, world=None):
+    """(ops this rank launched, the engine's byte counters per axis summed over the ranks) of one step."""
+    from boostmpi.parallel.comm import AXES
     from boostmpi.parallel.engine import Engine
     from boostmpi.train.optim import AdamW
 
-    eng = Engine(cfg)
+    eng = Engine(cfg, world, local_rank=0 if world is None else world.Get_rank())
+    if world is not None and not eng.grid.use_nccl:
+        raise RuntimeError("a multi-rank GPU run did not choose NCCL")
+    eng.grid.counter.reset()
     opt = AdamW(eng.params, eng.specs, cfg.train, eng.xp)
     rng = np.random.default_rng(0)
     shape = (cfg.train.micro_batch_size, cfg.model.seq_len)
@@ -183,64 +199,99 @@ def trace_step(rec, cfg):
             opt.step(eng.grads, 1e-4)
     finally:
         rec.on = False
-    return list(rec.ops)
+    counted = np.array([eng.grid.counter.bytes[a] for a in AXES], dtype=np.int64)
+    if world is not None:
+        from mpi4py import MPI
 
-
-def totals(ops, machine):
-    from boostmpi.sim.trace import price
-
-    return price(ops, machine)
+        world.Allreduce(MPI.IN_PLACE, counted, op=MPI.SUM)
+        for group in (eng.grid.tp, eng.grid.pp, eng.grid.dp):
+            if group.comm is not None:
+                group.comm.Free()
+    return list(rec.ops), dict(zip(AXES, counted.tolist()))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=int, default=8, help="divide the 7B's width, vocabulary and T by this")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under mpiexec with this many)")
     ap.add_argument("--machine", default="a100-80gb")
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
+    world = None
+    if args.tp > 1:
+        from mpi4py import MPI
 
+        world = MPI.COMM_WORLD
+        if world.Get_size() != args.tp:
+            if world.Get_rank() == 0:
+                print(f"error: --tp {args.tp} needs exactly {args.tp} ranks (mpiexec -n {args.tp}), "
+                      f"this job has {world.Get_size()}", file=sys.stderr)
+            sys.exit(2)
+    try:
+        report(args, world)
+    except BaseException:  # noqa: BLE001 - a rank that fails ends every rank, never a hang
+        if world is None:
+            raise
+        import traceback
+
+        sys.stderr.write(f"rank {world.Get_rank()}: {traceback.format_exc()}")
+        sys.stderr.flush()
+        world.Abort(1)
+
+
+def report(args, world):
     from dataclasses import replace
 
     from boostmpi.sim.machines import load_machine
-    from boostmpi.sim.model import predict
+    from boostmpi.sim.model import comm_bytes, predict
     from boostmpi.sim.plans import plan_strategy, shape_of
     from boostmpi.sim.trace import by_site, plan_launches_and_bytes
 
-    machine = load_machine(args.machine)
+    machine, tp = load_machine(args.machine), args.tp
     rec = Recorder()
     install(rec)
-    traces = {n: trace_step(rec, config(args.scale, n)) for n in (1, 2)}
-    priced = {n: totals(ops, machine) for n, ops in traces.items()}
+    traced = {n: trace_step(rec, config(args.scale, n, tp), world) for n in (1, 2)}
+    if world is not None and world.Get_rank() != 0:
+        return
+    traces = {n: ops for n, (ops, _) in traced.items()}
+    priced = {n: price(ops, machine, tp) for n, ops in traces.items()}
     per_layer = {k: priced[2][k] - priced[1][k] for k in priced[1]}
     extrapolated = {k: priced[1][k] + (LAYERS - 1) * per_layer[k] for k in priced[1]}
 
-    cfg = config(args.scale, LAYERS)
+    cfg = config(args.scale, LAYERS, tp)
     m = cfg.model
     engine_like = replace(machine, attention="matmul")  # the GPU path computes tiled score matrices
     analytical = {"profile": predict(cfg, machine).breakdown, "engine": predict(cfg, engine_like).breakdown}
     print(f"The paper's 7B layout / {args.scale}: d={m.d_model}, heads={m.n_heads}, d_ff={m.d_ff}, r={m.rank}, "
-          f"V={m.vocab_size}, T={m.seq_len}, micro-batch 4, bf16, cola btp grouped, recompute lowrank, tp=1; "
+          f"V={m.vocab_size}, T={m.seq_len}, micro-batch 4, bf16, cola btp grouped, recompute lowrank, tp={tp}; "
           f"traced at 1 and 2 layers on the CuPy stand-in, extrapolated to {LAYERS}; priced on {machine.name}.\n")
     print("| part | trace-priced s | analytical s (profile: flash attention) | analytical s (scores materialised, "
           "as the GPU path runs them) |\n|---|---|---|---|")
     for key, name in (("gemm", "GEMMs"), ("elementwise", "elementwise, attention core, copies"),
-                      ("optimizer", "optimizer")):
+                      ("tp_comm", "tensor-parallel collectives"), ("optimizer", "optimizer")):
         print(f"| {name} | {extrapolated[key]:.4f} | {analytical['profile'][key]:.4f} | "
               f"{analytical['engine'][key]:.4f} |")
     keys = ("gemm", "elementwise", "optimizer", "tp_comm")
     print(f"| step | {sum(extrapolated[k] for k in keys):.4f} | {sum(analytical['profile'][k] for k in keys):.4f} | "
           f"{sum(analytical['engine'][k] for k in keys):.4f} |")
+
+    print("\ntensor-parallel payload bytes of one step (rank 0's NCCL calls; the engine's counters summed over "
+          "the ranks; sim.model.comm_bytes):")
+    for n, (ops, counted) in traced.items():
+        calls = [op for op in ops if op.kind == "collective"]
+        kinds = ", ".join(f"{sum(op.name == k for op in calls)} {k}" for k in sorted({op.name for op in calls}))
+        print(f"layers={n}: NCCL {sum(op.nbytes for op in calls)} B in {len(calls)} calls ({kinds or 'none'}), "
+              f"engine counters {counted['tp']} B, comm_bytes {comm_bytes(config(args.scale, n, tp))['tp']} B")
     s = replace(shape_of(cfg, "matmul"), attention="matmul")
     launches, gemms, moved = plan_launches_and_bytes(s, plan_strategy(cfg), cfg.train.recompute, 2)
     print(f"\nper layer: {per_layer['launches']:.0f} kernel launches in the trace ({per_layer['gemm_launches']:.0f} "
-          f"GEMMs), {launches} in the analytical plan ({gemms} GEMMs; scores materialised); non-GEMM bytes {per_layer['elementwise_bytes'] / 1e6:.1f} MB in the trace, "
-          f"{moved / 1e6:.1f} MB in the plan")
+          f"GEMMs), {launches} in the analytical plan ({gemms} GEMMs; scores materialised); non-GEMM bytes "
+          f"{per_layer['elementwise_bytes'] / 1e6:.1f} MB in the trace, {moved / 1e6:.1f} MB in the plan")
     print(f"\nTop {args.top} call sites per layer by priced time (collectives aside; layer 2's share: "
           f"trace(2) - trace(1)):")
-    one = {(s, k): (n, nb, sec) for s, k, n, nb, sec in by_site(traces[1], machine)}
-    two = by_site(traces[2], machine)
+    one = {(s, k): (n, nb, sec) for s, k, n, nb, sec in by_site(traces[1], machine, tp)}
     diff = []
-    for site, kind, n, nb, sec in two:
+    for site, kind, n, nb, sec in by_site(traces[2], machine, tp):
         n1, nb1, s1 = one.get((site, kind), (0, 0, 0.0))
         if n - n1 > 0:
             diff.append((site, kind, n - n1, nb - nb1, sec - s1))

@@ -56,18 +56,19 @@ def expected_bytes(cfg):
     btp = par.tp_mode == "btp" and m.is_lowrank
     if btp:
         fwd, bwd = N * (4 * Ra + 3 * Rm) + 2 * N, N * (4 * Ra + 3 * Rm)
-        edges = (N * C // p + 3 * N) + N * C  # all-gather + cross-entropy, head backward
+        edges = N * C // p + N * C  # all-gather, head backward
     elif m.is_lowrank:
         fwd = N * (3 * C + 2 * K + 2 * F)
         bwd = N * (3 * C + F) if par.grouped else N * (6 * C + F)
-        edges = N * C + 3 * N + N * C
+        edges = N * C + N * C
     else:
         fwd = 2 * N * C
         bwd = 2 * N * C if par.grouped else 5 * N * C
-        edges = N * C + 3 * N + N * C
+        edges = N * C + N * C
     if t.recompute == "layer":
         fwd *= 2
-    tp = par.dp * M * (L * (fwd + bwd) + edges) * e if p > 1 else 0
+    cross_entropy = 3 * N * max(e, 4)  # its statistics are reduced in float32 (or float64)
+    tp = par.dp * M * ((L * (fwd + bwd) + edges) * e + cross_entropy) if p > 1 else 0
     shard = C // p if btp else C
     pp = p * par.dp * M * 2 * (par.pp - 1) * N * shard * e
     # dp: every parameter once, plus the tp-replicated ones once more per extra tp rank
@@ -457,3 +458,27 @@ def test_gpu_trace_runs_on_the_standin():
     traced, traced_gemms, planned, planned_gemms = map(int, m.groups())
     assert traced_gemms > 0 and planned_gemms > 0 and traced >= planned > 0
     assert "| step |" in done.stdout and "model.layers" in done.stdout
+
+
+def test_gpu_trace_at_tp4_records_every_collective():
+    """Under mpiexec -n 4 the traced step's NCCL calls, the engine's byte counters and the model's
+    comm_bytes agree byte for byte, and the collectives are priced beside the model's."""
+    import re
+    import subprocess
+    import sys
+
+    from boostmpi.parallel.launch import find_mpiexec
+
+    done = subprocess.run([find_mpiexec(), "-n", "4", sys.executable, str(ROOT / "bench" / "gpu_trace.py"),
+                           "--tp", "4", "--scale", "32", "--top", "3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows = re.findall(r"layers=(\d): NCCL (\d+) B in (\d+) calls \((.*)\), engine counters (\d+) B, "
+                      r"comm_bytes (\d+) B", done.stdout)
+    assert [r[0] for r in rows] == ["1", "2"], done.stdout
+    for _, nccl, calls, kinds, counted, modelled in rows:
+        assert int(nccl) == int(counted) == int(modelled) > 0, done.stdout
+        assert int(calls) > 0 and "allReduce" in kinds and "allGather" in kinds
+    traced, *analytical = re.search(r"\| tensor-parallel collectives \| (\S+) \| (\S+) \| (\S+) \|",
+                                    done.stdout).groups()
+    assert float(traced) > 0 and all(float(a) > 0 for a in analytical)
+    assert "parallel.nccl" not in done.stdout  # call sites name the engine's caller, not the communicator

@@ -160,7 +160,7 @@ def pass_times(ops, backward, s, machine, dtype):
             t.elementwise += flash_seconds(op, backward, machine, dtype)
         elif isinstance(op, Collective) and (op.phase == "bwd") == backward:
             if op.kind == "allreduce":
-                t.tp_comm += group_allreduce_seconds(op.elements * e, s.p, 1, machine)
+                t.tp_comm += group_allreduce_seconds(op.nbytes(e), s.p, 1, machine)
             else:  # an all-gather of p contributions: half an all-reduce of all of them
-                t.tp_comm += group_allreduce_seconds(op.elements * e * s.p, s.p, 1, machine, fraction=0.5)
+                t.tp_comm += group_allreduce_seconds(op.nbytes(e) * s.p, s.p, 1, machine, fraction=0.5)
     return t

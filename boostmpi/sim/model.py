@@ -39,15 +39,16 @@ def master_dtype(dtype):
     return "float64" if dtype == "float64" else "float32"
 
 
-def tp_elements_per_micro_batch(cfg, s=None):
-    """Tensor-parallel elements of one micro-batch summed over one pipeline (COMMUNICATION.md)."""
+def tp_bytes_per_micro_batch(cfg, s=None):
+    """Tensor-parallel payload bytes of one micro-batch summed over one pipeline (COMMUNICATION.md)."""
     s = s or shape_of(cfg, "flash")
+    e = ITEMSIZE[cfg.train.dtype]
     if s.p == 1:
         return 0
     strategy = tp_strategy(cfg)
 
     def collected(ops, fwd_times=1):
-        return sum(op.elements * (fwd_times if op.phase == "fwd" else 1)
+        return sum(op.nbytes(e) * (fwd_times if op.phase == "fwd" else 1)
                    for op in ops if isinstance(op, Collective))
 
     layer_fwd_times = 2 if cfg.train.recompute == "layer" else 1
@@ -60,7 +61,7 @@ def comm_bytes(cfg):
     par, t = cfg.parallel, cfg.train
     e = ITEMSIZE[t.dtype]
     M, N = t.grad_accum, t.micro_batch_size * cfg.model.seq_len
-    tp = par.dp * M * tp_elements_per_micro_batch(cfg) * e
+    tp = par.dp * M * tp_bytes_per_micro_batch(cfg)
     shard = cfg.model.d_model // par.tp if tp_strategy(cfg) == "btp" else cfg.model.d_model
     pp = par.tp * par.dp * M * 2 * (par.pp - 1) * N * shard * e
     dp = 0

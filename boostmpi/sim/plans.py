@@ -73,6 +73,11 @@ class Collective:
     phase: str  # "fwd" or "bwd"
     saved: int = 0
     keeps_output: bool = True  # under recompute = lowrank its output is kept, so it is never reissued
+    min_itemsize: int = 0  # the payload is at least this wide whatever the step's dtype (fp32 statistics)
+
+    def nbytes(self, itemsize):
+        """Payload bytes contributed per member at the step's item size."""
+        return self.elements * max(itemsize, self.min_itemsize)
 
 
 @dataclass
@@ -316,8 +321,8 @@ def head_plan(s, strategy):
             Gemm("lm_head", N, V_local, C, saved=N * C),
             Collective("lm_head.dx", "allreduce", N * C, "bwd"),
             Pointwise("cross_entropy", N * V_local, *_CROSS_ENTROPY_PASSES, saved=N * V_local),
-            Collective("ce.max", "allreduce", N, "fwd"),
-            Collective("ce.sums", "allreduce", 2 * N, "fwd")]
+            Collective("ce.max", "allreduce", N, "fwd", min_itemsize=4),  # softmax statistics in >= fp32
+            Collective("ce.sums", "allreduce", 2 * N, "fwd", min_itemsize=4)]
     return eager_pytorch(ops) if s.eager else ops
 
 
