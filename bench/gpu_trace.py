@@ -178,7 +178,7 @@ def config(scale, layers, tp=1):
 
 
 def trace_step(rec, cfg, world=None):
-    """(ops this rank launched, the engine's byte counters per axis summed over the ranks) of one step."""
+    """(ops this rank launched, the engine's counters {"bytes"|"calls": per axis} summed over the ranks) of one step."""
     from boostmpi.parallel.comm import AXES
     from boostmpi.parallel.engine import Engine
     from boostmpi.train.optim import AdamW
@@ -199,7 +199,8 @@ def trace_step(rec, cfg, world=None):
             opt.step(eng.grads, 1e-4)
     finally:
         rec.on = False
-    counted = np.array([eng.grid.counter.bytes[a] for a in AXES], dtype=np.int64)
+    counter = eng.grid.counter
+    counted = np.array([counter.bytes[a] for a in AXES] + [counter.calls[a] for a in AXES], dtype=np.int64)
     if world is not None:
         from mpi4py import MPI
 
@@ -207,7 +208,8 @@ def trace_step(rec, cfg, world=None):
         for group in (eng.grid.tp, eng.grid.pp, eng.grid.dp):
             if group.comm is not None:
                 group.comm.Free()
-    return list(rec.ops), dict(zip(AXES, counted.tolist()))
+    counted = counted.tolist()
+    return list(rec.ops), {"bytes": dict(zip(AXES, counted[:3])), "calls": dict(zip(AXES, counted[3:]))}
 
 
 def main():
@@ -243,7 +245,7 @@ def report(args, world):
     from dataclasses import replace
 
     from boostmpi.sim.machines import load_machine
-    from boostmpi.sim.model import comm_bytes, predict
+    from boostmpi.sim.model import comm_bytes, predict, tp_calls
     from boostmpi.sim.plans import plan_strategy, shape_of
     from boostmpi.sim.trace import by_site, plan_launches_and_bytes
 
@@ -275,13 +277,15 @@ def report(args, world):
     print(f"| step | {sum(extrapolated[k] for k in keys):.4f} | {sum(analytical['profile'][k] for k in keys):.4f} | "
           f"{sum(analytical['engine'][k] for k in keys):.4f} |")
 
-    print("\ntensor-parallel payload bytes of one step (rank 0's NCCL calls; the engine's counters summed over "
-          "the ranks; sim.model.comm_bytes):")
+    print("\ntensor-parallel payload bytes and calls of one step (rank 0's NCCL calls; the engine's counters "
+          "summed over the ranks; sim.model.comm_bytes and tp_calls):")
     for n, (ops, counted) in traced.items():
         calls = [op for op in ops if op.kind == "collective"]
         kinds = ", ".join(f"{sum(op.name == k for op in calls)} {k}" for k in sorted({op.name for op in calls}))
+        small = config(args.scale, n, tp)
         print(f"layers={n}: NCCL {sum(op.nbytes for op in calls)} B in {len(calls)} calls ({kinds or 'none'}), "
-              f"engine counters {counted['tp']} B, comm_bytes {comm_bytes(config(args.scale, n, tp))['tp']} B")
+              f"engine counters {counted['bytes']['tp']} B in {counted['calls']['tp']} calls, "
+              f"model {comm_bytes(small)['tp']} B in {tp_calls(small)} calls")
     s = replace(shape_of(cfg, "matmul"), attention="matmul")
     launches, gemms, moved = plan_launches_and_bytes(s, plan_strategy(cfg), cfg.train.recompute, 2)
     print(f"\nper layer: {per_layer['launches']:.0f} kernel launches in the trace ({per_layer['gemm_launches']:.0f} "

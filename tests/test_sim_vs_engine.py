@@ -4,7 +4,7 @@ For every layout the parallel tests run (tests/test_parallel.py `cases`: tp in {
 up to 3, both tp modes, archs full/svd/cola, online/sync norm, grouped or not, recompute none,
 layer or lowrank, GQA), one optimizer step of the real engine is counted by its own counters,
 summed over all ranks, and compared with `boostmpi.sim.model.comm_bytes(cfg)`: equal, byte for
-byte, on every axis. A float32 variant with the data-parallel all-reduce not overlapped checks the
+byte, on every axis; its tensor-parallel calls equal `tp_calls(cfg)`. A float32 variant with the data-parallel all-reduce not overlapped checks the
 item sizes and the other gradient path.
 
 Run with `mpiexec -n N python -m pytest --with-mpi -m mpi tests/test_sim_vs_engine.py` for N in
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from boostmpi.parallel.engine import Engine
-from boostmpi.sim.model import comm_bytes
+from boostmpi.sim.model import comm_bytes, tp_calls
 from conftest import running_under_mpi
 from mpi_helpers import abort_on_error, assert_all_ranks, world
 from test_parallel import Case, cases, free_communicators
@@ -54,14 +54,20 @@ def random_micro_batches(cfg, seed=0):
 
 def counted_bytes(engine, micro_batches, comm=None):
     """Bytes per axis of one forward_backward, summed over the ranks of `comm` (or this process)."""
+    return counted(engine, micro_batches, comm)[0]
+
+
+def counted(engine, micro_batches, comm=None):
+    """(bytes per axis, tp calls) of one forward_backward, summed over the ranks of `comm` (or this process)."""
     engine.grid.counter.reset()
     engine.forward_backward(micro_batches)
-    counts = np.array([engine.grid.counter.bytes[a] for a in AXES], dtype=np.int64)
+    counter = engine.grid.counter
+    counts = np.array([counter.bytes[a] for a in AXES] + [counter.calls["tp"]], dtype=np.int64)
     if comm is not None:
         from mpi4py import MPI
 
         comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
-    return dict(zip(AXES, counts.tolist()))
+    return dict(zip(AXES, counts[:-1].tolist())), int(counts[-1])
 
 
 @pytest.mark.mpi(min_size=2)
@@ -72,10 +78,12 @@ def test_sim_comm_bytes_equal_engine_counters(mpi_config):
         pytest.skip(f"layout needs {size} ranks")
     with abort_on_error():
         engine = Engine(mpi_config, comm)
-        counted = counted_bytes(engine, random_micro_batches(mpi_config), comm)
+        counted_bytes_, calls = counted(engine, random_micro_batches(mpi_config), comm)
     predicted = comm_bytes(mpi_config)
-    assert_all_ranks(counted == predicted, f"engine counted {counted}, sim.model.comm_bytes says {predicted}")
-    assert_all_ranks(size == 1 or any(counted.values()), "a parallel layout that moved no bytes")
+    assert_all_ranks(counted_bytes_ == predicted, f"engine counted {counted_bytes_}, sim.model.comm_bytes says {predicted}")
+    assert_all_ranks(calls == tp_calls(mpi_config), f"engine made {calls} tp calls, sim.model.tp_calls says "
+                     f"{tp_calls(mpi_config)}")
+    assert_all_ranks(size == 1 or any(counted_bytes_.values()), "a parallel layout that moved no bytes")
     free_communicators(engine)
 
 

@@ -39,21 +39,26 @@ def master_dtype(dtype):
     return "float64" if dtype == "float64" else "float32"
 
 
-def tp_bytes_per_micro_batch(cfg, s=None):
-    """Tensor-parallel payload bytes of one micro-batch summed over one pipeline (COMMUNICATION.md)."""
+def tp_per_micro_batch(cfg, measure, s=None):
+    """`measure(collective)` summed over the tensor-parallel collectives of one micro-batch and one
+    pipeline (COMMUNICATION.md)."""
     s = s or shape_of(cfg, "flash")
-    e = ITEMSIZE[cfg.train.dtype]
     if s.p == 1:
         return 0
     strategy = tp_strategy(cfg)
 
     def collected(ops, fwd_times=1):
-        return sum(op.nbytes(e) * (fwd_times if op.phase == "fwd" else 1)
-                   for op in ops if isinstance(op, Collective))
+        return sum(measure(op) * (fwd_times if op.phase == "fwd" else 1) for op in ops if isinstance(op, Collective))
 
     layer_fwd_times = 2 if cfg.train.recompute == "layer" else 1
     total = cfg.model.n_layers * collected(layer_plan(s, strategy), layer_fwd_times)
     return total + collected(embedding_plan(s, strategy)) + collected(head_plan(s, strategy))
+
+
+def tp_calls(cfg):
+    """Tensor-parallel collective calls of one optimizer step, each group's counted once (as the
+    engine's counters count them)."""
+    return cfg.parallel.dp * cfg.train.grad_accum * tp_per_micro_batch(cfg, lambda op: 1)
 
 
 def comm_bytes(cfg):
@@ -61,7 +66,7 @@ def comm_bytes(cfg):
     par, t = cfg.parallel, cfg.train
     e = ITEMSIZE[t.dtype]
     M, N = t.grad_accum, t.micro_batch_size * cfg.model.seq_len
-    tp = par.dp * M * tp_bytes_per_micro_batch(cfg)
+    tp = par.dp * M * tp_per_micro_batch(cfg, lambda op: op.nbytes(e))
     shard = cfg.model.d_model // par.tp if tp_strategy(cfg) == "btp" else cfg.model.d_model
     pp = par.tp * par.dp * M * 2 * (par.pp - 1) * N * shard * e
     dp = 0

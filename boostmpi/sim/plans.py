@@ -74,6 +74,7 @@ class Collective:
     saved: int = 0
     keeps_output: bool = True  # under recompute = lowrank its output is kept, so it is never reissued
     min_itemsize: int = 0  # the payload is at least this wide whatever the step's dtype (fp32 statistics)
+    fed_by: int = 1  # how many GEMMs right before it it reduces the outputs of (a grouped all-reduce: several)
 
     def nbytes(self, itemsize):
         """Payload bytes contributed per member at the step's item size."""
@@ -222,7 +223,8 @@ def _vanilla_layer(s):
     Ra, Rm = s.Ra // p, s.Rm // p
 
     def factor_pairs(names, d_in, r, outs, saved_input):
-        """Linears sharing one input: grouped = one A GEMM; each B ends in an all-reduce of its output."""
+        """Linears sharing one input: grouped = one A GEMM and one all-reduce of the B outputs; else each
+        B ends in an all-reduce of its output."""
         ops = []
         if s.grouped:
             ops += [Gemm("+".join(names) + ".A", N, r * len(names), d_in, saved=saved_input),
@@ -234,8 +236,11 @@ def _vanilla_layer(s):
         if s.cola:
             ops.append(unary("silu", N * r * len(names), saved=N * r * len(names)))
         for name, d_out in zip(names, outs):
-            ops += [Gemm(f"{name}.B", N, d_out, r, saved=N * r),
-                    Collective(f"{name}.y", "allreduce", N * d_out, "fwd")]
+            ops.append(Gemm(f"{name}.B", N, d_out, r, saved=N * r))
+            if not s.grouped:
+                ops.append(Collective(f"{name}.y", "allreduce", N * d_out, "fwd"))
+        if s.grouped:  # the group's outputs in one all-reduce
+            ops.append(Collective("+".join(names) + ".y", "allreduce", N * sum(outs), "fwd", fed_by=len(names)))
         return ops
 
     ops = [norm("attn_norm", N, C)]
@@ -278,10 +283,14 @@ def _btp_layer(s):
         return ops
 
     def b_gemms(names, r, outs):
+        """B GEMMs and the backward all-reduce of dz: one for the group when grouped, else one each."""
         ops = []
         for name, d_out in zip(names, outs):
-            ops += [Gemm(f"{name}.B", N, d_out, r, saved=N * r),
-                    Collective(f"{name}.dz", "allreduce", N * r, "bwd")]
+            ops.append(Gemm(f"{name}.B", N, d_out, r, saved=N * r))
+            if not s.grouped:
+                ops.append(Collective(f"{name}.dz", "allreduce", N * r, "bwd"))
+        if s.grouped:
+            ops.append(Collective("+".join(names) + ".dz", "allreduce", N * r * len(names), "bwd"))
         return ops
 
     ops = [norm("attn_norm", N, Cl)]
@@ -338,10 +347,13 @@ def recompute_plan(ops, recompute):
         return None
     if recompute == "layer":
         return list(ops)
+    feeds_kept = set()  # the GEMMs whose outputs go straight into a forward collective
+    for i, op in enumerate(ops):
+        if isinstance(op, Collective) and op.phase == "fwd":
+            feeds_kept.update(j for j in range(max(0, i - op.fed_by), i) if isinstance(ops[j], Gemm))
     again = []
-    for op, following in zip(ops, ops[1:] + [None]):
-        feeds_kept = isinstance(following, Collective) and following.phase == "fwd"
-        if isinstance(op, Collective) or (isinstance(op, Gemm) and feeds_kept):
+    for i, op in enumerate(ops):
+        if isinstance(op, Collective) or i in feeds_kept:
             continue
         if isinstance(op, Pointwise) and op.name == "softmax":
             op = replace(op, fwd_passes=op.fwd_passes - _SOFTMAX_REDUCTION_PASSES)
