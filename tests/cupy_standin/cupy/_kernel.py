@@ -50,11 +50,6 @@ class RawKernel:
         if key == "max_dynamic_shared_size_bytes" and "_function" in self.__dict__:
             self._function.max_dynamic_shared_size_bytes = int(value)  # the harness enforces it too
 
-    @property
-    def shared_size_bytes(self):
-        """Static shared memory per block (the loader adds it to the dynamic part it asks for)."""
-        return self._function.shared_size_bytes
-
     def __call__(self, grid, block, args, *, shared_mem=0, stream=None, enable_cooperative_groups=False):
         props = runtime.getDeviceProperties(_current_device())
         grid, block = _dims(grid, "grid"), _dims(block, "block")
