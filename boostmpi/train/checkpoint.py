@@ -231,7 +231,7 @@ def rank_state(engine, optimizer, copy=False):
         a = to_numpy(a)
         return np.array(a, copy=True) if copy else a
 
-    return RankState((c.tp, c.pp, c.dp), lo, host(engine.params.data[lo:hi]), host(optimizer.m[lo - o_lo:hi - o_lo]),
+    return RankState((c.tp, c.pp, c.dp), lo, host(engine.master_range(lo, hi)), host(optimizer.m[lo - o_lo:hi - o_lo]),
                      host(optimizer.v[lo - o_lo:hi - o_lo]))
 
 
@@ -764,8 +764,8 @@ def load(ckpt_dir, specs, params, optimizer=None, xp=np):
     import h5py
 
     f, step, _ = open_model(ckpt_dir, check=False)
-    try:
-        read_params(f, specs, params, xp)
+    try:  # into `params` wherever it lives (a host buffer for a rank whose master weights are a slice)
+        read_params(f, specs, params, np if isinstance(params.data, np.ndarray) else xp)
     finally:
         f.close()
     if optimizer is not None:
