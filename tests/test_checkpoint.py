@@ -305,3 +305,19 @@ def test_a_failed_async_write_stops_the_run_with_the_previous_checkpoint_intact(
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_00000002"]
     assert ckpt.find_latest(str(run_dir)) == str(step_dir(run_dir, 2))
     ckpt.verify(str(step_dir(run_dir, 2)))
+
+
+def test_a_save_reports_the_seconds_of_each_phase(tmp_path):
+    """PendingSave.phases, read by bench/scale.py: the rank file's HDF5 write, fsync and SHA-256, the wait for
+    the others, rank 0's virtual files and the publishing, each measured (> 0) and the checkpoint complete."""
+    from boostmpi.train.optim import AdamW
+
+    cfg = load_config(TINY_CONFIG, overrides=[f"train.run_dir={tmp_path / 'run'}"])
+    engine = Engine(cfg)
+    optimizer = AdamW(engine.params, engine.specs, cfg.train)
+    pending = ckpt.PendingSave(cfg.train.run_dir, 1, cfg, [ckpt.rank_state(engine, optimizer)], 0, {"data": {}})
+    pending.write()
+    folder = pending.finish()
+    assert ckpt.is_complete(folder)
+    assert set(pending.phases) == {"hdf5 write", "fsync", "sha256", "wait", "virtual files", "publish"}
+    assert all(seconds > 0 for seconds in pending.phases.values()), pending.phases
