@@ -256,7 +256,8 @@ def main():
             ["layout", "checkpoint MiB", "checkpoint s", "MiB/s", "plain s", "bandwidth ratio", "verdict",
              "async save cost to the step", "verdict"], ratio_rows),
         "### Checkpoint write by phase (median over the rounds of each phase's slowest rank, seconds)\n\n"
-        "hdf5 write: h5py writing the rank file; fsync: its fsync; sha256: reading it back and hashing it; "
+        "hdf5 write: h5py writing the rank file; fsync: its fsync; sha256: reading it back and hashing it "
+        "(in a thread, during the fsync: the two overlap); "
         "wait: the gather until every rank reported (the slowest rank's wait is ~0); virtual files: rank 0 "
         "writing model.h5, optim.h5, state.json and hashing them; publish: COMPLETE, rename, `latest`.\n\n"
         + markdown_table(["layout", "checkpoint s", *PHASES], phase_rows),
