@@ -9,7 +9,9 @@ gradient and updates the whole flat buffer. With `zero_stage = 1` (ZeRO stage 1)
 the contiguous slice `shard` of the flat buffer (`split_range(size, dp, r)`): each bucket's gradient
 is reduce-scattered as soon as it is final, so rank r receives the summed gradient of its slice only
 (`grad_shard`); AdamW keeps moments for that slice only and updates it; `optimizer_step` then
-all-gathers the updated slices so every rank holds the whole buffer again.
+all-gathers the updated slices so every rank holds the whole buffer again. Under GPU mixed precision
+the float32 master weights exist for the slice only (`master`): the updated slice is rounded into
+the bf16 compute buffer (`params`), and that buffer is what is all-gathered.
 """
 
 import numpy as np
