@@ -2,12 +2,12 @@
 save, resume, engine build and the first step, at 1, 2 and 4 ranks; then the performance model's
 checkpoint time and per-rank memory for the paper's 7B (tp = 4) and a 30B layout.
 
-    PYTHONPATH=. .venv/bin/python bench/scale.py [--repeats 10] [--append bench/RESULTS.md]
+    PYTHONPATH=. .venv/bin/python bench/scale.py [--repeats 10] [--layouts "1,1,2,1 2,1,2,1"] [--append bench/RESULTS.md]
 
 Each layout runs as its own `mpiexec` job (this script relaunched as a worker). Per layout:
 - build: Engine + AdamW construction, the slowest rank;
 - step 1 and the median of the next steps (forward, backward, optimizer step), the slowest rank;
-- checkpoint write (checkpoint.save, every rank its own file, then publish) against a plain
+- checkpoint write (checkpoint.save, every rank its own file, then publish), by phase, against a plain
   write of the same bytes by the same ranks in the same job (each rank `tofile` + fsync of as many
   bytes as its rank file), interleaved round by round; bandwidth = the checkpoint's bytes / time;
 - asynchronous save: the step that runs while every rank's writer thread writes a snapshot,
@@ -35,6 +35,8 @@ BATCH = 2
 # (tp, pp, dp, zero_stage)
 LAYOUTS = [(1, 1, 1, 0), (2, 1, 1, 0), (1, 1, 2, 1), (2, 1, 2, 1), (1, 1, 4, 1)]
 STEADY_STEPS = 3
+# the phases of a checkpoint write (checkpoint.PendingSave.phases), each the slowest rank's seconds
+PHASES = ("hdf5 write", "fsync", "sha256", "wait", "virtual files", "publish")
 
 
 def vm_hwm():
@@ -88,10 +90,16 @@ def worker(args):
     state = {"data": {}, "layout": {}} if rank == 0 else None
     step_no = [0]
 
+    phases = []  # per checkpoint round: {phase: seconds of the slowest rank}
+
     def save():
         step_no[0] += 1
-        ckpt.save(cfg.train.run_dir, step_no[0], cfg, [ckpt.rank_state(engine, optimizer)], optimizer.t, state,
-                  comm=world, keep=1)
+        pending = ckpt.PendingSave(cfg.train.run_dir, step_no[0], cfg, [ckpt.rank_state(engine, optimizer)],
+                                   optimizer.t, state, comm=world, keep=1)
+        pending.write()
+        pending.finish()
+        mine = pending.phases
+        phases.append({k: world.allreduce(mine.get(k, 0.0), op=MPI.MAX) for k in PHASES})
 
     my_bytes = ckpt.rank_state(engine, optimizer).nbytes
     total_bytes = world.allreduce(my_bytes)
@@ -126,6 +134,8 @@ def worker(args):
             seconds = fn()
             if r >= args.warmup:
                 times[name].append(seconds)
+            elif name == "checkpoint":
+                phases.pop()
 
     latest = ckpt.find_latest(cfg.train.run_dir) if rank == 0 else None
     latest = world.bcast(latest)
@@ -134,7 +144,7 @@ def worker(args):
     if rank == 0:
         shutil.rmtree(base, ignore_errors=True)
         result = {"layout": [tp, pp, dp, zero], "build": build, "first": first, "steady": median(steady),
-                  "times": times, "bytes": total_bytes, "peaks": peaks, "resume": resume,
+                  "times": times, "phases": phases, "bytes": total_bytes, "peaks": peaks, "resume": resume,
                   "params": int(world.allreduce(engine.params.size) // max(1, dp))}
         with open(args.out, "w") as f:
             json.dump(result, f)
@@ -193,6 +203,7 @@ def sim_section():
 
 def main():
     p = parser(__doc__.splitlines()[0], warmup=1, repeats=10)
+    p.add_argument("--layouts", help="only these layouts, 'tp,pp,dp,zero' separated by spaces (default: all)")
     p.add_argument("--layout")
     p.add_argument("--out")
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: the system's temp folder)")
@@ -201,7 +212,8 @@ def main():
         worker(args)
         return 0
     results = []
-    for tp, pp, dp, zero in LAYOUTS:
+    layouts = [tuple(int(x) for x in item.split(",")) for item in args.layouts.split()] if args.layouts else LAYOUTS
+    for tp, pp, dp, zero in layouts:
         out = tempfile.mktemp(suffix=".json")
         status = launch_under_mpiexec(tp * pp * dp, 3000, ["--layout", f"{tp},{pp},{dp},{zero}", "--out", out])
         if status != 0:
@@ -210,7 +222,7 @@ def main():
         with open(out) as f:
             results.append(json.load(f))
         os.remove(out)
-    rows, ratio_rows = [], []
+    rows, ratio_rows, phase_rows = [], [], []
     mib = 2**20
     for r in results:
         tp, pp, dp, zero = r["layout"]
@@ -222,6 +234,8 @@ def main():
         rows.append([f"tp{tp} dp{dp} zero{zero}", tp * pp * dp, f"{r['build']:.2f}", f"{r['first']:.2f}",
                      f"{r['steady']:.2f}", f"{r['resume']:.2f}",
                      " / ".join(f"{x / mib:.0f}" for x in peaks), f"{peaks[0] / max(peaks[1:] or peaks):.2f}"])
+        phase_rows.append([f"tp{tp} dp{dp} zero{zero}", f"{median(t['checkpoint']):.3f}"]
+                          + [f"{median([ph[k] for ph in r['phases']]):.3f}" for k in PHASES])
         lo, mid, hi = quartiles(ratio)
         clo, cmid, chi = quartiles(cost)
         ratio_rows.append([f"tp{tp} dp{dp} zero{zero}", f"{r['bytes'] / mib:.0f}",
@@ -241,6 +255,12 @@ def main():
         "without) / step without, round by round; target <= +10%.\n\n" + markdown_table(
             ["layout", "checkpoint MiB", "checkpoint s", "MiB/s", "plain s", "bandwidth ratio", "verdict",
              "async save cost to the step", "verdict"], ratio_rows),
+        "### Checkpoint write by phase (median over the rounds of each phase's slowest rank, seconds)\n\n"
+        "hdf5 write: h5py writing the rank file; fsync: its fsync; sha256: reading it back and hashing it "
+        "(in a thread, during the fsync: the two overlap); "
+        "wait: the gather until every rank reported (the slowest rank's wait is ~0); virtual files: rank 0 "
+        "writing model.h5, optim.h5, state.json and hashing them; publish: COMPLETE, rename, `latest`.\n\n"
+        + markdown_table(["layout", "checkpoint s", *PHASES], phase_rows),
         sim_section(),
     ]
     emit("scale: ZeRO-1, per-rank checkpoints, async save, first step", machine_description(mpi=True), sections,

@@ -94,12 +94,17 @@ def _run_layouts(out_path):
     world.Barrier()
 
 
-if __name__ == "__main__":
+def run_or_abort(main, *args):
+    """`main(*args)` on every rank; a failure prints the rank's traceback and ends every rank (MPI_Abort)."""
     try:
-        _run_layouts(sys.argv[1])
+        main(*args)
     except BaseException:  # noqa: BLE001 - any failure ends every rank, never a hang
         from mpi4py import MPI
 
         sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()}: {traceback.format_exc()}")
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
+
+
+if __name__ == "__main__":
+    run_or_abort(_run_layouts, sys.argv[1])

@@ -305,3 +305,37 @@ def test_a_failed_async_write_stops_the_run_with_the_previous_checkpoint_intact(
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_00000002"]
     assert ckpt.find_latest(str(run_dir)) == str(step_dir(run_dir, 2))
     ckpt.verify(str(step_dir(run_dir, 2)))
+
+
+def test_a_save_reports_the_seconds_of_each_phase(tmp_path):
+    """PendingSave.phases, read by bench/scale.py: the rank file's HDF5 write, fsync and SHA-256, the wait for
+    the others, rank 0's virtual files and the publishing, each measured (> 0) and the checkpoint complete."""
+    from boostmpi.train.optim import AdamW
+
+    cfg = load_config(TINY_CONFIG, overrides=[f"train.run_dir={tmp_path / 'run'}"])
+    engine = Engine(cfg)
+    optimizer = AdamW(engine.params, engine.specs, cfg.train)
+    pending = ckpt.PendingSave(cfg.train.run_dir, 1, cfg, [ckpt.rank_state(engine, optimizer)], 0, {"data": {}})
+    pending.write()
+    folder = pending.finish()
+    assert ckpt.is_complete(folder)
+    assert set(pending.phases) == {"hdf5 write", "fsync", "sha256", "wait", "virtual files", "publish"}
+    assert all(seconds > 0 for seconds in pending.phases.values()), pending.phases
+
+
+def test_a_rank_file_is_hashed_while_its_fsync_waits_for_the_disk(tmp_path, monkeypatch):
+    """The SHA-256 of a written file runs beside its fsync (CPU and disk at once), and is still its bytes'."""
+    import hashlib
+    import threading
+
+    started, real_sha256 = threading.Event(), ckpt._sha256
+    monkeypatch.setattr(ckpt, "_sha256", lambda path: (started.set(), real_sha256(path))[1])
+    overlapped = []
+    monkeypatch.setattr(ckpt, "_fsync_file", lambda path: overlapped.append(started.wait(timeout=5)))
+    path = tmp_path / "rank.h5"
+    path.write_bytes(b"boost" * 1000)
+    phases = {}
+    record = ckpt._file_record(str(path), phases)
+    assert overlapped == [True], "the hash did not start before the fsync returned"
+    assert record == {"bytes": 5000, "sha256": hashlib.sha256(b"boost" * 1000).hexdigest()}
+    assert set(phases) == {"fsync", "sha256"}

@@ -122,3 +122,28 @@ def test_the_gpu_benchmark_refuses_the_standin_clearly():
     proc = subprocess.run([sys.executable, str(TESTS.parent / "bench" / "gpu_step.py")], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.startswith("error: bench/gpu_step.py measures a GPU"), proc.stderr
+
+
+def run_four_ranks(script, folder):
+    """`mpiexec -n 4 python tests/SCRIPT FOLDER`, which prints `ok` on rank 0 or one line per failed check."""
+    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, str(TESTS / script), str(folder)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def test_zero1_bf16_keeps_master_slices_and_equals_zero0_through_nccl(tmp_path):
+    """tp=2 x dp=2 bf16 (tests/gpu_zero_steps.py): with zero_stage = 1 each rank holds float32 master weights
+    for its dp slice only (memory asserted) and all-gathers the bf16 compute buffer; losses and weights
+    equal zero_stage = 0 bit for bit over three steps (two ranks' sums do not depend on order, the update
+    is elementwise), with the NCCL reduce-scatter on the side stream and blocking; its checkpoint loads
+    back exactly under zero_stage 1 and as the same master weights under 0."""
+    run_four_ranks("gpu_zero_steps.py", tmp_path)
+
+
+def test_zero1_bf16_trains_reports_its_share_and_resumes_under_other_layouts(tmp_path):
+    """`boostmpi train` at tp=2 x dp=2, zero_stage = 1, bf16 (tests/gpu_zero_resume.py): memory.params is the
+    float32 slice plus the whole bf16 copy; its checkpoint resumes under zero_stage = 0 with the same
+    losses bit for bit and under tp=2 x pp=2 within the bf16 tolerance (other accumulation order)."""
+    run_four_ranks("gpu_zero_resume.py", tmp_path)

@@ -272,15 +272,18 @@ class Group:
             return buf
         from mpi4py import MPI
 
-        counts = [int(c) for c in counts]
-        displs = [int(d) for d in np.concatenate([[0], np.cumsum(counts)[:-1]])]
         if not counted:
             self.count_allgather_pieces(buf, counts)
+        mpi_type = MPI._typedict.get(buf.dtype.char)
+        if mpi_type is None:  # a type MPI does not know (bfloat16): the pieces as bytes
+            mpi_type, counts = MPI.BYTE, [int(c) * buf.itemsize for c in counts]
+        counts = [int(c) for c in counts]
+        displs = [int(d) for d in np.concatenate([[0], np.cumsum(counts)[:-1]])]
         self._sync()
         t0 = time.perf_counter()
-        WATCHDOG.begin(self.axis, "Allgatherv", counts[0] * buf.itemsize)
+        WATCHDOG.begin(self.axis, "Allgatherv", counts[0] * (1 if mpi_type == MPI.BYTE else buf.itemsize))
         try:
-            self.comm.Allgatherv(MPI.IN_PLACE, [_mpi_buf(buf), counts, displs, MPI._typedict[buf.dtype.char]])
+            self.comm.Allgatherv(MPI.IN_PLACE, [_mpi_buf(buf), counts, displs, mpi_type])
         finally:
             WATCHDOG.end()
         self.wait_seconds += time.perf_counter() - t0

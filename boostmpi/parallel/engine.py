@@ -9,12 +9,14 @@ gradient and updates the whole flat buffer. With `zero_stage = 1` (ZeRO stage 1)
 the contiguous slice `shard` of the flat buffer (`split_range(size, dp, r)`): each bucket's gradient
 is reduce-scattered as soon as it is final, so rank r receives the summed gradient of its slice only
 (`grad_shard`); AdamW keeps moments for that slice only and updates it; `optimizer_step` then
-all-gathers the updated slices so every rank holds the whole buffer again.
+all-gathers the updated slices so every rank holds the whole buffer again. Under GPU mixed precision
+the float32 master weights exist for the slice only (`master`): the updated slice is rounded into
+the bf16 compute buffer (`params`), and that buffer is what is all-gathered.
 """
 
 import numpy as np
 
-from boostmpi.backend import compute_dtype, get_xp, keep_host_memory, param_dtype
+from boostmpi.backend import compute_dtype, get_array_module, get_xp, keep_host_memory, param_dtype
 from boostmpi.model import layers
 from boostmpi.model.params import FlatBuffer, init_local, param_specs, split_range, stage_layers
 from boostmpi.model.recompute import POLICIES, Saved, Tape
@@ -73,34 +75,72 @@ class Engine:
         self.specs = param_specs(cfg, c.tp, c.pp)
         self.pdtype = param_dtype(tr.dtype)
         self.cdtype = compute_dtype(tr.dtype, self.xp)
-        self.params = FlatBuffer(self.specs, self.pdtype, self.xp)  # master weights
         self.grads = FlatBuffer(self.specs, self.pdtype, self.xp)
         touched(self.grads.data)  # its pages fault in now, not in the first step's backward
-        # mixed precision (bf16 on GPUs): compute on a low-precision copy, refreshed every step;
-        # gradients accumulate in the master dtype
+        # ZeRO-1: this dp rank's slice of the flat buffer for the optimizer (the whole buffer otherwise)
+        n, dp = self.grads.size, self.grid.dp_size
+        self.zero_stage = par.zero_stage
+        self.sharded = par.zero_stage == 1 and dp > 1
+        self.dp_ranges = [split_range(n, dp, r) for r in range(dp)] if self.sharded else [(0, n)]
+        self.shard = self.dp_ranges[c.dp] if self.sharded else (0, n)
+        lo, hi = self.shard
+        # mixed precision (bf16 on GPUs): compute on a low-precision copy; gradients accumulate in the
+        # master dtype. Without ZeRO-1 the master weights are a whole flat buffer and the compute copy
+        # is refreshed from it every step. With ZeRO-1 the master weights exist for this rank's slice
+        # only (`master`): the optimizer updates it, casts it into the compute buffer, and the compute
+        # buffer (`params`, in the compute dtype) is all-gathered.
         same = np.dtype(self.cdtype) == np.dtype(self.pdtype)
-        self.cparams = self.params if same else FlatBuffer(self.specs, self.cdtype, self.xp)
+        self.master_separate = self.sharded and not same
+        if self.master_separate:
+            self.params = FlatBuffer(self.specs, self.cdtype, self.xp)  # compute weights, whole
+            self.cparams = self.params
+            self.master = touched(self.xp.empty(hi - lo, dtype=self.pdtype))  # master weights, the slice
+        else:
+            self.params = FlatBuffer(self.specs, self.pdtype, self.xp)  # master weights, whole
+            self.cparams = self.params if same else FlatBuffer(self.specs, self.cdtype, self.xp)
+            self.master = self.params.data[lo:hi]
         self.tpx = make_strategy(cfg, self.grid)
         self.rope = layers.rope_tables(m.seq_len, m.d_model // m.n_heads, m.rope_theta, self.cdtype, self.xp)
         self.policy = POLICIES[tr.recompute]()
         self.saved_activation_bytes = 0  # per micro-batch, this stage, from the last step
         self.saved_activation_bytes_per_layer = []
         self._buckets = self._bucket_ranges()
-        # ZeRO-1: this dp rank's slice of the flat buffer for the optimizer (the whole buffer otherwise)
-        n, dp = self.params.size, self.grid.dp_size
-        self.zero_stage = par.zero_stage
-        self.sharded = par.zero_stage == 1 and dp > 1
-        self.dp_ranges = [split_range(n, dp, r) for r in range(dp)] if self.sharded else [(0, n)]
-        self.shard = self.dp_ranges[c.dp] if self.sharded else (0, n)
-        lo, hi = self.shard
         # the dp-summed gradient of the slice: its own buffer when reduce-scattered, else a view
         self.grad_shard = touched(self.xp.empty(hi - lo, dtype=self.pdtype)) if self.sharded else self.grads.data
         self.init_params(tr.seed)
 
     # ------------------------------------------------------------------ parameters
     def init_params(self, seed):
-        for s in self.specs:
-            self.params[s.name][...] = self.xp.asarray(init_local(s, seed))
+        buffer = self.master_buffer()
+        xp = get_array_module(buffer.data)
+        for s in buffer.specs:
+            buffer[s.name][...] = xp.asarray(init_local(s, seed))
+        self.adopt_master(buffer)
+
+    def master_buffer(self):
+        """The FlatBuffer in the master dtype to write this rank's whole parameters into (init, resume):
+        the parameters themselves, or, when the master weights are a ZeRO-1 slice, a transient host
+        buffer that `adopt_master` then takes the slice and the compute copy from."""
+        return FlatBuffer(self.specs, self.pdtype, np) if self.master_separate else self.params
+
+    def adopt_master(self, buffer):
+        if buffer is self.params:
+            return
+        lo, hi = self.shard
+        self.master[...] = self.xp.asarray(buffer.data[lo:hi])
+        self.params.data[...] = self.xp.asarray(buffer.data)  # rounded to the compute dtype
+
+    def master_range(self, lo, hi):
+        """The master weights of flat elements [lo, hi), which lie inside this rank's `shard`."""
+        base = self.shard[0]
+        return self.master[lo - base:hi - base]
+
+    @property
+    def param_bytes(self):
+        """Bytes of weights this rank holds: the master weights (whole, or its ZeRO-1 slice) and, under
+        mixed precision, the whole compute copy."""
+        extra = self.cparams.data.nbytes if self.cparams.data.dtype != self.master.dtype else 0
+        return int(self.master.nbytes if self.master_separate else self.params.data.nbytes) + int(extra)
 
     def _bucket_ranges(self):
         """Data-parallel buckets: one per layer, one for the embedding, one for the head."""
@@ -257,6 +297,9 @@ class Engine:
         over dp. Returns the norm."""
         norm = self.grad_norm()
         optimizer.step(self.grad_shard, lr, clip_coefficient(norm, max_norm))
+        if self.master_separate:  # the updated slice, rounded into the compute buffer that is all-gathered
+            lo, hi = self.shard
+            self.params.data[lo:hi] = self.master
         if self.sharded:
             self.grid.dp.allgather_pieces(self.params.data, [e - s for s, e in self.dp_ranges], counted=True)
         return norm

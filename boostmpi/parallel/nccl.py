@@ -169,6 +169,8 @@ class NcclGroup(Group):
         dtype, offset = _dtype(nccl, buf.dtype), 0
         nccl.groupStart()
         for root, count in enumerate(counts):
+            if not count:  # a bucket that does not reach this member's slice (the same on every member)
+                continue
             recv = out.data.ptr if root == self.rank else buf.data.ptr  # only the root's target is written
             self.nccl_comm.reduce(buf.data.ptr + offset * buf.itemsize, recv, int(count), dtype, nccl.NCCL_SUM,
                                   root, stream.ptr)
@@ -194,6 +196,8 @@ class NcclGroup(Group):
         stream, dtype, offset = self._collective_stream(), _dtype(nccl, buf.dtype), 0
         nccl.groupStart()
         for root, count in enumerate(counts):
+            if not count:
+                continue
             ptr = buf.data.ptr + offset * buf.itemsize
             self.nccl_comm.broadcast(ptr, ptr, int(count), dtype, root, stream.ptr)
             offset += int(count)

@@ -71,9 +71,10 @@ def comm_bytes(cfg):
     pp = par.tp * par.dp * M * 2 * (par.pp - 1) * N * shard * e
     dp = 0
     if par.dp > 1:
-        dp = sum(stage_params(cfg, st)[1] for st in range(par.pp))
-        dp += sum(zero_allgather_elements(n, par.dp, par.zero_stage) for st in range(par.pp) for n in rank_params(cfg, st))
-        dp *= ITEMSIZE[master_dtype(t.dtype)]
+        dp = sum(stage_params(cfg, st)[1] for st in range(par.pp)) * ITEMSIZE[master_dtype(t.dtype)]
+        # ZeRO-1 all-gathers the weights the forward reads: the compute dtype (bf16 under mixed precision)
+        dp += e * sum(zero_allgather_elements(n, par.dp, par.zero_stage) for st in range(par.pp)
+                      for n in rank_params(cfg, st))
     return {"tp": int(tp), "pp": int(pp), "dp": int(dp)}
 
 
@@ -285,7 +286,7 @@ def predict_workload(w, machine, comm=None):
             last_bucket = dp_time / (slowest["layers"] + 1)
             dp_time = max(dp_time - hidden, last_bucket)
         if w.zero_stage and not w.dp_sharded:  # ZeRO-1's all-gather of the updated slices, after the optimizer
-            dp_time += max(group_allreduce_seconds(st["params"] * e_master, w.dp, stride, machine, fraction=0.5)
+            dp_time += max(group_allreduce_seconds(st["params"] * e, w.dp, stride, machine, fraction=0.5)
                            for st in stages)
 
     # AdamW over the local master buffer (+ the compute copy when it is a narrower dtype)
@@ -302,7 +303,8 @@ def predict_workload(w, machine, comm=None):
                  "dp_comm": dp_time, "optimizer": optimizer}
     time_s = sum(breakdown.values())
 
-    memory = {"params": params * (e_master + (e if e != e_master else 0)),
+    # master weights (under mixed precision with ZeRO-1, the slice only) + the whole compute copy
+    memory = {"params": owned * e_master + params * e if e != e_master else params * e_master,
               "grads": (params + (owned if owned != params else 0)) * e_master,  # + ZeRO-1's summed slice
               "optimizer": 2 * owned * e_master,
               "activations": max(st["activations"] for st in stages)}

@@ -231,7 +231,7 @@ def rank_state(engine, optimizer, copy=False):
         a = to_numpy(a)
         return np.array(a, copy=True) if copy else a
 
-    return RankState((c.tp, c.pp, c.dp), lo, host(engine.params.data[lo:hi]), host(optimizer.m[lo - o_lo:hi - o_lo]),
+    return RankState((c.tp, c.pp, c.dp), lo, host(engine.master_range(lo, hi)), host(optimizer.m[lo - o_lo:hi - o_lo]),
                      host(optimizer.v[lo - o_lo:hi - o_lo]))
 
 
@@ -305,9 +305,49 @@ def write_virtual_files(folder, cfg, step, adam_t, dtype):
                     f.create_virtual_dataset(target, layout, fillvalue=np.nan)
 
 
-def _file_record(path):
-    _fsync_file(path)
-    return {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+def _file_record(path, phases=None):
+    """Size and SHA-256 of a written file, once it is fsynced; `phases` (a dict) adds the seconds of each.
+
+    The hash runs in a thread while the fsync waits for the disk: the file's bytes are final before
+    either starts (read back from the page cache), hashing is CPU work and both release the GIL, so
+    the two overlap instead of adding up."""
+    import threading
+
+    timer, digest = _PhaseTimer(phases), {}
+
+    def hash_it():
+        try:
+            with timer("sha256"):
+                digest["sha256"] = _sha256(path)
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            digest["error"] = exc
+
+    hasher = threading.Thread(target=hash_it, name="checkpoint-sha256")
+    hasher.start()
+    try:
+        with timer("fsync"):
+            _fsync_file(path)
+    finally:
+        hasher.join()
+    if "error" in digest:
+        raise digest["error"]
+    return {"bytes": os.path.getsize(path), "sha256": digest["sha256"]}
+
+
+class _PhaseTimer:
+    """`with timer(name):` adds the block's wall seconds to `phases[name]` (nothing when phases is None)."""
+
+    def __init__(self, phases):
+        self.phases = phases
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.phases is not None:
+                self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t
 
 
 def estimate_bytes(cfg, itemsize):
@@ -374,6 +414,11 @@ class PendingSave:
         self.final = os.path.join(self.root, self.name)
         self.needed, largest = estimate_bytes(cfg, states[0].params.itemsize)
         self.records, self.error, self.written = {}, None, False
+        # this rank's wall seconds per phase: "hdf5 write", "fsync", "sha256" of its rank file; on rank 0
+        # also "virtual files" (model.h5, optim.h5, state.json, their fsync and SHA-256) and "publish"
+        # (COMPLETE, rename, `latest`, pruning), and "wait" (finish's gather until every rank reported)
+        self.phases = {}
+        self._timer = _PhaseTimer(self.phases)
         tmp, error = None, None
         if self.is_root:
             try:
@@ -400,8 +445,9 @@ class PendingSave:
         try:
             for st in self.states:
                 path = os.path.join(self.tmp, rank_file_name(*st.coords))
-                write_rank_file(path, self.cfg, st, self.step)
-                self.records[os.path.basename(path)] = _file_record(path)
+                with self._timer("hdf5 write"):
+                    write_rank_file(path, self.cfg, st, self.step)
+                self.records[os.path.basename(path)] = _file_record(path, self.phases)
             if self.crash_hook:
                 self.crash_hook("rank file")
         except Exception as exc:  # noqa: BLE001 -- reported on every rank by finish()
@@ -410,7 +456,8 @@ class PendingSave:
 
     def finish(self):
         """Publish the checkpoint (collective); returns its folder, or raises on every rank."""
-        gathered = self.agree.gather((self.records, self.error))
+        with self._timer("wait"):
+            gathered = self.agree.gather((self.records, self.error))
         verdict = None
         if self.is_root:
             try:
@@ -446,18 +493,20 @@ class PendingSave:
             if os.path.getsize(os.path.join(tmp, file_name)) != record["bytes"]:
                 raise CheckpointError(f"cannot write checkpoint {name}: {file_name} is not the size its rank "
                                       f"wrote; {self.KEPT}")
-        write_virtual_files(tmp, cfg, self.step, self.adam_t, self.states[0].params.dtype)
-        if self.crash_hook:
-            self.crash_hook("model.h5")
-        with atomic_file(os.path.join(tmp, "state.json")) as f:
-            json.dump(dict(self.state, step=int(self.step)), f, indent=1, sort_keys=True)
-        for file_name in FILES:
-            marker[file_name] = _file_record(os.path.join(tmp, file_name))
+        with self._timer("virtual files"):
+            write_virtual_files(tmp, cfg, self.step, self.adam_t, self.states[0].params.dtype)
+            if self.crash_hook:
+                self.crash_hook("model.h5")
+            with atomic_file(os.path.join(tmp, "state.json")) as f:
+                json.dump(dict(self.state, step=int(self.step)), f, indent=1, sort_keys=True)
+            for file_name in FILES:
+                marker[file_name] = _file_record(os.path.join(tmp, file_name))
         if self.crash_hook:
             self.crash_hook("marker")
-        with atomic_file(os.path.join(tmp, MARKER)) as f:
-            json.dump(marker, f, indent=1, sort_keys=True)
-        _publish(self.run_dir, tmp, self.final, self.step, self.keep, self.log)
+        with self._timer("publish"):
+            with atomic_file(os.path.join(tmp, MARKER)) as f:
+                json.dump(marker, f, indent=1, sort_keys=True)
+            _publish(self.run_dir, tmp, self.final, self.step, self.keep, self.log)
 
 
 def save(run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, crash_hook=None, log=None):
@@ -764,8 +813,8 @@ def load(ckpt_dir, specs, params, optimizer=None, xp=np):
     import h5py
 
     f, step, _ = open_model(ckpt_dir, check=False)
-    try:
-        read_params(f, specs, params, xp)
+    try:  # into `params` wherever it lives (a host buffer for a rank whose master weights are a slice)
+        read_params(f, specs, params, np if isinstance(params.data, np.ndarray) else xp)
     finally:
         f.close()
     if optimizer is not None:

@@ -32,13 +32,17 @@ class AdamW:
     over tensors). `shard = (lo, hi)` is the slice this rank updates: the whole buffer, or under ZeRO-1
     its data-parallel share; the moments `m`, `v` exist for that slice only (flat arrays of hi - lo)."""
 
-    def __init__(self, params, specs, tr, xp=np, shard=None):
+    def __init__(self, params, specs, tr, xp=np, shard=None, master=None):
         self.params, self.tr, self.xp = params, tr, xp
         self.shard = (0, params.size) if shard is None else tuple(shard)
         lo, hi = self.shard
-        self.m = touched(xp.empty(hi - lo, dtype=params.data.dtype))
-        self.v = touched(xp.empty(hi - lo, dtype=params.data.dtype))
-        mask = np.zeros(hi - lo, dtype=params.data.dtype)
+        # the master weights it updates: the slice of `params`, or (mixed precision under ZeRO-1) the
+        # engine's own master-dtype array of that slice
+        self.master = params.data[lo:hi] if master is None else master
+        dtype = self.master.dtype
+        self.m = touched(xp.empty(hi - lo, dtype=dtype))
+        self.v = touched(xp.empty(hi - lo, dtype=dtype))
+        mask = np.zeros(hi - lo, dtype=dtype)
         for s in specs:
             if s.decay:
                 a, b = params.spans[s.name]  # its block (a grouped block holds only decayed matrices)
@@ -62,7 +66,7 @@ class AdamW:
         self.t += 1
         lo, hi = self.shard
         g = grads.data[lo:hi] if isinstance(grads, FlatBuffer) else grads
-        p, m, v, tmp = self.params.data[lo:hi], self.m, self.v, self._scratch
+        p, m, v, tmp = self.master, self.m, self.v, self._scratch
         # every operation in place or into the scratch buffer: no full-size temporary per step (a large
         # one is a fresh mmap every time, whose pages fault in again); the same roundings as the
         # textbook expressions in the comments

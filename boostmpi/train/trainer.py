@@ -90,7 +90,7 @@ class Trainer:
         self.is_root = self.rank == 0
         tr = cfg.train
         self.run_dir = tr.run_dir
-        self.optimizer = AdamW(e.params, e.specs, tr, e.xp, shard=e.shard)
+        self.optimizer = AdamW(e.params, e.specs, tr, e.xp, shard=e.shard, master=e.master)
         self.step = 0
         self.resumed_from = None
         self._in_flight = None  # (PendingSave, writer thread) of an asynchronous checkpoint
@@ -176,7 +176,9 @@ class Trainer:
             err.all_ranks = True
             raise err
         e = self.engine
-        step, state = ckpt.load(path, e.specs, e.params, self.optimizer, e.xp)
+        buffer = e.master_buffer()  # the parameters in the master dtype (a host buffer for a ZeRO-1 slice)
+        step, state = ckpt.load(path, e.specs, buffer, self.optimizer, e.xp)
+        e.adopt_master(buffer)
         self._check_global_batch(path, saved_cfg)
         try:
             self.loader.load_state_dict(state["data"])
@@ -346,9 +348,8 @@ class Trainer:
 
     def _memory(self):
         e = self.engine
-        item = e.params.data.dtype.itemsize
-        grads = e.grads.size * item + (e.grad_shard.nbytes if e.sharded else 0)  # + the reduce-scattered slice
-        mine = np.array([e.params.size * item, grads, self.optimizer.nbytes,
+        grads = e.grads.data.nbytes + (e.grad_shard.nbytes if e.sharded else 0)  # + the reduce-scattered slice
+        mine = np.array([e.param_bytes, grads, self.optimizer.nbytes,
                          e.saved_activation_bytes, self.snapshot_bytes, peak_memory_bytes(e.xp)], dtype=np.float64)
         mine = self.engine.grid.host.max(mine)
         keys = ("params", "grads", "optimizer", "activations_saved", "checkpoint_snapshot", "peak")

@@ -9,7 +9,7 @@ queued on the stream it was given (cuda/_queue.py):
   at once and hang or mix their data;
 - `send` is a synchronous-mode MPI send: it completes only once the peer has posted the matching
   receive, which is NCCL's rule (its stream is blocked until then);
-- `allReduce` gathers every member's contribution and sums (or takes the max of) them in rank
+- `allReduce` (and `reduce`, which writes on its root only) gathers every member's contribution and sums (or takes the max of) them in rank
   order, in float32 for 16-bit types, rounding once: every member gets the same bits, as with NCCL.
 Data is read from device memory when the operation starts and written when it finishes.
 """
@@ -85,6 +85,15 @@ def _stream(stream):
         if s.ptr == stream:
             return s
     raise NcclError(f"ncclInvalidArgument: {stream:#x} is not a stream of this process")
+
+
+def groupStart():
+    """NCCL's group calls: the stand-in runs the grouped operations one after the other, in issue
+    order, which every member shares (what a group may reorder cannot deadlock here)."""
+
+
+def groupEnd():
+    pass
 
 
 class NcclCommunicator:
@@ -164,6 +173,9 @@ class NcclCommunicator:
 
     # -- collectives
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+        self._reduce(f"allReduce of {count}", sendbuf, recvbuf, count, datatype, op, stream)
+
+    def _reduce(self, what, sendbuf, recvbuf, count, datatype, op, stream, root=None):
         dt = _dtype(datatype)
         if op not in _REDUCE:
             raise NcclError(f"ncclInvalidArgument: reduction {op}")
@@ -182,9 +194,14 @@ class NcclCommunicator:
             total = parts[0].astype(work)
             for part in parts[1:]:
                 total = _REDUCE[op](total, part.astype(work))
-            recv.view(dt)[...] = total.astype(dt)
+            if root is None or root == self._rank:
+                recv.view(dt)[...] = total.astype(dt)
 
-        self._enqueue(f"allReduce of {count} x {dt}", stream, start, test, finish)
+        self._enqueue(f"{what} x {dt}", stream, start, test, finish)
+
+    def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
+        """The sum (op) of every member's buffer, in rank order as allReduce, written on `root` only."""
+        self._reduce(f"reduce of {count} to {root}", sendbuf, recvbuf, count, datatype, op, stream, root)
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):
         dt = _dtype(datatype)
