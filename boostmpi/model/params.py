@@ -263,7 +263,7 @@ class FlatBuffer:
 
     def __init__(self, specs, dtype, xp=np, data=None):
         self.specs = list(specs)
-        self.blocks = _blocks(self.specs)  # [(specs, start, stop)]
+        self.blocks = flat_blocks(self.specs)  # [(specs, start, stop)]
         size = self.blocks[-1][2] if self.blocks else 0
         self.data = xp.zeros(size, dtype=dtype) if data is None else data
         self.views, self.spans, self._groups = {}, {}, {}
@@ -310,8 +310,9 @@ class FlatBuffer:
         return xp.concatenate([self.views[n] for n in names], axis=1)
 
 
-def _blocks(specs):
-    """Consecutive specs of one group form one block; every other spec is a block of its own."""
+def flat_blocks(specs):
+    """The flat buffer's layout, [(specs, start, stop)]: consecutive specs of one group form one block
+    (stored side by side); every other spec is a block of its own."""
     blocks, offset = [], 0
     for s in specs:
         if blocks and s.group is not None and blocks[-1][0][-1].group == s.group:

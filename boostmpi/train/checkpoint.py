@@ -36,7 +36,7 @@ import numpy as np
 from boostmpi.errors import CheckpointError, UserError
 from boostmpi.files import FilesystemError, atomic_file, check_space, fs_error, fsync_dir, make_dirs, write_file_atomically
 from boostmpi.model.params import FlatBuffer, all_global_specs, local_box, param_specs, split_range
-from boostmpi.model.params import _blocks as flat_blocks  # the FlatBuffer's layout from specs alone
+from boostmpi.model.params import flat_blocks  # the FlatBuffer's layout from specs alone
 
 FORMAT = "boostmpi"
 FORMAT_VERSION = 1
