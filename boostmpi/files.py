@@ -74,6 +74,15 @@ def write_file_atomically(path, data):
         f.write(data)
 
 
+def write_at(fd, data, offset):
+    """Write all of `data` (any C-contiguous buffer: bytes, a NumPy array) at byte `offset` of open file
+    descriptor `fd`, however many calls the kernel needs; the GIL is released while the bytes are copied."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
 def free_bytes(path):
     """Bytes this process may still write below `path` (its nearest existing folder), or None if unknown."""
     try:

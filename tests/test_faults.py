@@ -400,7 +400,7 @@ def test_a_write_that_hits_a_full_disk_removes_its_temporary_folder(where, text_
     writer = "write_rank_file" if where == "rank file" else "write_virtual_files"
     write = getattr(checkpoint, writer)
 
-    def write_until_full(path, *args):
+    def write_until_full(path, *args, **kwargs):
         target = path if where == "rank file" else os.path.join(path, "model.h5")
         open(target, "wb").write(b"\0" * 1000)  # part of the file is written, then the disk is full
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), target)

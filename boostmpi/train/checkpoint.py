@@ -22,6 +22,7 @@ layout. Nothing is pickled or executed on load.
 """
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -34,7 +35,8 @@ from typing import NamedTuple
 import numpy as np
 
 from boostmpi.errors import CheckpointError, UserError
-from boostmpi.files import FilesystemError, atomic_file, check_space, fs_error, fsync_dir, make_dirs, write_file_atomically
+from boostmpi.files import (FilesystemError, atomic_file, check_space, fs_error, fsync_dir, make_dirs, write_at,
+                            write_file_atomically)
 from boostmpi.model.params import FlatBuffer, all_global_specs, local_box, param_specs, split_range
 from boostmpi.model.params import flat_blocks  # the FlatBuffer's layout from specs alone
 
@@ -218,21 +220,17 @@ class RankState(NamedTuple):
         return int(self.params.nbytes + self.m.nbytes + self.v.nbytes)
 
 
-def rank_state(engine, optimizer, copy=False):
-    """This rank's RankState: views of its write range (`copy=True`: a snapshot that training may run on
-    beside, for an asynchronous save)."""
+def rank_state(engine, optimizer):
+    """This rank's RankState: views of its write range (host copies of a GPU's); an asynchronous save
+    takes its own snapshot of them (PendingSave.snapshot)."""
     from boostmpi.backend import to_numpy
 
     c = engine.grid.coords
     lo, hi = write_range(engine.params.size, engine.grid.dp_size, c.dp)
     o_lo = optimizer.shard[0]  # the optimizer's slice always covers the write range
 
-    def host(a):
-        a = to_numpy(a)
-        return np.array(a, copy=True) if copy else a
-
-    return RankState((c.tp, c.pp, c.dp), lo, host(engine.master_range(lo, hi)), host(optimizer.m[lo - o_lo:hi - o_lo]),
-                     host(optimizer.v[lo - o_lo:hi - o_lo]))
+    return RankState((c.tp, c.pp, c.dp), lo, to_numpy(engine.master_range(lo, hi)),
+                     to_numpy(optimizer.m[lo - o_lo:hi - o_lo]), to_numpy(optimizer.v[lo - o_lo:hi - o_lo]))
 
 
 def global_rank_states(cfg, tensors, moments):
@@ -253,31 +251,156 @@ def global_rank_states(cfg, tensors, moments):
     return out
 
 
-def write_rank_file(path, cfg, state, step):
-    """One rank's file: `model/<name>/<i>`, `m/<name>/<i>`, `v/<name>/<i>` for each of its pieces,
-    each dataset carrying its global box."""
+# The saves of a run write files of the same structure: HDF5 is asked for it once per layout, the
+# bytes it wrote are kept, and every later save writes those bytes and the tensor data by plain
+# positioned writes (the GIL is released while they copy: a background save barely holds it).
+_STRUCTURES = {}
+_STRUCTURES_KEPT = 8  # layouts remembered per process (tests build many)
+
+
+def _remember(key, value):
+    if len(_STRUCTURES) >= _STRUCTURES_KEPT:
+        _STRUCTURES.pop(next(iter(_STRUCTURES)))
+    _STRUCTURES[key] = value
+    return value
+
+
+def _layout_key(kind, cfg, *extra):
+    return (kind, json.dumps(cfg.to_dict(), sort_keys=True), *extra)
+
+
+class RankFileLayout(NamedTuple):
+    """Where everything sits in a rank file: `size` bytes; `structure`, the HDF5 bytes around the tensor
+    data (superblock, object headers, attributes, links) as (offset, bytes) runs; `data`, the place of
+    every dataset's elements as (offset, group, Piece), contiguous and in the flat group's dtype."""
+    size: int
+    structure: list
+    data: list
+
+
+def rank_file_layout(path, cfg, coords, dtypes):
+    """The RankFileLayout of rank `coords`'s file, its arrays of `dtypes` ({group: dtype}); the first time
+    for this layout, HDF5 writes the structure at `path` (space for the data reserved, not filled) and
+    it is read back from there."""
     import h5py
 
-    lo, hi, pieces = rank_pieces(cfg, *state.coords)
+    key = _layout_key("rank file", cfg, tuple(coords), tuple((g, np.dtype(d).str) for g, d in sorted(dtypes.items())))
+    if key in _STRUCTURES:
+        return _STRUCTURES[key]
+    pieces = rank_pieces(cfg, *coords)[2]
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)  # contiguous, placed now, never filled by HDF5
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    data = []
+    with h5py.File(path, "w") as f:
+        f.attrs["format"] = FORMAT
+        f.attrs["coords"] = np.asarray(coords, dtype=np.int64)
+        for group in ("model", "m", "v"):
+            for p in pieces:
+                ds = f.create_dataset(f"{group}/{p.key}", shape=p.shape, dtype=dtypes[group], dcpl=dcpl)
+                ds.attrs["box"] = np.asarray(p.box, dtype=np.int64)
+                data.append((ds.id.get_offset(), group, p))
+    data.sort(key=lambda item: item[0])
+    size, structure, at = os.path.getsize(path), [], 0
+    with open(path, "rb") as f:
+        for offset, group, p in data + [(size, None, None)]:
+            if offset > at:
+                f.seek(at)
+                structure.append((at, f.read(offset - at)))
+            if p is not None:
+                at = offset + p.size * np.dtype(dtypes[group]).itemsize
+    return _remember(key, RankFileLayout(size, structure, data))
+
+
+def _rank_file_parts(path, cfg, state):
+    """(first flat element, {group: flat array}, RankFileLayout) of `state`'s rank file."""
+    lo, hi, _ = rank_pieces(cfg, *state.coords)
     if (lo, hi) != (state.base, state.base + state.params.size):
         raise ValueError(f"rank {state.coords} hands over elements [{state.base}, {state.base + state.params.size}) "
                          f"but writes [{lo}, {hi})")
-    with h5py.File(path, "w") as f:
-        f.attrs["format"] = FORMAT
-        f.attrs["step"] = int(step)
-        f.attrs["coords"] = np.asarray(state.coords, dtype=np.int64)
-        for group, flat in (("model", state.params), ("m", state.m), ("v", state.v)):
-            for p in pieces:
-                ds = f.create_dataset(f"{group}/{p.key}", data=p.take(flat, lo))
-                ds.attrs["box"] = np.asarray(p.box, dtype=np.int64)
+    flats = {"model": state.params, "m": state.m, "v": state.v}
+    return lo, flats, rank_file_layout(path, cfg, state.coords, {g: a.dtype for g, a in flats.items()})
+
+
+def rank_file_image(path, cfg, state):
+    """(image, size): the `size` bytes write_rank_file would write at `path`, in page-aligned memory of
+    whole pages (an anonymous mmap): the snapshot of an asynchronous save, written with direct I/O."""
+    import mmap
+
+    lo, flats, layout = _rank_file_parts(path, cfg, state)
+    image = mmap.mmap(-1, max(1, -(-layout.size // mmap.PAGESIZE)) * mmap.PAGESIZE)
+    raw = np.frombuffer(image, np.uint8)
+    for offset, blob in layout.structure:
+        raw[offset:offset + len(blob)] = np.frombuffer(blob, np.uint8)
+    for offset, group, p in layout.data:
+        source = flats[group]
+        np.frombuffer(image, source.dtype, p.size, offset).reshape(p.shape)[...] = p.take(source, lo)
+    del raw
+    return image, layout.size
+
+
+def write_file_image(path, image, size):
+    """Write the first `size` bytes of a page-aligned `image` of whole pages as file `path`, with direct
+    I/O (O_DIRECT) where the filesystem allows it: the disk reads the memory itself, so neither a copy
+    into the page cache nor the kernel's writeback of it competes with training for the CPU."""
+    flags, direct = os.O_WRONLY | os.O_CREAT | os.O_TRUNC, getattr(os, "O_DIRECT", 0)
+    if direct:
+        try:
+            fd = os.open(path, flags | direct, 0o666)
+            try:
+                write_at(fd, image, 0)  # whole pages from page-aligned memory: what direct I/O asks
+                os.ftruncate(fd, size)
+                return
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: this filesystem does not do direct I/O (tmpfs)
+                raise
+    fd = os.open(path, flags, 0o666)
+    try:
+        write_at(fd, memoryview(image)[:size], 0)
+    finally:
+        os.close(fd)
+
+
+def write_rank_file(path, cfg, state, step, digest=None):
+    """One rank's file: `model/<name>/<i>`, `m/<name>/<i>`, `v/<name>/<i>` for each of its pieces,
+    each dataset carrying its global box (attribute `box`); file attributes `format`, `coords`.
+    `digest` (a hashlib object) is fed the file's bytes in order as they are written."""
+    lo, flats, layout = _rank_file_parts(path, cfg, state)
+    runs = sorted([(offset, blob) for offset, blob in layout.structure]
+                  + [(offset, (group, p)) for offset, group, p in layout.data], key=lambda run: run[0])
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        for offset, what in runs:  # they cover the file, in order
+            if not isinstance(what, bytes):
+                group, p = what
+                what = np.ascontiguousarray(p.take(flats[group], lo))
+            write_at(fd, what, offset)
+            if digest is not None:
+                digest.update(what)
+    finally:
+        os.close(fd)
 
 
 def write_virtual_files(folder, cfg, step, adam_t, dtype):
     """model.h5 and optim.h5: every global tensor as an HDF5 virtual dataset over the rank files, by
     relative file names (the folder can be moved or copied); the fill value NaN marks an element no
-    source covers, which a complete checkpoint never has."""
+    source covers, which a complete checkpoint never has. Built by HDF5 once per layout; a later save
+    writes the same bytes and sets its own `step` (and `t`)."""
     import h5py
 
+    key = _layout_key("virtual files", cfg, np.dtype(dtype).str)
+    if key in _STRUCTURES:
+        for file_name, blob in _STRUCTURES[key].items():
+            with open(os.path.join(folder, file_name), "wb") as f:
+                f.write(blob)
+        with h5py.File(os.path.join(folder, "model.h5"), "r+") as f:
+            f.attrs["step"] = int(step)
+        with h5py.File(os.path.join(folder, "optim.h5"), "r+") as f:
+            f.attrs["step"] = int(step)
+            f.attrs["t"] = int(adam_t)
+        return
     par = cfg.parallel
     layouts = {}
     for t in range(par.tp):
@@ -303,16 +426,26 @@ def write_virtual_files(folder, cfg, step, adam_t, dtype):
                             source, f"{group}/{p.key}", shape=p.shape)
                     target = name if group == "model" else f"{group}/{name}"
                     f.create_virtual_dataset(target, layout, fillvalue=np.nan)
+    images = {}
+    for file_name, _, _ in files:
+        with open(os.path.join(folder, file_name), "rb") as f:
+            images[file_name] = f.read()
+    _remember(key, images)
 
 
-def _file_record(path, phases=None):
+def _file_record(path, phases=None, digest=None):
     """Size and SHA-256 of a written file, once it is fsynced; `phases` (a dict) adds the seconds of each.
+    `digest`: the file's SHA-256, already fed its bytes as they were written (nothing is read back).
 
     The hash runs in a thread while the fsync waits for the disk: the file's bytes are final before
     either starts (read back from the page cache), hashing is CPU work and both release the GIL, so
     the two overlap instead of adding up."""
     import threading
 
+    if digest is not None:
+        with _PhaseTimer(phases)("fsync"):
+            _fsync_file(path)
+        return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
     timer, digest = _PhaseTimer(phases), {}
 
     def hash_it():
@@ -332,6 +465,17 @@ def _file_record(path, phases=None):
     if "error" in digest:
         raise digest["error"]
     return {"bytes": os.path.getsize(path), "sha256": digest["sha256"]}
+
+
+def _lowest_cpu_priority():
+    """Give the calling thread the lowest CPU priority (nice 19). Linux keeps a nice value per thread;
+    elsewhere setpriority would change the whole process, so nothing is done there."""
+    import sys
+    import threading
+
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 class _PhaseTimer:
@@ -404,9 +548,12 @@ class PendingSave:
 
     KEPT = "the previous checkpoint and `latest` are unchanged"
 
-    def __init__(self, run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, crash_hook=None, log=None):
+    def __init__(self, run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, crash_hook=None, log=None,
+                 prune_in_background=False):
         self.run_dir, self.step, self.cfg, self.states, self.adam_t, self.state = run_dir, step, cfg, states, adam_t, state
         self.comm, self.keep, self.crash_hook, self.log = comm, keep, crash_hook, log
+        self.prune_in_background = prune_in_background
+        self.dtype = states[0].params.dtype  # of the global tensors
         self.agree = _Agreement(comm)
         self.is_root = comm is None or comm.Get_rank() == 0
         self.root = checkpoints_dir(run_dir)
@@ -414,7 +561,8 @@ class PendingSave:
         self.final = os.path.join(self.root, self.name)
         self.needed, largest = estimate_bytes(cfg, states[0].params.itemsize)
         self.records, self.error, self.written = {}, None, False
-        # this rank's wall seconds per phase: "hdf5 write", "fsync", "sha256" of its rank file; on rank 0
+        self.images = None  # [(coords, page-aligned image, size)] once `snapshot` took them
+        # this rank's wall seconds per phase: "write", "fsync", "sha256" of its rank file; on rank 0
         # also "virtual files" (model.h5, optim.h5, state.json, their fsync and SHA-256) and "publish"
         # (COMPLETE, rename, `latest`, pruning), and "wait" (finish's gather until every rank reported)
         self.phases = {}
@@ -437,22 +585,71 @@ class PendingSave:
 
     @property
     def nbytes(self):
-        """Bytes of the arrays this save writes from (a snapshot's memory, when it is one)."""
+        """Bytes of what this save writes from: its snapshot's memory once `snapshot` took one, else the
+        arrays it was handed."""
+        if self.images is not None:
+            return sum(len(image) for _, image, _ in self.images)
         return sum(st.nbytes for st in self.states)
 
-    def write(self):
-        """This rank's files: written, fsynced, size and SHA-256 recorded; a failure is kept for `finish`."""
+    def snapshot(self):
+        """Copy what this rank writes into the bytes of its files (page-aligned, for direct I/O): from here
+        on training may change the arrays the save was handed. A failure is kept for `finish`."""
+        try:
+            self.images = []
+            for st in self.states:
+                path = os.path.join(self.tmp, rank_file_name(*st.coords))
+                with self._timer("snapshot"):
+                    self.images.append((st.coords, *rank_file_image(path, self.cfg, st)))
+        except Exception as exc:  # noqa: BLE001 -- reported on every rank by finish()
+            self.error = _failure(exc, self.name, self.root, self.needed, self.KEPT)
+            self.images = []
+        self.states = None  # training owns those arrays again
+
+    def write(self, hash_while_writing=False):
+        """This rank's files: written, fsynced, size and SHA-256 recorded; a failure is kept for `finish`.
+        The SHA-256 is computed from the file read back, beside its fsync (the least wall time), or with
+        `hash_while_writing` from the bytes as they are written (the least CPU time: nothing is read)."""
+        if self.images is not None:
+            return self._write_images()
         try:
             for st in self.states:
                 path = os.path.join(self.tmp, rank_file_name(*st.coords))
-                with self._timer("hdf5 write"):
-                    write_rank_file(path, self.cfg, st, self.step)
-                self.records[os.path.basename(path)] = _file_record(path, self.phases)
+                digest = hashlib.sha256() if hash_while_writing else None
+                with self._timer("write"):
+                    write_rank_file(path, self.cfg, st, self.step, digest=digest)
+                self.records[os.path.basename(path)] = _file_record(path, self.phases, digest)
             if self.crash_hook:
                 self.crash_hook("rank file")
         except Exception as exc:  # noqa: BLE001 -- reported on every rank by finish()
             self.error = _failure(exc, self.name, self.root, self.needed, self.KEPT)
         self.written = True
+
+    def _write_images(self):
+        """`write` from the snapshot: each image written with direct I/O, hashed from memory, fsynced."""
+        try:
+            if self.error is None:
+                for coords, image, size in self.images:
+                    path = os.path.join(self.tmp, rank_file_name(*coords))
+                    with self._timer("write"):
+                        write_file_image(path, image, size)
+                    with self._timer("sha256"):
+                        digest = hashlib.sha256(memoryview(image)[:size])
+                    self.records[os.path.basename(path)] = _file_record(path, self.phases, digest)
+                if self.crash_hook:
+                    self.crash_hook("rank file")
+        except Exception as exc:  # noqa: BLE001 -- reported on every rank by finish()
+            self.error = _failure(exc, self.name, self.root, self.needed, self.KEPT)
+        self.images = []  # the snapshot's memory goes back
+        self.written = True
+
+    def write_in_background(self):
+        """`write` for a thread of its own, at the lowest CPU priority: where training keeps every core
+        busy (CPU runs) the writer takes what the training threads leave and the steps keep their pace,
+        the save taking longer; on a host with idle cores (a GPU node) it runs at full speed. Its heavy
+        parts (writes, SHA-256, fsync) release the GIL, and the hash is taken from memory (no reading back:
+        every CPU second here is one the training may miss). Call `snapshot` first."""
+        _lowest_cpu_priority()
+        self.write(hash_while_writing=True)
 
     def finish(self):
         """Publish the checkpoint (collective); returns its folder, or raises on every rank."""
@@ -494,7 +691,7 @@ class PendingSave:
                 raise CheckpointError(f"cannot write checkpoint {name}: {file_name} is not the size its rank "
                                       f"wrote; {self.KEPT}")
         with self._timer("virtual files"):
-            write_virtual_files(tmp, cfg, self.step, self.adam_t, self.states[0].params.dtype)
+            write_virtual_files(tmp, cfg, self.step, self.adam_t, self.dtype)
             if self.crash_hook:
                 self.crash_hook("model.h5")
             with atomic_file(os.path.join(tmp, "state.json")) as f:
@@ -506,10 +703,11 @@ class PendingSave:
         with self._timer("publish"):
             with atomic_file(os.path.join(tmp, MARKER)) as f:
                 json.dump(marker, f, indent=1, sort_keys=True)
-            _publish(self.run_dir, tmp, self.final, self.step, self.keep, self.log)
+            _publish(self.run_dir, tmp, self.final, self.step, self.keep, self.log, self.prune_in_background)
 
 
-def save(run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, crash_hook=None, log=None):
+def save(run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, crash_hook=None, log=None,
+         prune_in_background=False):
     """Write checkpoint `step`, collectively over `comm` (every rank calls it; None: one process, which
     writes every RankState in `states`). Returns the folder on every rank.
 
@@ -521,9 +719,11 @@ def save(run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, crash_hoo
     raises the same one-line error on every rank; the previous checkpoint and `latest` are untouched.
     A complete folder of the same step belongs to another timeline and is moved aside, never reused.
     `crash_hook(stage)` lets tests fail at "rank file", "model.h5" or "marker"; `log(line)` receives what
-    the save did besides writing.
+    the save did besides writing. `keep > 0` removes the oldest complete checkpoints beyond `keep`, once
+    the new one is published (`prune_in_background`: renamed aside at once, deleted by a thread of rank 0
+    that the next save or `wait_for_pruning` joins).
     """
-    pending = PendingSave(run_dir, step, cfg, states, adam_t, state, comm, keep, crash_hook, log)
+    pending = PendingSave(run_dir, step, cfg, states, adam_t, state, comm, keep, crash_hook, log, prune_in_background)
     pending.write()
     return pending.finish()
 
@@ -535,7 +735,7 @@ def _raised(error):
     return exc
 
 
-def _publish(run_dir, tmp, final, step, keep, log):
+def _publish(run_dir, tmp, final, step, keep, log, prune_in_background=False):
     """Rename a complete temporary folder into place, point `latest` at it, prune to `keep`."""
     root, name = checkpoints_dir(run_dir), os.path.basename(final)
     if is_complete(final):  # another timeline's checkpoint of this step: moved aside, never reused
@@ -548,8 +748,45 @@ def _publish(run_dir, tmp, final, step, keep, log):
     fsync_dir(root)
     write_latest(run_dir, name)
     if keep > 0:
-        for old in complete_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        _prune(complete_checkpoints(run_dir)[:-keep], prune_in_background)
+
+
+_pruning = []  # the thread deleting pruned checkpoints, while one runs
+
+
+def wait_for_pruning():
+    """Wait until the checkpoints a save pruned in the background are deleted."""
+    while _pruning:
+        _pruning.pop().join()
+
+
+def _prune(folders, in_background):
+    """Delete checkpoint folders. Each is first renamed to a hidden temporary name in one step, so no
+    reader ever finds half of a complete checkpoint (a killed deleter's leftover is removed as a stale
+    temporary when the next run starts); `in_background`: the deleting (unlinking gigabytes takes the
+    filesystem a while) is left to a thread."""
+    import threading
+
+    wait_for_pruning()
+    doomed = []
+    for folder in folders:
+        hidden = os.path.join(os.path.dirname(folder), f".{os.path.basename(folder)}.tmp-pruned")
+        shutil.rmtree(hidden, ignore_errors=True)
+        os.rename(folder, hidden)
+        doomed.append(hidden)
+    if not doomed:
+        return
+
+    def delete():
+        for hidden in doomed:
+            shutil.rmtree(hidden, ignore_errors=True)
+
+    if not in_background:
+        delete()
+        return
+    thread = threading.Thread(target=delete, name="boostmpi-prune")  # not a daemon: the exit waits for it
+    thread.start()
+    _pruning.append(thread)
 
 
 def save_global(run_dir, step, cfg, tensors, moments, adam_t, state, **kwargs):

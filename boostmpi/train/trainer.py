@@ -225,15 +225,16 @@ class Trainer:
             state = {"data": self.loader.state_dict(), "seed": self.cfg.train.seed,
                      "layout": {"tp": par.tp, "pp": par.pp, "dp": par.dp, "tp_mode": par.tp_mode,
                                 "zero_stage": par.zero_stage}}
-        states = [ckpt.rank_state(self.engine, self.optimizer, copy=asynchronous)]
+        states = [ckpt.rank_state(self.engine, self.optimizer)]
         args = (self.run_dir, self.step, self.cfg, states, self.optimizer.t, state)
-        kwargs = dict(comm=self.world, keep=self.cfg.checkpoint.keep, log=self.log)
+        kwargs = dict(comm=self.world, keep=self.cfg.checkpoint.keep, log=self.log, prune_in_background=True)
         if not asynchronous:
             self.log(f"checkpoint {ckpt.save(*args, **kwargs)}")
             return
         pending = ckpt.PendingSave(*args, **kwargs)
+        pending.snapshot()
         self.snapshot_bytes = pending.nbytes
-        thread = threading.Thread(target=pending.write, name="boostmpi-checkpoint", daemon=True)
+        thread = threading.Thread(target=pending.write_in_background, name="boostmpi-checkpoint", daemon=True)
         thread.start()
         self._in_flight = (pending, thread)
 
@@ -329,6 +330,7 @@ class Trainer:
         finally:
             if metrics:
                 metrics.close()
+            ckpt.wait_for_pruning()
         return {"step": self.step, "preempted": False, "val_loss": last_val, "loss": loss if steps_done else None}
 
     def _step_sums(self):
