@@ -39,7 +39,8 @@ MODELS = {"small": (dict(arch="cola", vocab_size=32000, d_model=256, n_layers=4,
 LAYOUTS = [(1, 1, 1, 0), (2, 1, 1, 0), (1, 1, 2, 1), (2, 1, 2, 1), (1, 1, 4, 1)]
 STEADY_STEPS = 3
 # the phases of a checkpoint write (checkpoint.PendingSave.phases), each the slowest rank's seconds
-PHASES = ("write", "fsync", "sha256", "wait", "virtual files", "publish")
+PHASES = ("write", "fsync", "checksum", "wait", "virtual files", "publish")
+ASYNC_PHASES = ("snapshot", "write", "checksum", "fsync", "virtual files", "publish")
 
 
 def vm_hwm():
@@ -95,6 +96,7 @@ def worker(args):
     step_no = [0]
 
     phases = []  # per checkpoint round: {phase: seconds of the slowest rank}
+    async_phases = []  # the same, of the asynchronous saves
 
     def save():
         step_no[0] += 1
@@ -142,6 +144,7 @@ def worker(args):
         writer.join()
         pending.finish()
         t2 = time.perf_counter()
+        async_phases.append({k: world.allreduce(pending.phases.get(k, 0.0), op=MPI.MAX) for k in ASYNC_PHASES})
         return slowest(t2 - t0), n, slowest(blocking + t2 - t1)
 
     def steps(n):
@@ -181,6 +184,7 @@ def worker(args):
                 times[name].append(value)
         else:
             phases.pop()
+            async_phases.pop()
 
     latest = ckpt.find_latest(cfg.train.run_dir) if rank == 0 else None
     latest = world.bcast(latest)
@@ -189,7 +193,7 @@ def worker(args):
     if rank == 0:
         shutil.rmtree(base, ignore_errors=True)
         result = {"layout": [tp, pp, dp, zero], "build": build, "first": first, "steady": median(steady),
-                  "times": times, "phases": phases, "bytes": total_bytes, "peaks": peaks, "resume": resume,
+                  "times": times, "phases": phases, "async_phases": async_phases, "bytes": total_bytes, "peaks": peaks, "resume": resume,
                   "params": int(world.allreduce(engine.params.size) // max(1, dp))}
         with open(args.out, "w") as f:
             json.dump(result, f)
@@ -270,7 +274,7 @@ def main():
             results.append(json.load(f))
         os.remove(out)
     MODEL, BATCH = MODELS[args.model]
-    rows, ratio_rows, phase_rows = [], [], []
+    rows, ratio_rows, phase_rows, async_rows = [], [], [], []
     mib = 2**20
     for r in results:
         tp, pp, dp, zero = r["layout"]
@@ -288,6 +292,8 @@ def main():
                      " / ".join(f"{x / mib:.0f}" for x in peaks), f"{peaks[0] / max(peaks[1:] or peaks):.2f}"])
         phase_rows.append([f"tp{tp} dp{dp} zero{zero}", f"{median(t['checkpoint']):.3f}"]
                           + [f"{median([ph[k] for ph in r['phases']]):.3f}" for k in PHASES])
+        async_rows.append([f"tp{tp} dp{dp} zero{zero}", f"{median(step_s):.3f}"]
+                          + [f"{median([ph[k] for ph in r['async_phases']]):.3f}" for k in ASYNC_PHASES])
         lo, mid, hi = quartiles(ratio)
         clo, cmid, chi = quartiles(cost)
         blo, bmid, bhi = quartiles(blocking)
@@ -314,11 +320,17 @@ def main():
              "steps while in flight", "blocking", "async save cost, of a step", "verdict"], ratio_rows),
         "### Checkpoint write by phase (median over the rounds of each phase's slowest rank, seconds)\n\n"
         "write: the rank file's bytes (its HDF5 structure, kept from the first save, and the tensor data by "
-        "positioned writes); fsync: its fsync; sha256: reading it back and hashing it "
+        "positioned writes); fsync: its fsync; checksum: reading it back and taking its CRC-32 "
         "(in a thread, during the fsync: the two overlap); "
         "wait: the gather until every rank reported (the slowest rank's wait is ~0); virtual files: rank 0 "
         "writing model.h5, optim.h5, state.json and hashing them; publish: COMPLETE, rename, `latest`.\n\n"
         + markdown_table(["layout", "checkpoint s", *PHASES], phase_rows),
+        "### Asynchronous save by phase (median over the rounds of each phase's slowest rank, seconds)\n\n"
+        "snapshot: copying the rank file's bytes (structure and tensors) into a page-aligned buffer kept from "
+        "the previous save (blocking); write: that buffer to the file with direct I/O; checksum: its CRC-32, "
+        "from memory; fsync: the file's (write, checksum, fsync: the writer thread, at nice 19, beside the steps); "
+        "virtual files and publish: rank 0, when every rank has written (blocking).\n\n"
+        + markdown_table(["layout", "step s", *ASYNC_PHASES], async_rows),
         sim_section(),
     ]
     emit("scale: ZeRO-1, per-rank checkpoints, async save, first step", machine_description(mpi=True), sections,
