@@ -261,18 +261,21 @@ def main():
     if mpi_worker():
         worker(args)
         return 0
-    results = []
+    results, failed = [], []
     layouts = [tuple(int(x) for x in item.split(",")) for item in args.layouts.split()] if args.layouts else LAYOUTS
     for tp, pp, dp, zero in layouts:
         out = tempfile.mktemp(suffix=".json")
         status = launch_under_mpiexec(tp * pp * dp, 3000, ["--layout", f"{tp},{pp},{dp},{zero}", "--out", out,
                                                                   "--model", args.model])
-        if status != 0:
-            print(f"layout {tp},{pp},{dp},{zero} failed ({status})", file=sys.stderr)
-            return 1
+        if status != 0 or not os.path.exists(out):  # reported; the other layouts still run
+            print(f"layout {tp},{pp},{dp},{zero} failed (exit status {status})", file=sys.stderr)
+            failed.append(f"tp{tp} pp{pp} dp{dp} zero{zero} (exit status {status})")
+            continue
         with open(out) as f:
             results.append(json.load(f))
         os.remove(out)
+    if not results:
+        return 1
     MODEL, BATCH = MODELS[args.model]
     rows, ratio_rows, phase_rows, async_rows = [], [], [], []
     mib = 2**20
@@ -333,6 +336,8 @@ def main():
         + markdown_table(["layout", "step s", *ASYNC_PHASES], async_rows),
         sim_section(),
     ]
+    if failed:
+        sections.insert(1, "Layouts that failed (see the output above): " + ", ".join(failed) + ".")
     emit("scale: ZeRO-1, per-rank checkpoints, async save, first step", machine_description(mpi=True), sections,
          append_to=args.append)
     return 0

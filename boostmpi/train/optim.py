@@ -42,14 +42,21 @@ class AdamW:
         dtype = self.master.dtype
         self.m = touched(xp.empty(hi - lo, dtype=dtype))
         self.v = touched(xp.empty(hi - lo, dtype=dtype))
-        mask = np.zeros(hi - lo, dtype=dtype)
+        # where weight decay applies: [a, b) ranges of the slice (neighbouring ones merged), instead of
+        # a mask as large as the slice
+        ranges = []
         for s in specs:
             if s.decay:
                 a, b = params.spans[s.name]  # its block (a grouped block holds only decayed matrices)
-                a, b = max(a, lo), min(b, hi)
+                a, b = max(a, lo) - lo, min(b, hi) - lo
                 if a < b:
-                    mask[a - lo:b - lo] = 1.0
-        self.decay_mask = xp.asarray(mask)  # written above: its pages are in
+                    ranges.append((a, b))
+        self.decay_ranges = []
+        for a, b in sorted(set(ranges)):
+            if self.decay_ranges and a <= self.decay_ranges[-1][1]:
+                self.decay_ranges[-1] = (self.decay_ranges[-1][0], max(b, self.decay_ranges[-1][1]))
+            else:
+                self.decay_ranges.append((a, b))
         self.t = 0  # updates taken (for bias correction)
         self._scratch = touched(xp.empty_like(self.m))
         # the clipped gradient (clipping may start at any step: made now, not inside the first one)
@@ -85,10 +92,10 @@ class AdamW:
         bc1 = 1.0 - b1 ** self.t
         bc2 = 1.0 - b2 ** self.t
         # p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)   (decoupled decay, matrices only)
-        if tr.weight_decay:  # p -= (lr wd) mask p
-            xp.multiply(self.decay_mask, lr * tr.weight_decay, out=tmp)
-            tmp *= p
-            p -= tmp
+        if tr.weight_decay:  # p -= (lr wd) p, where decay applies
+            for a, b in self.decay_ranges:
+                xp.multiply(p[a:b], lr * tr.weight_decay, out=tmp[a:b])
+                p[a:b] -= tmp[a:b]
         xp.sqrt(v, out=tmp)
         tmp /= math.sqrt(bc2)
         tmp += tr.adam_eps
