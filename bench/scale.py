@@ -39,7 +39,7 @@ MODELS = {"small": (dict(arch="cola", vocab_size=32000, d_model=256, n_layers=4,
 LAYOUTS = [(1, 1, 1, 0), (2, 1, 1, 0), (1, 1, 2, 1), (2, 1, 2, 1), (1, 1, 4, 1)]
 STEADY_STEPS = 3
 # the phases of a checkpoint write (checkpoint.PendingSave.phases), each the slowest rank's seconds
-PHASES = ("write", "fsync", "checksum", "wait", "virtual files", "publish")
+PHASES = ("write", "fsync", "wait", "virtual files", "publish")
 ASYNC_PHASES = ("snapshot", "write", "checksum", "fsync", "virtual files", "publish")
 
 
@@ -120,6 +120,21 @@ def worker(args):
             f.flush()
             os.fsync(f.fileno())
 
+    import mmap
+
+    aligned = mmap.mmap(-1, -(-my_bytes // mmap.PAGESIZE) * mmap.PAGESIZE)  # what direct I/O needs
+    aligned.write(b"\1" * len(aligned))  # its pages in
+
+    def plain_direct():
+        """The disk's own speed for the same bytes: one direct-I/O write from page-aligned memory (like
+        `dd oflag=direct`), then fsync."""
+        fd = os.open(os.path.join(plain_dir, f"rank{rank}.direct"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
+        try:
+            ckpt.write_at(fd, aligned, 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def async_save():
         """An asynchronous save as the trainer runs one: snapshot, folder (collective) and writer thread;
         steps while the writers work, every rank's progress polled at each step boundary; then rank 0
@@ -158,13 +173,15 @@ def worker(args):
                 shutil.rmtree(old)
         world.Barrier()
 
-    times = {"checkpoint": [], "plain": [], "async": [], "async steps": [], "async blocking": [], "steps": []}
+    times = {"checkpoint": [], "plain": [], "plain direct": [], "async": [], "async steps": [], "async blocking": [],
+             "steps": []}
     for r in range(args.warmup + args.repeats):
         # the checkpoint and the plain write alternate in order; so do the asynchronous save and as many
         # steps without a save (the number the previous rounds needed, again after the save if it differs)
-        pair = [("checkpoint", lambda: timed(save)), ("plain", lambda: timed(plain))]
+        pair = [("checkpoint", lambda: timed(save)), ("plain", lambda: timed(plain)),
+                ("plain direct", lambda: timed(plain_direct))]
         measured = {}
-        for name, fn in (pair if r % 2 else pair[::-1]):
+        for name, fn in pair[r % 3:] + pair[:r % 3]:
             measured[name] = fn()
             prune()
         if r % 2:
@@ -284,6 +301,7 @@ def main():
         t = r["times"]
         bw = [r["bytes"] / c for c in t["checkpoint"]]
         ratio = [p_ / c for c, p_ in zip(t["checkpoint"], t["plain"])]  # checkpoint bandwidth / plain bandwidth
+        direct_ratio = [p_ / c for c, p_ in zip(t["checkpoint"], t["plain direct"])]
         # the time an asynchronous save adds to training, in steps: (the steps while it was in flight, with
         # its snapshot, start and publishing - as many steps without a save) / one step without a save
         step_s = [s / n for s, n in zip(t["steps"], t["async steps"])]
@@ -298,11 +316,13 @@ def main():
         async_rows.append([f"tp{tp} dp{dp} zero{zero}", f"{median(step_s):.3f}"]
                           + [f"{median([ph[k] for ph in r['async_phases']]):.3f}" for k in ASYNC_PHASES])
         lo, mid, hi = quartiles(ratio)
+        dlo, dmid, dhi = quartiles(direct_ratio)
         clo, cmid, chi = quartiles(cost)
         blo, bmid, bhi = quartiles(blocking)
         ratio_rows.append([f"tp{tp} dp{dp} zero{zero}", f"{r['bytes'] / mib:.0f}",
                            f"{median(t['checkpoint']):.2f}", f"{median(bw) / mib:.0f}", f"{median(t['plain']):.2f}",
                            f"{mid:.2f} ({lo:.2f}-{hi:.2f})", classify(ratio, 0.5, True),
+                           f"{median(t['plain direct']):.2f}", f"{dmid:.2f} ({dlo:.2f}-{dhi:.2f})",
                            f"{median(t['async steps']):.0f}", f"{100 * bmid:.0f}% ({100 * blo:.0f}% to {100 * bhi:.0f}%)",
                            f"{100 * cmid:+.0f}% ({100 * clo:+.0f}% to {100 * chi:+.0f}%)", classify(cost, 0.10, False)])
     sections = [
@@ -314,23 +334,24 @@ def main():
              "peak RSS per rank MiB", "rank 0 / largest other"], rows),
         "### Checkpoint write against a plain write of the same bytes, asynchronous save\n\n"
         "Ratio = plain write time / checkpoint write time (= checkpoint bandwidth / plain bandwidth), round by "
-        "round, median (quartiles); target >= 0.5. An asynchronous save runs as the trainer runs it (snapshot, "
+        "round, median (quartiles); target >= 0.5. The plain write is each rank's `tofile` of as many bytes "
+        "and its fsync; beside it, the disk's own speed: the same bytes in one direct-I/O write from "
+        "page-aligned memory (`dd oflag=direct`), and the checkpoint's ratio to that. An asynchronous save runs as the trainer runs it (snapshot, "
         "start, steps while every rank's writer works, polled at each step boundary, publishing); its cost is "
         "the time it adds to training, (those steps with the save - as many steps without) / one step, round by "
         "round; target <= +10% of a step. Blocking: the part of it no step runs (snapshot, start, publishing), "
         "in steps.\n\n" + markdown_table(
             ["layout", "checkpoint MiB", "checkpoint s", "MiB/s", "plain s", "bandwidth ratio", "verdict",
-             "steps while in flight", "blocking", "async save cost, of a step", "verdict"], ratio_rows),
+             "direct plain s", "ratio to direct", "steps while in flight", "blocking", "async save cost, of a step", "verdict"], ratio_rows),
         "### Checkpoint write by phase (median over the rounds of each phase's slowest rank, seconds)\n\n"
-        "write: the rank file's bytes (its HDF5 structure, kept from the first save, and the tensor data by "
-        "positioned writes); fsync: its fsync; checksum: reading it back and taking its CRC-32 "
-        "(in a thread, during the fsync: the two overlap); "
+        "write: the rank file's bytes (its HDF5 structure, kept from the first save, and the tensor data) "
+        "through a 32 MiB staging buffer with direct I/O, their XXH3-64 taken on the way; fsync: its fsync; "
         "wait: the gather until every rank reported (the slowest rank's wait is ~0); virtual files: rank 0 "
         "writing model.h5, optim.h5, state.json and hashing them; publish: COMPLETE, rename, `latest`.\n\n"
         + markdown_table(["layout", "checkpoint s", *PHASES], phase_rows),
         "### Asynchronous save by phase (median over the rounds of each phase's slowest rank, seconds)\n\n"
         "snapshot: copying the rank file's bytes (structure and tensors) into a page-aligned buffer kept from "
-        "the previous save (blocking); write: that buffer to the file with direct I/O; checksum: its CRC-32, "
+        "the previous save (blocking); write: that buffer to the file with direct I/O; checksum: its XXH3-64, "
         "from memory; fsync: the file's (write, checksum, fsync: the writer thread, at nice 19, beside the steps); "
         "virtual files and publish: rank 0, when every rank has written (blocking).\n\n"
         + markdown_table(["layout", "step s", *ASYNC_PHASES], async_rows),

@@ -23,7 +23,20 @@ LAYOUTS = [
     ("tp2-dp2", 4, dict(tp=2, dp=2), {}),
     ("tp2-dp2-no-overlap", 4, dict(tp=2, dp=2, overlap=False), {}),
     ("tp2-pp2-lowrank", 4, dict(tp=2, pp=2), dict(recompute="lowrank")),
+    # the choices besides the defaults: Megatron TP applied to each factor, the RMSNorm statistic
+    # in an all-reduce of its own, and MPI carrying the device buffers (CUDA-aware MPI) instead of NCCL
+    ("tp2-vanilla", 2, dict(tp=2, tp_mode="vanilla"), {}),
+    ("tp2-sync-norm", 2, dict(tp=2, norm="sync"), {}),
+    ("tp2-pp2-mpi", 4, dict(tp=2, pp=2, comm="mpi"), {}),
 ]
+
+
+def layout_archs(name, train):
+    """The archs a layout runs: low-rank ones only where it concerns the bottleneck (full rank always
+    runs Megatron TP, whose norm is not online), all three otherwise."""
+    if train.get("recompute") == "lowrank" or name in ("tp2-vanilla", "tp2-sync-norm"):
+        return tuple(a for a in ARCHS if a != "full")
+    return ARCHS
 
 
 def batches(n_micro=2):
@@ -48,8 +61,9 @@ def step(arch, device, dtype, parallel=None, train=None, world=None):
     # one node: the local rank is the world rank, so each rank has its own (emulated) GPU
     local_rank = 0 if world is None else _world_rank()
     eng = Engine(cfg, world, local_rank=local_rank)
-    if device == "gpu" and world is not None and not eng.grid.use_nccl:
-        raise AssertionError("a multi-rank GPU run did not choose NCCL (parallel.comm = auto)")
+    if device == "gpu" and world is not None and eng.grid.use_nccl != (cfg.parallel.comm != "mpi"):
+        raise AssertionError(f"a multi-rank GPU run with parallel.comm = {cfg.parallel.comm!r} "
+                             f"{'did not choose' if cfg.parallel.comm != 'mpi' else 'chose'} NCCL")
     micro = batches()
     if cfg.parallel.dp > 1:  # data-parallel rank r takes micro-batch r: the same global batch
         micro = [micro[eng.grid.coords.dp]]
@@ -78,9 +92,7 @@ def _run_layouts(out_path):
             continue
         color = world.Get_rank() // ranks
         comm = world.Split(color, world.Get_rank())
-        for arch in ARCHS:
-            if train.get("recompute") == "lowrank" and arch == "full":
-                continue
+        for arch in layout_archs(name, train):
             for dtype in DTYPES:
                 got = step(arch, "gpu", dtype, parallel, train, world=comm) if color == 0 else None
                 if got is not None:

@@ -212,7 +212,7 @@ def test_a_checkpoint_of_an_earlier_version_recording_sha256_is_still_verified(t
     marker_path = os.path.join(folder, ckpt.MARKER)
     with open(marker_path) as f:
         marker = json.load(f)
-    assert all(set(record) == {"bytes", "crc32"} for record in marker.values())
+    assert all(set(record) == {"bytes", "xxh3_64"} for record in marker.values())
     earlier = {name: {"bytes": record["bytes"],
                       "sha256": hashlib.sha256(open(os.path.join(folder, name), "rb").read()).hexdigest()}
                for name, record in marker.items()}
@@ -232,3 +232,40 @@ def test_a_checkpoint_of_an_earlier_version_recording_sha256_is_still_verified(t
         json.dump(earlier, f)
     with pytest.raises(CheckpointError, match="records no checksum of state.json"):
         ckpt.verify(folder, files=["state.json"])
+
+
+@pytest.mark.parametrize("staging", [4096, 3 * 4096 + 512])
+def test_a_rank_file_goes_out_in_whole_staged_chunks_and_is_cut_to_its_size(staging, tmp_path, monkeypatch):
+    """Small staging buffers: the file crosses many chunk boundaries (and, with a buffer not a whole number
+    of pages, a padded direct write in the middle falls back to ordinary writes), and still equals the
+    image byte for byte, with its checksum that of its bytes."""
+    import xxhash
+
+    monkeypatch.setattr(ckpt.SequentialWriter, "STAGING", staging)
+    cfg = layout_config(tmp_path, "parallel.tp=2")
+    state = random_states(cfg)[1]
+    path = str(tmp_path / "rank.h5")
+    digest = ckpt.Checksum()
+    ckpt.write_rank_file(path, cfg, state, 1, digest=digest)
+    image, size = ckpt.rank_file_image(str(tmp_path / "image.h5"), cfg, state)
+    data = open(path, "rb").read()
+    assert data == bytes(image[:size]) and len(data) > 3 * staging
+    assert digest.hexdigest() == xxhash.xxh3_64(data).hexdigest()
+
+
+def test_a_file_size_limit_inside_the_last_pages_padding_falls_back_to_ordinary_writes(tmp_path, monkeypatch):
+    cfg = layout_config(tmp_path)
+    state = random_states(cfg)[0]
+    path = str(tmp_path / "rank.h5")
+    real_write_at, refused = ckpt.write_at, []
+
+    def limit_at_the_padding(fd, data, offset):
+        if len(memoryview(data)) % 4096 == 0 and os.fstat(fd).st_size < offset + len(memoryview(data)) and not refused:
+            refused.append(offset)  # what the kernel answers a write past RLIMIT_FSIZE (SIGXFSZ ignored)
+            raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+        return real_write_at(fd, data, offset)
+
+    monkeypatch.setattr(ckpt, "write_at", limit_at_the_padding)
+    ckpt.write_rank_file(path, cfg, state, 1)
+    assert refused
+    assert_rank_file_holds(path, cfg, state)

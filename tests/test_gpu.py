@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_steps import ARCHS, DTYPES, LAYOUTS, step
+from gpu_steps import ARCHS, DTYPES, LAYOUTS, layout_archs, step
 
 pytestmark = pytest.mark.gpu
 
@@ -99,9 +99,8 @@ def multi_rank_results(tmp_path_factory):
 
 def _layout_cases():
     for name, _ranks, _parallel, train in LAYOUTS:
-        for arch in ARCHS:
-            if not (train.get("recompute") == "lowrank" and arch == "full"):  # lowrank needs a low-rank arch
-                yield name, arch, train.get("recompute", "none")
+        for arch in layout_archs(name, train):
+            yield name, arch, train.get("recompute", "none")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

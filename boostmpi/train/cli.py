@@ -86,6 +86,8 @@ def banner(cfg, config_path, size, local_rank):
 
     par, tr, m = cfg.parallel, cfg.train, cfg.model
     backend = "numpy (cpu)" if tr.device == "cpu" else "cupy (gpu)"
-    nccl = "no" if tr.device == "cpu" or par.comm == "mpi" else "yes"
-    return (f"boostmpi | {backend} | {mpi_library()} | nccl {nccl} | ranks {size} = tp {par.tp} x pp {par.pp} x dp {par.dp} "
+    # what the configuration asks for: on a GPU, "auto" (and "nccl") are settled when the engine starts,
+    # and the `comm:` line (or a warning) says what was chosen
+    comm = "mpi" if tr.device == "cpu" else par.comm
+    return (f"boostmpi | {backend} | {mpi_library()} | comm {comm} | ranks {size} = tp {par.tp} x pp {par.pp} x dp {par.dp} "
             f"({par.tp_mode}) | {m.arch} d={m.d_model} L={m.n_layers} r={m.rank} | {tr.dtype} | config {config_path}")

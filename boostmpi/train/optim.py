@@ -34,6 +34,9 @@ class AdamW:
 
     def __init__(self, params, specs, tr, xp=np, shard=None, master=None):
         self.params, self.tr, self.xp = params, tr, xp
+        if master is None and np.dtype(params.data.dtype).itemsize < 4:
+            raise ValueError(f"AdamW over {np.dtype(params.data.dtype).name} parameters would keep its moments and "
+                             f"updates in that precision: pass the master weights (master=engine.master)")
         self.shard = (0, params.size) if shard is None else tuple(shard)
         lo, hi = self.shard
         # the master weights it updates: the slice of `params`, or (mixed precision under ZeRO-1) the
