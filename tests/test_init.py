@@ -40,3 +40,31 @@ def test_any_run_of_elements_equals_the_same_run_of_the_whole_stream():
     for start, count in ((0, 1), (1, 1), (3, 10), (50, 51), (100, 1)):
         np.testing.assert_array_equal(P._normals(key, start, count), whole[start:start + count])
     assert abs(whole.mean()) < 0.3 and 0.8 < whole.std() < 1.2
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_data_parallel_replicas_share_the_drawing_and_hold_the_single_rank_weights(zero_stage, monkeypatch):
+    """With dp ranks (tp = 1) every rank draws about 1/dp of the model's elements, and after the
+    exchange holds all of them, equal to the one-rank initialisation bit for bit."""
+    from boostmpi.parallel.engine import Engine
+    from mpi_helpers import abort_on_error, assert_all_ranks, world
+
+    comm = world()
+    n = comm.Get_size()
+    cfg = config_from_dict({"model": dict(MODEL, arch="cola"), "parallel": {"dp": n, "zero_stage": zero_stage},
+                            "train": {"dtype": "float64", "seed": 11}}, world_size=n)
+    drawn = []
+    real = P._normals
+    monkeypatch.setattr(P, "_normals", lambda key, start, count: drawn.append(count) or real(key, start, count))
+    with abort_on_error():
+        engine = Engine(cfg, comm)
+    monkeypatch.setattr(P, "_normals", real)
+    normal = sum(s.local_numel for s in engine.specs if s.init == "normal")
+    problems = [f"{s.name} differs from the one-rank initialisation" for s in engine.specs
+                if not np.array_equal(engine.params[s.name], P.init_global(s, seed=11))]
+    share = sum(drawn) / normal
+    if not 0.5 / n <= share <= 1.5 / n:
+        problems.append(f"this rank drew {share:.2f} of the normal elements, not about 1/{n}")
+    engine.grid.dp.comm.Free()
+    assert_all_ranks(not problems, lambda: "; ".join(problems))

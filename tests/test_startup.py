@@ -285,3 +285,17 @@ def test_net_plugins_are_found_on_the_library_path(tmp_path):
     env = {"LD_LIBRARY_PATH": f"/nonexistent:{tmp_path}"}
     assert startup.net_plugins(env) == [str(tmp_path / "librccl-net.so")]
     assert startup.net_plugins({"NCCL_NET_PLUGIN": str(tmp_path / "librccl-net.so")}) == [str(tmp_path / "librccl-net.so")]
+
+
+def test_the_banner_names_the_communication_asked_for_not_a_guess():
+    """The banner is printed before the engine settles `parallel.comm`: it shows what the configuration
+    asks for (the `comm:` line or a warning says what `auto` became), and `mpi` on the CPU."""
+    from boostmpi.config import config_from_dict
+    from boostmpi.train.cli import banner
+
+    cpu = config_from_dict({"train": {"device": "cpu"}})
+    assert " | comm mpi | " in banner(cpu, "c.toml", 1, 0)
+    for comm in ("auto", "nccl", "mpi"):
+        gpu = config_from_dict({"train": {"device": "gpu"}, "parallel": {"comm": comm}})
+        line = banner(gpu, "c.toml", 1, 0)
+        assert f" | comm {comm} | " in line and "nccl yes" not in line

@@ -154,6 +154,20 @@ class HostCollectives:
     def barrier(self):
         self._call("Barrier", lambda c: c.Barrier())
 
+    def allgather_pieces(self, buf, counts):
+        """In place over a host array: rank i's piece sits at offset sum(counts[:i]) of `buf`; afterwards
+        every rank holds every piece (the initial weights the dp replicas drew between them)."""
+        if self.comm is None:
+            return buf
+        from mpi4py import MPI
+
+        mpi_type, counts = MPI._typedict.get(buf.dtype.char), [int(c) for c in counts]
+        if mpi_type is None:  # a type MPI does not know: the pieces as bytes
+            mpi_type, counts, buf = MPI.BYTE, [c * buf.itemsize for c in counts], buf.view(np.uint8)
+        displs = [int(d) for d in np.concatenate([[0], np.cumsum(counts)[:-1]])]
+        self._call("Allgatherv", lambda c: c.Allgatherv(MPI.IN_PLACE, [buf, counts, displs, mpi_type]))
+        return buf
+
     def send(self, buf, dest, tag):
         self._call(f"Send to rank {dest}", lambda c: c.Send(buf, dest=dest, tag=tag))
 
@@ -198,7 +212,9 @@ class Group:
         from mpi4py import MPI
 
         mpi_op = MPI.SUM if op == "sum" else MPI.MAX
-        self._blocking("Allreduce", buf.nbytes, lambda: self.comm.Allreduce(MPI.IN_PLACE, _mpi_buf(buf), op=mpi_op))
+        wide, put_back = _reducible(buf)
+        self._blocking("Allreduce", buf.nbytes, lambda: self.comm.Allreduce(MPI.IN_PLACE, _mpi_buf(wide), op=mpi_op))
+        put_back()
         return buf
 
     def iallreduce(self, buf):
@@ -211,9 +227,10 @@ class Group:
         from mpi4py import MPI
 
         self._count_collective(buf.nbytes)
+        wide, put_back = _reducible(buf)
         self._sync()
-        req = self.comm.Iallreduce(MPI.IN_PLACE, _mpi_buf(buf), op=MPI.SUM)
-        return _WatchedRequest(req, self, "Iallreduce", buf.nbytes)
+        req = self.comm.Iallreduce(MPI.IN_PLACE, _mpi_buf(wide), op=MPI.SUM)
+        return _WatchedRequest(req, self, "Iallreduce", buf.nbytes, then=put_back)
 
     def allgather(self, buf):
         """Concatenate every member's `buf` along a new leading dim: [size, *buf.shape]."""
@@ -222,7 +239,7 @@ class Group:
             return buf[None]
         out = xp.empty((self.size,) + buf.shape, dtype=buf.dtype)
         self._blocking("Allgather", buf.nbytes,
-                       lambda: self.comm.Allgather(_mpi_buf(xp.ascontiguousarray(buf)), _mpi_buf(out)))
+                       lambda: self.comm.Allgather(_mpi_buf(_bits(xp.ascontiguousarray(buf))), _mpi_buf(_bits(out))))
         return out
 
     def _blocking(self, call, nbytes, run):
@@ -250,19 +267,21 @@ class Group:
         from mpi4py import MPI
 
         self._count_collective(buf.nbytes)
+        (wide, _), (wide_out, put_back) = _reducible(buf), _reducible(out, keep=False)
         self._sync()
         counts = [int(c) for c in counts]
         if blocking or not self.overlap:
             t0 = time.perf_counter()
             WATCHDOG.begin(self.axis, "Reduce_scatter", buf.nbytes)
             try:
-                self.comm.Reduce_scatter(_mpi_buf(buf), _mpi_buf(out), recvcounts=counts, op=MPI.SUM)
+                self.comm.Reduce_scatter(_mpi_buf(wide), _mpi_buf(wide_out), recvcounts=counts, op=MPI.SUM)
             finally:
                 WATCHDOG.end()
+            put_back()
             self.wait_seconds += time.perf_counter() - t0
             return _DONE
-        req = self.comm.Ireduce_scatter(_mpi_buf(buf), _mpi_buf(out), recvcounts=counts, op=MPI.SUM)
-        return _WatchedRequest(req, self, "Ireduce_scatter", buf.nbytes)
+        req = self.comm.Ireduce_scatter(_mpi_buf(wide), _mpi_buf(wide_out), recvcounts=counts, op=MPI.SUM)
+        return _WatchedRequest(req, self, "Ireduce_scatter", buf.nbytes, then=put_back)
 
     def allgather_pieces(self, buf, counts, counted=False):
         """In place: member i's piece sits at offset sum(counts[:i]) of `buf`; afterwards every member
@@ -299,19 +318,20 @@ class Group:
     def isend(self, buf, dest, tag=0):
         self.counter.add(self.axis, buf.nbytes)
         self._sync()
-        req = self.comm.Isend(_mpi_buf(buf), dest=dest, tag=tag)
+        req = self.comm.Isend(_mpi_buf(_bits(buf)), dest=dest, tag=tag)
         return _WatchedRequest(req, self, "Isend", buf.nbytes, dest, timed=False)
 
     def irecv(self, buf, source, tag=0):
-        req = self.comm.Irecv(_mpi_buf(buf), source=source, tag=tag)
+        req = self.comm.Irecv(_mpi_buf(_bits(buf)), source=source, tag=tag)
         return _WatchedRequest(req, self, "Irecv", buf.nbytes, source, timed=False)
 
 
 class _WatchedRequest:
     """An MPI request whose wait is watched; with `timed` its wait time is added to `group.wait_seconds`."""
 
-    def __init__(self, req, group, call, nbytes, peer=None, timed=True):
+    def __init__(self, req, group, call, nbytes, peer=None, timed=True, then=None):
         self.req, self.group, self.call, self.nbytes, self.peer, self.timed = req, group, call, nbytes, peer, timed
+        self.then = then  # what completes the operation once MPI has (a float32 sum put back into bfloat16)
 
     def wait(self):
         t0 = time.perf_counter()
@@ -320,6 +340,8 @@ class _WatchedRequest:
             self.req.Wait()
         finally:
             WATCHDOG.end()
+        if self.then is not None:
+            self.then()
         if self.timed:
             self.group.wait_seconds += time.perf_counter() - t0
 
@@ -329,6 +351,40 @@ def _xp(buf):
     from boostmpi.backend import get_array_module
 
     return get_array_module(buf)
+
+
+def _nothing():
+    return None
+
+
+def _mpi_knows(dtype):
+    from mpi4py import MPI
+
+    return np.dtype(dtype).char in MPI._typedict
+
+
+def _reducible(buf, keep=True):
+    """(an array MPI can sum, a function that puts the sum back into `buf`). MPI has no bfloat16: such a
+    buffer is summed as a float32 copy (twice the bytes on the wire; each sum rounded to bfloat16 once,
+    at the end) and cast back; the byte counters still count `buf`, the payload. `keep=False`: `buf`
+    only receives (an output), its values are not copied in."""
+    if _mpi_knows(buf.dtype):
+        return buf, _nothing
+    xp = _xp(buf)
+    wide = buf.astype(np.float32) if keep else xp.empty(buf.shape, dtype=np.float32)
+
+    def put_back():
+        buf[...] = wide.astype(buf.dtype)
+
+    return wide, put_back
+
+
+def _bits(buf):
+    """`buf` as MPI can move it unchanged: itself, or for a type MPI does not know (bfloat16) a view of
+    its bits as unsigned integers of the same width (bytes for other widths)."""
+    if _mpi_knows(buf.dtype):
+        return buf
+    return buf.view({2: np.uint16, 4: np.uint32, 8: np.uint64}.get(buf.dtype.itemsize, np.uint8))
 
 
 def _mpi_buf(arr):

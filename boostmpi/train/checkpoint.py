@@ -37,7 +37,7 @@ import numpy as np
 from boostmpi.errors import CheckpointError, UserError
 from boostmpi.files import (FilesystemError, atomic_file, check_space, fs_error, fsync_dir, make_dirs, write_at,
                             write_file_atomically)
-from boostmpi.model.params import FlatBuffer, all_global_specs, local_box, param_specs, split_range
+from boostmpi.model.params import FlatBuffer, all_global_specs, block_pieces, param_specs, split_range
 from boostmpi.model.params import flat_blocks  # the FlatBuffer's layout from specs alone
 
 FORMAT = "boostmpi"
@@ -120,93 +120,6 @@ def _os_error_of(exc):
 
 
 # ------------------------------------------------------------------ what each rank writes
-class Piece(NamedTuple):
-    """One box of a global tensor that one rank writes: `name`, its `index` among that rank's pieces
-    of the tensor, `box` ((start, stop) per dim, global coordinates), and where its elements sit in
-    the rank's flat buffer: the block (the parameter's own range, or its group's [rows, width] matrix
-    of factors side by side) starting at flat offset `start`, of row `width`, rows `rows` and columns
-    `cols` of it."""
-    name: str
-    index: int
-    box: tuple
-    start: int
-    width: int
-    rows: tuple
-    cols: tuple
-
-    @property
-    def shape(self):
-        return tuple(b - a for a, b in self.box)
-
-    @property
-    def size(self):
-        return int(np.prod(self.shape))
-
-    @property
-    def key(self):
-        return f"{self.name}/{self.index}"
-
-    def _region(self, flat, base):
-        (r0, r1), (c0, c1) = self.rows, self.cols
-        if r1 - r0 == 1:  # part of one row: contiguous
-            i = self.start + r0 * self.width + c0 - base
-            return flat[i:i + c1 - c0]
-        i = self.start + r0 * self.width - base  # whole rows of the block: its columns c0:c1
-        return flat[i:i + (r1 - r0) * self.width].reshape(r1 - r0, self.width)[:, c0:c1]
-
-    def take(self, flat, base):
-        """The piece's values from `flat`, a flat buffer's elements [base, base + len(flat))."""
-        return self._region(flat, base).reshape(self.shape)
-
-    def put(self, flat, base, values):
-        """Store the piece's values into `flat` (elements [base, ...) of a flat buffer)."""
-        region = self._region(flat, base)
-        region[...] = np.asarray(values).reshape(region.shape)
-
-
-def _rects(rows, width, a, b):
-    """The flat range [a, b) of a [rows, width] matrix as rectangles (r0, r1, c0, c1): a partial first
-    row, whole rows, a partial last row."""
-    r0, c0 = divmod(a, width)
-    r1, c1 = divmod(b, width)
-    if r0 == r1:
-        return [(r0, r0 + 1, c0, c1)] if c1 > c0 else []
-    out = []
-    if c0:
-        out.append((r0, r0 + 1, c0, width))
-        r0 += 1
-    if r1 > r0:
-        out.append((r0, r1, 0, width))
-    if c1:
-        out.append((r1, r1 + 1, 0, c1))
-    return out
-
-
-def block_pieces(members, start, stop, lo, hi):
-    """The Pieces of a flat-buffer block [start, stop) (its parameters `members`, side by side when a
-    group) that fall in the flat range [lo, hi)."""
-    a, b = max(start, lo), min(stop, hi)
-    if a >= b:
-        return []
-    matrix = len(members[0].local_shape) == 2
-    rows = members[0].local_shape[0] if matrix else 1
-    width = (stop - start) // rows
-    out, col = [], 0
-    for s in members:
-        w, index = (s.local_shape[1] if matrix else s.local_numel), 0
-        origin = [lo_ for lo_, _ in local_box(s)]  # the shard's place in the global tensor
-        for r0, r1, c0, c1 in _rects(rows, width, a - start, b - start):
-            x0, x1 = max(c0, col), min(c1, col + w)
-            if x0 >= x1:
-                continue
-            local = ((r0, r1), (x0 - col, x1 - col)) if matrix else ((x0 - col, x1 - col),)
-            box = tuple((p + o, q + o) for (p, q), o in zip(local, origin))
-            out.append(Piece(s.name, index, box, start, width, (r0, r1), (x0, x1)))
-            index += 1
-        col += w
-    return out
-
-
 def write_range(n_local, dp, dp_rank):
     """The part [lo, hi) of a (tp, pp) rank's flat buffer that data-parallel rank `dp_rank` writes: the
     same near-equal split as ZeRO-1's optimizer slices, so every rank writes what its optimizer owns
