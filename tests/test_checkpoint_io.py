@@ -254,18 +254,28 @@ def test_a_rank_file_goes_out_in_whole_staged_chunks_and_is_cut_to_its_size(stag
 
 
 def test_a_file_size_limit_inside_the_last_pages_padding_falls_back_to_ordinary_writes(tmp_path, monkeypatch):
+    """As the kernel does under `ulimit -f` (SIGXFSZ ignored): the padded direct write of the last pages is
+    cut short at the limit, the next write fails with EFBIG; the chunk is written again the ordinary way
+    and the file ends at its own size, not at the limit."""
     cfg = layout_config(tmp_path)
     state = random_states(cfg)[0]
     path = str(tmp_path / "rank.h5")
-    real_write_at, refused = ckpt.write_at, []
+    size = ckpt.rank_file_image(str(tmp_path / "image.h5"), cfg, state)[1]
+    if size % 4096 == 0:
+        pytest.skip("this file ends on a page: no padding")
+    limit = (size // 1024 + 1) * 1024  # ulimit -f counts KiB: past the end, inside the last page
+    real_write_at, cut = ckpt.write_at, []
 
-    def limit_at_the_padding(fd, data, offset):
-        if len(memoryview(data)) % 4096 == 0 and os.fstat(fd).st_size < offset + len(memoryview(data)) and not refused:
-            refused.append(offset)  # what the kernel answers a write past RLIMIT_FSIZE (SIGXFSZ ignored)
+    def write_up_to_the_limit(fd, data, offset):
+        n = len(memoryview(data).cast("B"))
+        if offset + n > limit:
+            if offset < limit:
+                real_write_at(fd, memoryview(data).cast("B")[:limit - offset], offset)
+            cut.append(offset)
             raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
         return real_write_at(fd, data, offset)
 
-    monkeypatch.setattr(ckpt, "write_at", limit_at_the_padding)
+    monkeypatch.setattr(ckpt, "write_at", write_up_to_the_limit)
     ckpt.write_rank_file(path, cfg, state, 1)
-    assert refused
+    assert cut and os.path.getsize(path) == size < limit
     assert_rank_file_holds(path, cfg, state)

@@ -230,7 +230,7 @@ class Group:
         wide, put_back = _reducible(buf)
         self._sync()
         req = self.comm.Iallreduce(MPI.IN_PLACE, _mpi_buf(wide), op=MPI.SUM)
-        return _WatchedRequest(req, self, "Iallreduce", buf.nbytes, then=put_back)
+        return _WatchedRequest(req, self, "Iallreduce", buf.nbytes, then=put_back, keep=wide)
 
     def allgather(self, buf):
         """Concatenate every member's `buf` along a new leading dim: [size, *buf.shape]."""
@@ -238,8 +238,8 @@ class Group:
         if self.size == 1:
             return buf[None]
         out = xp.empty((self.size,) + buf.shape, dtype=buf.dtype)
-        self._blocking("Allgather", buf.nbytes,
-                       lambda: self.comm.Allgather(_mpi_buf(_bits(xp.ascontiguousarray(buf))), _mpi_buf(_bits(out))))
+        mine = xp.ascontiguousarray(buf)  # made before the stream sync that hands it to MPI
+        self._blocking("Allgather", buf.nbytes, lambda: self.comm.Allgather(_mpi_buf(_bits(mine)), _mpi_buf(_bits(out))))
         return out
 
     def _blocking(self, call, nbytes, run):
@@ -281,7 +281,7 @@ class Group:
             self.wait_seconds += time.perf_counter() - t0
             return _DONE
         req = self.comm.Ireduce_scatter(_mpi_buf(wide), _mpi_buf(wide_out), recvcounts=counts, op=MPI.SUM)
-        return _WatchedRequest(req, self, "Ireduce_scatter", buf.nbytes, then=put_back)
+        return _WatchedRequest(req, self, "Ireduce_scatter", buf.nbytes, then=put_back, keep=(wide, wide_out))
 
     def allgather_pieces(self, buf, counts, counted=False):
         """In place: member i's piece sits at offset sum(counts[:i]) of `buf`; afterwards every member
@@ -322,6 +322,7 @@ class Group:
         return _WatchedRequest(req, self, "Isend", buf.nbytes, dest, timed=False)
 
     def irecv(self, buf, source, tag=0):
+        self._sync()  # no kernel still queued on this (possibly reused) memory when MPI writes it
         req = self.comm.Irecv(_mpi_buf(_bits(buf)), source=source, tag=tag)
         return _WatchedRequest(req, self, "Irecv", buf.nbytes, source, timed=False)
 
@@ -329,9 +330,10 @@ class Group:
 class _WatchedRequest:
     """An MPI request whose wait is watched; with `timed` its wait time is added to `group.wait_seconds`."""
 
-    def __init__(self, req, group, call, nbytes, peer=None, timed=True, then=None):
+    def __init__(self, req, group, call, nbytes, peer=None, timed=True, then=None, keep=None):
         self.req, self.group, self.call, self.nbytes, self.peer, self.timed = req, group, call, nbytes, peer, timed
         self.then = then  # what completes the operation once MPI has (a float32 sum put back into bfloat16)
+        self.keep = keep  # buffers MPI works on until the wait (the float32 copies)
 
     def wait(self):
         t0 = time.perf_counter()
@@ -341,7 +343,8 @@ class _WatchedRequest:
         finally:
             WATCHDOG.end()
         if self.then is not None:
-            self.then()
+            then, self.then, self.keep = self.then, None, None
+            then()
         if self.timed:
             self.group.wait_seconds += time.perf_counter() - t0
 

@@ -114,11 +114,12 @@ class Engine:
         """The initial weights of this rank's shards (the same global tensors under every layout). The
         data-parallel replicas of a shard share the drawing: each draws the near-equal part of the flat
         buffer that ZeRO-1 would give it, and they exchange the parts (one all-gather, not counted as
-        model traffic), so building the engine takes less as dp grows."""
+        model traffic), so building the engine takes less as dp grows. (On a GPU without ZeRO-1 the
+        exchange goes through a host copy of the flat buffer.)"""
         buffer = self.master_buffer()
         xp = get_array_module(buffer.data)
         dp = self.grid.dp_size
-        if dp == 1:
+        if dp == 1 or buffer.size >= 2**31 - 1:  # (MPI counts are ints in MPI before 4.0)
             for s in buffer.specs:
                 buffer[s.name][...] = xp.asarray(init_local(s, seed))
         else:

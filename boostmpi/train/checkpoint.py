@@ -394,8 +394,9 @@ class SequentialWriter:
                 except OSError as exc:
                     if exc.errno not in (errno.EINVAL, errno.EFBIG):
                         raise
+                    fd = os.open(self.path, os.O_WRONLY)  # before the old one is closed: one fd to close
                     os.close(self.fd)
-                    self.fd, self.direct = os.open(self.path, os.O_WRONLY), False
+                    self.fd, self.direct = fd, False
                     write_at(self.fd, chunk, self.position)
             else:
                 write_at(self.fd, chunk, self.position)
@@ -411,8 +412,9 @@ class SequentialWriter:
         try:
             if kind is None:
                 self._flush()
-                if self.direct:
-                    os.ftruncate(self.fd, self.position)
+                # the padding of a direct write past the end (also one a file-size limit cut short
+                # before the fallback rewrote its chunk) is cut off
+                os.ftruncate(self.fd, self.position)
         finally:
             os.close(self.fd)
             self.staged = None
