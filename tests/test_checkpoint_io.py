@@ -51,8 +51,8 @@ def test_a_rank_file_is_the_same_bytes_however_it_is_written(layout, tmp_path):
         first, kept, image_file = (tmp_path / f"{name}-{'-'.join(map(str, state.coords))}.h5"
                                    for name in ("first", "kept", "image"))
         ckpt._STRUCTURES.clear()
-        ckpt.write_rank_file(str(first), cfg, state, 1)  # HDF5 lays out the structure
-        ckpt.write_rank_file(str(kept), cfg, state, 1)  # the kept structure, positioned writes
+        ckpt.write_rank_file(str(first), cfg, state)  # HDF5 lays out the structure
+        ckpt.write_rank_file(str(kept), cfg, state)  # the kept structure, positioned writes
         image, size = ckpt.rank_file_image(str(image_file), cfg, state)
         ckpt.write_file_image(str(image_file), image, size)
         assert len(image) % 4096 == 0 and size <= len(image) < size + 4096
@@ -65,7 +65,7 @@ def test_new_values_are_written_over_the_kept_structure(tmp_path):
     path = str(tmp_path / "rank.h5")
     for seed in (1, 2):
         state = random_states(cfg, seed)[1]
-        ckpt.write_rank_file(path, cfg, state, seed)
+        ckpt.write_rank_file(path, cfg, state)
         assert_rank_file_holds(path, cfg, state)
         image, size = ckpt.rank_file_image(path, cfg, state)  # a spare buffer of the previous round, refilled
         ckpt.write_file_image(path, image, size)
@@ -246,7 +246,7 @@ def test_a_rank_file_goes_out_in_whole_staged_chunks_and_is_cut_to_its_size(stag
     state = random_states(cfg)[1]
     path = str(tmp_path / "rank.h5")
     digest = ckpt.Checksum()
-    ckpt.write_rank_file(path, cfg, state, 1, digest=digest)
+    ckpt.write_rank_file(path, cfg, state, digest=digest)
     image, size = ckpt.rank_file_image(str(tmp_path / "image.h5"), cfg, state)
     data = open(path, "rb").read()
     assert data == bytes(image[:size]) and len(data) > 3 * staging
@@ -276,6 +276,6 @@ def test_a_file_size_limit_inside_the_last_pages_padding_falls_back_to_ordinary_
         return real_write_at(fd, data, offset)
 
     monkeypatch.setattr(ckpt, "write_at", write_up_to_the_limit)
-    ckpt.write_rank_file(path, cfg, state, 1)
+    ckpt.write_rank_file(path, cfg, state)
     assert cut and os.path.getsize(path) == size < limit
     assert_rank_file_holds(path, cfg, state)

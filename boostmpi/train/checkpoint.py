@@ -422,7 +422,7 @@ class SequentialWriter:
         return False
 
 
-def write_rank_file(path, cfg, state, step, digest=None):
+def write_rank_file(path, cfg, state, digest=None):
     """One rank's file: `model/<name>/<i>`, `m/<name>/<i>`, `v/<name>/<i>` for each of its pieces,
     each dataset carrying its global box (attribute `box`); file attributes `format`, `coords`.
     `digest` (a Checksum) is fed the file's bytes in order as they are written."""
@@ -674,7 +674,7 @@ class PendingSave:
                 path = os.path.join(self.tmp, rank_file_name(*st.coords))
                 digest = Checksum()
                 with self._timer("write"):
-                    write_rank_file(path, self.cfg, st, self.step, digest=digest)
+                    write_rank_file(path, self.cfg, st, digest=digest)
                 self.records[os.path.basename(path)] = _file_record(path, self.phases, digest)
             if self.crash_hook:
                 self.crash_hook("rank file")
