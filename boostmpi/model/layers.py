@@ -45,6 +45,17 @@ def concat_cols(mats):
     return mats[0] if len(mats) == 1 else xp.concatenate(mats, axis=1)
 
 
+def batched_matmul(a, b):
+    """a @ b over leading batch dimensions. NumPy's matmul on the CPU (the specification); on a GPU
+    cuBLAS's strided-batched GEMM with float32 compute (boostmpi.gpu.blas), never CuPy's own batched
+    matmul: CuPy 14.2 sends batched bfloat16 operands to an integer GEMM kernel that refuses them."""
+    if get_array_module(a) is np:
+        return np.matmul(a, b)
+    from boostmpi.gpu import blas
+
+    return blas.matmul(a, b)
+
+
 def grouped_matmul(lefts, rights, batched=True):
     """[l @ r for l, r in pairs]; with `batched`, pairs of equal shapes run as one batched GEMM
     (the grouped B factors: gate/up, and k/v, whose shapes agree) on a GPU. NumPy's batched matmul
@@ -60,7 +71,7 @@ def grouped_matmul(lefts, rights, batched=True):
         if len(idx) == 1:
             outs[idx[0]] = lefts[idx[0]] @ rights[idx[0]]
             continue
-        stacked = xp.matmul(xp.stack([lefts[j] for j in idx]), xp.stack([rights[j] for j in idx]))
+        stacked = batched_matmul(xp.stack([lefts[j] for j in idx]), xp.stack([rights[j] for j in idx]))
         for k, j in enumerate(idx):
             outs[j] = stacked[k]
     return outs
@@ -280,7 +291,7 @@ def probability_tile_bytes(B, H, T, dtype):
 
 def _scores(qb, kb, t0, t1, G, sdtype, xp):
     """Scaled causal scores of one query block against keys 0..t1, in the softmax dtype."""
-    s = xp.matmul(qb, kb.transpose(0, 1, 3, 2)).astype(sdtype, copy=False)
+    s = batched_matmul(qb, kb.transpose(0, 1, 3, 2)).astype(sdtype, copy=False)
     s[..., t0:t1] += _diagonal_tile(t1 - t0, G, sdtype, xp)
     return s
 
@@ -332,7 +343,7 @@ def attention_forward(q, k, v, keep_probs=False, stats=None):
             row_sum[:, :, :, t0:t1] = total.reshape(B, Hkv, G, n)
         else:
             total = row_sum[:, :, :, t0:t1].reshape(B, Hkv, G * n, 1)
-        ob = xp.matmul(s.astype(q.dtype, copy=False), vh[:, :, :t1])  # unnormalised: divide the [G*n, Dh] result
+        ob = batched_matmul(s.astype(q.dtype, copy=False), vh[:, :, :t1])  # unnormalised: divide the [G*n, Dh] result
         if ob.dtype == sd:
             ob /= total
         else:
@@ -370,12 +381,12 @@ def attention_backward(do, cache):
             xp.exp(p, out=p)
             p /= row_sum[:, :, :, t0:t1].reshape(B, Hkv, G * n, 1)
         pc = p.astype(do.dtype, copy=False)
-        dv[:, :, :t1] += xp.matmul(pc.transpose(0, 1, 3, 2), dob)  # summed over the G query heads
-        ds = xp.matmul(dob, vb.transpose(0, 1, 3, 2)).astype(sd, copy=False)
+        dv[:, :, :t1] += batched_matmul(pc.transpose(0, 1, 3, 2), dob)  # summed over the G query heads
+        ds = batched_matmul(dob, vb.transpose(0, 1, 3, 2)).astype(sd, copy=False)
         ds -= delta[:, :, :, t0:t1].reshape(B, Hkv, G * n, 1)
         ds *= p
         dsc = ds.astype(do.dtype, copy=False)
-        dq[:, :, :, t0:t1] = (xp.matmul(dsc, kb) * scale).reshape(B, Hkv, G, n, Dh)
-        dk[:, :, :t1] += xp.matmul(dsc.transpose(0, 1, 3, 2), qb)  # qb already carries the scale
+        dq[:, :, :, t0:t1] = (batched_matmul(dsc, kb) * scale).reshape(B, Hkv, G, n, Dh)
+        dk[:, :, :t1] += batched_matmul(dsc.transpose(0, 1, 3, 2), qb)  # qb already carries the scale
     dq = dq.transpose(0, 3, 1, 2, 4).reshape(B, T, Hkv * G, Dh)
     return dq, dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)

@@ -7,22 +7,30 @@ operands) and RawKernel launches that run the kernel source itself through the h
 """
 
 import builtins
+import os
 
 import numpy as np
 
-from cupy import _memory
+from cupy import _memory, _record
 from cupy._memory import get_default_memory_pool, get_default_pinned_memory_pool  # noqa: F401
 from cupy import cuda  # noqa: F401
 
-__version__ = "14.0.0+standin"
+# the CuPy release whose source the stand-in follows; BOOSTMPI_STANDIN_CUPY_VERSION makes it report
+# another (to test what start-up says about an older CuPy)
+__version__ = os.environ.get("BOOSTMPI_STANDIN_CUPY_VERSION", "14.2.0") + "+standin"
 __standin__ = True  # what tests and bench/ check to tell the stand-in from a GPU
 
 try:
     import ml_dtypes
 
-    bfloat16 = np.dtype(ml_dtypes.bfloat16)
+    _ML_BF16 = np.dtype(ml_dtypes.bfloat16)
 except ImportError:  # CuPy too has bfloat16 only with ml_dtypes
-    bfloat16 = None
+    _ML_BF16 = None
+# CuPy 14.2 turns bfloat16 off entirely under NumPy < 2.1.2 (cupy/_util.pyx at v14.2.0 line 228:
+# no bfloat16 ufunc loops; cupy/_core/_scalar.pyx line 277: no C type name, so creating a bfloat16
+# array raises `ValueError: Unsupported dtype bfloat16` from _dtype.pyx check_supported_dtype)
+BF16_ENABLED = _ML_BF16 is not None and np.lib.NumpyVersion(np.__version__) >= "2.1.2"
+_bf16 = _ML_BF16 if BF16_ENABLED else None  # the loop tables' bfloat16 (CuPy exports no such name)
 
 dtype = np.dtype
 promote_types = np.promote_types
@@ -38,17 +46,23 @@ _IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. "
 
 
 def _is_half(dt):
-    return dt == np.float16 or (bfloat16 is not None and dt == bfloat16)
+    return dt == np.float16 or (_bf16 is not None and dt == _bf16)
 
 
 # ================================================================== type resolution (CuPy's rules)
+def _check_supported(dt):
+    """_dtype.pyx check_supported_dtype (v14.2.0): a dtype CuPy has no C type name for is refused."""
+    if dt == _ML_BF16 and not BF16_ENABLED:
+        raise ValueError(f"Unsupported dtype {dt}")
+
+
 def _loop_table(chars, bf16_after="e"):
     """Loop dtypes in CuPy's order; bfloat16's loop directly after float16's (CuPy pull request 9494, its bfloat16 support)."""
     out = []
     for c in chars:
         out.append(np.dtype(c))
-        if c == bf16_after and bfloat16 is not None:
-            out.append(bfloat16)
+        if c == bf16_after and _bf16 is not None:
+            out.append(_bf16)
     return out
 
 
@@ -65,7 +79,7 @@ def _kind_score(dt):
         return 0
     if dt.kind in "iu":
         return 1
-    return 2 if dt.kind in "fc" or dt == bfloat16 else 3
+    return 2 if dt.kind in "fc" or dt == _bf16 else 3
 
 
 class _Operand:
@@ -142,6 +156,8 @@ class ndarray:
             raise NotImplementedError("the stand-in makes arrays from memptr only through cupy functions")
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         dt = np.dtype(dtype)
+        if dt.kind == "V":
+            _check_supported(dt)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         self._mem = _memory.get_default_memory_pool().malloc(nbytes) if nbytes else None
         self._a = _memory.empty_bytes_view(self._mem, nbytes, dt, shape) if nbytes else np.empty(shape, dt)
@@ -275,6 +291,8 @@ class ndarray:
 
     def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
         dt = np.dtype(dtype)
+        if _record.active is not None:
+            _record.note("astype", _record.arg(self), dt.name)
         if not copy and dt == self.dtype:
             return self
         return _device_copy(self._a.astype(dt))
@@ -381,6 +399,35 @@ def _device_copy(host, order="C"):
 
 
 # ================================================================== ufuncs
+def _broadcasts(arrays):
+    shapes = {a.shape for a in arrays if isinstance(a, ndarray)}
+    return len(shapes) > 1
+
+
+def _note_call(name, args, out=None, dtype=None):
+    parts = [_record.arg(a) for a in args]
+    if out is not None:
+        parts.append(f"out={_record.arg(out)}")
+    if dtype is not None:
+        parts.append(f"dtype={np.dtype(dtype).name}")
+    if _broadcasts(list(args) + ([out] if out is not None else [])):
+        parts.append("bcast")
+    _record.note(name, *parts)
+
+
+# ufunc.at: the value is cast to the target's dtype, and the scatter kernel takes only these types
+# (cupy/_core/_routines_indexing.pyx at v14.2.0, _scatter_op_single, lines 940-1000)
+_SCATTER_TYPES = {
+    "add": ((np.int32, np.int64, np.float16, np.float32, np.float64, np.uint32, np.uint64),
+            "int32, int64, float16, float32, float64, uint32, uint64"),
+    "subtract": ((np.int32, np.uint32), "int32, uint32,"),
+    "maximum": ((np.int32, np.int64, np.float32, np.float64, np.uint32, np.uint64),
+                "int32, int64, float32, float64, uint32, uint64"),
+    "minimum": ((np.int32, np.int64, np.float32, np.float64, np.uint32, np.uint64),
+                "int32, int64, float32, float64, uint32, uint64"),
+}
+
+
 class ufunc:
     def __init__(self, name, np_func, loops, nin, out_dtype=None):
         self.__name__ = name
@@ -396,6 +443,8 @@ class ufunc:
             args, out = args[:-1], args[-1]
         if len(args) != self.nin:
             raise TypeError(f"{self.__name__} takes {self.nin} inputs, got {len(args)}")
+        if _record.active is not None:
+            _note_call(self.__name__, args, out, dtype)
         operands = [_Operand(a) for a in args]
         if not any(isinstance(a, ndarray) for a in args) and out is None:
             raise TypeError(f"{self.__name__}: the stand-in needs at least one device array")
@@ -412,20 +461,28 @@ class ufunc:
         return out
 
     def at(self, a, indices, b=None):
-        if self.__name__ not in ("add", "subtract", "maximum", "minimum"):
-            raise NotImplementedError(f"`{self.__name__}.at` is not supported yet")
+        if _record.active is not None:
+            _note_call(f"{self.__name__}.at", (a, indices, b))
+        if self.__name__ not in _SCATTER_TYPES:
+            raise NotImplementedError(f"`{self.name}.at` is not supported yet")
         idx = indices._a if isinstance(indices, ndarray) else indices
         if isinstance(b, np.ndarray):
             raise TypeError(f"Unsupported type {type(b)}")
-        value = b._a.astype(a.dtype) if isinstance(b, ndarray) else b
+        if isinstance(idx, np.ndarray) and idx.dtype == np.bool_:
+            raise NotImplementedError("the stand-in models `.at` with integer indices only (CuPy's mask path differs)")
+        types, names = _SCATTER_TYPES[self.__name__]
+        if not issubclass(a.dtype.type, types):  # the value is cast to a.dtype first
+            raise TypeError(f"cupy.{self.__name__}.at only supports {names} as data type")
+        value = b._a.astype(a.dtype) if isinstance(b, ndarray) else np.asarray(b, dtype=a.dtype)
         getattr(np, self.__name__).at(a._a, idx, value)
 
     def reduce(self, array, axis=0, dtype=None, out=None, keepdims=False):
+        """Only add and multiply reduce (cupy/_core/_kernel.pyx at v14.2.0, ufunc.reduce, line 1459)."""
         if self.__name__ == "add":
             return array.sum(axis, dtype, out, keepdims)
-        if self.__name__ == "maximum":
-            return array.max(axis, out, keepdims)
-        raise NotImplementedError(f"`{self.__name__}.reduce` is not supported yet")
+        if self.__name__ == "multiply":
+            return array.prod(axis, dtype, out, keepdims)
+        raise NotImplementedError(f"`{self.name}.reduce` is not supported yet")
 
 
 def _reciprocal(x):
@@ -470,6 +527,9 @@ def _reduce(kind, a, axis, dtype, out, keepdims):
     """CuPy's reductions: integers sum in int64 and average in float64; float16 and bfloat16
     accumulate in float32 and round once; with `dtype`, the work happens in that dtype."""
     src = a.dtype
+    if _record.active is not None:
+        _record.note(kind, _record.arg(a), "all" if axis is None else "axis", *([f"dtype={np.dtype(dtype).name}"] if dtype is not None else []),
+                     *(["out"] if out is not None else []))
     if kind in ("max", "min"):
         if a.size == 0 and axis is None:
             raise ValueError("zero-size array to reduction operation which has no identity")
@@ -515,18 +575,77 @@ min = amin  # noqa: A001
 
 
 # ================================================================== linear algebra
+# CuPy 14.2.0's routing (cupy/_core/_routines_linalg.pyx at tag v14.2.0), followed dtype by dtype:
+# - at most 2-D (`matmul` line 821, `if ndim <= 2` line 856 -> `dot` line 475 -> `tensordot_core`
+#   line 541): integers run CuPy's integer GEMM kernel (line 621), everything else cuBLAS
+#   `gemmEx` (tensordot_core_v11, line 702; on ROCm the branch from line 635, through a hipBLAS
+#   shim that has no bfloat16 type: see cuda/cublas.py);
+# - 3-D and more: the operands are cast to promote_types (float16 computes as float32, line
+#   900); a dtype not in 'efdFD' goes to the integer GEMM kernel (line 992), whose module is
+#   compiled for integer types only and looked up by `get_typename(dtype.char)` (line 301): for
+#   bfloat16, whose char is 'E', that is `numpy.dtype('E')` (_scalar.pyx line 107 ->
+#   _dtype.pyx get_dtype), which raises `TypeError: data type 'E' not understood`. The rest runs
+#   cuBLAS `gemmStridedBatchedEx` (line 1014), or the pointer-array `?gemmBatched` when a batch
+#   dimension broadcasts (line 1031 on).
+def _integer_gemm_kernel(dtype):
+    """The integer GEMM kernel's name lookup (get_typename(dtype.char), _routines_linalg.pyx line 301)."""
+    np.dtype(dtype.char)  # bfloat16: TypeError("data type 'E' not understood"), as on a GPU
+    if dtype.kind == "b":
+        raise NotImplementedError("a boolean matmul (CuPy's integer GEMM module has no bool instance)")
+
+
+def _gemm_ex_2d(dtype):
+    """What tensordot_core does for a float dtype; on ROCm CuPy's hipBLAS shim aborts on bfloat16."""
+    if cuda.runtime.is_hip and dtype == _ML_BF16:
+        from cupy.cuda import cublas
+
+        cublas._hip_shim(cuda.runtime.CUDA_R_16BF, cuda.runtime.CUDA_R_16BF, cuda.runtime.CUDA_R_16BF,
+                         cuda.runtime.CUDA_R_32F, cublas.CUBLAS_GEMM_DEFAULT)
+
+
 def matmul(a, b, out=None, dtype=None):
     """CuPy's matmul: the result dtype is promote_types of the operands (bfloat16 @ bfloat16 is
-    bfloat16, computed by cuBLAS with float32 accumulation and rounded once)."""
-    x, y = _Operand(a), _Operand(b)
-    if x.weak is not None or y.weak is not None or not isinstance(a, ndarray) or not isinstance(b, ndarray):
+    bfloat16, computed with float32 accumulation and rounded once), routed as CuPy routes it."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        raise TypeError(f"Unsupported type {type(a if isinstance(a, np.ndarray) else b)}")
+    if not isinstance(a, ndarray) or not isinstance(b, ndarray) or not a.ndim or not b.ndim:
         raise ValueError("Scalar operands are not allowed, use '*' instead")
-    res = np.dtype(dtype) if dtype is not None else np.promote_types(a.dtype, b.dtype)
-    work = np.float32 if _is_half(res) else res
+    if dtype is not None:
+        raise NotImplementedError("matmul(dtype=...) takes CuPy's generic gufunc path, which the stand-in does not model")
+    nd = builtins.max(a.ndim, b.ndim)
+    batch_a, batch_b = a.shape[:-2] if a.ndim > 1 else (), b.shape[:-2] if b.ndim > 1 else ()
+    use_broadcast = nd > 2 and (len(batch_a) != len(batch_b) or any(x != y for x, y in zip(batch_a, batch_b)))
+    if _record.active is not None:
+        _record.note("matmul", _record.arg(a), _record.arg(b), *([f"out={_record.arg(out)}"] if out is not None else []),
+                     *(["bcast"] if use_broadcast else []))
+    res = np.promote_types(a.dtype, b.dtype)
+    k_a, k_b = a.shape[-1], b.shape[-2] if b.ndim > 1 else b.shape[0]
+    if k_a != k_b:
+        raise ValueError(f"shapes ({','.join(map(str, a.shape))}) and ({','.join(map(str, b.shape))}) not aligned")
+    work = res
+    if nd <= 2:
+        if res.kind in "biu":
+            _integer_gemm_kernel(res)
+        else:
+            _gemm_ex_2d(res)
+    else:
+        work = np.dtype(np.float32) if res == np.float16 else res
+        try:
+            np.broadcast_shapes(batch_a, batch_b)
+        except ValueError:
+            raise ValueError("operands could not be broadcast together with remapped shapes") from None
+        if work.char not in "efdFD":
+            _integer_gemm_kernel(work)
+    if _is_half(work):
+        work = np.dtype(np.float32)  # cuBLAS with CUBLAS_COMPUTE_32F: float32 products and sums
     result = np.matmul(a._a.astype(work, copy=False), b._a.astype(work, copy=False)).astype(res, copy=False)
     if out is None:
         return _device_copy(result)
-    _check_same_kind(res, out.dtype, "matmul output")
+    if not isinstance(out, ndarray):
+        raise TypeError(f"Output arrays must be cupy.ndarray, got {type(out)}")
+    if out.shape != result.shape:
+        raise ValueError("Output array has an invalid size")
+    _check_same_kind(res, out.dtype, "out dtype")
     out._a[...] = result
     return out
 
@@ -634,11 +753,21 @@ def stack(arrays, axis=0, out=None, dtype=None):
     return _joined(np.stack, arrays, axis, out, dtype)
 
 
+# where's loop table has no bfloat16 loop (cupy/_sorting/search.py at v14.2.0, `_where_ufunc`,
+# line 167): bfloat16 operands take the first loop they cast to safely, '?ff->f', so the result is
+# float32
+_WHERE = [np.dtype(c) for c in "?bBhHiIlLqQefdFD"]
+
+
 def where(condition, x=None, y=None):
+    if (x is None) != (y is None):
+        raise ValueError("Must provide both 'x' and 'y' or neither.")
     if x is None and y is None:
         return tuple(_device_copy(i) for i in np.nonzero(condition._a))
+    if _record.active is not None:
+        _note_call("where", (condition, x, y))
     operands = [_Operand(x), _Operand(y)]
-    loop = _select_loop("where", _ARITHMETIC, operands)
+    loop = _select_loop("where", _WHERE, operands)
     if not isinstance(condition, ndarray):
         raise TypeError(f"Unsupported type {type(condition)}")
     xv, yv = _compute(loop, [o.value for o in operands])

@@ -46,3 +46,24 @@ class Device:
 
 def is_available():
     return runtime.getDeviceCount() > 0
+
+
+_cublas_handles = {}
+
+
+def get_cublas_handle():
+    """The current device's cuBLAS handle (cupy.cuda.device.get_cublas_handle), made once per device."""
+    from cupy.cuda import cublas
+
+    dev = Device().id
+    if dev not in _cublas_handles:
+        _cublas_handles[dev] = cublas.create()
+    return _cublas_handles[dev]
+
+
+def __getattr__(name):  # CuPy loads `cupy.cuda.cublas` on first access (cupy/cuda/__init__.py, v14.2.0 line 65)
+    if name == "cublas":
+        import importlib
+
+        return importlib.import_module("cupy.cuda.cublas")
+    raise AttributeError(f"module 'cupy.cuda' has no attribute {name!r}")

@@ -46,6 +46,10 @@ def model():
 
 is_hip = model()["is_hip"]
 
+# cudaDataType_t values (CUDA's library_types.h; CuPy's runtime.pxd exports the same names)
+CUDA_R_32F, CUDA_R_64F, CUDA_R_16F, CUDA_R_8I, CUDA_C_32F, CUDA_C_64F, CUDA_C_16F, CUDA_C_8I = range(8)
+CUDA_R_32I, CUDA_R_16BF = 10, 14
+
 
 class CUDARuntimeError(RuntimeError):
     pass

@@ -1,0 +1,143 @@
+"""Batched matrix products on the GPU through cuBLAS's strided-batched GEMM (CuPy's bindings).
+
+`matmul(a, b)` is `a @ b` over leading batch dimensions for CuPy arrays of float16, bfloat16,
+float32 or float64, as one `cublasGemmStridedBatchedEx` with float32 compute (float64 for
+float64) and the output rounded once to the operands' dtype. It exists because CuPy 14.2's own
+`matmul` sends batched operands of any dtype outside 'efdFD' to its integer GEMM kernel, which
+refuses bfloat16 (`TypeError: data type 'E' not understood`; cupy/_core/_routines_linalg.pyx at
+v14.2.0, line 992). The NumPy path (`numpy.matmul`) is the specification it is tested against.
+
+Operands are passed as they lie in memory when cuBLAS can address them: each matrix row-major or
+column-major with a leading dimension (a transposed view costs nothing: it is the other
+`CUBLAS_OP_`), and the batch dimensions collapsible to one stride (a broadcast batch dimension is
+stride 0). Anything else is copied once to a contiguous array. cuBLAS is column-major, so the
+row-major product C = A @ B is computed as C^T = B^T A^T (the operands swap places).
+
+Argument types follow the cuBLAS library guide's table for cublasGemmEx / cublasGemmStridedBatchedEx
+(https://docs.nvidia.com/cuda/cublas/index.html#cublasgemmex): Atype = Btype = Ctype =
+CUDA_R_16BF, CUDA_R_16F or CUDA_R_32F with CUBLAS_COMPUTE_32F and float scale factors;
+CUDA_R_64F with CUBLAS_COMPUTE_64F and double ones. On ROCm the same binding goes through CuPy's
+hipBLAS shim (cupy_backends/hip/cupy_hipblas.h at v14.2.0), which takes only the legacy
+cudaDataType compute types (CUDA_R_32F -> HIPBLAS_COMPUTE_32F; a cuBLAS compute type returns
+HIPBLAS_STATUS_NOT_SUPPORTED), only CUBLAS_GEMM_DEFAULT, and only the data types 0-9: it has no
+mapping for CUDA_R_16BF and throws out of C code (the process aborts). So on ROCm a bfloat16
+product is computed from float32 copies of the operands (HIP_R_32F throughout, float32 compute,
+as hipBLAS's own table lists) and rounded once to bfloat16: the same numbers, more memory traffic.
+"""
+
+import math
+
+import numpy as np
+
+_ONE = {np.dtype(np.float32): np.ones(1, np.float32), np.dtype(np.float64): np.ones(1, np.float64)}
+_ZERO = {np.dtype(np.float32): np.zeros(1, np.float32), np.dtype(np.float64): np.zeros(1, np.float64)}
+
+
+def _cuda_type(dtype):
+    from cupy.cuda import runtime
+
+    if dtype.name == "bfloat16":
+        return runtime.CUDA_R_16BF
+    return {np.dtype(np.float16): runtime.CUDA_R_16F, np.dtype(np.float32): runtime.CUDA_R_32F,
+            np.dtype(np.float64): runtime.CUDA_R_64F}[dtype]
+
+
+def supported(dtype):
+    return dtype.name == "bfloat16" or dtype in (np.float16, np.float32, np.float64)
+
+
+def _collapse_batch(shape, strides):
+    """One (count, stride) for the batch dimensions, or None when no single stride walks them."""
+    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    if not dims:
+        return 1, 0
+    count = math.prod(n for n, _ in dims)
+    if all(s == 0 for _, s in dims):
+        return count, 0
+    for (n0, s0), (n1, s1) in zip(dims, dims[1:]):
+        if s0 != s1 * n1:
+            return None
+    return count, dims[-1][1]
+
+
+def _layout(x, batch_shape):
+    """(x, op, ld, batch stride) describing x [..., r, c] to cuBLAS as the column-major operand
+    x^T, or None when its memory does not allow that without a copy. Strides in elements."""
+    item = x.dtype.itemsize
+    if any(s % item for s in x.strides):
+        return None
+    strides = [s // item for s in x.strides]
+    r, c = x.shape[-2:]
+    s0, s1 = strides[-2:]
+    if c == 1:  # one column: the column stride is never used
+        s1 = 1
+    if r == 1:  # one row: the row stride is never used
+        s0 = max(c, 1)
+    if s1 == 1 and s0 >= max(1, c):
+        op, ld = 0, s0  # row-major x: its memory is x^T in column-major order (CUBLAS_OP_N)
+    elif s0 == 1 and s1 >= max(1, r):
+        op, ld = 1, s1  # column-major x (a transposed view): CUBLAS_OP_T makes it x^T
+    else:
+        return None
+    pad = len(batch_shape) - (x.ndim - 2)
+    shape = (1,) * pad + tuple(x.shape[:-2])
+    bstrides = [0 if n == 1 else s for n, s in zip(shape, [0] * pad + strides[:-2])]  # broadcast: stride 0
+    batch = _collapse_batch(batch_shape, bstrides)
+    if batch is None or any(s < 0 for s in bstrides):
+        return None
+    return x, op, ld, batch[1]
+
+
+def _operand(x, batch_shape):
+    got = _layout(x, batch_shape)
+    if got is None:
+        xp = _cupy()
+        full = xp.empty(tuple(batch_shape) + x.shape[-2:], dtype=x.dtype)
+        full[...] = x  # broadcast and made contiguous in one copy
+        got = _layout(full, batch_shape)
+    return got
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def matmul(a, b):
+    """a @ b for CuPy arrays [..., m, k] @ [..., k, n] (batch dimensions broadcast), of one float
+    dtype, through one strided-batched cuBLAS GEMM; float32 compute for 16- and 32-bit floats."""
+    xp = _cupy()
+    from cupy.cuda import cublas, runtime
+
+    if a.dtype != b.dtype or not supported(a.dtype) or a.ndim < 2 or b.ndim < 2:
+        raise TypeError(f"blas.matmul takes two arrays of at least 2 dimensions and one float dtype, got "
+                        f"{a.dtype}[{a.ndim}] and {b.dtype}[{b.ndim}]")
+    (m, k), (k2, n) = a.shape[-2:], b.shape[-2:]
+    if k != k2:
+        raise ValueError(f"matmul: shapes {a.shape} and {b.shape} are not aligned")
+    batch_shape = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    dtype = a.dtype
+    if runtime.is_hip and dtype.name == "bfloat16":  # CuPy's hipBLAS shim has no bfloat16 (see above)
+        return matmul(a.astype(np.float32), b.astype(np.float32)).astype(dtype)
+    out = xp.empty(batch_shape + (m, n), dtype=dtype)
+    count = math.prod(batch_shape)
+    if out.size == 0:
+        return out
+    if k == 0:
+        out[...] = 0
+        return out
+    a, op_a, lda, stride_a = _operand(a, batch_shape)
+    b, op_b, ldb, stride_b = _operand(b, batch_shape)
+    scale = np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+    if runtime.is_hip:  # the legacy cudaDataType compute type, the only kind the hipBLAS shim takes
+        compute = runtime.CUDA_R_64F if dtype == np.float64 else runtime.CUDA_R_32F
+    else:
+        compute = cublas.CUBLAS_COMPUTE_64F if dtype == np.float64 else cublas.CUBLAS_COMPUTE_32F
+    t = _cuda_type(dtype)
+    # row-major C [m, n] = A @ B is column-major C^T [n, m] = B^T A^T
+    cublas.gemmStridedBatchedEx(
+        xp.cuda.get_cublas_handle(), op_b, op_a, n, m, k,
+        _ONE[scale].ctypes.data, b.data.ptr, t, ldb, stride_b, a.data.ptr, t, lda, stride_a,
+        _ZERO[scale].ctypes.data, out.data.ptr, t, n, m * n, count, compute, cublas.CUBLAS_GEMM_DEFAULT)
+    return out
