@@ -319,6 +319,8 @@ class ndarray:
         return self._wrap_result(self._a[self._index(key)])
 
     def __setitem__(self, key, value):
+        if _record.active is not None:  # a copy into self: CuPy's elementwise_copy casts value to self's dtype
+            _record.note("setitem", _record.arg(self), _record.arg(value))
         if isinstance(value, np.ndarray) and value.ndim:
             raise TypeError(f"Unsupported type {type(value)}")  # CuPy fills with scalars only
         if isinstance(value, ndarray):
@@ -655,10 +657,14 @@ dot = matmul
 
 # ================================================================== creation and manipulation
 def empty(shape, dtype=float, order="C"):
+    if _record.active is not None:
+        _record.note("empty", np.dtype(dtype).name)
     return ndarray(shape, dtype)
 
 
 def zeros(shape, dtype=float, order="C"):
+    if _record.active is not None:
+        _record.note("zeros", np.dtype(dtype).name)
     out = ndarray(shape, dtype)
     out._a[...] = 0
     return out
@@ -738,6 +744,8 @@ def _devices(arrays):
 
 
 def _joined(np_join, arrays, axis, out, dtype):
+    if _record.active is not None:
+        _record.note(np_join.__name__, *sorted({_record.arg(a) for a in arrays}))
     host = np_join(_devices(list(arrays)), axis=axis, dtype=dtype)
     if out is None:
         return _device_copy(host)

@@ -1,0 +1,110 @@
+"""Every CuPy call the engine's GPU path makes has been checked against CuPy 14.2.0's source.
+
+The stand-in records each distinct call signature (function, operand dtypes and ranks, output,
+broadcasting: tests/cupy_standin/cupy/_record.py) while GPU training steps run -- every arch and
+dtype, and the recompute modes -- and the test fails on any signature missing from
+tests/cupy_calls_checked.txt, whose rows each cite the CuPy v14.2.0 source line that routes the
+call to code that takes it. A new call, or an old one with a new dtype or rank, must be read in
+CuPy's source before it lands. The mutation tests put a call CuPy 14.2 handles differently back
+into the engine and show that these checks catch it.
+"""
+
+import functools
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from gpu_setup import GPU
+from gpu_steps import ARCHS, DTYPES, step
+
+pytestmark = pytest.mark.gpu
+
+TABLE = Path(__file__).resolve().parent / "cupy_calls_checked.txt"
+RECOMPUTE = [("full", "layer"), ("svd", "lowrank"), ("cola", "layer"), ("cola", "lowrank")]
+CITATION = re.compile(r"^cupy[\w/]*\.(pyx|pxd|py|h):\d+\s")
+
+
+def _needs_standin():
+    if not GPU.standin:
+        pytest.skip("call signatures are recorded by the CuPy stand-in; on a real GPU CuPy itself is the check")
+
+
+def checked_table():
+    rows = {}
+    for n, line in enumerate(TABLE.read_text().splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        sig, bar, cite = line.partition("|")
+        assert bar and CITATION.match(cite.strip() + " "), f"{TABLE.name}:{n}: no CuPy source line cited: {line!r}"
+        rows[" ".join(sig.split())] = cite.strip()
+    return rows
+
+
+def record_steps(runs):
+    from cupy import _record
+
+    with _record.recording() as calls:
+        for arch, dtype, train in runs:
+            step(arch, "gpu", dtype, train=train)
+    return calls
+
+
+@functools.lru_cache(maxsize=None)
+def engine_calls():
+    runs = [(arch, dtype, None) for arch in ARCHS for dtype in DTYPES]
+    runs += [(arch, dtype, dict(recompute=rc)) for arch, rc in RECOMPUTE for dtype in DTYPES]
+    return frozenset(record_steps(runs))
+
+
+def unchecked(calls):
+    return sorted(set(calls) - set(checked_table()))
+
+
+def test_every_cupy_call_of_a_gpu_step_is_checked_against_cupys_source():
+    _needs_standin()
+    calls = engine_calls()
+    assert any(c.startswith("cublas.gemm A14 B14 C14") for c in calls), "no bfloat16 strided-batched GEMM recorded"
+    missing = unchecked(calls)
+    assert not missing, ("CuPy calls not yet checked against CuPy 14.2.0's source (read the routing there, then "
+                         f"add a row with the source line to {TABLE.name}):\n  " + "\n  ".join(missing))
+
+
+def test_a_new_call_signature_fails_the_check(monkeypatch):
+    """Mutation: the attention's batched products back on CuPy's matmul in float32 (a batched
+    `matmul float32[4] float32[4]`, a signature the table does not list) are reported."""
+    _needs_standin()
+    from boostmpi.model import layers
+
+    monkeypatch.setattr(layers, "batched_matmul", lambda a, b: layers.get_array_module(a).matmul(a, b))
+    missing = unchecked(record_steps([("full", "float32", None)]))
+    assert "matmul float32[4] float32[4]" in missing, missing
+
+
+def _grouped_matmul_with_cupys_batched_matmul():
+    """grouped_matmul as it was: the stacked operands multiplied by CuPy's own matmul."""
+    from boostmpi.model import layers
+
+    src = inspect.getsource(layers.grouped_matmul)
+    mutant = src.replace("stacked = batched_matmul(", "stacked = xp.matmul(")
+    assert mutant != src, "grouped_matmul no longer multiplies its stacked operands through batched_matmul"
+    namespace = {}
+    exec(compile(mutant, layers.__file__, "exec"), vars(layers), namespace)  # noqa: S102 - the mutant
+    return namespace["grouped_matmul"]
+
+
+def test_cupys_batched_bf16_matmul_in_grouped_matmul_fails_a_gpu_step(monkeypatch):
+    """Mutation: with the stacked bfloat16 factors back on CuPy's matmul, a cola bfloat16 step
+    fails as it would on a GPU with CuPy 14.2 (its integer GEMM kernel and dtype 'E')."""
+    _needs_standin()
+    from boostmpi.model import layers
+    from boostmpi.parallel.tensor_parallel import btp
+
+    mutant = _grouped_matmul_with_cupys_batched_matmul()
+    monkeypatch.setattr(layers, "grouped_matmul", mutant)
+    monkeypatch.setattr(btp, "grouped_matmul", mutant)
+    with pytest.raises(TypeError, match="data type 'E' not understood"):
+        step("cola", "gpu", "bfloat16")
+    monkeypatch.undo()
+    step("cola", "gpu", "bfloat16")  # and the real code runs
