@@ -75,10 +75,68 @@ def compute_dtype(dtype_name, xp=np):
     if dtype_name == "bfloat16":
         if xp is np:
             raise UserError("train.dtype = \"bfloat16\" needs device = \"gpu\" (NumPy has no bfloat16)")
-        import cupy  # noqa: F401  - bf16 via CuPy's dtype support
-
+        check_bf16_gpu()
         return _cupy_bfloat16()
     return COMPUTE_DTYPES[dtype_name]
+
+
+# What a bfloat16 run on the GPU needs. CuPy has bfloat16 from 14.0; the engine's routing is checked
+# against 14.2's source (tests/cupy_calls_checked.txt), which pyproject.toml's [gpu] extra pins.
+# CuPy turns bfloat16 off entirely under NumPy < 2.1.2 (its _util.pyx and _core/_scalar.pyx), and
+# takes the type itself from ml_dtypes.
+BF16_NEEDS = {"CuPy": (14, 2), "NumPy": (2, 1, 2), "ml_dtypes": (0, 5)}
+BF16_INSTALL = ("pip install 'cupy-cuda12x[ctk]>=14.2,<14.3' 'numpy>=2.1.2' 'ml_dtypes>=0.5' "
+                "(or: pip install 'boostmpi[gpu]')")
+
+
+def version_tuple(text):
+    """The leading release numbers of a version string: "14.2.0+standin" -> (14, 2, 0)."""
+    out = []
+    for part in str(text).split("."):
+        digits = ""
+        for ch in part:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        out.append(int(digits))
+        if len(digits) != len(part):
+            break
+    return tuple(out)
+
+
+def bf16_gpu_problem(cupy_version, numpy_version, ml_dtypes_version, is_hip=False):
+    """One line saying what a bfloat16 GPU run lacks (None when nothing): versions as strings,
+    ml_dtypes_version None when it is not installed."""
+    found = {"CuPy": cupy_version, "NumPy": numpy_version, "ml_dtypes": ml_dtypes_version}
+    short = [f"{name} >= {'.'.join(map(str, need))} (found {found[name] or 'none'})"
+             for name, need in BF16_NEEDS.items() if found[name] is None or version_tuple(found[name]) < need]
+    if short:
+        return f"train.dtype = \"bfloat16\" on the GPU needs {', '.join(short)}: {BF16_INSTALL}"
+    if is_hip:
+        # cupy_backends/hip/cupy_hipblas.h (CuPy 14.2): convert_hipblasDatatype_t maps cudaDataType
+        # 0-9 only, and throws on CUDA_R_16BF, ending the process at the first bfloat16 GEMM
+        return ("train.dtype = \"bfloat16\" is not available on ROCm with CuPy "
+                f"{cupy_version}: its hipBLAS layer has no bfloat16 matrix type (a bfloat16 matmul aborts the "
+                "process); use train.dtype = \"float32\" on AMD GPUs")
+    return None
+
+
+def check_bf16_gpu():
+    """Before a bfloat16 GPU run: the CuPy, NumPy and ml_dtypes it needs, or one line naming them."""
+    import cupy
+
+    try:
+        import ml_dtypes
+
+        ml_version = getattr(ml_dtypes, "__version__", "0")
+    except ImportError:
+        ml_version = None
+    problem = bf16_gpu_problem(cupy.__version__, np.__version__, ml_version,
+                               bool(getattr(cupy.cuda.runtime, "is_hip", False)))
+    if problem:
+        raise UserError(problem)
 
 
 def _cupy_bfloat16():

@@ -49,15 +49,19 @@ _STATUS = {1: "CUBLAS_STATUS_NOT_INITIALIZED", 7: "CUBLAS_STATUS_INVALID_VALUE",
            8: "CUBLAS_STATUS_ARCH_MISMATCH", 15: "CUBLAS_STATUS_NOT_SUPPORTED"}
 _HIP_STATUS = {1: "HIPBLAS_STATUS_NOT_INITIALIZED", 3: "HIPBLAS_STATUS_INVALID_VALUE",
                7: "HIPBLAS_STATUS_NOT_SUPPORTED"}
-_NOT_INITIALIZED = 1
-_INVALID_VALUE = 3 if runtime.is_hip else 7
-_NOT_SUPPORTED = 7 if runtime.is_hip else 15
+_CODES = {False: {v: k for k, v in _STATUS.items()}, True: {v: k for k, v in _HIP_STATUS.items()}}
 
 
 class CUBLASError(RuntimeError):
     def __init__(self, status):
         self.status = status
         super().__init__((_HIP_STATUS if runtime.is_hip else _STATUS)[status])
+
+
+def _error(name):
+    """CUBLASError for a status named as cuBLAS names it, with the number cuBLAS or hipBLAS uses."""
+    hip = bool(runtime.is_hip)
+    return CUBLASError(_CODES[hip][name.replace("CUBLAS_", "HIPBLAS_") if hip else name])
 
 
 class ProcessAbort(RuntimeError):
@@ -133,7 +137,7 @@ def destroy(handle):
 def _state(handle):
     state = _handles.get(_c_int("handle", handle, 64))
     if state is None:
-        raise CUBLASError(_NOT_INITIALIZED)
+        raise _error("CUBLAS_STATUS_NOT_INITIALIZED")
     return state
 
 
@@ -199,7 +203,7 @@ def _convert(given, strided):
 def _hip_shim(Atype, Btype, Ctype, computeType, algo):
     """CuPy 14.2's hipBLAS shim, in the order it fails (see the module docstring)."""
     if computeType >= CUBLAS_COMPUTE_16F or algo != CUBLAS_GEMM_DEFAULT:
-        raise CUBLASError(_NOT_SUPPORTED)
+        raise _error("CUBLAS_STATUS_NOT_SUPPORTED")
     for t in (Atype, Btype, Ctype):
         if not 0 <= t <= 9:
             raise ProcessAbort("terminate called after throwing an instance of 'std::runtime_error' "
@@ -220,16 +224,16 @@ def _gemm(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Bty
         _hip_shim(Atype, Btype, Ctype, computeType, algo)
     compute = _LEGACY_COMPUTE.get(computeType, computeType)
     if compute not in _SUPPORTED or algo not in (CUBLAS_GEMM_DEFAULT, CUBLAS_GEMM_DEFAULT_TENSOR_OP) and not 0 <= algo <= 23:
-        raise CUBLASError(_INVALID_VALUE)
+        raise _error("CUBLAS_STATUS_INVALID_VALUE")
     if Atype != Btype or (Atype, Ctype) not in _SUPPORTED[compute]:
-        raise CUBLASError(_NOT_SUPPORTED)
+        raise _error("CUBLAS_STATUS_NOT_SUPPORTED")
     if compute == CUBLAS_COMPUTE_32F_FAST_TF32 or computeType == CUBLAS_COMPUTE_32F_FAST_16BF:
         raise NotImplementedError("the stand-in computes reduced-precision compute types only as full float32")
     a_rows, a_cols = (m, k) if transa == CUBLAS_OP_N else (k, m)
     b_rows, b_cols = (k, n) if transb == CUBLAS_OP_N else (n, k)
     if (transa not in (0, 1, 2) or transb not in (0, 1, 2) or min(m, n, k, batchCount) < 0
             or lda < max(1, a_rows) or ldb < max(1, b_rows) or ldc < max(1, m)):
-        raise CUBLASError(_INVALID_VALUE)
+        raise _error("CUBLAS_STATUS_INVALID_VALUE")
     if m == 0 or n == 0 or batchCount == 0:
         return
     if batchCount > 1 and abs(strideC) < ldc * n:

@@ -1,0 +1,261 @@
+"""The stand-in routes calls as CuPy 14.2.0 does, dtype by dtype, and fails where CuPy fails.
+
+The expectations are read in CuPy's source at tag v14.2.0 (the stand-in's comments cite the
+lines): `matmul` (cupy/_core/_routines_linalg.pyx), `where` (cupy/_sorting/search.py), `ufunc.at`
+(cupy/_core/_routines_indexing.pyx), bfloat16 only with NumPy >= 2.1.2 (cupy/_util.pyx,
+cupy/_core/_scalar.pyx), and the cuBLAS binding's argument conversion and hipBLAS shim
+(cupy_backends/cuda/libs/cublas.pyx, cupy_backends/hip/cupy_hipblas.h). Then the engine's GPU
+wrapper of cuBLAS's strided-batched GEMM (boostmpi.gpu.blas) against NumPy's matmul, and the
+start-up check of the versions a bfloat16 GPU run needs.
+"""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gpu_setup import GPU
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not GPU.standin, reason="checks the CuPy stand-in; a real GPU is in use")]
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.complex64),
+          np.dtype(np.int32), np.dtype(np.int64)]
+
+
+@pytest.fixture
+def cupy():
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture
+def rocm(cupy, monkeypatch):
+    """The stand-in as CuPy on ROCm (its hipBLAS shim), for one test."""
+    monkeypatch.setattr(cupy.cuda.runtime, "is_hip", True)
+    return cupy
+
+
+def _operands(cupy, dtype, shape_a, shape_b, seed=0):
+    rng = np.random.default_rng(seed)
+    a = (rng.standard_normal(shape_a) * 4).astype(dtype)
+    b = (rng.standard_normal(shape_b) * 4).astype(dtype)
+    return a, b, cupy.asarray(a), cupy.asarray(b)
+
+
+# (shape of a, shape of b, what CuPy 14.2 does with bfloat16 there)
+SHAPES = {
+    "2-D": ((5, 3), (3, 4), "cuBLAS gemmEx"),
+    "batched": ((2, 5, 3), (2, 3, 4), "integer GEMM kernel"),
+    "batched, broadcast": ((1, 5, 3), (2, 3, 4), "integer GEMM kernel"),
+    "batched @ 2-D": ((2, 2, 5, 3), (3, 4), "integer GEMM kernel"),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_matmul_routes_each_dtype_as_cupy_does(cupy, dtype, case):
+    shape_a, shape_b, bf16_route = SHAPES[case]
+    a, b, da, db = _operands(cupy, dtype, shape_a, shape_b)
+    if dtype == BF16 and bf16_route == "integer GEMM kernel":
+        with pytest.raises(TypeError, match="data type 'E' not understood"):
+            cupy.matmul(da, db)
+        with pytest.raises(TypeError, match="data type 'E' not understood"):
+            da @ db
+        return
+    got = cupy.matmul(da, db)
+    assert got.dtype == dtype
+    work = np.float32 if dtype in (np.float16, BF16) else dtype  # 16-bit floats: float32 compute, one rounding
+    want = np.matmul(a.astype(work), b.astype(work)).astype(dtype)
+    np.testing.assert_allclose(got.get().astype(np.complex128), want.astype(np.complex128), rtol=1e-6)
+
+
+def test_matmul_on_rocm_aborts_on_bfloat16_as_cupys_hipblas_shim_does(rocm):
+    a, b, da, db = _operands(rocm, BF16, (5, 3), (3, 4))
+    from cupy.cuda import cublas
+
+    with pytest.raises(cublas.ProcessAbort, match="unrecognized type"):
+        da @ db
+    assert (da.astype(np.float32) @ db.astype(np.float32)).dtype == np.float32  # float32 is fine there
+
+
+def test_where_and_scatter_add_on_bfloat16_follow_cupy(cupy):
+    cond = cupy.asarray(np.array([True, False, True]))
+    x, y = cupy.ones(3, dtype=BF16), cupy.zeros(3, dtype=BF16)
+    assert cupy.where(cond, x, y).dtype == np.float32  # no bfloat16 loop: '?ff->f'
+    assert cupy.where(cond, x.astype(np.float16), y.astype(np.float16)).dtype == np.float16
+    assert cupy.where(cond, x.astype(np.int64), 0).dtype == np.int64
+    with pytest.raises(TypeError, match="cupy.add.at only supports int32, int64, float16, float32, float64"):
+        cupy.add.at(cupy.zeros((4, 2), dtype=BF16), cupy.asarray(np.array([0, 0])), cupy.ones((2, 2), dtype=BF16))
+    target = cupy.zeros((4, 2), dtype=np.float32)
+    cupy.add.at(target, cupy.asarray(np.array([1, 1, 3])), cupy.ones((3, 2), dtype=BF16))  # cast to the target
+    np.testing.assert_array_equal(target.get()[:, 0], [0, 2, 0, 1])
+    with pytest.raises(TypeError, match="cupy.subtract.at only supports int32, uint32"):
+        cupy.subtract.at(target, cupy.asarray(np.array([0])), 1.0)
+    with pytest.raises(NotImplementedError, match="cupy_maximum.reduce"):
+        cupy.maximum.reduce(target)
+
+
+def test_bfloat16_is_off_under_numpy_older_than_2_1_2():
+    """CuPy 14.2 under NumPy 2.0: no bfloat16 arrays at all (the stand-in imported with NumPy
+    reporting 2.0.2, in a process of its own)."""
+    code = ("import numpy; numpy.__version__ = '2.0.2'\n"
+            "import cupy, ml_dtypes\n"
+            "assert not cupy.BF16_ENABLED\n"
+            "try:\n    cupy.zeros(3, dtype=ml_dtypes.bfloat16)\n"
+            "except ValueError as e:\n    print(e)\n"
+            "assert (cupy.ones(2, dtype=numpy.float32) * 2).dtype == numpy.float32\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "Unsupported dtype bfloat16"
+
+
+# ------------------------------------------------------------------ the cuBLAS binding
+def _gemm_args(cupy, a, b, c, t, compute):
+    """gemmStridedBatchedEx arguments for row-major c = a @ b (cuBLAS column-major: c^T = b^T a^T)."""
+    from cupy.cuda import cublas
+
+    batch, m, k = a.shape
+    n = b.shape[2]
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    args = dict(handle=cupy.cuda.get_cublas_handle(), transa=cublas.CUBLAS_OP_N, transb=cublas.CUBLAS_OP_N,
+                m=n, n=m, k=k, alpha=one.ctypes.data, A=b.data.ptr, Atype=t, lda=n, strideA=k * n,
+                B=a.data.ptr, Btype=t, ldb=k, strideB=m * k, beta=zero.ctypes.data, C=c.data.ptr, Ctype=t,
+                ldc=n, strideC=m * n, batchCount=batch, computeType=compute, algo=cublas.CUBLAS_GEMM_DEFAULT)
+    return args, (one, zero)
+
+
+def test_cublas_strided_batched_gemm_computes_in_float32_and_rounds_once(cupy):
+    from cupy.cuda import cublas, runtime
+
+    a, b, da, db = _operands(cupy, BF16, (3, 5, 4), (3, 4, 6))
+    dc = cupy.empty((3, 5, 6), dtype=BF16)
+    args, keep = _gemm_args(cupy, da, db, dc, runtime.CUDA_R_16BF, cublas.CUBLAS_COMPUTE_32F)
+    cublas.gemmStridedBatchedEx(**args)
+    np.testing.assert_array_equal(dc.get(), np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(BF16))
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(m=5.0), TypeError, "integer"),  # Cython's C int takes integers only
+    (dict(m=2 ** 31), OverflowError, "too large"),
+    (dict(alpha=-1), OverflowError, "size_t"),
+    (dict(m=-1), "CUBLASError", "CUBLAS_STATUS_INVALID_VALUE"),
+    (dict(lda=1), "CUBLASError", "CUBLAS_STATUS_INVALID_VALUE"),  # lda below the rows of A
+    (dict(Ctype=2), "CUBLASError", "CUBLAS_STATUS_NOT_SUPPORTED"),  # bf16 inputs, fp16 output: not in the table
+    (dict(computeType=70), "CUBLASError", "CUBLAS_STATUS_NOT_SUPPORTED"),  # COMPUTE_64F on bf16
+    (dict(transa=5), "CUBLASError", "CUBLAS_STATUS_INVALID_VALUE"),
+    (dict(alpha="A"), ValueError, "device address"),  # a device pointer where the host pointer mode reads host memory
+    (dict(strideC=0), ValueError, "overlap"),
+])
+def test_cublas_binding_refuses_what_cupy_and_cublas_refuse(cupy, change, error, match):
+    from cupy.cuda import cublas, runtime
+
+    _, _, da, db = _operands(cupy, BF16, (2, 5, 4), (2, 4, 6))
+    dc = cupy.empty((2, 5, 6), dtype=BF16)
+    args, keep = _gemm_args(cupy, da, db, dc, runtime.CUDA_R_16BF, cublas.CUBLAS_COMPUTE_32F)
+    args.update({k: (args[v] if isinstance(v, str) else v) for k, v in change.items()})
+    with pytest.raises(cublas.CUBLASError if error == "CUBLASError" else error, match=match):
+        cublas.gemmStridedBatchedEx(**args)
+
+
+def test_cublas_on_rocm_takes_legacy_compute_types_and_no_bfloat16(rocm):
+    from cupy.cuda import cublas, runtime
+
+    _, _, da, db = _operands(rocm, np.float32, (2, 5, 4), (2, 4, 6))
+    dc = rocm.empty((2, 5, 6), dtype=np.float32)
+    args, keep = _gemm_args(rocm, da, db, dc, runtime.CUDA_R_32F, cublas.CUBLAS_COMPUTE_32F)
+    with pytest.raises(cublas.CUBLASError):  # the shim's _v11 entry: HIPBLAS_STATUS_NOT_SUPPORTED
+        cublas.gemmStridedBatchedEx(**args)
+    cublas.gemmStridedBatchedEx(**dict(args, computeType=runtime.CUDA_R_32F))
+    with pytest.raises(cublas.ProcessAbort, match="unrecognized type"):
+        cublas.gemmStridedBatchedEx(**dict(args, Atype=runtime.CUDA_R_16BF, Btype=runtime.CUDA_R_16BF,
+                                           Ctype=runtime.CUDA_R_16BF, computeType=runtime.CUDA_R_32F))
+
+
+# ------------------------------------------------------------------ boostmpi.gpu.blas
+def _views(cupy, a, b, layout):
+    """Device operands in the memory layouts the engine hands to batched products."""
+    if layout == "contiguous":
+        return cupy.asarray(a), cupy.asarray(b)
+    if layout == "transposed views":  # a^T and b^T stored, read through .transpose (CUBLAS_OP_T)
+        return (cupy.asarray(np.ascontiguousarray(a.swapaxes(-1, -2))).swapaxes(-1, -2),
+                cupy.asarray(np.ascontiguousarray(b.swapaxes(-1, -2))).swapaxes(-1, -2))
+    if layout == "row slices":  # the first rows of a longer buffer (kh[:, :, :t1]): a leading dimension
+        big = np.concatenate([b, b], axis=-2)
+        return cupy.asarray(a), cupy.asarray(big)[..., : b.shape[-2], :]
+    if layout == "strided batch":  # every other batch entry: no single batch stride after a copy-free view
+        return cupy.asarray(np.stack([a, a], axis=1))[:, 0], cupy.asarray(b)
+    raise AssertionError(layout)
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)], ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed views", "row slices", "strided batch"])
+@pytest.mark.parametrize("shapes", [((2, 3, 5, 4), (2, 3, 4, 6)), ((2, 3, 5, 4), (1, 3, 4, 6)), ((4, 5, 4), (4, 6))],
+                         ids=["4-D", "broadcast", "batched @ 2-D"])
+def test_gpu_batched_matmul_matches_numpy(cupy, dtype, layout, shapes):
+    from boostmpi.gpu import blas
+    from cupy import _record
+
+    a, b, _, _ = _operands(cupy, dtype, *shapes)
+    if layout == "strided batch" and len(shapes[0]) < 4:
+        layout = "contiguous"
+    da, db = _views(cupy, a, b, layout)
+    with _record.recording() as calls:
+        got = blas.matmul(da, db)
+    assert got.dtype == dtype and any(c.startswith("cublas.gemm") for c in calls)
+    assert not any(c.startswith("matmul") for c in calls)  # never CuPy's own matmul
+    work = np.float64 if dtype == np.float64 else np.float32
+    want = np.matmul(a.astype(work), b.astype(work))
+    tol = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}.get(dtype, 2.0 ** -7)
+    np.testing.assert_allclose(got.get().astype(np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_gpu_batched_matmul_on_rocm_rounds_a_float32_product_once(rocm):
+    from boostmpi.gpu import blas
+    from cupy import _record
+
+    a, b, da, db = _operands(rocm, BF16, (3, 5, 4), (3, 4, 6))
+    with _record.recording() as calls:
+        got = blas.matmul(da, db)
+    assert got.dtype == BF16
+    assert calls >= {"cublas.gemm A0 B0 C0 compute0 batched"} and not any("A14" in c for c in calls)
+    np.testing.assert_array_equal(got.get(), np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(BF16))
+
+
+# ------------------------------------------------------------------ start-up
+def test_bf16_gpu_problem_names_what_to_install():
+    from boostmpi.backend import bf16_gpu_problem
+
+    assert bf16_gpu_problem("14.2.0", "2.4.6", "0.6.0") is None
+    line = bf16_gpu_problem("13.6.0", "2.0.2", None)
+    assert "\n" not in line
+    for fragment in ("CuPy >= 14.2 (found 13.6.0)", "NumPy >= 2.1.2 (found 2.0.2)", "ml_dtypes >= 0.5 (found none)",
+                     "pip install 'cupy-cuda12x[ctk]>=14.2,<14.3' 'numpy>=2.1.2'"):
+        assert fragment in line, line
+    assert "ROCm" in bf16_gpu_problem("14.2.0", "2.4.6", "0.6.0", is_hip=True)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    from train_helpers import write_text_shards
+
+    return write_text_shards(tmp_path_factory.mktemp("text"), max_bytes=60_000)
+
+
+@pytest.mark.parametrize("what,patch,fragment", [
+    ("an older CuPy", ("cupy", "__version__", "13.6.0+standin"), "CuPy >= 14.2 (found 13.6.0+standin)"),
+    ("an older NumPy", ("numpy", "__version__", "2.0.2"), "NumPy >= 2.1.2 (found 2.0.2)"),
+])
+def test_a_bf16_gpu_run_with_an_older_stack_is_refused_in_one_line(cupy, monkeypatch, shards, tmp_path, capfd,
+                                                                   what, patch, fragment):
+    from train_helpers import assert_refused, train_argv
+
+    module, name, value = patch
+    monkeypatch.setattr(cupy if module == "cupy" else np, name, value)
+    run_dir = tmp_path / "run"
+    assert_refused(capfd, train_argv(run_dir, *shards, "train.device=gpu", "train.dtype=bfloat16"), tmp_path,
+                   fragment, "pip install")
