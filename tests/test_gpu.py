@@ -89,12 +89,15 @@ def multi_rank_results(tmp_path_factory):
     mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
     assert mpiexec, "mpiexec not found (pip install mpich)"
     out = tmp_path_factory.mktemp("gpu_ranks") / "results.npz"
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    calls = out.with_name("cupy_calls.txt")  # each rank's CuPy call signatures (the stand-in records them)
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", BOOSTMPI_STANDIN_RECORD=str(calls))
     proc = subprocess.run([mpiexec, "-n", "4", sys.executable, str(TESTS / "gpu_steps.py"), str(out)],
                           capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, f"mpiexec -n 4 gpu_steps.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     with np.load(out) as data:
-        return {k: data[k] for k in data.files}
+        results = {k: data[k] for k in data.files}
+    results["cupy calls"] = set(calls.read_text().split("\n")) - {""} if calls.exists() else set()
+    return results
 
 
 def _layout_cases():
@@ -110,6 +113,18 @@ def test_multi_rank_gpu_equals_single_rank(multi_rank_results, layout, arch, rec
     loss = float(multi_rank_results[prefix + "loss"])
     grads = {k[len(prefix) + 5:]: v for k, v in multi_rank_results.items() if k.startswith(prefix + "grad/")}
     assert_step_close((loss, grads), gpu_step(arch, dtype, recompute), dtype, prefix)
+
+
+def test_multi_rank_gpu_steps_make_only_checked_cupy_calls(multi_rank_results):
+    """Every layout's CuPy calls are in the table read against CuPy's source (test_cupy_calls.py)."""
+    from gpu_setup import GPU
+    from test_cupy_calls import unchecked
+
+    if not GPU.standin:  # a real CuPy checks its calls itself
+        return
+    calls = multi_rank_results["cupy calls"]
+    assert any(c.startswith("cublas.gemm A14") for c in calls), "no call signatures recorded by the ranks"
+    assert not unchecked(calls), f"CuPy calls not checked against CuPy 14.2.0's source: {unchecked(calls)}"
 
 
 def test_the_gpu_benchmark_refuses_the_standin_clearly():

@@ -51,9 +51,12 @@ class recording:
 
 
 def _dump(path):
-    if active:
-        with open(path, "a") as f:
-            f.writelines(sig + "\n" for sig in sorted(active))
+    if active:  # one write of the whole text, so ranks appending at once do not split each other's lines
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, "".join(sig + "\n" for sig in sorted(active)).encode())
+        finally:
+            os.close(fd)
 
 
 if os.environ.get("BOOSTMPI_STANDIN_RECORD"):
