@@ -100,6 +100,26 @@ def test_where_and_scatter_add_on_bfloat16_follow_cupy(cupy):
         cupy.maximum.reduce(target)
 
 
+# (expression, result dtype): reductions by their loop tables (cupy/_core/_routines_math.pyx at
+# v14.2.0, _sumprod_types line 786: '?->l', 'B->L', 'e->e' and bfloat16 accumulating in float;
+# _sum_keep_dtype line 800 for dtype=; cupy/_core/_routines_statistics.pyx: _amax line 294,
+# _mean_core line 647 with 'i->d'), casts through elementwise_copy (cupy/_core/_ufuncs.py line 7)
+@pytest.mark.parametrize("expr,dtype", [
+    ("b.sum()", np.int64), ("u8.sum()", np.uint64), ("i32.sum()", np.int64), ("i32.mean()", np.float64),
+    ("bf.sum(axis=0)", BF16), ("bf.max(axis=0)", BF16), ("bf.mean(axis=0)", BF16),
+    ("bf.sum(axis=0, dtype=np.float32)", np.float32), ("f32.sum(dtype=BF16)", BF16),
+    ("bf.astype(np.int32)", np.int32), ("i32.astype(BF16)", BF16), ("f16.astype(BF16)", BF16),
+])
+def test_reductions_and_casts_take_cupys_loops(cupy, expr, dtype):
+    env = {"np": np, "BF16": BF16, "b": cupy.ones(4, dtype=bool), "u8": cupy.ones(4, dtype=np.uint8),
+           "i32": cupy.ones(4, dtype=np.int32), "f16": cupy.ones(4, dtype=np.float16),
+           "f32": cupy.ones(4, dtype=np.float32), "bf": cupy.ones((300, 2), dtype=BF16)}
+    got = eval(expr, env)  # noqa: S307 - the test's own expressions
+    assert got.dtype == dtype, expr
+    if expr.startswith("bf.sum"):
+        assert float(got[0]) == 300.0  # accumulated in float32: a bfloat16 sum would stop at 256
+
+
 def test_bfloat16_is_off_under_numpy_older_than_2_1_2():
     """CuPy 14.2 under NumPy 2.0: no bfloat16 arrays at all (the stand-in imported with NumPy
     reporting 2.0.2, in a process of its own)."""

@@ -356,7 +356,7 @@ class ndarray:
         return _device_copy(np.asarray(self._a.any(axis, keepdims=keepdims)))
 
     def dot(self, other):
-        return matmul(self, other)
+        return dot(self, other)
 
     # -- operators
     def __neg__(self):
@@ -652,7 +652,11 @@ def matmul(a, b, out=None, dtype=None):
     return out
 
 
-dot = matmul
+def dot(a, b, out=None):
+    """cupy.dot for at most 2-D operands, where it is matmul's route (N-D dot is a tensordot, not modelled)."""
+    if a.ndim > 2 or b.ndim > 2:
+        raise NotImplementedError("cupy.dot of arrays of more than 2 dimensions is not modelled by the stand-in")
+    return matmul(a, b, out)
 
 
 # ================================================================== creation and manipulation
