@@ -170,6 +170,7 @@ def test_cublas_strided_batched_gemm_computes_in_float32_and_rounds_once(cupy):
     (dict(transa=5), "CUBLASError", "CUBLAS_STATUS_INVALID_VALUE"),
     (dict(alpha="A"), ValueError, "device address"),  # a device pointer where the host pointer mode reads host memory
     (dict(strideC=0), ValueError, "overlap"),
+    (dict(batchCount=100), ValueError, "not inside a live allocation"),  # batches past the allocations
 ])
 def test_cublas_binding_refuses_what_cupy_and_cublas_refuse(cupy, change, error, match):
     from cupy.cuda import cublas, runtime
@@ -188,8 +189,10 @@ def test_cublas_on_rocm_takes_legacy_compute_types_and_no_bfloat16(rocm):
     _, _, da, db = _operands(rocm, np.float32, (2, 5, 4), (2, 4, 6))
     dc = rocm.empty((2, 5, 6), dtype=np.float32)
     args, keep = _gemm_args(rocm, da, db, dc, runtime.CUDA_R_32F, cublas.CUBLAS_COMPUTE_32F)
-    with pytest.raises(cublas.CUBLASError):  # the shim's _v11 entry: HIPBLAS_STATUS_NOT_SUPPORTED
+    with pytest.raises(cublas.CUBLASError, match="HIPBLAS_STATUS_NOT_SUPPORTED"):  # the shim's _v11 entry
         cublas.gemmStridedBatchedEx(**args)
+    with pytest.raises(cublas.CUBLASError, match="HIPBLAS_STATUS_NOT_SUPPORTED"):  # only CUBLAS_GEMM_DEFAULT
+        cublas.gemmStridedBatchedEx(**dict(args, computeType=runtime.CUDA_R_32F, algo=cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP))
     cublas.gemmStridedBatchedEx(**dict(args, computeType=runtime.CUDA_R_32F))
     with pytest.raises(cublas.ProcessAbort, match="unrecognized type"):
         cublas.gemmStridedBatchedEx(**dict(args, Atype=runtime.CUDA_R_16BF, Btype=runtime.CUDA_R_16BF,
