@@ -282,3 +282,20 @@ def test_a_bf16_gpu_run_with_an_older_stack_is_refused_in_one_line(cupy, monkeyp
     run_dir = tmp_path / "run"
     assert_refused(capfd, train_argv(run_dir, *shards, "train.device=gpu", "train.dtype=bfloat16"), tmp_path,
                    fragment, "pip install")
+
+
+def test_without_the_rocm_refusal_a_bf16_step_would_abort_on_rocm(rocm, monkeypatch):
+    """Why start-up refuses bfloat16 on ROCm: the engine's 2-D bfloat16 products reach CuPy's
+    hipBLAS shim, which has no bfloat16 type (the batched ones alone would be taken by
+    boostmpi.gpu.blas through float32)."""
+    from boostmpi import backend
+    from boostmpi.errors import UserError
+    from cupy.cuda import cublas
+    from gpu_steps import step
+
+    with pytest.raises(UserError, match="not available on ROCm"):
+        step("cola", "gpu", "bfloat16")
+    monkeypatch.setattr(backend, "check_bf16_gpu", lambda: None)
+    with pytest.raises(cublas.ProcessAbort, match="unrecognized type"):
+        step("cola", "gpu", "bfloat16")
+    step("cola", "gpu", "float32")  # float32 runs there
