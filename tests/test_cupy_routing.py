@@ -217,8 +217,9 @@ def _views(cupy, a, b, layout):
 
 @pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)], ids=str)
 @pytest.mark.parametrize("layout", ["contiguous", "transposed views", "row slices", "strided batch"])
-@pytest.mark.parametrize("shapes", [((2, 3, 5, 4), (2, 3, 4, 6)), ((2, 3, 5, 4), (1, 3, 4, 6)), ((4, 5, 4), (4, 6))],
-                         ids=["4-D", "broadcast", "batched @ 2-D"])
+@pytest.mark.parametrize("shapes", [((2, 3, 5, 4), (2, 3, 4, 6)), ((2, 3, 5, 4), (1, 3, 4, 6)), ((1, 3, 5, 4), (2, 1, 4, 6)),
+                                    ((4, 5, 4), (4, 6)), ((5, 4), (4, 6)), ((3, 5, 1), (3, 1, 6))],
+                         ids=["4-D", "broadcast", "broadcast both", "batched @ 2-D", "2-D", "k = 1"])
 def test_gpu_batched_matmul_matches_numpy(cupy, dtype, layout, shapes):
     from boostmpi.gpu import blas
     from cupy import _record
