@@ -89,6 +89,8 @@ def test_where_and_scatter_add_on_bfloat16_follow_cupy(cupy):
     assert cupy.where(cond, x, y).dtype == np.float32  # no bfloat16 loop: '?ff->f'
     assert cupy.where(cond, x.astype(np.float16), y.astype(np.float16)).dtype == np.float16
     assert cupy.where(cond, x.astype(np.int64), 0).dtype == np.int64
+    with pytest.raises(ValueError, match="Unsupported dtype float8_e4m3fn"):  # no C type name in CuPy 14.2
+        cupy.zeros(3, dtype=ml_dtypes.float8_e4m3fn)
     with pytest.raises(TypeError, match="cupy.add.at only supports int32, int64, float16, float32, float64"):
         cupy.add.at(cupy.zeros((4, 2), dtype=BF16), cupy.asarray(np.array([0, 0])), cupy.ones((2, 2), dtype=BF16))
     target = cupy.zeros((4, 2), dtype=np.float32)

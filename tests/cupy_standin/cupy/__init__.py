@@ -52,8 +52,9 @@ def _is_half(dt):
 # ================================================================== type resolution (CuPy's rules)
 def _check_supported(dt):
     """_dtype.pyx check_supported_dtype (v14.2.0): a dtype CuPy has no C type name for is refused."""
-    if dt == _ML_BF16 and not BF16_ENABLED:
-        raise ValueError(f"Unsupported dtype {dt}")
+    if issubclass(dt.type, np.void) or (BF16_ENABLED and dt == _ML_BF16):
+        return  # raw bytes and structured dtypes are allowed; of ml_dtypes' types CuPy knows bfloat16 only
+    raise ValueError(f"Unsupported dtype {dt}")
 
 
 def _loop_table(chars, bf16_after="e"):
