@@ -320,10 +320,12 @@ std::string shared_name(size_t b, size_t* at) {
     return "?";
 }
 
-// At the end of an epoch (a barrier, or the block's end): the reads of bytes no thread wrote.
+// At the end of an epoch (a barrier, or the block's end): the reads of bytes no thread had
+// written when they were read. A write later in the epoch does not excuse the read: by another
+// thread it is a race (reported at that write), by the reading thread itself it is a
+// read-modify-write of uninitialised memory (`s[i] += v` on a never-written `s`).
 std::string uninitialized_report(void** pc) {
     for (const Pending& p : pending_uninitialized) {
-        if (shadow[p.byte].write_epoch >= block_first_epoch) continue;  // written later by the same thread
         size_t at = 0;
         const std::string name = shared_name(p.byte, &at);
         *pc = p.pc;
