@@ -47,6 +47,8 @@ MAX_SHARED_PER_BLOCK_OPTIN = 227 * 1024  # H100; A100 allows 163 KiB
 SEED_ENV = "BOOSTMPI_CUDAEMU_SEED"
 CACHE_ENV = "BOOSTMPI_CUDAEMU_CACHE"
 CXX = os.environ.get("CXX", "g++")
+# the kernel text sees what NVRTC/hipRTC provide (prelude.h), never the host's headers
+NO_HOST_HEADERS = ("-nostdinc", "-nostdinc++")
 
 
 class KernelError(RuntimeError):
@@ -494,14 +496,15 @@ class Module:
 
 
 def _compile(key, code, flags, prelude):
-    pre = subprocess.run([CXX, "-E", "-P", "-x", "c++", *flags, "-"], input=code, capture_output=True, text=True)
+    pre = subprocess.run([CXX, "-E", "-P", *NO_HOST_HEADERS, "-x", "c++", *flags, "-"], input=code, capture_output=True,
+                         text=True)
     if pre.returncode != 0:
         raise CompileError(f"preprocessing the kernel text failed:\n{pre.stderr[-6000:]}")
     entries = entry_points(pre.stdout)
     source = instrument_shared(code) + _thunks(entries)
 
     def build(tmp):
-        _run_compiler([CXX, *flags, "-fPIC", "-O1", "-g", "-fsanitize=thread", "-fno-tree-loop-distribute-patterns",
+        _run_compiler([CXX, *flags, *NO_HOST_HEADERS, "-fPIC", "-O1", "-g", "-fsanitize=thread", "-fno-tree-loop-distribute-patterns",
                        "-ffp-contract=off", "-Wno-unknown-pragmas", "-include", str(tmp / "prelude.h"), "-x", "c++",
                        "-c", str(tmp / "kernel.cu"), "-o", str(tmp / "kernel.o")], "compiling the kernel text")
         _run_compiler([CXX, "-shared", str(tmp / "kernel.o"), "-o", str(tmp / "module.so")], "linking the kernel module")
