@@ -30,7 +30,7 @@ pytestmark = pytest.mark.gpu
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 DTYPES = {"f32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16)}
-OPTIONS = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",)
+WARPS = cudaemu.WARP_SIZE_OPTIONS
 LIMIT = 2 ** 32
 VOCAB, D_MODEL, RANK = 128256, 16384, 4096  # the paper's largest model (see test_kernel_resources.PAPER)
 ELEMENTS = LIMIT + 7  # elementwise kernels: a scalar tail after the 16-byte vectors
@@ -87,8 +87,9 @@ def small():
         arr.buf.free()
 
 
-def function(file, entry, code=None):
-    return cudaemu.Module(code if code is not None else loader.kernel_source(file), OPTIONS).get_function(entry)
+def function(file, entry, code=None, warp=32):
+    return cudaemu.Module(code if code is not None else loader.kernel_source(file),
+                          loader.COMPILE_OPTIONS + (f"-DWARP_SIZE={warp}",)).get_function(entry)
 
 
 def random(shape, dtype, seed, scale=1.0):
@@ -104,7 +105,7 @@ def assert_close(got, want, dtype, what):
 # ------------------------------------------------------------------------------ the row kernels
 
 
-def run_softmax_xent(pool, small, suffix, code=None):
+def run_softmax_xent(pool, small, suffix, code=None, warp=32):
     dtype_name, target_name = suffix.split("_")
     dtype, target_dtype = DTYPES[dtype_name], np.dtype(np.int32 if target_name == "i32" else np.int64)
     N, V = rows_for(VOCAB), VOCAB
@@ -114,8 +115,8 @@ def run_softmax_xent(pool, small, suffix, code=None):
     logits.row(N - 1)[:] = row
     targets.flat(N - 1, N)[:] = V - 3
     scale = 0.5
-    function("softmax_xent", f"softmax_xent_{suffix}", code)(
-        N, loader._row_block(V, dtype.itemsize, 32), (logits, targets, loss, logits, np.int32(1), np.int32(V),
+    function("softmax_xent", f"softmax_xent_{suffix}", code, warp)(
+        N, loader._row_block(V, dtype.itemsize, warp), (logits, targets, loss, logits, np.int32(1), np.int32(V),
                                                       np.float32(scale)), blocks=[N - 1])
     x = row.astype(np.float64)
     logsumexp = x.max() + np.log(np.exp(x - x.max()).sum())
@@ -125,15 +126,16 @@ def run_softmax_xent(pool, small, suffix, code=None):
     assert_close(logits.row(N - 1), grad * scale, dtype, "dlogits of the last row (in place)")
 
 
+@pytest.mark.parametrize("warp", WARPS)
 @pytest.mark.parametrize("suffix", ["f32_i32", "f32_i64", "bf16_i32", "bf16_i64"])
-def test_softmax_xent_indexes_more_than_2_32_logits(pool, small, suffix):
-    run_softmax_xent(pool, small, suffix)
+def test_softmax_xent_indexes_more_than_2_32_logits(pool, small, suffix, warp):
+    run_softmax_xent(pool, small, suffix, warp=warp)
 
 
-def run_rmsnorm(pool, small, suffix, code=None):
+def run_rmsnorm(pool, small, suffix, code=None, warp=32):
     dtype = DTYPES[suffix]
     N, C = rows_for(D_MODEL), D_MODEL
-    block = loader._row_block(C, dtype.itemsize, 32)
+    block = loader._row_block(C, dtype.itemsize, warp)
     x, y = Tensor(pool[0], (N, C), dtype), Tensor(pool[1], (N, C), dtype)
     rstd = Tensor(pool[2], (N,), np.float32)
     xr, w = random(C, dtype, 2, 2.0), random(C, dtype, 3)
@@ -141,13 +143,13 @@ def run_rmsnorm(pool, small, suffix, code=None):
     w_dev = small(w)
     xf, wf = xr.astype(np.float32)[None], w.astype(np.float32)
     y_ref, rstd_ref = layers.rmsnorm_forward(xf, wf, EPS)
-    function("rmsnorm", f"rmsnorm_forward_{suffix}", code)(N, block, (x, w_dev, y, rstd, np.int32(C), np.float32(EPS)),
+    function("rmsnorm", f"rmsnorm_forward_{suffix}", code, warp)(N, block, (x, w_dev, y, rstd, np.int32(C), np.float32(EPS)),
                                                            blocks=[N - 1])
     assert_close(y.row(N - 1), y_ref[0], dtype, "rmsnorm y of the last row")
     assert_close(rstd.flat(N - 1, N), rstd_ref[:, 0], np.float32, "rstd of the last row")
 
     ss = Tensor(pool[2], (N,), np.float32)
-    function("rmsnorm", f"rmsnorm_online_stats_{suffix}", code)(N, block, (x, w_dev, y, ss, np.int32(C)), blocks=[N - 1])
+    function("rmsnorm", f"rmsnorm_online_stats_{suffix}", code, warp)(N, block, (x, w_dev, y, ss, np.int32(C)), blocks=[N - 1])
     xw_ref, ss_ref = layers.rmsnorm_online_stats(xf, wf)
     assert_close(y.row(N - 1), xw_ref[0], dtype, "online stats xw of the last row")
     assert_close(ss.flat(N - 1, N), ss_ref, np.float32, "online stats ss of the last row")
@@ -156,7 +158,7 @@ def run_rmsnorm(pool, small, suffix, code=None):
     dyr = random(C, dtype, 4)
     dy.row(N - 1)[:] = dyr
     rstd.flat(N - 1, N)[:] = rstd_ref[:, 0]
-    kernel = function("rmsnorm", f"rmsnorm_backward_{suffix}", code)
+    kernel = function("rmsnorm", f"rmsnorm_backward_{suffix}", code, warp)
     kernel.max_dynamic_shared_size_bytes = 4 * C
     kernel(N, block, (dy, x, w_dev, rstd, dx, dw, np.int32(N), np.int32(C)), shared_mem=4 * C, blocks=[N - 1])
     dw_ref = np.zeros(C, np.float32)
@@ -171,22 +173,23 @@ def run_rmsnorm(pool, small, suffix, code=None):
     pr = random(R, dtype, 5)
     P.row(N - 1)[:] = pr
     ss_total.flat(N - 1, N)[:] = 3.0 * C
-    function("rmsnorm", f"rescale_rows_{suffix}", code)(
-        N, loader._row_block(R, dtype.itemsize, 32), (P, ss_total, out, np.int32(R), np.int32(C), np.float32(EPS)),
+    function("rmsnorm", f"rescale_rows_{suffix}", code, warp)(
+        N, loader._row_block(R, dtype.itemsize, warp), (P, ss_total, out, np.int32(R), np.int32(C), np.float32(EPS)),
         blocks=[N - 1])
     want = layers.rescale_rows(pr.astype(np.float32)[None], np.array([3.0 * C], np.float32), C, EPS)
     assert_close(out.row(N - 1), want[0], dtype, "rescale_rows of the last row")
 
 
+@pytest.mark.parametrize("warp", WARPS)
 @pytest.mark.parametrize("suffix", DTYPES)
-def test_rmsnorm_kernels_index_more_than_2_32_elements(pool, small, suffix):
-    run_rmsnorm(pool, small, suffix)
+def test_rmsnorm_kernels_index_more_than_2_32_elements(pool, small, suffix, warp):
+    run_rmsnorm(pool, small, suffix, warp=warp)
 
 
 # ------------------------------------------------------------------------------ the elementwise kernels
 
 
-def run_lowrank(pool, small, suffix, code=None):
+def run_lowrank(pool, small, suffix, code=None, warp=32):
     dtype = DTYPES[suffix]
     n = ELEMENTS
     vector = 16 // dtype.itemsize
@@ -202,7 +205,7 @@ def run_lowrank(pool, small, suffix, code=None):
             t.flat(a, b)[:] = random(b - a, dtype, 10 * i + k, 3.0)
 
     def launch(entry, args):
-        function("lowrank", f"{entry}_{suffix}", code)(grid, loader.ELEMENTWISE_BLOCK_THREADS, args, blocks=[0, grid - 1])
+        function("lowrank", f"{entry}_{suffix}", code, warp)(grid, loader.ELEMENTWISE_BLOCK_THREADS, args, blocks=[0, grid - 1])
 
     def values(t, a, b):
         return t.flat(a, b).astype(np.float32)
@@ -226,9 +229,10 @@ def run_lowrank(pool, small, suffix, code=None):
             assert_close(outs[1].flat(a, b), du, dtype, f"gate du act={act} [{a}, {b})")
 
 
+@pytest.mark.parametrize("warp", WARPS)
 @pytest.mark.parametrize("suffix", DTYPES)
-def test_elementwise_kernels_index_more_than_2_32_elements(pool, small, suffix):
-    run_lowrank(pool, small, suffix)
+def test_elementwise_kernels_index_more_than_2_32_elements(pool, small, suffix, warp):
+    run_lowrank(pool, small, suffix, warp=warp)
 
 
 # ------------------------------------------------------------------------------ mutation tests
