@@ -34,7 +34,9 @@ NVIDIA_ARCHS = ("sm_80", "sm_90")
 NVIDIA_OPTIONS = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",)
 AMD_OPTIONS = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=64",)
 
-# Per SM / CU, from the vendors' tuning guides and occupancy calculators:
+# Per SM / CU, from the vendors' tables and occupancy calculators
+# (https://docs.nvidia.com/cuda/cuda-c-programming-guide/#features-and-technical-specifications,
+#  https://rocm.docs.amd.com/en/latest/reference/gpu-arch-specs.html):
 #   NVIDIA (CUDA C++ Programming Guide, "Compute Capabilities" table): 65536 32-bit registers,
 #   allocated per warp in units of 256; 2048 threads; 32 blocks; shared memory 164 KiB (sm_80) and
 #   228 KiB (sm_90) per SM, 1 KiB of it reserved per block; opt-in per block 163 KiB / 227 KiB.
