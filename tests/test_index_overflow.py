@@ -235,6 +235,18 @@ def test_elementwise_kernels_index_more_than_2_32_elements(pool, small, suffix, 
     run_lowrank(pool, small, suffix, warp=warp)
 
 
+# entry points the tests above run past 2^32 elements; a new kernel gets its test here
+CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "rmsnorm_backward_", "rescale_rows_",
+           "silu_forward_", "silu_backward_", "gate_forward_", "gate_backward_")
+
+
+def test_every_entry_point_is_run_past_2_32_elements():
+    for path in sorted(loader.kernels_dir().glob("*.cu")):
+        module = cudaemu.Module(loader.kernel_source(path.stem), loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",))
+        unchecked = [e for e in module.entry_points if not e.startswith(CHECKED)]
+        assert not unchecked, f"{path.name}: {unchecked} are not run past 2^32 elements in {__name__}"
+
+
 # ------------------------------------------------------------------------------ mutation tests
 
 

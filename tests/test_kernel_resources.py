@@ -29,7 +29,7 @@ from gpu_compilers import require
 
 pytestmark = pytest.mark.gpu
 
-FILES = ("rmsnorm", "lowrank", "softmax_xent")
+FILES = tuple(sorted(p.stem for p in loader.kernels_dir().glob("*.cu")))
 NVIDIA_ARCHS = ("sm_80", "sm_90")
 NVIDIA_OPTIONS = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",)
 AMD_OPTIONS = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=64",)
@@ -141,8 +141,14 @@ def amd(entries):
     return {name: gpu_compilers.amd_resources(loader.kernel_source(name), AMD_OPTIONS) for name in FILES}
 
 
-def test_every_kernel_file_has_a_launch_budget():
-    assert sorted(p.stem for p in loader.kernels_dir().glob("*.cu")) == sorted(FILES)
+def test_every_entry_point_has_a_launch_shape(entries):
+    """A new kernel gets its launch shape in launch_shape() before its budget can be checked."""
+    assert set(FILES) >= {"rmsnorm", "lowrank", "softmax_xent"}
+    for name in FILES:
+        for entry in entries[name]:
+            for warp in (32, AMD_WAVE):
+                threads, dynamic = launch_shape(entry, warp)
+                assert threads % warp == 0 and 0 < threads <= loader.MAX_BLOCK_THREADS and dynamic >= 0
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -314,3 +320,13 @@ def test_a_fast_math_intrinsic_is_refused():
     assert fast_math_violations("lowrank", code) == ["lowrank.cu uses __expf"]
     assert fast_math_violations("lowrank", loader.kernel_source("lowrank"), ("-std=c++14", "--use_fast_math")) == [
         "the loader compiles with --use_fast_math"]
+
+
+def test_a_missing_compiler_fails_under_ci_and_skips_elsewhere(monkeypatch):
+    monkeypatch.setitem(gpu_compilers.MISSING, "hipRTC", lambda: "libamdhip64.so.5 does not load")
+    monkeypatch.setattr(gpu_compilers, "IN_CI", True)
+    with pytest.raises(pytest.fail.Exception, match="hipRTC is not available: libamdhip64.so.5 does not load"):
+        require("hipRTC")
+    monkeypatch.setattr(gpu_compilers, "IN_CI", False)
+    with pytest.raises(pytest.skip.Exception):
+        require("hipRTC")
