@@ -104,7 +104,7 @@ def nvrtc(jobs):
     """[(source, options, arch)] -> [{"ok", "log", "options", "cubin_bytes"}]: each source
     compiled as CuPy's RawModule(code=source, options=options) compiles it on a device of compute
     capability `arch` ("80", "90"), the log with ptxas's report."""
-    versions = (_version("cupy-cuda12x"), _version("nvidia-cuda-nvrtc-cu12"))
+    versions = tuple(_version(p) for p in ("cupy-cuda12x", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-runtime-cu12"))
     results, todo = [None] * len(jobs), []
     for i, job in enumerate(jobs):
         key = ("nvrtc", *versions, *job[:2], *job[2], Path(__file__).read_text())
