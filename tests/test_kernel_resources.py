@@ -291,6 +291,77 @@ def test_hiprtc_rejects_a_host_header_constant():
     assert not report["ok"] and "undeclared identifier 'INFINITY'" in report["log"], report["log"]
 
 
+# What the harness's prelude (tests/cudaemu/prelude.h) declares, used once each: NVRTC, hipRTC and
+# the harness all compile it.
+PRELUDE_PROBE = r"""
+extern "C" __global__ void prelude_probe(float* o, double* d, const unsigned int* u) {
+    const size_t i = threadIdx.x + static_cast<size_t>(blockIdx.x) * blockDim.x;
+    float v = o[i];
+    v = expf(v) + exp2f(v) + exp10f(v) + expm1f(v) + logf(2.0f) + log2f(2.0f) + log10f(10.0f) + log1pf(v * v) +
+        sqrtf(v * v) + cbrtf(v) + sinf(v) + cosf(v) + tanf(v) + asinf(0.5f) + acosf(0.5f) + atanf(v) + sinhf(v) +
+        coshf(v) + tanhf(v) + asinhf(v) + acoshf(2.0f) + atanhf(0.5f) + erff(v) + erfcf(v) + fabsf(v) + floorf(v) +
+        ceilf(v) + truncf(v) + roundf(v) + rintf(v) + nearbyintf(v) + lgammaf(2.0f) + tgammaf(2.0f) + powf(v, 2.0f) +
+        atan2f(v, 1.0f) + fminf(v, 1.0f) + fmaxf(v, 1.0f) + fmodf(v, 1.0f) + copysignf(1.0f, v) + hypotf(v, 1.0f) +
+        remainderf(v, 1.0f) + fmaf(v, v, v) + ldexpf(v, 2) + rsqrtf(2.0f) + __saturatef(v);
+    v += exp(v) + exp2(v) + expm1(v) + log(2.0f) + log2(2.0f) + log10(10.0f) + log1p(v * v) + sqrt(v * v) + sin(v) +
+         cos(v) + tanh(v) + erf(v) + fabs(v) + floor(v) + ceil(v) + pow(v, 2.0f) + fmin(v, 1.0f) + fmax(v, 1.0f);
+    v += __uint_as_float(u[0]) + __int_as_float(1) + static_cast<float>(__float_as_uint(v)) +
+         static_cast<float>(__float_as_int(v)) + min(v, 1.0f) + max(v, 1.0f) + static_cast<float>(min(1, 2)) +
+         static_cast<float>(max(1u, 2u)) + static_cast<float>(min(1ll, 2ll)) + static_cast<float>(max(1ll, 2ll));
+    v += (isnan(v) ? 1.0f : 0.0f) + (isinf(v) ? 1.0f : 0.0f) + (isfinite(v) ? 1.0f : 0.0f) + (signbit(v) ? 1.0f : 0.0f);
+    double w = d[i];
+    w = exp(w) + exp2(w) + log(2.0) + log1p(w * w) + sqrt(w * w) + tanh(w) + erf(w) + fabs(w) + floor(w) + pow(w, 2.0) +
+        fmin(w, 1.0) + fmax(w, 1.0) + fma(w, w, w) + ldexp(w, 1) + rsqrt(2.0) + (isnan(w) ? 1.0 : 0.0);
+    uint4 q = {u[0], u[0], u[0], u[0]};
+    float4 f4 = {v, v, v, v};
+    int4 i4 = {1, 2, 3, 4};
+    float2 f2 = {v, v};
+    uint2 u2 = {q.x, q.y};
+    float copied;
+    memcpy(&copied, &f4.y, sizeof(float));
+    o[i] = copied + f2.x + static_cast<float>(i4.w + u2.y + q.z);
+    d[i] = w;
+}
+"""
+# What a host compiler has and NVRTC or hipRTC (or both) lack: the harness must refuse each.
+NOT_ON_A_GPU_COMPILER = {
+    "INFINITY": "o[0] = -INFINITY;",
+    "NAN": "o[0] = NAN;",
+    "HUGE_VALF": "o[0] = HUGE_VALF;",
+    "FLT_MAX": "o[0] = FLT_MAX;",
+    "uint32_t": "uint32_t i = 1; o[i] = 0.0f;",
+    "int64_t": "int64_t i = 1; o[i] = 0.0f;",
+    "std::min": "o[0] = std::min(o[1], o[2]);",
+    "std::numeric_limits": "o[0] = std::numeric_limits<float>::infinity();",
+    "assert": "assert(o[0] == 0.0f);",
+    "<cmath>": None,
+}
+
+
+def _negative_probe(name):
+    body = NOT_ON_A_GPU_COMPILER[name]
+    if body is None:
+        return f"#include {name}\n" + 'extern "C" __global__ void k(float* o) { o[0] = 1.0f; }\n'
+    return 'extern "C" __global__ void k(float* o) { ' + body + " }\n"
+
+
+def test_the_harness_prelude_is_what_nvrtc_and_hiprtc_provide():
+    require("NVRTC")
+    require("hipRTC")
+    [accepted] = gpu_compilers.nvrtc([(PRELUDE_PROBE, NVIDIA_OPTIONS, "80")])
+    assert accepted["ok"], accepted["log"]
+    assert gpu_compilers.hiprtc(PRELUDE_PROBE, AMD_OPTIONS)["ok"]
+    cudaemu.Module(PRELUDE_PROBE, NVIDIA_OPTIONS)
+    names = sorted(NOT_ON_A_GPU_COMPILER)
+    nvrtc = dict(zip(names, gpu_compilers.nvrtc([(_negative_probe(n), NVIDIA_OPTIONS, "80") for n in names])))
+    for name in names:
+        rejected_by = [c for c, ok in (("NVRTC", nvrtc[name]["ok"]),
+                                       ("hipRTC", gpu_compilers.hiprtc(_negative_probe(name), AMD_OPTIONS)["ok"])) if not ok]
+        assert rejected_by, f"{name}: NVRTC and hipRTC both accept it; drop it from NOT_ON_A_GPU_COMPILER"
+        with pytest.raises(cudaemu.CompileError):
+            cudaemu.Module(_negative_probe(name), NVIDIA_OPTIONS)
+
+
 # ------------------------------------------------------------------------------ fast-math intrinsics
 
 # CUDA's reduced-accuracy intrinsics (CUDA C++ Programming Guide, "Intrinsic Functions"; HIP maps
