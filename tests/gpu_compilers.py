@@ -20,7 +20,8 @@
                          -Rpass-analysis=kernel-resource-usage: VGPRs, spills, LDS, occupancy.
 
 `require(name)` skips a test when a compiler is missing, except under CI=true, where a missing
-compiler is a failure (tests/run.sh installs all three). Results are cached on disk by
+compiler is a failure (the [test] extra brings NVRTC and CuPy, tests/run.sh installs hipRTC and
+hipcc, nvcc is the machine's). Results are cached on disk by
 (text, options, compiler version) in the harness's cache folder.
 """
 
@@ -53,7 +54,7 @@ def require(name):
     """Skips (or, under CI=true, fails) the calling test when compiler `name` is missing."""
     why = MISSING[name]()
     if why:
-        message = f"{name} is not available: {why} (tests/run.sh installs it)"
+        message = f"{name} is not available: {why}"
         if IN_CI:
             pytest.fail(message)
         pytest.skip(message)
@@ -94,9 +95,9 @@ def _real_cupy_env():
 
 def _nvrtc_missing():
     if _version("cupy-cuda12x") is None:
-        return "the real CuPy (cupy-cuda12x) is not installed"
+        return "the real CuPy (cupy-cuda12x) is not installed (the [test] extra brings it)"
     if _version("nvidia-cuda-nvrtc-cu12") is None:
-        return "NVRTC (nvidia-cuda-nvrtc-cu12) is not installed"
+        return "NVRTC (nvidia-cuda-nvrtc-cu12) is not installed (the [test] extra brings it)"
     return None
 
 
@@ -222,7 +223,7 @@ def _hip_library():
 
 
 def _hiprtc_missing():
-    return None if _hip_library() is not None else f"{HIPRTC_LIBRARY} does not load (apt-get install libamdhip64-dev)"
+    return None if _hip_library() is not None else f"{HIPRTC_LIBRARY} does not load (tests/run.sh installs libamdhip64-dev with apt-get)"
 
 
 def _hip_version():
@@ -266,7 +267,7 @@ HIPCC = shutil.which("hipcc")
 
 def _hipcc_missing():
     if HIPCC is None:
-        return "hipcc is not on PATH (apt-get install hipcc)"
+        return "hipcc is not on PATH (tests/run.sh installs it with apt-get)"
     return None
 
 
@@ -304,7 +305,8 @@ def amd_resources(source, options):
     return _cached("hipcc", ("hipcc", version, source, *options, *CUPY_HIP_OPTIONS), compile_)
 
 
-MISSING = {"NVRTC": _nvrtc_missing, "hipRTC": _hiprtc_missing, "hipcc": _hipcc_missing}
+MISSING = {"NVRTC": _nvrtc_missing, "hipRTC": _hiprtc_missing, "hipcc": _hipcc_missing,
+           "nvcc": lambda: None if shutil.which("nvcc") else "nvcc is not on PATH (the CUDA toolkit)"}
 
 if __name__ == "__main__" and sys.argv[1:] == ["nvrtc"]:
     _nvrtc_child()
