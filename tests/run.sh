@@ -14,6 +14,22 @@ cd "$(dirname "$0")/.." || exit 1
 # shellcheck source=jobs/setup_env.sh
 source jobs/setup_env.sh
 setup_venv test,plot,mpich
+
+# The GPU compilers the kernel tests compile with (tests/gpu_compilers.py): NVRTC and the real CuPy
+# come with the [test] extra; hipRTC (libamdhip64.so.5) and hipcc for gfx90a are Debian's ROCm 5.2
+# packages, installed here when missing (about a minute, as root with apt). Without them those
+# tests skip, and under CI=true fail.
+hip_installed() { [ "$(dpkg-query -W -f='${Status}\n' hipcc libamdhip64-dev 2>/dev/null | grep -c "ok installed")" = 2 ]; }
+if ! hip_installed; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "installing hipcc libamdhip64-dev with apt-get (hipRTC and clang for gfx90a)"
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq hipcc libamdhip64-dev ||
+      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq hipcc libamdhip64-dev; }
+    } >/tmp/boostmpi-hip-apt.log 2>&1 || { tail -5 /tmp/boostmpi-hip-apt.log; echo "apt-get could not install hipcc libamdhip64-dev"; }
+  else
+    echo "hipcc/libamdhip64-dev are not installed and cannot be here (not root, or no apt-get)"
+  fi
+fi
 MPIEXEC="$(boostmpi_mpiexec)" || exit 1
 
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1

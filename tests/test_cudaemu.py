@@ -590,3 +590,67 @@ def test_seed_from_environment(monkeypatch):
         cudaemu._seed_from_env()
     with pytest.raises(TypeError):
         cudaemu.set_schedule("3")
+
+
+# ------------------------------------------------------------------------------ what NVRTC would see
+
+HOST_CONSTANT = ("softmax_xent", "return __uint_as_float(0xff800000u);", "return -INFINITY;")
+
+
+def test_a_host_header_constant_does_not_compile_on_the_harness():
+    """The text sees what NVRTC/hipRTC provide, not <cmath>: -INFINITY fails as it does there
+    (tests/test_kernel_resources.py runs the same mutant through NVRTC and hipRTC)."""
+    with pytest.raises(cudaemu.CompileError, match="INFINITY"):
+        cudaemu.Module(mutated(*HOST_CONSTANT), loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",))
+    with pytest.raises(cudaemu.CompileError, match="cmath"):
+        cudaemu.Module('#include <cmath>\n' + loader.kernel_source("lowrank"), loader.COMPILE_OPTIONS)
+    with pytest.raises(cudaemu.CompileError, match="uint32_t"):
+        cudaemu.Module('extern "C" __global__ void k(float* o) { uint32_t i = threadIdx.x; o[i] = 0.0f; }')
+
+
+# ------------------------------------------------------------------------------ read-modify-write of unwritten shared memory
+
+ACCUMULATE = r"""
+extern "C" __global__ void static_unwritten(float* out) {
+    __shared__ float s[64];
+    s[threadIdx.x] += 1.0f;
+    __syncthreads();
+    out[threadIdx.x] = s[threadIdx.x];
+}
+extern "C" __global__ void dynamic_unwritten(float* out) {
+    extern __shared__ float d[];
+    d[threadIdx.x] += 1.0f;
+    out[threadIdx.x] = d[threadIdx.x];
+}
+extern "C" __global__ void static_written(float* out) {
+    __shared__ float s[64];
+    s[threadIdx.x] = 1.0f;
+    s[threadIdx.x] += 1.0f;
+    out[threadIdx.x] = s[threadIdx.x];
+}
+"""
+
+
+@pytest.mark.parametrize("warp", WARPS)
+def test_accumulating_onto_never_written_shared_memory_is_reported(warp):
+    out = cudaemu.DeviceArray(shape=64, dtype=np.float32)
+    module = _module(ACCUMULATE, warp)
+    module.get_function("static_written")(1, 64, (out,))
+    np.testing.assert_array_equal(out.get(), 2.0)
+    with pytest.raises(cudaemu.UninitializedSharedRead, match=r"read of shared `s` \(byte 0\)"):
+        module.get_function("static_unwritten")(1, 64, (out,))
+    with pytest.raises(cudaemu.UninitializedSharedRead, match=r"extern __shared__ \(dynamic\)"):
+        module.get_function("dynamic_unwritten")(1, 64, (out,), shared_mem=256)
+
+
+def test_the_backward_without_zeroing_its_dw_accumulator_is_reported():
+    """rmsnorm_backward's `dw_accumulator[j + k] += ...` with the zeroing loop before it removed."""
+    code = mutated("rmsnorm", "dw_accumulator[j + k] = 0.0f;", "(void)j;")
+    N, C = 2, 64
+    args = [cudaemu.DeviceArray(random((N, C), np.float32, s)) for s in (1, 2)] + [
+        cudaemu.DeviceArray(np.ones(C, np.float32)), cudaemu.DeviceArray(np.ones(N, np.float32)),
+        cudaemu.DeviceArray(shape=(N, C), dtype=np.float32), cudaemu.DeviceArray(shape=(1, C), dtype=np.float32)]
+    args += [np.int32(N), np.int32(C)]
+    kernel("rmsnorm", "rmsnorm_backward_f32")(1, 32, tuple(args), shared_mem=4 * C)
+    with pytest.raises(cudaemu.UninitializedSharedRead, match="dw_accumulator|dynamic"):
+        kernel("rmsnorm", "rmsnorm_backward_f32", code=code)(1, 32, tuple(args), shared_mem=4 * C)

@@ -16,6 +16,8 @@ cooperative fibers switching at `__syncthreads()` and shuffles, warp size 32 or 
   PartialWarpError          a shuffle whose mask names lanes that do not exist, have exited, or are left out
   LaunchError               arguments that do not match the C signature under CuPy's conversions,
                             a bad grid/block/shared-memory configuration
+  IntegerOverflowError      signed integer arithmetic that overflows (an `int` index product on a
+                            large tensor): GCC's -fsanitize=signed-integer-overflow, hooks in runtime.cpp
 
 See README.md in this folder for how it works and what it cannot show.
 """
@@ -37,7 +39,7 @@ __all__ = [
     "alloc", "Buffer", "DeviceArray", "live_bytes", "Module", "Function", "Param", "entry_points", "set_schedule",
     "current_seed", "schedule", "describe_schedule", "cache_dir", "WARP_SIZE_OPTIONS", "KernelError", "RaceError",
     "SharedBoundsError", "UninitializedSharedRead", "GlobalBoundsError", "DeadlockError", "PartialWarpError",
-    "LaunchError", "CompileError", "AllocationError", "FunctionNotFound",
+    "LaunchError", "IntegerOverflowError", "CompileError", "AllocationError", "FunctionNotFound",
 ]
 
 HERE = Path(__file__).resolve().parent
@@ -47,6 +49,8 @@ MAX_SHARED_PER_BLOCK_OPTIN = 227 * 1024  # H100; A100 allows 163 KiB
 SEED_ENV = "BOOSTMPI_CUDAEMU_SEED"
 CACHE_ENV = "BOOSTMPI_CUDAEMU_CACHE"
 CXX = os.environ.get("CXX", "g++")
+# the kernel text sees what NVRTC/hipRTC provide (prelude.h), never the host's headers
+NO_HOST_HEADERS = ("-nostdinc", "-nostdinc++")
 
 
 class KernelError(RuntimeError):
@@ -81,6 +85,10 @@ class LaunchError(KernelError):
     pass
 
 
+class IntegerOverflowError(KernelError):
+    pass
+
+
 class CompileError(RuntimeError):
     """g++ rejected the kernel text (or a form the harness cannot instrument)."""
 
@@ -95,7 +103,7 @@ class FunctionNotFound(KeyError):
 
 
 _ERRORS = {1: KernelError, 2: RaceError, 3: SharedBoundsError, 4: UninitializedSharedRead, 5: GlobalBoundsError,
-           6: DeadlockError, 7: PartialWarpError, 8: LaunchError}
+           6: DeadlockError, 7: PartialWarpError, 8: LaunchError, 9: IntegerOverflowError}
 
 # --------------------------------------------------------------------------------------------- building
 
@@ -168,6 +176,7 @@ def _lib():
                                            ctypes.POINTER(ctypes.c_ulonglong)]
             lib.cudaemu_live_bytes.restype = ctypes.c_ulonglong
             lib.cudaemu_take_unsupported.restype = ctypes.c_char_p
+            lib.cudaemu_only_blocks.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_ulonglong]
             lib.cudaemu_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint),
                                            ctypes.POINTER(ctypes.c_uint), ctypes.c_ulonglong, ctypes.c_ulonglong,
                                            ctypes.c_int, ctypes.c_int, ctypes.c_ulonglong, ctypes.POINTER(_Error)]
@@ -494,15 +503,16 @@ class Module:
 
 
 def _compile(key, code, flags, prelude):
-    pre = subprocess.run([CXX, "-E", "-P", "-x", "c++", *flags, "-"], input=code, capture_output=True, text=True)
+    pre = subprocess.run([CXX, "-E", "-P", *NO_HOST_HEADERS, "-x", "c++", *flags, "-"], input=code, capture_output=True,
+                         text=True)
     if pre.returncode != 0:
         raise CompileError(f"preprocessing the kernel text failed:\n{pre.stderr[-6000:]}")
     entries = entry_points(pre.stdout)
     source = instrument_shared(code) + _thunks(entries)
 
     def build(tmp):
-        _run_compiler([CXX, *flags, "-fPIC", "-O1", "-g", "-fsanitize=thread", "-fno-tree-loop-distribute-patterns",
-                       "-ffp-contract=off", "-Wno-unknown-pragmas", "-include", str(tmp / "prelude.h"), "-x", "c++",
+        _run_compiler([CXX, *flags, *NO_HOST_HEADERS, "-fPIC", "-O1", "-g", "-fsanitize=thread,signed-integer-overflow",
+                       "-fno-tree-loop-distribute-patterns", "-ffp-contract=off", "-Wno-unknown-pragmas", "-include", str(tmp / "prelude.h"), "-x", "c++",
                        "-c", str(tmp / "kernel.cu"), "-o", str(tmp / "kernel.o")], "compiling the kernel text")
         _run_compiler([CXX, "-shared", str(tmp / "kernel.o"), "-o", str(tmp / "module.so")], "linking the kernel module")
         # keep the compiled text beside the library (error locations are lines of it)
@@ -668,7 +678,9 @@ class Function:
             pointers[i] = ctypes.addressof(h) if isinstance(h, ctypes.c_void_p) else h.ctypes.data
         return pointers, holders
 
-    def __call__(self, grid, block, args, shared_mem=0, stream=None, enable_cooperative_groups=False):
+    def __call__(self, grid, block, args, shared_mem=0, stream=None, enable_cooperative_groups=False, blocks=None):
+        """blocks: run only these blocks (linear ids, x fastest), for index arithmetic at logical
+        sizes too large to run whole (races across blocks are then not judged)."""
         global _seed_announced
         if enable_cooperative_groups:
             self._fail("cooperative launches are not emulated")
@@ -699,6 +711,11 @@ class Function:
                 launch_seed = int.from_bytes(hashlib.sha256(repr((_seed, self.name, grid3, block3, shared_mem)).encode())
                                              .digest()[:8], "little")
             error = _Error()
+            if blocks is not None:
+                chosen = [int(b) for b in blocks]
+                if not chosen:
+                    self._fail("blocks=[] runs nothing")
+                _lib().cudaemu_only_blocks((ctypes.c_ulonglong * max(1, len(chosen)))(*chosen), len(chosen))
             kind = _lib().cudaemu_launch(self._thunk, ctypes.addressof(pointers), (ctypes.c_uint * 3)(*grid3),
                                          (ctypes.c_uint * 3)(*block3), shared_mem, shared_limit,
                                          self.module.warp_size, int(_seed is not None), launch_seed, ctypes.byref(error))

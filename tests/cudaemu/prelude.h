@@ -5,12 +5,59 @@
 // and runtime.cpp implements those hooks (no TSan runtime is linked) to check shared and
 // global accesses. Everything here is declarations and thin inline wrappers around the
 // runtime; nothing here is instrumented state of its own.
+//
+// No host header is included, and the kernel text is compiled with -nostdinc -nostdinc++: the
+// text sees what NVRTC and hipRTC both give a program without include paths (checked against
+// NVRTC 12.9 and ROCm 5.2's hipRTC), not <cmath>'s INFINITY/NAN, <cstdint>'s fixed-width types
+// (NVRTC has none of them) or the std:: namespace. An `#include <...>` in the text fails here
+// as it does in NVRTC.
 #ifndef CUDAEMU_PRELUDE_H
 #define CUDAEMU_PRELUDE_H
 
-#include <cmath>
-#include <cstdint>
-#include <cstring>
+// --------------------------------------------------------------------- what NVRTC predefines
+typedef decltype(sizeof(0)) size_t;
+extern "C" {
+void* memcpy(void* dst, const void* src, size_t n);
+void* memset(void* dst, int value, size_t n);
+}
+
+// The CUDA math API's functions (device code calls the GPU's versions; here the C library's).
+#define CUDAEMU_MATH1(name) float name##f(float); double name(double);
+#define CUDAEMU_MATH2(name) float name##f(float, float); double name(double, double);
+extern "C" {
+CUDAEMU_MATH1(exp) CUDAEMU_MATH1(exp2) CUDAEMU_MATH1(exp10) CUDAEMU_MATH1(expm1) CUDAEMU_MATH1(log)
+CUDAEMU_MATH1(log2) CUDAEMU_MATH1(log10) CUDAEMU_MATH1(log1p) CUDAEMU_MATH1(sqrt) CUDAEMU_MATH1(cbrt)
+CUDAEMU_MATH1(sin) CUDAEMU_MATH1(cos) CUDAEMU_MATH1(tan) CUDAEMU_MATH1(asin) CUDAEMU_MATH1(acos)
+CUDAEMU_MATH1(atan) CUDAEMU_MATH1(sinh) CUDAEMU_MATH1(cosh) CUDAEMU_MATH1(tanh) CUDAEMU_MATH1(asinh)
+CUDAEMU_MATH1(acosh) CUDAEMU_MATH1(atanh) CUDAEMU_MATH1(erf) CUDAEMU_MATH1(erfc) CUDAEMU_MATH1(fabs)
+CUDAEMU_MATH1(floor) CUDAEMU_MATH1(ceil) CUDAEMU_MATH1(trunc) CUDAEMU_MATH1(round) CUDAEMU_MATH1(rint)
+CUDAEMU_MATH1(nearbyint) CUDAEMU_MATH1(lgamma) CUDAEMU_MATH1(tgamma)
+CUDAEMU_MATH2(pow) CUDAEMU_MATH2(atan2) CUDAEMU_MATH2(fmin) CUDAEMU_MATH2(fmax) CUDAEMU_MATH2(fmod)
+CUDAEMU_MATH2(copysign) CUDAEMU_MATH2(hypot) CUDAEMU_MATH2(remainder)
+float fmaf(float, float, float);
+double fma(double, double, double);
+float ldexpf(float, int);
+double ldexp(double, int);
+}
+#undef CUDAEMU_MATH1
+#undef CUDAEMU_MATH2
+// CUDA's C++ float overloads (exp(float) is float, not double, in device code)
+#define CUDAEMU_FLOAT1(name) inline float name(float x) { return name##f(x); }
+#define CUDAEMU_FLOAT2(name) inline float name(float x, float y) { return name##f(x, y); }
+CUDAEMU_FLOAT1(exp) CUDAEMU_FLOAT1(exp2) CUDAEMU_FLOAT1(expm1) CUDAEMU_FLOAT1(log) CUDAEMU_FLOAT1(log2)
+CUDAEMU_FLOAT1(log10) CUDAEMU_FLOAT1(log1p) CUDAEMU_FLOAT1(sqrt) CUDAEMU_FLOAT1(sin) CUDAEMU_FLOAT1(cos)
+CUDAEMU_FLOAT1(tanh) CUDAEMU_FLOAT1(erf) CUDAEMU_FLOAT1(fabs) CUDAEMU_FLOAT1(floor) CUDAEMU_FLOAT1(ceil)
+CUDAEMU_FLOAT2(pow) CUDAEMU_FLOAT2(fmin) CUDAEMU_FLOAT2(fmax)
+#undef CUDAEMU_FLOAT1
+#undef CUDAEMU_FLOAT2
+inline bool isnan(float x) { return __builtin_isnan(x); }
+inline bool isnan(double x) { return __builtin_isnan(x); }
+inline bool isinf(float x) { return __builtin_isinf(x); }
+inline bool isinf(double x) { return __builtin_isinf(x); }
+inline bool isfinite(float x) { return __builtin_isfinite(x); }
+inline bool isfinite(double x) { return __builtin_isfinite(x); }
+inline bool signbit(float x) { return __builtin_signbit(x); }
+inline bool signbit(double x) { return __builtin_signbit(x); }
 
 // --------------------------------------------------------------------- vector and index types
 struct uint3 {
@@ -86,10 +133,10 @@ template <typename T>
 inline T shfl(int kind, unsigned long long mask, T v, int arg, int width, int line) {
     static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
     unsigned long long bits = 0;
-    std::memcpy(&bits, &v, sizeof(T));
+    __builtin_memcpy(&bits, &v, sizeof(T));
     bits = cudaemu_shfl(kind, mask, bits, arg, width, line);
     T out;
-    std::memcpy(&out, &bits, sizeof(T));
+    __builtin_memcpy(&out, &bits, sizeof(T));
     return out;
 }
 }  // namespace cudaemu
@@ -111,22 +158,22 @@ inline T cudaemu_shfl_sync_(int line, int kind, unsigned long long mask, T v, in
 // --------------------------------------------------------------------- device functions
 __attribute__((no_sanitize_thread)) inline float __uint_as_float(unsigned int u) {
     float f;
-    std::memcpy(&f, &u, 4);
+    __builtin_memcpy(&f, &u, 4);
     return f;
 }
 __attribute__((no_sanitize_thread)) inline unsigned int __float_as_uint(float f) {
     unsigned int u;
-    std::memcpy(&u, &f, 4);
+    __builtin_memcpy(&u, &f, 4);
     return u;
 }
 __attribute__((no_sanitize_thread)) inline float __int_as_float(int i) {
     float f;
-    std::memcpy(&f, &i, 4);
+    __builtin_memcpy(&f, &i, 4);
     return f;
 }
 __attribute__((no_sanitize_thread)) inline int __float_as_int(float f) {
     int i;
-    std::memcpy(&i, &f, 4);
+    __builtin_memcpy(&i, &f, 4);
     return i;
 }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }

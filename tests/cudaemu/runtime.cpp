@@ -33,6 +33,7 @@ enum ErrorKind {
     DEADLOCK = 6,
     PARTIAL_WARP = 7,
     LAUNCH = 8,
+    INTEGER_OVERFLOW = 9,
 };
 
 struct uint3_ {
@@ -226,6 +227,7 @@ bool in_launch = false, aborting = false;
 uint32_t launch_first_epoch = 1;
 bool check_global_races = true;  // off when grid x block threads do not fit the shadow's int32 ids
 long long block_linear = 0;
+std::vector<size_t> only_blocks;  // set by cudaemu_only_blocks for the next launch: run just these
 std::vector<Allocation*> shadowed;  // allocations with a global shadow in this launch
 uintptr_t hit_start = 0;            // the allocation of the previous access (reset per launch:
 Allocation* hit = nullptr;          // allocations change only between launches)
@@ -320,10 +322,12 @@ std::string shared_name(size_t b, size_t* at) {
     return "?";
 }
 
-// At the end of an epoch (a barrier, or the block's end): the reads of bytes no thread wrote.
+// At the end of an epoch (a barrier, or the block's end): the reads of bytes no thread had
+// written when they were read. A write later in the epoch does not excuse the read: by another
+// thread it is a race (reported at that write), by the reading thread itself it is a
+// read-modify-write of uninitialised memory (`s[i] += v` on a never-written `s`).
 std::string uninitialized_report(void** pc) {
     for (const Pending& p : pending_uninitialized) {
-        if (shadow[p.byte].write_epoch >= block_first_epoch) continue;  // written later by the same thread
         size_t at = 0;
         const std::string name = shared_name(p.byte, &at);
         *pc = p.pc;
@@ -711,12 +715,24 @@ int cudaemu_launch(void (*entry)(void**), void** args, const unsigned* grid3, co
     for (size_t i = 0; i < nblocks; ++i) order[i] = i;
     if (seeded)
         for (size_t i = nblocks; i > 1; --i) std::swap(order[i - 1], order[next_random() % i]);
+    const bool subset = !only_blocks.empty();
+    if (subset) {  // a few blocks of a grid too large to run whole; races across blocks are not judged
+        for (size_t b : only_blocks)
+            if (b >= nblocks) {
+                err->kind = LAUNCH;
+                snprintf(err->message, sizeof err->message, "block %zu of a grid of %zu blocks", b, nblocks);
+                only_blocks.clear();
+                return err->kind;
+            }
+        order.swap(only_blocks);
+        only_blocks.clear();
+    }
     in_launch = true;
     aborting = false;
     hit = nullptr;
     launch_first_epoch = epoch + 1;
-    check_global_races = static_cast<double>(nblocks) * nthreads < 2147483647.0;
-    for (size_t i = 0; i < nblocks && !aborting; ++i) {
+    check_global_races = !subset && static_cast<double>(nblocks) * nthreads < 2147483647.0;
+    for (size_t i = 0; i < order.size() && !aborting; ++i) {
         const size_t b = order[i];
         block_linear = static_cast<long long>(b);
         run_block(uint3_{unsigned(b % grid.x), unsigned((b / grid.x) % grid.y), unsigned(b / (size_t(grid.x) * grid.y))},
@@ -727,6 +743,11 @@ int cudaemu_launch(void (*entry)(void**), void** args, const unsigned* grid3, co
     for (Allocation* a : shadowed) std::vector<GlobalShadow>().swap(a->shadow);
     shadowed.clear();
     return err->kind;
+}
+
+// The next launch runs only blocks[0..n) (linear block ids), in that order.
+void cudaemu_only_blocks(const unsigned long long* blocks, unsigned long long n) {
+    only_blocks.assign(blocks, blocks + n);
 }
 
 // ---------------------------------------------------------------------------- called by kernels
@@ -856,6 +877,57 @@ void __tsan_read_range(void* p, unsigned long n) {
 void __tsan_write_range(void* p, unsigned long n) {
     for (unsigned long i = 0; i < n; ++i) access(static_cast<char*>(p) + i, 1, true, __builtin_return_address(0));
 }
+// GCC's -fsanitize=signed-integer-overflow calls these on a signed overflow (the C++ undefined
+// behaviour that 32-bit index arithmetic on large tensors runs into); the data carries the source
+// line and the operand type, and values up to 64 bits are passed in the handles themselves.
+struct UbsanLocation {
+    const char* file;
+    uint32_t line, column;
+};
+struct UbsanType {
+    uint16_t kind, info;  // kind 0: integer; info: log2(bit width) << 1 | signed
+    char name[1];
+};
+struct UbsanOverflow {
+    UbsanLocation location;
+    const UbsanType* type;
+};
+
+static long long ubsan_value(const UbsanType* t, uintptr_t handle) {
+    const unsigned bits = 1u << (t->info >> 1);
+    if (bits >= 64 || !(t->info & 1)) return static_cast<long long>(handle);
+    const uint64_t sign = uint64_t(1) << (bits - 1);
+    return static_cast<long long>((handle ^ sign) - sign);
+}
+
+static void integer_overflow(const UbsanOverflow* d, const char* op, uintptr_t lhs, uintptr_t rhs, void* pc) {
+    if (!in_launch || !current || aborting) return;
+    const std::string what = op[1] ? format("%s%lld", op, ubsan_value(d->type, lhs))
+                                   : format("%lld %s %lld", ubsan_value(d->type, lhs), op, ubsan_value(d->type, rhs));
+    fail(INTEGER_OVERFLOW,
+         format("%s: signed integer overflow: %s does not fit %s (line %u, column %u)", thread_name(current->tid).c_str(),
+                what.c_str(), d->type->name, d->location.line, d->location.column),
+         pc);
+}
+
+#define CUDAEMU_UBSAN(name, op)                                                                                    \
+    void __ubsan_handle_##name(void* d, uintptr_t a, uintptr_t b) {                                               \
+        integer_overflow(static_cast<UbsanOverflow*>(d), op, a, b, __builtin_return_address(0));                 \
+    }                                                                                                              \
+    void __ubsan_handle_##name##_abort(void* d, uintptr_t a, uintptr_t b) {                                       \
+        integer_overflow(static_cast<UbsanOverflow*>(d), op, a, b, __builtin_return_address(0));                 \
+    }
+CUDAEMU_UBSAN(add_overflow, "+")
+CUDAEMU_UBSAN(sub_overflow, "-")
+CUDAEMU_UBSAN(mul_overflow, "*")
+CUDAEMU_UBSAN(divrem_overflow, "/")
+void __ubsan_handle_negate_overflow(void* d, uintptr_t a) {
+    integer_overflow(static_cast<UbsanOverflow*>(d), "negation of ", a, 0, __builtin_return_address(0));
+}
+void __ubsan_handle_negate_overflow_abort(void* d, uintptr_t a) {
+    integer_overflow(static_cast<UbsanOverflow*>(d), "negation of ", a, 0, __builtin_return_address(0));
+}
+
 void __tsan_func_entry(void*) {}
 void __tsan_func_exit() {}
 void __tsan_init() {}

@@ -1,0 +1,280 @@
+"""32-bit index arithmetic in the kernels, at tensors of more than 2^32 elements.
+
+The paper's largest shapes: logits of a 128,256-token vocabulary over 16,384 tokens per rank are
+2,101,346,304 elements, 97.9% of 2^31, so `int` row x row-length arithmetic passes there and breaks
+at 2.2% more tokens; d_ff 53,248 x 16,384 tokens is 0.87 x 10^9 elements. The check therefore
+launches every kernel at the paper's row lengths (vocabulary 128,256, d_model 16,384, rank 4,096)
+with enough rows that rows x row length passes 2^32, and the elementwise kernels over 2^32 + 7
+elements, beyond what 32-bit arithmetic, signed or unsigned, can index.
+
+How, without 17 GB per tensor: the harness (tests/cudaemu) runs only the blocks that reach the
+largest indices (`blocks=[...]`) over allocations of the full logical size (reserved address
+space, backed only where the block touches it), and
+  - an `int` product or sum that overflows is an IntegerOverflowError naming the source line
+    (the harness compiles the text with GCC's -fsanitize=signed-integer-overflow);
+  - a 32-bit unsigned product that wraps silently reads and writes another row: the outputs of the
+    last row (the last elements) are compared with the NumPy layers, so that fails too.
+The launches use one block per row (the loader's grid for every row kernel but rmsnorm_backward,
+which strides 2 x SMs blocks over the rows; one row per block reaches the same row offsets without
+running a block over 10^5 rows). Mutation tests at the end put each kind of overflow in.
+"""
+
+import numpy as np
+import pytest
+
+import cudaemu
+from boostmpi.gpu import kernels as loader
+from boostmpi.model import layers
+
+pytestmark = pytest.mark.gpu
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+DTYPES = {"f32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16)}
+WARPS = cudaemu.WARP_SIZE_OPTIONS
+LIMIT = 2 ** 32
+VOCAB, D_MODEL, RANK = 128256, 16384, 4096  # the paper's largest model (see test_kernel_resources.PAPER)
+ELEMENTS = LIMIT + 7  # elementwise kernels: a scalar tail after the 16-byte vectors
+EPS = 1e-6
+
+
+def rows_for(width):
+    """Rows enough that rows x width passes 2^32."""
+    return LIMIT // width + 1
+
+
+LARGEST = max(rows_for(w) * w for w in (VOCAB, D_MODEL, RANK))
+LARGEST = max(LARGEST, ELEMENTS)
+
+
+class Tensor:
+    """A kernel argument over one of the pool's buffers, as the harness takes it (.data.ptr, .dtype)."""
+
+    def __init__(self, buf, shape, dtype):
+        self.data, self.shape, self.dtype = buf, shape, np.dtype(dtype)
+        assert int(np.prod(shape)) * self.dtype.itemsize <= buf.nbytes
+
+    def flat(self, start, stop):
+        """Elements [start, stop) as a writable NumPy view."""
+        size = self.dtype.itemsize
+        return self.data.host[start * size:stop * size].view(self.dtype)
+
+    def row(self, i):
+        return self.flat(i * self.shape[1], (i + 1) * self.shape[1])
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Five buffers of 4-byte elements enough for the largest tensor (17 GB each, of address
+    space), shared by the tests of this module and freed after them."""
+    buffers = [cudaemu.alloc(LARGEST * 4) for _ in range(5)]
+    yield buffers
+    for b in buffers:
+        b.free()
+
+
+@pytest.fixture(scope="module")
+def small():
+    """Small device arrays made by the tests, freed after them."""
+    made = []
+
+    def make(host):
+        arr = cudaemu.DeviceArray(np.ascontiguousarray(host))
+        made.append(arr)
+        return arr
+
+    yield make
+    for arr in made:
+        arr.buf.free()
+
+
+def function(file, entry, code=None, warp=32):
+    return cudaemu.Module(code if code is not None else loader.kernel_source(file),
+                          loader.COMPILE_OPTIONS + (f"-DWARP_SIZE={warp}",)).get_function(entry)
+
+
+def random(shape, dtype, seed, scale=1.0):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(dtype)
+
+
+def assert_close(got, want, dtype, what):
+    got, want = np.asarray(got, np.float64), np.asarray(np.asarray(want).astype(dtype), np.float64)
+    rtol = 1e-4 if dtype == np.float32 else 2 ** -7
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max(), err_msg=what)
+
+
+# ------------------------------------------------------------------------------ the row kernels
+
+
+def run_softmax_xent(pool, small, suffix, code=None, warp=32):
+    dtype_name, target_name = suffix.split("_")
+    dtype, target_dtype = DTYPES[dtype_name], np.dtype(np.int32 if target_name == "i32" else np.int64)
+    N, V = rows_for(VOCAB), VOCAB
+    logits = Tensor(pool[0], (N, V), dtype)
+    targets, loss = Tensor(pool[1], (N,), target_dtype), Tensor(pool[2], (N,), np.float32)
+    row = random(V, dtype, 1, 4.0)
+    logits.row(N - 1)[:] = row
+    targets.flat(N - 1, N)[:] = V - 3
+    scale = 0.5
+    function("softmax_xent", f"softmax_xent_{suffix}", code, warp)(
+        N, loader._row_block(V, dtype.itemsize, warp), (logits, targets, loss, logits, np.int32(1), np.int32(V),
+                                                      np.float32(scale)), blocks=[N - 1])
+    x = row.astype(np.float64)
+    logsumexp = x.max() + np.log(np.exp(x - x.max()).sum())
+    grad = np.exp(x - logsumexp)
+    grad[V - 3] -= 1.0
+    assert_close(loss.flat(N - 1, N), [logsumexp - x[V - 3]], np.float32, "loss of the last row")
+    assert_close(logits.row(N - 1), grad * scale, dtype, "dlogits of the last row (in place)")
+
+
+@pytest.mark.parametrize("warp", WARPS)
+@pytest.mark.parametrize("suffix", ["f32_i32", "f32_i64", "bf16_i32", "bf16_i64"])
+def test_softmax_xent_indexes_more_than_2_32_logits(pool, small, suffix, warp):
+    run_softmax_xent(pool, small, suffix, warp=warp)
+
+
+def run_rmsnorm(pool, small, suffix, code=None, warp=32):
+    dtype = DTYPES[suffix]
+    N, C = rows_for(D_MODEL), D_MODEL
+    block = loader._row_block(C, dtype.itemsize, warp)
+    x, y = Tensor(pool[0], (N, C), dtype), Tensor(pool[1], (N, C), dtype)
+    rstd = Tensor(pool[2], (N,), np.float32)
+    xr, w = random(C, dtype, 2, 2.0), random(C, dtype, 3)
+    x.row(N - 1)[:] = xr
+    w_dev = small(w)
+    xf, wf = xr.astype(np.float32)[None], w.astype(np.float32)
+    y_ref, rstd_ref = layers.rmsnorm_forward(xf, wf, EPS)
+    function("rmsnorm", f"rmsnorm_forward_{suffix}", code, warp)(N, block, (x, w_dev, y, rstd, np.int32(C), np.float32(EPS)),
+                                                           blocks=[N - 1])
+    assert_close(y.row(N - 1), y_ref[0], dtype, "rmsnorm y of the last row")
+    assert_close(rstd.flat(N - 1, N), rstd_ref[:, 0], np.float32, "rstd of the last row")
+
+    ss = Tensor(pool[2], (N,), np.float32)
+    function("rmsnorm", f"rmsnorm_online_stats_{suffix}", code, warp)(N, block, (x, w_dev, y, ss, np.int32(C)), blocks=[N - 1])
+    xw_ref, ss_ref = layers.rmsnorm_online_stats(xf, wf)
+    assert_close(y.row(N - 1), xw_ref[0], dtype, "online stats xw of the last row")
+    assert_close(ss.flat(N - 1, N), ss_ref, np.float32, "online stats ss of the last row")
+
+    dy, dx, dw = Tensor(pool[3], (N, C), dtype), y, Tensor(pool[4], (N, C), np.float32)
+    dyr = random(C, dtype, 4)
+    dy.row(N - 1)[:] = dyr
+    rstd.flat(N - 1, N)[:] = rstd_ref[:, 0]
+    kernel = function("rmsnorm", f"rmsnorm_backward_{suffix}", code, warp)
+    kernel.max_dynamic_shared_size_bytes = 4 * C
+    kernel(N, block, (dy, x, w_dev, rstd, dx, dw, np.int32(N), np.int32(C)), shared_mem=4 * C, blocks=[N - 1])
+    dw_ref = np.zeros(C, np.float32)
+    dx_ref = layers.rmsnorm_backward(dyr.astype(np.float32)[None], xf, wf, rstd_ref, dw_ref)
+    assert_close(dx.row(N - 1), dx_ref[0], dtype, "rmsnorm dx of the last row")
+    assert_close(dw.row(N - 1), dw_ref, np.float32, "dw partial of the last block")
+
+    R = RANK
+    N = rows_for(R)
+    P, out = Tensor(pool[0], (N, R), dtype), Tensor(pool[1], (N, R), dtype)
+    ss_total = Tensor(pool[2], (N,), np.float32)
+    pr = random(R, dtype, 5)
+    P.row(N - 1)[:] = pr
+    ss_total.flat(N - 1, N)[:] = 3.0 * C
+    function("rmsnorm", f"rescale_rows_{suffix}", code, warp)(
+        N, loader._row_block(R, dtype.itemsize, warp), (P, ss_total, out, np.int32(R), np.int32(C), np.float32(EPS)),
+        blocks=[N - 1])
+    want = layers.rescale_rows(pr.astype(np.float32)[None], np.array([3.0 * C], np.float32), C, EPS)
+    assert_close(out.row(N - 1), want[0], dtype, "rescale_rows of the last row")
+
+
+@pytest.mark.parametrize("warp", WARPS)
+@pytest.mark.parametrize("suffix", DTYPES)
+def test_rmsnorm_kernels_index_more_than_2_32_elements(pool, small, suffix, warp):
+    run_rmsnorm(pool, small, suffix, warp=warp)
+
+
+# ------------------------------------------------------------------------------ the elementwise kernels
+
+
+def run_lowrank(pool, small, suffix, code=None, warp=32):
+    dtype = DTYPES[suffix]
+    n = ELEMENTS
+    vector = 16 // dtype.itemsize
+    per_block = loader.ELEMENTWISE_BLOCK_THREADS * vector
+    grid = -(-n // per_block)
+    # the last block's vectors and the scalar tail after them (threads of block 0), block 0's vectors
+    last = (grid - 1) * per_block
+    spans = [(0, per_block), (last, n)]
+    ins = [Tensor(pool[i], (n,), dtype) for i in range(3)]
+    outs = [Tensor(pool[3 + i], (n,), dtype) for i in range(2)]
+    for i, t in enumerate(ins):
+        for k, (a, b) in enumerate(spans):
+            t.flat(a, b)[:] = random(b - a, dtype, 10 * i + k, 3.0)
+
+    def launch(entry, args):
+        function("lowrank", f"{entry}_{suffix}", code, warp)(grid, loader.ELEMENTWISE_BLOCK_THREADS, args, blocks=[0, grid - 1])
+
+    def values(t, a, b):
+        return t.flat(a, b).astype(np.float32)
+
+    launch("silu_forward", (ins[0], outs[0], np.int64(n)))
+    for a, b in spans:
+        assert_close(outs[0].flat(a, b), layers.silu_forward(values(ins[0], a, b)), dtype, f"silu [{a}, {b})")
+    launch("silu_backward", (ins[0], ins[1], outs[0], np.int64(n)))
+    for a, b in spans:
+        want = layers.silu_backward(values(ins[1], a, b), values(ins[0], a, b))
+        assert_close(outs[0].flat(a, b), want, dtype, f"silu' [{a}, {b})")
+    for act in (True, False):
+        launch("gate_forward", (ins[0], ins[1], outs[0], np.int64(n), np.int32(act)))
+        for a, b in spans:
+            want = layers.gate_forward(values(ins[0], a, b), values(ins[1], a, b), act)
+            assert_close(outs[0].flat(a, b), want, dtype, f"gate act={act} [{a}, {b})")
+        launch("gate_backward", (*ins, *outs, np.int64(n), np.int32(act)))
+        for a, b in spans:
+            dg, du = layers.gate_backward(values(ins[2], a, b), values(ins[0], a, b), values(ins[1], a, b), act)
+            assert_close(outs[0].flat(a, b), dg, dtype, f"gate dg act={act} [{a}, {b})")
+            assert_close(outs[1].flat(a, b), du, dtype, f"gate du act={act} [{a}, {b})")
+
+
+@pytest.mark.parametrize("warp", WARPS)
+@pytest.mark.parametrize("suffix", DTYPES)
+def test_elementwise_kernels_index_more_than_2_32_elements(pool, small, suffix, warp):
+    run_lowrank(pool, small, suffix, warp=warp)
+
+
+# entry points the tests above run past 2^32 elements; a new kernel gets its test here
+CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "rmsnorm_backward_", "rescale_rows_",
+           "silu_forward_", "silu_backward_", "gate_forward_", "gate_backward_")
+
+
+def test_every_entry_point_is_run_past_2_32_elements():
+    for path in sorted(loader.kernels_dir().glob("*.cu")):
+        module = cudaemu.Module(loader.kernel_source(path.stem), loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",))
+        unchecked = [e for e in module.entry_points if not e.startswith(CHECKED)]
+        assert not unchecked, f"{path.name}: {unchecked} are not run past 2^32 elements in {__name__}"
+
+
+# ------------------------------------------------------------------------------ mutation tests
+
+
+def mutated(file, old, new):
+    code = loader.kernel_source(file)
+    assert old in code, f"the mutation target {old!r} is not in {file}.cu any more"
+    return code.replace(old, new, 1)
+
+
+def test_an_int_row_offset_is_an_integer_overflow(pool, small):
+    """softmax_xent's row offset as int x int: 128,256 x 33,487 overflows (line named)."""
+    code = mutated("softmax_xent", "const long long offset = static_cast<long long>(row) * V;",
+                   "const long long offset = row * V;")
+    with pytest.raises(cudaemu.IntegerOverflowError, match=r"128256 \* 33487 does not fit 'int'.*offset = row \* V"):
+        run_softmax_xent(pool, small, "f32_i32", code)
+
+
+def test_an_unsigned_row_offset_that_wraps_reads_another_row(pool, small):
+    """rmsnorm_forward's row offset as 32-bit unsigned arithmetic: no undefined behaviour, the
+    offset wraps modulo 2^32 and the last row's output is not computed from the last row."""
+    code = mutated("rmsnorm", "const long long offset = static_cast<long long>(row) * C;\n    const int V",
+                   "const long long offset = blockIdx.x * C;\n    const int V")
+    with pytest.raises(AssertionError, match="rmsnorm y of the last row"):
+        run_rmsnorm(pool, small, "f32", code)
+
+
+def test_an_int_element_index_is_an_integer_overflow(pool, small):
+    code = mutated("lowrank", "const long long thread = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;",
+                   "const int thread = blockIdx.x * blockDim.x + threadIdx.x;")
+    with pytest.raises(cudaemu.IntegerOverflowError, match=r"\* 4 does not fit 'int'"):
+        run_lowrank(pool, small, "f32", code)
