@@ -20,6 +20,7 @@ of `ndarray`, `ufunc` and `RawKernel`, and `ndarray.__cuda_array_interface__`, b
 """
 
 import functools
+import sys
 import threading
 import types
 
@@ -205,8 +206,15 @@ def _array_interface(prop):
     def cai(self):
         if _outermost() and self._mem is not None and self.size:
             issued = _order.issue_host()
-            _touch(self, True, issued, "CUDA-aware MPI (the buffer taken through __cuda_array_interface__)",
-                   _order.call_site(), doing="reads or writes")
+            try:
+                _touch(self, True, issued, "CUDA-aware MPI (the buffer taken through __cuda_array_interface__)",
+                       _order.call_site(), doing="reads or writes")
+            except _order.StreamOrderError as exc:
+                # mpi4py looks the attribute up with Cython's hasattr, which swallows every error and
+                # then reports only "expecting buffer": say it here as well
+                sys.stderr.write(f"StreamOrderError: {exc}\n")
+                sys.stderr.flush()
+                raise
         return prop.fget(self)
 
     return property(cai)

@@ -41,6 +41,7 @@ class _Host:
 
 
 _host = _Host()
+_issued = {}  # every stream's last sequence number (streams no longer referenced too): what a device synchronize covers
 
 
 def _actor_name(actor):
@@ -90,7 +91,7 @@ def issue(stream):
     elif not stream.non_blocking:  # and a blocking stream waits for it
         _join(stream.clock, Stream.null.clock)
     stream.seq += 1
-    stream.clock[stream.ptr] = stream.seq
+    stream.clock[stream.ptr] = _issued[stream.ptr] = stream.seq
     return stream.ptr, stream.seq, stream.clock
 
 
@@ -116,10 +117,7 @@ def host_waits(clock):
 
 
 def host_waits_all():
-    from cupy.cuda._queue import Stream
-
-    for stream in list(Stream._live):
-        host_waits(stream.clock)
+    host_waits(_issued)
 
 
 # ------------------------------------------------------------------ accesses
