@@ -10,8 +10,9 @@ member holds its buffer, each step moves one chunk to the next member, which add
 rounds); stay within p-1 roundings of the exact sum; and differ from a sum rounded once (so a
 stand-in that rounds once fails). Then a dp=4 bf16 training step equals the single-rank GPU step
 within tests/test_gpu.py's bf16 tolerance.
-`pp2`, `tp2-mpi`: one training step of the engine (a 2-stage pipeline over NCCL's send/receive
-channels; tensor parallelism over CUDA-aware MPI), with the stand-in's order tracking on.
+`pp2`, `tp2-mpi`: a training step of the engine (a 2-stage pipeline over NCCL's send/receive
+channels; tensor parallelism over CUDA-aware MPI), full rank in float32 and CoLA in bf16, with the
+stand-in's order tracking on (on whichever device BOOSTMPI_STANDIN_GPU names).
 
 A second argument puts a mutant into this process before the check: the source text of one module
 is changed and executed again in place of the module. Rank 0 prints `ok` when every check passed;
@@ -157,7 +158,8 @@ def engine_step(world, layout):
     from gpu_steps import step
 
     parallel = {"pp2": dict(pp=2), "tp2-mpi": dict(tp=2, comm="mpi")}[layout]
-    step("full", "gpu", "float32", parallel, world=world)
+    for arch, dtype in (("full", "float32"), ("cola", "bfloat16")):
+        step(arch, "gpu", dtype, parallel, world=world)
 
 
 def main(check, mutant=None):

@@ -214,27 +214,32 @@ def test_ring_sum_follows_the_simulated_ring(dtype, size):
 
 
 # ---------------------------------------------------------------- under mpiexec: the engine, the ring, mutants
-def _mpiexec(ranks, *args):
+def _mpiexec(ranks, *args, device="a100"):
+    import os
+
     assert MPIEXEC, "mpiexec not found (pip install mpich)"
+    env = dict(os.environ, BOOSTMPI_STANDIN_GPU=device, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, str(TESTS / "gpu_order_checks.py"), *args],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     return proc.returncode, proc.stdout, proc.stderr
 
 
-@pytest.mark.parametrize("check,ranks,mutant,report", [
-    ("pp2", 2, None, None),
-    ("pp2", 2, "skip-p2p-wait", "NCCL send of .* reads the buffer .* written by .* on stream 0x0"),
-    ("tp2-mpi", 2, None, None),
-    ("tp2-mpi", 2, "no-mpi-sync", "CUDA-aware MPI .* at boostmpi/parallel/comm.py:.* written by .* on stream 0x0"),
-    ("ring", 4, None, None),
-    ("ring", 4, "round-once", "bfloat16: .* elements differ from NCCL's ring order"),
+@pytest.mark.parametrize("check,ranks,mutant,report,device", [
+    ("pp2", 2, None, None, "a100"),
+    ("pp2", 2, None, None, "mi250x"),  # the multi-rank engine at 64 lanes
+    ("pp2", 2, "skip-p2p-wait", "NCCL send of .* reads the buffer .* written by .* on stream 0x0", "a100"),
+    ("tp2-mpi", 2, None, None, "a100"),
+    ("tp2-mpi", 2, None, None, "mi250x"),
+    ("tp2-mpi", 2, "no-mpi-sync", "CUDA-aware MPI .* at boostmpi/parallel/comm.py:.* written by .* on stream 0x0", "a100"),
+    ("ring", 4, None, None, "a100"),
+    ("ring", 4, "round-once", "bfloat16: .* elements differ from NCCL's ring order", "a100"),
 ])
-def test_engine_stream_order_and_ring_order_under_mpi(check, ranks, mutant, report):
+def test_engine_stream_order_and_ring_order_under_mpi(check, ranks, mutant, report, device):
     """The real code passes; each mutant (one change to the source text, in the ranks' processes) fails
     with the report that names it."""
     import re
 
-    status, out, err = _mpiexec(ranks, check, *([mutant] if mutant else []))
+    status, out, err = _mpiexec(ranks, check, *([mutant] if mutant else []), device=device)
     if report is None:
         assert status == 0 and out.strip().endswith("ok"), f"{out[-2000:]}\n{err[-6000:]}"
     else:
