@@ -93,11 +93,14 @@ class MemoryPool:
         return sum(len(v) for v in self._free.values())
 
     def free_all_blocks(self, stream=None):
-        for (_, size), raws in self._free.items():
+        """Every free block back to the device (with `stream`: that stream's arena only, as CuPy)."""
+        for (arena, size), raws in list(self._free.items()):
+            if stream is not None and arena != stream.ptr:
+                continue
             for raw in raws:
                 raw.free()
                 self._total -= size
-        self._free.clear()
+            del self._free[(arena, size)]
 
     def set_limit(self, size=None, fraction=None):  # accepted, as CuPy does; no limit is enforced
         pass

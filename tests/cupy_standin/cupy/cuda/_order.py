@@ -164,3 +164,14 @@ def access(mem, lo, hi, write, issued, what, buffer, where=None, doing=None):
     else:  # an earlier read of these bytes by the same actor is implied by this one
         records[:] = [r for r in records if r.write or r.actor != actor or r.lo < lo or r.hi > hi]
     records.append(_Access(lo, hi, write, actor, seq, what, where or call_site()))
+
+
+def access_pointer(ptr, nbytes, write, issued, what, where=None):
+    """`access` for code that has a raw device pointer (NCCL, cuBLAS): bytes [ptr, ptr + nbytes)."""
+    from cupy._memory import host_view
+
+    if not ENABLED or nbytes <= 0:
+        return
+    _, mem = host_view(ptr, nbytes)
+    lo = ptr - mem.ptr
+    access(mem, lo, lo + nbytes, write, issued, what, f"the buffer at {ptr:#x}", where)

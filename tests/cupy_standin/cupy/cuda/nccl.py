@@ -197,9 +197,7 @@ class NcclCommunicator:
         writes = {ptr for ptr, _, w in touches if w}
         for ptr, nbytes, write in touches:
             if write or ptr not in writes:  # in place: the write covers the read
-                _, mem = host_view(ptr, nbytes)
-                lo = ptr - mem.ptr
-                _order.access(mem, lo, lo + nbytes, write, issued, f"NCCL {what}", f"the buffer at {ptr:#x}", where)
+                _order.access_pointer(ptr, nbytes, write, issued, f"NCCL {what}", where)
         self._issued.append(op)
         _queue.enqueue(stream, op)
 
