@@ -111,6 +111,8 @@ def test_get_copies_on_the_current_stream_and_synchronizes_it(cp):
     with pytest.raises(StreamOrderError, match="ndarray.get"):
         a.get()
     assert a.get(stream=side).sum() == 64.0  # on the stream that wrote it: ordered, and synchronized
+    c = _filled_on(side, cp, 2.0)
+    assert cp.asnumpy(c, stream=side).sum() == 128.0
     b = _filled_on(side, cp, 3.0)
     side.synchronize()
     assert float(b[0]) == 3.0 and cp.asnumpy(b).sum() == 192.0

@@ -600,9 +600,9 @@ def ascontiguousarray(a, dtype=None):
     return _device_copy(np.ascontiguousarray(a._a, dtype=dt))
 
 
-def asnumpy(a, stream=None, order="C", out=None):
+def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
     if isinstance(a, ndarray):
-        return a.get(out=out)
+        return a.get(stream=stream, order=order, out=out, blocking=blocking)
     return np.asarray(a, order=order)
 
 

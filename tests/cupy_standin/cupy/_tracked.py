@@ -140,7 +140,7 @@ def _method(name, fn):
         if name in _HOST_COPIES:
             from cupy.cuda._queue import get_current_stream
 
-            stream = kwargs.get("stream") or get_current_stream()
+            stream = kwargs.get("stream") or (args[0] if name == "get" and args else None) or get_current_stream()
             result = _device_work(what, fn, (self,) + args, kwargs, [self], [], stream)
             if kwargs.get("blocking", True):
                 stream.synchronize()  # CuPy's copy to the host blocks until its stream is done
