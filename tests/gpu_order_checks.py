@@ -3,6 +3,7 @@
     python tests/gpu_order_checks.py ring [round-once]      (4 ranks)
     python tests/gpu_order_checks.py pp2 [skip-p2p-wait]    (2 ranks)
     python tests/gpu_order_checks.py tp2-mpi [no-mpi-sync]  (2 ranks)
+    python tests/gpu_order_checks.py single [warp-32-reduction]  (one process, no MPI)
 
 `ring`: bfloat16 and float16 all-reduces and reduce-scatters of a group of 4 through the project's
 NcclGroup on the CuPy stand-in equal, bit for bit, a step-by-step simulation of NCCL's ring (every
@@ -13,6 +14,10 @@ within tests/test_gpu.py's bf16 tolerance.
 `pp2`, `tp2-mpi`: a training step of the engine (a 2-stage pipeline over NCCL's send/receive
 channels; tensor parallelism over CUDA-aware MPI), full rank in float32 and CoLA in bf16, with the
 stand-in's order tracking on (on whichever device BOOSTMPI_STANDIN_GPU names).
+
+`single`: single-rank GPU steps against the CPU float64 step, on whichever device
+BOOSTMPI_STANDIN_GPU names (tests/test_gpu.py runs it at 64 lanes with a kernel reduction made
+for 32: the 64-lane run must catch it, the 32-lane one cannot).
 
 A second argument puts a mutant into this process before the check: the source text of one module
 is changed and executed again in place of the module. Rank 0 prints `ok` when every check passed;
@@ -36,6 +41,10 @@ MUTANTS = {
     "no-mpi-sync": ("boostmpi.parallel.engine", "boostmpi/parallel/engine.py",
                     "sync = lambda: self.xp.cuda.get_current_stream().synchronize()  # noqa: E731",
                     "sync = None"),
+    # kernel text (every kernel's source as the loader assembles it): a warp reduction for 32 lanes
+    "warp-32-reduction": ("boostmpi.gpu.kernels", "kernels/common.cuh",
+                          "for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1)",
+                          "for (int offset = 16; offset > 0; offset >>= 1)"),
 }
 
 
@@ -49,7 +58,11 @@ def mutate(name):
     source = path.read_text()
     if source.count(text) != 1:
         raise AssertionError(f"mutant {name}: the text to change occurs {source.count(text)} times in {path}")
-    exec(compile(source.replace(text, replacement), str(path), "exec"), module.__dict__)
+    if path.suffix == ".py":
+        exec(compile(source.replace(text, replacement), str(path), "exec"), module.__dict__)
+        return
+    real = module.kernel_source  # a kernel header: the source the loader hands the compiler, changed
+    module.kernel_source = lambda kernel: real(kernel).replace(text, replacement)
 
 
 # ---------------------------------------------------------------- NCCL's ring, simulated
@@ -162,12 +175,28 @@ def engine_step(world, layout):
         step(arch, "gpu", dtype, parallel, world=world)
 
 
+def single_rank_steps():
+    """Full rank and CoLA, float32 and bf16, one GPU step each against the CPU float64 step."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from gpu_steps import step
+    from test_gpu import assert_step_close
+
+    for arch in ("full", "cola"):
+        want = step(arch, "cpu", "float64")
+        for dtype in ("float32", "bfloat16"):
+            assert_step_close(step(arch, "gpu", dtype), want, dtype, f"{arch} {dtype}")
+
+
 def main(check, mutant=None):
+    if mutant:
+        mutate(mutant)
+    if check == "single":  # one process, no MPI
+        single_rank_steps()
+        print("ok")
+        return
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    if mutant:
-        mutate(mutant)
     if check == "ring":
         ring(world)
     else:
@@ -181,4 +210,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(ROOT / "tests"))
     from gpu_steps import run_or_abort
 
-    run_or_abort(main, *sys.argv[1:])
+    if sys.argv[1] == "single":
+        main(*sys.argv[1:])
+    else:
+        run_or_abort(main, *sys.argv[1:])

@@ -162,3 +162,21 @@ def test_single_rank_gpu_steps_at_64_lanes():
                            "-k", subset], capture_output=True, text=True, timeout=900, env=env, cwd=TESTS.parent)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
     assert "AMD Instinct MI250X" in proc.stdout and "16 passed" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("device,caught", [("a100", False), ("mi250x", True)])
+def test_a_reduction_made_for_32_lanes_is_caught_at_64(device, caught):
+    """Mutant: the warp reduction every kernel shares (kernels/common.cuh) starts at offset 16 instead of
+    WARP_SIZE / 2, changed in the text the loader hands the compiler (tests/gpu_order_checks.py). Single-rank
+    steps against the CPU: identical at 32 lanes, so only the 64-lane run can catch it, and it does."""
+    from gpu_setup import GPU
+
+    if not GPU.standin:
+        return
+    env = dict(os.environ, BOOSTMPI_STANDIN_GPU=device, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(TESTS / "gpu_order_checks.py"), "single", "warp-32-reduction"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    if caught:
+        assert proc.returncode != 0 and "AssertionError: full float32: loss" in proc.stderr, proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
