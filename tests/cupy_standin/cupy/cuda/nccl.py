@@ -68,11 +68,12 @@ def _ring_chunks(count, size):
 def ring_sum(parts, dt, op=NCCL_SUM, root=None):
     """parts [size, count] (one row per member, dtype dt) combined as NCCL's ring does.
 
-    All-reduce (NCCL's runRing in all_reduce.h: reduce-scatter, then all-gather): chunk c starts at
+    All-reduce (NCCL's runRing in src/device/all_reduce.h: reduce-scatter, then all-gather,
+    https://github.com/NVIDIA/nccl/blob/master/src/device/all_reduce.h): chunk c starts at
     member c+1, which sends its part to c+2; each member adds its own part to what it received and
     sends the result on, so the partial sum is rounded to the buffer's dtype at each of the p-1 hops
-    and is complete at member c, which then passes it around unchanged. Reduce (reduce.h): one chain
-    for the whole buffer from root+1 around to the root. 16-bit floats are added in float32 and
+    and is complete at member c, which then passes it around unchanged. Reduce (src/device/reduce.h):
+    one chain for the whole buffer from root+1 around to the root. 16-bit floats are added in float32 and
     rounded back at every hop; wider types round in their own precision; integers are exact.
     The real ring follows the interconnect (not necessarily rank order) and cuts the buffer into
     chunks per channel and step; this model keeps the per-hop rounding and one fixed order per chunk."""
