@@ -11,6 +11,10 @@ Blocking points -- `Stream.synchronize`, `Event.synchronize`, the current stream
 event, device work queued on the current stream -- drive the queue until what they wait for is
 done. A wait that makes no progress for `BOOSTMPI_STANDIN_WAIT_S` seconds (default 120) raises
 with what it waited for: on a GPU that would be a hang.
+
+This queue only keeps the data right (the eager host compute must see what NCCL delivered). Which
+accesses a GPU would order is tracked separately, by the rules CUDA gives (cuda/_order.py): the
+waits done here for the data (switching streams, queuing on the current stream) order nothing there.
 """
 
 import itertools
