@@ -3,6 +3,7 @@
     python tests/gpu_order_checks.py ring [round-once]      (4 ranks)
     python tests/gpu_order_checks.py pp2 [skip-p2p-wait]    (2 ranks)
     python tests/gpu_order_checks.py tp2-mpi [no-mpi-sync]  (2 ranks)
+    python tests/gpu_order_checks.py pp2-dp2-zero1          (4 ranks)
     python tests/gpu_order_checks.py single [warp-32-reduction]  (one process, no MPI)
 
 `ring`: bfloat16 and float16 all-reduces and reduce-scatters of a group of 4 through the project's
@@ -13,7 +14,8 @@ stand-in that rounds once fails). Then a dp=4 bf16 training step equals the sing
 within tests/test_gpu.py's bf16 tolerance.
 `pp2`, `tp2-mpi`: a training step of the engine (a 2-stage pipeline over NCCL's send/receive
 channels; tensor parallelism over CUDA-aware MPI), full rank in float32 and CoLA in bf16, with the
-stand-in's order tracking on (on whichever device BOOSTMPI_STANDIN_GPU names).
+stand-in's order tracking on (on whichever device BOOSTMPI_STANDIN_GPU names); `pp2-dp2-zero1`:
+three bf16 training steps with every kind of stream the engine has busy at once.
 
 `single`: single-rank GPU steps against the CPU float64 step, on whichever device
 BOOSTMPI_STANDIN_GPU names (tests/test_gpu.py runs it at 64 lanes with a kernel reduction made
@@ -187,6 +189,25 @@ def single_rank_steps():
             assert_step_close(step(arch, "gpu", dtype), want, dtype, f"{arch} {dtype}")
 
 
+def training_steps(world):
+    """pp=2 x dp=2, ZeRO-1, bf16: three steps of four micro-batches (1F1B with sends in both directions
+    in flight, gradients reduce-scattered on the side stream, the compute buffer all-gathered)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from gpu_steps import MODEL, config
+
+    from boostmpi.parallel.engine import Engine
+    from boostmpi.train.optim import AdamW
+
+    cfg = config("cola", "gpu", "bfloat16", dict(pp=2, dp=2, zero_stage=1), dict(lr=0.01))
+    engine = Engine(cfg, world, local_rank=world.Get_rank())
+    optimizer = AdamW(engine.params, engine.specs, cfg.train, engine.xp, shard=engine.shard, master=engine.master)
+    rng = np.random.default_rng(engine.grid.coords.dp)
+    for _ in range(3):
+        tokens = rng.integers(0, MODEL["vocab_size"], (4, 2, MODEL["seq_len"] + 1))
+        engine.forward_backward([(t[:, :-1], t[:, 1:]) for t in tokens])
+        engine.optimizer_step(optimizer, 0.01, 1.0)
+
+
 def main(check, mutant=None):
     if mutant:
         mutate(mutant)
@@ -199,6 +220,8 @@ def main(check, mutant=None):
     world = MPI.COMM_WORLD
     if check == "ring":
         ring(world)
+    elif check == "pp2-dp2-zero1":
+        training_steps(world)
     else:
         engine_step(world, check)
     world.Barrier()

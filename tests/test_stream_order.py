@@ -233,6 +233,7 @@ def _mpiexec(ranks, *args, device="a100"):
     ("tp2-mpi", 2, None, None, "a100"),
     ("tp2-mpi", 2, None, None, "mi250x"),
     ("tp2-mpi", 2, "no-mpi-sync", "CUDA-aware MPI .* at boostmpi/parallel/comm.py:.* written by .* on stream 0x0", "a100"),
+    ("pp2-dp2-zero1", 4, None, None, "a100"),
     ("ring", 4, None, None, "a100"),
     ("ring", 4, "round-once", "bfloat16: .* elements differ from NCCL's ring order", "a100"),
 ])
