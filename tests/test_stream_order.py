@@ -103,6 +103,19 @@ def test_writes_to_disjoint_slices_need_no_order_but_overlapping_ones_do(cp):
         a[15:33] = 3.0
 
 
+def test_views_and_no_op_conversions_launch_nothing(cp):
+    """Slicing, reshape, transpose and asarray of a device array touch no memory: no order is needed."""
+    from cupy.cuda._order import StreamOrderError
+
+    side = _side()
+    a = _filled_on(side, cp)
+    views = [a[3:9], a.reshape(8, 8).T, cp.asarray(a), a.astype(np.float32, copy=False), cp.ascontiguousarray(a)]
+    assert all(v.data.mem is a.data.mem for v in views)
+    with pytest.raises(StreamOrderError):
+        a.copy()  # a copy is device work
+    cp.cuda.get_current_stream().wait_event(side.record())
+
+
 def test_get_copies_on_the_current_stream_and_synchronizes_it(cp):
     from cupy.cuda._order import StreamOrderError
 

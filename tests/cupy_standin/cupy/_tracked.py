@@ -4,7 +4,8 @@
 of `ndarray`, `ufunc` and `RawKernel`, and `ndarray.__cuda_array_interface__`, by one rule:
 - a call is one access on the current stream (a kernel launch: on its `stream=`); only the
   outermost stand-in call counts (what it calls internally is the same device work); a call that
-  returns a view of its array (slicing, `reshape`, `transpose`, ...) launches nothing and is none;
+  writes nothing and returns its array or a view of it (slicing, `reshape`, `transpose`, `asarray`
+  of a device array, ...) launches nothing and is none;
 - it reads every device array among its arguments (in lists and tuples too) and writes its `out=`,
   the array an in-place method changes (`a[k] = v` writes the bytes of `a[k]` only, `a += b`,
   `fill`, `set`) and every new array it returns (a returned view writes nothing);
@@ -36,7 +37,6 @@ except ImportError:  # NumPy < 2
 _state = threading.local()
 _HOST_COPIES = {"get", "item", "tolist", "__float__", "__int__", "__index__", "__bool__", "__repr__", "__str__",
                 "__format__"}
-_VIEWS = {"__getitem__", "reshape", "transpose", "swapaxes", "ravel", "squeeze", "view", "astype"}  # no work if a view
 _IN_PLACE = {"fill", "set", "__setitem__"} | {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "pow", "and", "or",
                                                                          "xor", "floordiv", "matmul")}
 _NO_ACCESS_METHODS = {"__init__", "__array__", "__array_function__", "__len__", "__iter__", "__pos__", "_wrap_result",
@@ -88,14 +88,15 @@ def _call(fn, args, kwargs):
         _state.depth -= 1
 
 
-def _device_work(what, fn, args, kwargs, reads, writes, stream=None, written_views=(), view_of=None):
+def _device_work(what, fn, args, kwargs, reads, writes, stream=None, written_views=()):
     """Run fn as one access on `stream` (the current one if None): check and record reads and writes.
-    With `view_of`: when fn returns a view of that array, it was no device work at all."""
+    A call that writes nothing and returns one of its arrays or a view of it (slicing, `reshape`,
+    `asarray` of a device array, ...) or an empty array was no device work at all."""
     from cupy import ndarray
     from cupy.cuda._queue import get_current_stream
 
     result = _call(fn, args, kwargs)
-    if view_of is not None and isinstance(result, ndarray) and (result._mem is view_of._mem or not result.size):
+    if not writes and isinstance(result, ndarray) and (not result.size or any(result._mem is a._mem for a in reads)):
         return result
     stream = get_current_stream() if stream is None else stream
     issued = _order.issue(stream)
@@ -154,8 +155,7 @@ def _method(name, fn):
                 if isinstance(target, np.ndarray) and np.may_share_memory(target, self._a) and target.size:
                     views = (target,)
                 reads = reads[1:]  # a[k] = v reads v (and index arrays), not a
-        return _device_work(what, fn, (self,) + args, kwargs, reads, writes, kwargs.get("stream"), views,
-                            self if name in _VIEWS else None)
+        return _device_work(what, fn, (self,) + args, kwargs, reads, writes, kwargs.get("stream"), views)
 
     return tracked
 
