@@ -26,7 +26,8 @@ import sys
 
 ENABLED = os.environ.get("BOOSTMPI_STANDIN_TRACK", "1") != "0"
 HOST = "host"
-_STANDIN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../cupy_standin/cupy
+_STANDIN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../tests/cupy_standin/cupy
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(_STANDIN)))
 
 
 class StreamOrderError(RuntimeError):
@@ -59,11 +60,11 @@ def call_site():
 
 
 def _short(path):
-    for marker in ("/boostmpi/", "/tests/", "/bench/"):
-        i = path.rfind(marker)
-        if i >= 0:
-            return path[i + 1:]
-    return path
+    """A path relative to the repository (or from the installed package's folder on)."""
+    if path.startswith(_REPO + os.sep):
+        return path[len(_REPO) + 1:]
+    i = path.rfind(f"{os.sep}boostmpi{os.sep}")
+    return path[i + 1:] if i >= 0 else path
 
 
 def _join(into, other):
