@@ -14,8 +14,10 @@ of `ndarray`, `ufunc` and `RawKernel`, and `ndarray.__cuda_array_interface__`, b
   does) reads on its stream and then synchronizes that stream, as CuPy's `ndarray.get` does
   (cupy/_core/core.pyx at v14.2.0: `copy_to_host_async(..., stream)` then `stream.synchronize()`);
 - `__cuda_array_interface__` is how mpi4py takes a device buffer (CUDA-aware MPI). mpi4py does not
-  wait for any stream (its CuPy demo synchronizes the current stream before every MPI call:
-  https://github.com/mpi4py/mpi4py/blob/master/demo/cuda-aware-mpi/use_cupy.py), so the access is
+  wait for any stream: it reads the interface's data, typestr, shape, strides, descr and mask, never
+  its `stream` (src/mpi4py/MPI.src/ascaibuf.pxi), and its CuPy demo synchronizes the current stream
+  before every MPI call (https://github.com/mpi4py/mpi4py/blob/master/demo/cuda-aware-mpi/use_cupy.py),
+  so the access is
   the host's, ordered only after what the host has synchronized; whether MPI will read or write
   the buffer is not known here, so it counts as a write (ordered after every earlier access).
 """
@@ -210,8 +212,8 @@ def _array_interface(prop):
                 _touch(self, True, issued, "CUDA-aware MPI (the buffer taken through __cuda_array_interface__)",
                        _order.call_site(), doing="reads or writes")
             except _order.StreamOrderError as exc:
-                # mpi4py looks the attribute up with Cython's hasattr, which swallows every error and
-                # then reports only "expecting buffer": say it here as well
+                # mpi4py's Py_CheckCAIBuffer looks the attribute up inside `try: hasattr(...) except:
+                # return 0`, so the error is lost and it reports only "expecting buffer": say it here too
                 sys.stderr.write(f"StreamOrderError: {exc}\n")
                 sys.stderr.flush()
                 raise
