@@ -238,7 +238,8 @@ class NcclCommunicator:
                       [(sendbuf, nbytes, False), (recvbuf, nbytes, writes)][:2 if writes else 1])
 
     def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
-        """The sum (op) of every member's buffer, in rank order as allReduce, written on `root` only."""
+        """The sum (op) of every member's buffer, along NCCL's chain from root+1 to the root (`ring_sum`),
+        written on `root` only."""
         self._reduce(f"reduce of {count} to {root}", sendbuf, recvbuf, count, datatype, op, stream, root)
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):
