@@ -131,6 +131,22 @@ def test_get_copies_on_the_current_stream_and_synchronizes_it(cp):
     assert float(b[0]) == 3.0 and cp.asnumpy(b).sum() == 192.0
 
 
+def test_set_copies_from_the_host_on_its_stream(cp):
+    from cupy.cuda._order import StreamOrderError
+
+    a = cp.zeros(16, dtype=np.float32)
+    side = _side()
+    side.wait_event(cp.cuda.get_current_stream().record())
+    with side:
+        a.sum()
+    host = np.arange(16, dtype=np.float32)
+    with pytest.raises(StreamOrderError, match="ndarray.set on stream 0x0 .* writes .* read by ndarray.sum"):
+        a.set(host)
+    a.set(host, stream=side)  # on the stream that read it: ordered
+    cp.cuda.get_current_stream().wait_event(side.record())
+    assert a.get().tolist() == host.tolist()
+
+
 def test_cuda_aware_mpi_needs_the_producing_stream_synchronized(cp):
     """mpi4py takes device buffers through __cuda_array_interface__ and waits for no stream."""
     from cupy.cuda._order import StreamOrderError
