@@ -125,9 +125,10 @@ def _ring_checks(group, rank, size):
         out = cupy.empty(counts[rank], dtype=dtype)
         group.reduce_scatter(cupy.array(values[rank]), out, counts)
         chain = [(rank + k) % size for k in range(1, size + 1)]
-        piece = values[chain[0], start:start + counts[rank]]
+        mine = slice(start, start + counts[rank])
+        piece = values[chain[0], mine]
         for member in chain[1:]:
-            piece = (piece.astype(np.float32) + values[member, start:start + counts[rank]].astype(np.float32)).astype(dtype)
+            piece = (piece.astype(np.float32) + values[member, mine].astype(np.float32)).astype(dtype)
         assert out.get().tobytes() == piece.tobytes(), f"{dtype}: reduce-scatter differs from NCCL's chain order"
 
 

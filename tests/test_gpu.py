@@ -156,7 +156,8 @@ def test_single_rank_gpu_steps_at_64_lanes():
 
     if not GPU.standin:  # a real device has the warp width it has
         return
-    subset = "test_gpu_step_matches_cpu or test_gpu_recompute_modes_match_cpu or test_gpu_steps_launch_the_fused_kernels"
+    subset = ("test_gpu_step_matches_cpu or test_gpu_recompute_modes_match_cpu or "
+              "test_gpu_steps_launch_the_fused_kernels")
     env = dict(os.environ, BOOSTMPI_STANDIN_GPU="mi250x", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(TESTS / "test_gpu.py"),
                            "-k", subset], capture_output=True, text=True, timeout=900, env=env, cwd=TESTS.parent)

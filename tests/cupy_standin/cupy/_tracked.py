@@ -39,8 +39,8 @@ except ImportError:  # NumPy < 2
 _state = threading.local()
 _HOST_COPIES = {"get", "item", "tolist", "__float__", "__int__", "__index__", "__bool__", "__repr__", "__str__",
                 "__format__"}
-_IN_PLACE = {"fill", "set", "__setitem__"} | {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "pow", "and", "or",
-                                                                         "xor", "floordiv", "matmul")}
+_IN_PLACE = {"fill", "set", "__setitem__"} | {
+    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "pow", "and", "or", "xor", "floordiv", "matmul")}
 _NO_ACCESS_METHODS = {"__init__", "__array__", "__array_function__", "__len__", "__iter__", "__pos__", "_wrap_result",
                       "_view", "_index", "__hash__"}
 # module functions that allocate only, or hand over to a method that is tracked itself
@@ -170,7 +170,8 @@ def _ufunc_call(fn):
         if out is None and len(args) == self.nin + 1:
             args, out = args[:-1], args[-1]
         writes = _arrays(out, []) if out is not None else []
-        return _device_work(f"cupy.{self.__name__}", fn, (self,) + args, dict(kwargs, out=out), _arrays(args, []), writes)
+        return _device_work(f"cupy.{self.__name__}", fn, (self,) + args, dict(kwargs, out=out), _arrays(args, []),
+                            writes)
 
     return tracked
 

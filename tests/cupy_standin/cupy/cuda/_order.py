@@ -126,7 +126,8 @@ class _Access:
     __slots__ = ("lo", "hi", "write", "actor", "seq", "what", "where")
 
     def __init__(self, lo, hi, write, actor, seq, what, where):
-        self.lo, self.hi, self.write, self.actor, self.seq, self.what, self.where = lo, hi, write, actor, seq, what, where
+        self.lo, self.hi, self.write = lo, hi, write
+        self.actor, self.seq, self.what, self.where = actor, seq, what, where
 
     def describe(self):
         return f"{'written' if self.write else 'read'} by {self.what} on {_actor_name(self.actor)} " \

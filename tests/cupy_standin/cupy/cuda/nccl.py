@@ -81,7 +81,10 @@ def ring_sum(parts, dt, op=NCCL_SUM, root=None):
     work = np.float32 if dt.itemsize == 2 and dt.kind not in "iu" else dt
     fn = _REDUCE[op]
     out = np.empty(count, dt)
-    spans = [(0, count, root)] if root is not None else [(lo, hi, c) for c, (lo, hi) in enumerate(_ring_chunks(count, size))]
+    if root is not None:
+        spans = [(0, count, root)]
+    else:
+        spans = [(lo, hi, c) for c, (lo, hi) in enumerate(_ring_chunks(count, size))]
     for lo, hi, last in spans:
         order = [(last + k) % size for k in range(1, size + 1)]  # ends at `last`
         total = parts[order[0], lo:hi]
