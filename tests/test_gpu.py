@@ -161,3 +161,38 @@ def test_zero1_bf16_trains_reports_its_share_and_resumes_under_other_layouts(tmp
     float32 slice plus the whole bf16 copy; its checkpoint resumes under zero_stage = 0 with the same
     losses bit for bit and under tp=2 x pp=2 within the bf16 tolerance (other accumulation order)."""
     run_four_ranks("gpu_zero_resume.py", tmp_path)
+
+
+def test_single_rank_gpu_steps_at_64_lanes():
+    """Every single-rank test above again with the stand-in device an MI250X GCD (`BOOSTMPI_STANDIN_GPU=mi250x`):
+    a 64-wide wavefront, so the kernels are built with -DWARP_SIZE=64 and launched at the block sizes the
+    loader picks for it (the multi-rank steps at 64 lanes: tests/test_stream_order.py)."""
+    from gpu_setup import GPU
+
+    if not GPU.standin:  # a real device has the warp width it has
+        return
+    subset = ("test_gpu_step_matches_cpu or test_gpu_recompute_modes_match_cpu or "
+              "test_gpu_steps_launch_the_fused_kernels")
+    env = dict(os.environ, BOOSTMPI_STANDIN_GPU="mi250x", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(TESTS / "test_gpu.py"),
+                           "-k", subset], capture_output=True, text=True, timeout=900, env=env, cwd=TESTS.parent)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
+    assert "AMD Instinct MI250X" in proc.stdout and "16 passed" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("device,caught", [("a100", False), ("mi250x", True)])
+def test_a_reduction_made_for_32_lanes_is_caught_at_64(device, caught):
+    """Mutant: the warp reduction every kernel shares (kernels/common.cuh) starts at offset 16 instead of
+    WARP_SIZE / 2, changed in the text the loader hands the compiler (tests/gpu_order_checks.py). Single-rank
+    steps against the CPU: identical at 32 lanes, so only the 64-lane run can catch it, and it does."""
+    from gpu_setup import GPU
+
+    if not GPU.standin:
+        return
+    env = dict(os.environ, BOOSTMPI_STANDIN_GPU=device, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(TESTS / "gpu_order_checks.py"), "single", "warp-32-reduction"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    if caught:
+        assert proc.returncode != 0 and "AssertionError: full float32: loss" in proc.stderr, proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

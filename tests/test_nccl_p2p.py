@@ -262,7 +262,8 @@ def test_an_unordered_collective_is_refused():
         if group is None:
             return
         group._collective_stream = group._stream
-        pending = group.iallreduce(_filled(1))
+        first = _filled(1)  # kept alive: its memory is the side stream's until the wait
+        pending = group.iallreduce(first)
         with pytest.raises(NcclOrderError, match="not ordered after"):
             group.allreduce(_filled(2))
         pending.wait()

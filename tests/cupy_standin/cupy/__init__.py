@@ -215,12 +215,21 @@ class ndarray:
             return NotImplemented
         return impl(*args, **kwargs)
 
-    def get(self, stream=None, order="C", out=None):
+    def get(self, stream=None, order="C", out=None, blocking=True):
         host = np.array(self._a, copy=True, order=order)
         if out is not None:
             out[...] = host
             return out
         return host
+
+    def set(self, arr, stream=None):
+        if not isinstance(arr, np.ndarray):
+            raise TypeError("Only numpy.ndarray can be set to cupy.ndarray")
+        if arr.dtype != self.dtype:
+            raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
+        if arr.shape != self.shape:
+            raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
+        self._a[...] = arr
 
     def item(self):
         if self.size != 1:
@@ -721,9 +730,9 @@ def ascontiguousarray(a, dtype=None):
     return _device_copy(np.ascontiguousarray(a._a, dtype=dt))
 
 
-def asnumpy(a, stream=None, order="C", out=None):
+def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
     if isinstance(a, ndarray):
-        return a.get(out=out)
+        return a.get(stream=stream, order=order, out=out, blocking=blocking)
     return np.asarray(a, order=order)
 
 
@@ -833,3 +842,8 @@ random = _Random()
 
 # ================================================================== kernels
 from cupy._kernel import RawKernel, RawModule  # noqa: E402,F401
+
+# ================================================================== order tracking (cuda/_order.py)
+from cupy import _tracked  # noqa: E402
+
+_tracked.instrument(globals())

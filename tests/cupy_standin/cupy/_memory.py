@@ -3,7 +3,11 @@
 Every device array lives in a harness allocation (guard regions on both sides), so a RawKernel
 launch sees the same bytes the array does, and the NCCL stand-in finds an array's memory from a
 raw pointer. The pool imitates CuPy's MemoryPool where the project reads it: sizes rounded up
-to 512 bytes, freed blocks kept for reuse, `used_bytes` / `total_bytes` / `free_all_blocks`.
+to 512 bytes, freed blocks kept for reuse by the stream that allocated them (CuPy keeps one arena
+per stream: cupy/cuda/memory.pyx at v14.2.0, `SingleDeviceMemoryPool._malloc`), `used_bytes` /
+`total_bytes` / `free_all_blocks`. A block remembers the accesses made to it across reuse, so the
+order tracking (cuda/_order.py) sees a new array written while the block's previous user on
+another stream may still be reading it.
 """
 
 import bisect
@@ -28,12 +32,15 @@ def _host_address(arr):
 class Memory:
     """One block handed out by the pool; returned to it when the last array using it is gone."""
 
-    def __init__(self, pool, raw, size):
+    def __init__(self, pool, raw, size, arena):
+        from cupy.cuda._order import call_site
+
         self.pool, self.raw, self.size = pool, raw, size
         self.ptr = raw.ptr
         self.host = raw.host[:size]
+        self.site = call_site()  # where the array was made, for the order tracking's reports
         _register(self)
-        weakref.finalize(self, pool._release, raw, size, self.ptr)
+        weakref.finalize(self, pool._release, raw, size, self.ptr, arena)
 
 
 class MemoryPointer:
@@ -48,27 +55,30 @@ class MemoryPointer:
 
 class MemoryPool:
     def __init__(self):
-        self._free = {}  # rounded size -> raw harness allocations
+        self._free = {}  # (stream pointer, rounded size) -> raw harness allocations
         self._used = 0
         self._total = 0
 
     def malloc(self, nbytes):
+        from cupy.cuda._queue import get_current_stream
+
         size = max(ALLOCATION_UNIT, -(-int(nbytes) // ALLOCATION_UNIT) * ALLOCATION_UNIT)
-        cached = self._free.get(size)
+        arena = get_current_stream().ptr
+        cached = self._free.get((arena, size))
         if cached:
             raw = cached.pop()
         else:
             raw = _harness().alloc(size)
             self._total += size
         self._used += size
-        mem = Memory(self, raw, size)
+        mem = Memory(self, raw, size, arena)
         mem.host[...] = POISON_BYTE  # CuPy's memory is uninitialised: make unwritten reads show
         return mem
 
-    def _release(self, raw, size, ptr):
+    def _release(self, raw, size, ptr, arena):
         _unregister(ptr)
         self._used -= size
-        self._free.setdefault(size, []).append(raw)
+        self._free.setdefault((arena, size), []).append(raw)
 
     def used_bytes(self):
         return self._used
@@ -83,11 +93,14 @@ class MemoryPool:
         return sum(len(v) for v in self._free.values())
 
     def free_all_blocks(self, stream=None):
-        for size, raws in self._free.items():
+        """Every free block back to the device (with `stream`: that stream's arena only, as CuPy)."""
+        for (arena, size), raws in list(self._free.items()):
+            if stream is not None and arena != stream.ptr:
+                continue
             for raw in raws:
                 raw.free()
                 self._total -= size
-        self._free.clear()
+            del self._free[(arena, size)]
 
     def set_limit(self, size=None, fraction=None):  # accepted, as CuPy does; no limit is enforced
         pass

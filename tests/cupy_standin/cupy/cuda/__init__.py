@@ -18,9 +18,10 @@ class Device:
         _local.device = self.id
 
     def synchronize(self):
-        from cupy.cuda import _queue
+        from cupy.cuda import _order, _queue
 
         _queue.wait_for({op.id for op in _queue._pending}, f"synchronize of device {self.id}")
+        _order.host_waits_all()
 
     @property
     def pci_bus_id(self):

@@ -11,6 +11,10 @@ Blocking points -- `Stream.synchronize`, `Event.synchronize`, the current stream
 event, device work queued on the current stream -- drive the queue until what they wait for is
 done. A wait that makes no progress for `BOOSTMPI_STANDIN_WAIT_S` seconds (default 120) raises
 with what it waited for: on a GPU that would be a hang.
+
+This queue only keeps the data right (the eager host compute must see what NCCL delivered). Which
+accesses a GPU would order is tracked separately, by the rules CUDA gives (cuda/_order.py): the
+waits done here for the data (switching streams, queuing on the current stream) order nothing there.
 """
 
 import itertools
@@ -18,6 +22,8 @@ import os
 import threading
 import time
 import weakref
+
+from cupy.cuda import _order
 
 _op_ids = itertools.count(1)
 _stream_ptrs = itertools.count(0x5000)
@@ -101,10 +107,12 @@ class Stream:
         self.ptr = 0 if null else next(_stream_ptrs)
         self.non_blocking = non_blocking
         self.covered = frozenset()
+        _order.init_stream(self)
         Stream._live.add(self)
 
     def wait_event(self, event):
         self.covered = self.covered | event.covers
+        _order.wait(self, event)
         if self is get_current_stream():
             wait_for(event.covers, f"the current stream waiting on {event!r}")
 
@@ -117,15 +125,21 @@ class Stream:
 
     def synchronize(self):
         wait_for(self.covered, f"synchronize of stream {self.ptr:#x}")
+        _order.host_waits(self.clock)
 
     @property
     def done(self):
         progress()
-        return self.covered <= _done
+        if self.covered <= _done:
+            _order.host_waits(self.clock)  # the host saw it finish: as good as a synchronize
+            return True
+        return False
 
     def use(self):
         _local.current = self
-        self.synchronize()  # host compute from here on runs on this stream
+        # host compute from here on runs on this stream: its queued device work must be done (data
+        # only; for the order tracking this is no synchronize, as CuPy's `use` is none)
+        wait_for(self.covered, f"switching to stream {self.ptr:#x}")
         return self
 
     def __enter__(self):
@@ -157,20 +171,26 @@ class Event:
     def __init__(self, block=False, disable_timing=False, interprocess=False):
         self.disable_timing = disable_timing
         self.covers = frozenset()
+        self.clock = {}
         self.recorded = False
 
     def record(self, stream=None):
         stream = get_current_stream() if stream is None else stream
         self.covers = frozenset(stream.covered)
+        _order.record(self, stream)
         self.recorded = True
 
     def synchronize(self):
         wait_for(self.covers, f"synchronize of {self!r}")
+        _order.host_waits(self.clock)
 
     @property
     def done(self):
         progress()
-        return self.covers <= _done
+        if self.covers <= _done:
+            _order.host_waits(self.clock)
+            return True
+        return False
 
     def __repr__(self):
         return f"<cupy.cuda.Event covering {sorted(self.covers)} (stand-in)>"

@@ -9,9 +9,13 @@ queued on the stream it was given (cuda/_queue.py):
   at once and hang or mix their data;
 - `send` is a synchronous-mode MPI send: it completes only once the peer has posted the matching
   receive, which is NCCL's rule (its stream is blocked until then);
-- `allReduce` (and `reduce`, which writes on its root only) gathers every member's contribution and sums (or takes the max of) them in rank
-  order, in float32 for 16-bit types, rounding once: every member gets the same bits, as with NCCL.
-Data is read from device memory when the operation starts and written when it finishes.
+- `allReduce` (and `reduce`, which writes on its root only) gathers every member's contribution and
+  combines them in the order of NCCL's ring (`ring_sum`): every hop adds one member's part and
+  rounds to the buffer's dtype (16-bit floats are added in float32 and rounded back at each of the
+  p-1 hops, as NCCL's reduction kernels do); every member gets the same bits, as with NCCL.
+Data is read from device memory when the operation starts and written when it finishes. For the
+order tracking (cuda/_order.py) an operation reads its send buffer and writes its receive buffer
+on its stream, at the moment it is enqueued.
 """
 
 import itertools
@@ -19,7 +23,7 @@ import itertools
 import numpy as np
 
 from cupy._memory import host_view
-from cupy.cuda import _queue
+from cupy.cuda import _order, _queue
 
 available = True  # CuPy's flag: the NCCL library loaded
 
@@ -54,6 +58,40 @@ def _dtype(code):
 
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
+
+
+def _ring_chunks(count, size):
+    """NCCL's ring all-reduce cuts the buffer into one chunk per member (contiguous, near-equal here)."""
+    return [(c * count // size, (c + 1) * count // size) for c in range(size)]
+
+
+def ring_sum(parts, dt, op=NCCL_SUM, root=None):
+    """parts [size, count] (one row per member, dtype dt) combined as NCCL's ring does.
+
+    All-reduce (NCCL's runRing in src/device/all_reduce.h: reduce-scatter, then all-gather,
+    https://github.com/NVIDIA/nccl/blob/master/src/device/all_reduce.h): chunk c starts at
+    member c+1, which sends its part to c+2; each member adds its own part to what it received and
+    sends the result on, so the partial sum is rounded to the buffer's dtype at each of the p-1 hops
+    and is complete at member c, which then passes it around unchanged. Reduce (src/device/reduce.h):
+    one chain for the whole buffer from root+1 around to the root. 16-bit floats are added in float32 and
+    rounded back at every hop; wider types round in their own precision; integers are exact.
+    The real ring follows the interconnect (not necessarily rank order) and cuts the buffer into
+    chunks per channel and step; this model keeps the per-hop rounding and one fixed order per chunk."""
+    size, count = parts.shape
+    work = np.float32 if dt.itemsize == 2 and dt.kind not in "iu" else dt
+    fn = _REDUCE[op]
+    out = np.empty(count, dt)
+    if root is not None:
+        spans = [(0, count, root)]
+    else:
+        spans = [(lo, hi, c) for c, (lo, hi) in enumerate(_ring_chunks(count, size))]
+    for lo, hi, last in spans:
+        order = [(last + k) % size for k in range(1, size + 1)]  # ends at `last`
+        total = parts[order[0], lo:hi]
+        for member in order[1:]:
+            total = fn(total.astype(work), parts[member, lo:hi].astype(work)).astype(dt)
+        out[lo:hi] = total
+    return out
 
 
 def get_version():
@@ -149,7 +187,8 @@ class NcclCommunicator:
     abort = destroy
 
     # -- queueing
-    def _enqueue(self, what, stream, start, test, finish=None):
+    def _enqueue(self, what, stream, start, test, finish=None, touches=()):
+        """Queue an op on `stream`; `touches`: (device pointer, bytes, writes?) it reads or writes."""
         if self._mpi is None:
             raise NcclError("ncclInvalidUsage: the communicator was destroyed")
         stream = _stream(stream)
@@ -158,6 +197,11 @@ class NcclCommunicator:
         if unordered:
             raise NcclOrderError(f"{op.what} on stream {stream.ptr:#x} is not ordered after {unordered} of the same "
                                  f"communicator: NCCL may run them at once (make the stream wait for them)")
+        issued, where = _order.issue(stream), _order.call_site()
+        writes = {ptr for ptr, _, w in touches if w}
+        for ptr, nbytes, write in touches:
+            if write or ptr not in writes:  # in place: the write covers the read
+                _order.access_pointer(ptr, nbytes, write, issued, f"NCCL {what}", where)
         self._issued.append(op)
         _queue.enqueue(stream, op)
 
@@ -189,18 +233,16 @@ class NcclCommunicator:
             state["reqs"] = [self._mpi.Iallgather(send.copy(), gathered)]
 
         def finish():
-            parts = gathered.view(dt).reshape(self._size, count)
-            work = np.float32 if dt.itemsize == 2 and dt.kind != "i" and dt.kind != "u" else dt
-            total = parts[0].astype(work)
-            for part in parts[1:]:
-                total = _REDUCE[op](total, part.astype(work))
             if root is None or root == self._rank:
-                recv.view(dt)[...] = total.astype(dt)
+                recv.view(dt)[...] = ring_sum(gathered.view(dt).reshape(self._size, count), dt, op, root)
 
-        self._enqueue(f"{what} x {dt}", stream, start, test, finish)
+        writes = root is None or root == self._rank
+        self._enqueue(f"{what} x {dt}", stream, start, test, finish,
+                      [(sendbuf, nbytes, False), (recvbuf, nbytes, writes)][:2 if writes else 1])
 
     def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
-        """The sum (op) of every member's buffer, in rank order as allReduce, written on `root` only."""
+        """The sum (op) of every member's buffer, along NCCL's chain from root+1 to the root (`ring_sum`),
+        written on `root` only."""
         self._reduce(f"reduce of {count} to {root}", sendbuf, recvbuf, count, datatype, op, stream, root)
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):
@@ -217,7 +259,8 @@ class NcclCommunicator:
         def finish():
             recv[...] = gathered
 
-        self._enqueue(f"allGather of {count} x {dt}", stream, start, test, finish)
+        self._enqueue(f"allGather of {count} x {dt}", stream, start, test, finish,
+                      [(sendbuf, nbytes, False), (recvbuf, nbytes * self._size, True)])
 
     def broadcast(self, sendbuf, recvbuf, count, datatype, root, stream):
         dt = _dtype(datatype)
@@ -235,7 +278,9 @@ class NcclCommunicator:
         def finish():
             recv[...] = data
 
-        self._enqueue(f"broadcast of {count} x {dt} from {root}", stream, start, test, finish)
+        self._enqueue(f"broadcast of {count} x {dt} from {root}", stream, start, test, finish,
+                      [(sendbuf, nbytes, False)] if self._rank == root and sendbuf == recvbuf else
+                      [(sendbuf, nbytes, False)] * (self._rank == root) + [(recvbuf, nbytes, True)])
 
     # -- point to point
     def send(self, sendbuf, count, datatype, peer, stream):
@@ -246,7 +291,8 @@ class NcclCommunicator:
         def start():
             state["reqs"] = [self._mpi.Issend(send.copy(), dest=peer, tag=0)]
 
-        self._enqueue(f"send of {count} x {dt} to {peer}", stream, start, test)
+        self._enqueue(f"send of {count} x {dt} to {peer}", stream, start, test, None,
+                      [(sendbuf, count * dt.itemsize, False)])
 
     def recv(self, recvbuf, count, datatype, peer, stream):
         dt = _dtype(datatype)
@@ -260,4 +306,5 @@ class NcclCommunicator:
         def finish():
             recv[...] = data
 
-        self._enqueue(f"recv of {count} x {dt} from {peer}", stream, start, test, finish)
+        self._enqueue(f"recv of {count} x {dt} from {peer}", stream, start, test, finish,
+                      [(recvbuf, count * dt.itemsize, True)])
