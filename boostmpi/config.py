@@ -105,6 +105,7 @@ class ParallelConfig:
     comm: str = _key("auto", choices=("auto", "mpi", "nccl"))
     watchdog_s: float = _key(600.0, "nonnegative")  # seconds a collective may wait; 0 = off
     zero_stage: int = _key(0, "zero_stage")  # 1: AdamW state sharded over the data-parallel group
+    virtual_stages: int = _key(1, "positive")  # interleaved 1F1B: layer chunks per pipeline rank
 
 
 @dataclass(frozen=True)
@@ -259,6 +260,8 @@ class Config:
         if p.pp > m.n_layers:
             raise _error(f"parallel.pp = {p.pp} is larger than model.n_layers = {m.n_layers}: "
                          "every pipeline stage needs at least one layer")
+        if p.virtual_stages > 1:
+            self._check_interleaving()
         if p.tp > m.vocab_size:
             raise _error(f"parallel.tp = {p.tp} is larger than model.vocab_size = {m.vocab_size}: "
                          "every tensor-parallel rank needs part of the vocabulary")
@@ -271,6 +274,19 @@ class Config:
             if getattr(m, key) % p.tp:
                 raise _error(f"{self._show('model', key)} is not divisible by parallel.tp = {p.tp}, "
                              f"which tp_mode = \"{p.tp_mode}\" with arch = \"{m.arch}\" needs")
+
+    def _check_interleaving(self):
+        m, p, t = self.model, self.parallel, self.train
+        v = p.virtual_stages
+        if p.pp == 1:
+            raise _error(f"parallel.virtual_stages = {v} needs parallel.pp > 1: interleaving cuts a pipeline "
+                         "into more stages than it has ranks")
+        if m.n_layers % (p.pp * v):
+            raise _error(f"model.n_layers = {m.n_layers} is not divisible by parallel.pp * parallel.virtual_stages"
+                         f" = {p.pp * v}: every virtual stage needs the same number of layers")
+        if t.grad_accum % p.pp:
+            raise _error(f"{self._show('train', 'grad_accum')} is not a multiple of parallel.pp = {p.pp}, which "
+                         f"interleaved 1F1B (parallel.virtual_stages = {v}) needs")
 
     def _check_train(self):
         m, t, dp = self.model, self.train, self.parallel.dp

@@ -1,0 +1,192 @@
+"""Interleaved 1F1B (`parallel.virtual_stages`) under MPI: the loss and every gradient of plain 1F1B
+on the same ranks and of one rank, in float64, over two optimizer steps; the activations the first
+rank holds at once; and a checkpoint written with one number of chunks resumes with another.
+
+Run with `timeout 600 mpiexec -n N python -m pytest --with-mpi -m mpi tests/test_interleaved.py`,
+N = 2 (pp2 v2, pp2 v3 with 12 layers, the checkpoints) or 4 (tp2 x pp2 v2, pp4 v2).
+"""
+
+import numpy as np
+import pytest
+
+from boostmpi.cli import main
+from boostmpi.config import config_from_dict
+from mpi_helpers import abort_on_error, assert_all_ranks, on_root, world
+from train_helpers import h5_datasets, read_metrics, reproducible, train_argv, write_text_shards
+
+MODEL = dict(vocab_size=61, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, attn_rank=8, mlp_rank=12, seq_len=8)
+TRAIN = {"lr": 0.01, "warmup_steps": 1, "grad_clip": 0.5, "weight_decay": 0.1, "dtype": "float64", "seed": 5}
+MICRO_BATCH, STEPS, TOLERANCE = 2, 2, 1e-12
+
+# name -> (tp, pp, virtual_stages, n_layers, micro-batches per step)
+CASES = {
+    "pp2-v2": (1, 2, 2, 4, 4),
+    "pp2-v3": (1, 2, 3, 12, 2),
+    "tp2-pp2-v2": (2, 2, 2, 4, 4),
+    "pp4-v2": (1, 4, 2, 8, 8),
+}
+
+
+def config(tp, pp, v, n_layers, grad_accum, one_rank=False):
+    model = dict(MODEL, n_layers=n_layers)
+    train = dict(TRAIN, micro_batch_size=MICRO_BATCH, grad_accum=grad_accum)
+    if one_rank:
+        return config_from_dict({"model": model, "train": train})
+    return config_from_dict({"model": model, "parallel": {"tp": tp, "pp": pp, "virtual_stages": v}, "train": train},
+                            world_size=tp * pp)
+
+
+def batches(step, grad_accum):
+    rng = np.random.default_rng(100 + step)
+    tokens = rng.integers(0, MODEL["vocab_size"], (grad_accum * MICRO_BATCH, MODEL["seq_len"] + 1))
+    return [(tokens[k * MICRO_BATCH:(k + 1) * MICRO_BATCH, :-1], tokens[k * MICRO_BATCH:(k + 1) * MICRO_BATCH, 1:])
+            for k in range(grad_accum)]
+
+
+def run_steps(engine, grad_accum):
+    """(losses, gathered global gradients per step (rank 0), in-flight activation bytes of this rank)."""
+    from boostmpi.train.optim import AdamW, learning_rate
+
+    optimizer = AdamW(engine.params, engine.specs, engine.cfg.train, shard=engine.shard)
+    losses, grads = [], []
+    for step in range(STEPS):
+        losses.append(engine.forward_backward(batches(step, grad_accum)))
+        grads.append(engine.gather_global(engine.grads))
+        engine.optimizer_step(optimizer, learning_rate(step, engine.cfg.train), TRAIN["grad_clip"])
+    return losses, grads, engine.in_flight_activation_bytes
+
+
+def worst(grads, reference):
+    """The largest relative error over the tensors: max |g - ref| / max |ref|."""
+    errors = {n: float(np.abs(grads[n] - r).max() / max(np.abs(r).max(), 1e-300)) for n, r in reference.items()}
+    name = max(errors, key=errors.get)
+    return errors[name], name
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", list(CASES))
+def test_interleaved_matches_plain_1f1b_and_one_rank(name):
+    from boostmpi.parallel.engine import Engine
+
+    tp, pp, v, n_layers, M = CASES[name]
+    comm = world()
+    if tp * pp != comm.Get_size():
+        pytest.skip(f"{name} runs on {tp * pp} ranks")
+    with abort_on_error():
+        one = on_root(lambda: run_steps(Engine(config(1, 1, 1, n_layers, M, one_rank=True)), M))
+        plain_engine = Engine(config(tp, pp, 1, n_layers, M), comm)
+        plain = run_steps(plain_engine, M)
+        engine = Engine(config(tp, pp, v, n_layers, M), comm)
+        assert_all_ranks(len(engine.chunks) == v and all(len(c) == n_layers // (pp * v) for c in engine.chunks),
+                         lambda: f"chunks {engine.chunks}")
+        interleaved = run_steps(engine, M)
+    for step in range(STEPS):
+        loss = interleaved[0][step]
+        assert_all_ranks(abs(loss - plain[0][step]) <= TOLERANCE * abs(plain[0][step]),
+                         lambda: f"step {step}: loss {loss!r}, plain 1F1B {plain[0][step]!r}")
+        ref = comm.bcast(one[0][step] if comm.Get_rank() == 0 else None)
+        assert_all_ranks(abs(loss - ref) <= TOLERANCE * abs(ref), lambda: f"step {step}: loss {loss!r}, one rank {ref!r}")
+        errors = on_root(lambda: (worst(interleaved[1][step], plain[1][step]), worst(interleaved[1][step], one[1][step])))
+        # after an AdamW step, tp's own order of sums (the same in plain 1F1B) puts the one-rank run
+        # ~1e-12 away (test_parallel.py allows 1e-10); interleaving itself must change nothing
+        one_rank_tolerance = TOLERANCE if step == 0 or tp == 1 else 1e-10
+        assert_all_ranks(comm.Get_rank() != 0 or (errors[0][0] <= TOLERANCE and errors[1][0] <= one_rank_tolerance),
+                         lambda: f"step {step}: gradients off by {errors} (relative; plain 1F1B, one rank)")
+    # the first rank holds (v + 1) pp - 1 chunks of 1 / (pp v) of the layers at once, plain 1F1B pp
+    # micro-batches of 1 / pp: 1 + (pp - 1) / (pp v) times as much (up to the token ids it keeps per chunk)
+    if engine.grid.coords.pp == 0 and engine.grid.coords.tp == 0:
+        units = min((v + 1) * pp - 1, v * M)
+        ratio = interleaved[2] / plain[2]
+        want = units / v / min(pp, M)
+        assert_all_ranks(abs(ratio - want) <= 0.05 * want, lambda: f"in-flight ratio {ratio:.3f}, expected {want:.3f}")
+    else:
+        assert_all_ranks(True, "")
+
+
+# ---------------------------------------------------------------- checkpoints across numbers of chunks
+LAYERS, CUT, CKPT_STEPS = 4, 2, 4
+CKPT_COMMON = ("train.dtype=float64", f"train.steps={CKPT_STEPS}", f"checkpoint.every={CUT}", "train.val_every=0",
+               "train.val_windows=2", "train.warmup_steps=1", f"model.n_layers={LAYERS}", "train.micro_batch_size=2",
+               "train.grad_accum=2")
+
+
+def two_rank_run(run_dir, shards, v, resume=None):
+    settings = ("parallel.pp=2", f"parallel.virtual_stages={v}", *CKPT_COMMON)
+    with abort_on_error():
+        status = main(train_argv(run_dir, *shards, *settings, resume=resume))
+    assert_all_ranks(status == 0, f"boostmpi train exited {status}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_checkpoints_reshard_across_virtual_stages(tmp_path_factory):
+    """v = 2 writes, v = 1 resumes (and the other way): the resumed steps are those of the run
+    that was not interrupted, and both write the same global tensors."""
+    comm = world()
+    if comm.Get_size() != 2:
+        pytest.skip("runs on 2 ranks")
+
+    def make():
+        folder = tmp_path_factory.mktemp("interleaved")
+        return folder, write_text_shards(folder / "text", max_bytes=60_000)
+
+    folder, shards = comm.bcast(on_root(make), root=0)
+    runs = {v: folder / f"v{v}" for v in (1, 2)}
+    for v, run_dir in runs.items():
+        two_rank_run(run_dir, shards, v)
+    for written, resumed in ((2, 1), (1, 2)):
+        run_dir = folder / f"v{written}-to-v{resumed}"
+        two_rank_run(run_dir, shards, resumed, resume=runs[written] / "checkpoints" / f"step_{CUT:08d}")
+
+        def check():
+            rows = reproducible(read_metrics(run_dir))
+            want = reproducible(read_metrics(runs[resumed]))[CUT:]
+            assert [r["step"] for r in rows] == list(range(CUT + 1, CKPT_STEPS + 1))
+            for key in ("loss", "grad_norm"):
+                have, ref = [r[key] for r in rows], [r[key] for r in want]
+                assert np.allclose(have, ref, rtol=1e-10, atol=0), (written, resumed, key, have, ref)
+            final = f"checkpoints/step_{CKPT_STEPS:08d}/model.h5"
+            a, b = h5_datasets(run_dir / final), h5_datasets(runs[resumed] / final)
+            assert a.keys() == b.keys()
+            assert all(np.allclose(a[n], b[n], rtol=1e-10, atol=1e-14) for n in a)
+
+        on_root(check)
+    # the uninterrupted runs with and without interleaving agree too
+    on_root(lambda: [np.testing.assert_allclose([r["loss"] for r in reproducible(read_metrics(runs[2]))],
+                                                [r["loss"] for r in reproducible(read_metrics(runs[1]))], rtol=1e-10)])
+
+
+# ---------------------------------------------------------------- configurations interleaving cannot run
+BAD = {
+    "one stage": ({"pp": 1, "virtual_stages": 2}, {}, ["parallel.virtual_stages = 2", "parallel.pp > 1"]),
+    "layers not divisible": ({"pp": 2, "virtual_stages": 3}, {}, ["model.n_layers = 4", "parallel.pp * parallel.virtual_stages = 6"]),
+    "micro-batches not a multiple of pp": ({"pp": 2, "virtual_stages": 2}, {"grad_accum": 3},
+                                           ["train.grad_accum = 3", "multiple of parallel.pp = 2"]),
+    "zero chunks": ({"pp": 2, "virtual_stages": 0}, {}, ["parallel.virtual_stages", "positive"]),
+}
+
+
+@pytest.mark.parametrize("parallel,train,fragments", list(BAD.values()), ids=list(BAD))
+def test_bad_interleaving_is_one_line(parallel, train, fragments):
+    from boostmpi.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"model": dict(MODEL, n_layers=4), "parallel": parallel, "train": train})
+    message = str(err.value)
+    assert "\n" not in message and all(f in message for f in fragments), message
+
+
+def test_good_interleaving_is_accepted():
+    cfg = config_from_dict({"model": dict(MODEL, n_layers=12), "parallel": {"pp": 2, "virtual_stages": 3},
+                            "train": {"grad_accum": 4}})
+    assert cfg.parallel.virtual_stages == 3
+
+
+def test_train_refuses_interleaving_without_a_pipeline(tmp_path, capfd):
+    """Through the command line: one line, exit 2, nothing written."""
+    from train_helpers import assert_refused
+
+    shards = write_text_shards(tmp_path / "text", max_bytes=60_000)
+    run_dir = tmp_path / "run"
+    argv = train_argv(run_dir, *shards, "parallel.virtual_stages=2")
+    assert_refused(capfd, argv, tmp_path, "parallel.virtual_stages = 2", "parallel.pp > 1")
+    assert not run_dir.exists()
