@@ -50,10 +50,14 @@ def run_steps(engine, grad_accum):
     optimizer = AdamW(engine.params, engine.specs, engine.cfg.train, shard=engine.shard)
     losses, grads = [], []
     for step in range(STEPS):
+        engine.grid.counter.reset()
         losses.append(engine.forward_backward(batches(step, grad_accum)))
         grads.append(engine.gather_global(engine.grads))
         engine.optimizer_step(optimizer, learning_rate(step, engine.cfg.train), TRAIN["grad_clip"])
-    return losses, grads, engine.in_flight_activation_bytes
+    pp_bytes = engine.grid.counter.bytes["pp"]
+    if engine.grid.world is not None:
+        pp_bytes = engine.grid.world.allreduce(pp_bytes)
+    return losses, grads, engine.in_flight_activation_bytes, pp_bytes
 
 
 def worst(grads, reference):
@@ -92,6 +96,13 @@ def test_interleaved_matches_plain_1f1b_and_one_rank(name):
         one_rank_tolerance = TOLERANCE if step == 0 or tp == 1 else 1e-10
         assert_all_ranks(comm.Get_rank() != 0 or (errors[0][0] <= TOLERANCE and errors[1][0] <= one_rank_tolerance),
                          lambda: f"step {step}: gradients off by {errors} (relative; plain 1F1B, one rank)")
+    # the pipeline's payload: two messages per micro-batch across each of the pp * v - 1 boundaries
+    # between virtual stages, as docs/COMMUNICATION.md and the performance model count it
+    from boostmpi.sim.model import comm_bytes
+
+    want_pp = comm_bytes(engine.cfg)["pp"]
+    assert_all_ranks(interleaved[3] == want_pp and plain[3] == comm_bytes(plain_engine.cfg)["pp"],
+                     lambda: f"pp bytes {interleaved[3]} (sim {want_pp}), plain {plain[3]}")
     # the first rank holds (v + 1) pp - 1 chunks of 1 / (pp v) of the layers at once, plain 1F1B pp
     # micro-batches of 1 / pp: 1 + (pp - 1) / (pp v) times as much (up to the token ids it keeps per chunk)
     if engine.grid.coords.pp == 0 and engine.grid.coords.tp == 0:
@@ -190,3 +201,66 @@ def test_train_refuses_interleaving_without_a_pipeline(tmp_path, capfd):
     argv = train_argv(run_dir, *shards, "parallel.virtual_stages=2")
     assert_refused(capfd, argv, tmp_path, "parallel.virtual_stages = 2", "parallel.pp > 1")
     assert not run_dir.exists()
+
+
+def test_sim_knows_the_first_ranks_extra_activations_and_the_smaller_bubble():
+    """The performance model: the first rank's activations 1 + (pp - 1) / (pp v) times plain 1F1B's,
+    the bubble (pp - 1) / v slots instead of pp - 1, the p2p payload over pp v - 1 boundaries."""
+    from boostmpi.sim.machines import load_machine
+    from boostmpi.sim.model import comm_bytes, predict
+
+    machine = load_machine("a100-80gb")
+    pp, v, M = 4, 2, 8
+
+    def cfg(chunks):
+        return config_from_dict({"model": dict(MODEL, n_layers=8, seq_len=256, d_model=256, d_ff=512, attn_rank=64,
+                                               mlp_rank=64),
+                                 "parallel": {"pp": pp, "virtual_stages": chunks},
+                                 "train": {"grad_accum": M, "dtype": "bfloat16", "device": "gpu"}})
+
+    plain, inter = predict(cfg(1), machine), predict(cfg(v), machine)
+    ratio = inter.memory_bytes["activations"] / plain.memory_bytes["activations"]
+    assert abs(ratio - (1 + (pp - 1) / (pp * v))) < 0.02, ratio
+    slot = plain.details["forward_s"] + plain.details["backward_s"]
+    bubble = lambda p: p.breakdown["pp_bubble_and_p2p"]  # noqa: E731
+    # (pp - 1)(1 - 1/v) slots fewer, less the v times more sends on the path
+    assert bubble(plain) - bubble(inter) > 0.8 * (pp - 1) * slot * (1 - 1 / v)
+    assert comm_bytes(cfg(v))["pp"] * (pp - 1) == comm_bytes(cfg(1))["pp"] * (pp * v - 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("comm", ["nccl", "mpi"])
+def test_interleaved_on_the_gpu_path(comm):
+    """pp2 v2 on the GPU path (a real GPU, or the CuPy stand-in whose NCCL runs over MPI with NCCL's
+    ordering rules) in float32: plain 1F1B's loss and gradients bit for bit, the CPU float64 run's
+    within 1e-4."""
+    from boostmpi.parallel.engine import Engine
+
+    world_comm = world()
+    if world_comm.Get_size() != 2:
+        pytest.skip("runs on 2 ranks")
+    M = 2
+
+    def run(v, device, dtype):
+        cfg = config_from_dict({"model": dict(MODEL, n_layers=4),
+                                "parallel": {"pp": 2, "virtual_stages": v, "comm": comm},
+                                "train": dict(TRAIN, micro_batch_size=MICRO_BATCH, grad_accum=M, device=device,
+                                              dtype=dtype)}, world_size=2)
+        engine = Engine(cfg, world_comm, local_rank=world_comm.Get_rank())
+        loss = engine.forward_backward(batches(0, M))
+        return loss, engine.gather_global(engine.grads)
+
+    with abort_on_error():
+        plain, inter = run(1, "gpu", "float32"), run(2, "gpu", "float32")
+        cpu = run(1, "cpu", "float64")
+    assert_all_ranks(inter[0] == plain[0] and abs(inter[0] - cpu[0]) <= 1e-4 * abs(cpu[0]),
+                     lambda: f"loss {inter[0]!r}, plain {plain[0]!r}, cpu {cpu[0]!r}")
+
+    def check():
+        for name, g in cpu[1].items():
+            assert np.array_equal(inter[1][name], plain[1][name]), name
+            err = np.abs(inter[1][name].astype(np.float64) - g).max() / np.abs(g).max()
+            assert err <= 1e-4, (name, err)
+
+    on_root(check)
