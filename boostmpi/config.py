@@ -126,7 +126,7 @@ class TrainConfig:
     seed: int = _key(1337, "nonnegative")  # numpy seeds must be >= 0
     device: str = _key("cpu", choices=("cpu", "gpu"))
     dtype: str = _key("float32", choices=("float64", "float32", "bfloat16"))
-    recompute: str = _key("none", choices=("none", "layer", "lowrank"))
+    recompute: str = _key("none", choices=("none", "layer", "lowrank", "selective"))
     log_every: int = _key(1, "positive")
     val_every: int = _key(0, "nonnegative")  # 0 = only at the end
     val_windows: int = _key(16, "positive")

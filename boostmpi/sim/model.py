@@ -13,8 +13,8 @@ from boostmpi.model.params import all_global_specs, param_specs, split_range, st
 from boostmpi.parallel.pipeline import warmup_units
 from boostmpi.sim.costs import (ITEMSIZE, PassTimes, group_allreduce_seconds, group_link, p2p_seconds,
                                 pass_times)
-from boostmpi.sim.plans import (Collective, Shape, embedding_plan, head_plan, kept_by_lowrank, layer_plan,
-                                plan_strategy, recompute_plan, saved_elements, shape_of)
+from boostmpi.sim.plans import (Collective, Shape, attention_core_ops, core_statistics, embedding_plan, head_plan,
+                                kept_by_lowrank, layer_plan, plan_strategy, recompute_plan, saved_elements, shape_of)
 
 BREAKDOWN_KEYS = ("gemm", "elementwise", "tp_comm", "pp_bubble_and_p2p", "dp_comm", "optimizer")
 
@@ -182,7 +182,7 @@ class Workload:
     pp: int
     dp: int
     micro_batches: int  # per pipeline and optimizer step
-    recompute: str  # "none", "layer" (full activation recomputation) or "lowrank"
+    recompute: str  # "none", "layer" (full activation recomputation), "lowrank" or "selective" (attention core)
     dtype: str
     overlap: bool  # data-parallel communication behind the backward
     params_per_stage: list  # the largest tensor-parallel rank's parameter count, per stage
@@ -237,8 +237,12 @@ def predict_workload(w, machine, comm=None):
         kept = layer_input  # the layer's input only
     elif recompute == "lowrank":
         kept = layer_input + kept_by_lowrank(layer, s)
+    elif recompute == "selective":  # everything but the attention core's statistics (or probabilities)
+        kept = per_layer_saved - core_statistics(layer)
     else:
         kept = per_layer_saved
+    # what a recompute rebuilds for the layer whose backward runs: the layer's whole set, or the core's
+    rebuilt = {"none": 0, "selective": saved_elements(attention_core_ops(layer))}.get(recompute, per_layer_saved)
     # lowrank looks the first layer's input up again from the token ids (no collective under btp)
     first_input_dropped = layer_input if recompute == "lowrank" else 0
     shard = w.dp if w.dp_sharded else 1  # FSDP keeps 1/dp of parameters, gradients and moments
@@ -261,7 +265,7 @@ def predict_workload(w, machine, comm=None):
             in_flight_layers = units / w.virtual_stages
         kept_stage = n_layers * kept - (first_input_dropped if stage == 0 and n_layers else 0)
         activations = (in_flight_layers * kept_stage + in_flight * saved_elements(extra)
-                       + (per_layer_saved if recompute != "none" else 0)) * e
+                       + rebuilt) * e
         stages.append({"fwd": fwd, "bwd": bwd, "params": w.params_per_stage[stage],
                        "layers": n_layers, "activations": activations})
 
