@@ -194,13 +194,16 @@ class Config:
         return _build(explicit, world_size=None)
 
     def validate(self, world_size=None):
-        """Raise ConfigError for the first problem found; `world_size` = MPI ranks started."""
+        """Raise ConfigError for the first problem found; `world_size` = MPI ranks started (a run: then
+        also what only `boostmpi sim` understands is refused, `check_runnable`)."""
         for name in SECTIONS:
             for f in _FIELDS[name].values():
                 self._check_key(name, f)
         self._check_model()
         self._check_parallel(world_size)
         self._check_train()
+        if world_size is not None:  # a run (train), not a prediction: only what the engine runs
+            self.check_runnable()
         return self
 
     # -- messages -------------------------------------------------------------------------
@@ -276,17 +279,37 @@ class Config:
                              f"which tp_mode = \"{p.tp_mode}\" with arch = \"{m.arch}\" needs")
 
     def _check_interleaving(self):
+        p = self.parallel
+        if p.pp == 1:
+            raise _error(f"parallel.virtual_stages = {p.virtual_stages} needs parallel.pp > 1: interleaving cuts a "
+                         "pipeline into more stages than it has ranks")
+        if p.pp * p.virtual_stages > self.model.n_layers:
+            raise _error(f"parallel.pp * parallel.virtual_stages = {p.pp * p.virtual_stages} is larger than "
+                         f"model.n_layers = {self.model.n_layers}: every virtual stage needs at least one layer")
+
+    def sim_only(self):
+        """What `boostmpi sim` prices but the engine does not run, as one line naming it, or None.
+        Interleaving with chunks of unequal size or micro-batches in part-groups (as some published
+        runs use) is priced by the performance model; the engine runs Megatron's schedule."""
         m, p, t = self.model, self.parallel, self.train
         v = p.virtual_stages
-        if p.pp == 1:
-            raise _error(f"parallel.virtual_stages = {v} needs parallel.pp > 1: interleaving cuts a pipeline "
-                         "into more stages than it has ranks")
+        if v == 1:
+            return None
         if m.n_layers % (p.pp * v):
-            raise _error(f"model.n_layers = {m.n_layers} is not divisible by parallel.pp * parallel.virtual_stages"
-                         f" = {p.pp * v}: every virtual stage needs the same number of layers")
+            return (f"model.n_layers = {m.n_layers} is not divisible by parallel.pp * parallel.virtual_stages = "
+                    f"{p.pp * v}: train needs every virtual stage to have the same number of layers "
+                    "(boostmpi sim prices unequal ones)")
         if t.grad_accum % p.pp:
-            raise _error(f"{self._show('train', 'grad_accum')} is not a multiple of parallel.pp = {p.pp}, which "
-                         f"interleaved 1F1B (parallel.virtual_stages = {v}) needs")
+            return (f"{self._show('train', 'grad_accum')} is not a multiple of parallel.pp = {p.pp}, which train's "
+                    f"interleaved 1F1B (parallel.virtual_stages = {v}) needs (boostmpi sim prices it)")
+        return None
+
+    def check_runnable(self):
+        """Raise ConfigError when the engine cannot run this configuration though `sim` prices it."""
+        problem = self.sim_only()
+        if problem:
+            raise _error(problem)
+        return self
 
     def _check_train(self):
         m, t, dp = self.model, self.train, self.parallel.dp

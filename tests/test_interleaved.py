@@ -169,10 +169,15 @@ def test_checkpoints_reshard_across_virtual_stages(tmp_path_factory):
 # ---------------------------------------------------------------- configurations interleaving cannot run
 BAD = {
     "one stage": ({"pp": 1, "virtual_stages": 2}, {}, ["parallel.virtual_stages = 2", "parallel.pp > 1"]),
-    "layers not divisible": ({"pp": 2, "virtual_stages": 3}, {}, ["model.n_layers = 4", "parallel.pp * parallel.virtual_stages = 6"]),
-    "micro-batches not a multiple of pp": ({"pp": 2, "virtual_stages": 2}, {"grad_accum": 3},
-                                           ["train.grad_accum = 3", "multiple of parallel.pp = 2"]),
     "zero chunks": ({"pp": 2, "virtual_stages": 0}, {}, ["parallel.virtual_stages", "positive"]),
+    "more chunks than layers": ({"pp": 2, "virtual_stages": 3}, {}, ["= 6 is larger than model.n_layers = 4"]),
+}
+# what the performance model prices (published runs use them) and the engine does not run
+SIM_ONLY = {
+    "layers not divisible": ({"pp": 3, "virtual_stages": 2}, {"grad_accum": 3},
+                             ["model.n_layers = 8", "parallel.pp * parallel.virtual_stages = 6", "boostmpi sim"]),
+    "micro-batches not a multiple of pp": ({"pp": 2, "virtual_stages": 2}, {"grad_accum": 3},
+                                           ["train.grad_accum = 3", "multiple of parallel.pp = 2", "boostmpi sim"]),
 }
 
 
@@ -186,9 +191,26 @@ def test_bad_interleaving_is_one_line(parallel, train, fragments):
     assert "\n" not in message and all(f in message for f in fragments), message
 
 
+@pytest.mark.parametrize("parallel,train,fragments", list(SIM_ONLY.values()), ids=list(SIM_ONLY))
+def test_sim_prices_what_train_refuses_in_one_line(parallel, train, fragments):
+    from boostmpi.errors import ConfigError
+    from boostmpi.parallel.engine import Engine
+    from boostmpi.sim.machines import load_machine
+    from boostmpi.sim.model import predict
+
+    d = {"model": dict(MODEL, n_layers=8 if parallel["pp"] == 3 else 4), "parallel": parallel, "train": train}
+    cfg = config_from_dict(d)  # what `boostmpi sim` loads
+    assert predict(cfg, load_machine("a100-80gb")).time_s > 0
+    for refuse in (lambda: config_from_dict(d, world_size=parallel["pp"]), lambda: Engine(cfg)):
+        with pytest.raises(ConfigError) as err:
+            refuse()
+        message = str(err.value)
+        assert "\n" not in message and all(f in message for f in fragments), message
+
+
 def test_good_interleaving_is_accepted():
     cfg = config_from_dict({"model": dict(MODEL, n_layers=12), "parallel": {"pp": 2, "virtual_stages": 3},
-                            "train": {"grad_accum": 4}})
+                            "train": {"grad_accum": 4}}, world_size=2)
     assert cfg.parallel.virtual_stages == 3
 
 
@@ -201,6 +223,45 @@ def test_train_refuses_interleaving_without_a_pipeline(tmp_path, capfd):
     argv = train_argv(run_dir, *shards, "parallel.virtual_stages=2")
     assert_refused(capfd, argv, tmp_path, "parallel.virtual_stages = 2", "parallel.pp > 1")
     assert not run_dir.exists()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_train_refuses_a_sim_only_interleaving_on_every_rank(tmp_path_factory):
+    comm = world()
+    if comm.Get_size() != 2:
+        pytest.skip("runs on 2 ranks")
+    folder = comm.bcast(on_root(lambda: tmp_path_factory.mktemp("simonly")), root=0)
+    shards = comm.bcast(on_root(lambda: write_text_shards(folder / "text", max_bytes=60_000)), root=0)
+    run_dir = folder / "run"
+    status = main(train_argv(run_dir, *shards, "parallel.pp=2", "parallel.virtual_stages=2", "model.n_layers=6",
+                             "train.grad_accum=2"))
+    assert_all_ranks(status == 2, f"exit status {status}")
+    assert_all_ranks(not run_dir.exists(), "the run directory was made")
+
+
+def test_sim_command_line_states_interleaving_and_selective_recompute(capsys):
+    """`boostmpi sim` as a user runs it: interleaving shortens the bubble and moves more p2p bytes;
+    selective recompute costs time; a value train could not run is priced too."""
+    import json
+
+    from train_helpers import TINY_CONFIG
+
+    def sim(*settings):
+        argv = ["sim", "--config", str(TINY_CONFIG), "--machine", "a100-80gb", "--json",
+                "--set", "model.n_layers=8", "--set", "parallel.pp=4", "--set", "train.grad_accum=8"]
+        for setting in settings:
+            argv += ["--set", setting]
+        assert main(argv) == 0
+        return json.loads(capsys.readouterr().out)
+
+    plain, inter = sim(), sim("parallel.virtual_stages=2")
+    assert inter["breakdown"]["pp_bubble_and_p2p"] < plain["breakdown"]["pp_bubble_and_p2p"]
+    assert inter["comm_bytes"]["pp"] * 3 == plain["comm_bytes"]["pp"] * 7
+    assert inter["memory_bytes"]["activations"] > plain["memory_bytes"]["activations"]
+    selective = sim("train.recompute=selective")
+    assert selective["time_s"] > plain["time_s"]
+    uneven = sim("parallel.virtual_stages=2", "model.n_layers=10")  # train refuses: 10 layers in 8 chunks
+    assert uneven["time_s"] > 0
 
 
 def test_sim_knows_the_first_ranks_extra_activations_and_the_smaller_bubble():

@@ -54,6 +54,7 @@ def _nbytes(obj, seen):
 
 class Engine:
     def __init__(self, cfg, world=None, local_rank=0):
+        cfg.check_runnable()  # nothing only the performance model understands
         self.cfg = cfg
         m, par, tr = cfg.model, cfg.parallel, cfg.train
         self.xp = get_xp(tr.device)
