@@ -67,33 +67,45 @@ def worst(grads, reference):
     return errors[name], name
 
 
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("name", list(CASES))
-def test_interleaved_matches_plain_1f1b_and_one_rank(name):
+def compare(name):
+    """Runs case `name` three ways (one rank, plain 1F1B, interleaved); returns per step the loss
+    differences (to plain, to one rank, relative), the gradient errors (rank 0; None elsewhere), and
+    the interleaved engine, its results and plain 1F1B's."""
     from boostmpi.parallel.engine import Engine
 
     tp, pp, v, n_layers, M = CASES[name]
     comm = world()
-    if tp * pp != comm.Get_size():
-        pytest.skip(f"{name} runs on {tp * pp} ranks")
     with abort_on_error():
         one = on_root(lambda: run_steps(Engine(config(1, 1, 1, n_layers, M, one_rank=True)), M))
         plain_engine = Engine(config(tp, pp, 1, n_layers, M), comm)
         plain = run_steps(plain_engine, M)
         engine = Engine(config(tp, pp, v, n_layers, M), comm)
-        assert_all_ranks(len(engine.chunks) == v and all(len(c) == n_layers // (pp * v) for c in engine.chunks),
-                         lambda: f"chunks {engine.chunks}")
         interleaved = run_steps(engine, M)
+    steps = []
     for step in range(STEPS):
-        loss = interleaved[0][step]
-        assert_all_ranks(abs(loss - plain[0][step]) <= TOLERANCE * abs(plain[0][step]),
-                         lambda: f"step {step}: loss {loss!r}, plain 1F1B {plain[0][step]!r}")
-        ref = comm.bcast(one[0][step] if comm.Get_rank() == 0 else None)
-        assert_all_ranks(abs(loss - ref) <= TOLERANCE * abs(ref), lambda: f"step {step}: loss {loss!r}, one rank {ref!r}")
+        loss, ref = interleaved[0][step], comm.bcast(one[0][step] if comm.Get_rank() == 0 else None)
+        losses = (abs(loss - plain[0][step]) / abs(plain[0][step]), abs(loss - ref) / abs(ref))
         errors = on_root(lambda: (worst(interleaved[1][step], plain[1][step]), worst(interleaved[1][step], one[1][step])))
+        steps.append((losses, errors))
+    return steps, engine, plain_engine, interleaved, plain
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", list(CASES))
+def test_interleaved_matches_plain_1f1b_and_one_rank(name):
+    tp, pp, v, n_layers, M = CASES[name]
+    comm = world()
+    if tp * pp != comm.Get_size():
+        pytest.skip(f"{name} runs on {tp * pp} ranks")
+    steps, engine, plain_engine, interleaved, plain = compare(name)
+    assert_all_ranks(len(engine.chunks) == v and all(len(c) == n_layers // (pp * v) for c in engine.chunks),
+                     lambda: f"chunks {engine.chunks}")
+    for step, (losses, errors) in enumerate(steps):
         # after an AdamW step, tp's own order of sums (the same in plain 1F1B) puts the one-rank run
         # ~1e-12 away (test_parallel.py allows 1e-10); interleaving itself must change nothing
         one_rank_tolerance = TOLERANCE if step == 0 or tp == 1 else 1e-10
+        assert_all_ranks(losses[0] <= TOLERANCE and losses[1] <= TOLERANCE,
+                         lambda: f"step {step}: loss off by {losses} (relative; plain 1F1B, one rank)")
         assert_all_ranks(comm.Get_rank() != 0 or (errors[0][0] <= TOLERANCE and errors[1][0] <= one_rank_tolerance),
                          lambda: f"step {step}: gradients off by {errors} (relative; plain 1F1B, one rank)")
     # the pipeline's payload: two messages per micro-batch across each of the pp * v - 1 boundaries
@@ -105,13 +117,33 @@ def test_interleaved_matches_plain_1f1b_and_one_rank(name):
                      lambda: f"pp bytes {interleaved[3]} (sim {want_pp}), plain {plain[3]}")
     # the first rank holds (v + 1) pp - 1 chunks of 1 / (pp v) of the layers at once, plain 1F1B pp
     # micro-batches of 1 / pp: 1 + (pp - 1) / (pp v) times as much (up to the token ids it keeps per chunk)
-    if engine.grid.coords.pp == 0 and engine.grid.coords.tp == 0:
-        units = min((v + 1) * pp - 1, v * M)
-        ratio = interleaved[2] / plain[2]
-        want = units / v / min(pp, M)
-        assert_all_ranks(abs(ratio - want) <= 0.05 * want, lambda: f"in-flight ratio {ratio:.3f}, expected {want:.3f}")
-    else:
-        assert_all_ranks(True, "")
+    ratio = interleaved[2] / plain[2]
+    want = min((v + 1) * pp - 1, v * M) / v / min(pp, M)
+    first = engine.grid.coords.pp == 0
+    assert_all_ranks(not first or abs(ratio - want) <= 0.05 * want,
+                     lambda: f"in-flight ratio {ratio:.3f}, expected {want:.3f}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_parity_check_can_fail(monkeypatch):
+    """Ranks holding contiguous layers (plain 1F1B's cut) under the interleaved schedule run the
+    layers out of order: the losses and gradients come out wrong and the comparison says so."""
+    from boostmpi.model import params
+    from boostmpi.parallel import engine as engine_module
+
+    if world().Get_size() != 2:
+        pytest.skip("runs on 2 ranks")
+
+    def contiguous(n_layers, pp, stage, virtual_stages=1):
+        layers = list(range(*params.split_range(n_layers, pp, stage)))
+        size = len(layers) // virtual_stages
+        return [range(layers[0] + c * size, layers[0] + (c + 1) * size) for c in range(virtual_stages)]
+
+    monkeypatch.setattr(engine_module, "chunk_layers", contiguous)
+    monkeypatch.setattr(params, "chunk_layers", contiguous)  # the parameters each rank holds follow
+    steps, *_ = compare("pp2-v2")
+    losses, errors = steps[0]
+    assert_all_ranks(losses[0] > 1e-6 and losses[1] > 1e-6, lambda: f"the mutant's loss is off by only {losses}")
 
 
 # ---------------------------------------------------------------- checkpoints across numbers of chunks
@@ -152,18 +184,24 @@ def test_checkpoints_reshard_across_virtual_stages(tmp_path_factory):
             rows = reproducible(read_metrics(run_dir))
             want = reproducible(read_metrics(runs[resumed]))[CUT:]
             assert [r["step"] for r in rows] == list(range(CUT + 1, CKPT_STEPS + 1))
-            for key in ("loss", "grad_norm"):
-                have, ref = [r[key] for r in rows], [r[key] for r in want]
-                assert np.allclose(have, ref, rtol=1e-10, atol=0), (written, resumed, key, have, ref)
+            for key in ("loss", "grad_norm", "val_loss"):  # val_loss: the evaluation round the ring of chunks
+                have, ref = [r[key] for r in rows if r[key] is not None], [r[key] for r in want if r[key] is not None]
+                assert len(have) == len(ref) and np.allclose(have, ref, rtol=1e-10, atol=0), (written, resumed, key)
+            assert rows[-1]["val_loss"] is not None
             final = f"checkpoints/step_{CKPT_STEPS:08d}/model.h5"
             a, b = h5_datasets(run_dir / final), h5_datasets(runs[resumed] / final)
             assert a.keys() == b.keys()
             assert all(np.allclose(a[n], b[n], rtol=1e-10, atol=1e-14) for n in a)
 
         on_root(check)
-    # the uninterrupted runs with and without interleaving agree too
-    on_root(lambda: [np.testing.assert_allclose([r["loss"] for r in reproducible(read_metrics(runs[2]))],
-                                                [r["loss"] for r in reproducible(read_metrics(runs[1]))], rtol=1e-10)])
+    # the uninterrupted runs with and without interleaving agree too, evaluation included
+    def same_runs():
+        a, b = reproducible(read_metrics(runs[2])), reproducible(read_metrics(runs[1]))
+        for key in ("loss", "val_loss"):
+            have, want = [r[key] for r in a if r[key] is not None], [r[key] for r in b if r[key] is not None]
+            assert want and len(have) == len(want) and np.allclose(have, want, rtol=1e-10, atol=0), key
+
+    on_root(same_runs)
 
 
 # ---------------------------------------------------------------- configurations interleaving cannot run
