@@ -331,21 +331,22 @@ def test_sim_knows_the_first_ranks_extra_activations_and_the_smaller_bubble():
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("comm", ["nccl", "mpi"])
 def test_interleaved_on_the_gpu_path(comm):
-    """pp2 v2 on the GPU path (a real GPU, or the CuPy stand-in whose NCCL runs over MPI with NCCL's
-    ordering rules) in float32: plain 1F1B's loss and gradients bit for bit, the CPU float64 run's
-    within 1e-4."""
+    """pp2 v2 and pp4 v2 on the GPU path (a real GPU, or the CuPy stand-in whose NCCL runs over MPI
+    with NCCL's ordering rules) in float32: plain 1F1B's loss and gradients bit for bit, the CPU
+    float64 run's within 1e-4."""
     from boostmpi.parallel.engine import Engine
 
     world_comm = world()
-    if world_comm.Get_size() != 2:
-        pytest.skip("runs on 2 ranks")
-    M = 2
+    pp = world_comm.Get_size()
+    if pp not in (2, 4):
+        pytest.skip("runs on 2 or 4 ranks")
+    M = pp
 
     def run(v, device, dtype):
-        cfg = config_from_dict({"model": dict(MODEL, n_layers=4),
-                                "parallel": {"pp": 2, "virtual_stages": v, "comm": comm},
+        cfg = config_from_dict({"model": dict(MODEL, n_layers=2 * pp),
+                                "parallel": {"pp": pp, "virtual_stages": v, "comm": comm},
                                 "train": dict(TRAIN, micro_batch_size=MICRO_BATCH, grad_accum=M, device=device,
-                                              dtype=dtype)}, world_size=2)
+                                              dtype=dtype)}, world_size=pp)
         engine = Engine(cfg, world_comm, local_rank=world_comm.Get_rank())
         loss = engine.forward_backward(batches(0, M))
         return loss, engine.gather_global(engine.grads)
