@@ -18,32 +18,39 @@ MODEL = dict(vocab_size=61, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, attn_r
 TRAIN = {"lr": 0.01, "warmup_steps": 1, "grad_clip": 0.5, "weight_decay": 0.1, "dtype": "float64", "seed": 5}
 MICRO_BATCH, STEPS, TOLERANCE = 2, 2, 1e-12
 
-# name -> (tp, pp, virtual_stages, n_layers, micro-batches per step)
+# name -> (tp, pp, virtual_stages, n_layers, micro-batches per step, dp)
 CASES = {
-    "pp2-v2": (1, 2, 2, 4, 4),
-    "pp2-v3": (1, 2, 3, 12, 2),
-    "tp2-pp2-v2": (2, 2, 2, 4, 4),
-    "pp4-v2": (1, 4, 2, 8, 8),
+    "pp2-v2": (1, 2, 2, 4, 4, 1),
+    "pp2-v3": (1, 2, 3, 12, 2, 1),
+    "tp2-pp2-v2": (2, 2, 2, 4, 4, 1),
+    "pp4-v2": (1, 4, 2, 8, 8, 1),
+    "pp2-v2-dp2": (1, 2, 2, 4, 4, 2),  # each layer's dp bucket starts once its last chunk backward is done
 }
 
 
-def config(tp, pp, v, n_layers, grad_accum, one_rank=False):
+def config(tp, pp, v, n_layers, grad_accum, dp=1, one_rank=False):
     model = dict(MODEL, n_layers=n_layers)
     train = dict(TRAIN, micro_batch_size=MICRO_BATCH, grad_accum=grad_accum)
-    if one_rank:
-        return config_from_dict({"model": model, "train": train})
-    return config_from_dict({"model": model, "parallel": {"tp": tp, "pp": pp, "virtual_stages": v}, "train": train},
-                            world_size=tp * pp)
+    if one_rank:  # the whole global batch in each micro-batch
+        return config_from_dict({"model": model, "train": dict(train, micro_batch_size=MICRO_BATCH * dp)})
+    return config_from_dict({"model": model, "parallel": {"tp": tp, "pp": pp, "dp": dp, "virtual_stages": v},
+                             "train": train}, world_size=tp * pp * dp)
 
 
-def batches(step, grad_accum):
+def batches(step, grad_accum, dp=1, dp_rank=None):
+    """Micro-batches of data-parallel rank `dp_rank`, or (None) of the one-rank run: its micro-batch
+    k holds micro-batch k of every data-parallel rank."""
     rng = np.random.default_rng(100 + step)
-    tokens = rng.integers(0, MODEL["vocab_size"], (grad_accum * MICRO_BATCH, MODEL["seq_len"] + 1))
-    return [(tokens[k * MICRO_BATCH:(k + 1) * MICRO_BATCH, :-1], tokens[k * MICRO_BATCH:(k + 1) * MICRO_BATCH, 1:])
-            for k in range(grad_accum)]
+    tokens = rng.integers(0, MODEL["vocab_size"], (dp * grad_accum * MICRO_BATCH, MODEL["seq_len"] + 1))
+    ranks = range(dp) if dp_rank is None else [dp_rank]
+    out = []
+    for k in range(grad_accum):
+        rows = np.concatenate([tokens[(r * grad_accum + k) * MICRO_BATCH:][:MICRO_BATCH] for r in ranks])
+        out.append((rows[:, :-1], rows[:, 1:]))
+    return out
 
 
-def run_steps(engine, grad_accum):
+def run_steps(engine, grad_accum, dp=1, reference=False):
     """(losses, gathered global gradients per step (rank 0), in-flight activation bytes of this rank)."""
     from boostmpi.train.optim import AdamW, learning_rate
 
@@ -51,7 +58,7 @@ def run_steps(engine, grad_accum):
     losses, grads = [], []
     for step in range(STEPS):
         engine.grid.counter.reset()
-        losses.append(engine.forward_backward(batches(step, grad_accum)))
+        losses.append(engine.forward_backward(batches(step, grad_accum, dp, None if reference else engine.grid.coords.dp)))
         grads.append(engine.gather_global(engine.grads))
         engine.optimizer_step(optimizer, learning_rate(step, engine.cfg.train), TRAIN["grad_clip"])
     pp_bytes = engine.grid.counter.bytes["pp"]
@@ -73,14 +80,14 @@ def compare(name):
     the interleaved engine, its results and plain 1F1B's."""
     from boostmpi.parallel.engine import Engine
 
-    tp, pp, v, n_layers, M = CASES[name]
+    tp, pp, v, n_layers, M, dp = CASES[name]
     comm = world()
     with abort_on_error():
-        one = on_root(lambda: run_steps(Engine(config(1, 1, 1, n_layers, M, one_rank=True)), M))
-        plain_engine = Engine(config(tp, pp, 1, n_layers, M), comm)
-        plain = run_steps(plain_engine, M)
-        engine = Engine(config(tp, pp, v, n_layers, M), comm)
-        interleaved = run_steps(engine, M)
+        one = on_root(lambda: run_steps(Engine(config(1, 1, 1, n_layers, M, dp, one_rank=True)), M, dp, reference=True))
+        plain_engine = Engine(config(tp, pp, 1, n_layers, M, dp), comm)
+        plain = run_steps(plain_engine, M, dp)
+        engine = Engine(config(tp, pp, v, n_layers, M, dp), comm)
+        interleaved = run_steps(engine, M, dp)
     steps = []
     for step in range(STEPS):
         loss, ref = interleaved[0][step], comm.bcast(one[0][step] if comm.Get_rank() == 0 else None)
@@ -93,17 +100,17 @@ def compare(name):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("name", list(CASES))
 def test_interleaved_matches_plain_1f1b_and_one_rank(name):
-    tp, pp, v, n_layers, M = CASES[name]
+    tp, pp, v, n_layers, M, dp = CASES[name]
     comm = world()
-    if tp * pp != comm.Get_size():
-        pytest.skip(f"{name} runs on {tp * pp} ranks")
+    if tp * pp * dp != comm.Get_size():
+        pytest.skip(f"{name} runs on {tp * pp * dp} ranks")
     steps, engine, plain_engine, interleaved, plain = compare(name)
     assert_all_ranks(len(engine.chunks) == v and all(len(c) == n_layers // (pp * v) for c in engine.chunks),
                      lambda: f"chunks {engine.chunks}")
     for step, (losses, errors) in enumerate(steps):
         # after an AdamW step, tp's own order of sums (the same in plain 1F1B) puts the one-rank run
         # ~1e-12 away (test_parallel.py allows 1e-10); interleaving itself must change nothing
-        one_rank_tolerance = TOLERANCE if step == 0 or tp == 1 else 1e-10
+        one_rank_tolerance = TOLERANCE if step == 0 or tp * dp == 1 else 1e-10
         assert_all_ranks(losses[0] <= TOLERANCE and losses[1] <= TOLERANCE,
                          lambda: f"step {step}: loss off by {losses} (relative; plain 1F1B, one rank)")
         assert_all_ranks(comm.Get_rank() != 0 or (errors[0][0] <= TOLERANCE and errors[1][0] <= one_rank_tolerance),
