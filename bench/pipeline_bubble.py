@@ -79,10 +79,16 @@ def main():
     args = p.parse_args()
     if not common.mpi_worker():
         return common.launch_under_mpiexec(args.pp, args.timeout)
-
     from mpi4py import MPI
 
-    world = MPI.COMM_WORLD
+    from boostmpi.parallel.launch import run_guarded  # a failing rank ends every rank, never a hang
+
+    return run_guarded(lambda: measure(args, MPI.COMM_WORLD), MPI.COMM_WORLD, MPI.COMM_WORLD.Get_rank())
+
+
+def measure(args, world):
+    from mpi4py import MPI
+
     rank0 = world.Get_rank() == 0
     machine = common.machine_description(mpi=True) if rank0 else None
     engines = {v: SleepingEngine(world, v, args.unit) for v in (1, args.chunks)}
