@@ -15,9 +15,9 @@ S - 1 through chunk c exactly when rank 0 is ready to take it into chunk c + 1. 
 (v - 1) * S + 2 * (S - s - 1) forward units (all of them when fewer), then alternates one forward
 and one backward unit, then drains. The warm-up and cool-down are made of chunks 1/v as long as a
 stage's layers, which divides the bubble by v: (S - 1) / (v M) of the ideal compute time, against
-(S - 1) / M for plain 1F1B. The 2 (S - s - 1) units beyond the (v - 1) S that the data flow
-needs keep the steady state fed while messages travel: with any p2p latency a warm-up of only
-(v - 1) S + S - s - 1 units leaves a larger bubble. The price is memory: rank 0 holds up to
+(S - 1) / M for plain 1F1B. The data flow alone needs (v - 1) S + S - s - 1 warm-up units; the
+further S - s - 1 keep the steady state fed while messages travel: with p2p latency the shorter
+warm-up leaves a larger bubble (tests/test_pipeline_schedule.py). The price is memory: rank 0 holds up to
 (v + 1) S - 1 chunks' activations at once, 1 + (S - 1) / (S v) times what plain 1F1B keeps
 there (docs/MEMORY.md).
 
