@@ -371,3 +371,18 @@ def test_interleaved_on_the_gpu_path(comm):
             assert err <= 1e-4, (name, err)
 
     on_root(check)
+
+
+def test_sweep_keeps_the_configured_interleaving_where_there_is_a_pipeline():
+    """--sweep from an interleaved config: layouts without a pipeline run plain 1F1B (not dropped),
+    pipelined ones keep v; layouts train could not run (grad_accum not a multiple of pp) are left out."""
+    from boostmpi.sim.machines import load_machine
+    from boostmpi.sim.sweep import sweep
+
+    cfg = config_from_dict({"model": dict(MODEL, n_layers=8), "parallel": {"pp": 2, "virtual_stages": 2},
+                            "train": {"grad_accum": 2, "micro_batch_size": 2}})
+    rows = sweep(cfg, load_machine("a100-80gb"), 4, archs=["cola"], keep_infeasible=True)
+    assert {r["pp"] for r in rows} >= {1, 2}
+    assert all(r["virtual_stages"] == (2 if r["pp"] > 1 else 1) for r in rows)
+    assert all(r["grad_accum"] % r["pp"] == 0 for r in rows if r["pp"] > 1)
+    assert not any(r["pp"] == 4 and r["dp"] == 1 for r in rows)  # grad_accum 2 with pp 4: train refuses it
