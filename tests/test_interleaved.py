@@ -201,6 +201,20 @@ def test_checkpoints_reshard_across_virtual_stages(tmp_path_factory):
             assert all(np.allclose(a[n], b[n], rtol=1e-10, atol=1e-14) for n in a)
 
         on_root(check)
+    # `boostmpi eval` loads the interleaved run's checkpoint on one process (plain layout) and gets
+    # the run's own last validation loss
+    def evaluate_on_one_process():
+        from boostmpi.tools.evaluate import evaluate_shards
+        from boostmpi.tools.loading import load_checkpoint_engine
+
+        engine, cfg, _step = load_checkpoint_engine(str(runs[2] / "checkpoints" / f"step_{CKPT_STEPS:08d}"))
+        assert cfg.parallel.pp == 1 and cfg.parallel.virtual_stages == 1
+        loss = evaluate_shards(engine, cfg, str(shards[1]), max_windows=2)[0]
+        want = [r["val_loss"] for r in read_metrics(runs[2]) if r.get("val_loss") is not None][-1]
+        assert abs(loss - want) <= 1e-10 * abs(want), (loss, want)
+
+    on_root(evaluate_on_one_process)
+
     # the uninterrupted runs with and without interleaving agree too, evaluation included
     def same_runs():
         a, b = reproducible(read_metrics(runs[2])), reproducible(read_metrics(runs[1]))
