@@ -105,6 +105,7 @@ class ParallelConfig:
     comm: str = _key("auto", choices=("auto", "mpi", "nccl"))
     watchdog_s: float = _key(600.0, "nonnegative")  # seconds a collective may wait; 0 = off
     zero_stage: int = _key(0, "zero_stage")  # 1: AdamW state sharded over the data-parallel group
+    virtual_stages: int = _key(1, "positive")  # interleaved 1F1B: layer chunks per pipeline rank
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class TrainConfig:
     seed: int = _key(1337, "nonnegative")  # numpy seeds must be >= 0
     device: str = _key("cpu", choices=("cpu", "gpu"))
     dtype: str = _key("float32", choices=("float64", "float32", "bfloat16"))
-    recompute: str = _key("none", choices=("none", "layer", "lowrank"))
+    recompute: str = _key("none", choices=("none", "layer", "lowrank", "selective"))
     log_every: int = _key(1, "positive")
     val_every: int = _key(0, "nonnegative")  # 0 = only at the end
     val_windows: int = _key(16, "positive")
@@ -193,13 +194,16 @@ class Config:
         return _build(explicit, world_size=None)
 
     def validate(self, world_size=None):
-        """Raise ConfigError for the first problem found; `world_size` = MPI ranks started."""
+        """Raise ConfigError for the first problem found; `world_size` = MPI ranks started (a run: then
+        also what only `boostmpi sim` understands is refused, `check_runnable`)."""
         for name in SECTIONS:
             for f in _FIELDS[name].values():
                 self._check_key(name, f)
         self._check_model()
         self._check_parallel(world_size)
         self._check_train()
+        if world_size is not None:  # a run (train), not a prediction: only what the engine runs
+            self.check_runnable()
         return self
 
     # -- messages -------------------------------------------------------------------------
@@ -259,6 +263,8 @@ class Config:
         if p.pp > m.n_layers:
             raise _error(f"parallel.pp = {p.pp} is larger than model.n_layers = {m.n_layers}: "
                          "every pipeline stage needs at least one layer")
+        if p.virtual_stages > 1:
+            self._check_interleaving()
         if p.tp > m.vocab_size:
             raise _error(f"parallel.tp = {p.tp} is larger than model.vocab_size = {m.vocab_size}: "
                          "every tensor-parallel rank needs part of the vocabulary")
@@ -271,6 +277,39 @@ class Config:
             if getattr(m, key) % p.tp:
                 raise _error(f"{self._show('model', key)} is not divisible by parallel.tp = {p.tp}, "
                              f"which tp_mode = \"{p.tp_mode}\" with arch = \"{m.arch}\" needs")
+
+    def _check_interleaving(self):
+        p = self.parallel
+        if p.pp == 1:
+            raise _error(f"parallel.virtual_stages = {p.virtual_stages} needs parallel.pp > 1: interleaving cuts a "
+                         "pipeline into more stages than it has ranks")
+        if p.pp * p.virtual_stages > self.model.n_layers:
+            raise _error(f"parallel.pp * parallel.virtual_stages = {p.pp * p.virtual_stages} is larger than "
+                         f"model.n_layers = {self.model.n_layers}: every virtual stage needs at least one layer")
+
+    def sim_only(self):
+        """What `boostmpi sim` prices but the engine does not run, as one line naming it, or None.
+        Interleaving with chunks of unequal size or micro-batches in part-groups (as some published
+        runs use) is priced by the performance model; the engine runs Megatron's schedule."""
+        m, p, t = self.model, self.parallel, self.train
+        v = p.virtual_stages
+        if v == 1:
+            return None
+        if m.n_layers % (p.pp * v):
+            return (f"model.n_layers = {m.n_layers} is not divisible by parallel.pp * parallel.virtual_stages = "
+                    f"{p.pp * v}: train needs every virtual stage to have the same number of layers "
+                    "(boostmpi sim prices unequal ones)")
+        if t.grad_accum % p.pp:
+            return (f"{self._show('train', 'grad_accum')} is not a multiple of parallel.pp = {p.pp}, which train's "
+                    f"interleaved 1F1B (parallel.virtual_stages = {v}) needs (boostmpi sim prices it)")
+        return None
+
+    def check_runnable(self):
+        """Raise ConfigError when the engine cannot run this configuration though `sim` prices it."""
+        problem = self.sim_only()
+        if problem:
+            raise _error(problem)
+        return self
 
     def _check_train(self):
         m, t, dp = self.model, self.train, self.parallel.dp

@@ -56,7 +56,8 @@ def test_gpu_step_matches_cpu(arch, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("arch,recompute", [("full", "layer"), ("svd", "lowrank"), ("cola", "layer"), ("cola", "lowrank")])
+@pytest.mark.parametrize("arch,recompute", [("full", "layer"), ("svd", "lowrank"), ("cola", "layer"), ("cola", "lowrank"),
+                                           ("full", "selective"), ("cola", "selective")])
 def test_gpu_recompute_modes_match_cpu(arch, recompute, dtype):
     assert_step_close(gpu_step(arch, dtype, recompute), cpu_step(arch), dtype, f"{arch} {dtype} recompute={recompute}")
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from boostmpi.parallel.comm import CommCounter
-from boostmpi.parallel.pipeline import one_f_one_b
+from boostmpi.parallel.pipeline import steps_with_messages
 from gpu_setup import GPU
 from mpi_helpers import abort_on_error
 
@@ -66,10 +66,10 @@ class _Communicator:
         rec.comms_made += 1
 
     def send(self, ptr, count, dtype, peer, stream):
-        RANK["recorder"].ops.append((stream, "send", peer, self.label))
+        RANK["recorder"].ops.append((stream, "send", peer, self.label, ptr))
 
     def recv(self, ptr, count, dtype, peer, stream):
-        RANK["recorder"].ops.append((stream, "recv", peer, self.label))
+        RANK["recorder"].ops.append((stream, "recv", peer, self.label, ptr))
 
 
 def _fake_cupy(stream=_Stream, event=_Event, communicator=_Communicator, current=lambda: RANK["recorder"].main):
@@ -98,11 +98,16 @@ class _MpiComm:
         return obj
 
 
+_TAGS = {}  # buffer pointer -> the engine's tag of the message it holds
+
+
 class _Buffer:
     """Stands in for a CuPy array: what NcclGroup reads of one."""
 
-    def __init__(self):
+    def __init__(self, tag=None):
         self.data = types.SimpleNamespace(ptr=next(_ids))
+        self.tag = tag  # which message it holds (NCCL itself has no tags)
+        _TAGS[self.data.ptr] = tag
         self.size, self.nbytes, self.dtype, self.shape = 16, 64, np.dtype(np.float32), (16,)
 
 
@@ -114,15 +119,16 @@ def _install_fake_cupy(monkeypatch, **stand_ins):
     return cuda
 
 
-def _record(n_stages, n_micro, p2p, monkeypatch):
-    """Replays the engine's 1F1B sends and receives on each stage; returns each rank's ops."""
+def _record(n_stages, n_micro, p2p, monkeypatch, n_chunks=1):
+    """Replays the engine's sends and receives on each stage (its schedule, its tags); returns each
+    rank's ops."""
     cuda = _install_fake_cupy(monkeypatch)
     from boostmpi.parallel.nccl import NcclGroup
 
     recorded = []
     for stage in range(n_stages):
         rec = RANK["recorder"] = _Recorder()
-        group = NcclGroup("pp", _MpiComm(n_stages, stage), CommCounter(), p2p=p2p)
+        group = NcclGroup("pp", _MpiComm(n_stages, stage), CommCounter(), p2p=p2p, ring=p2p and n_chunks > 1)
         if not p2p:  # the replaced design: everything on the current stream, on the one communicator
             def isend(buf, dest, tag=0, group=group):
                 group.nccl_comm.send(buf.data.ptr, buf.size, 0, dest, cuda.get_current_stream().ptr)
@@ -131,23 +137,18 @@ def _record(n_stages, n_micro, p2p, monkeypatch):
                 group.nccl_comm.recv(buf.data.ptr, buf.size, 0, source, cuda.get_current_stream().ptr)
 
             group.isend, group.irecv = isend, irecv
-        for kind, _mb in one_f_one_b(n_stages, stage, n_micro):  # the engine's order, forward_backward
-            if kind == "F":
-                if stage > 0:
-                    group.irecv(_Buffer(), stage - 1)
-                if stage < n_stages - 1:
-                    group.isend(_Buffer(), stage + 1)
-            else:
-                if stage < n_stages - 1:
-                    group.irecv(_Buffer(), stage + 1)
-                if stage > 0:
-                    group.isend(_Buffer(), stage - 1)
+        for step in steps_with_messages(n_stages, stage, n_micro, n_chunks):  # forward_backward's order
+            if step.recv is not None:
+                group.irecv(_Buffer(step.recv[1]), step.recv[0], tag=step.recv[1])
+            if step.send is not None:
+                group.isend(_Buffer(step.send[1]), step.send[0], tag=step.send[1])
         recorded.append(rec.ops)
     return recorded
 
 
 def _runs_to_completion(recorded):
-    """NCCL's rule on the recorded streams; True when every op completes."""
+    """NCCL's rule on the recorded streams; True when every op completes and every send meets the
+    receive of the same message (NCCL matches them by order alone)."""
     # op i of rank r waits for: the op before it on its stream, and every receive rank r issued before it
     done = [[False] * len(ops) for ops in recorded]
 
@@ -159,13 +160,15 @@ def _runs_to_completion(recorded):
     while progress:
         progress = False
         for r, ops in enumerate(recorded):
-            for i, (_stream, kind, peer, label) in enumerate(ops):
+            for i, (_stream, kind, peer, label, ptr) in enumerate(ops):
                 if done[r][i] or kind != "send" or not ready(r, i):
                     continue
                 # the peer's first not-done receive from r on the same communicator must be this one's match
-                match = next((j for j, (_, k, p, lab) in enumerate(recorded[peer])
+                match = next((j for j, (_, k, p, lab, _ptr) in enumerate(recorded[peer])
                               if not done[peer][j] and k == "recv" and p == r and lab == label), None)
                 if match is not None and ready(peer, match):
+                    if _TAGS[ptr] != _TAGS[recorded[peer][match][4]]:
+                        return False  # the receive would get another message's data
                     done[r][i] = done[peer][match] = True
                     progress = True
     return all(all(row) for row in done)
@@ -175,11 +178,43 @@ def _runs_to_completion(recorded):
 def test_pipeline_channels_never_deadlock(monkeypatch, n_stages, n_micro):
     recorded = _record(n_stages, n_micro, p2p=True, monkeypatch=monkeypatch)
     for rank, ops in enumerate(recorded):  # activations travel up on one channel, gradients down on the other
-        up = {(stream, lab) for stream, kind, peer, lab in ops if (kind == "send") == (peer > rank)}
-        down = {(stream, lab) for stream, kind, peer, lab in ops if (kind == "send") != (peer > rank)}
+        up = {(stream, lab) for stream, kind, peer, lab, _ in ops if (kind == "send") == (peer > rank)}
+        down = {(stream, lab) for stream, kind, peer, lab, _ in ops if (kind == "send") != (peer > rank)}
         assert len(up) <= 1 and len(down) <= 1 and not up & down, (rank, up, down)
-        assert all(lab != 0 for _, _, _, lab in ops)  # never on the collectives' communicator
+        assert all(lab != 0 for _, _, _, lab, _ in ops)  # never on the collectives' communicator
     assert _runs_to_completion(recorded)
+
+
+@pytest.mark.parametrize("n_stages, n_micro, n_chunks", [(2, 2, 2), (2, 4, 2), (2, 6, 3), (3, 3, 2), (3, 6, 3),
+                                                     (4, 4, 2), (4, 8, 2), (4, 12, 3), (5, 10, 2)])
+def test_ring_channels_never_deadlock(monkeypatch, n_stages, n_micro, n_chunks):
+    """Interleaved 1F1B: one channel per kind of message and direction, each used on one stream."""
+    recorded = _record(n_stages, n_micro, p2p=True, monkeypatch=monkeypatch, n_chunks=n_chunks)
+    for ops in recorded:
+        per_channel = {}
+        for stream, _kind, _peer, lab, _ in ops:
+            per_channel.setdefault(lab, set()).add(stream)
+        assert all(len(streams) == 1 for streams in per_channel.values()) and 0 not in per_channel
+    assert _runs_to_completion(recorded)
+
+
+def test_ring_on_channels_by_kind_alone_deadlocks(monkeypatch):
+    """The check can fail: with one channel for activations and one for gradients (each used both
+    ways round the ring), two neighbouring ranks block on sends to each other."""
+    from boostmpi.parallel.nccl import NcclGroup
+
+    real_init, real_channel = NcclGroup.__init__, NcclGroup._p2p_channel
+
+    def init(self, axis, mpi_comm, counter, overlap=True, p2p=False, ring=False):
+        real_init(self, axis, mpi_comm, counter, overlap, p2p=p2p, ring=False)  # two channels
+
+    def by_kind(self, direction, tag):
+        return real_channel(self, +1 if tag & 1 == 0 else -1, tag)
+
+    monkeypatch.setattr(NcclGroup, "__init__", init)
+    monkeypatch.setattr(NcclGroup, "_p2p_channel", by_kind)
+    for n_stages, n_micro in ((2, 4), (4, 8)):
+        assert not _runs_to_completion(_record(n_stages, n_micro, p2p=True, monkeypatch=monkeypatch, n_chunks=2))
 
 
 @pytest.mark.parametrize("n_stages, n_micro", [(2, 2), (3, 6), (4, 8)])

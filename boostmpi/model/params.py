@@ -103,9 +103,19 @@ def split_range(size, parts, index):
     return start, start + base + (1 if index < extra else 0)
 
 
-def stage_layers(n_layers, pp, stage):
-    """The layers that pipeline stage `stage` of `pp` runs (contiguous, near-equal)."""
-    return range(*split_range(n_layers, pp, stage))
+def chunk_layers(n_layers, pp, stage, virtual_stages=1):
+    """The layer chunks pipeline rank `stage` of `pp` runs, one range per chunk: with v virtual stages
+    the layers are cut into pp * v contiguous near-equal chunks and rank s holds chunks s, s + pp, ..."""
+    n = pp * virtual_stages
+    return [range(*split_range(n_layers, n, c * pp + stage)) for c in range(virtual_stages)]
+
+
+def stage_layers(n_layers, pp, stage, virtual_stages=1):
+    """The layers that pipeline rank `stage` of `pp` runs, in increasing order (contiguous, near-equal
+    under plain 1F1B; its chunks, one after the other, when interleaved)."""
+    if virtual_stages == 1:
+        return range(*split_range(n_layers, pp, stage))
+    return [i for chunk in chunk_layers(n_layers, pp, stage, virtual_stages) for i in chunk]
 
 
 def tp_strategy(cfg):
@@ -137,7 +147,7 @@ def param_specs(cfg, tp_rank=0, pp_stage=0):
         add("embed", (V, C), "embed", True, "normal", 0.02, None)
     out_scale = 1.0 / np.sqrt(2.0 * L)
     shapes = m.linear_shapes()
-    for i in stage_layers(L, par.pp, pp_stage):
+    for i in stage_layers(L, par.pp, pp_stage, par.virtual_stages):
         pre = f"layers/{i}"
         for norm, group in (("attn_norm", ATTN_IN), ("mlp_norm", MLP_IN)):
             add(f"{pre}/{norm}", (C,), "norm", False, "ones", 0.0, i)

@@ -4,6 +4,10 @@
   none      the layer's whole cache is kept.
   layer     only the layer's input is kept; the backward runs the layer's forward again first,
             collectives included.
+  selective everything but the attention core's own cache is kept: the core's inputs q, k, v (after
+            RoPE) instead of its scaled and transposed copies and its two softmax statistics per
+            head and token; the backward runs the core's forward again first (no collective, no
+            projection: only the scores, softmax and probabilities @ v of each layer).
   lowrank   the layer's input and a `Tape` are kept: what each of the layer's collectives produced
             (the post-all-reduce rank-R activations, with the RMSNorm statistic that rode along)
             and the attention's two softmax statistics per head and token. The recompute replays
@@ -16,12 +20,15 @@ A forward learns what is asked of it from the `Tape` it is handed (its `mode`):
   "record"   lowrank's forward: `keep` appends each collective's result.
   "replay"   lowrank's recompute: `take` hands them back in order.
   "rerun"    layer's recompute: everything computed again.
-In the last two the backward follows at once (`backward_follows`): the forward's cache may then
+  "selective" a plain forward whose cache holds the attention core's inputs (`keeps_core_inputs`).
+In "replay" and "rerun" the backward follows at once (`backward_follows`): the forward's cache may then
 also hold what the backward would otherwise compute again (the SiLUs' sigmoids, the attention's
 probability tiles) and the layer's output, which nothing reads, is not produced.
 """
 
 from dataclasses import dataclass
+
+from boostmpi.model import layers
 
 
 class Tape:
@@ -46,6 +53,10 @@ class Tape:
     def backward_follows(self):
         return self.mode in ("replay", "rerun")
 
+    @property
+    def keeps_core_inputs(self):
+        return self.mode == "selective"
+
     def keep(self, item):
         """Record `item` when recording; returns it either way."""
         if self.mode == "record":
@@ -62,8 +73,18 @@ class Tape:
         return sum(a.nbytes for item in self.items for a in item if a is not None)
 
 
+def own_buffer(a):
+    """`a`, or a copy of it when it is a view into a larger buffer (v as a column block of a grouped
+    projection's output): what is kept must not keep the rest of that buffer alive."""
+    base = a
+    while getattr(base, "base", None) is not None:
+        base = base.base
+    return a.copy() if base.size > a.size else a
+
+
 NO_TAPE = Tape()  # a plain forward
 RERUN = Tape("rerun")  # the recompute of a layer that kept only its input
+SELECTIVE = Tape("selective")  # a forward that keeps the attention core's inputs, not its cache
 
 
 @dataclass
@@ -109,4 +130,25 @@ class LowRankRecompute:
         return block.recompute(h, saved.tape.start_replaying())  # no communication
 
 
-POLICIES = {"none": NoRecompute, "layer": LayerRecompute, "lowrank": LowRankRecompute}
+class SelectiveRecompute:
+    """Attention's core recomputed in the backward, everything else kept (Korthikanti et al. 2022,
+    "selective activation recomputation"). The engine's core never keeps the T x T probabilities (its
+    backward recomputes them tile by tile), so what this saves is the core's softmax statistics; the
+    core's forward runs again, and its backward then reads the probability tiles that forward kept
+    instead of computing them (docs/MEMORY.md). The same bits as `none`: the scores come from the same
+    q, k, v by the same operations."""
+    lean_head = False
+
+    def forward(self, block, h, input_is_lookup):
+        h_out, cache = block.forward(h, SELECTIVE)
+        return h_out, Saved(cache=cache)
+
+    def cache(self, block, saved, look_up):
+        cache = saved.cache
+        q, k, v = cache.attn
+        cache.attn = layers.attention_forward(q, k, v, keep_probs=True)[1]
+        return cache
+
+
+POLICIES = {"none": NoRecompute, "layer": LayerRecompute, "lowrank": LowRankRecompute,
+            "selective": SelectiveRecompute}

@@ -10,7 +10,7 @@ Hl, Hkvl are the local heads.
 from dataclasses import dataclass
 
 from boostmpi.model import layers
-from boostmpi.model.recompute import NO_TAPE
+from boostmpi.model.recompute import NO_TAPE, own_buffer
 
 
 @dataclass
@@ -18,7 +18,7 @@ class BlockCache:
     """What a block's backward reads. The backward takes each part out (`pop`) as it reads it,
     so the layer's activations leave memory while its backward runs."""
     qkv: object  # the strategy's cache of attn_norm and q/k/v
-    attn: object  # layers.AttentionCache
+    attn: object  # layers.AttentionCache (under recompute = selective, until the backward: the core's q, k, v)
     o: object
     gate_up: object  # the strategy's cache of mlp_norm and gate/up
     gate: tuple  # (g, u, sigmoid(g) when kept, else None)
@@ -59,9 +59,11 @@ class Block:
         q = layers.rope_forward(q.reshape(B, T, tpx.n_heads, Dh), *rope)
         k = layers.rope_forward(k.reshape(B, T, tpx.n_kv_heads, Dh), *rope)
         stats = tape.take() if tape.replaying else None  # lowrank keeps the softmax statistics
-        o, c_att = layers.attention_forward(q, k, v.reshape(B, T, tpx.n_kv_heads, Dh),
-                                            keep_probs=tape.backward_follows, stats=stats)
+        v = v.reshape(B, T, tpx.n_kv_heads, Dh)
+        o, c_att = layers.attention_forward(q, k, v, keep_probs=tape.backward_follows, stats=stats)
         tape.keep((c_att.row_max, c_att.row_sum))
+        if tape.keeps_core_inputs:  # selective: the core's inputs instead of its cache (recompute.py)
+            c_att = (q, k, own_buffer(v))
         y, c_o = tpx.out_proj_forward(o.reshape(B * T, -1), pre + "o", P, tape)
         h = h + y
         (g, u), c_gu = tpx.in_proj_forward(h, pre + "mlp_norm", [pre + "gate", pre + "up"], P, tape)

@@ -18,12 +18,13 @@ import numpy as np
 
 from boostmpi.backend import compute_dtype, get_array_module, get_xp, keep_host_memory, param_dtype
 from boostmpi.model import layers
-from boostmpi.model.params import FlatBuffer, block_pieces, init_box, init_local, param_specs, split_range, stage_layers
+from boostmpi.model.params import (FlatBuffer, block_pieces, chunk_layers, init_box, init_local, param_specs,
+                                   split_range, stage_layers)
 from boostmpi.model.recompute import POLICIES, Saved, Tape
 from boostmpi.model.transformer import Block, BlockCache
 from boostmpi.parallel.comm import HostCollectives, configure_watchdog
 from boostmpi.parallel.grid import Coords, ProcessGrid, rank_of
-from boostmpi.parallel.pipeline import one_f_one_b
+from boostmpi.parallel.pipeline import FORWARD, message_tag, steps_with_messages
 from boostmpi.parallel.tensor_parallel import make_strategy
 from boostmpi.train.optim import clip_coefficient, touched
 
@@ -53,6 +54,7 @@ def _nbytes(obj, seen):
 
 class Engine:
     def __init__(self, cfg, world=None, local_rank=0):
+        cfg.check_runnable()  # nothing only the performance model understands
         self.cfg = cfg
         m, par, tr = cfg.model, cfg.parallel, cfg.train
         self.xp = get_xp(tr.device)
@@ -67,11 +69,14 @@ class Engine:
             sync = lambda: self.xp.cuda.get_current_stream().synchronize()  # noqa: E731
             use_nccl = resolve_comm(par.comm, world) == "nccl"  # "auto" falls back to MPI if NCCL is missing
         configure_watchdog(par.watchdog_s)  # a collective waiting longer than this ends the job
-        self.grid = ProcessGrid(world, par.tp, par.pp, par.dp, overlap=par.overlap, sync=sync, use_nccl=use_nccl)
+        self.grid = ProcessGrid(world, par.tp, par.pp, par.dp, overlap=par.overlap, sync=sync, use_nccl=use_nccl,
+                                ring=par.virtual_stages > 1)
         c = self.grid.coords
         self.stage, self.n_stages = c.pp, par.pp
         self.first, self.last = self.grid.is_first_stage, self.grid.is_last_stage
-        self.layers = stage_layers(m.n_layers, par.pp, c.pp)
+        self.n_chunks = par.virtual_stages  # interleaved 1F1B: this rank's layers in n_chunks chunks
+        self.chunks = chunk_layers(m.n_layers, par.pp, c.pp, self.n_chunks)
+        self.layers = stage_layers(m.n_layers, par.pp, c.pp, self.n_chunks)
         self.specs = param_specs(cfg, c.tp, c.pp)
         self.pdtype = param_dtype(tr.dtype)
         self.cdtype = compute_dtype(tr.dtype, self.xp)
@@ -104,6 +109,7 @@ class Engine:
         self.policy = POLICIES[tr.recompute]()
         self.saved_activation_bytes = 0  # per micro-batch, this stage, from the last step
         self.saved_activation_bytes_per_layer = []
+        self.in_flight_activation_bytes = 0  # the most held at once by the schedule, from the last step
         self._buckets = self._bucket_ranges()
         # the dp-summed gradient of the slice: its own buffer when reduce-scattered, else a view
         self.grad_shard = touched(self.xp.empty(hi - lo, dtype=self.pdtype)) if self.sharded else self.grads.data
@@ -175,55 +181,66 @@ class Engine:
         if self.cparams is not self.params:
             self.cparams.data[...] = self.params.data
 
-    def _stage_forward(self, x, y, h, keep=True):
-        """Returns (h_out or loss, saved). `h` is the received activation (None on the first stage).
-        With `keep`, `saved` holds what the recompute policy keeps for the backward."""
+    def _stage_forward(self, x, y, h, keep=True, chunk=0):
+        """Returns (h_out or loss, saved) of layer chunk `chunk` (the rank's only one under plain 1F1B).
+        `h` is the received activation (None on the first virtual stage). With `keep`, `saved` holds
+        what the recompute policy keeps for the backward."""
         P, tpx, B, T = self.cparams, self.tpx, x.shape[0], x.shape[1]
+        first, last, layers = self._chunk(chunk)
         ids = self.xp.asarray(x.reshape(-1))
-        if self.first:
+        if first:
             h = tpx.embed_forward(ids, P)
         saved = {"ids": ids, "layers": []}
-        for i in self.layers:
+        for i in layers:
             block = Block(i, P, tpx, self.rope, (B, T))
             if not keep:
                 h, _ = block.forward(h)
                 continue
             # the first layer's input is the embedding lookup: without a collective, a policy
             # may look it up again from the token ids instead of keeping it
-            input_is_lookup = self.first and i == self.layers[0] and tpx.embedding_is_local
+            input_is_lookup = first and i == layers[0] and tpx.embedding_is_local
             h, entry = self.policy.forward(block, h, input_is_lookup)
             saved["layers"].append(entry)
-        if not self.last:
+        if not last:
             return h, saved
         lean = keep and self.policy.lean_head
         loss, saved["head"] = tpx.head_forward(h, self.xp.asarray(y.reshape(-1)), P, lean=lean)
         return loss, saved
 
-    def _stage_backward(self, dh, saved, shape, scale, on_bucket_done):
+    def _chunk(self, chunk):
+        """(holds the embedding, holds the head, layers) of this rank's layer chunk `chunk`."""
+        return (self.first and chunk == 0, self.last and chunk == self.n_chunks - 1, self.chunks[chunk])
+
+    def _stage_backward(self, dh, saved, shape, scale, on_bucket_done, chunk=0):
         P, Gr, tpx = self.cparams, self.grads, self.tpx
-        if self.last:
+        first, last, layers = self._chunk(chunk)
+        if last:
             dh = tpx.head_backward(saved.pop("head"), scale, P, Gr)
             on_bucket_done("head")
         # each layer's saved entry is taken out of `saved` and the block's backward empties its
         # cache: activations leave memory layer by layer as the backward goes
         look_up = lambda: tpx.embed_forward(saved["ids"], P)  # noqa: E731
-        for i in reversed(self.layers):
+        for i in reversed(layers):
             block = Block(i, P, tpx, self.rope, shape)
             entry = saved["layers"].pop()
             cache = self.policy.cache(block, entry, look_up)
             del entry
             dh = block.backward(dh, cache, Gr)
             on_bucket_done(i)
-        if self.first:
+        if first:
             tpx.embed_backward(saved["ids"], dh, Gr)
             on_bucket_done("embed")
         return dh
 
-    def _account_saved(self, saved):
-        """Bytes kept between forward and backward for one micro-batch: per layer, and in total."""
-        seen = set()
-        self.saved_activation_bytes_per_layer = [_nbytes(entry, seen) for entry in saved["layers"]]
-        self.saved_activation_bytes = sum(self.saved_activation_bytes_per_layer) + _nbytes(saved, seen)
+    def _account_saved(self, saved_of_chunks):
+        """Bytes kept between forward and backward for one micro-batch (all of this rank's chunks):
+        per layer, and in total."""
+        seen, per_layer, total = set(), [], 0
+        for saved in saved_of_chunks:
+            layers = [_nbytes(entry, seen) for entry in saved["layers"]]
+            per_layer += layers
+            total += sum(layers) + _nbytes(saved, seen)
+        self.saved_activation_bytes_per_layer, self.saved_activation_bytes = per_layer, total
 
     # ------------------------------------------------------------------ a whole step
     def forward_backward(self, micro_batches, also_sum=None):
@@ -243,35 +260,41 @@ class Engine:
         Cl = self.tpx.res_cols[1] - self.tpx.res_cols[0]
         scale = 1.0 / (B * T * M * grid.dp_size)
         saved, losses, sends, dp_reqs = {}, [], [], []
-        prev, nxt = self.stage - 1, self.stage + 1
+        held, held_peak, first_mb = {}, 0, []  # bytes in flight (saved activations), for the accounting
 
         def bucket_done(key, mb):
             if mb == M - 1 and grid.dp.size > 1 and key in self._buckets and grid.dp.overlap:
                 dp_reqs.append(self._reduce_bucket(*self._buckets[key]))
 
-        for kind, mb in one_f_one_b(self.n_stages, self.stage, M):
+        # messages: activations to the next virtual stage, gradients to the previous one; the
+        # receive of a step is waited for right before it, its send only at the end of the step
+        for step in steps_with_messages(self.n_stages, self.stage, M, self.n_chunks):
+            kind, chunk, mb = step.kind, step.chunk, step.mb
             x, y = micro_batches[mb]
+            got = None
+            if step.recv is not None:
+                got = xp.empty((B * T, Cl), dtype=self.cdtype)
+                grid.pp.irecv(got, step.recv[0], tag=step.recv[1]).wait()
             if kind == "F":
-                h = None
-                if not self.first:
-                    h = xp.empty((B * T, Cl), dtype=self.cdtype)
-                    grid.pp.irecv(h, prev, tag=2 * mb).wait()
-                out, saved[mb] = self._stage_forward(x, y, h)
-                if self.last:
-                    losses.append(out)
-                else:
-                    sends.append((grid.pp.isend(out, nxt, tag=2 * mb), out))
+                out, kept = self._stage_forward(x, y, got, chunk=chunk)
+                saved[chunk, mb] = kept
+                held[chunk, mb] = _nbytes(kept, set())
+                held_peak = max(held_peak, sum(held.values()))
                 if mb == 0:
-                    self._account_saved(saved[mb])
+                    first_mb.append(kept)
+                    if len(first_mb) == self.n_chunks:
+                        self._account_saved(first_mb)
+                        first_mb = []
             else:
-                dh = None
-                if not self.last:
-                    dh = xp.empty((B * T, Cl), dtype=self.cdtype)
-                    grid.pp.irecv(dh, nxt, tag=2 * mb + 1).wait()
-                dx = self._stage_backward(dh, saved.pop(mb), (B, T), scale, lambda key, mb=mb: bucket_done(key, mb))
-                if not self.first:
-                    dx = xp.ascontiguousarray(dx)
-                    sends.append((grid.pp.isend(dx, prev, tag=2 * mb + 1), dx))
+                del held[chunk, mb]
+                out = self._stage_backward(got, saved.pop((chunk, mb)), (B, T), scale,
+                                           lambda key, mb=mb: bucket_done(key, mb), chunk=chunk)
+            if step.send is not None:
+                out = xp.ascontiguousarray(out)
+                sends.append((grid.pp.isend(out, step.send[0], tag=step.send[1]), out))
+            elif kind == "F" and self.last and chunk == self.n_chunks - 1:
+                losses.append(out)
+        self.in_flight_activation_bytes = held_peak
         for req, _buf in sends:
             req.wait()
         if grid.dp.size > 1:
@@ -331,15 +354,18 @@ class Engine:
         if x is not None:
             B, T = x.shape
             Cl = self.tpx.res_cols[1] - self.tpx.res_cols[0]
-            h = None
-            if not self.first:
-                h = xp.empty((B * T, Cl), dtype=self.cdtype)
-                grid.pp.irecv(h, self.stage - 1, tag=0).wait()
-            out, _ = self._stage_forward(x, y, h, keep=False)
-            if not self.last:
-                grid.pp.isend(out, self.stage + 1, tag=0).wait()
-            elif grid.coords.tp == 0:
-                mine = out * B
+            S, v = self.n_stages, self.n_chunks
+            for chunk in range(v):  # the activation goes round the ring of ranks once per chunk
+                j = chunk * S + self.stage  # the virtual stage
+                h = None
+                if j > 0:
+                    h = xp.empty((B * T, Cl), dtype=self.cdtype)
+                    grid.pp.irecv(h, (self.stage - 1) % S, tag=message_tag(FORWARD, 0, j - 1, S, v)).wait()
+                out, _ = self._stage_forward(x, y, h, keep=False, chunk=chunk)
+                if j < S * v - 1:
+                    grid.pp.isend(out, (self.stage + 1) % S, tag=message_tag(FORWARD, 0, j, S, v)).wait()
+                elif grid.coords.tp == 0:
+                    mine = out * B
         return float(self.grid.host.sum([mine])[0])
 
     # ------------------------------------------------------------------ the gradient's norm

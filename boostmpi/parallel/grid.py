@@ -29,9 +29,10 @@ def rank_of(coords, tp, pp):
 
 
 class ProcessGrid:
-    """Axis groups of this rank. `world` is an mpi4py communicator or None (one process)."""
+    """Axis groups of this rank. `world` is an mpi4py communicator or None (one process). `ring`: the
+    pipeline's messages go round a ring (interleaved 1F1B), which NCCL needs channels for."""
 
-    def __init__(self, world, tp=1, pp=1, dp=1, overlap=True, sync=None, use_nccl=False):
+    def __init__(self, world, tp=1, pp=1, dp=1, overlap=True, sync=None, use_nccl=False, ring=False):
         size = 1 if world is None else world.Get_size()
         rank = 0 if world is None else world.Get_rank()
         if tp * pp * dp != size:
@@ -54,7 +55,7 @@ class ProcessGrid:
             if use_nccl and comm is not None:
                 from boostmpi.parallel.nccl import NcclGroup
 
-                return NcclGroup(axis, comm, self.counter, overlap, p2p=axis == "pp")
+                return NcclGroup(axis, comm, self.counter, overlap, p2p=axis == "pp", ring=ring and axis == "pp")
             return Group(axis, comm, self.counter, overlap, sync)
 
         self.use_nccl = use_nccl

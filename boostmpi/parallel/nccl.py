@@ -23,6 +23,16 @@ flows the same way, in the same order on both ends, so no cycle can form; each o
 for the current stream (the buffer's producer, or its previous user in CuPy's memory pool) and
 hands back an event that the current stream waits on.
 
+Interleaved 1F1B (parallel.virtual_stages > 1) sends round a ring: the last rank's activations go
+on to rank 0 (the next chunk), rank 0's gradients back to the last rank. A group made with
+`ring=True` keys its channels by the kind of message as well (the tag's low bit: 0 an activation,
+1 a gradient) and holds four: activations up, activations down (the wrap-around), gradients down,
+gradients up (the wrap-around). Between two ranks a channel then carries one kind of message one
+way, and the schedule runs every chunk's micro-batches in one order on every rank, so the sender's
+order is the receiver's by construction (NCCL matches by order alone), whatever order the two kinds
+interleave in. One channel per kind alone would not do: round a ring each is used both ways, and
+two neighbours block on sends to each other.
+
 Without a GPU, CI runs it unchanged on the CuPy stand-in's NCCL, carried out by MPI between real
 ranks with NCCL's ordering rules (tests/test_gpu.py, tests/test_nccl_p2p.py; docs/GPU.md).
 """
@@ -87,9 +97,9 @@ def _communicator(nccl, mpi_comm, size, rank):
 
 
 class NcclGroup(Group):
-    def __init__(self, axis, mpi_comm, counter, overlap=True, p2p=False):
+    def __init__(self, axis, mpi_comm, counter, overlap=True, p2p=False, ring=False):
         super().__init__(axis, mpi_comm, counter, overlap)
-        self.p2p = {}
+        self.p2p, self.ring = {}, ring
         if self.size == 1:
             self.nccl_comm = None
             return
@@ -99,10 +109,10 @@ class NcclGroup(Group):
         self.nccl_comm = _communicator(nccl, mpi_comm, self.size, self.rank)
         self.side_stream = cupy.cuda.Stream(non_blocking=True)
         self._side_done = None  # the last side-stream collective, until the current stream has waited for it
-        if p2p:  # +1: messages to higher ranks, -1: to lower ranks (see the module docstring)
-            for direction in (+1, -1):
-                self.p2p[direction] = (_communicator(nccl, mpi_comm, self.size, self.rank),
-                                       cupy.cuda.Stream(non_blocking=True))
+        if p2p:  # +1: messages to higher ranks, -1: to lower ranks; by kind too round a ring (module docstring)
+            for key in ([(kind, d) for kind in (0, 1) for d in (+1, -1)] if ring else [+1, -1]):
+                self.p2p[key] = (_communicator(nccl, mpi_comm, self.size, self.rank),
+                                 cupy.cuda.Stream(non_blocking=True))
 
     def _stream(self):
         import cupy
@@ -204,23 +214,23 @@ class NcclGroup(Group):
         nccl.groupEnd()
         return buf
 
-    def _p2p_channel(self, direction):
-        if direction not in self.p2p:
+    def _p2p_channel(self, direction, tag):
+        if not self.p2p:
             raise RuntimeError(f"NCCL group '{self.axis}' was made without p2p=True: it has no send/receive channels")
-        comm, stream = self.p2p[direction]
+        comm, stream = self.p2p[(tag & 1, direction) if self.ring else direction]
         stream.wait_event(_Event(self._stream()).event)
         return comm, stream
 
     def isend(self, buf, dest, tag=0):
         nccl = _nccl()
         self.counter.add(self.axis, buf.nbytes)
-        comm, stream = self._p2p_channel(+1 if dest > self.rank else -1)
+        comm, stream = self._p2p_channel(+1 if dest > self.rank else -1, tag)
         comm.send(buf.data.ptr, buf.size, _dtype(nccl, buf.dtype), dest, stream.ptr)
         return _Event(stream)
 
     def irecv(self, buf, source, tag=0):
         nccl = _nccl()
-        comm, stream = self._p2p_channel(+1 if self.rank > source else -1)
+        comm, stream = self._p2p_channel(+1 if self.rank > source else -1, tag)
         comm.recv(buf.data.ptr, buf.size, _dtype(nccl, buf.dtype), source, stream.ptr)
         return _Event(stream)
 

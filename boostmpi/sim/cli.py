@@ -80,13 +80,15 @@ def _label(row):
 
 def _label_cfg(cfg):
     p, t = cfg.parallel, cfg.train
-    return f"{cfg.model.arch} tp{p.tp} pp{p.pp} dp{p.dp}\n{p.tp_mode} {t.recompute}"
+    v = f"v{p.virtual_stages}" if p.virtual_stages > 1 else ""
+    return f"{cfg.model.arch} tp{p.tp} pp{p.pp}{v} dp{p.dp}\n{p.tp_mode} {t.recompute}"
 
 
 def format_prediction(cfg, p, machine):
     par, t = cfg.parallel, cfg.train
     gib = 2**30
-    lines = [f"{cfg.model.arch} model, tp={par.tp} ({p.details['strategy']}) pp={par.pp} dp={par.dp}, "
+    chunks = f" x {par.virtual_stages} chunks (interleaved)" if par.virtual_stages > 1 else ""
+    lines = [f"{cfg.model.arch} model, tp={par.tp} ({p.details['strategy']}) pp={par.pp}{chunks} dp={par.dp}, "
              f"{t.grad_accum} x {t.micro_batch_size} sequences of {cfg.model.seq_len} per rank, "
              f"{t.dtype}, recompute={t.recompute}, on {p.details['gpus']} x {machine.name}",
              "",

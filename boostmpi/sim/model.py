@@ -10,10 +10,11 @@ import math
 from dataclasses import dataclass, field, replace
 
 from boostmpi.model.params import all_global_specs, param_specs, split_range, stage_layers, tp_strategy
+from boostmpi.parallel.pipeline import warmup_units
 from boostmpi.sim.costs import (ITEMSIZE, PassTimes, group_allreduce_seconds, group_link, p2p_seconds,
                                 pass_times)
-from boostmpi.sim.plans import (Collective, Shape, embedding_plan, head_plan, kept_by_lowrank, layer_plan,
-                                plan_strategy, recompute_plan, saved_elements, shape_of)
+from boostmpi.sim.plans import (Collective, Shape, attention_core_ops, core_statistics, embedding_plan, head_plan,
+                                kept_by_lowrank, layer_plan, plan_strategy, recompute_plan, saved_elements, shape_of)
 
 BREAKDOWN_KEYS = ("gemm", "elementwise", "tp_comm", "pp_bubble_and_p2p", "dp_comm", "optimizer")
 
@@ -68,7 +69,8 @@ def comm_bytes(cfg):
     M, N = t.grad_accum, t.micro_batch_size * cfg.model.seq_len
     tp = par.dp * M * tp_per_micro_batch(cfg, lambda op: op.nbytes(e))
     shard = cfg.model.d_model // par.tp if tp_strategy(cfg) == "btp" else cfg.model.d_model
-    pp = par.tp * par.dp * M * 2 * (par.pp - 1) * N * shard * e
+    # every boundary between consecutive virtual stages (pp - 1 of them, pp * v - 1 interleaved)
+    pp = par.tp * par.dp * M * 2 * (par.pp * par.virtual_stages - 1) * N * shard * e
     dp = 0
     if par.dp > 1:
         dp = sum(stage_params(cfg, st)[1] for st in range(par.pp)) * ITEMSIZE[master_dtype(t.dtype)]
@@ -135,7 +137,7 @@ def stage_params(cfg, stage):
     par = cfg.parallel
     # what the counts depend on: the layout, and which kind of stage this is (its number of
     # identical layers, whether it holds the embedding, the head)
-    kind = (len(stage_layers(cfg.model.n_layers, par.pp, stage)), stage == 0, stage == par.pp - 1)
+    kind = (len(stage_layers(cfg.model.n_layers, par.pp, stage, par.virtual_stages)), stage == 0, stage == par.pp - 1)
     key = (cfg.model, par.tp, par.pp, par.tp_mode, kind)
     if key not in _PARAM_COUNTS:
         specs = param_specs(cfg, 0, stage)
@@ -180,7 +182,7 @@ class Workload:
     pp: int
     dp: int
     micro_batches: int  # per pipeline and optimizer step
-    recompute: str  # "none", "layer" (full activation recomputation) or "lowrank"
+    recompute: str  # "none", "layer" (full activation recomputation), "lowrank" or "selective" (attention core)
     dtype: str
     overlap: bool  # data-parallel communication behind the backward
     params_per_stage: list  # the largest tensor-parallel rank's parameter count, per stage
@@ -200,8 +202,9 @@ def workload_of(cfg):
     s = shape_of(cfg, "flash")
     return Workload(
         shape=s, strategy=strategy,
-        layers_per_stage=[len(stage_layers(m.n_layers, par.pp, st)) for st in range(par.pp)],
+        layers_per_stage=[len(stage_layers(m.n_layers, par.pp, st, par.virtual_stages)) for st in range(par.pp)],
         tp=par.tp, pp=par.pp, dp=par.dp, micro_batches=t.grad_accum, recompute=t.recompute,
+        virtual_stages=par.virtual_stages,
         dtype=t.dtype, overlap=par.overlap, zero_stage=par.zero_stage,
         params_per_stage=[stage_params(cfg, st)[0] for st in range(par.pp)],
         p2p_elements=s.N * (s.C // s.p if strategy == "btp" else s.C),
@@ -234,8 +237,12 @@ def predict_workload(w, machine, comm=None):
         kept = layer_input  # the layer's input only
     elif recompute == "lowrank":
         kept = layer_input + kept_by_lowrank(layer, s)
+    elif recompute == "selective":  # everything but the attention core's statistics (or probabilities)
+        kept = per_layer_saved - core_statistics(layer)
     else:
         kept = per_layer_saved
+    # what a recompute rebuilds for the layer whose backward runs: the layer's whole set, or the core's
+    rebuilt = {"none": 0, "selective": saved_elements(attention_core_ops(layer))}.get(recompute, per_layer_saved)
     # lowrank looks the first layer's input up again from the token ids (no collective under btp)
     first_input_dropped = layer_input if recompute == "lowrank" else 0
     shard = w.dp if w.dp_sharded else 1  # FSDP keeps 1/dp of parameters, gradients and moments
@@ -249,10 +256,16 @@ def predict_workload(w, machine, comm=None):
         bwd.add(layer_b, n_layers)
         fwd.add(pass_times(extra, False, s, machine, dtype))
         bwd.add(pass_times(extra, True, s, machine, dtype))
-        in_flight = min(M, w.pp - stage)  # 1F1B: stage i holds up to pp - i micro-batches
+        # 1F1B: stage i holds up to pp - i micro-batches; interleaved, up to its warm-up + 1 chunks of
+        # 1/v of its layers, (v + 1) pp - 1 on the first rank (the head's chunk: one at a time)
+        in_flight = min(M, w.pp - stage)
+        in_flight_layers = in_flight
+        if w.virtual_stages > 1:
+            units = min(warmup_units(w.pp, stage, M, w.virtual_stages) + 1, w.virtual_stages * M)
+            in_flight_layers = units / w.virtual_stages
         kept_stage = n_layers * kept - (first_input_dropped if stage == 0 and n_layers else 0)
-        activations = (in_flight * (kept_stage + saved_elements(extra))
-                       + (per_layer_saved if recompute != "none" else 0)) * e
+        activations = (in_flight_layers * kept_stage + in_flight * saved_elements(extra)
+                       + rebuilt) * e
         stages.append({"fwd": fwd, "bwd": bwd, "params": w.params_per_stage[stage],
                        "layers": n_layers, "activations": activations})
 

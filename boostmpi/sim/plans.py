@@ -335,9 +335,27 @@ def head_plan(s, strategy):
     return eager_pytorch(ops) if s.eager else ops
 
 
+_CORE_OPS = {"attention", "scores", "softmax", "probs@v"}
+
+
+def attention_core_ops(ops):
+    """The ops of the attention core (q, k, v in, o out): what `recompute = selective` runs again."""
+    return [op for op in ops if op.name in _CORE_OPS and not isinstance(op, Collective)]
+
+
+def core_statistics(ops):
+    """Elements the attention core keeps besides its inputs q, k, v (which `selective` still keeps): the
+    log-sum-exp per row of flash attention, the softmax's saved statistics or probabilities per row
+    of materialised scores (2 per row for the engine's tiled softmax, T for a framework that keeps
+    the probabilities: Korthikanti et al.'s 5as/h term lives here)."""
+    return sum(op.heads * op.T if isinstance(op, Attention) else op.saved
+               for op in attention_core_ops(ops) if not isinstance(op, Gemm))
+
+
 def recompute_plan(ops, recompute):
     """The forward ops the backward runs again first, or None when nothing is recomputed.
 
+    `selective` runs the attention core again (its inputs are kept, no collective is involved).
     `layer` runs the whole forward again. `lowrank` keeps the output of every forward collective
     (btp: the rank-R z after its all-reduce; vanilla: each B output after its all-reduce), so
     neither those collectives nor the GEMMs that feed them straight in run again; it also keeps
@@ -347,6 +365,8 @@ def recompute_plan(ops, recompute):
         return None
     if recompute == "layer":
         return list(ops)
+    if recompute == "selective":
+        return attention_core_ops(ops)
     feeds_kept = set()  # the GEMMs whose outputs go straight into a forward collective
     for i, op in enumerate(ops):
         if isinstance(op, Collective) and op.phase == "fwd":

@@ -1,9 +1,10 @@
 """`boostmpi sim --sweep --gpus N`: every layout and arch of a model on N devices, ranked by time.
 
 The global batch (sequences per optimizer step) and the micro-batch size stay as configured;
-each layout takes the gradient accumulation that keeps the global batch. A layout is dropped when
-the configuration validation rejects it (divisibility of heads, ranks, layers, batch) or when
-it does not fit in device memory.
+each layout takes the gradient accumulation that keeps the global batch, and the configured
+`parallel.virtual_stages` where it has a pipeline (plain 1F1B where it has none). A layout is
+dropped when the configuration validation rejects it (divisibility of heads, ranks, layers,
+batch), when `train` could not run it (`Config.sim_only`) or when it does not fit in device memory.
 """
 
 from boostmpi.errors import UserError
@@ -41,6 +42,7 @@ def sweep(cfg, machine, gpus, archs=None, keep_infeasible=False):
                 for recompute in RECOMPUTE[arch]:
                     changes = {"model.arch": arch, "parallel.tp": tp, "parallel.pp": pp,
                                "parallel.dp": dp, "parallel.tp_mode": mode,
+                               "parallel.virtual_stages": cfg.parallel.virtual_stages if pp > 1 else 1,
                                "train.recompute": recompute,
                                "train.global_batch_size": global_batch,
                                "train.grad_accum": global_batch // per_accum}
@@ -48,10 +50,13 @@ def sweep(cfg, machine, gpus, archs=None, keep_infeasible=False):
                         candidate = cfg.replace(**changes)
                     except UserError:
                         continue  # the configuration validation rejects this layout
+                    if candidate.sim_only():
+                        continue  # a layout to run is what the sweep ranks
                     p = predict(candidate, machine)
                     if not p.memory_bytes["fits"] and not keep_infeasible:
                         continue
                     rows.append({"arch": arch, "tp": tp, "pp": pp, "dp": dp, "tp_mode": mode,
+                                 "virtual_stages": candidate.parallel.virtual_stages,
                                  "recompute": recompute, "grad_accum": global_batch // per_accum,
                                  "time_s": p.time_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu,
                                  "memory_gib": p.memory_bytes["total"] / 2**30,

@@ -34,7 +34,7 @@ def single_process_config(saved, dtype=None):
     d = {name: dict(values) if isinstance(values, dict) else values for name, values in saved.items()}
     if dtype is None:
         dtype = "float64" if d.get("train", {}).get("dtype") == "float64" else "float32"
-    d.setdefault("parallel", {}).update(tp=1, pp=1, dp=1)
+    d.setdefault("parallel", {}).update(tp=1, pp=1, dp=1, virtual_stages=1)
     d.setdefault("train", {}).update(device="cpu", dtype=dtype, global_batch_size=0, grad_accum=1)
     return config_from_dict(d)
 

@@ -89,5 +89,6 @@ def banner(cfg, config_path, size, local_rank):
     # what the configuration asks for: on a GPU, "auto" (and "nccl") are settled when the engine starts,
     # and the `comm:` line (or a warning) says what was chosen
     comm = "mpi" if tr.device == "cpu" else par.comm
-    return (f"boostmpi | {backend} | {mpi_library()} | comm {comm} | ranks {size} = tp {par.tp} x pp {par.pp} x dp {par.dp} "
+    pp = f"{par.pp} ({par.virtual_stages} chunks each, interleaved)" if par.virtual_stages > 1 else par.pp
+    return (f"boostmpi | {backend} | {mpi_library()} | comm {comm} | ranks {size} = tp {par.tp} x pp {pp} x dp {par.dp} "
             f"({par.tp_mode}) | {m.arch} d={m.d_model} L={m.n_layers} r={m.rank} | {tr.dtype} | config {config_path}")

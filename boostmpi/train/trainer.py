@@ -351,10 +351,11 @@ class Trainer:
     def _memory(self):
         e = self.engine
         grads = e.grads.data.nbytes + (e.grad_shard.nbytes if e.sharded else 0)  # + the reduce-scattered slice
-        mine = np.array([e.param_bytes, grads, self.optimizer.nbytes,
-                         e.saved_activation_bytes, self.snapshot_bytes, peak_memory_bytes(e.xp)], dtype=np.float64)
+        mine = np.array([e.param_bytes, grads, self.optimizer.nbytes, e.saved_activation_bytes,
+                         e.in_flight_activation_bytes, self.snapshot_bytes, peak_memory_bytes(e.xp)], dtype=np.float64)
         mine = self.engine.grid.host.max(mine)
-        keys = ("params", "grads", "optimizer", "activations_saved", "checkpoint_snapshot", "peak")
+        keys = ("params", "grads", "optimizer", "activations_saved", "activations_in_flight", "checkpoint_snapshot",
+                "peak")
         return {k: int(v) for k, v in zip(keys, mine)}  # the largest rank's figure for each
 
     def _memory_line(self, mem):
@@ -366,7 +367,8 @@ class Trainer:
             layer = f" ({mib(hi)} per layer)" if lo == hi else f" ({mib(lo)} to {mib(hi)} per layer)"
         return (f"memory (largest rank): params {mib(mem['params'])}, grads {mib(mem['grads'])}, optimizer "
                 f"{mib(mem['optimizer'])}, saved activations {mib(mem['activations_saved'])} per micro-batch{layer} "
-                f"with recompute = {self.cfg.train.recompute}, peak {mib(mem['peak'])}")
+                f"with recompute = {self.cfg.train.recompute}, {mib(mem['activations_in_flight'])} held at once "
+                f"by the pipeline schedule, peak {mib(mem['peak'])}")
 
     def _prepare_run_dir(self):
         """Rank 0, before the first step: create the run directory, remove what a killed writer left,
