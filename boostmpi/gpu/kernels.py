@@ -309,3 +309,71 @@ def softmax_xent(logits, targets, grad_scale=None, out=None):
                  (logits, targets, loss, dlogits if write_grad else logits, np.int32(write_grad), np.int32(V),
                   np.float32(grad_scale if write_grad else 0.0)))
     return loss, dlogits
+
+
+# ------------------------------------------------------------------------------ attention.cu
+# Tile shapes of kernels/attention.cu (its opening comment has the plan): the forward and the dQ
+# pass run 64 query rows per block, 4 lanes a row; the dK/dV pass 32 keys per block, 8 lanes a key.
+ATTENTION_HEAD_DIM_MAX = 128
+ATTENTION_QUERY_TILE = 64
+ATTENTION_ROW_THREADS = 256
+ATTENTION_BWD_KEY_TILE = 32
+ATTENTION_KEY_THREADS = 256
+
+
+def _check_attention(q, k, v):
+    """q [B,T,H,Dh], k, v [B,T,Hkv,Dh] of one dtype -> (B, T, H, Hkv, Dh, suffix)."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be 4-D [B, T, H, Dh], got shape {tuple(q.shape)}")
+    B, T, H, Dh = q.shape
+    suffix = _storage_suffix("q", q)
+    _check_contiguous("q", q)
+    if k.ndim != 4 or k.shape[:2] != (B, T) or k.shape[3] != Dh:
+        raise ValueError(f"k has shape {tuple(k.shape)}, expected ({B}, {T}, Hkv, {Dh})")
+    Hkv = k.shape[2]
+    _check("k", k, (B, T, Hkv, Dh), q.dtype)
+    _check("v", v, (B, T, Hkv, Dh), q.dtype)
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"{H} query heads do not form groups over {Hkv} key/value heads")
+    if not 0 < Dh <= ATTENTION_HEAD_DIM_MAX:
+        raise ValueError(f"head dim {Dh}: the attention kernels take 1 to {ATTENTION_HEAD_DIM_MAX}")
+    return B, T, H, Hkv, Dh, suffix
+
+
+def _attention_scalars(T, H, Hkv, Dh):
+    return np.int32(T), np.int32(H), np.int32(Hkv), np.int32(Dh), np.float32(1.0 / np.sqrt(Dh))
+
+
+def attention_forward(q, k, v):
+    """Causal attention: q [B,T,H,Dh], k, v [B,T,Hkv,Dh] -> o [B,T,H,Dh] (q's dtype), lse [B,H,T]
+    (float32, the log-sum-exp of each row's scaled scores, what the backward recomputes from)."""
+    B, T, H, Hkv, Dh, suffix = _check_attention(q, k, v)
+    cupy = _import_cupy()
+    o = cupy.empty_like(q)
+    lse = cupy.empty((B, H, T), dtype=np.float32)
+    if B * T * H:
+        grid = B * H * -(-T // ATTENTION_QUERY_TILE)
+        _launch(_kernel("attention", f"attention_forward_{suffix}"), grid, ATTENTION_ROW_THREADS,
+                (q, k, v, o, lse, *_attention_scalars(T, H, Hkv, Dh)))
+    return o, lse
+
+
+def attention_backward(do, q, k, v, o, lse):
+    """dO, q, o [B,T,H,Dh], k, v [B,T,Hkv,Dh], lse [B,H,T] float32 -> dq [B,T,H,Dh], dk, dv [B,T,Hkv,Dh].
+
+    Two launches: dQ (and delta = rowsum(dO * O), float32 [B,H,T]) per query tile, then dK/dV
+    per key tile, summed over the query heads of each group."""
+    B, T, H, Hkv, Dh, suffix = _check_attention(q, k, v)
+    _check("do", do, q.shape, q.dtype)
+    _check("o", o, q.shape, q.dtype)
+    _check("lse", lse, (B, H, T), np.float32)
+    cupy = _import_cupy()
+    dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
+    if B * T * H:
+        scalars = _attention_scalars(T, H, Hkv, Dh)
+        delta = cupy.empty((B, H, T), dtype=np.float32)
+        _launch(_kernel("attention", f"attention_backward_dq_{suffix}"), B * H * -(-T // ATTENTION_QUERY_TILE),
+                ATTENTION_ROW_THREADS, (q, k, v, o, do, lse, delta, dq, *scalars))
+        _launch(_kernel("attention", f"attention_backward_{suffix}"), B * Hkv * -(-T // ATTENTION_BWD_KEY_TILE),
+                ATTENTION_KEY_THREADS, (q, k, v, do, lse, delta, dk, dv, *scalars))
+    return dq, dk, dv

@@ -1,0 +1,123 @@
+"""The fused attention kernels (kernels/attention.cu) against the model's NumPy attention.
+
+The NumPy attention of boostmpi/model/layers.py, run in float64 on the kernel's own inputs, is the
+one specification. float32: within 1e-5 of the largest reference value. bfloat16: the kernel's
+largest error at most twice that of a float32 NumPy reference which rounds the same intermediates
+(the probabilities, dS and the outputs) to bfloat16. Causal edge cases: T = 1, T below one tile,
+T not a multiple of the tiles, 1/2/4 query heads per key/value head, head dims 64 and 128 (and an
+odd one), on 32- and 64-lane execution. On a real GPU when CuPy reaches one, else on the CuPy
+stand-in, whose launches run the kernel text on the CUDA execution harness (tests/cudaemu).
+"""
+
+import numpy as np
+import pytest
+
+from boostmpi.backend import to_numpy
+from boostmpi.gpu import kernels
+from boostmpi.model import layers
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32_TOLERANCE = 1e-5
+
+
+def _inputs(B, T, H, Hkv, Dh, dtype, seed=3):
+    rng = np.random.default_rng(seed)
+    q, do = (rng.standard_normal((B, T, H, Dh)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((B, T, Hkv, Dh)).astype(dtype) for _ in range(2))
+    return q, k, v, do
+
+
+def specification(q, k, v, do):
+    """(o, lse, dq, dk, dv) of the model's NumPy attention in float64."""
+    q, k, v, do = (np.asarray(a, np.float64) for a in (q, k, v, do))
+    B, T, H, Dh = q.shape
+    o, cache = layers.attention_forward(q, k, v)
+    lse = (cache.row_max + np.log(cache.row_sum)).reshape(B, H, T)
+    dq, dk, dv = layers.attention_backward(do.reshape(B, T, H * Dh), cache)
+    return o.reshape(q.shape), lse, dq, dk, dv
+
+
+def rounded_reference(q, k, v, do):
+    """(o, dq, dk, dv): float32 arithmetic that rounds P, dS and the outputs to bfloat16."""
+    q, k, v, do = (np.asarray(a, np.float32) for a in (q, k, v, do))
+    B, T, H, Dh = q.shape
+    G = H // k.shape[2]
+    kr, vr = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+
+    def bf(a):
+        return a.astype(BF16).astype(np.float32)
+
+    qh, kh, vh, doh = (a.transpose(0, 2, 1, 3) for a in (q, kr, vr, do))  # [B, H, T, Dh]
+    s = qh @ kh.transpose(0, 1, 3, 2) / np.float32(np.sqrt(Dh))
+    s[..., np.triu(np.ones((T, T), bool), k=1)] = -np.inf
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p = bf(p / p.sum(axis=-1, keepdims=True))
+    o = bf(p @ vh)
+    delta = (doh * o).sum(axis=-1, keepdims=True)
+    ds = bf(p * (doh @ vh.transpose(0, 1, 3, 2) - delta))
+    scale = np.float32(1 / np.sqrt(Dh))
+    dq = bf(ds @ kh * scale)
+    dk = (ds.transpose(0, 1, 3, 2) @ qh * scale).reshape(B, -1, G, T, Dh).sum(axis=2)
+    dv = (p.transpose(0, 1, 3, 2) @ doh).reshape(B, -1, G, T, Dh).sum(axis=2)
+    token_major = lambda a: a.transpose(0, 2, 1, 3)  # noqa: E731
+    return token_major(o), token_major(dq), token_major(bf(dk)), token_major(bf(dv))
+
+
+def run_kernels(q, k, v, do):
+    import cupy
+
+    dq_, dk_, dv_, do_ = (cupy.asarray(a) for a in (q, k, v, do))
+    o, lse = kernels.attention_forward(dq_, dk_, dv_)
+    dq, dk, dv = kernels.attention_backward(do_, dq_, dk_, dv_, o, lse)
+    return [to_numpy(a) for a in (o, lse, dq, dk, dv)]
+
+
+def max_error(got, want):
+    return float(np.max(np.abs(np.asarray(got, np.float64) - want), initial=0.0))
+
+
+def check_against_specification(B, T, H, Hkv, Dh, dtype):
+    q, k, v, do = _inputs(B, T, H, Hkv, Dh, dtype)
+    got = run_kernels(q, k, v, do)
+    want = specification(q, k, v, do)
+    names = ("o", "lse", "dq", "dk", "dv")
+    for name, g, w in zip(names, got, want):
+        assert g.shape == w.shape, (name, g.shape, w.shape)
+        assert g.dtype == (np.float32 if name == "lse" else dtype), (name, g.dtype)
+        assert np.isfinite(np.asarray(g, np.float32)).all(), name
+    if dtype == np.float32:
+        for name, g, w in zip(names, got, want):
+            scale = max(float(np.max(np.abs(w))), 1.0)
+            assert max_error(g, w) <= F32_TOLERANCE * scale, f"{name}: {max_error(g, w) / scale:.3g} relative"
+    else:
+        assert max_error(got[1], want[1]) <= F32_TOLERANCE * max(float(np.max(np.abs(want[1]))), 1.0), "lse"
+        for name, g, r, w in zip(("o", "dq", "dk", "dv"), [got[0], *got[2:]], rounded_reference(q, k, v, do),
+                                 [want[0], *want[2:]]):
+            assert max_error(g, w) <= 2 * max_error(r, w) + 1e-30, \
+                f"{name}: kernel error {max_error(g, w):.3g}, rounded reference {max_error(r, w):.3g}"
+
+
+# (B, T, H, Hkv, Dh): T below one tile, T not a multiple of the tiles, groups of 1/2/4 query heads
+CI_SHAPES = [
+    (1, 1, 2, 1, 64),
+    (1, 37, 4, 1, 64),
+    (2, 70, 4, 2, 64),
+    (1, 33, 2, 2, 128),
+]
+SLOW_SHAPES = [(1, 130, 8, 1, 128), (1, 65, 8, 2, 128), (2, 100, 2, 2, 40), (1, 129, 4, 4, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", CI_SHAPES, ids=lambda s: "B{}_T{}_H{}_Hkv{}_Dh{}".format(*s))
+def test_attention_kernels_match_the_model(shape, dtype):
+    check_against_specification(*shape, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", SLOW_SHAPES, ids=lambda s: "B{}_T{}_H{}_Hkv{}_Dh{}".format(*s))
+def test_attention_kernels_match_the_model_full(shape, dtype):
+    check_against_specification(*shape, dtype)
