@@ -9,10 +9,13 @@ odd one), on 32- and 64-lane execution. On a real GPU when CuPy reaches one, els
 stand-in, whose launches run the kernel text on the CUDA execution harness (tests/cudaemu).
 """
 
+import functools
+
 import numpy as np
 import pytest
 
 from boostmpi.backend import to_numpy
+from gpu_setup import GPU
 from boostmpi.gpu import kernels
 from boostmpi.model import layers
 
@@ -21,10 +24,27 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 F32_TOLERANCE = 1e-5
 
 
+@pytest.fixture(params=[32, 64], ids=["warp32", "warp64"])
+def lanes(request, monkeypatch):
+    """The device's warp width as the loader sees it (64: an AMD CDNA wavefront, so the kernels
+    are compiled with -DWARP_SIZE=64 and run 64 lanes wide on the harness). On a real GPU only
+    the device's own width runs."""
+    if not GPU.standin and request.param != kernels._current_device().warp_size:
+        pytest.skip(f"the device's warp is {kernels._current_device().warp_size} wide")
+    real = kernels._device_info
+    monkeypatch.setattr(kernels, "_device_info", lambda device_id: real(device_id)._replace(warp_size=request.param))
+    monkeypatch.setattr(kernels, "_module", functools.lru_cache(maxsize=None)(kernels._module.__wrapped__))
+    return request.param
+
+
 def _inputs(B, T, H, Hkv, Dh, dtype, seed=3):
     rng = np.random.default_rng(seed)
     q, do = (rng.standard_normal((B, T, H, Dh)).astype(dtype) for _ in range(2))
     k, v = (rng.standard_normal((B, T, Hkv, Dh)).astype(dtype) for _ in range(2))
+    # scores that grow with the key's position: a later key tile raises a row's running maximum,
+    # so the online softmax's rescaling is exercised (random scores peak early as often as late)
+    q[..., 0] = np.abs(q[..., 0]) + 2
+    k[..., 0] += (6 * np.arange(T) / max(T, 1)).astype(dtype)[None, :, None]
     return q, k, v, do
 
 
@@ -111,7 +131,7 @@ SLOW_SHAPES = [(1, 130, 8, 1, 128), (1, 65, 8, 2, 128), (2, 100, 2, 2, 40), (1, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", CI_SHAPES, ids=lambda s: "B{}_T{}_H{}_Hkv{}_Dh{}".format(*s))
-def test_attention_kernels_match_the_model(shape, dtype):
+def test_attention_kernels_match_the_model(lanes, shape, dtype):
     check_against_specification(*shape, dtype)
 
 
@@ -119,5 +139,53 @@ def test_attention_kernels_match_the_model(shape, dtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", SLOW_SHAPES, ids=lambda s: "B{}_T{}_H{}_Hkv{}_Dh{}".format(*s))
-def test_attention_kernels_match_the_model_full(shape, dtype):
+def test_attention_kernels_match_the_model_full(lanes, shape, dtype):
     check_against_specification(*shape, dtype)
+
+
+# ---------------------------------------------------------------------------- mutations
+# Each one-line change to the kernel text must fail the check above: on the harness a missing
+# barrier is a reported race or a read of unwritten shared memory, the others wrong numbers.
+
+BARRIER_AFTER_LOAD = "        __syncthreads();\n        float s[ATTN_KEY_TILE];"
+MUTATIONS = {
+    "forward barrier after the tile load": (BARRIER_AFTER_LOAD, "        float s[ATTN_KEY_TILE];"),
+    "forward barrier before the next tile": (
+        "        __syncthreads();  // every row is done with the previous tile\n", ""),
+    "dK/dV barrier after the query tile load": (
+        "            __syncthreads();\n            for (int ii = 0;", "            for (int ii = 0;"),
+    "output not rescaled by the new running max": (
+        "for (int kk = 0; kk < DIMS; ++kk) acc[kk] *= rescale;", ""),
+    "running sum not rescaled": ("running_sum = running_sum * rescale + tile_sum;",
+                                 "running_sum = running_sum + tile_sum;"),
+    "forward mask off by one": ("(jj < n && k0 + jj <= i)", "(jj < n && k0 + jj <= i + 1)"),
+    "dQ mask off by one": ("k0 + jj <= i ? expf", "k0 + jj < i ? expf"),
+    "dK/dV mask off by one": ("(live && j <= i0 + ii)", "(live && j < i0 + ii)"),
+    "delta not subtracted in dK/dV": ("p * (dp - delta_tile[ii])", "p * dp"),
+}
+
+
+@pytest.fixture
+def kernel_text(monkeypatch):
+    """Replaces one line of kernels/attention.cu for the wrappers; returns the setter."""
+    real = kernels.kernel_source
+
+    def mutate(old, new):
+        text = real("attention")
+        assert text.count(old) == 1, f"the mutation's target is not one place in the kernel: {old!r}"
+        monkeypatch.setattr(kernels, "kernel_source", lambda name: text.replace(old, new) if name == "attention" else real(name))
+        monkeypatch.setattr(kernels, "_module", functools.lru_cache(maxsize=None)(kernels._module.__wrapped__))
+
+    return mutate
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU.standin, reason="the harness reports races; a GPU need not show them")
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_each_mutation_fails_the_check(kernel_text, mutation):
+    import cudaemu
+
+    check = functools.partial(check_against_specification, 1, 37, 2, 1, 64, np.float32)
+    kernel_text(*MUTATIONS[mutation])
+    with pytest.raises((AssertionError, cudaemu.KernelError)):
+        check()
