@@ -189,3 +189,32 @@ def test_each_mutation_fails_the_check(kernel_text, mutation):
     kernel_text(*MUTATIONS[mutation])
     with pytest.raises((AssertionError, cudaemu.KernelError)):
         check()
+
+
+# ---------------------------------------------------------------------------- the model's GPU path
+
+
+def _relative_errors(got, want):
+    (loss, grads), (ref_loss, ref_grads) = got, want
+    errors = {"loss": abs(loss - ref_loss) / abs(ref_loss)}
+    errors.update({name: float(np.abs(grads[name] - g).max() / (np.abs(g).max() + 1e-30)) for name, g in ref_grads.items()})
+    return errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch,recompute", [("cola", "none"), ("svd", "none"), ("full", "none"), ("cola", "lowrank"),
+                                             ("full", "layer")])
+def test_float32_training_step_through_the_fused_kernels_equals_the_cpu_path(monkeypatch, arch, recompute):
+    """One training step (tests/gpu_steps.py: GQA, 2 query heads per key/value head) on the GPU path,
+    whose attention is the fused kernels (asserted from the launches), against the CPU path in float32:
+    the loss and every gradient within 1e-5 relative."""
+    from gpu_steps import step
+
+    launched = []
+    launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda kernel, *a, **k: (launched.append(kernel.name), launch(kernel, *a, **k)))
+    train = dict(recompute=recompute)
+    errors = _relative_errors(step(arch, "gpu", "float32", train=train), step(arch, "cpu", "float32", train=train))
+    assert {"attention_forward_f32", "attention_backward_dq_f32", "attention_backward_f32"} <= set(launched)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= F32_TOLERANCE, f"{worst}: relative error {errors[worst]:.3g}"
