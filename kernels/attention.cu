@@ -14,19 +14,20 @@
 // partial sums combined by xor shuffles inside the group (valid for 32- and 64-wide warps).
 //
 // attention_forward: one block per (b, h, 64-query tile), 256 threads = 64 rows x 4 lanes.
-//   Registers: the row's scaled q (32 floats), its output accumulator (32), the tile's 32
-//   scores. Shared: one 32-key tile of K and of V as fp32 (2 x 16 KiB).
-//   For each 32-key tile up to the tile's last query (causal: later keys are never loaded):
+//   Registers: the row's scaled q (32 floats), its output accumulator (32), the tile's 16
+//   scores. Shared: one 16-key tile of K and of V as fp32 (2 x 8 KiB).
+//   For each 16-key tile up to the tile's last query (causal: later keys are never loaded):
 //   scores, the running max m and sum l (online softmax: acc and l rescaled by exp(m - m')),
 //   acc += p V. Then o = acc / l and lse = m + log(l) per row.
 //   Global bytes, per (b, h, query tile of n rows ending at t1): reads n Dh of Q and t1 Dh of
-//   K and of V, writes n Dh of O and 4n of lse - FlashAttention-2's forward traffic exactly.
-// attention_backward_dq: one block per (b, h, 64-query tile), 256 threads = 64 rows x 4 lanes.
-//   Registers: scaled q, dO, dQ accumulator (3 x 32 floats). Shared: 32-key tiles of K, V.
+//   K and of V, writes n Dh of O and 4n of lse - FlashAttention-2's forward traffic for
+//   64-query tiles exactly (the key tile's width does not change it).
+// attention_backward_dq: one block per (b, h, 32-query tile), 256 threads = 32 rows x 8 lanes.
+//   Registers: scaled q, dO, the dQ accumulator (3 x 16 floats). Shared: 16-key tiles of K, V.
 //   delta = rowsum(dO o O) first (written for the dK/dV pass), then key by key:
 //   p = exp(s - lse), ds = p (dO . v - delta), dq += ds k; dq *= scale.
-//   Global bytes per tile: reads n Dh of Q, dO and O, 4n of lse, t1 Dh of K and of V; writes
-//   n Dh of dQ and 4n of delta.
+//   Global bytes per tile of n rows ending at t1: reads n Dh of Q, dO and O, 4n of lse, t1 Dh
+//   of K and of V; writes n Dh of dQ and 4n of delta.
 // attention_backward: one block per (b, kv head, 32-key tile), 256 threads = 32 keys x 8 lanes.
 //   Registers: the key's k, v and its dK, dV accumulators (4 x 16 floats). Shared: a 32-query
 //   tile of Q (unscaled) and of dO as fp32 (2 x 16 KiB), its lse and delta.
@@ -37,20 +38,25 @@
 //   Global bytes per (b, kv head, key tile of n keys starting at t0): reads n Dh of K and V,
 //   and for each of the G query heads (T - t0) Dh of Q and of dO and 8 (T - t0) of lse and
 //   delta; writes n Dh of dK and dV.
+// Shared-memory tiles are zero past Dh and past T, so dot products run over all 128 dims
+// without bounds tests (a head dim of 64 does the work of 128: no tensor cores yet, fp32 FMAs).
 // Resources (ptxas -v, sm_80, 0 spill bytes): recorded in bench/RESULTS.md.
 #include "common.cuh"
 
 #define ATTN_HEAD_DIM_MAX 128
 #define ATTN_LANES_PER_ROW 4
 #define ATTN_QUERY_TILE 64
-#define ATTN_KEY_TILE 32
+#define ATTN_KEY_TILE 16
 #define ATTN_ROW_THREADS (ATTN_QUERY_TILE * ATTN_LANES_PER_ROW)  // 256
 #define ATTN_DIMS_PER_LANE (ATTN_HEAD_DIM_MAX / ATTN_LANES_PER_ROW)  // 32
 #define ATTN_LANES_PER_KEY 8
 #define ATTN_BWD_KEY_TILE 32
 #define ATTN_BWD_QUERY_TILE 32
 #define ATTN_KEY_THREADS (ATTN_BWD_KEY_TILE * ATTN_LANES_PER_KEY)  // 256
+#define ATTN_DQ_QUERY_TILE 32  // 32 rows x 8 lanes: q, dO and dQ (3 x 16 floats) fit 128 registers
 #define ATTN_DIMS_PER_KEY_LANE (ATTN_HEAD_DIM_MAX / ATTN_LANES_PER_KEY)  // 16
+// 256 threads and at least two resident blocks per SM: at most 128 registers a thread (sm_80)
+#define ATTN_BLOCKS_PER_SM 2
 
 // Element offset of (b, t, head, 0) in a [B, T, heads, Dh] tensor, in 64 bits.
 __device__ __forceinline__ long long token_offset(int b, int t, int tokens, int heads, int head, int Dh) {
@@ -65,16 +71,18 @@ __device__ __forceinline__ float group_sum(float v) {
     return v;
 }
 
-// Rows t0 .. t0+rows-1 of one head of a [B, T, heads, Dh] tensor into tile[r][d] as fp32;
-// rows at or past `tokens` read as zeros. Every thread of the block calls it.
+// Rows t0 .. t0+ROWS-1 of one head of a [B, T, heads, Dh] tensor into tile[r][d] as fp32;
+// rows at or past `tokens`, and dims at or past Dh, are zeros, so the dot products and
+// accumulations over ATTN_HEAD_DIM_MAX dims need no per-element bounds test (which costs
+// registers). Every thread of the block calls it.
 template <typename T, int ROWS>
 __device__ void load_tile(float (*tile)[ATTN_HEAD_DIM_MAX], const T* src, int b, int t0, int tokens, int heads,
                           int head, int Dh) {
-    for (int e = threadIdx.x; e < ROWS * Dh; e += blockDim.x) {
-        const int r = e / Dh;
-        const int d = e - r * Dh;
+    for (int e = threadIdx.x; e < ROWS * ATTN_HEAD_DIM_MAX; e += blockDim.x) {
+        const int r = e / ATTN_HEAD_DIM_MAX;
+        const int d = e % ATTN_HEAD_DIM_MAX;
         const int t = t0 + r;
-        tile[r][d] = t < tokens ? to_float(src[token_offset(b, t, tokens, heads, head, Dh) + d]) : 0.0f;
+        tile[r][d] = (t < tokens && d < Dh) ? to_float(src[token_offset(b, t, tokens, heads, head, Dh) + d]) : 0.0f;
     }
 }
 
@@ -97,16 +105,20 @@ __device__ __forceinline__ void store_row(T* row, const float* in, int lane, int
     }
 }
 
-// This lane's share of x . tile_row over Dh, summed over the row group.
+// This lane's share of x . tile_row, summed over the row group (both zero past Dh).
 template <int LANES, int DIMS>
-__device__ __forceinline__ float group_dot(const float* x, const float* tile_row, int lane, int Dh) {
+__device__ __forceinline__ float group_dot(const float* x, const float* tile_row, int lane) {
     float partial = 0.0f;
 #pragma unroll
-    for (int k = 0; k < DIMS; ++k) {
-        const int d = k * LANES + lane;
-        if (d < Dh) partial += x[k] * tile_row[d];
-    }
+    for (int k = 0; k < DIMS; ++k) partial += x[k] * tile_row[k * LANES + lane];
     return group_sum<LANES>(partial);
+}
+
+// acc += w * tile_row over this lane's dims.
+template <int LANES, int DIMS>
+__device__ __forceinline__ void axpy_row(float* acc, float w, const float* tile_row, int lane) {
+#pragma unroll
+    for (int k = 0; k < DIMS; ++k) acc[k] += w * tile_row[k * LANES + lane];
 }
 
 // A 1-D grid of n_tiles blocks per (batch, head) slice. Causal tiles differ in work; they are
@@ -150,7 +162,7 @@ __device__ void attention_forward(const T* q, const T* k, const T* v, T* o, floa
         float tile_max = negative_infinity();
 #pragma unroll
         for (int jj = 0; jj < ATTN_KEY_TILE; ++jj) {
-            const float dot = group_dot<LANES, DIMS>(q_row, k_tile[jj], lane, Dh);
+            const float dot = group_dot<LANES, DIMS>(q_row, k_tile[jj], lane);
             s[jj] = (jj < n && k0 + jj <= i) ? dot : negative_infinity();
             tile_max = fmaxf(tile_max, s[jj]);
         }
@@ -168,15 +180,7 @@ __device__ void attention_forward(const T* q, const T* k, const T* v, T* o, floa
 #pragma unroll
         for (int kk = 0; kk < DIMS; ++kk) acc[kk] *= rescale;
 #pragma unroll
-        for (int jj = 0; jj < ATTN_KEY_TILE; ++jj) {
-            if (jj < n) {
-#pragma unroll
-                for (int kk = 0; kk < DIMS; ++kk) {
-                    const int d = kk * LANES + lane;
-                    if (d < Dh) acc[kk] += s[jj] * v_tile[jj][d];
-                }
-            }
-        }
+        for (int jj = 0; jj < ATTN_KEY_TILE; ++jj) axpy_row<LANES, DIMS>(acc, s[jj], v_tile[jj], lane);
     }
     if (live) {
         store_row<T, LANES, DIMS>(o + row_offset, acc, lane, Dh, 1.0f / running_sum);
@@ -189,11 +193,11 @@ __device__ void attention_backward_dq(const T* q, const T* k, const T* v, const 
                                       float* delta, T* dq, int tokens, int H, int Hkv, int Dh, float scale) {
     __shared__ float k_tile[ATTN_KEY_TILE][ATTN_HEAD_DIM_MAX];
     __shared__ float v_tile[ATTN_KEY_TILE][ATTN_HEAD_DIM_MAX];
-    const int LANES = ATTN_LANES_PER_ROW, DIMS = ATTN_DIMS_PER_LANE;
+    const int LANES = ATTN_LANES_PER_KEY, DIMS = ATTN_DIMS_PER_KEY_LANE;
     int tile, slice;
-    tile_and_slice((tokens + ATTN_QUERY_TILE - 1) / ATTN_QUERY_TILE, true, &tile, &slice);
+    tile_and_slice((tokens + ATTN_DQ_QUERY_TILE - 1) / ATTN_DQ_QUERY_TILE, true, &tile, &slice);
     const int b = slice / H, h = slice - b * H, kv_head = h / (H / Hkv);
-    const int q0 = tile * ATTN_QUERY_TILE;
+    const int q0 = tile * ATTN_DQ_QUERY_TILE;
     const int lane = threadIdx.x % LANES;
     const int i = q0 + static_cast<int>(threadIdx.x) / LANES;
     const bool live = i < tokens;
@@ -213,7 +217,7 @@ __device__ void attention_backward_dq(const T* q, const T* k, const T* v, const 
     for (int kk = 0; kk < DIMS; ++kk) acc[kk] = 0.0f;
     const float row_lse = live ? lse[stat] : 0.0f;
 
-    const int key_end = min(tokens, q0 + ATTN_QUERY_TILE);
+    const int key_end = min(tokens, q0 + ATTN_DQ_QUERY_TILE);
     for (int k0 = 0; k0 < key_end; k0 += ATTN_KEY_TILE) {
         const int n = min(ATTN_KEY_TILE, key_end - k0);
         __syncthreads();
@@ -221,15 +225,10 @@ __device__ void attention_backward_dq(const T* q, const T* k, const T* v, const 
         load_tile<T, ATTN_KEY_TILE>(v_tile, v, b, k0, tokens, Hkv, kv_head, Dh);
         __syncthreads();
         for (int jj = 0; jj < n; ++jj) {  // n is the same for the whole block: the shuffles stay uniform
-            const float s = group_dot<LANES, DIMS>(q_row, k_tile[jj], lane, Dh);
-            const float dp = group_dot<LANES, DIMS>(do_row, v_tile[jj], lane, Dh);
+            const float s = group_dot<LANES, DIMS>(q_row, k_tile[jj], lane);
+            const float dp = group_dot<LANES, DIMS>(do_row, v_tile[jj], lane);
             const float p = k0 + jj <= i ? expf(s - row_lse) : 0.0f;
-            const float ds = p * (dp - row_delta);
-#pragma unroll
-            for (int kk = 0; kk < DIMS; ++kk) {
-                const int d = kk * LANES + lane;
-                if (d < Dh) acc[kk] += ds * k_tile[jj][d];
-            }
+            axpy_row<LANES, DIMS>(acc, p * (dp - row_delta), k_tile[jj], lane);
         }
     }
     if (live) store_row<T, LANES, DIMS>(dq + row_offset, acc, lane, Dh, scale);
@@ -273,18 +272,11 @@ __device__ void attention_backward(const T* q, const T* k, const T* v, const T* 
             }
             __syncthreads();
             for (int ii = 0; ii < n; ++ii) {  // uniform over the block
-                const float s = scale * group_dot<LANES, DIMS>(k_row, q_tile[ii], lane, Dh);
-                const float dp = group_dot<LANES, DIMS>(v_row, do_tile[ii], lane, Dh);
+                const float s = scale * group_dot<LANES, DIMS>(k_row, q_tile[ii], lane);
+                const float dp = group_dot<LANES, DIMS>(v_row, do_tile[ii], lane);
                 const float p = (live && j <= i0 + ii) ? expf(s - lse_tile[ii]) : 0.0f;
-                const float ds = p * (dp - delta_tile[ii]);
-#pragma unroll
-                for (int kk = 0; kk < DIMS; ++kk) {
-                    const int d = kk * LANES + lane;
-                    if (d < Dh) {
-                        dv_acc[kk] += p * do_tile[ii][d];
-                        dk_acc[kk] += ds * q_tile[ii][d];
-                    }
-                }
+                axpy_row<LANES, DIMS>(dv_acc, p, do_tile[ii], lane);
+                axpy_row<LANES, DIMS>(dk_acc, p * (dp - delta_tile[ii]), q_tile[ii], lane);
             }
         }
     }
@@ -295,16 +287,16 @@ __device__ void attention_backward(const T* q, const T* k, const T* v, const T* 
 }
 
 #define ATTENTION_ENTRY_POINTS(T, SUFFIX)                                                                          \
-    extern "C" __global__ void attention_forward_##SUFFIX(const T* q, const T* k, const T* v, T* o, float* lse,    \
+    extern "C" __global__ void __launch_bounds__(256, ATTN_BLOCKS_PER_SM) attention_forward_##SUFFIX(const T* q, const T* k, const T* v, T* o, float* lse,    \
                                                           int tokens, int H, int Hkv, int Dh, float scale) {       \
         attention_forward<T>(q, k, v, o, lse, tokens, H, Hkv, Dh, scale);                                          \
     }                                                                                                              \
-    extern "C" __global__ void attention_backward_dq_##SUFFIX(const T* q, const T* k, const T* v, const T* o,      \
+    extern "C" __global__ void __launch_bounds__(256, ATTN_BLOCKS_PER_SM) attention_backward_dq_##SUFFIX(const T* q, const T* k, const T* v, const T* o,      \
                                                               const T* d_o, const float* lse, float* delta, T* dq, \
                                                               int tokens, int H, int Hkv, int Dh, float scale) {   \
         attention_backward_dq<T>(q, k, v, o, d_o, lse, delta, dq, tokens, H, Hkv, Dh, scale);                      \
     }                                                                                                              \
-    extern "C" __global__ void attention_backward_##SUFFIX(const T* q, const T* k, const T* v, const T* d_o,       \
+    extern "C" __global__ void __launch_bounds__(256, ATTN_BLOCKS_PER_SM) attention_backward_##SUFFIX(const T* q, const T* k, const T* v, const T* d_o,       \
                                                            const float* lse, const float* delta, T* dk, T* dv,     \
                                                            int tokens, int H, int Hkv, int Dh, float scale) {      \
         attention_backward<T>(q, k, v, d_o, lse, delta, dk, dv, tokens, H, Hkv, Dh, scale);                        \

@@ -131,8 +131,13 @@ SLOW_SHAPES = [(1, 130, 8, 1, 128), (1, 65, 8, 2, 128), (2, 100, 2, 2, 40), (1, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", CI_SHAPES, ids=lambda s: "B{}_T{}_H{}_Hkv{}_Dh{}".format(*s))
-def test_attention_kernels_match_the_model(lanes, shape, dtype):
+def test_attention_kernels_match_the_model(monkeypatch, lanes, shape, dtype):
+    launched = set()
+    launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda kernel, *a, **k: (launched.add(kernel.name), launch(kernel, *a, **k)))
     check_against_specification(*shape, dtype)
+    suffix = "f32" if dtype == np.float32 else "bf16"
+    assert {f"attention_forward_{suffix}", f"attention_backward_dq_{suffix}", f"attention_backward_{suffix}"} <= launched
 
 
 @pytest.mark.gpu

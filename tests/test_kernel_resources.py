@@ -34,11 +34,12 @@ MAX_REGISTERS = 255
 # cudaDevAttrMaxSharedMemoryPerBlockOptin
 OPTIN_SHARED = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
 ARCHS = tuple(OPTIN_SHARED)
-FILES = ("rmsnorm", "lowrank", "softmax_xent")
+FILES = ("rmsnorm", "lowrank", "softmax_xent", "attention")
 # how the loader launches each file's kernels: one block per row (up to MAX_BLOCK_THREADS threads
 # for a long row) or the grid-stride elementwise loop
 ROW_BLOCK_MAX = loader._row_block(1 << 30, 2, 32)
-BLOCK_THREADS = {"rmsnorm": ROW_BLOCK_MAX, "softmax_xent": ROW_BLOCK_MAX, "lowrank": loader.ELEMENTWISE_BLOCK_THREADS}
+BLOCK_THREADS = {"rmsnorm": ROW_BLOCK_MAX, "softmax_xent": ROW_BLOCK_MAX, "lowrank": loader.ELEMENTWISE_BLOCK_THREADS,
+                 "attention": loader.ATTENTION_THREADS}
 
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+)'")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")

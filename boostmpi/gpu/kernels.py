@@ -312,13 +312,13 @@ def softmax_xent(logits, targets, grad_scale=None, out=None):
 
 
 # ------------------------------------------------------------------------------ attention.cu
-# Tile shapes of kernels/attention.cu (its opening comment has the plan): the forward and the dQ
-# pass run 64 query rows per block, 4 lanes a row; the dK/dV pass 32 keys per block, 8 lanes a key.
+# Tile shapes of kernels/attention.cu (its opening comment has the plan): the forward runs 64 query
+# rows per block, 4 lanes a row; the dQ pass 32 query rows, the dK/dV pass 32 keys, 8 lanes each.
 ATTENTION_HEAD_DIM_MAX = 128
 ATTENTION_QUERY_TILE = 64
-ATTENTION_ROW_THREADS = 256
+ATTENTION_DQ_QUERY_TILE = 32
 ATTENTION_BWD_KEY_TILE = 32
-ATTENTION_KEY_THREADS = 256
+ATTENTION_THREADS = 256  # every attention kernel
 
 
 def _check_attention(q, k, v):
@@ -353,7 +353,7 @@ def attention_forward(q, k, v):
     lse = cupy.empty((B, H, T), dtype=np.float32)
     if B * T * H:
         grid = B * H * -(-T // ATTENTION_QUERY_TILE)
-        _launch(_kernel("attention", f"attention_forward_{suffix}"), grid, ATTENTION_ROW_THREADS,
+        _launch(_kernel("attention", f"attention_forward_{suffix}"), grid, ATTENTION_THREADS,
                 (q, k, v, o, lse, *_attention_scalars(T, H, Hkv, Dh)))
     return o, lse
 
@@ -372,8 +372,8 @@ def attention_backward(do, q, k, v, o, lse):
     if B * T * H:
         scalars = _attention_scalars(T, H, Hkv, Dh)
         delta = cupy.empty((B, H, T), dtype=np.float32)
-        _launch(_kernel("attention", f"attention_backward_dq_{suffix}"), B * H * -(-T // ATTENTION_QUERY_TILE),
-                ATTENTION_ROW_THREADS, (q, k, v, o, do, lse, delta, dq, *scalars))
+        _launch(_kernel("attention", f"attention_backward_dq_{suffix}"), B * H * -(-T // ATTENTION_DQ_QUERY_TILE),
+                ATTENTION_THREADS, (q, k, v, o, do, lse, delta, dq, *scalars))
         _launch(_kernel("attention", f"attention_backward_{suffix}"), B * Hkv * -(-T // ATTENTION_BWD_KEY_TILE),
-                ATTENTION_KEY_THREADS, (q, k, v, do, lse, delta, dk, dv, *scalars))
+                ATTENTION_THREADS, (q, k, v, do, lse, delta, dk, dv, *scalars))
     return dq, dk, dv
