@@ -215,7 +215,8 @@ __device__ void attention_backward_dq(const T* q, const T* k, const T* v, const 
     load_row<T, LANES, DIMS>(q_row, q + row_offset, live, lane, Dh, scale);
 #pragma unroll
     for (int kk = 0; kk < DIMS; ++kk) acc[kk] = 0.0f;
-    const float row_lse = live ? lse[stat] : 0.0f;
+    // one lane reads the statistic, the xor-sum with the others' zeros hands it to the group exactly
+    const float row_lse = group_sum<LANES>(live && lane == 0 ? lse[stat] : 0.0f);
 
     const int key_end = min(tokens, q0 + ATTN_DQ_QUERY_TILE);
     for (int k0 = 0; k0 < key_end; k0 += ATTN_KEY_TILE) {

@@ -223,3 +223,59 @@ def test_float32_training_step_through_the_fused_kernels_equals_the_cpu_path(mon
     assert {"attention_forward_f32", "attention_backward_dq_f32", "attention_backward_f32"} <= set(launched)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= F32_TOLERANCE, f"{worst}: relative error {errors[worst]:.3g}"
+
+
+# ---------------------------------------------------------------------------- global traffic
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU.standin, reason="the execution harness counts global bytes; a GPU does not")
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_counted_global_bytes_are_the_tile_plans(dtype):
+    check_traffic(dtype)
+
+
+def check_traffic(dtype):
+    """Every global access counted by the harness (no cache): each launch moves exactly the bytes
+    its tile plan states (kernels.attention_traffic), and the forward's are FlashAttention-2's for
+    64-query tiles: Q read once, K and V once per query tile up to its last query, O and lse written
+    once. Nothing grows with T x T: the only buffers beside inputs and outputs are lse and delta."""
+    import cudaemu
+    import cupy
+
+    B, T, H, Hkv, Dh = 1, 100, 4, 2, 64
+    q, k, v, do = (cupy.asarray(a) for a in _inputs(B, T, H, Hkv, Dh, dtype))
+    plan = kernels.attention_traffic(B, T, H, Hkv, Dh, np.dtype(dtype).itemsize)
+    counted = {}
+    cudaemu.global_bytes(reset=True)
+    o, lse = kernels.attention_forward(q, k, v)
+    counted["forward"] = cudaemu.global_bytes(reset=True)
+    delta = cupy.empty((B, H, T), dtype=np.float32)
+    dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
+    scalars = kernels._attention_scalars(T, H, Hkv, Dh)
+    suffix = "f32" if dtype == np.float32 else "bf16"
+    kernels._launch(kernels._kernel("attention", f"attention_backward_dq_{suffix}"),
+                    B * H * -(-T // kernels.ATTENTION_DQ_QUERY_TILE), kernels.ATTENTION_THREADS,
+                    (q, k, v, o, do, lse, delta, dq, *scalars))
+    counted["backward_dq"] = cudaemu.global_bytes(reset=True)
+    kernels._launch(kernels._kernel("attention", f"attention_backward_{suffix}"),
+                    B * Hkv * -(-T // kernels.ATTENTION_BWD_KEY_TILE), kernels.ATTENTION_THREADS,
+                    (q, k, v, do, lse, delta, dk, dv, *scalars))
+    counted["backward_dkdv"] = cudaemu.global_bytes(reset=True)
+    assert counted == plan
+    s = np.dtype(dtype).itemsize
+    flash2_forward = B * H * sum((min(T, t0 + 64) - t0) * Dh * s + 2 * min(T, t0 + 64) * Dh * s
+                                 for t0 in range(0, T, 64))
+    assert counted["forward"] == (flash2_forward, B * H * T * (Dh * s + 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU.standin, reason="the execution harness counts global bytes; a GPU does not")
+def test_a_forward_reading_keys_past_the_causal_limit_fails_the_traffic_check(kernel_text):
+    """Keys after a query tile's last query are masked anyway, so the results stay right: only the
+    counted bytes show that K and V are read to T instead of to the tile's end."""
+    kernel_text("running_sum = 0.0f;\n\n    const int key_end = min(tokens, q0 + ATTN_QUERY_TILE);",
+                "running_sum = 0.0f;\n\n    const int key_end = tokens;")
+    check_against_specification(1, 100, 2, 1, 64, np.float32)
+    with pytest.raises(AssertionError):
+        check_traffic(np.float32)

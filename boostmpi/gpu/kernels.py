@@ -321,6 +321,24 @@ ATTENTION_BWD_KEY_TILE = 32
 ATTENTION_THREADS = 256  # every attention kernel
 
 
+def attention_traffic(B, T, H, Hkv, Dh, itemsize, query_tile=ATTENTION_QUERY_TILE, dq_tile=ATTENTION_DQ_QUERY_TILE,
+                      key_tile=ATTENTION_BWD_KEY_TILE):
+    """{launch: (bytes read, bytes written)} of global memory, as the attention kernels' tile plan
+    moves them (kernels/attention.cu, opening comment): each causal query tile reads K and V up to
+    its last query, each key tile reads Q and dO (and the two fp32 statistics) from its first key on."""
+    s, G = itemsize, H // Hkv
+
+    def tiles(width):
+        return [(t0, min(T, t0 + width)) for t0 in range(0, T, width)]
+
+    forward = sum((t1 - t0) * Dh * s + 2 * t1 * Dh * s for t0, t1 in tiles(query_tile))
+    dq = sum(3 * (t1 - t0) * Dh * s + 4 * (t1 - t0) + 2 * t1 * Dh * s for t0, t1 in tiles(dq_tile))
+    dkdv = sum(2 * (t1 - t0) * Dh * s + G * (T - t0) * (2 * Dh * s + 8) for t0, t1 in tiles(key_tile))
+    return {"forward": (B * H * forward, B * H * T * (Dh * s + 4)),
+            "backward_dq": (B * H * dq, B * H * T * (Dh * s + 4)),
+            "backward_dkdv": (B * Hkv * dkdv, B * Hkv * T * 2 * Dh * s)}
+
+
 def _check_attention(q, k, v):
     """q [B,T,H,Dh], k, v [B,T,Hkv,Dh] of one dtype -> (B, T, H, Hkv, Dh, suffix)."""
     if q.ndim != 4:
