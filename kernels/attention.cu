@@ -29,15 +29,17 @@
 //   Global bytes per tile of n rows ending at t1: reads n Dh of Q, dO and O, 4n of lse, t1 Dh
 //   of K and of V; writes n Dh of dQ and 4n of delta.
 // attention_backward: one block per (b, kv head, 32-key tile), 256 threads = 32 keys x 8 lanes.
-//   Registers: the key's k, v and its dK, dV accumulators (4 x 16 floats). Shared: a 32-query
-//   tile of Q (unscaled) and of dO as fp32 (2 x 16 KiB), its lse and delta.
-//   For each query head of the group and each 32-query tile from the key tile's first key to
+//   Registers: the key's k, v and its dK, dV accumulators (4 x 16 floats). Shared: a 16-query
+//   tile of Q (unscaled) and of dO as fp32 (2 x 8 KiB), its lse and delta.
+//   For each query head of the group and each 16-query tile from the key tile's first key to
 //   T (causal: earlier queries never see these keys): p recomputed from lse, ds = p (dp - delta),
 //   dv += p dO, dk += ds q; dK/dV are summed over the group's query heads in registers and
 //   written once (dk *= scale).
 //   Global bytes per (b, kv head, key tile of n keys starting at t0): reads n Dh of K and V,
 //   and for each of the G query heads (T - t0) Dh of Q and of dO and 8 (T - t0) of lse and
 //   delta; writes n Dh of dK and dV.
+// Every kernel: 256 threads, at most 128 registers a thread and at most 16.5 KiB of shared
+// memory, so two blocks fit an SM of sm_80 (64K registers) and a CU of gfx90a (64 KiB LDS).
 // Shared-memory tiles are zero past Dh and past T, so dot products run over all 128 dims
 // without bounds tests (a head dim of 64 does the work of 128: no tensor cores yet, fp32 FMAs).
 // Resources (ptxas -v, sm_80, 0 spill bytes): recorded in bench/RESULTS.md.
@@ -51,7 +53,7 @@
 #define ATTN_DIMS_PER_LANE (ATTN_HEAD_DIM_MAX / ATTN_LANES_PER_ROW)  // 32
 #define ATTN_LANES_PER_KEY 8
 #define ATTN_BWD_KEY_TILE 32
-#define ATTN_BWD_QUERY_TILE 32
+#define ATTN_BWD_QUERY_TILE 16
 #define ATTN_KEY_THREADS (ATTN_BWD_KEY_TILE * ATTN_LANES_PER_KEY)  // 256
 #define ATTN_DQ_QUERY_TILE 32  // 32 rows x 8 lanes: q, dO and dQ (3 x 16 floats) fit 128 registers
 #define ATTN_DIMS_PER_KEY_LANE (ATTN_HEAD_DIM_MAX / ATTN_LANES_PER_KEY)  // 16

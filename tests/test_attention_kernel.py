@@ -279,3 +279,41 @@ def test_a_forward_reading_keys_past_the_causal_limit_fails_the_traffic_check(ke
     check_against_specification(1, 100, 2, 1, 64, np.float32)
     with pytest.raises(AssertionError):
         check_traffic(np.float32)
+
+
+# ---------------------------------------------------------------------------- resources
+
+SM80_REGISTERS, SM80_SHARED, SHARED_RESERVED_PER_BLOCK = 65536, 164 * 1024, 1024  # per SM (A100)
+GFX90A_LDS = 64 * 1024  # per CU (MI250X)
+
+
+def resident_blocks(registers, shared_bytes, threads):
+    """Blocks of `threads` that fit one sm_80 SM by registers (allocated per warp in units of 256)
+    and shared memory (plus the 1 KiB the driver reserves per block), and one gfx90a CU by LDS."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = SM80_REGISTERS // (per_warp * (threads // 32))
+    by_shared = SM80_SHARED // (shared_bytes + SHARED_RESERVED_PER_BLOCK)
+    by_lds = GFX90A_LDS // max(shared_bytes, 1)
+    return min(by_registers, by_shared), by_lds
+
+
+@pytest.mark.gpu
+def test_two_blocks_of_each_attention_kernel_are_resident_on_sm80_and_gfx90a(tmp_path):
+    """ptxas -v for sm_80: no spills, and registers and shared memory leave room for two blocks."""
+    from test_kernel_resources import NVCC, _ptxas
+
+    if NVCC is None:
+        pytest.fail("nvcc is not on PATH (tests/run.sh installs the CUDA toolkit)")
+    table = _ptxas("attention", tmp_path)
+    for t in ("f32", "bf16"):
+        for entry in ("attention_forward", "attention_backward_dq", "attention_backward"):
+            info = table[(f"{entry}_{t}", "sm_80")]
+            assert info["spills"] == 0 and info["stack"] == 0, (entry, info)
+            sm80, gfx90a = resident_blocks(info["registers"], info["smem"], kernels.ATTENTION_THREADS)
+            assert sm80 >= 2 and gfx90a >= 2, f"{entry}_{t}: {info} -> {sm80} blocks per SM, {gfx90a} per CU"
+
+
+def test_resident_blocks_counts_what_the_limits_allow():
+    assert resident_blocks(128, 16 * 1024, 256) == (2, 4)
+    assert resident_blocks(129, 16 * 1024, 256)[0] == 1  # 136 a thread after rounding
+    assert resident_blocks(64, 80 * 1024, 256) == (2, 0)
