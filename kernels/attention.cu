@@ -1,5 +1,5 @@
 // Causal grouped-query attention, fused: one kernel forward, two backward (FlashAttention-2's
-// algorithm, with dQ in a pass of its own instead of atomics). Nothing of size T x T, or of
+// algorithm, with dQ in a pass of its own instead of atomics); and RoPE, one pass each way. Nothing of size T x T, or of
 // tile x T, is ever in global memory; statistics and arithmetic are fp32.
 // Entry points per storage type T: <kernel>_f32 (float) and <kernel>_bf16 (bfloat16 bits).
 //
@@ -289,6 +289,29 @@ __device__ void attention_backward(const T* q, const T* k, const T* v, const T* 
     }
 }
 
+// RoPE, forward and backward, on q or k [B, T, heads, Dh] with the model's cos, sin tables
+// [T, Dh]: one thread per pair (d, d + Dh/2), read once and written once, where the unfused
+// version makes several passes. With c = cos[t], s = sin[t], h = Dh/2:
+//   forward:  y[d] = x[d] c[d] - x[d+h] s[d],    y[d+h] = x[d+h] c[d+h] + x[d] s[d+h]
+//   backward: dx[d] = dy[d] c[d] + dy[d+h] s[d+h],  dx[d+h] = dy[d+h] c[d+h] - dy[d] s[d]
+template <typename T, bool BACKWARD>
+__device__ void rope(const T* x, const T* cos_table, const T* sin_table, T* out, long long pairs, int tokens,
+                     int heads, int Dh) {
+    const int half = Dh / 2;
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long p = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; p < pairs; p += stride) {
+        const long long row = p / half;  // (b T + t) heads + head
+        const int d = static_cast<int>(p - row * half);
+        const long long t = (row / heads) % tokens;
+        const long long at = row * Dh + d, table = t * Dh + d;
+        const float x1 = to_float(x[at]), x2 = to_float(x[at + half]);
+        const float c1 = to_float(cos_table[table]), c2 = to_float(cos_table[table + half]);
+        const float s1 = to_float(sin_table[table]), s2 = to_float(sin_table[table + half]);
+        out[at] = from_float<T>(BACKWARD ? x1 * c1 + x2 * s2 : x1 * c1 - x2 * s1);
+        out[at + half] = from_float<T>(BACKWARD ? x2 * c2 - x1 * s1 : x2 * c2 + x1 * s2);
+    }
+}
+
 #define ATTENTION_ENTRY_POINTS(T, SUFFIX)                                                                          \
     extern "C" __global__ void __launch_bounds__(256, ATTN_BLOCKS_PER_SM) attention_forward_##SUFFIX(const T* q, const T* k, const T* v, T* o, float* lse,    \
                                                           int tokens, int H, int Hkv, int Dh, float scale) {       \
@@ -303,6 +326,14 @@ __device__ void attention_backward(const T* q, const T* k, const T* v, const T* 
                                                            const float* lse, const float* delta, T* dk, T* dv,     \
                                                            int tokens, int H, int Hkv, int Dh, float scale) {      \
         attention_backward<T>(q, k, v, d_o, lse, delta, dk, dv, tokens, H, Hkv, Dh, scale);                        \
+    }                                                                                                              \
+    extern "C" __global__ void rope_forward_##SUFFIX(const T* x, const T* cos_table, const T* sin_table, T* out,   \
+                                                     long long pairs, int tokens, int heads, int Dh) {             \
+        rope<T, false>(x, cos_table, sin_table, out, pairs, tokens, heads, Dh);                                    \
+    }                                                                                                              \
+    extern "C" __global__ void rope_backward_##SUFFIX(const T* dy, const T* cos_table, const T* sin_table, T* dx,  \
+                                                      long long pairs, int tokens, int heads, int Dh) {            \
+        rope<T, true>(dy, cos_table, sin_table, dx, pairs, tokens, heads, Dh);                                     \
     }
 
 ATTENTION_ENTRY_POINTS(float, f32)

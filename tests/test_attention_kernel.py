@@ -376,3 +376,44 @@ def test_a_larger_query_tile_in_dkdv_fails_the_gfx90a_residency_check(kernel_tex
     kernel_text("#define ATTN_BWD_QUERY_TILE 16", "#define ATTN_BWD_QUERY_TILE 32")
     with pytest.raises(AssertionError, match="blocks per CU"):
         test_two_blocks_of_each_attention_kernel_fit_a_gfx90a_cu(tmp_path)
+
+
+# ---------------------------------------------------------------------------- RoPE
+
+
+def check_rope(shape, dtype):
+    """RoPE forward and backward against layers.rope_forward/backward evaluated in float32 on the same
+    inputs and tables: float32 to accumulation order, bfloat16 to one rounding of the output."""
+    import cupy
+
+    B, T, heads, Dh = shape
+    x = np.random.default_rng(5).standard_normal(shape).astype(dtype)
+    cos, sin = layers.rope_tables(T, Dh, 10000.0, dtype)
+    wide = [np.asarray(a, np.float32) for a in (x, cos, sin)]
+    for kernel, reference in ((kernels.rope_forward, layers.rope_forward), (kernels.rope_backward, layers.rope_backward)):
+        got = to_numpy(kernel(*(cupy.asarray(a) for a in (x, cos, sin))))
+        assert got.dtype == dtype and got.shape == shape
+        tol = 1e-6 if dtype == np.float32 else 2 ** -8
+        np.testing.assert_allclose(np.asarray(got, np.float32), reference(*wide).astype(dtype).astype(np.float32),
+                                   rtol=tol, atol=tol, err_msg=kernel.__name__)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", [(2, 5, 3, 16), (1, 7, 2, 6)], ids=["B2_T5_h3_Dh16", "B1_T7_h2_Dh6"])
+def test_rope_kernels_match_the_model(monkeypatch, lanes, shape, dtype):
+    launched = set()
+    launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda kernel, *a, **k: (launched.add(kernel.name), launch(kernel, *a, **k)))
+    check_rope(shape, dtype)
+    suffix = "f32" if dtype == np.float32 else "bf16"
+    assert {f"rope_forward_{suffix}", f"rope_backward_{suffix}"} <= launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("old,new", [("x2 * c2 - x1 * s1 :", "x2 * c2 + x1 * s1 :"), ("x2 * c2 + x1 * s2)", "x2 * c2 - x1 * s2)")],
+                         ids=["backward sign", "forward sign"])
+def test_rope_mutations_fail_the_check(kernel_text, old, new):
+    kernel_text(old, new)
+    with pytest.raises(AssertionError):
+        check_rope((1, 5, 2, 8), np.float32)

@@ -395,3 +395,36 @@ def attention_backward(do, q, k, v, o, lse):
         _launch(_kernel("attention", f"attention_backward_{suffix}"), B * Hkv * -(-T // ATTENTION_BWD_KEY_TILE),
                 ATTENTION_THREADS, (q, k, v, do, lse, delta, dk, dv, *scalars))
     return dq, dk, dv
+
+
+def _rope(entry, x, cos, sin):
+    """x [B,T,heads,Dh], cos, sin [T,1,Dh] or [T,Dh] of x's dtype -> the rotated x (or, backward, the
+    gradient through the rotation)."""
+    if x.ndim != 4:
+        raise ValueError(f"x must be 4-D [B, T, heads, Dh], got shape {tuple(x.shape)}")
+    B, T, heads, Dh = x.shape
+    suffix = _storage_suffix("x", x)
+    _check_contiguous("x", x)
+    if Dh % 2:
+        raise ValueError(f"RoPE rotates pairs of dims: head dim {Dh} is odd")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.size != T * Dh or table.shape[0] != T or table.shape[-1] != Dh:
+            raise ValueError(f"{name} has shape {tuple(table.shape)}, expected ({T}, 1, {Dh}) for x of shape {tuple(x.shape)}")
+        _check(name, table, table.shape, x.dtype)
+    out = _import_cupy().empty_like(x)
+    pairs = x.size // 2
+    if pairs:
+        grid = max(1, min(-(-pairs // ATTENTION_THREADS), 16 * _current_device().sm_count))
+        _launch(_kernel("attention", f"{entry}_{suffix}"), grid, ATTENTION_THREADS,
+                (x, cos, sin, out, np.int64(pairs), np.int32(T), np.int32(heads), np.int32(Dh)))
+    return out
+
+
+def rope_forward(x, cos, sin):
+    """RoPE on x [B,T,heads,Dh] with the tables cos, sin [T,1,Dh]: one read and one write of x."""
+    return _rope("rope_forward", x, cos, sin)
+
+
+def rope_backward(dy, cos, sin):
+    """The gradient through rope_forward: dx from dy [B,T,heads,Dh]."""
+    return _rope("rope_backward", dy, cos, sin)

@@ -221,7 +221,18 @@ def rope_tables(T, Dh, theta, dtype, xp=np):
 
 
 # x [B, T, nh, Dh]
+def _rope_kernels(x, cos, sin):
+    """(the kernels, the arrays C-contiguous) when the fused RoPE kernels take x with these tables."""
+    kern, arrays = kernel_inputs(x, cos, sin)
+    if kern is None or x.ndim != 4 or x.shape[-1] % 2 or cos.shape[0] != x.shape[1] or cos.size != x.shape[1] * x.shape[3]:
+        return None, None
+    return kern, arrays
+
+
 def rope_forward(x, cos, sin):
+    kern, fused = _rope_kernels(x, cos, sin)
+    if kern is not None:
+        return kern.rope_forward(*fused)
     half = x.shape[-1] // 2
     out = x * cos
     out[..., :half] -= x[..., half:] * sin[..., :half]  # + cat([-x2, x1]) * sin
@@ -230,6 +241,9 @@ def rope_forward(x, cos, sin):
 
 
 def rope_backward(dy, cos, sin):
+    kern, fused = _rope_kernels(dy, cos, sin)
+    if kern is not None:
+        return kern.rope_backward(*fused)
     half = dy.shape[-1] // 2
     dx = dy * cos
     dx[..., :half] += dy[..., half:] * sin[..., half:]  # + R^T (dy * sin), R^T y = cat([y2, -y1])
