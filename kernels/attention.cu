@@ -1,6 +1,7 @@
 // Causal grouped-query attention, fused: one kernel forward, two backward (FlashAttention-2's
-// algorithm, with dQ in a pass of its own instead of atomics); and RoPE, one pass each way. Nothing of size T x T, or of
-// tile x T, is ever in global memory; statistics and arithmetic are fp32.
+// algorithm, with dQ in a pass of its own instead of atomics); and RoPE, one pass each way.
+// Nothing of size T x T, or of tile x T, is ever in global memory; statistics and arithmetic
+// are fp32.
 // Entry points per storage type T: <kernel>_f32 (float) and <kernel>_bf16 (bfloat16 bits).
 //
 // Layouts (token-major, what the projections produce and read; no transposes, no K/V repeat):
@@ -42,23 +43,28 @@
 // memory, so two blocks fit an SM of sm_80 (64K registers) and a CU of gfx90a (64 KiB LDS).
 // Shared-memory tiles are zero past Dh and past T, so dot products run over all 128 dims
 // without bounds tests (a head dim of 64 does the work of 128: no tensor cores yet, fp32 FMAs).
-// Resources (ptxas -v, sm_80, 0 spill bytes): recorded in bench/RESULTS.md.
+// Resources (ptxas -v, sm_80; bench/attention_traffic.py): registers a thread, forward 128,
+// dQ 92-93, dK/dV 120-122; shared memory 16384, 16384, 16512 bytes; no spills. gfx90a (hipcc):
+// no scratch, 3-5 blocks per CU.
 #include "common.cuh"
 
 #define ATTN_HEAD_DIM_MAX 128
+#define ATTN_THREADS 256  // every attention kernel's block (the wrapper launches this many)
 #define ATTN_LANES_PER_ROW 4
 #define ATTN_QUERY_TILE 64
 #define ATTN_KEY_TILE 16
-#define ATTN_ROW_THREADS (ATTN_QUERY_TILE * ATTN_LANES_PER_ROW)  // 256
 #define ATTN_DIMS_PER_LANE (ATTN_HEAD_DIM_MAX / ATTN_LANES_PER_ROW)  // 32
 #define ATTN_LANES_PER_KEY 8
 #define ATTN_BWD_KEY_TILE 32
 #define ATTN_BWD_QUERY_TILE 16
-#define ATTN_KEY_THREADS (ATTN_BWD_KEY_TILE * ATTN_LANES_PER_KEY)  // 256
 #define ATTN_DQ_QUERY_TILE 32  // 32 rows x 8 lanes: q, dO and dQ (3 x 16 floats) fit 128 registers
 #define ATTN_DIMS_PER_KEY_LANE (ATTN_HEAD_DIM_MAX / ATTN_LANES_PER_KEY)  // 16
-// 256 threads and at least two resident blocks per SM: at most 128 registers a thread (sm_80)
+// at least two resident blocks per SM: at most 128 registers a thread (sm_80)
 #define ATTN_BLOCKS_PER_SM 2
+static_assert(ATTN_QUERY_TILE * ATTN_LANES_PER_ROW == ATTN_THREADS, "forward: one row group per query");
+static_assert(ATTN_DQ_QUERY_TILE * ATTN_LANES_PER_KEY == ATTN_THREADS, "dQ: one row group per query");
+static_assert(ATTN_BWD_KEY_TILE * ATTN_LANES_PER_KEY == ATTN_THREADS, "dK/dV: one row group per key");
+static_assert(ATTN_BWD_QUERY_TILE <= ATTN_THREADS, "dK/dV: one thread per staged statistic");
 
 // Element offset of (b, t, head, 0) in a [B, T, heads, Dh] tensor, in 64 bits.
 __device__ __forceinline__ long long token_offset(int b, int t, int tokens, int heads, int head, int Dh) {
@@ -313,16 +319,16 @@ __device__ void rope(const T* x, const T* cos_table, const T* sin_table, T* out,
 }
 
 #define ATTENTION_ENTRY_POINTS(T, SUFFIX)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, ATTN_BLOCKS_PER_SM) attention_forward_##SUFFIX(const T* q, const T* k, const T* v, T* o, float* lse,    \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM) attention_forward_##SUFFIX(const T* q, const T* k, const T* v, T* o, float* lse,    \
                                                           int tokens, int H, int Hkv, int Dh, float scale) {       \
         attention_forward<T>(q, k, v, o, lse, tokens, H, Hkv, Dh, scale);                                          \
     }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(256, ATTN_BLOCKS_PER_SM) attention_backward_dq_##SUFFIX(const T* q, const T* k, const T* v, const T* o,      \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM) attention_backward_dq_##SUFFIX(const T* q, const T* k, const T* v, const T* o,      \
                                                               const T* d_o, const float* lse, float* delta, T* dq, \
                                                               int tokens, int H, int Hkv, int Dh, float scale) {   \
         attention_backward_dq<T>(q, k, v, o, d_o, lse, delta, dq, tokens, H, Hkv, Dh, scale);                      \
     }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(256, ATTN_BLOCKS_PER_SM) attention_backward_##SUFFIX(const T* q, const T* k, const T* v, const T* d_o,       \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM) attention_backward_##SUFFIX(const T* q, const T* k, const T* v, const T* d_o,       \
                                                            const float* lse, const float* delta, T* dk, T* dv,     \
                                                            int tokens, int H, int Hkv, int Dh, float scale) {      \
         attention_backward<T>(q, k, v, d_o, lse, delta, dk, dv, tokens, H, Hkv, Dh, scale);                        \
