@@ -46,3 +46,13 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
         sys.stderr.write(f"rank {comm.Get_rank()}: tests failed on rank(s) {failed_ranks}\n")
     comm.Free()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `slow` (full matrices) run only when asked for: `-m slow` or BOOSTMPI_SLOW=1."""
+    if "slow" in (config.getoption("markexpr") or "") or os.environ.get("BOOSTMPI_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="a full matrix: run it with -m slow or BOOSTMPI_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

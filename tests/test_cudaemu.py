@@ -12,6 +12,7 @@
 
 import functools
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -229,6 +230,7 @@ def test_bf16_parity_sees_truncation_instead_of_rounding():
 def test_every_entry_point_is_exercised():
     """Every extern "C" entry point of kernels/*.cu is launched by a test above."""
     source = open(__file__).read()
+    source += (Path(__file__).parent / "test_attention_kernel.py").read_text()  # attention: at warp 32 and 64 there
     launched = set(re.findall(r'"(\w+)_\{suffix\}', source)) | {"softmax_xent"}
     for path in sorted(loader.kernels_dir().glob("*.cu")):
         for name in _module(loader.kernel_source(path.stem), 32).entry_points:

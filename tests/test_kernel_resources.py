@@ -73,6 +73,8 @@ def launch_shape(entry, warp):
         return loader._row_block(PAPER["vocab"], itemsize, warp), 0
     if entry.startswith(("silu_", "gate_")):
         return loader.ELEMENTWISE_BLOCK_THREADS, 0
+    if entry.startswith(("attention_", "rope_")):  # fixed tiles, static shared memory only
+        return loader.ATTENTION_THREADS, 0
     raise AssertionError(f"{entry}: no launch shape here; add how the loader launches it to launch_shape()")
 
 

@@ -309,3 +309,122 @@ def softmax_xent(logits, targets, grad_scale=None, out=None):
                  (logits, targets, loss, dlogits if write_grad else logits, np.int32(write_grad), np.int32(V),
                   np.float32(grad_scale if write_grad else 0.0)))
     return loss, dlogits
+
+
+# ------------------------------------------------------------------------------ attention.cu
+# Tile shapes of kernels/attention.cu (its opening comment has the plan): the forward runs 64 query
+# rows per block, 4 lanes a row; the dQ pass 32 query rows, the dK/dV pass 32 keys, 8 lanes each.
+ATTENTION_HEAD_DIM_MAX = 128
+ATTENTION_QUERY_TILE = 64
+ATTENTION_DQ_QUERY_TILE = 32
+ATTENTION_BWD_KEY_TILE = 32
+ATTENTION_THREADS = 256  # every attention kernel
+
+
+def attention_traffic(B, T, H, Hkv, Dh, itemsize, query_tile=ATTENTION_QUERY_TILE, dq_tile=ATTENTION_DQ_QUERY_TILE,
+                      key_tile=ATTENTION_BWD_KEY_TILE):
+    """{launch: (bytes read, bytes written)} of global memory, as the attention kernels' tile plan
+    moves them (kernels/attention.cu, opening comment): each causal query tile reads K and V up to
+    its last query, each key tile reads Q and dO (and the two fp32 statistics) from its first key on."""
+    s, G = itemsize, H // Hkv
+
+    def tiles(width):
+        return [(t0, min(T, t0 + width)) for t0 in range(0, T, width)]
+
+    forward = sum((t1 - t0) * Dh * s + 2 * t1 * Dh * s for t0, t1 in tiles(query_tile))
+    dq = sum(3 * (t1 - t0) * Dh * s + 4 * (t1 - t0) + 2 * t1 * Dh * s for t0, t1 in tiles(dq_tile))
+    dkdv = sum(2 * (t1 - t0) * Dh * s + G * (T - t0) * (2 * Dh * s + 8) for t0, t1 in tiles(key_tile))
+    return {"forward": (B * H * forward, B * H * T * (Dh * s + 4)),
+            "backward_dq": (B * H * dq, B * H * T * (Dh * s + 4)),
+            "backward_dkdv": (B * Hkv * dkdv, B * Hkv * T * 2 * Dh * s)}
+
+
+def _check_attention(q, k, v):
+    """q [B,T,H,Dh], k, v [B,T,Hkv,Dh] of one dtype -> (B, T, H, Hkv, Dh, suffix)."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be 4-D [B, T, H, Dh], got shape {tuple(q.shape)}")
+    B, T, H, Dh = q.shape
+    suffix = _storage_suffix("q", q)
+    _check_contiguous("q", q)
+    if k.ndim != 4 or k.shape[:2] != (B, T) or k.shape[3] != Dh:
+        raise ValueError(f"k has shape {tuple(k.shape)}, expected ({B}, {T}, Hkv, {Dh})")
+    Hkv = k.shape[2]
+    _check("k", k, (B, T, Hkv, Dh), q.dtype)
+    _check("v", v, (B, T, Hkv, Dh), q.dtype)
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"{H} query heads do not form groups over {Hkv} key/value heads")
+    if not 0 < Dh <= ATTENTION_HEAD_DIM_MAX:
+        raise ValueError(f"head dim {Dh}: the attention kernels take 1 to {ATTENTION_HEAD_DIM_MAX}")
+    return B, T, H, Hkv, Dh, suffix
+
+
+def _attention_scalars(T, H, Hkv, Dh):
+    return np.int32(T), np.int32(H), np.int32(Hkv), np.int32(Dh), np.float32(1.0 / np.sqrt(Dh))
+
+
+def attention_forward(q, k, v):
+    """Causal attention: q [B,T,H,Dh], k, v [B,T,Hkv,Dh] -> o [B,T,H,Dh] (q's dtype), lse [B,H,T]
+    (float32, the log-sum-exp of each row's scaled scores, what the backward recomputes from)."""
+    B, T, H, Hkv, Dh, suffix = _check_attention(q, k, v)
+    cupy = _import_cupy()
+    o = cupy.empty_like(q)
+    lse = cupy.empty((B, H, T), dtype=np.float32)
+    if B * T * H:
+        grid = B * H * -(-T // ATTENTION_QUERY_TILE)
+        _launch(_kernel("attention", f"attention_forward_{suffix}"), grid, ATTENTION_THREADS,
+                (q, k, v, o, lse, *_attention_scalars(T, H, Hkv, Dh)))
+    return o, lse
+
+
+def attention_backward(do, q, k, v, o, lse):
+    """dO, q, o [B,T,H,Dh], k, v [B,T,Hkv,Dh], lse [B,H,T] float32 -> dq [B,T,H,Dh], dk, dv [B,T,Hkv,Dh].
+
+    Two launches: dQ (and delta = rowsum(dO * O), float32 [B,H,T]) per query tile, then dK/dV
+    per key tile, summed over the query heads of each group."""
+    B, T, H, Hkv, Dh, suffix = _check_attention(q, k, v)
+    _check("do", do, q.shape, q.dtype)
+    _check("o", o, q.shape, q.dtype)
+    _check("lse", lse, (B, H, T), np.float32)
+    cupy = _import_cupy()
+    dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
+    if B * T * H:
+        scalars = _attention_scalars(T, H, Hkv, Dh)
+        delta = cupy.empty((B, H, T), dtype=np.float32)
+        _launch(_kernel("attention", f"attention_backward_dq_{suffix}"), B * H * -(-T // ATTENTION_DQ_QUERY_TILE),
+                ATTENTION_THREADS, (q, k, v, o, do, lse, delta, dq, *scalars))
+        _launch(_kernel("attention", f"attention_backward_{suffix}"), B * Hkv * -(-T // ATTENTION_BWD_KEY_TILE),
+                ATTENTION_THREADS, (q, k, v, do, lse, delta, dk, dv, *scalars))
+    return dq, dk, dv
+
+
+def _rope(entry, x, cos, sin):
+    """x [B,T,heads,Dh], cos, sin [T,1,Dh] or [T,Dh] of x's dtype -> the rotated x (or, backward, the
+    gradient through the rotation)."""
+    if x.ndim != 4:
+        raise ValueError(f"x must be 4-D [B, T, heads, Dh], got shape {tuple(x.shape)}")
+    B, T, heads, Dh = x.shape
+    suffix = _storage_suffix("x", x)
+    _check_contiguous("x", x)
+    if Dh % 2:
+        raise ValueError(f"RoPE rotates pairs of dims: head dim {Dh} is odd")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.size != T * Dh or table.shape[0] != T or table.shape[-1] != Dh:
+            raise ValueError(f"{name} has shape {tuple(table.shape)}, expected ({T}, 1, {Dh}) for x of shape {tuple(x.shape)}")
+        _check(name, table, table.shape, x.dtype)
+    out = _import_cupy().empty_like(x)
+    pairs = x.size // 2
+    if pairs:
+        grid = max(1, min(-(-pairs // ATTENTION_THREADS), 16 * _current_device().sm_count))
+        _launch(_kernel("attention", f"{entry}_{suffix}"), grid, ATTENTION_THREADS,
+                (x, cos, sin, out, np.int64(pairs), np.int32(T), np.int32(heads), np.int32(Dh)))
+    return out
+
+
+def rope_forward(x, cos, sin):
+    """RoPE on x [B,T,heads,Dh] with the tables cos, sin [T,1,Dh]: one read and one write of x."""
+    return _rope("rope_forward", x, cos, sin)
+
+
+def rope_backward(dy, cos, sin):
+    """The gradient through rope_forward: dx from dy [B,T,heads,Dh]."""
+    return _rope("rope_backward", dy, cos, sin)

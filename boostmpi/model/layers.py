@@ -232,7 +232,18 @@ def rope_tables(T, Dh, theta, dtype, xp=np):
 
 
 # x [B, T, nh, Dh]
+def _rope_kernels(x, cos, sin):
+    """(the kernels, the arrays C-contiguous) when the fused RoPE kernels take x with these tables."""
+    kern, arrays = kernel_inputs(x, cos, sin)
+    if kern is None or x.ndim != 4 or x.shape[-1] % 2 or cos.shape[0] != x.shape[1] or cos.size != x.shape[1] * x.shape[3]:
+        return None, None
+    return kern, arrays
+
+
 def rope_forward(x, cos, sin):
+    kern, fused = _rope_kernels(x, cos, sin)
+    if kern is not None:
+        return kern.rope_forward(*fused)
     half = x.shape[-1] // 2
     out = x * cos
     out[..., :half] -= x[..., half:] * sin[..., :half]  # + cat([-x2, x1]) * sin
@@ -241,6 +252,9 @@ def rope_forward(x, cos, sin):
 
 
 def rope_backward(dy, cos, sin):
+    kern, fused = _rope_kernels(dy, cos, sin)
+    if kern is not None:
+        return kern.rope_backward(*fused)
     half = dy.shape[-1] // 2
     dx = dy * cos
     dx[..., :half] += dy[..., half:] * sin[..., half:]  # + R^T (dy * sin), R^T y = cat([y2, -y1])
@@ -306,11 +320,46 @@ class AttentionCache(NamedTuple):
     tiles: object  # the probability tiles when kept (`keep_probs`), else None
 
 
+class FusedAttentionCache(NamedTuple):
+    """What the fused GPU kernels (kernels/attention.cu) keep for their backward: the inputs as
+    given, the output and one statistic per row, the log-sum-exp of the scaled scores, from which
+    the backward recomputes the probabilities tile by tile."""
+    q: object  # [B, T, H, Dh]
+    k: object  # [B, T, Hkv, Dh]
+    v: object
+    out: object  # [B, T, H, Dh]
+    lse: object  # [B, H, T] float32
+
+    # the softmax statistics a recompute policy keeps (recompute = "lowrank"): here the one
+    @property
+    def row_max(self):
+        return self.lse
+
+    @property
+    def row_sum(self):
+        return None
+
+
+def _fused_attention(q, k, v):
+    """(the kernels, the arrays C-contiguous) when the fused attention kernels take q, k, v (CuPy,
+    float32 or bfloat16, head dim within the kernels' limit); else (None, None)."""
+    kern, arrays = kernel_inputs(q, k, v)
+    if kern is None or q.shape[-1] > kern.ATTENTION_HEAD_DIM_MAX:
+        return None, None
+    return kern, arrays
+
+
 # q [B, T, H, Dh], k, v [B, T, Hkv, Dh] -> o [B, T, H*Dh]
 def attention_forward(q, k, v, keep_probs=False, stats=None):
     """`stats` = (row_max, row_sum) [B, Hkv, G, T] of an earlier forward on the same q, k: a
     recompute (recompute = "lowrank" keeps them) then skips both row reductions. The scores are the
-    same bits as that forward's, so its statistics are exactly what the reductions would give."""
+    same bits as that forward's, so its statistics are exactly what the reductions would give.
+    On a GPU the fused kernels run instead (one launch; they recompute the statistic, and their
+    backward always recomputes the probabilities, so `stats` and `keep_probs` are not needed)."""
+    kern, fused = _fused_attention(q, k, v)
+    if kern is not None:
+        o, lse = kern.attention_forward(*fused)
+        return o.reshape(*o.shape[:2], -1), FusedAttentionCache(*fused, o, lse)
     xp = get_array_module(q)
     B, T, H, Dh = q.shape
     Hkv = k.shape[2]
@@ -357,6 +406,9 @@ def attention_forward(q, k, v, keep_probs=False, stats=None):
 
 def attention_backward(do, cache):
     """do [B, T, H*Dh] -> dq [B, T, H, Dh], dk, dv [B, T, Hkv, Dh]."""
+    if isinstance(cache, FusedAttentionCache):
+        kern, (doc,) = kernel_inputs(do.reshape(cache.q.shape))
+        return kern.attention_backward(doc, cache.q, cache.k, cache.v, cache.out, cache.lse)
     xp = get_array_module(do)
     qs, kh, vh, out, row_max, row_sum, tiles = cache
     B, Hkv, G, T, Dh = qs.shape

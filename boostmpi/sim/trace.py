@@ -21,12 +21,13 @@ from boostmpi.sim.plans import Attention, Collective, Gemm, Pointwise, layer_pla
 
 @dataclass
 class TracedOp:
-    kind: str  # "gemm", "elementwise", "reduction", "copy", "kernel" (a fused RawKernel), "collective"
+    kind: str  # "gemm", "elementwise", "reduction", "copy", "kernel" (a fused RawKernel), "attention", "collective"
     name: str  # ufunc / kernel / collective name
     site: str  # the boostmpi function that issued it (module.function)
     nbytes: int  # bytes read + written (collectives: the payload each rank contributes)
     dtype: str = "float32"
     gemm: tuple = None  # (batch, m, n, k) for GEMMs
+    flops: float = 0.0  # "attention" (a fused attention kernel): the multiply-adds x 2 it computes
 
 
 def op_seconds(op, machine, tp):
@@ -40,6 +41,9 @@ def op_seconds(op, machine, tp):
         fraction = 0.5 if op.name == "allGather" else 1.0
         size = op.nbytes * (tp if op.name == "allGather" else 1)
         return group_allreduce_seconds(size, tp, 1, machine, fraction=fraction)
+    if op.kind == "attention":  # its FLOPs at the profile's attention efficiency, or its bytes if slower
+        compute = op.flops / (machine.peak(op.dtype) * machine.attention_efficiency)
+        return max(compute, pointwise_seconds(op.nbytes, 1, 1, machine) - machine.kernel_launch_s) + machine.kernel_launch_s
     return pointwise_seconds(op.nbytes, 1, 1, machine)  # nbytes already counts every pass
 
 

@@ -37,6 +37,7 @@ import numpy as np
 
 __all__ = [
     "alloc", "Buffer", "DeviceArray", "live_bytes", "Module", "Function", "Param", "entry_points", "set_schedule",
+    "global_bytes",
     "current_seed", "schedule", "describe_schedule", "cache_dir", "WARP_SIZE_OPTIONS", "KernelError", "RaceError",
     "SharedBoundsError", "UninitializedSharedRead", "GlobalBoundsError", "DeadlockError", "PartialWarpError",
     "LaunchError", "IntegerOverflowError", "CompileError", "AllocationError", "FunctionNotFound",
@@ -175,6 +176,8 @@ def _lib():
             lib.cudaemu_lookup.argtypes = [ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_ulonglong),
                                            ctypes.POINTER(ctypes.c_ulonglong)]
             lib.cudaemu_live_bytes.restype = ctypes.c_ulonglong
+            lib.cudaemu_global_bytes.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.POINTER(ctypes.c_ulonglong),
+                                                 ctypes.c_int]
             lib.cudaemu_take_unsupported.restype = ctypes.c_char_p
             lib.cudaemu_only_blocks.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_ulonglong]
             lib.cudaemu_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint),
@@ -252,6 +255,15 @@ def live_bytes():
     """Bytes in live (not freed) emulated allocations."""
     with _lock:
         return int(_lib().cudaemu_live_bytes())
+
+
+def global_bytes(reset=False):
+    """(bytes read, bytes written) in global memory by the kernels launched since the last reset,
+    every access counted (no cache is modelled); `reset` starts the count again from zero."""
+    read, written = ctypes.c_ulonglong(), ctypes.c_ulonglong()
+    with _lock:
+        _lib().cudaemu_global_bytes(ctypes.byref(read), ctypes.byref(written), int(reset))
+    return int(read.value), int(written.value)
 
 
 def _lookup(ptr):

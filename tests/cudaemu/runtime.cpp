@@ -231,6 +231,9 @@ std::vector<size_t> only_blocks;  // set by cudaemu_only_blocks for the next lau
 std::vector<Allocation*> shadowed;  // allocations with a global shadow in this launch
 uintptr_t hit_start = 0;            // the allocation of the previous access (reset per launch:
 Allocation* hit = nullptr;          // allocations change only between launches)
+// global-memory bytes the kernels read and wrote, every access counted (no cache is modelled):
+// the traffic a kernel's tile plan implies, checked against the plan's own count
+unsigned long long global_bytes_read = 0, global_bytes_written = 0;
 std::string unsupported;  // a construct met while a module loads, taken by cudaemu_take_unsupported
 void (*thunk)(void**) = nullptr;
 void** thunk_args = nullptr;
@@ -473,6 +476,7 @@ void global_access(uintptr_t addr, size_t size, bool write, void* pc) {
         a = const_cast<Allocation*>(find_allocation(addr, &start));
     if (a && a->live && addr + size <= start + a->nbytes) {
         hit = a, hit_start = start;
+        (write ? global_bytes_written : global_bytes_read) += size;
         if (check_global_races) global_race_check(*a, start, addr, size, write, pc);
         return;
     }
@@ -653,6 +657,13 @@ int cudaemu_lookup(unsigned long long ptr, unsigned long long* start, unsigned l
     *start = s;
     *nbytes = a->nbytes;
     return 1;
+}
+
+// Global bytes read and written by launches since the last reset; `reset` zeroes the counts.
+void cudaemu_global_bytes(unsigned long long* read, unsigned long long* written, int reset) {
+    *read = global_bytes_read;
+    *written = global_bytes_written;
+    if (reset) global_bytes_read = global_bytes_written = 0;
 }
 
 unsigned long long cudaemu_live_bytes() {

@@ -1,0 +1,120 @@
+"""The fused attention kernels' global traffic and resources, against FlashAttention-2's.
+
+Prints a markdown block:
+  - registers, shared memory and spills per entry point from `ptxas -v` (sm_80), and the blocks
+    that fit an SM (sm_80) and a CU (gfx90a, 64 KiB LDS);
+  - global bytes per launch, counted by the CUDA execution harness at a small shape (every
+    access; tests/test_attention_kernel.py holds the count equal to the tile plan), and by the
+    tile plan (boostmpi.gpu.kernels.attention_traffic) at the paper's 7B layout per rank;
+  - FlashAttention-2's traffic for the same call: forward with 64-query tiles (Q once, K and V
+    once per query tile up to its last query, O and the log-sum-exp once); backward with 64-key
+    tiles, dQ accumulated in float32 by atomics (read and written once per key tile that a
+    query meets), its preprocessing pass (delta = rowsum(dO o O)) and the final dQ conversion.
+
+    python bench/attention_traffic.py [--append bench/RESULTS.md]
+"""
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
+
+import gpu_setup  # noqa: E402,F401  (the CuPy stand-in when no GPU is reachable)
+import numpy as np  # noqa: E402
+
+from boostmpi.gpu import kernels  # noqa: E402
+
+ENTRIES = ("attention_forward", "attention_backward_dq", "attention_backward")
+
+
+def flash2_traffic(B, T, H, Hkv, Dh, s, tile=64):
+    """{forward, backward}: (read, written) bytes of FlashAttention-2's kernels for this call."""
+    G = H // Hkv
+    tiles = [(t0, min(T, t0 + tile)) for t0 in range(0, T, tile)]
+    fwd_read = B * H * sum((t1 - t0) * Dh * s + 2 * t1 * Dh * s for t0, t1 in tiles)
+    fwd_written = B * H * T * (Dh * s + 4)
+    # per (b, kv head): K, V once; per key tile and query head, Q, dO, lse, delta of the queries it meets
+    # and the float32 dQ rows read and written by the atomics
+    bwd_read = B * Hkv * sum(2 * (t1 - t0) * Dh * s + G * (T - t0) * (2 * Dh * s + 8 + 4 * Dh) for t0, t1 in tiles)
+    bwd_written = B * Hkv * (T * 2 * Dh * s + sum(G * (T - t0) * 4 * Dh for t0, _ in tiles))
+    # preprocessing: O and dO read, delta written; dQ converted from float32 to the storage type
+    bwd_read += B * H * T * (2 * Dh * s + 4 * Dh)
+    bwd_written += B * H * T * (4 + Dh * s)
+    return {"forward": (fwd_read, fwd_written), "backward": (bwd_read, bwd_written)}
+
+
+def ours(B, T, H, Hkv, Dh, s):
+    plan = kernels.attention_traffic(B, T, H, Hkv, Dh, s)
+    back = [a + b for a, b in zip(plan["backward_dq"], plan["backward_dkdv"])]
+    return {"forward": plan["forward"], "backward": tuple(back)}
+
+
+def counted(B, T, H, Hkv, Dh, dtype):
+    import cudaemu
+    import cupy
+
+    rng = np.random.default_rng(0)
+    q, do = (cupy.asarray(rng.standard_normal((B, T, H, Dh)).astype(dtype)) for _ in range(2))
+    k, v = (cupy.asarray(rng.standard_normal((B, T, Hkv, Dh)).astype(dtype)) for _ in range(2))
+    cudaemu.global_bytes(reset=True)
+    o, lse = kernels.attention_forward(q, k, v)
+    forward = cudaemu.global_bytes(reset=True)
+    kernels.attention_backward(do, q, k, v, o, lse)
+    return {"forward": forward, "backward": cudaemu.global_bytes(reset=True)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--append", help="append the block to this markdown file")
+    args = parser.parse_args()
+    import tempfile
+
+    from test_attention_kernel import resident_blocks
+    from test_kernel_resources import _ptxas
+
+    lines = [f"## attention_traffic: fused attention, bytes and resources "
+             f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
+             f"`python bench/attention_traffic.py` on {platform.node()} ({platform.machine()}, "
+             f"{os.cpu_count()} cores); GPU: {gpu_setup.GPU.describe()}", "",
+             "| entry point (sm_80) | registers | shared bytes | spills | blocks per SM (sm_80) | per CU (gfx90a LDS) |",
+             "|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        table = _ptxas("attention", Path(tmp))
+    for t in ("f32", "bf16"):
+        for entry in ENTRIES:
+            info = table[(f"{entry}_{t}", "sm_80")]
+            sm, cu = resident_blocks(info["registers"], info["smem"], kernels.ATTENTION_THREADS)
+            lines.append(f"| `{entry}_{t}` | {info['registers']} | {info['smem']} | {info['spills']} | {sm} | {cu} |")
+    lines += ["", "| call | pass | ours: read / written (MB) | FlashAttention-2 (MB) | ratio |", "|---|---|---|---|---|"]
+    import ml_dtypes
+
+    cases = [("counted, B1 T200 H4 Hkv2 Dh64 bf16", (1, 200, 4, 2, 64), ml_dtypes.bfloat16, True),
+             ("plan, 7B per rank: B4 T4096 H8 Hkv8 Dh128 bf16", (4, 4096, 8, 8, 128), ml_dtypes.bfloat16, False),
+             ("plan, GQA: B4 T4096 H8 Hkv2 Dh128 bf16", (4, 4096, 8, 2, 128), ml_dtypes.bfloat16, False)]
+    for name, shape, dtype, count in cases:
+        s = np.dtype(dtype).itemsize
+        mine = counted(*shape, dtype) if count else ours(*shape, s)
+        if count:
+            assert mine == ours(*shape, s), (mine, ours(*shape, s))
+        ref = flash2_traffic(*shape, s)
+        for part in ("forward", "backward"):
+            r, w = mine[part]
+            fr, fw = ref[part]
+            lines.append(f"| {name} | {part} | {r / 1e6:.2f} / {w / 1e6:.2f} | {fr / 1e6:.2f} / {fw / 1e6:.2f} | "
+                         f"{(r + w) / (fr + fw):.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.append:
+        with open(args.append, "a") as f:
+            f.write("\n" + text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,346 @@
+// Causal grouped-query attention, fused: one kernel forward, two backward (FlashAttention-2's
+// algorithm, with dQ in a pass of its own instead of atomics); and RoPE, one pass each way.
+// Nothing of size T x T, or of tile x T, is ever in global memory; statistics and arithmetic
+// are fp32.
+// Entry points per storage type T: <kernel>_f32 (float) and <kernel>_bf16 (bfloat16 bits).
+//
+// Layouts (token-major, what the projections produce and read; no transposes, no K/V repeat):
+//   q, o, dq, do  [B, T, H, Dh]        k, v, dk, dv  [B, T, Hkv, Dh]
+//   lse, delta    [B, H, T] fp32       query head h reads key/value head h / (H / Hkv)
+// Dh <= ATTN_HEAD_DIM_MAX (128). scale = 1/sqrt(Dh) is applied in fp32 to q . k.
+//
+// Tile plan. A "row group" is ATTN_LANES_PER_ROW (forward, dQ) or ATTN_LANES_PER_KEY (dK/dV)
+// consecutive lanes of one warp sharing one row; lane l of a group owns the head dims
+// d = l, l + lanes, l + 2 lanes, ... in registers, and a dot product over Dh is the group's
+// partial sums combined by xor shuffles inside the group (valid for 32- and 64-wide warps).
+//
+// attention_forward: one block per (b, h, 64-query tile), 256 threads = 64 rows x 4 lanes.
+//   Registers: the row's scaled q (32 floats), its output accumulator (32), the tile's 16
+//   scores. Shared: one 16-key tile of K and of V as fp32 (2 x 8 KiB).
+//   For each 16-key tile up to the tile's last query (causal: later keys are never loaded):
+//   scores, the running max m and sum l (online softmax: acc and l rescaled by exp(m - m')),
+//   acc += p V. Then o = acc / l and lse = m + log(l) per row.
+//   Global bytes, per (b, h, query tile of n rows ending at t1): reads n Dh of Q and t1 Dh of
+//   K and of V, writes n Dh of O and 4n of lse - FlashAttention-2's forward traffic for
+//   64-query tiles exactly (the key tile's width does not change it).
+// attention_backward_dq: one block per (b, h, 32-query tile), 256 threads = 32 rows x 8 lanes.
+//   Registers: scaled q, dO, the dQ accumulator (3 x 16 floats). Shared: 16-key tiles of K, V.
+//   delta = rowsum(dO o O) first (written for the dK/dV pass), then key by key:
+//   p = exp(s - lse), ds = p (dO . v - delta), dq += ds k; dq *= scale.
+//   Global bytes per tile of n rows ending at t1: reads n Dh of Q, dO and O, 4n of lse, t1 Dh
+//   of K and of V; writes n Dh of dQ and 4n of delta.
+// attention_backward: one block per (b, kv head, 32-key tile), 256 threads = 32 keys x 8 lanes.
+//   Registers: the key's k, v and its dK, dV accumulators (4 x 16 floats). Shared: a 16-query
+//   tile of Q (unscaled) and of dO as fp32 (2 x 8 KiB), its lse and delta.
+//   For each query head of the group and each 16-query tile from the key tile's first key to
+//   T (causal: earlier queries never see these keys): p recomputed from lse, ds = p (dp - delta),
+//   dv += p dO, dk += ds q; dK/dV are summed over the group's query heads in registers and
+//   written once (dk *= scale).
+//   Global bytes per (b, kv head, key tile of n keys starting at t0): reads n Dh of K and V,
+//   and for each of the G query heads (T - t0) Dh of Q and of dO and 8 (T - t0) of lse and
+//   delta; writes n Dh of dK and dV.
+// Every kernel: 256 threads, at most 128 registers a thread and at most 16.5 KiB of shared
+// memory, so two blocks fit an SM of sm_80 (64K registers) and a CU of gfx90a (64 KiB LDS).
+// Shared-memory tiles are zero past Dh and past T, so dot products run over all 128 dims
+// without bounds tests (a head dim of 64 does the work of 128: no tensor cores yet, fp32 FMAs).
+// Resources (ptxas -v, sm_80; bench/attention_traffic.py): registers a thread, forward 128,
+// dQ 92-93, dK/dV 120-122; shared memory 16384, 16384, 16512 bytes; no spills. gfx90a (hipcc):
+// no scratch, 3-5 blocks per CU.
+#include "common.cuh"
+
+#define ATTN_HEAD_DIM_MAX 128
+#define ATTN_THREADS 256  // every attention kernel's block (the wrapper launches this many)
+#define ATTN_LANES_PER_ROW 4
+#define ATTN_QUERY_TILE 64
+#define ATTN_KEY_TILE 16
+#define ATTN_DIMS_PER_LANE (ATTN_HEAD_DIM_MAX / ATTN_LANES_PER_ROW)  // 32
+#define ATTN_LANES_PER_KEY 8
+#define ATTN_BWD_KEY_TILE 32
+#define ATTN_BWD_QUERY_TILE 16
+#define ATTN_DQ_QUERY_TILE 32  // 32 rows x 8 lanes: q, dO and dQ (3 x 16 floats) fit 128 registers
+#define ATTN_DIMS_PER_KEY_LANE (ATTN_HEAD_DIM_MAX / ATTN_LANES_PER_KEY)  // 16
+// at least two resident blocks per SM: at most 128 registers a thread (sm_80)
+#define ATTN_BLOCKS_PER_SM 2
+static_assert(ATTN_QUERY_TILE * ATTN_LANES_PER_ROW == ATTN_THREADS, "forward: one row group per query");
+static_assert(ATTN_DQ_QUERY_TILE * ATTN_LANES_PER_KEY == ATTN_THREADS, "dQ: one row group per query");
+static_assert(ATTN_BWD_KEY_TILE * ATTN_LANES_PER_KEY == ATTN_THREADS, "dK/dV: one row group per key");
+static_assert(ATTN_BWD_QUERY_TILE <= ATTN_THREADS, "dK/dV: one thread per staged statistic");
+
+// Element offset of (b, t, head, 0) in a [B, T, heads, Dh] tensor, in 64 bits.
+__device__ __forceinline__ long long token_offset(int b, int t, int tokens, int heads, int head, int Dh) {
+    return ((static_cast<long long>(b) * tokens + t) * heads + head) * Dh;
+}
+
+// Sum over the LANES consecutive lanes of a row group (every lane of the warp must call it).
+template <int LANES>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+    for (int m = LANES / 2; m > 0; m >>= 1) v += shfl_xor(v, m);
+    return v;
+}
+
+// Rows t0 .. t0+ROWS-1 of one head of a [B, T, heads, Dh] tensor into tile[r][d] as fp32;
+// rows at or past `tokens`, and dims at or past Dh, are zeros, so the dot products and
+// accumulations over ATTN_HEAD_DIM_MAX dims need no per-element bounds test (which costs
+// registers). Every thread of the block calls it.
+template <typename T, int ROWS>
+__device__ void load_tile(float (*tile)[ATTN_HEAD_DIM_MAX], const T* src, int b, int t0, int tokens, int heads,
+                          int head, int Dh) {
+    for (int e = threadIdx.x; e < ROWS * ATTN_HEAD_DIM_MAX; e += blockDim.x) {
+        const int r = e / ATTN_HEAD_DIM_MAX;
+        const int d = e % ATTN_HEAD_DIM_MAX;
+        const int t = t0 + r;
+        tile[r][d] = (t < tokens && d < Dh) ? to_float(src[token_offset(b, t, tokens, heads, head, Dh) + d]) : 0.0f;
+    }
+}
+
+// One row of a [B, T, heads, Dh] tensor into this lane's dims (zeros where d >= Dh or !live).
+template <typename T, int LANES, int DIMS>
+__device__ __forceinline__ void load_row(float* out, const T* row, bool live, int lane, int Dh, float factor) {
+#pragma unroll
+    for (int k = 0; k < DIMS; ++k) {
+        const int d = k * LANES + lane;
+        out[k] = (live && d < Dh) ? to_float(row[d]) * factor : 0.0f;
+    }
+}
+
+template <typename T, int LANES, int DIMS>
+__device__ __forceinline__ void store_row(T* row, const float* in, int lane, int Dh, float factor) {
+#pragma unroll
+    for (int k = 0; k < DIMS; ++k) {
+        const int d = k * LANES + lane;
+        if (d < Dh) row[d] = from_float<T>(in[k] * factor);
+    }
+}
+
+// This lane's share of x . tile_row, summed over the row group (both zero past Dh).
+template <int LANES, int DIMS>
+__device__ __forceinline__ float group_dot(const float* x, const float* tile_row, int lane) {
+    float partial = 0.0f;
+#pragma unroll
+    for (int k = 0; k < DIMS; ++k) partial += x[k] * tile_row[k * LANES + lane];
+    return group_sum<LANES>(partial);
+}
+
+// acc += w * tile_row over this lane's dims.
+template <int LANES, int DIMS>
+__device__ __forceinline__ void axpy_row(float* acc, float w, const float* tile_row, int lane) {
+#pragma unroll
+    for (int k = 0; k < DIMS; ++k) acc[k] += w * tile_row[k * LANES + lane];
+}
+
+// A 1-D grid of n_tiles blocks per (batch, head) slice. Causal tiles differ in work; they are
+// handed out longest first: the last query tile (meets the most keys) in the forward and dQ,
+// the first key tile (seen by the most queries) in dK/dV.
+__device__ __forceinline__ void tile_and_slice(int n_tiles, bool last_first, int* tile, int* slice) {
+    *slice = static_cast<int>(blockIdx.x) / n_tiles;
+    const int x = static_cast<int>(blockIdx.x) - *slice * n_tiles;
+    *tile = last_first ? n_tiles - 1 - x : x;
+}
+
+template <typename T>
+__device__ void attention_forward(const T* q, const T* k, const T* v, T* o, float* lse, int tokens, int H, int Hkv,
+                                  int Dh, float scale) {
+    __shared__ float k_tile[ATTN_KEY_TILE][ATTN_HEAD_DIM_MAX];
+    __shared__ float v_tile[ATTN_KEY_TILE][ATTN_HEAD_DIM_MAX];
+    const int LANES = ATTN_LANES_PER_ROW, DIMS = ATTN_DIMS_PER_LANE;
+    int tile, slice;
+    tile_and_slice((tokens + ATTN_QUERY_TILE - 1) / ATTN_QUERY_TILE, true, &tile, &slice);
+    const int b = slice / H, h = slice - b * H, kv_head = h / (H / Hkv);
+    const int q0 = tile * ATTN_QUERY_TILE;
+    const int lane = threadIdx.x % LANES;
+    const int i = q0 + static_cast<int>(threadIdx.x) / LANES;
+    const bool live = i < tokens;
+    const long long row_offset = token_offset(b, live ? i : 0, tokens, H, h, Dh);
+
+    float q_row[DIMS], acc[DIMS];
+    load_row<T, LANES, DIMS>(q_row, q + row_offset, live, lane, Dh, scale);
+#pragma unroll
+    for (int kk = 0; kk < DIMS; ++kk) acc[kk] = 0.0f;
+    float running_max = negative_infinity(), running_sum = 0.0f;
+
+    const int key_end = min(tokens, q0 + ATTN_QUERY_TILE);
+    for (int k0 = 0; k0 < key_end; k0 += ATTN_KEY_TILE) {
+        const int n = min(ATTN_KEY_TILE, key_end - k0);
+        __syncthreads();  // every row is done with the previous tile
+        load_tile<T, ATTN_KEY_TILE>(k_tile, k, b, k0, tokens, Hkv, kv_head, Dh);
+        load_tile<T, ATTN_KEY_TILE>(v_tile, v, b, k0, tokens, Hkv, kv_head, Dh);
+        __syncthreads();
+        float s[ATTN_KEY_TILE];
+        float tile_max = negative_infinity();
+#pragma unroll
+        for (int jj = 0; jj < ATTN_KEY_TILE; ++jj) {
+            const float dot = group_dot<LANES, DIMS>(q_row, k_tile[jj], lane);
+            s[jj] = (jj < n && k0 + jj <= i) ? dot : negative_infinity();
+            tile_max = fmaxf(tile_max, s[jj]);
+        }
+        // key 0 is in the first tile and visible to every row, so new_max is finite
+        const float new_max = fmaxf(running_max, tile_max);
+        const float rescale = expf(running_max - new_max);
+        float tile_sum = 0.0f;
+#pragma unroll
+        for (int jj = 0; jj < ATTN_KEY_TILE; ++jj) {
+            s[jj] = expf(s[jj] - new_max);
+            tile_sum += s[jj];
+        }
+        running_sum = running_sum * rescale + tile_sum;
+        running_max = new_max;
+#pragma unroll
+        for (int kk = 0; kk < DIMS; ++kk) acc[kk] *= rescale;
+#pragma unroll
+        for (int jj = 0; jj < ATTN_KEY_TILE; ++jj) axpy_row<LANES, DIMS>(acc, s[jj], v_tile[jj], lane);
+    }
+    if (live) {
+        store_row<T, LANES, DIMS>(o + row_offset, acc, lane, Dh, 1.0f / running_sum);
+        if (lane == 0) lse[static_cast<long long>(slice) * tokens + i] = running_max + logf(running_sum);
+    }
+}
+
+template <typename T>
+__device__ void attention_backward_dq(const T* q, const T* k, const T* v, const T* o, const T* d_o, const float* lse,
+                                      float* delta, T* dq, int tokens, int H, int Hkv, int Dh, float scale) {
+    __shared__ float k_tile[ATTN_KEY_TILE][ATTN_HEAD_DIM_MAX];
+    __shared__ float v_tile[ATTN_KEY_TILE][ATTN_HEAD_DIM_MAX];
+    const int LANES = ATTN_LANES_PER_KEY, DIMS = ATTN_DIMS_PER_KEY_LANE;
+    int tile, slice;
+    tile_and_slice((tokens + ATTN_DQ_QUERY_TILE - 1) / ATTN_DQ_QUERY_TILE, true, &tile, &slice);
+    const int b = slice / H, h = slice - b * H, kv_head = h / (H / Hkv);
+    const int q0 = tile * ATTN_DQ_QUERY_TILE;
+    const int lane = threadIdx.x % LANES;
+    const int i = q0 + static_cast<int>(threadIdx.x) / LANES;
+    const bool live = i < tokens;
+    const long long row_offset = token_offset(b, live ? i : 0, tokens, H, h, Dh);
+    const long long stat = static_cast<long long>(slice) * tokens + (live ? i : 0);
+
+    float q_row[DIMS], do_row[DIMS], acc[DIMS];
+    load_row<T, LANES, DIMS>(do_row, d_o + row_offset, live, lane, Dh, 1.0f);
+    load_row<T, LANES, DIMS>(acc, o + row_offset, live, lane, Dh, 1.0f);  // o, only for delta
+    float partial = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < DIMS; ++kk) partial += do_row[kk] * acc[kk];
+    const float row_delta = group_sum<LANES>(partial);  // rowsum(dO o O) = rowsum(P o dP)
+    if (live && lane == 0) delta[stat] = row_delta;
+    load_row<T, LANES, DIMS>(q_row, q + row_offset, live, lane, Dh, scale);
+#pragma unroll
+    for (int kk = 0; kk < DIMS; ++kk) acc[kk] = 0.0f;
+    // one lane reads the statistic, the xor-sum with the others' zeros hands it to the group exactly
+    const float row_lse = group_sum<LANES>(live && lane == 0 ? lse[stat] : 0.0f);
+
+    const int key_end = min(tokens, q0 + ATTN_DQ_QUERY_TILE);
+    for (int k0 = 0; k0 < key_end; k0 += ATTN_KEY_TILE) {
+        const int n = min(ATTN_KEY_TILE, key_end - k0);
+        __syncthreads();
+        load_tile<T, ATTN_KEY_TILE>(k_tile, k, b, k0, tokens, Hkv, kv_head, Dh);
+        load_tile<T, ATTN_KEY_TILE>(v_tile, v, b, k0, tokens, Hkv, kv_head, Dh);
+        __syncthreads();
+        for (int jj = 0; jj < n; ++jj) {  // n is the same for the whole block: the shuffles stay uniform
+            const float s = group_dot<LANES, DIMS>(q_row, k_tile[jj], lane);
+            const float dp = group_dot<LANES, DIMS>(do_row, v_tile[jj], lane);
+            const float p = k0 + jj <= i ? expf(s - row_lse) : 0.0f;
+            axpy_row<LANES, DIMS>(acc, p * (dp - row_delta), k_tile[jj], lane);
+        }
+    }
+    if (live) store_row<T, LANES, DIMS>(dq + row_offset, acc, lane, Dh, scale);
+}
+
+template <typename T>
+__device__ void attention_backward(const T* q, const T* k, const T* v, const T* d_o, const float* lse,
+                                   const float* delta, T* dk, T* dv, int tokens, int H, int Hkv, int Dh, float scale) {
+    __shared__ float q_tile[ATTN_BWD_QUERY_TILE][ATTN_HEAD_DIM_MAX];
+    __shared__ float do_tile[ATTN_BWD_QUERY_TILE][ATTN_HEAD_DIM_MAX];
+    __shared__ float lse_tile[ATTN_BWD_QUERY_TILE];
+    __shared__ float delta_tile[ATTN_BWD_QUERY_TILE];
+    const int LANES = ATTN_LANES_PER_KEY, DIMS = ATTN_DIMS_PER_KEY_LANE;
+    int tile, slice;
+    tile_and_slice((tokens + ATTN_BWD_KEY_TILE - 1) / ATTN_BWD_KEY_TILE, false, &tile, &slice);
+    const int b = slice / Hkv, kv_head = slice - b * Hkv, G = H / Hkv;
+    const int k0 = tile * ATTN_BWD_KEY_TILE;
+    const int lane = threadIdx.x % LANES;
+    const int j = k0 + static_cast<int>(threadIdx.x) / LANES;
+    const bool live = j < tokens;
+    const long long key_offset = token_offset(b, live ? j : 0, tokens, Hkv, kv_head, Dh);
+
+    float k_row[DIMS], v_row[DIMS], dk_acc[DIMS], dv_acc[DIMS];
+    load_row<T, LANES, DIMS>(k_row, k + key_offset, live, lane, Dh, 1.0f);
+    load_row<T, LANES, DIMS>(v_row, v + key_offset, live, lane, Dh, 1.0f);
+#pragma unroll
+    for (int kk = 0; kk < DIMS; ++kk) dk_acc[kk] = dv_acc[kk] = 0.0f;
+
+    for (int g = 0; g < G; ++g) {
+        const int h = kv_head * G + g;
+        const long long stats = (static_cast<long long>(b) * H + h) * tokens;
+        for (int i0 = k0; i0 < tokens; i0 += ATTN_BWD_QUERY_TILE) {
+            const int n = min(ATTN_BWD_QUERY_TILE, tokens - i0);
+            __syncthreads();
+            load_tile<T, ATTN_BWD_QUERY_TILE>(q_tile, q, b, i0, tokens, H, h, Dh);
+            load_tile<T, ATTN_BWD_QUERY_TILE>(do_tile, d_o, b, i0, tokens, H, h, Dh);
+            const int r = static_cast<int>(threadIdx.x);
+            if (r < n) {
+                lse_tile[r] = lse[stats + i0 + r];
+                delta_tile[r] = delta[stats + i0 + r];
+            }
+            __syncthreads();
+            for (int ii = 0; ii < n; ++ii) {  // uniform over the block
+                const float s = scale * group_dot<LANES, DIMS>(k_row, q_tile[ii], lane);
+                const float dp = group_dot<LANES, DIMS>(v_row, do_tile[ii], lane);
+                const float p = (live && j <= i0 + ii) ? expf(s - lse_tile[ii]) : 0.0f;
+                axpy_row<LANES, DIMS>(dv_acc, p, do_tile[ii], lane);
+                axpy_row<LANES, DIMS>(dk_acc, p * (dp - delta_tile[ii]), q_tile[ii], lane);
+            }
+        }
+    }
+    if (live) {
+        store_row<T, LANES, DIMS>(dk + key_offset, dk_acc, lane, Dh, scale);
+        store_row<T, LANES, DIMS>(dv + key_offset, dv_acc, lane, Dh, 1.0f);
+    }
+}
+
+// RoPE, forward and backward, on q or k [B, T, heads, Dh] with the model's cos, sin tables
+// [T, Dh]: one thread per pair (d, d + Dh/2), read once and written once, where the unfused
+// version makes several passes. With c = cos[t], s = sin[t], h = Dh/2:
+//   forward:  y[d] = x[d] c[d] - x[d+h] s[d],    y[d+h] = x[d+h] c[d+h] + x[d] s[d+h]
+//   backward: dx[d] = dy[d] c[d] + dy[d+h] s[d+h],  dx[d+h] = dy[d+h] c[d+h] - dy[d] s[d]
+template <typename T, bool BACKWARD>
+__device__ void rope(const T* x, const T* cos_table, const T* sin_table, T* out, long long pairs, int tokens,
+                     int heads, int Dh) {
+    const int half = Dh / 2;
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long p = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; p < pairs; p += stride) {
+        const long long row = p / half;  // (b T + t) heads + head
+        const int d = static_cast<int>(p - row * half);
+        const long long t = (row / heads) % tokens;
+        const long long at = row * Dh + d, table = t * Dh + d;
+        const float x1 = to_float(x[at]), x2 = to_float(x[at + half]);
+        const float c1 = to_float(cos_table[table]), c2 = to_float(cos_table[table + half]);
+        const float s1 = to_float(sin_table[table]), s2 = to_float(sin_table[table + half]);
+        out[at] = from_float<T>(BACKWARD ? x1 * c1 + x2 * s2 : x1 * c1 - x2 * s1);
+        out[at + half] = from_float<T>(BACKWARD ? x2 * c2 - x1 * s1 : x2 * c2 + x1 * s2);
+    }
+}
+
+#define ATTENTION_ENTRY_POINTS(T, SUFFIX)                                                                          \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM) attention_forward_##SUFFIX(const T* q, const T* k, const T* v, T* o, float* lse,    \
+                                                          int tokens, int H, int Hkv, int Dh, float scale) {       \
+        attention_forward<T>(q, k, v, o, lse, tokens, H, Hkv, Dh, scale);                                          \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM) attention_backward_dq_##SUFFIX(const T* q, const T* k, const T* v, const T* o,      \
+                                                              const T* d_o, const float* lse, float* delta, T* dq, \
+                                                              int tokens, int H, int Hkv, int Dh, float scale) {   \
+        attention_backward_dq<T>(q, k, v, o, d_o, lse, delta, dq, tokens, H, Hkv, Dh, scale);                      \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM) attention_backward_##SUFFIX(const T* q, const T* k, const T* v, const T* d_o,       \
+                                                           const float* lse, const float* delta, T* dk, T* dv,     \
+                                                           int tokens, int H, int Hkv, int Dh, float scale) {      \
+        attention_backward<T>(q, k, v, d_o, lse, delta, dk, dv, tokens, H, Hkv, Dh, scale);                        \
+    }                                                                                                              \
+    extern "C" __global__ void rope_forward_##SUFFIX(const T* x, const T* cos_table, const T* sin_table, T* out,   \
+                                                     long long pairs, int tokens, int heads, int Dh) {             \
+        rope<T, false>(x, cos_table, sin_table, out, pairs, tokens, heads, Dh);                                    \
+    }                                                                                                              \
+    extern "C" __global__ void rope_backward_##SUFFIX(const T* dy, const T* cos_table, const T* sin_table, T* dx,  \
+                                                      long long pairs, int tokens, int heads, int Dh) {            \
+        rope<T, true>(dy, cos_table, sin_table, dx, pairs, tokens, heads, Dh);                                     \
+    }
+
+ATTENTION_ENTRY_POINTS(float, f32)
+ATTENTION_ENTRY_POINTS(bf16, bf16)
