@@ -274,6 +274,10 @@ def test_empty_inputs_launch_nothing():
     assert y.shape == (0, 8) and rstd.shape == (0,)
     dx, dw = kernels.rmsnorm_backward(x, x, cupy.ones(8, dtype=np.float32), rstd)
     assert dx.shape == (0, 8) and (dw.get() == 0).all()
+    rows_of_nothing = cupy.empty((3, 0), dtype=np.float32)
+    dx, dw = kernels.rmsnorm_backward(rows_of_nothing, rows_of_nothing, cupy.ones(0, dtype=np.float32),
+                                      cupy.ones(3, dtype=np.float32))
+    assert dx.shape == (3, 0) and dw.shape == (0,)
     assert kernels.silu_forward(cupy.empty(0, dtype=np.float32)).shape == (0,)
 
 

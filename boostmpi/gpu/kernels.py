@@ -205,7 +205,7 @@ def rmsnorm_backward(dy, x, w, rstd):
     _check("rstd", rstd, (N,), np.float32)
     cupy = _import_cupy()
     dx = cupy.empty_like(x)
-    if N == 0:
+    if N == 0 or C == 0:
         return dx, cupy.zeros(C, dtype=np.float32)
     proj = cupy.empty(N, dtype=np.float32)
     _launch_rows("rmsnorm", f"rmsnorm_projection_{suffix}", N, C, x.itemsize, (dy, x, w, rstd, proj, np.int32(C)))
