@@ -194,7 +194,7 @@ def test_no_spills_and_two_resident_blocks_per_cu_on_gfx90a(amd, entries, name):
 def test_the_budget_sees_rmsnorm_backward_at_1024_threads_fall_short(ptxas, monkeypatch):
     """The budget check on the real kernel at another launch shape: rmsnorm_backward's 48 (bf16)
     registers x 1,024 threads leave room for 1 block per SM."""
-    monkeypatch.setattr(loader, "BACKWARD_BLOCK_THREADS", 1024)
+    monkeypatch.setattr(loader, "RMSNORM_BACKWARD_BLOCK_THREADS", 1024)
     with pytest.raises(AssertionError, match=r"rmsnorm_backward_bf16 on sm_\d0: 1 resident blocks per SM \(48 registers x 1024"):
         test_no_spills_and_two_resident_blocks_per_sm_at_the_launch_shapes(ptxas, "rmsnorm")
 

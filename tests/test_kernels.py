@@ -120,10 +120,10 @@ def test_rmsnorm_backward_launch_covers_every_column_and_row_once(itemsize, warp
     vector = 16 // itemsize
     for N, C, sms in [(1, 1, 1), (5, 37, 2), (5, 4100, 2), (16384, 16384, 108), (16384, 16384, 110), (3, 70000, 132)]:
         threads, tiles, rows_per_chunk, chunks = kernels.rmsnorm_backward_launch(N, C, itemsize, warp, sms)
-        assert threads % warp == 0 and threads <= kernels.BACKWARD_BLOCK_THREADS
+        assert threads % warp == 0 and threads <= kernels.RMSNORM_BACKWARD_BLOCK_THREADS
         assert (tiles - 1) * threads * vector < C <= tiles * threads * vector
         assert (chunks - 1) * rows_per_chunk < N <= chunks * rows_per_chunk  # no chunk is empty
-        assert tiles * chunks <= max(kernels.BACKWARD_BLOCKS_PER_SM * sms, tiles)
+        assert tiles * chunks <= max(kernels.RMSNORM_BACKWARD_BLOCKS_PER_SM * sms, tiles)
     # the paper's shape on an A100: 8 blocks per SM
     assert kernels.rmsnorm_backward_launch(16384, 16384, 2, 32, 108) == (256, 8, 152, 108)
 

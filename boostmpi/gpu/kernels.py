@@ -24,8 +24,8 @@ KERNELS_DIR_ENV = "BOOSTMPI_KERNELS_DIR"
 COMPILE_OPTIONS = ("-std=c++14",)
 MAX_BLOCK_THREADS = 1024
 ELEMENTWISE_BLOCK_THREADS = 256
-BACKWARD_BLOCK_THREADS = 256  # rmsnorm_backward's column tiles
-BACKWARD_BLOCKS_PER_SM = 8  # 2,048 threads, the most an SM (CU: 4 SIMDs x 8 waves of 64) holds
+RMSNORM_BACKWARD_BLOCK_THREADS = 256  # rmsnorm_backward's column tiles
+RMSNORM_BACKWARD_BLOCKS_PER_SM = 8  # 2,048 threads, the most an SM (CU: 4 SIMDs x 8 waves of 64) holds
 DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024  # static + dynamic shared memory per block; above it a kernel must opt in
 
 _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.MULTILINE)
@@ -184,11 +184,11 @@ def rmsnorm_backward_launch(N, C, itemsize, warp_size, sm_count):
 
     A block owns a tile of one 16-byte vector of columns per thread (at most 256 threads:
     1,024 float32 or 2,048 bfloat16 columns) over a chunk of rows; the rows are cut into
-    chunks so that the grid has about BACKWARD_BLOCKS_PER_SM blocks per SM (fewer chunks, when
-    there are fewer rows)."""
-    threads = min(_row_block(C, itemsize, warp_size), BACKWARD_BLOCK_THREADS)
+    chunks so that the grid has about RMSNORM_BACKWARD_BLOCKS_PER_SM blocks per SM (fewer
+    chunks when there are fewer rows)."""
+    threads = min(_row_block(C, itemsize, warp_size), RMSNORM_BACKWARD_BLOCK_THREADS)
     tiles = -(-C // (threads * (16 // itemsize)))
-    chunks = max(1, min(N, -(-BACKWARD_BLOCKS_PER_SM * sm_count // tiles)))
+    chunks = max(1, min(N, -(-RMSNORM_BACKWARD_BLOCKS_PER_SM * sm_count // tiles)))
     rows_per_chunk = -(-N // chunks)
     return threads, tiles, rows_per_chunk, -(-N // rows_per_chunk)
 
