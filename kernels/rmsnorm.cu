@@ -12,8 +12,8 @@
 //     to the chunk's row of a [n_chunks, C] fp32 workspace, which the caller sums. The row
 //     statistic dx needs, proj = rstd^2 * mean(dy * w * x), comes from rmsnorm_projection first.
 // Why two backward kernels: a one-pass backward keeps all C of dw per block on chip (C floats of
-// shared memory, 64 KiB at d_model 16,384: the whole LDS of an MI250X CU) and 1,024-thread blocks
-// (40 registers: one block per SM); over column tiles, dw is 2 x b registers per thread.
+// shared memory, 64 KiB at d_model 16,384: the whole LDS of an MI250X CU) in 1,024-thread blocks
+// (at 40 registers, one block per SM); over column tiles, dw is 16 / b floats per thread.
 // Bytes from DRAM per row (w, rstd and proj stay in cache; a second pass over a row of a row
 // kernel is read from cache):
 //   forward: x in, y out, 2Cb + 4;  online stats: x in, xw out, 2Cb + 4;  rescale: 2Rb + 4
