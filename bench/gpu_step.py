@@ -1,7 +1,8 @@
 """The GPU targets, side by side in one run on one GPU (needs CuPy and a CUDA device; PyTorch
 with CUDA for the eager comparison):
 
-  1. RMSNorm kernel bandwidth against a device-to-device copy of the same bytes (target >= 70%);
+  1. RMSNorm kernel bandwidth against a device-to-device copy of the same bytes (target >= 70%),
+     and the backward's (no target);
   2. the GPU's measured bf16 GEMM rate (8192^3);
   3. one training step (forward + backward + AdamW) of a ~350M-parameter cola model (d=1024,
      24 layers, 16 heads, r=256, T=1024, bf16): its model-FLOPs utilisation against (2)
@@ -56,7 +57,10 @@ def rmsnorm_bandwidth(N=16384, C=4096):
     moved = 2 * x.nbytes  # read x, write y (w and rstd are negligible)
     t_norm = gpu_time(lambda: kernels.rmsnorm_forward(x, w, 1e-6), 20)
     t_copy = gpu_time(lambda: y.__setitem__(Ellipsis, x), 20)
-    return moved / t_norm, moved / t_copy
+    # the backward's two kernels read dy and x twice and write dx (kernels/rmsnorm.cu, opening comment)
+    rstd = kernels.rmsnorm_forward(x, w, 1e-6)[1]
+    t_backward = gpu_time(lambda: kernels.rmsnorm_backward(y, x, w, rstd), 20)
+    return moved / t_norm, moved / t_copy, 5 * x.nbytes / t_backward
 
 
 def gemm_rate(n=8192):
@@ -87,8 +91,9 @@ def main():
 
     props = cupy.cuda.runtime.getDeviceProperties(0)
     print(f"device: {props['name'].decode()} | CuPy {cupy.__version__} | {platform.node()}")
-    bw_norm, bw_copy = rmsnorm_bandwidth()
+    bw_norm, bw_copy, bw_backward = rmsnorm_bandwidth()
     print(f"rmsnorm {bw_norm / 1e9:.0f} GB/s vs copy {bw_copy / 1e9:.0f} GB/s: {bw_norm / bw_copy:.0%} (target >= 70%)")
+    print(f"rmsnorm backward {bw_backward / 1e9:.0f} GB/s over its 5 row transfers: {bw_backward / bw_copy:.0%} of copy")
     peak = gemm_rate()
     print(f"bf16 GEMM 8192^3: {peak / 1e12:.0f} TFLOP/s")
 

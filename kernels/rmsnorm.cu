@@ -1,6 +1,30 @@
 // RMSNorm, forward and backward, and the two halves of online RMSNorm for bottleneck-aware
 // tensor parallelism. Rows of C elements; statistics and arithmetic in fp32.
 // Entry points per storage type T: <kernel>_f32 (float) and <kernel>_bf16 (bfloat16 bits).
+//
+// Tile plan (launch shapes in boostmpi/gpu/kernels.py; N rows, b bytes per element):
+//   row kernels (rmsnorm_forward, rmsnorm_online_stats, rescale_rows, rmsnorm_projection): one
+//     block per row, one 16-byte vector per thread per pass (whole warps, at most 1,024 threads);
+//     the row's sum goes from registers through one shared float per warp (block_sum).
+//   rmsnorm_backward: a block owns a column tile (one 16-byte vector per thread, at most 256
+//     threads: 1,024 f32 or 2,048 bf16 columns) over a chunk of rows. Its threads keep w and
+//     their columns' running dw in registers while they walk the chunk's rows, and write dw once
+//     to the chunk's row of a [n_chunks, C] fp32 workspace, which the caller sums. The row
+//     statistic dx needs, proj = rstd^2 * mean(dy * w * x), comes from rmsnorm_projection first.
+// Why two backward kernels: a one-pass backward keeps all C of dw per block on chip (C floats of
+// shared memory, 64 KiB at d_model 16,384: the whole LDS of an MI250X CU) in 1,024-thread blocks
+// (at 40 registers, one block per SM); over column tiles, dw is 16 / b floats per thread.
+// Bytes from DRAM per row (w, rstd and proj stay in cache; a second pass over a row of a row
+// kernel is read from cache):
+//   forward: x in, y out, 2Cb + 4;  online stats: x in, xw out, 2Cb + 4;  rescale: 2Rb + 4
+//   backward: projection reads dy, x (2Cb + 8); rmsnorm_backward reads dy, x and writes dx
+//   (3Cb); 5Cb per row in all, against 3Cb for a one-pass kernel. Plus 4C bytes of workspace
+//   per chunk, written once and read by the caller's sum (about 8 blocks per SM: at d_model
+//   16,384 on 108 SMs, 108 chunks in bf16, 54 in f32, each 64 KiB; N x C x b is 512 MiB there).
+// Resources (tests/test_kernel_resources.py measures them at these shapes with NVRTC for sm_80
+// and sm_90 and hipcc for gfx90a): no spills, no scratch, no dynamic shared memory, at least 2
+// resident blocks per SM/CU for every kernel; rmsnorm_backward uses 40 (f32) / 48 (bf16)
+// registers at 256 threads.
 #include "common.cuh"
 
 // One block per row: x [N,C], w [C] -> y [N,C], rstd [N] (fp32).
@@ -38,60 +62,112 @@ __device__ void rmsnorm_forward(const T* x, const T* w, T* y, float* rstd, int C
         rmsnorm_forward_row<T, 1>(x + offset, w, y + offset, rstd + row, C, eps);
 }
 
-// Blocks stride over rows: dy, x [N,C], w [C], rstd [N] -> dx [N,C], dw_partial [gridDim.x, C].
-//   dx = rstd * (dy * w) - x * rstd^3 * mean(dy * w * x)      (per row)
-//   dw = sum over rows of dy * x * rstd                        (dw_partial summed by the caller)
-// A thread owns the same columns in every row, so it accumulates its share of dw in shared
-// memory (C floats, dynamic) with no atomics; each block writes its partial sums once.
+// Backward, first kernel, one block per row: dy, x [N,C], w [C], rstd [N] -> proj [N] (fp32),
+//   proj = rstd^2 * mean(dy * w * x)
+// the row's only statistic that dx needs (rmsnorm_backward then works on column tiles).
 template <typename T, int V>
-__device__ void rmsnorm_backward_rows(const T* dy, const T* x, const T* w, const float* rstd, T* dx,
-                                      float* dw_partial, int N, int C) {
-    extern __shared__ float dw_accumulator[];
+__device__ void rmsnorm_projection_row(const T* dy, const T* x, const T* w, float r, float* proj_out, int C) {
+    float dot = 0.0f;
     for (int j = threadIdx.x * V; j < C; j += blockDim.x * V) {
+        float dyv[V], xv[V], wv[V];
+        load_vec<V>(dy + j, dyv);
+        load_vec<V>(x + j, xv);
+        load_vec<V>(w + j, wv);
 #pragma unroll
-        for (int k = 0; k < V; ++k) dw_accumulator[j + k] = 0.0f;
+        for (int k = 0; k < V; ++k) dot += dyv[k] * wv[k] * xv[k];
     }
-    for (int row = blockIdx.x; row < N; row += gridDim.x) {
-        const long long offset = static_cast<long long>(row) * C;
-        const float r = rstd[row];
-        float dot = 0.0f;
-        for (int j = threadIdx.x * V; j < C; j += blockDim.x * V) {
-            float dyv[V], xv[V], wv[V];
-            load_vec<V>(dy + offset + j, dyv);
-            load_vec<V>(x + offset + j, xv);
-            load_vec<V>(w + j, wv);
-#pragma unroll
-            for (int k = 0; k < V; ++k) dot += dyv[k] * wv[k] * xv[k];
-        }
-        const float x_coefficient = r * r * r * (block_sum(dot) / C);
-        for (int j = threadIdx.x * V; j < C; j += blockDim.x * V) {
-            float dyv[V], xv[V], wv[V], dxv[V];
-            load_vec<V>(dy + offset + j, dyv);
-            load_vec<V>(x + offset + j, xv);
-            load_vec<V>(w + j, wv);
-#pragma unroll
-            for (int k = 0; k < V; ++k) {
-                dxv[k] = r * (dyv[k] * wv[k]) - xv[k] * x_coefficient;
-                dw_accumulator[j + k] += dyv[k] * xv[k] * r;
-            }
-            store_vec<V>(dx + offset + j, dxv);
-        }
-    }
-    float* block_dw = dw_partial + static_cast<long long>(blockIdx.x) * C;
-    for (int j = threadIdx.x * V; j < C; j += blockDim.x * V) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) block_dw[j + k] = dw_accumulator[j + k];
-    }
+    const float total = block_sum(dot);
+    if (threadIdx.x == 0) *proj_out = r * r * (total / C);
 }
 
 template <typename T>
-__device__ void rmsnorm_backward(const T* dy, const T* x, const T* w, const float* rstd, T* dx,
-                                 float* dw_partial, int N, int C) {
+__device__ void rmsnorm_projection(const T* dy, const T* x, const T* w, const float* rstd, float* proj, int C) {
+    const int row = blockIdx.x;
+    const long long offset = static_cast<long long>(row) * C;
     const int V = VecWidth<T>::value;
-    if (C % V == 0 && aligned16(dy) && aligned16(x) && aligned16(w) && aligned16(dx))
-        rmsnorm_backward_rows<T, V>(dy, x, w, rstd, dx, dw_partial, N, C);
+    if (C % V == 0 && aligned16(dy) && aligned16(x) && aligned16(w))
+        rmsnorm_projection_row<T, V>(dy + offset, x + offset, w, rstd[row], proj + row, C);
     else
-        rmsnorm_backward_rows<T, 1>(dy, x, w, rstd, dx, dw_partial, N, C);
+        rmsnorm_projection_row<T, 1>(dy + offset, x + offset, w, rstd[row], proj + row, C);
+}
+
+// Backward, second kernel: dy, x [N,C], w [C], rstd, proj [N] -> dx [N,C], dw_partial [n_chunks, C].
+//   dx = rstd * (dy * w - x * proj)                          (per element)
+//   dw = sum over rows of dy * x * rstd                      (dw_partial summed by the caller)
+// Block b owns column tile b % n_tiles (VecWidth<T> columns per thread) of the rows of chunk
+// b / n_tiles (rows_per_chunk rows, the last chunk fewer). A thread keeps w and its running dw in
+// registers while it walks its rows, and writes its dw once, to the chunk's row of dw_partial:
+// no shared memory, no atomics, every dw_partial element written by exactly one thread.
+// VECTORISED: one 16-byte load or store per tensor per row; otherwise element by element (a row
+// length that is not a whole number of vectors, or a pointer off 16 bytes), `width` elements of
+// the thread's V, the rest taken as 0 and never stored. Loops over k are unrolled so that the
+// arrays stay in registers.
+template <bool VECTORISED>
+struct Columns;
+
+template <>
+struct Columns<true> {
+    template <int V, typename T>
+    static __device__ __forceinline__ void load(const T* p, float* out, int) { load_vec<V>(p, out); }
+    template <int V, typename T>
+    static __device__ __forceinline__ void store(T* p, const float* in, int) { store_vec<V>(p, in); }
+};
+
+template <>
+struct Columns<false> {
+    template <int V, typename T>
+    static __device__ __forceinline__ void load(const T* p, float* out, int width) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) out[k] = k < width ? to_float(p[k]) : 0.0f;
+    }
+    template <int V, typename T>
+    static __device__ __forceinline__ void store(T* p, const float* in, int width) {
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            if (k < width) p[k] = from_float<T>(in[k]);
+    }
+};
+
+template <typename T, bool VECTORISED>
+__device__ void rmsnorm_backward_tile(const T* dy, const T* x, const T* w, const float* rstd, const float* proj,
+                                      T* dx, float* dw_partial, int N, int C, int rows_per_chunk) {
+    const int V = VecWidth<T>::value;
+    const int tile_columns = blockDim.x * V;
+    const int n_tiles = (C + tile_columns - 1) / tile_columns;
+    const int chunk = blockIdx.x / n_tiles;
+    const int j = (blockIdx.x % n_tiles) * tile_columns + threadIdx.x * V;  // this thread's first column
+    if (j >= C) return;  // no barrier or shuffle follows: threads past the row's end may leave
+    const int width = C - j < V ? C - j : V;
+    const long long row_begin = static_cast<long long>(chunk) * rows_per_chunk;
+    const long long row_end = row_begin + rows_per_chunk < N ? row_begin + rows_per_chunk : N;
+    float wv[V], dw[V];
+    Columns<VECTORISED>::template load<V>(w + j, wv, width);
+#pragma unroll
+    for (int k = 0; k < V; ++k) dw[k] = 0.0f;
+    for (long long row = row_begin; row < row_end; ++row) {
+        const long long offset = row * C + j;
+        const float r = rstd[row], p = proj[row];
+        float dyv[V], xv[V], dxv[V];
+        Columns<VECTORISED>::template load<V>(dy + offset, dyv, width);
+        Columns<VECTORISED>::template load<V>(x + offset, xv, width);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            dxv[k] = r * (dyv[k] * wv[k] - xv[k] * p);
+            dw[k] += dyv[k] * xv[k] * r;
+        }
+        Columns<VECTORISED>::template store<V>(dx + offset, dxv, width);
+    }
+    float* chunk_dw = dw_partial + static_cast<long long>(chunk) * C + j;
+    Columns<false>::template store<V>(chunk_dw, dw, width);
+}
+
+template <typename T>
+__device__ void rmsnorm_backward(const T* dy, const T* x, const T* w, const float* rstd, const float* proj, T* dx,
+                                 float* dw_partial, int N, int C, int rows_per_chunk) {
+    if (C % VecWidth<T>::value == 0 && aligned16(dy) && aligned16(x) && aligned16(w) && aligned16(dx))
+        rmsnorm_backward_tile<T, true>(dy, x, w, rstd, proj, dx, dw_partial, N, C, rows_per_chunk);
+    else
+        rmsnorm_backward_tile<T, false>(dy, x, w, rstd, proj, dx, dw_partial, N, C, rows_per_chunk);
 }
 
 // Online RMSNorm, first half, one block per row. From this rank's shard x [N,Cs], w [Cs]:
@@ -157,10 +233,15 @@ __device__ void rescale_rows(const T* P, const float* ss_total, T* out, int R, i
                                                         float eps) {                                      \
         rmsnorm_forward<T>(x, w, y, rstd, C, eps);                                                        \
     }                                                                                                     \
+    extern "C" __global__ void rmsnorm_projection_##SUFFIX(const T* dy, const T* x, const T* w,           \
+                                                           const float* rstd, float* proj, int C) {       \
+        rmsnorm_projection<T>(dy, x, w, rstd, proj, C);                                                   \
+    }                                                                                                     \
     extern "C" __global__ void rmsnorm_backward_##SUFFIX(const T* dy, const T* x, const T* w,             \
-                                                         const float* rstd, T* dx, float* dw_partial,     \
-                                                         int N, int C) {                                  \
-        rmsnorm_backward<T>(dy, x, w, rstd, dx, dw_partial, N, C);                                        \
+                                                         const float* rstd, const float* proj, T* dx,     \
+                                                         float* dw_partial, int N, int C,                 \
+                                                         int rows_per_chunk) {                            \
+        rmsnorm_backward<T>(dy, x, w, rstd, proj, dx, dw_partial, N, C, rows_per_chunk);                  \
     }                                                                                                     \
     extern "C" __global__ void rmsnorm_online_stats_##SUFFIX(const T* x, const T* w, T* xw, float* ss,    \
                                                              int Cs) {                                    \

@@ -107,14 +107,17 @@ def test_rmsnorm_forward_backward_match_layers(warp, suffix):
             y_ref, rstd_ref = layers.rmsnorm_forward(f64(x), f64(w), EPS)
             assert_close(Y.get(), stored(y_ref, dtype), dtype, f"y C={C} block={block}")
             assert_close(R.get(), rstd_ref[:, 0], np.float32, f"rstd C={C} block={block}")
-        # backward: 2 blocks striding over 5 rows (block_sum reused within a block)
+        # backward: the projection per row, then column tiles over chunks of 2, 2 and 1 rows
         N = 5
         x, dy = random((N, C), dtype, 4), random((N, C), dtype, 5)
         rstd = layers.rmsnorm_forward(f64(x), f64(w), EPS)[1]
         X, DY, R = cudaemu.DeviceArray(x), cudaemu.DeviceArray(dy), cudaemu.DeviceArray(rstd[:, 0].astype(np.float32))
-        DX, P = cudaemu.DeviceArray(shape=(N, C), dtype=dtype), cudaemu.DeviceArray(shape=(2, C), dtype=np.float32)
+        PROJ = cudaemu.DeviceArray(shape=N, dtype=np.float32)
+        kernel("rmsnorm", f"rmsnorm_projection_{suffix}", warp)(N, row_block(C, dtype, warp), (DY, X, W, R, PROJ, np.int32(C)))
+        DX, P = cudaemu.DeviceArray(shape=(N, C), dtype=dtype), cudaemu.DeviceArray(shape=(3, C), dtype=np.float32)
+        threads, tiles, _, _ = loader.rmsnorm_backward_launch(N, C, dtype.itemsize, warp, SM_COUNT)
         kernel("rmsnorm", f"rmsnorm_backward_{suffix}", warp)(
-            2, row_block(C, dtype, warp), (DY, X, W, R, DX, P, np.int32(N), np.int32(C)), shared_mem=4 * C)
+            tiles * 3, threads, (DY, X, W, R, PROJ, DX, P, np.int32(N), np.int32(C), np.int32(2)))
         dw_ref = np.zeros(C)
         dx_ref = layers.rmsnorm_backward(f64(dy), f64(x), f64(w), f64(R.get())[:, None], dw_ref)
         assert_close(DX.get(), stored(dx_ref, dtype), dtype, f"dx C={C}")
@@ -256,18 +259,31 @@ def test_removing_the_barrier_before_the_partials_are_read_is_a_race(seed):
     kernel("rmsnorm", "rmsnorm_forward_f32")(2, 64, _forward_args(2, 64))
 
 
+# block_sum called once per row of a block that strides over rows (no kernel of kernels/ does so
+# now: each row kernel reduces one row per block, and block_max and block_sum, being separate
+# instantiations, have separate buffers)
+BLOCK_SUMS = r"""
+extern "C" __global__ void block_sums(const float* x, float* out, int rows) {
+    for (int row = 0; row < rows; ++row) {
+        const float total = block_sum(x[row * blockDim.x + threadIdx.x]);
+        if (threadIdx.x == 0) out[row] = total;
+    }
+}
+"""
+
+
 def test_removing_the_barrier_that_protects_reuse_is_a_race():
     """block_sum called once per row: without the second barrier, the next row's partials are
     written while slower threads still read this row's."""
     code = mutated("rmsnorm", "__syncthreads();  // warp_partials is reused", "// warp_partials is reused")
-    N, C = 3, 64
-    x, dy, w = random((N, C), np.float32, 14), random((N, C), np.float32, 15), random(C, np.float32, 16)
-    args = (cudaemu.DeviceArray(dy), cudaemu.DeviceArray(x), cudaemu.DeviceArray(w), cudaemu.DeviceArray(np.ones(N, np.float32)),
-            cudaemu.DeviceArray(shape=(N, C), dtype=np.float32), cudaemu.DeviceArray(shape=(1, C), dtype=np.float32), np.int32(N),
-            np.int32(C))
+    rows, block = 3, 64
+    x = random((rows, block), np.float32, 14)
+    out = cudaemu.DeviceArray(shape=rows, dtype=np.float32)
+    args = (cudaemu.DeviceArray(x), out, np.int32(rows))
     with pytest.raises(cudaemu.RaceError, match="warp_partials"):
-        kernel("rmsnorm", "rmsnorm_backward_f32", code=code)(1, 64, args, shared_mem=4 * C)
-    kernel("rmsnorm", "rmsnorm_backward_f32")(1, 64, args, shared_mem=4 * C)
+        _module(code + BLOCK_SUMS, 32).get_function("block_sums")(1, block, args)
+    _module(loader.kernel_source("rmsnorm") + BLOCK_SUMS, 32).get_function("block_sums")(1, block, args)
+    np.testing.assert_allclose(out.get(), x.sum(axis=1), rtol=1e-5)
 
 
 def test_reading_the_target_logit_after_the_in_place_gradient_starts_is_a_global_race():
@@ -286,15 +302,20 @@ def test_reading_the_target_logit_after_the_in_place_gradient_starts_is_a_global
         fn(N, 64, (X, targets, loss, X, np.int32(1), np.int32(V), np.float32(1.0)))
 
 
+def _backward_args(N, C, chunks, seed):
+    """rmsnorm_backward's arguments: random dy, x, w, rstd 1, proj 0.5; dw_partial of `chunks` rows."""
+    return (cudaemu.DeviceArray(random((N, C), np.float32, seed)), cudaemu.DeviceArray(random((N, C), np.float32, seed + 1)),
+            cudaemu.DeviceArray(random(C, np.float32, seed + 2)), cudaemu.DeviceArray(np.ones(N, np.float32)),
+            cudaemu.DeviceArray(np.full(N, 0.5, np.float32)), cudaemu.DeviceArray(shape=(N, C), dtype=np.float32),
+            cudaemu.DeviceArray(shape=(chunks, C), dtype=np.float32), np.int32(N), np.int32(C), np.int32(-(-N // chunks)))
+
+
 def test_blocks_writing_one_partial_row_is_a_global_race():
-    code = mutated("rmsnorm", "dw_partial + static_cast<long long>(blockIdx.x) * C;", "dw_partial;")
-    N, C = 4, 64
-    args = (cudaemu.DeviceArray(random((N, C), np.float32, 24)), cudaemu.DeviceArray(random((N, C), np.float32, 25)),
-            cudaemu.DeviceArray(random(C, np.float32, 26)), cudaemu.DeviceArray(np.ones(N, np.float32)),
-            cudaemu.DeviceArray(shape=(N, C), dtype=np.float32), cudaemu.DeviceArray(shape=(2, C), dtype=np.float32),
-            np.int32(N), np.int32(C))
+    code = mutated("rmsnorm", "dw_partial + static_cast<long long>(chunk) * C + j;", "dw_partial + j;")
+    args = _backward_args(4, 64, 2, 24)
+    kernel("rmsnorm", "rmsnorm_backward_f32")(2, 32, args)
     with pytest.raises(cudaemu.RaceError, match="in another block"):
-        kernel("rmsnorm", "rmsnorm_backward_f32", code=code)(2, 32, args, shared_mem=4 * C)
+        kernel("rmsnorm", "rmsnorm_backward_f32", code=code)(2, 32, args)
 
 
 @pytest.mark.parametrize("bad, expected", [
@@ -374,13 +395,13 @@ def test_a_16_byte_load_from_a_misaligned_pointer_is_reported():
 
 
 def test_too_little_dynamic_shared_memory_is_a_shared_bounds_error():
-    N, C = 2, 64
-    args = (cudaemu.DeviceArray(random((N, C), np.float32, 17)), cudaemu.DeviceArray(random((N, C), np.float32, 18)),
-            cudaemu.DeviceArray(random(C, np.float32, 19)), cudaemu.DeviceArray(np.ones(N, np.float32)),
-            cudaemu.DeviceArray(shape=(N, C), dtype=np.float32), cudaemu.DeviceArray(shape=(1, C), dtype=np.float32), np.int32(N),
-            np.int32(C))
+    """No kernel of kernels/ takes dynamic shared memory; a synthetic one given a float too few."""
+    module = _module('extern "C" __global__ void fill(float* out) {\n'
+                     '    extern __shared__ float d[];\n    d[threadIdx.x] = 1.0f;\n    out[threadIdx.x] = d[threadIdx.x];\n}\n', 32)
+    out = cudaemu.DeviceArray(shape=32, dtype=np.float32)
+    module.get_function("fill")(1, 32, (out,), shared_mem=4 * 32)
     with pytest.raises(cudaemu.SharedBoundsError, match="past the end of `extern __shared__"):
-        kernel("rmsnorm", "rmsnorm_backward_f32")(1, 32, args, shared_mem=4 * C - 4)
+        module.get_function("fill")(1, 32, (out,), shared_mem=4 * 32 - 4)
 
 
 def test_an_early_return_before_the_reduction_is_a_deadlock():
@@ -567,14 +588,14 @@ def test_seeded_schedules_give_the_same_bits():
         with cudaemu.schedule(seed):
             assert cudaemu.current_seed() == seed
             X, DY, W = cudaemu.DeviceArray(x), cudaemu.DeviceArray(dy), cudaemu.DeviceArray(w)
-            R = cudaemu.DeviceArray(np.ones(N, np.float32))
+            R, PROJ = cudaemu.DeviceArray(np.ones(N, np.float32)), cudaemu.DeviceArray(shape=N, dtype=np.float32)
+            kernel("rmsnorm", "rmsnorm_projection_f32")(N, 64, (DY, X, W, R, PROJ, np.int32(C)))
             DX, P = cudaemu.DeviceArray(shape=(N, C), dtype=np.float32), cudaemu.DeviceArray(shape=(2, C), dtype=np.float32)
-            kernel("rmsnorm", "rmsnorm_backward_f32")(2, 64, (DY, X, W, R, DX, P, np.int32(N), np.int32(C)),
-                                                      shared_mem=4 * C)
+            kernel("rmsnorm", "rmsnorm_backward_f32")(2, 32, (DY, X, W, R, PROJ, DX, P, np.int32(N), np.int32(C), np.int32(3)))
             L = cudaemu.DeviceArray(shape=N, dtype=np.float32)
             kernel("softmax_xent", "softmax_xent_f32_i32")(N, 64, (X, cudaemu.DeviceArray(np.arange(N, dtype=np.int32)), L, X,
                                                                    np.int32(1), np.int32(C), np.float32(1.0)))
-            results.append((DX.get(), P.get(), L.get(), X.get()))
+            results.append((PROJ.get(), DX.get(), P.get(), L.get(), X.get()))
     for other in results[1:]:
         for a, b in zip(results[0], other):
             np.testing.assert_array_equal(a, b)
@@ -643,16 +664,3 @@ def test_accumulating_onto_never_written_shared_memory_is_reported(warp):
         module.get_function("static_unwritten")(1, 64, (out,))
     with pytest.raises(cudaemu.UninitializedSharedRead, match=r"extern __shared__ \(dynamic\)"):
         module.get_function("dynamic_unwritten")(1, 64, (out,), shared_mem=256)
-
-
-def test_the_backward_without_zeroing_its_dw_accumulator_is_reported():
-    """rmsnorm_backward's `dw_accumulator[j + k] += ...` with the zeroing loop before it removed."""
-    code = mutated("rmsnorm", "dw_accumulator[j + k] = 0.0f;", "(void)j;")
-    N, C = 2, 64
-    args = [cudaemu.DeviceArray(random((N, C), np.float32, s)) for s in (1, 2)] + [
-        cudaemu.DeviceArray(np.ones(C, np.float32)), cudaemu.DeviceArray(np.ones(N, np.float32)),
-        cudaemu.DeviceArray(shape=(N, C), dtype=np.float32), cudaemu.DeviceArray(shape=(1, C), dtype=np.float32)]
-    args += [np.int32(N), np.int32(C)]
-    kernel("rmsnorm", "rmsnorm_backward_f32")(1, 32, tuple(args), shared_mem=4 * C)
-    with pytest.raises(cudaemu.UninitializedSharedRead, match="dw_accumulator|dynamic"):
-        kernel("rmsnorm", "rmsnorm_backward_f32", code=code)(1, 32, tuple(args), shared_mem=4 * C)

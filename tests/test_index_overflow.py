@@ -14,9 +14,10 @@ space, backed only where the block touches it), and
     (the harness compiles the text with GCC's -fsanitize=signed-integer-overflow);
   - a 32-bit unsigned product that wraps silently reads and writes another row: the outputs of the
     last row (the last elements) are compared with the NumPy layers, so that fails too.
-The launches use one block per row (the loader's grid for every row kernel but rmsnorm_backward,
-which strides 2 x SMs blocks over the rows; one row per block reaches the same row offsets without
-running a block over 10^5 rows). Mutation tests at the end put each kind of overflow in.
+The row kernels run one block per row, as the loader launches them; rmsnorm_backward runs its
+column tiles over chunks of one row (the loader's chunks hold ~N / (8 x SMs / tiles) rows; one-row
+chunks reach the same row offsets, and dw partial offsets past 2^32, without running a block over
+10^3 rows). Mutation tests at the end put each kind of overflow in.
 """
 
 import numpy as np
@@ -158,13 +159,19 @@ def run_rmsnorm(pool, small, suffix, code=None, warp=32):
     dyr = random(C, dtype, 4)
     dy.row(N - 1)[:] = dyr
     rstd.flat(N - 1, N)[:] = rstd_ref[:, 0]
-    kernel = function("rmsnorm", f"rmsnorm_backward_{suffix}", code, warp)
-    kernel.max_dynamic_shared_size_bytes = 4 * C
-    kernel(N, block, (dy, x, w_dev, rstd, dx, dw, np.int32(N), np.int32(C)), shared_mem=4 * C, blocks=[N - 1])
+    proj = small(np.zeros(N, np.float32))
+    function("rmsnorm", f"rmsnorm_projection_{suffix}", code, warp)(N, block, (dy, x, w_dev, rstd, proj, np.int32(C)),
+                                                              blocks=[N - 1])
+    # chunks of one row (the loader's chunks are longer): the last chunk's dw partial row starts
+    # past 2^32 elements too; all column tiles of that chunk run
+    threads, tiles, _, _ = loader.rmsnorm_backward_launch(N, C, dtype.itemsize, warp, 108)
+    function("rmsnorm", f"rmsnorm_backward_{suffix}", code, warp)(
+        tiles * N, threads, (dy, x, w_dev, rstd, proj, dx, dw, np.int32(N), np.int32(C), np.int32(1)),
+        blocks=[(N - 1) * tiles + t for t in range(tiles)])
     dw_ref = np.zeros(C, np.float32)
     dx_ref = layers.rmsnorm_backward(dyr.astype(np.float32)[None], xf, wf, rstd_ref, dw_ref)
     assert_close(dx.row(N - 1), dx_ref[0], dtype, "rmsnorm dx of the last row")
-    assert_close(dw.row(N - 1), dw_ref, np.float32, "dw partial of the last block")
+    assert_close(dw.row(N - 1), dw_ref, np.float32, "dw partial of the last chunk")
 
     R = RANK
     N = rows_for(R)
@@ -236,8 +243,8 @@ def test_elementwise_kernels_index_more_than_2_32_elements(pool, small, suffix, 
 
 
 # entry points the tests above run past 2^32 elements; a new kernel gets its test here
-CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "rmsnorm_backward_", "rescale_rows_",
-           "silu_forward_", "silu_backward_", "gate_forward_", "gate_backward_")
+CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "rmsnorm_projection_", "rmsnorm_backward_",
+           "rescale_rows_", "silu_forward_", "silu_backward_", "gate_forward_", "gate_backward_")
 
 
 def test_every_entry_point_is_run_past_2_32_elements():
@@ -278,3 +285,10 @@ def test_an_int_element_index_is_an_integer_overflow(pool, small):
                    "const int thread = blockIdx.x * blockDim.x + threadIdx.x;")
     with pytest.raises(cudaemu.IntegerOverflowError, match=r"\* 4 does not fit 'int'"):
         run_lowrank(pool, small, "f32", code)
+
+
+def test_an_int_dw_partial_offset_is_an_integer_overflow(pool, small):
+    """rmsnorm_backward's offset of its chunk's dw partial row as int x int: 16,384 x 262,144."""
+    code = mutated("rmsnorm", "dw_partial + static_cast<long long>(chunk) * C + j;", "dw_partial + chunk * C + j;")
+    with pytest.raises(cudaemu.IntegerOverflowError, match=r"16384 \* 262144 does not fit 'int'.*dw_partial \+ chunk \* C"):
+        run_rmsnorm(pool, small, "f32", code)

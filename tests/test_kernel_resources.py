@@ -9,8 +9,8 @@ Every kernel file, as the loader assembles it (kernel_source) with the loader's 
              SGPR spills and no scratch but where listed), and at least 2 resident blocks per SM (sm_80, sm_90) or CU
              (gfx90a) at the launch shapes the loader uses for the paper's largest model
              (registers x block threads, static + dynamic shared memory, from the occupancy rules
-             below); static + dynamic shared memory within the default 48 KiB or the opt-in limit
-             where the loader opts in; and the harness (tests/cudaemu) counts the same static shared
+             below); static shared memory within the default 48 KiB (no kernel is launched with
+             dynamic shared memory); and the harness (tests/cudaemu) counts the same static shared
              memory ptxas does.
 A kernel that writes a host-header constant (`-INFINITY`) is rejected by both compilers (mutation tests
 at the end); fast-math intrinsics are refused unless a kernel's tolerance allows them.
@@ -39,15 +39,13 @@ AMD_OPTIONS = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=64",)
 #  https://rocm.docs.amd.com/en/latest/reference/gpu-arch-specs.html):
 #   NVIDIA (CUDA C++ Programming Guide, "Compute Capabilities" table): 65536 32-bit registers,
 #   allocated per warp in units of 256; 2048 threads; 32 blocks; shared memory 164 KiB (sm_80) and
-#   228 KiB (sm_90) per SM, 1 KiB of it reserved per block; opt-in per block 163 KiB / 227 KiB.
+#   228 KiB (sm_90) per SM, 1 KiB of it reserved per block.
 #   AMD CDNA2 (gfx90a): 4 SIMDs of up to 8 waves of 64 lanes (the `Occupancy [waves/SIMD]` remark
 #   is that limit for the kernel's registers); 64 KiB of LDS per CU.
 REGISTER_FILE = 65536
 REGISTER_UNIT_PER_WARP = 256
 MAX_REGISTERS = 255
-NVIDIA = {"sm_80": {"smem_per_sm": 164 * 1024, "optin": 163 * 1024},
-          "sm_90": {"smem_per_sm": 228 * 1024, "optin": 227 * 1024}}
-OPTIN_SHARED = {arch: v["optin"] for arch, v in NVIDIA.items()}
+NVIDIA = {"sm_80": {"smem_per_sm": 164 * 1024}, "sm_90": {"smem_per_sm": 228 * 1024}}
 ARCHS = NVIDIA_ARCHS
 SMEM_RESERVED_PER_BLOCK = 1024
 MAX_THREADS_PER_SM, MAX_BLOCKS_PER_SM = 2048, 32
@@ -63,10 +61,11 @@ def launch_shape(entry, warp):
     """(threads per block, dynamic shared bytes) the loader launches `entry` with at the paper's
     shapes (the largest block it launches a row kernel with is 1024 threads)."""
     itemsize = 2 if "_bf16" in entry else 4
-    if entry.startswith(("rmsnorm_forward", "rmsnorm_online_stats")):
+    if entry.startswith(("rmsnorm_forward", "rmsnorm_online_stats", "rmsnorm_projection")):
         return loader._row_block(PAPER["d_model"], itemsize, warp), 0
     if entry.startswith("rmsnorm_backward"):
-        return loader._row_block(PAPER["d_model"], itemsize, warp), 4 * PAPER["d_model"]
+        threads, _, _, _ = loader.rmsnorm_backward_launch(PAPER["tokens"], PAPER["d_model"], itemsize, warp, 108)
+        return threads, 0
     if entry.startswith("rescale_rows"):
         return loader._row_block(PAPER["rank"], itemsize, warp), 0
     if entry.startswith("softmax_xent"):
@@ -78,25 +77,14 @@ def launch_shape(entry, warp):
     raise AssertionError(f"{entry}: no launch shape here; add how the loader launches it to launch_shape()")
 
 
-# Kernels that do not reach MIN_RESIDENT_BLOCKS at the paper's shapes, and why. Each entry must
-# still fall short (the test fails when it no longer does, so the entry goes).
-# rmsnorm_backward launches 2 blocks per SM (loader: min(N, 2 * sm_count)), so each of these runs
-# its grid in two waves. Measured with NVRTC 12.9 / ROCm 5.2. __launch_bounds__(1024, 2) was tried:
-# it brings the registers to 32 but spills 16 bytes on sm_90 (bf16), so it is not applied here.
-KNOWN_SHORTFALLS = {
-    ("rmsnorm_backward_bf16", "sm_80"): "40 registers x 1024 threads: 1 block per SM",
-    ("rmsnorm_backward_f32", "sm_90"): "40 registers x 1024 threads: 1 block per SM",
-    ("rmsnorm_backward_f32", "gfx90a"): "the dw accumulator (4 x d_model = 64 KiB at 16,384) + the reduction buffer "
-                                        "exceeds the 64 KiB LDS of a CU: the loader refuses the launch",
-    ("rmsnorm_backward_bf16", "gfx90a"): "as rmsnorm_backward_f32 on gfx90a",
-}
+# Kernels that do not reach MIN_RESIDENT_BLOCKS at the paper's shapes, {(entry, arch): why}, measured
+# with NVRTC 12.9 / ROCm 5.2. Each entry must still fall short (the test fails when it no longer does,
+# so the entry goes). None at present.
+KNOWN_SHORTFALLS = {}
 
 # Kernels that keep a private array in scratch memory on gfx90a (no spill: an array the compiler
-# could not keep in registers). Each must still do so (the test fails when it no longer does).
-KNOWN_SCRATCH = {
-    "rmsnorm_backward_bf16": "32 bytes per lane (hipcc of ROCm 5.2; the other bf16 kernels place their 16-byte "
-                             "vector staging arrays in LDS instead, this one, with dynamic LDS, does not)",
-}
+# could not keep in registers), {entry: how much}. Each must still do so. None at present.
+KNOWN_SCRATCH = {}
 
 
 def nvidia_resident_blocks(arch, registers, threads, shared):
@@ -205,6 +193,14 @@ def test_no_spills_and_two_resident_blocks_per_cu_on_gfx90a(amd, entries, name):
             f"{info['Occupancy']} waves/SIMD, {threads} threads, {info['LDS Size']} + {dynamic} bytes of LDS)")
 
 
+def test_the_budget_sees_rmsnorm_backward_at_1024_threads_fall_short(ptxas, monkeypatch):
+    """The budget check on the real kernel at another launch shape: rmsnorm_backward's 48 (bf16)
+    registers x 1,024 threads leave room for 1 block per SM."""
+    monkeypatch.setattr(loader, "RMSNORM_BACKWARD_BLOCK_THREADS", 1024)
+    with pytest.raises(AssertionError, match=r"rmsnorm_backward_bf16 on sm_\d0: 1 resident blocks per SM \(48 registers x 1024"):
+        test_no_spills_and_two_resident_blocks_per_sm_at_the_launch_shapes(ptxas, "rmsnorm")
+
+
 @pytest.mark.parametrize("name", FILES)
 def test_static_shared_memory_fits_and_the_harness_counts_it_as_ptxas_does(ptxas, name):
     module = cudaemu.Module(loader.kernel_source(name), NVIDIA_OPTIONS)
@@ -213,58 +209,6 @@ def test_static_shared_memory_fits_and_the_harness_counts_it_as_ptxas_does(ptxas
             smem = ptxas[name][(entry, arch)]["smem"]
             assert smem <= loader.DEFAULT_DYNAMIC_SHARED_BYTES, f"{entry} on {arch}: {smem} bytes of static shared memory"
             assert module.get_function(entry).shared_size_bytes == smem, f"{entry} on {arch}"
-
-
-class _Kernel:
-    """What the loader's shared-memory reservation reads and sets on a kernel."""
-
-    def __init__(self, shared_size_bytes):
-        self.shared_size_bytes = shared_size_bytes
-        self.max_dynamic_shared_size_bytes = 0
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_rmsnorm_backward_shared_memory_stays_within_the_block_limits(ptxas, arch):
-    """For every row width the loader accepts, static + dynamic shared memory is within 48 KiB,
-    or the loader opted in and it is within the device's opt-in limit; beyond, a clear error."""
-    device = loader._Device(0, 32, 100, OPTIN_SHARED[arch])
-    for suffix in ("f32", "bf16"):
-        static = ptxas["rmsnorm"][(f"rmsnorm_backward_{suffix}", arch)]["smem"]
-        default_edge, optin_edge = loader.DEFAULT_DYNAMIC_SHARED_BYTES // 4, OPTIN_SHARED[arch] // 4
-        for C in sorted({1, 4096, default_edge - static // 4 - 1, default_edge - static // 4, default_edge,
-                         default_edge + 1, optin_edge - static // 4, optin_edge - static // 4 + 1, optin_edge}):
-            kernel = _Kernel(static)
-            try:
-                loader._reserve_dynamic_shared(kernel, 4 * C, device, f"C = {C}")
-            except ValueError as exc:
-                assert static + 4 * C > OPTIN_SHARED[arch], f"C = {C} refused but fits: {exc}"
-                continue
-            limit = OPTIN_SHARED[arch] if kernel.max_dynamic_shared_size_bytes else loader.DEFAULT_DYNAMIC_SHARED_BYTES
-            assert static + 4 * C <= limit, f"{arch} C = {C}: {static} + {4 * C} bytes > {limit}"
-            if kernel.max_dynamic_shared_size_bytes:
-                assert kernel.max_dynamic_shared_size_bytes >= 4 * C
-                assert kernel.max_dynamic_shared_size_bytes + static <= OPTIN_SHARED[arch]
-
-
-def test_rmsnorm_backward_at_the_default_shared_limit_runs_on_the_harness():
-    """C = 12288 needs exactly 48 KiB of dynamic shared memory; with the kernel's static
-    reduction buffer that is over the default limit, so the loader must opt in."""
-    N, C = 1, 12288
-    fn = cudaemu.Module(loader.kernel_source("rmsnorm"), loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",)) \
-        .get_function("rmsnorm_backward_f32")
-    rng = np.random.default_rng(0)
-    bufs = [rng.standard_normal(N * C).astype(np.float32) for _ in range(2)] + [rng.standard_normal(C).astype(np.float32)]
-    arrays = [cudaemu.DeviceArray(b) for b in bufs] + [cudaemu.DeviceArray(np.ones(N, np.float32)),
-                                               cudaemu.DeviceArray(np.zeros(N * C, np.float32)),
-                                               cudaemu.DeviceArray(np.zeros(C, np.float32))]
-    args = (*arrays, np.int32(N), np.int32(C))
-    with pytest.raises(cudaemu.LaunchError, match=r"128 bytes static .* \+ 49152 dynamic > the limit of 49152"):
-        fn(1, 1024, args, shared_mem=4 * C)  # without opting in
-    loader._reserve_dynamic_shared(fn, 4 * C, loader._Device(0, 32, 100, OPTIN_SHARED["sm_80"]), f"C = {C}")
-    assert fn.max_dynamic_shared_size_bytes == 4 * C
-    fn(1, 1024, args, shared_mem=4 * C)
-    dy, x, w = bufs
-    np.testing.assert_allclose(arrays[5].get(), dy * x, rtol=1e-6)  # dw of one row with rstd 1
 
 
 # ------------------------------------------------------------------------------ what the compilers refuse

@@ -31,8 +31,8 @@ KERNEL_FILES = sorted(kernels.kernels_dir().glob("*.cu"))
 
 # every entry point a wrapper in boostmpi.gpu.kernels launches, by source file
 ENTRY_POINTS = {
-    "rmsnorm.cu": [f"{k}_{t}" for k in ("rmsnorm_forward", "rmsnorm_backward", "rmsnorm_online_stats", "rescale_rows")
-                   for t in ("f32", "bf16")],
+    "rmsnorm.cu": [f"{k}_{t}" for k in ("rmsnorm_forward", "rmsnorm_projection", "rmsnorm_backward",
+                                        "rmsnorm_online_stats", "rescale_rows") for t in ("f32", "bf16")],
     "lowrank.cu": [f"{k}_{t}" for k in ("silu_forward", "silu_backward", "gate_forward", "gate_backward")
                    for t in ("f32", "bf16")],
     "softmax_xent.cu": [f"softmax_xent_{t}_{i}" for t in ("f32", "bf16") for i in ("i32", "i64")],
@@ -116,6 +116,20 @@ def test_wrappers_check_dtype_shape_and_contiguity_before_launching():
         kernels.softmax_xent(x, np.zeros(4, np.int32), out=x)
 
 
+@pytest.mark.parametrize("itemsize", [4, 2])
+@pytest.mark.parametrize("warp", [32, 64])
+def test_rmsnorm_backward_launch_covers_every_column_and_row_once(itemsize, warp):
+    vector = 16 // itemsize
+    for N, C, sms in [(1, 1, 1), (5, 37, 2), (5, 4100, 2), (16384, 16384, 108), (16384, 16384, 110), (3, 70000, 132)]:
+        threads, tiles, rows_per_chunk, chunks = kernels.rmsnorm_backward_launch(N, C, itemsize, warp, sms)
+        assert threads % warp == 0 and threads <= kernels.RMSNORM_BACKWARD_BLOCK_THREADS
+        assert (tiles - 1) * threads * vector < C <= tiles * threads * vector
+        assert (chunks - 1) * rows_per_chunk < N <= chunks * rows_per_chunk  # no chunk is empty
+        assert tiles * chunks <= max(kernels.RMSNORM_BACKWARD_BLOCKS_PER_SM * sms, tiles)
+    # the paper's shape on an A100: 8 blocks per SM
+    assert kernels.rmsnorm_backward_launch(16384, 16384, 2, 32, 108) == (256, 8, 152, 108)
+
+
 # ---------------------------------------------------------------------------- (b) online RMSNorm vs the oracle
 
 try:
@@ -188,8 +202,8 @@ def _widened(*arrays):
 
 @pytest.fixture
 def small_grid(monkeypatch):
-    """A device of 2 SMs as the wrappers see it: rmsnorm_backward's blocks then stride over rows and
-    the elementwise grid-stride loop goes round, with the few rows a test can afford."""
+    """A device of 2 SMs as the wrappers see it: rmsnorm_backward's row chunks then hold several
+    rows and the elementwise grid-stride loop goes round, with the few rows a test can afford."""
     real = kernels._device_info
 
     def two_sms(device_id):
@@ -262,6 +276,10 @@ def test_empty_inputs_launch_nothing():
     assert y.shape == (0, 8) and rstd.shape == (0,)
     dx, dw = kernels.rmsnorm_backward(x, x, cupy.ones(8, dtype=np.float32), rstd)
     assert dx.shape == (0, 8) and (dw.get() == 0).all()
+    rows_of_nothing = cupy.empty((3, 0), dtype=np.float32)
+    dx, dw = kernels.rmsnorm_backward(rows_of_nothing, rows_of_nothing, cupy.ones(0, dtype=np.float32),
+                                      cupy.ones(3, dtype=np.float32))
+    assert dx.shape == (3, 0) and dw.shape == (0,)
     assert kernels.silu_forward(cupy.empty(0, dtype=np.float32)).shape == (0,)
 
 

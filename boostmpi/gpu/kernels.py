@@ -24,6 +24,8 @@ KERNELS_DIR_ENV = "BOOSTMPI_KERNELS_DIR"
 COMPILE_OPTIONS = ("-std=c++14",)
 MAX_BLOCK_THREADS = 1024
 ELEMENTWISE_BLOCK_THREADS = 256
+RMSNORM_BACKWARD_BLOCK_THREADS = 256  # rmsnorm_backward's column tiles
+RMSNORM_BACKWARD_BLOCKS_PER_SM = 8  # 2,048 threads, the most an SM (CU: 4 SIMDs x 8 waves of 64) holds
 DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024  # static + dynamic shared memory per block; above it a kernel must opt in
 
 _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.MULTILINE)
@@ -66,14 +68,12 @@ class _Device(NamedTuple):
     id: int
     warp_size: int  # 32 on NVIDIA, 64 on AMD CDNA
     sm_count: int
-    max_shared_bytes: int  # dynamic shared memory a block may opt in to
 
 
 @functools.lru_cache(maxsize=None)
 def _device_info(device_id):
     props = _import_cupy().cuda.runtime.getDeviceProperties(device_id)
-    return _Device(device_id, props["warpSize"], props["multiProcessorCount"],
-                   props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"]))
+    return _Device(device_id, props["warpSize"], props["multiProcessorCount"])
 
 
 def _current_device():
@@ -158,18 +158,6 @@ def _elementwise_grid(n, itemsize, sm_count):
     return max(1, min(-(-n // per_block), 16 * sm_count))
 
 
-def _reserve_dynamic_shared(kernel, nbytes, device, what):
-    """Lets `kernel` launch with `nbytes` of dynamic shared memory: a block holds its static
-    shared memory plus the dynamic part, within the default per-block limit or, opted in,
-    within what the device allows; raises a clear error beyond that."""
-    total = kernel.shared_size_bytes + nbytes
-    if total > device.max_shared_bytes:
-        raise ValueError(f"{what} needs {nbytes} bytes of dynamic shared memory per block ({total} with the kernel's "
-                         f"static shared memory), the device has {device.max_shared_bytes}")
-    if total > DEFAULT_DYNAMIC_SHARED_BYTES:
-        kernel.max_dynamic_shared_size_bytes = nbytes
-
-
 def _launch_rows(module_name, entry_point, rows, width, itemsize, args):
     """One block per row of `width` elements."""
     if rows > 0:
@@ -191,25 +179,41 @@ def rmsnorm_forward(x, w, eps):
     return y, rstd
 
 
+def rmsnorm_backward_launch(N, C, itemsize, warp_size, sm_count):
+    """The second backward kernel's launch: (threads per block, column tiles, rows per chunk, row chunks).
+
+    A block owns a tile of one 16-byte vector of columns per thread (at most 256 threads:
+    1,024 float32 or 2,048 bfloat16 columns) over a chunk of rows; the rows are cut into
+    chunks so that the grid has about RMSNORM_BACKWARD_BLOCKS_PER_SM blocks per SM (fewer
+    chunks when there are fewer rows)."""
+    threads = min(_row_block(C, itemsize, warp_size), RMSNORM_BACKWARD_BLOCK_THREADS)
+    tiles = -(-C // (threads * (16 // itemsize)))
+    chunks = max(1, min(N, -(-RMSNORM_BACKWARD_BLOCKS_PER_SM * sm_count // tiles)))
+    rows_per_chunk = -(-N // chunks)
+    return threads, tiles, rows_per_chunk, -(-N // rows_per_chunk)
+
+
 def rmsnorm_backward(dy, x, w, rstd):
-    """dy, x [N,C], w [C], rstd [N] float32 -> dx [N,C] (x's dtype), dw [C] (float32)."""
+    """dy, x [N,C], w [C], rstd [N] float32 -> dx [N,C] (x's dtype), dw [C] (float32).
+
+    Two kernels: rmsnorm_projection (one block per row) gives each row's proj = rstd^2 *
+    mean(dy * w * x); rmsnorm_backward, over column tiles x row chunks, writes dx and one dw
+    partial row per chunk, which are summed here."""
     N, C, suffix = _check_matrix("x", x)
     _check("dy", dy, (N, C), x.dtype)
     _check("w", w, (C,), x.dtype)
     _check("rstd", rstd, (N,), np.float32)
     cupy = _import_cupy()
     dx = cupy.empty_like(x)
-    if N == 0:
+    if N == 0 or C == 0:
         return dx, cupy.zeros(C, dtype=np.float32)
+    proj = cupy.empty(N, dtype=np.float32)
+    _launch_rows("rmsnorm", f"rmsnorm_projection_{suffix}", N, C, x.itemsize, (dy, x, w, rstd, proj, np.int32(C)))
     device = _current_device()
-    kernel = _kernel("rmsnorm", f"rmsnorm_backward_{suffix}")
-    # each block keeps its running dw (C floats) in shared memory
-    shared_bytes = 4 * C
-    _reserve_dynamic_shared(kernel, shared_bytes, device, f"rmsnorm_backward: C = {C}")
-    blocks = min(N, 2 * device.sm_count)
-    dw_partial = cupy.empty((blocks, C), dtype=np.float32)
-    _launch(kernel, blocks, _row_block(C, x.itemsize, device.warp_size),
-            (dy, x, w, rstd, dx, dw_partial, np.int32(N), np.int32(C)), shared_mem=shared_bytes)
+    threads, tiles, rows_per_chunk, chunks = rmsnorm_backward_launch(N, C, x.itemsize, device.warp_size, device.sm_count)
+    dw_partial = cupy.empty((chunks, C), dtype=np.float32)
+    _launch(_kernel("rmsnorm", f"rmsnorm_backward_{suffix}"), tiles * chunks, threads,
+            (dy, x, w, rstd, proj, dx, dw_partial, np.int32(N), np.int32(C), np.int32(rows_per_chunk)))
     return dx, dw_partial.sum(axis=0)
 
 
