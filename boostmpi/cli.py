@@ -11,6 +11,7 @@ import os
 import sys
 
 from boostmpi.errors import UserError
+from boostmpi.parallel.startup import set_host_threads  # imports no NumPy
 
 # command name -> module that registers it
 COMMANDS = {
@@ -69,6 +70,8 @@ def version():
 
 
 def main(argv=None):
+    # first, before anything imports NumPy: under mpiexec/srun, one share of the node's cores per rank
+    set_host_threads()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     if command == "help":  # `boostmpi help [COMMAND]`

@@ -299,3 +299,91 @@ def test_the_banner_names_the_communication_asked_for_not_a_guess():
         gpu = config_from_dict({"train": {"device": "gpu"}, "parallel": {"comm": comm}})
         line = banner(gpu, "c.toml", 1, 0)
         assert f" | comm {comm} | " in line and "nccl yes" not in line
+
+
+# ---------------------------------------------------------------- BLAS/OpenMP threads per rank
+
+@pytest.mark.parametrize("env,expected", [
+    ({"MPI_LOCALNRANKS": "4", "PMI_RANK": "0"}, 4),  # MPICH's Hydra
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "8"}, 2),  # Open MPI
+    ({"PALS_LOCAL_SIZE": "4", "PALS_RANKID": "5"}, 4),  # PALS (Polaris)
+    ({"SLURM_STEP_NUM_TASKS": "9", "SLURM_STEP_TASKS_PER_NODE": "4(x2),1", "SLURM_NODEID": "2"}, 1),
+    ({"SLURM_STEP_NUM_TASKS": "9", "SLURM_STEP_TASKS_PER_NODE": "4(x2),1", "SLURM_NODEID": "1"}, 4),
+    ({"SLURM_STEP_NUM_TASKS": "16", "SLURM_NTASKS_PER_NODE": "8"}, 8),
+    ({"SLURM_STEP_NUM_TASKS": "6", "SLURM_TASKS_PER_NODE": "3(x2)", "SLURM_NODEID": "0"}, 3),
+    ({"SLURM_TASKS_PER_NODE": "3(x2)"}, None),  # the batch script itself, not an srun step
+    ({"PMI_RANK": "0", "PMI_SIZE": "4"}, None),  # under a launcher that does not say
+    ({}, None),
+])
+def test_the_ranks_on_this_node_come_from_the_launcher(env, expected):
+    assert startup.ranks_on_this_node(env) == expected
+
+
+@pytest.mark.parametrize("env,cores,expected", [
+    ({"MPI_LOCALNRANKS": "4", "PMI_RANK": "1"}, 64, 16),  # the node's cores shared among its ranks
+    ({"MPI_LOCALNRANKS": "4", "PMI_RANK": "1"}, 2, 1),  # never fewer than one
+    ({"PMI_RANK": "0", "PMI_SIZE": "4"}, 64, 1),  # under MPI, ranks per node unknown: one
+    ({"SLURM_STEP_NUM_TASKS": "16", "SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_PER_TASK": "7"}, 56, 7),
+    ({}, 64, None),  # no launcher: the libraries' own default
+])
+def test_each_rank_gets_its_share_of_the_cores_and_a_user_value_stands(env, cores, expected):
+    env = dict(env)
+    assert startup.set_host_threads(env, cores=cores) == expected
+    assert all(env.get(k) == (None if expected is None else str(expected)) for k in startup.THREAD_VARIABLES)
+    mine = dict(env, MPI_LOCALNRANKS="4", OMP_NUM_THREADS="3")
+    mine.pop("OPENBLAS_NUM_THREADS", None), mine.pop("MKL_NUM_THREADS", None)
+    assert startup.set_host_threads(mine, cores=cores) is None  # the user chose: nothing is changed
+    assert mine["OMP_NUM_THREADS"] == "3" and "OPENBLAS_NUM_THREADS" not in mine
+
+
+# Each rank enters the way a user's command does (`boostmpi` = boostmpi.cli:main, or `python -m
+# boostmpi`), then loads NumPy, makes OpenBLAS work and counts its own threads.
+THREAD_PROBE = '''
+import os, runpy, sys
+entry = sys.argv[1]
+import boostmpi.cli
+assert "numpy" not in sys.modules, "importing boostmpi.cli loaded NumPy"
+if entry == "unset":  # the mutant: what the command line did before it set the variables
+    boostmpi.cli.set_host_threads = lambda: None
+sys.argv = ["boostmpi", "--version"]
+try:
+    if entry == "module":
+        runpy.run_module("boostmpi", run_name="__main__")
+    else:
+        boostmpi.cli.main(["--version"])
+except SystemExit:
+    pass
+import numpy as np
+a = np.ones((512, 512))
+for _ in range(3):
+    a @ a  # OpenBLAS has started its pool by now
+print("threads", len(os.listdir("/proc/self/task")), os.environ.get("OPENBLAS_NUM_THREADS"), flush=True)
+'''
+
+
+def _probe_threads(entry, **env):
+    from mpi_helpers import MPIEXEC
+
+    clean = {k: v for k, v in os.environ.items() if k not in startup.THREAD_VARIABLES}  # tests/run.sh sets them
+    clean.update(env, PYTHONPATH=str(REPO))
+    p = subprocess.run(["timeout", "120", MPIEXEC, "-n", "4", sys.executable, "-c", THREAD_PROBE, entry],
+                       env=clean, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [line.split() for line in p.stdout.splitlines() if line.startswith("threads ")]
+    assert len(rows) == 4, p.stdout + p.stderr
+    return [int(r[1]) for r in rows], {r[2] for r in rows}
+
+
+@pytest.mark.skipif(startup.usable_cores() < 2, reason="one core: OpenBLAS starts no extra threads to count")
+def test_four_ranks_started_without_thread_variables_run_one_blas_thread_each():
+    """4 ranks on this machine's cores (2 in CI): each gets cores // 4 = 1 thread, as many threads as a
+    rank whose user set OPENBLAS_NUM_THREADS=1; with the setting removed (the mutant) OpenBLAS starts
+    one thread per core and the count rises."""
+    expected = max(1, startup.usable_cores() // 4)
+    pinned, _ = _probe_threads("script", OPENBLAS_NUM_THREADS=str(expected), OMP_NUM_THREADS=str(expected))
+    for entry in ("script", "module"):
+        counts, values = _probe_threads(entry)
+        assert values == {str(expected)}
+        assert counts == pinned, (entry, counts, pinned)
+    counts, values = _probe_threads("unset")
+    assert values == {"None"} and min(counts) > max(pinned), (counts, pinned)

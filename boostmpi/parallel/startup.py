@@ -1,6 +1,11 @@
 """Start-up checks, run on every rank before any training work, so that a wrong setting shows in
 the first lines of the log instead of as a slow or silently broken run.
 
+- `set_host_threads()`: called by the command line before NumPy is imported. Under a launcher,
+  each rank gets the node's cores divided by the ranks on the node as its BLAS/OpenMP threads
+  (OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS), 1 when the launcher does not say how
+  many ranks share the node; a value the user set is never changed. Left alone, every rank's
+  OpenBLAS starts one thread per core and the ranks of a node fight over the same cores.
 - `check_mpi(world, rank, local_rank)`: prints (rank 0) the MPI library, the file it was loaded
   from, its transport where the library says so, and how many nodes the ranks span. It refuses a
   multi-node batch job (Slurm or PBS) that runs on the MPICH wheel from PyPI: that MPICH's own
@@ -32,6 +37,82 @@ from boostmpi.errors import UserError
 ALLOW_PYPI_MPI = "BOOSTMPI_ALLOW_PYPI_MPI"
 GPU_MAP_VAR = "BOOSTMPI_GPU_MAP_VAR"
 SITE_SETUP = "jobs/setup_frontier.sh, jobs/setup_perlmutter.sh or jobs/setup_polaris.sh"
+
+
+# ---------------------------------------------------------------- host threads per rank
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# variables that only a launcher sets in the processes it starts: Hydra/PALS PMI, Open MPI, srun
+_LAUNCHED = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PALS_RANKID", "SLURM_STEP_NUM_TASKS")
+
+
+def slurm_tasks_on_node(spec, node_id):
+    """Tasks on node `node_id` from Slurm's compressed per-node list ("4(x2),3": 4, 4, 3), or None."""
+    counts = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m is None:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    if not counts:
+        return None
+    return counts[node_id] if 0 <= node_id < len(counts) else counts[0]
+
+
+def ranks_on_this_node(environ):
+    """How many ranks the launcher started on this node, or None when it does not say.
+
+    MPICH's Hydra: MPI_LOCALNRANKS; Open MPI: OMPI_COMM_WORLD_LOCAL_SIZE; HPE PALS (Polaris):
+    PALS_LOCAL_SIZE; Slurm's srun: SLURM_STEP_TASKS_PER_NODE, else SLURM_NTASKS_PER_NODE, else
+    SLURM_TASKS_PER_NODE (https://slurm.schedmd.com/srun.html#SECTION_OUTPUT-ENVIRONMENT-VARIABLES),
+    the compressed lists indexed by SLURM_NODEID."""
+    for key in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "PALS_LOCAL_SIZE"):
+        value = environ.get(key, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    if environ.get("SLURM_STEP_NUM_TASKS"):  # inside an srun step, not the batch script itself
+        node = environ.get("SLURM_NODEID", "0")
+        for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+            count = slurm_tasks_on_node(environ.get(key, ""), int(node) if node.isdigit() else 0)
+            if count:
+                return count
+    return None
+
+
+def usable_cores():
+    """The cores this process may run on (its CPU affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def host_threads(environ, cores):
+    """BLAS/OpenMP threads per rank: `cores` divided by the ranks on this node (at least 1); 1 under
+    a launcher that does not say how many ranks share the node; None (leave the libraries' default)
+    for a process started without a launcher."""
+    per_task = environ.get("SLURM_CPUS_PER_TASK", "")
+    if environ.get("SLURM_STEP_NUM_TASKS") and per_task.isdigit() and int(per_task) > 0:
+        return int(per_task)  # srun --cpus-per-task: the cores Slurm gave this task
+    ranks = ranks_on_this_node(environ)
+    if ranks is not None:
+        return max(1, cores // ranks)
+    if any(environ.get(key) for key in _LAUNCHED):
+        return 1
+    return None
+
+
+def set_host_threads(environ=None, cores=None):
+    """Set the thread variables for this rank unless the user set any of them; must run before NumPy
+    is imported (OpenBLAS sizes its thread pool when it loads). Returns the count set, or None."""
+    environ = os.environ if environ is None else environ
+    if any(environ.get(key) for key in THREAD_VARIABLES):
+        return None  # the user chose: theirs stands
+    threads = host_threads(environ, usable_cores() if cores is None else cores)
+    if threads is not None:
+        for key in THREAD_VARIABLES:
+            environ[key] = str(threads)
+    return threads
 
 
 # ---------------------------------------------------------------- MPI library and transport
