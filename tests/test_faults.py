@@ -213,6 +213,15 @@ def test_kill_9_of_one_rank_ends_all_and_the_restart_continues_exactly(tmp_path,
     proc = _start(_train_argv(run_dir), tmp_path / "first.log")
     try:
         ranks = _wait_ranks(proc)
+        _wait_for_rows(run_dir, 25, proc)
+        # a second run on the live run directory (any layout) is refused in one line naming the holder
+        first = _train_argv(run_dir)
+        status, out, _ = _run(["timeout", str(JOB_TIMEOUT_S), PY, "-m", "boostmpi", *first[first.index("train"):],
+                               "--set", "parallel.tp=1", "--set", "parallel.dp=1"])
+        lines = [line for line in out.splitlines() if line.strip() and not line.startswith(("mpi:", "boostmpi |"))]
+        assert status == 2 and len(lines) == 1, out
+        assert lines[0].startswith(f"error: train.run_dir {run_dir} is in use by another run (host "), lines[0]
+        assert f"pid {ranks[0]}, started " in lines[0], lines[0]
         _wait_for_rows(run_dir, 35, proc)
         killed_at = time.monotonic()
         os.kill(ranks[1], signal.SIGKILL)
@@ -234,10 +243,13 @@ def test_kill_9_of_one_rank_ends_all_and_the_restart_continues_exactly(tmp_path,
     resumed_step = int(Path(latest).name.split("_")[1])
     assert 0 < resumed_step < STEPS
 
+    stale = (run_dir / ".lock").exists()  # rank 0 was ended by the launcher before it could release it
     status, out, _ = _run(_train_argv(run_dir))
     assert status == 0, out
     assert f"resumed from {latest} (step {resumed_step})" in out
-    assert _losses(run_dir) == reference  # exactly: same steps, bit-identical losses
+    assert (f"the lock of {run_dir} was stale (host " in out) == stale, out
+    assert _losses(run_dir) == reference  # exactly: same steps, bit-identical losses, in step order
+    assert not (run_dir / ".lock").exists()
 
 
 @pytest.mark.parametrize("fault,left", [("kill-while-saving-step-", "model.h5"),
@@ -475,3 +487,75 @@ def test_a_really_full_disk_under_mpiexec_ends_every_rank_with_one_line(text_sha
     assert [line for line in lines if line.startswith(("step_", "latest"))] == ["latest", "step_00000002", "step_00000002"]
     digests = {f"step_00000002/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest() for p in previous.iterdir()}
     assert {line.split()[1]: line.split()[0] for line in lines if "  step_" in line} == digests
+
+
+# ---------------------------------------------------------------- one run per run directory
+
+HOLD_LOCK = textwrap.dedent('''
+    import sys, time
+    from boostmpi.files import RunLock
+
+    lock = RunLock(sys.argv[1]).acquire()  # held while this process lives
+    print("held", flush=True)
+    time.sleep(120)
+''')
+
+
+def test_the_lock_of_a_killed_holder_is_stale_and_taken_over(tmp_path):
+    """A real holder in another process: refused while it lives, taken over (saying so) once it is
+    killed with SIGKILL, and released (the file removed) by the new holder."""
+    from boostmpi.files import RunDirInUse, RunLock
+
+    holder = subprocess.Popen(["timeout", "150", PY, "-c", HOLD_LOCK, str(tmp_path)], cwd=REPO, env=_env(),
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        pid = _children()[holder.pid][0]
+        with pytest.raises(RunDirInUse, match=rf"in use by another run \(host \S+, pid {pid}, started 20\d\d-"):
+            RunLock(tmp_path).acquire()
+        os.kill(pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+    lock = RunLock(tmp_path).acquire()
+    assert lock.stale is not None and f"pid {pid}" in lock.stale
+    with pytest.raises(RunDirInUse):  # another open of the file, even in this process, is refused
+        RunLock(tmp_path).acquire()
+    lock.release()
+    assert not (tmp_path / ".lock").exists()
+    RunLock(tmp_path).acquire().release()  # a clean release leaves nothing stale behind
+
+
+@pytest.mark.parametrize("holder,age_s,refused", [
+    ("this host, live pid", 0, True), ("this host, dead pid", 0, False),
+    ("another host, lease renewed", 10, True), ("another host, lease expired", 1000, False)])
+def test_without_os_locks_the_record_is_a_lease(holder, age_s, refused, tmp_path, monkeypatch):
+    """A filesystem that refuses flock (ENOLCK): the holder record decides, by pid on the same host
+    and by the age of the lease (the file's mtime, renewed by the holder) from another host."""
+    import errno
+    import fcntl
+    import json
+    import socket
+
+    from boostmpi import files
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    dead = subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    host = socket.gethostname() if holder.startswith("this") else "elsewhere-node-7"
+    pid = os.getpid() if "live" in holder else int(dead)
+    record = tmp_path / ".lock"
+    record.write_text(json.dumps({"host": host, "pid": pid, "started": "2026-01-01 00:00:00 UTC"}))
+    os.utime(record, (time.time() - age_s, time.time() - age_s))
+    if refused:
+        with pytest.raises(files.RunDirInUse, match=f"host {host}, pid {pid}, started 2026-01-01"):
+            files.RunLock(tmp_path).acquire()
+        return
+    lock = files.RunLock(tmp_path).acquire()
+    assert lock.stale == f"host {host}, pid {pid}, started 2026-01-01 00:00:00 UTC"
+    assert json.loads(record.read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not record.exists()

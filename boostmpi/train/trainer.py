@@ -1,5 +1,6 @@
 """The training loop: data, engine, optimizer, validation, metrics, checkpoints, preemption."""
 
+import contextlib
 import json
 import math
 import os
@@ -14,7 +15,7 @@ import numpy as np
 from boostmpi.data.progress import format_duration
 from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
 from boostmpi.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, UserError
-from boostmpi.files import FilesystemError, atomic_file, check_dir_creatable, format_bytes, fs_error, make_dirs
+from boostmpi.files import FilesystemError, RunDirInUse, RunLock, atomic_file, check_dir_creatable, format_bytes, fs_error, make_dirs
 from boostmpi.parallel.comm import AXES
 from boostmpi.parallel.engine import Engine
 from boostmpi.train import checkpoint as ckpt
@@ -108,7 +109,31 @@ class Trainer:
         self.loader, (self.val_x, self.val_y) = self._root_decides(lambda: open_data(V), lambda: open_data(None))
         self.preemption = _Preemption()
         self.config_path = config_path
-        self._resume(resume)
+        self._lock, self._made_run_dir = None, False
+        self._lock = self._root_decides(self._lock_run_dir)  # from here until close(): one run per run directory
+        try:
+            self._resume(resume)
+        except BaseException:
+            self.close()
+            raise
+
+    def _lock_run_dir(self):
+        """Rank 0: hold the run directory's lock (files.RunLock) for the run's life."""
+        self._made_run_dir = not os.path.isdir(self.run_dir)
+        make_dirs(self.run_dir, "train.run_dir")
+        lock = RunLock(self.run_dir).acquire()
+        if lock.stale:
+            self.log(f"the lock of {self.run_dir} was stale ({lock.stale}: that run is gone); this run takes it over")
+        return lock
+
+    def close(self):
+        """Release the run directory (also done when `train` returns or raises)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+            if self._made_run_dir:  # refused before anything was written: leave no empty folder behind
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.run_dir)
 
     # ------------------------------------------------------------------ helpers
     def log(self, msg, live=False):
@@ -145,7 +170,7 @@ class Trainer:
         if self.world is not None:
             verdict = self.engine.grid.host.bcast(verdict)
         if verdict is not None:
-            kinds = (UserError, CheckpointError, ConfigError, DataError, FilesystemError)
+            kinds = (UserError, CheckpointError, ConfigError, DataError, FilesystemError, RunDirInUse)
             exc = {c.__name__: c for c in kinds}.get(verdict[0], UserError)(verdict[1])
             exc.all_ranks = True
             raise exc
@@ -331,6 +356,7 @@ class Trainer:
             if metrics:
                 metrics.close()
             ckpt.wait_for_pruning()
+            self.close()
         return {"step": self.step, "preempted": False, "val_loss": last_val, "loss": loss if steps_done else None}
 
     def _step_sums(self):
