@@ -105,10 +105,11 @@ def _parse_and_run(parser, argv):
     except BrokenPipeError:  # output piped into `head` and the like: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except OSError as exc:  # a path the filesystem refused: a one-line error, not a traceback
-        if exc.filename is None:
-            raise
-        from boostmpi.files import fs_error
+    except OSError as exc:  # a path the filesystem refused, or a full disk: a one-line error, not a traceback
+        from boostmpi.files import fs_error, is_out_of_space
 
-        print(f"error: {fs_error(exc, 'cannot use')}", file=sys.stderr)
+        full = is_out_of_space(exc)
+        if exc.filename is None and not full:
+            raise
+        print(f"error: {fs_error(exc, 'cannot write' if full else 'cannot use')}", file=sys.stderr)
         return 2

@@ -61,9 +61,11 @@ def atomic_file(path, mode="w"):
             f.flush()
             os.fsync(f.fileno())  # the rename must never expose a file whose data is not on disk
         os.replace(tmp_path, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.remove(tmp_path)
+        if isinstance(exc, OSError) and exc.filename is None:
+            exc.filename = path  # a write() that failed names no file: name the one being written
         raise
     fsync_dir(folder)
 
@@ -81,6 +83,41 @@ def write_at(fd, data, offset):
     while view.nbytes:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+def _write_all(fd, data):
+    """os.write until all of `data` is written (a short write is not an error)."""
+    view = memoryview(data)
+    while view.nbytes:
+        view = view[os.write(fd, view):]
+
+
+class LineLog:
+    """A file that only grows by whole lines (metrics.jsonl). Each line goes to the file with unbuffered
+    writes, so nothing waits in a buffer to fail later; a line the filesystem refuses (a full disk, a
+    quota, a file-size limit) is cut off again, the file still ends with its last whole line, and the
+    refusal is a FilesystemError naming the file."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        try:
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        except OSError as exc:
+            raise fs_error(exc, "cannot open", self.path) from exc
+
+    def append(self, line):
+        end = os.lseek(self.fd, 0, os.SEEK_END)
+        try:
+            _write_all(self.fd, line.encode())
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, end)
+            raise fs_error(exc, "cannot append to", self.path) from exc
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def free_bytes(path):

@@ -81,6 +81,40 @@ FAULT_LAUNCHER = textwrap.dedent('''
             return save(run_dir, step, *args, **kwargs)
 
         checkpoint.save = save_then_die
+    elif fault.startswith(("EDQUOT-", "EFBIG-")) and rank == 0:
+        # EDQUOT-metrics-at-N: the N-th metrics row gets half-way, then the quota is exceeded;
+        # EFBIG-log-at-N: the N-th line of the log (standard output) meets the file-size limit
+        import errno
+
+        code, where, _, n = fault.split("-")
+        refusal = OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+        calls = [0]
+        if where == "metrics":
+            from boostmpi import files
+
+            write_all = files._write_all
+
+            def refusing_write_all(fd, data):
+                calls[0] += 1
+                if calls[0] == int(n):
+                    write_all(fd, data[: len(data) // 2])
+                    raise refusal
+                write_all(fd, data)
+
+            files._write_all = refusing_write_all
+        else:
+            import builtins
+
+            from boostmpi.train import trainer
+
+            def refusing_print(*args, **kwargs):
+                if kwargs.get("file") is not sys.stderr:
+                    calls[0] += 1
+                    if calls[0] == int(n):
+                        raise refusal
+                builtins.print(*args, **kwargs)
+
+            trainer.print = refusing_print
     from boostmpi.cli import main
 
     sys.exit(main(sys.argv[1:]))
@@ -559,3 +593,75 @@ def test_without_os_locks_the_record_is_a_lease(holder, age_s, refused, tmp_path
     assert json.loads(record.read_text())["pid"] == os.getpid()
     lock.release()
     assert not record.exists()
+
+
+# ---------------------------------------------------------------- a disk that fills up during training
+
+def test_a_disk_filled_during_training_ends_the_job_in_one_line_and_every_writer_refuses_it(text_shards, tmp_path):
+    """A real tmpfs of 8 MiB of its own: 2 ranks train, and once the first checkpoint is there the
+    rest of the disk is filled. The metrics append fails on rank 0: one line, exit 2 for the whole
+    job, metrics.jsonl ends with its last whole row, and the checkpoint evaluates. Then `export`
+    (two formats), `plot` and `data` on the full disk: one line and exit 2 each."""
+    from train_helpers import run_on_a_private_tmpfs, train_argv
+
+    mount, logs = tmp_path / "disk", tmp_path / "logs"
+    mount.mkdir(), logs.mkdir()
+    run_dir = mount / "run"
+    argv = " ".join(f"'{a}'" for a in train_argv(run_dir, *text_shards, "train.steps=3000", "checkpoint.every=20",
+                                                  "train.log_every=1", "parallel.tp=2"))
+    boostmpi = f"timeout {JOB_TIMEOUT_S} {PY} -m boostmpi"
+
+    def step(name, command):  # run `command`, its stderr and exit status into logs/name.*
+        return f"{command} >{logs}/{name}.out 2>{logs}/{name}.err; echo $? >{logs}/{name}.status; "
+
+    script = (f"( {step('train', f'timeout {JOB_TIMEOUT_S} {MPIEXEC} -n 2 {PY} -m boostmpi {argv}')} ) & "
+              f"while [ ! -e {run_dir}/checkpoints/latest ] && [ ! -e {logs}/train.status ]; do sleep 0.05; done; "
+              f"dd if=/dev/zero of={mount}/filler bs=64k 2>/dev/null; wait; "
+              f"rm -f {mount}/filler; dd if=/dev/zero of={mount}/filler bs=64k 2>/dev/null; "  # nothing freed since
+              + step("export-safetensors", f"{boostmpi} export {run_dir} --to safetensors --out {mount}/w.safetensors")
+              + step("export-h5", f"{boostmpi} export {run_dir} --to h5 --out {mount}/w.h5")
+              + step("plot", f"{boostmpi} plot {run_dir} --out {mount}/curves.png")
+              + step("data", f"{boostmpi} data --builtin --max-bytes 3000000 --out {mount}/data")
+              + f"cp -a {run_dir} {tmp_path}/saved")
+    done = run_on_a_private_tmpfs(mount, "size=8m", script, env=_env(), timeout=JOB_TIMEOUT_S * 3)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for name, fragment in [("train", f"error: cannot append to {run_dir}/metrics.jsonl: no space left on device"),
+                           ("export-safetensors", f"error: cannot write {mount}/w.safetensors: no space left on device"),
+                           ("export-h5", f"error: cannot write {mount}/w.h5: no space left on device"),
+                           ("plot", f"error: cannot write {mount}/curves.png: no space left on device"),
+                           ("data", f"error: cannot write {mount}/data")]:
+        err = (logs / f"{name}.err").read_text()
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert (logs / f"{name}.status").read_text().strip() == "2", (name, err)
+        assert len(lines) == 1 and lines[0].startswith(fragment), (name, err)
+        assert "no space left on device" in lines[0], (name, err)
+    saved = tmp_path / "saved"
+    assert not (saved / ".lock").exists()
+    rows = [json.loads(line) for line in open(saved / "metrics.jsonl")]  # every row whole
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) < 3000
+    from boostmpi.cli import main
+
+    assert main(["eval", str(saved), "--data", str(text_shards[1]), "--max-windows", "4"]) == 0
+
+
+@pytest.mark.parametrize("fault,line", [
+    ("EDQUOT-metrics-at-25", "cannot append to {run_dir}/metrics.jsonl: the disk quota is exceeded"),
+    ("EFBIG-log-at-25", "cannot write the log (standard output) <stdout>: the file-size limit was reached (ulimit -f)")])
+def test_a_quota_or_file_size_limit_on_rank_0_ends_every_rank_with_one_line(fault, line, tmp_path):
+    """Injected on rank 0 alone (the fault launcher): the job ends with one line and exit status 2 on
+    every rank at the next step, no traceback; metrics.jsonl ends with its last whole row, in step
+    order; the last checkpoint is intact."""
+    from boostmpi.train import checkpoint
+
+    run_dir = tmp_path / "run"
+    status, out, seconds = _run(_train_argv(run_dir, program=("-c", FAULT_LAUNCHER), steps=60),
+                                BOOSTMPI_FAULT=fault)
+    errors = [x for x in out.splitlines() if "error" in x.lower() or "Traceback" in x or "MPI_Abort" in x]
+    assert status == 2, out
+    assert errors == ["error: " + line.format(run_dir=run_dir)], out
+    steps = [s for s, _ in _losses(run_dir)]
+    assert steps == list(range(1, len(steps) + 1)) and 20 <= len(steps) <= 25, steps
+    latest = checkpoint.find_latest(str(run_dir))
+    assert latest == str(run_dir / "checkpoints" / "step_00000020")
+    checkpoint.verify(latest)
+    assert seconds < 30

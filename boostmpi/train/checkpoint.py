@@ -875,6 +875,11 @@ def write_consolidated(path, ckpt_dir):
                     f.create_dataset(name, data=obj[()])
 
             src.visititems(copy)
+    except (OSError, RuntimeError) as exc:  # h5py may report the disk's refusal without an errno of its own
+        os_exc = _os_error_of(exc)
+        if os_exc is None or os_exc.errno is None:
+            raise
+        raise fs_error(os_exc, "cannot write", path) from exc
     finally:
         src.close()
 

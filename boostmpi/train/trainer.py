@@ -15,7 +15,8 @@ import numpy as np
 from boostmpi.data.progress import format_duration
 from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
 from boostmpi.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, UserError
-from boostmpi.files import FilesystemError, RunDirInUse, RunLock, atomic_file, check_dir_creatable, format_bytes, fs_error, make_dirs
+from boostmpi.files import (FilesystemError, LineLog, RunDirInUse, RunLock, atomic_file, check_dir_creatable,
+                            format_bytes, fs_error, is_out_of_space, make_dirs)
 from boostmpi.parallel.comm import AXES
 from boostmpi.parallel.engine import Engine
 from boostmpi.train import checkpoint as ckpt
@@ -95,6 +96,7 @@ class Trainer:
         self.step = 0
         self.resumed_from = None
         self._in_flight = None  # (PendingSave, writer thread) of an asynchronous checkpoint
+        self._write_failure = None  # rank 0: the FilesystemError of a metrics or log write (see _write_failed)
         self.snapshot_bytes = 0  # memory of the last asynchronous checkpoint's snapshot
         self._root_decides(lambda: check_dir_creatable(self.run_dir, "train.run_dir"))
         V, T = cfg.model.vocab_size, cfg.model.seq_len
@@ -154,6 +156,30 @@ class Trainer:
             print(msg, file=out, flush=True)  # out None: sys.stdout as it is now, not at import
         except BrokenPipeError:  # whoever read the log went away (`| head`): keep training, quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        except OSError as exc:
+            if not is_out_of_space(exc):
+                raise
+            # the log's disk is full: nothing more can go there; the run stops at the next agreement
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+            self._write_failed(fs_error(exc, "cannot write the log (standard output)", getattr(out, "name", None)))
+
+    def _write_failed(self, error):
+        """Rank 0 could not write its metrics or log: remembered here, and every rank stops together with
+        this one line (exit status 2) at the next step's all-reduce or before the next checkpoint."""
+        if self._write_failure is None:
+            self._write_failure = error
+
+    def _stop_if_a_write_failed(self, failed=None):
+        """Raise, on every rank, the write failure rank 0 met. `failed`: the agreed flag of the step's
+        all-reduce; None: agree here (a broadcast from rank 0)."""
+        if failed is None:
+            failed = self._root_decides(lambda: self._write_failure is not None) if self.world is not None \
+                else self._write_failure is not None
+        if not failed:
+            return
+        error = self._write_failure or FilesystemError("rank 0 could not write the run's metrics or log")
+        error.all_ranks = True  # rank 0 prints it; every rank exits 2, none waits in a collective
+        raise error
 
     def _metrics_path(self):
         return os.path.join(self.run_dir, "metrics.jsonl")
@@ -243,6 +269,7 @@ class Trainer:
         reported as memory.checkpoint_snapshot), rank 0 prepares the folder, and a background thread
         writes each rank's file while training goes on; `poll_async_save` publishes it at a later step
         boundary. At most one save is in flight: a new one first waits for the previous one."""
+        self._stop_if_a_write_failed()  # never a checkpoint past metrics that could not be written
         self.poll_async_save(wait=True)
         par, asynchronous = self.cfg.parallel, self.cfg.checkpoint.async_
         state = None
@@ -296,7 +323,7 @@ class Trainer:
         cfg, e, tr = self.cfg, self.engine, self.cfg.train
         self._root_decides(self._prepare_run_dir)
         tokens_per_step = cfg.tokens_per_step
-        metrics = open(self._metrics_path(), "a") if self.is_root else None
+        metrics = LineLog(self._metrics_path()) if self.is_root else None
         t_start = time.perf_counter()
         steps_done = 0
         last_val = None
@@ -308,7 +335,8 @@ class Trainer:
                 e.grid.counter.reset()
                 t0 = time.perf_counter()
                 loss = e.forward_backward(micro, also_sum=self._step_sums)
-                comm, calls, stop = self._step_totals(e.summed)
+                comm, calls, stop, write_failed = self._step_totals(e.summed)
+                self._stop_if_a_write_failed(write_failed)
                 if not math.isfinite(loss):
                     raise TrainingDiverged(f"the loss became {loss} at step {step + 1}; the last checkpoint is kept intact "
                                            f"(lower train.lr or raise train.warmup_steps)")
@@ -327,12 +355,11 @@ class Trainer:
                 if want_val:
                     last_val = self.validate()
                     row["val_loss"] = last_val
-                if metrics:
+                if metrics and self._write_failure is None:
                     try:
-                        metrics.write(json.dumps(row) + "\n")
-                        metrics.flush()
-                    except OSError as exc:  # rank 0 alone: the job is ended from here (run_guarded)
-                        raise fs_error(exc, "cannot append to", self._metrics_path()) from exc
+                        metrics.append(json.dumps(row) + "\n")
+                    except FilesystemError as exc:  # rank 0 alone: every rank stops at the next agreement
+                        self._write_failed(exc)
                 if self.step == 1 or self.step % max(1, tr.log_every) == 0 or self.step == tr.steps or want_val:
                     elapsed = time.perf_counter() - t_start
                     eta = elapsed / steps_done * (tr.steps - self.step)
@@ -351,12 +378,14 @@ class Trainer:
                     self.poll_async_save(wait=True)
                     self.log(f"stopped by signal at step {self.step}: checkpoint written, resume by running the same command "
                              f"({self.preemption.name()}; exit status {STOPPED_EARLY_EXIT})")
+                    self._stop_if_a_write_failed()
                     return {"step": self.step, "preempted": True, "val_loss": last_val}
         finally:
             if metrics:
                 metrics.close()
             ckpt.wait_for_pruning()
             self.close()
+        self._stop_if_a_write_failed()
         return {"step": self.step, "preempted": False, "val_loss": last_val, "loss": loss if steps_done else None}
 
     def _step_sums(self):
@@ -364,15 +393,15 @@ class Trainer:
         per axis, and whether a stop signal has arrived here."""
         counter = self.engine.grid.counter
         return ([counter.bytes[a] for a in AXES] + [counter.calls[a] for a in AXES]
-                + [1.0 if self.preemption.signal is not None else 0.0])
+                + [1.0 if self.preemption.signal is not None else 0.0, 1.0 if self._write_failure is not None else 0.0])
 
     @staticmethod
     def _step_totals(summed):
-        """(bytes per axis, calls per axis, some rank was signalled to stop), summed over all ranks
-        (each group's traffic counted once)."""
+        """(bytes per axis, calls per axis, some rank was signalled to stop, rank 0 failed to write its
+        metrics or log), summed over all ranks (each group's traffic counted once)."""
         n = len(AXES)
         return (dict(zip(AXES, map(int, summed[:n]))), dict(zip(AXES, map(int, summed[n:2 * n]))),
-                summed[2 * n] > 0)
+                summed[2 * n] > 0, summed[2 * n + 1] > 0)
 
     def _memory(self):
         e = self.engine
