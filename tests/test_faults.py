@@ -67,15 +67,20 @@ FAULT_LAUNCHER = textwrap.dedent('''
         # kill-rank-1-while-saving-step-N: rank 1 gets it once its own file is written, the others still writing
         from boostmpi.train import checkpoint
 
+        # stop-rank-1-while-saving-step-N: rank 1 is stopped (SIGSTOP) there instead: alive, never answering
+        import time
+
         kill_step = int(fault.rsplit("-", 1)[1])
-        victim, at = (1, "rank file") if fault.startswith("kill-rank-1-") else (0, "model.h5")
+        victim, at = (1, "rank file") if fault.startswith(("kill-rank-1-", "stop-rank-1-")) else (0, "model.h5")
+        how = signal.SIGSTOP if fault.startswith("stop-") else signal.SIGKILL
         save = checkpoint.save
 
         def save_then_die(run_dir, step, *args, **kwargs):
             if step == kill_step:
                 def die_after_model_h5(stage):
                     if stage == at and rank == victim:
-                        os.kill(os.getpid(), signal.SIGKILL)
+                        print(f"fault: {how.name} to rank {rank} at {time.time():.3f}", flush=True)
+                        os.kill(os.getpid(), how)
 
                 kwargs["crash_hook"] = die_after_model_h5
             return save(run_dir, step, *args, **kwargs)
@@ -665,3 +670,63 @@ def test_a_quota_or_file_size_limit_on_rank_0_ends_every_rank_with_one_line(faul
     assert latest == str(run_dir / "checkpoints" / "step_00000020")
     checkpoint.verify(latest)
     assert seconds < 30
+
+
+# ---------------------------------------------------------------- a peer lost during a checkpoint
+
+NCCL_WATCHDOG_SCRIPT = textwrap.dedent('''
+    """On the CuPy stand-in's NCCL: rank 1 never joins the second all-reduce of an NCCL group."""
+    import sys
+    import time
+
+    import cupy
+    from mpi4py import MPI
+
+    from boostmpi.parallel.comm import CommCounter, configure_watchdog
+    from boostmpi.parallel.nccl import NcclGroup, select_device
+
+    configure_watchdog(float(sys.argv[1]))
+    select_device(MPI.COMM_WORLD.Get_rank())
+    group = NcclGroup("dp", MPI.COMM_WORLD.Dup(), CommCounter())
+    buf = cupy.ones(8, dtype=cupy.float32)
+    group.allreduce(buf)
+    assert float(buf.get()[0]) == 2.0
+    if group.rank == 1:
+        time.sleep(60)  # stuck outside NCCL
+    group.allreduce(buf)
+''')
+
+
+def test_the_watchdog_aborts_a_stuck_nccl_group():
+    tests = REPO / "tests"
+    env = {"PYTHONPATH": os.pathsep.join([str(tests / "cupy_standin"), str(tests), str(REPO)]),
+           "BOOSTMPI_CUPY_STANDIN": "1"}
+    status, out, seconds = _run(["timeout", "60", MPIEXEC, "-n", "2", PY, "-c", NCCL_WATCHDOG_SCRIPT, "1.0"], **env)
+    assert status != 0 and status != 124, out
+    assert "watchdog: rank 0: NCCL allReduce on the dp axis has waited" in out, out
+    assert "watchdog: rank 0: aborted 1 NCCL communicator(s) (ncclCommAbort)" in out, out
+    assert seconds < 20
+
+
+WATCHDOG_S = 3
+
+
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_a_rank_stopped_or_killed_during_a_checkpoint_ends_every_rank_within_the_watchdog_limit(how, tmp_path):
+    """Rank 1 gets SIGSTOP (alive, never answering) or SIGKILL once its own file of the step-30
+    checkpoint is written, while the others wait in the checkpoint's agreement: every rank is gone
+    within parallel.watchdog_s + 5 s, and the step-20 checkpoint is still the latest and intact."""
+    from boostmpi.train import checkpoint
+
+    run_dir = tmp_path / "run"
+    argv = _train_argv(run_dir, program=("-c", FAULT_LAUNCHER), steps=40) + ["--set", f"parallel.watchdog_s={WATCHDOG_S}"]
+    status, out, _ = _run(argv, BOOSTMPI_FAULT=f"{how}-rank-1-while-saving-step-{3 * EVERY}")
+    ended = time.time()
+    assert status != 0 and status != 124, out
+    signalled = float(out.split(f"fault: SIG{how.upper()} to rank 1 at ")[1].split()[0])
+    assert ended - signalled < WATCHDOG_S + 5, out
+    if how == "stop":
+        assert "watchdog: rank " in out and "on the checkpoint axis has waited" in out, out
+    latest = checkpoint.find_latest(str(run_dir))
+    assert latest == str(run_dir / "checkpoints" / f"step_{2 * EVERY:08d}")
+    checkpoint.verify(latest)

@@ -59,6 +59,7 @@ class Watchdog:
         self.seconds = 0.0  # 0 = off
         self._open = None  # (axis, call, nbytes, peer, start) of the blocking call in progress
         self._thread = None
+        self._aborts = []  # what to abort before the job ends (NCCL communicators: ncclCommAbort)
 
     def configure(self, seconds):
         """Set the limit in seconds (0 turns the watchdog off); starts the thread on first use."""
@@ -72,6 +73,20 @@ class Watchdog:
 
     def end(self):
         self._open = None
+
+    def call(self, axis, call, fn, nbytes=None, peer=None):
+        """`fn()`, watched: the one wrapper every blocking call goes through (collectives of the groups,
+        HostCollectives, the checkpoint's agreement, NCCL group calls, waits on requests)."""
+        self.begin(axis, call, nbytes, peer)
+        try:
+            return fn()
+        finally:
+            self.end()
+
+    def on_fire(self, abort):
+        """Run `abort()` when the watchdog fires, before the job is ended (an NCCL group registers its
+        communicators' ncclCommAbort: device work stuck in a collective would otherwise never return)."""
+        self._aborts.append(abort)
 
     @contextlib.contextmanager
     def watching(self, axis, call, nbytes=None, peer=None):
@@ -103,6 +118,17 @@ class Watchdog:
               f"longer than parallel.watchdog_s = {self.seconds:g}; a peer rank is stuck or dead; aborting the job\n"
               f"rank {rank} is waiting in:\n{stack}", file=sys.stderr, flush=True)
         time.sleep(0.5)  # lets the launcher forward the message before the abort tears the job down
+        # last, right before the job ends: device work stuck in NCCL is released (the call the main
+        # thread waits in then fails, and that failure must not get ahead of the abort below)
+        aborted = 0
+        for abort in self._aborts:
+            try:
+                aborted += int(abort() or 0)
+            except Exception as exc:  # noqa: BLE001 - the job ends anyway; say what failed
+                print(f"watchdog: rank {rank}: aborting an NCCL communicator failed: {exc}", file=sys.stderr, flush=True)
+        if aborted:
+            print(f"watchdog: rank {rank}: aborted {aborted} NCCL communicator(s) (ncclCommAbort)", file=sys.stderr,
+                  flush=True)
         if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
             world.Abort(1)
         # this MPI does not allow a call from a second thread: end this rank, the launcher ends the rest
@@ -122,14 +148,13 @@ class HostCollectives:
     metadata between our own ranks. Every call is watched by `WATCHDOG` and none is counted as
     model traffic. `comm` None: one process, every call returns its input."""
 
-    def __init__(self, comm):
-        self.comm = comm
+    def __init__(self, comm, axis="world"):
+        self.comm, self.axis = comm, axis
 
     def _call(self, call, fn):
         if self.comm is None:
             return None
-        with WATCHDOG.watching("world", call):
-            return fn(self.comm)
+        return WATCHDOG.call(self.axis, call, lambda: fn(self.comm))
 
     def sum(self, values):
         """Element-wise sum over all ranks of a sequence of floats, as a float64 array."""
@@ -153,6 +178,14 @@ class HostCollectives:
 
     def barrier(self):
         self._call("Barrier", lambda c: c.Barrier())
+
+    def gather(self, obj, root=0):
+        """Every rank's small picklable object, as a list on `root` (None elsewhere)."""
+        return [obj] if self.comm is None else self._call("gather", lambda c: c.gather(obj, root=root))
+
+    def allgather(self, obj):
+        """Every rank's small picklable object, as a list on every rank."""
+        return [obj] if self.comm is None else self._call("allgather", lambda c: c.allgather(obj))
 
     def allgather_pieces(self, buf, counts):
         """In place over a host array: rank i's piece sits at offset sum(counts[:i]) of `buf`; afterwards
@@ -247,11 +280,7 @@ class Group:
         self._count_collective(nbytes)
         self._sync()
         t0 = time.perf_counter()
-        WATCHDOG.begin(self.axis, call, nbytes)
-        try:
-            run()
-        finally:
-            WATCHDOG.end()
+        WATCHDOG.call(self.axis, call, run, nbytes)
         self.wait_seconds += time.perf_counter() - t0
 
     def reduce_scatter(self, buf, out, counts):

@@ -572,16 +572,20 @@ class _Agreement:
     error any rank met, on every rank, as the same one-line UserError."""
 
     def __init__(self, comm):
+        from boostmpi.parallel.comm import HostCollectives
+
         self.comm = comm
+        # watched (parallel.watchdog_s): a peer that dies or stops during a save ends the job, never hangs it
+        self.host = HostCollectives(comm, axis="checkpoint")
 
     def bcast(self, value):
-        return value if self.comm is None else self.comm.bcast(value, root=0)
+        return self.host.bcast(value)
 
     def gather(self, value):
-        return [value] if self.comm is None else self.comm.gather(value, root=0)
+        return self.host.gather(value)
 
     def check(self, error):
-        errors = [error] if self.comm is None else self.comm.allgather(error)
+        errors = self.host.allgather(error)
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise _raised(first)
