@@ -13,7 +13,6 @@ Every call that can block (a collective, or the wait on a request) is watched by
 one that waits longer than `parallel.watchdog_s` ends the job (see `Watchdog`).
 """
 
-import contextlib
 import os
 import sys
 import threading
@@ -87,15 +86,6 @@ class Watchdog:
         """Run `abort()` when the watchdog fires, before the job is ended (an NCCL group registers its
         communicators' ncclCommAbort: device work stuck in a collective would otherwise never return)."""
         self._aborts.append(abort)
-
-    @contextlib.contextmanager
-    def watching(self, axis, call, nbytes=None, peer=None):
-        """`with WATCHDOG.watching("world", "Barrier"):` watches a call made outside a Group."""
-        self.begin(axis, call, nbytes, peer)
-        try:
-            yield
-        finally:
-            self.end()
 
     def _watch(self):
         while True:
@@ -301,11 +291,8 @@ class Group:
         counts = [int(c) for c in counts]
         if blocking or not self.overlap:
             t0 = time.perf_counter()
-            WATCHDOG.begin(self.axis, "Reduce_scatter", buf.nbytes)
-            try:
-                self.comm.Reduce_scatter(_mpi_buf(wide), _mpi_buf(wide_out), recvcounts=counts, op=MPI.SUM)
-            finally:
-                WATCHDOG.end()
+            WATCHDOG.call(self.axis, "Reduce_scatter", lambda: self.comm.Reduce_scatter(
+                _mpi_buf(wide), _mpi_buf(wide_out), recvcounts=counts, op=MPI.SUM), buf.nbytes)
             put_back()
             self.wait_seconds += time.perf_counter() - t0
             return _DONE
@@ -329,11 +316,8 @@ class Group:
         displs = [int(d) for d in np.concatenate([[0], np.cumsum(counts)[:-1]])]
         self._sync()
         t0 = time.perf_counter()
-        WATCHDOG.begin(self.axis, "Allgatherv", counts[0] * (1 if mpi_type == MPI.BYTE else buf.itemsize))
-        try:
-            self.comm.Allgatherv(MPI.IN_PLACE, [_mpi_buf(buf), counts, displs, mpi_type])
-        finally:
-            WATCHDOG.end()
+        WATCHDOG.call(self.axis, "Allgatherv", lambda: self.comm.Allgatherv(
+            MPI.IN_PLACE, [_mpi_buf(buf), counts, displs, mpi_type]), counts[0] * (1 if mpi_type == MPI.BYTE else buf.itemsize))
         self.wait_seconds += time.perf_counter() - t0
         return buf
 
@@ -366,11 +350,7 @@ class _WatchedRequest:
 
     def wait(self):
         t0 = time.perf_counter()
-        WATCHDOG.begin(self.group.axis, f"wait on {self.call}", self.nbytes, self.peer)
-        try:
-            self.req.Wait()
-        finally:
-            WATCHDOG.end()
+        WATCHDOG.call(self.group.axis, f"wait on {self.call}", self.req.Wait, self.nbytes, self.peer)
         if self.then is not None:
             then, self.then, self.keep = self.then, None, None
             then()
