@@ -387,3 +387,57 @@ def test_four_ranks_started_without_thread_variables_run_one_blas_thread_each():
         assert counts == pinned, (entry, counts, pinned)
     counts, values = _probe_threads("unset")
     assert values == {"None"} and min(counts) > max(pinned), (counts, pinned)
+
+
+# ---------------------------------------------------------------- memory a rank may use
+
+def test_the_cgroup_limit_is_the_tightest_of_the_process_group_and_its_parents(tmp_path):
+    v2 = tmp_path / "v2"
+    (v2 / "job" / "step").mkdir(parents=True)
+    (v2 / "memory.max").write_text("max\n")
+    (v2 / "job" / "memory.max").write_text(f"{8 * 2**30}\n")  # the job's limit
+    (v2 / "job" / "step" / "memory.max").write_text("max\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/job/step\n")
+    assert startup.cgroup_memory_limit(str(v2), str(proc)) == 8 * 2**30
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "slurm").mkdir(parents=True)
+    (v1 / "memory" / "slurm" / "memory.limit_in_bytes").write_text(f"{2**30}\n")
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    proc.write_text("12:cpu,cpuacct:/slurm\n7:memory:/slurm\n")
+    assert startup.cgroup_memory_limit(str(v1), str(proc)) == 2**30
+    proc.write_text("0::/\n")
+    (v2 / "memory.max").write_text("max\n")
+    assert startup.cgroup_memory_limit(str(v2), str(proc)) is None
+
+
+@pytest.mark.parametrize("env,cgroup,total,ranks,expected,named", [
+    ({}, None, 64 * 2**30, 4, 16 * 2**30, "the machine's MemTotal 64.0 GiB over 4 ranks on this node"),
+    ({}, 8 * 2**30, 64 * 2**30, 2, 4 * 2**30, "the cgroup's memory.max 8.0 GiB over 2 ranks on this node"),
+    ({"SLURM_MEM_PER_NODE": "4096"}, None, 64 * 2**30, 1, 4 * 2**30, "Slurm's --mem=4096M"),
+    ({"SLURM_MEM_PER_CPU": "1024", "SLURM_CPUS_PER_TASK": "3"}, None, 64 * 2**30, 8, 3 * 2**30,
+     "Slurm's --mem-per-cpu=1024M x 3 CPU(s) of this task"),
+])
+def test_host_memory_per_rank_takes_the_smallest_share(env, cgroup, total, ranks, expected, named):
+    assert startup.host_memory_per_rank(env, ranks, cgroup=cgroup, total=total) == (expected, named)
+
+
+def test_a_model_that_cannot_fit_is_refused_naming_its_parts_and_the_limit(monkeypatch):
+    from boostmpi.config import load_config
+
+    big = load_config(REPO / "configs" / "tiny.toml", overrides=["model.d_model=1048576", "model.rank=262144",
+                                                                  "model.d_ff=4194304"], world_size=1)
+    memory = startup.model_memory(big)
+    problem = startup.memory_problem(memory, 64 * 2**30, "the machine's MemTotal 64.0 GiB", "host")
+    assert problem.startswith("this model needs about ") and "but a rank may use 64.0 GiB of host memory" in problem
+    assert all(f"{k} " in problem for k in ("params", "grads", "optimizer", "activations"))
+    tiny = startup.model_memory(load_config(REPO / "configs" / "tiny.toml", world_size=1))
+    assert startup.memory_problem(tiny, 64 * 2**30, "x", "host") is None
+    assert startup.memory_problem(tiny, tiny["total"] - 1, "x", "host") is not None  # the check can fail
+    # the GPU path compares with the memory of the GPU the rank will use
+    cupy = _fake_cupy(monkeypatch, 2)
+    cupy.cuda.runtime.getDeviceProperties = lambda device: {"totalGlobalMem": 40 * 2**30}
+    gpu = load_config(REPO / "configs" / "tiny.toml", overrides=["train.device=gpu", "model.vocab_size=100000000"],
+                      world_size=1)
+    with pytest.raises(UserError, match=r"of device memory here \(GPU 1's total memory\)"):
+        startup.check_memory(gpu, None, local_rank=3)

@@ -6,6 +6,8 @@ the configuration validation rejects it (divisibility of heads, ranks, layers, b
 it does not fit in device memory.
 """
 
+import math
+
 from boostmpi.errors import UserError
 from boostmpi.sim.model import predict
 
@@ -15,7 +17,9 @@ RECOMPUTE = {"full": ("none", "layer"), "svd": ("none", "layer", "lowrank"),
 
 
 def divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending, in O(sqrt(n)) steps (--gpus may be any size)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def layouts(gpus):

@@ -968,8 +968,8 @@ def complete_checkpoints(run_dir):
 def find_latest(run_dir):
     """The newest complete checkpoint of a run (following `latest`), or None."""
     root = checkpoints_dir(run_dir)
-    try:
-        with open(os.path.join(root, "latest")) as f:
+    try:  # `latest` that is not UTF-8 reads as no valid name: the newest complete checkpoint instead
+        with open(os.path.join(root, "latest"), errors="replace") as f:
             name = f.read().strip()
         path = os.path.join(root, name)
         if name.startswith("step_") and is_complete(path):
@@ -989,7 +989,7 @@ def resolve(path):
         path = os.path.dirname(path) or "."
     elif os.path.isfile(path) and os.path.basename(path) == "latest":
         try:
-            with open(path) as f:
+            with open(path, errors="replace") as f:  # not UTF-8: refused below, by what it holds
                 name = f.read().strip()
         except OSError as exc:
             raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from exc
