@@ -279,3 +279,29 @@ def test_sim_sweep_over_a_huge_device_count_answers_at_once(tmp_path, capfd):
     for bad in ("0", "-4"):
         assert_refused(capfd, ["sim", "--config", str(TINY_CONFIG), "--machine", "a100-80gb", "--sweep", "--gpus", bad],
                        tmp_path, f"--gpus must be positive, got {bad}")
+
+
+def test_the_dp_change_hint_names_the_micro_batch_when_it_must_change_too(shards, tmp_path, capfd):
+    """A global batch of 6 (3 x 1 x dp 2) resumed on dp 1 with micro-batches of 4: keeping 6 needs a
+    micro-batch that divides it, and the hint says which; following it works."""
+    run_dir = tmp_path / "run"
+    assert run_train(run_dir, *shards, "train.steps=2") == 0
+    checkpoint_as_if_written_with(run_dir, 2, **{"parallel.dp": 2, "train.micro_batch_size": 3,
+                                                 "train.global_batch_size": 6})
+    line = assert_refused(capfd, train_argv(run_dir, *shards, "train.steps=3", "train.micro_batch_size=4"),
+                          run_dir / "checkpoints", "global batch from 6 to 4 sequences",
+                          "train.global_batch_size=6", "and train.micro_batch_size=3", "4 x 1 does not divide 6")
+    assert line.endswith("or set train.global_batch_size=4 to change it"), line
+    assert run_train(run_dir, *shards, "train.steps=3", "train.micro_batch_size=3", "train.global_batch_size=6") == 0
+
+
+def test_a_lone_copy_of_model_h5_is_refused_naming_the_missing_rank_files(trained, shards, tmp_path, capfd):
+    """model.h5's tensors are views of the rank files: copied alone, HDF5 reads NaN. Every command that
+    takes a checkpoint says so instead."""
+    lone = tmp_path / "copy" / "model.h5"
+    lone.parent.mkdir()
+    shutil.copy(trained / "checkpoints" / "step_00000002" / "model.h5", lone)
+    for argv in (["eval", str(lone), "--data", str(shards[1])], ["inspect", str(lone.parent)],
+                 ["generate", str(lone), "--prompt", "a"]):
+        assert_refused(capfd, argv, tmp_path, f"{lone} is not a checkpoint by itself", "rank-tp0-pp0-dp0.h5",
+                       "--to h5")

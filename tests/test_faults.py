@@ -86,6 +86,18 @@ FAULT_LAUNCHER = textwrap.dedent('''
             return save(run_dir, step, *args, **kwargs)
 
         checkpoint.save = save_then_die
+    elif fault.startswith("sigterm-in-validation-at-step-"):
+        # Slurm's SIGTERM to every task while validation runs, after the step's all-reduce
+        from boostmpi.train import trainer
+
+        validate, at = trainer.Trainer.validate, int(fault.rsplit("-", 1)[1])
+
+        def signalled_validate(self):
+            if self.step == at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return validate(self)
+
+        trainer.Trainer.validate = signalled_validate
     elif fault.startswith(("EDQUOT-", "EFBIG-")) and rank == 0:
         # EDQUOT-metrics-at-N: the N-th metrics row gets half-way, then the quota is exceeded;
         # EFBIG-log-at-N: the N-th line of the log (standard output) meets the file-size limit
@@ -478,6 +490,25 @@ def test_too_little_free_space_is_refused_before_writing(text_shards, tmp_path, 
                               "no space left on device; it needs ", "iB, 4.0 KiB free")
 
 
+def test_a_first_checkpoint_that_cannot_be_written_claims_no_previous_one(text_shards, tmp_path, capfd, monkeypatch):
+    """No room at the first save: the line says there is nothing to resume from (not that a previous
+    checkpoint is unchanged), and the rerun says why it cannot resume."""
+    from boostmpi import files
+    from train_helpers import run_train
+
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(files, "free_bytes", lambda path: 4096)
+    capfd.readouterr()
+    assert run_train(run_dir, *text_shards, "train.steps=2") == 2
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "nothing was written, there is no earlier checkpoint" in lines[0], lines
+    assert "previous checkpoint" not in lines[0]
+    monkeypatch.undo()
+    assert run_train(run_dir, *text_shards, "train.steps=2") == 2
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "(its first checkpoint was never written)" in lines[0], lines
+
+
 def test_a_file_size_limit_under_mpiexec_ends_every_rank_with_one_line(text_shards, tmp_path):
     """`ulimit -f` below the size of optim.h5 (MPI itself needs about 10 MB of shared-memory files,
     so the model is made big enough that its optimizer state is not): HDF5 would crash on the
@@ -730,3 +761,14 @@ def test_a_rank_stopped_or_killed_during_a_checkpoint_ends_every_rank_within_the
     latest = checkpoint.find_latest(str(run_dir))
     assert latest == str(run_dir / "checkpoints" / f"step_{2 * EVERY:08d}")
     checkpoint.verify(latest)
+
+
+def test_a_stop_signal_late_in_a_step_is_acted_on_at_that_step(tmp_path):
+    """SIGTERM arriving during validation (after the step's all-reduce has counted the stop flags) stops
+    the job with a checkpoint of that very step, not one step later."""
+    run_dir = tmp_path / "run"
+    argv = _train_argv(run_dir, program=("-c", FAULT_LAUNCHER), steps=40) + ["--set", "train.val_every=5"]
+    status, out, _ = _run(argv, BOOSTMPI_FAULT="sigterm-in-validation-at-step-15")
+    assert status == 75, out
+    assert "stopped by signal at step 15: checkpoint written" in out, out
+    assert [s for s, _ in _losses(run_dir)][-1] == 15

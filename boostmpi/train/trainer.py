@@ -207,8 +207,8 @@ class Trainer:
         path = resume or ckpt.find_latest(self.run_dir)
         if path is None:
             if os.path.exists(self._metrics_path()) and os.path.getsize(self._metrics_path()) > 0:
-                raise UserError(f"{self.run_dir} already holds a run (metrics.jsonl) but no complete checkpoint to resume; "
-                                f"choose another train.run_dir or remove it")
+                raise UserError(f"{self.run_dir} already holds a run (metrics.jsonl) but no complete checkpoint to resume "
+                                f"(its first checkpoint was never written); choose another train.run_dir or remove it")
             return None
         return ckpt.resolve(path)
 
@@ -256,9 +256,23 @@ class Trainer:
             return
         err = ConfigError(f"resuming {path} with parallel.dp = {cfg.parallel.dp} instead of {saved_dp} would change the "
                           f"global batch from {before} to {now} sequences (micro_batch_size x grad_accum x dp); "
-                          f"set train.global_batch_size={before} to keep it (grad_accum follows), or ={now} to change it")
+                          f"{self._keep_batch_hint(before)}, or set train.global_batch_size={now} to change it")
         err.all_ranks = True
         raise err
+
+    def _keep_batch_hint(self, before):
+        """How to keep a global batch of `before` sequences on this run's dp: grad_accum follows the global
+        batch, but micro_batch_size x dp must divide it."""
+        dp, micro = self.cfg.parallel.dp, self.cfg.train.micro_batch_size
+        keep = f"set train.global_batch_size={before} to keep it (grad_accum follows)"
+        if before % (micro * dp) == 0:
+            return keep
+        fitting = [m for m in range(micro, 0, -1) if before % (m * dp) == 0]
+        if not fitting:
+            return (f"a global batch of {before} sequences cannot be split over dp = {dp} ranks (it is not a multiple "
+                    f"of {dp}); resume on a dp that divides it")
+        return (f"{keep}, and train.micro_batch_size={fitting[0]}: micro_batch_size x dp = {micro} x {dp} does not "
+                f"divide {before}")
 
     # ------------------------------------------------------------------ checkpoint
     def save_checkpoint(self):
@@ -367,6 +381,11 @@ class Trainer:
                     self.log(f"step {self.step:>6d}/{tr.steps} | loss {loss:.4f}{val} | lr {lr:.2e} | "
                              f"{tokens_per_step / dt:,.0f} tok/s | elapsed {format_duration(elapsed)} | eta {format_duration(eta)}",
                              live=not want_val and self.step != tr.steps)
+                if not stop:  # a stop signal (or a write failure) that came after the step's all-reduce: this step
+                    late = e.grid.host.max([0.0 if self.preemption.signal is None else 1.0,
+                                            0.0 if self._write_failure is None else 1.0])
+                    self._stop_if_a_write_failed(late[1] > 0)
+                    stop = late[0] > 0
                 self.poll_async_save(wait=self.step == tr.steps)
                 every = cfg.checkpoint.every
                 if (every and self.step % every == 0) or self.step == tr.steps:
