@@ -381,14 +381,18 @@ class Trainer:
                     self.log(f"step {self.step:>6d}/{tr.steps} | loss {loss:.4f}{val} | lr {lr:.2e} | "
                              f"{tokens_per_step / dt:,.0f} tok/s | elapsed {format_duration(elapsed)} | eta {format_duration(eta)}",
                              live=not want_val and self.step != tr.steps)
-                if not stop:  # a stop signal (or a write failure) that came after the step's all-reduce: this step
+                every = cfg.checkpoint.every
+                saving = (every and self.step % every == 0) or self.step == tr.steps
+                if not stop and (want_val or saving):
+                    # a stop signal (or a write failure) that came after the step's all-reduce, during the long
+                    # parts that follow it (validation), is acted on at this step: before its checkpoint. On
+                    # other steps the next step's all-reduce carries it (one all-reduce per ordinary step).
                     late = e.grid.host.max([0.0 if self.preemption.signal is None else 1.0,
                                             0.0 if self._write_failure is None else 1.0])
                     self._stop_if_a_write_failed(late[1] > 0)
                     stop = late[0] > 0
                 self.poll_async_save(wait=self.step == tr.steps)
-                every = cfg.checkpoint.every
-                if (every and self.step % every == 0) or self.step == tr.steps:
+                if saving:
                     self.save_checkpoint()
                     self.poll_async_save(wait=self.step == tr.steps)
                 if stop:
