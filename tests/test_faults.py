@@ -772,3 +772,32 @@ def test_a_stop_signal_late_in_a_step_is_acted_on_at_that_step(tmp_path):
     assert status == 75, out
     assert "stopped by signal at step 15: checkpoint written" in out, out
     assert [s for s, _ in _losses(run_dir)][-1] == 15
+
+
+def test_a_refused_metrics_row_is_cut_off_again(tmp_path, monkeypatch):
+    """Half a row reaches the disk, then the quota refuses the rest: the file is cut back to its last whole
+    row. The mutant that does not cut back leaves the half row, and this check sees it."""
+    import errno
+
+    from boostmpi import files
+
+    path = tmp_path / "metrics.jsonl"
+
+    def half_then_refuse(fd, data):
+        os.write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    def append_refused():
+        log = files.LineLog(path)
+        log.append('{"step": 1}\n')
+        monkeypatch.setattr(files, "_write_all", half_then_refuse)
+        with pytest.raises(files.FilesystemError, match=f"cannot append to {path}: the disk quota is exceeded"):
+            log.append('{"step": 2, "loss": 1.0}\n')
+        log.close()
+        monkeypatch.undo()
+        return path.read_text()
+
+    assert append_refused() == '{"step": 1}\n'
+    path.unlink()
+    monkeypatch.setattr(os, "ftruncate", lambda fd, length: None)  # the mutant
+    assert append_refused() != '{"step": 1}\n'
