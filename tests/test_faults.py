@@ -86,6 +86,20 @@ FAULT_LAUNCHER = textwrap.dedent('''
             return save(run_dir, step, *args, **kwargs)
 
         checkpoint.save = save_then_die
+    elif fault == "slow-stop-save":
+        # the checkpoint a stop signal asks for takes 8 s: time for a second Ctrl-C while it is written
+        import time
+
+        from boostmpi.train import trainer
+
+        save_checkpoint = trainer.Trainer.save_checkpoint
+
+        def slow_save_checkpoint(self):
+            if self.preemption.signal is not None:
+                time.sleep(8)
+            return save_checkpoint(self)
+
+        trainer.Trainer.save_checkpoint = slow_save_checkpoint
     elif fault.startswith("sigterm-in-validation-at-step-"):
         # Slurm's SIGTERM to every task while validation runs, after the step's all-reduce
         from boostmpi.train import trainer
@@ -801,3 +815,37 @@ def test_a_refused_metrics_row_is_cut_off_again(tmp_path, monkeypatch):
     path.unlink()
     monkeypatch.setattr(os, "ftruncate", lambda fd, length: None)  # the mutant
     assert append_refused() != '{"step": 1}\n'
+
+
+def test_a_second_ctrl_c_stops_at_once_with_a_failure_status(tmp_path):
+    """Ctrl-C, then Ctrl-C again 2 s later while the stop's checkpoint is still being written: the job
+    ends at once without it (Hydra's mpiexec forces the abort; a rank that sees the second SIGINT
+    itself exits 130), mpiexec's status says the job failed (never 0, never 75), no rank outlives it,
+    and the previous checkpoint stays the latest and intact."""
+    from boostmpi.train import checkpoint
+
+    run_dir = tmp_path / "run"
+    proc = _start(_train_argv(run_dir, program=("-c", FAULT_LAUNCHER)), tmp_path / "log", BOOSTMPI_FAULT="slow-stop-save")
+    try:
+        ranks = _wait_ranks(proc)
+        _wait_for_rows(run_dir, 15, proc)
+        launcher = _launcher_pid(proc.pid)
+        os.kill(launcher, signal.SIGINT)
+        time.sleep(2)
+        os.kill(launcher, signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "log").read_text()
+    assert proc.returncode not in (0, 75), log
+    assert "stopped by signal" not in log and "done: step" not in log, log
+    deadline = time.monotonic() + 5  # the launcher's SIGKILLs may land just after it exits
+    while any(_alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = {rank: Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[:2]
+             for rank, pid in ranks.items() if _alive(pid)}
+    assert not alive, f"ranks outlived the job (state, parent): {alive}\n{log}"
+    latest = checkpoint.find_latest(str(run_dir))
+    assert latest is not None and int(Path(latest).name.split("_")[1]) % EVERY == 0
+    checkpoint.verify(latest)
