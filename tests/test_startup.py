@@ -340,7 +340,7 @@ def test_each_rank_gets_its_share_of_the_cores_and_a_user_value_stands(env, core
 # boostmpi`), then loads NumPy, makes OpenBLAS work and counts its own threads.
 THREAD_PROBE = '''
 import os, runpy, sys
-entry = sys.argv[1]
+entry, out = sys.argv[1], sys.argv[2]
 import boostmpi.cli
 assert "numpy" not in sys.modules, "importing boostmpi.cli loaded NumPy"
 if entry == "unset":  # the mutant: what the command line did before it set the variables
@@ -357,21 +357,26 @@ import numpy as np
 a = np.ones((512, 512))
 for _ in range(3):
     a @ a  # OpenBLAS has started its pool by now
-print("threads", len(os.listdir("/proc/self/task")), os.environ.get("OPENBLAS_NUM_THREADS"), flush=True)
+# a file per rank: the launcher may interleave the ranks' output lines
+with open(os.path.join(out, f"rank-{os.environ['PMI_RANK']}"), "w") as f:
+    f.write(f"{len(os.listdir('/proc/self/task'))} {os.environ.get('OPENBLAS_NUM_THREADS')}\\n")
 '''
 
 
 def _probe_threads(entry, **env):
+    import tempfile
+
     from mpi_helpers import MPIEXEC
 
     clean = {k: v for k, v in os.environ.items() if k not in startup.THREAD_VARIABLES}  # tests/run.sh sets them
     clean.update(env, PYTHONPATH=str(REPO))
-    p = subprocess.run(["timeout", "120", MPIEXEC, "-n", "4", sys.executable, "-c", THREAD_PROBE, entry],
-                       env=clean, capture_output=True, text=True, timeout=150)
-    assert p.returncode == 0, p.stdout + p.stderr
-    rows = [line.split() for line in p.stdout.splitlines() if line.startswith("threads ")]
-    assert len(rows) == 4, p.stdout + p.stderr
-    return [int(r[1]) for r in rows], {r[2] for r in rows}
+    with tempfile.TemporaryDirectory() as out:
+        p = subprocess.run(["timeout", "120", MPIEXEC, "-n", "4", sys.executable, "-c", THREAD_PROBE, entry, out],
+                           env=clean, capture_output=True, text=True, timeout=150)
+        assert p.returncode == 0, p.stdout + p.stderr
+        rows = [Path(out, name).read_text().split() for name in sorted(os.listdir(out))]
+    assert len(rows) == 4, (rows, p.stdout + p.stderr)
+    return [int(r[0]) for r in rows], {r[1] for r in rows}
 
 
 @pytest.mark.skipif(startup.usable_cores() < 2, reason="one core: OpenBLAS starts no extra threads to count")
