@@ -11,6 +11,7 @@ import os
 import sys
 
 from boostmpi.errors import UserError
+from boostmpi.parallel.startup import set_host_threads  # imports no NumPy
 
 # command name -> module that registers it
 COMMANDS = {
@@ -69,6 +70,8 @@ def version():
 
 
 def main(argv=None):
+    # first, before anything imports NumPy: under mpiexec/srun, one share of the node's cores per rank
+    set_host_threads()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     if command == "help":  # `boostmpi help [COMMAND]`
@@ -102,10 +105,11 @@ def _parse_and_run(parser, argv):
     except BrokenPipeError:  # output piped into `head` and the like: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except OSError as exc:  # a path the filesystem refused: a one-line error, not a traceback
-        if exc.filename is None:
-            raise
-        from boostmpi.files import fs_error
+    except OSError as exc:  # a path the filesystem refused, or a full disk: a one-line error, not a traceback
+        from boostmpi.files import fs_error, is_out_of_space
 
-        print(f"error: {fs_error(exc, 'cannot use')}", file=sys.stderr)
+        full = is_out_of_space(exc)
+        if exc.filename is None and not full:
+            raise
+        print(f"error: {fs_error(exc, 'cannot write' if full else 'cannot use')}", file=sys.stderr)
         return 2

@@ -466,6 +466,9 @@ def _checked_type(section, key, value):
         ok = isinstance(value, bool)
     elif f.type is int:
         ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        top = 2**64 if key == "seed" else 2**63  # a seed may use all 64 bits; every other count fits int64
+        if ok and not -2**63 <= value < top:
+            raise _error(f"{section}.{key} = {value} does not fit in 64 bits (at most {top - 1})")
     elif f.type is float:
         ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
         if ok and not math.isfinite(value):

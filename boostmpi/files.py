@@ -61,9 +61,11 @@ def atomic_file(path, mode="w"):
             f.flush()
             os.fsync(f.fileno())  # the rename must never expose a file whose data is not on disk
         os.replace(tmp_path, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.remove(tmp_path)
+        if isinstance(exc, OSError) and exc.filename is None:
+            exc.filename = path  # a write() that failed names no file: name the one being written
         raise
     fsync_dir(folder)
 
@@ -81,6 +83,41 @@ def write_at(fd, data, offset):
     while view.nbytes:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+def _write_all(fd, data):
+    """os.write until all of `data` is written (a short write is not an error)."""
+    view = memoryview(data)
+    while view.nbytes:
+        view = view[os.write(fd, view):]
+
+
+class LineLog:
+    """A file that only grows by whole lines (metrics.jsonl). Each line goes to the file with unbuffered
+    writes, so nothing waits in a buffer to fail later; a line the filesystem refuses (a full disk, a
+    quota, a file-size limit) is cut off again, the file still ends with its last whole line, and the
+    refusal is a FilesystemError naming the file."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        try:
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        except OSError as exc:
+            raise fs_error(exc, "cannot open", self.path) from exc
+
+    def append(self, line):
+        end = os.lseek(self.fd, 0, os.SEEK_END)
+        try:
+            _write_all(self.fd, line.encode())
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, end)
+            raise fs_error(exc, "cannot append to", self.path) from exc
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def free_bytes(path):
@@ -197,3 +234,149 @@ def check_writable_parent(path, what):
         raise FilesystemError(f"{what} {path}: the folder {parent} does not exist")
     check_dir_creatable(parent, f"{what} {path}: the folder")
     return path
+
+
+# ---------------------------------------------------------------- one run per run directory
+
+LOCK_NAME = ".lock"
+LEASE_S = 120.0  # without OS locks: a holder on another host that has not renewed its lease for this long is gone
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+class RunDirInUse(FilesystemError):
+    """Another live run holds the run directory."""
+
+
+def _holder_text(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read(4096).decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+def _describe_holder(text):
+    import json
+
+    try:
+        h = json.loads(text)
+        return f"host {h['host']}, pid {h['pid']}, started {h['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "a holder that left no record" if not text else f"a holder recorded as {text[:80]!r}"
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True  # someone else's live process, or a record we cannot read: assume alive
+    return True
+
+
+class RunLock:
+    """Held by one process (rank 0) for a run's life: `run_dir/.lock`, an OS lock (flock) on a file that
+    records its holder (host, pid, start time). The kernel (or, on a network filesystem, the file
+    server) drops the lock when its holder dies, however it dies: a second run on a live run directory
+    is refused naming the holder, and a record left by a dead holder is reported as stale and taken
+    over. Where the filesystem has no locks, the record is a lease renewed every LEASE_S / 4 seconds:
+    on the same host a dead pid frees it at once, from another host a lease older than LEASE_S."""
+
+    def __init__(self, run_dir, what="train.run_dir"):
+        import json
+        import socket
+        import time
+
+        self.path = os.path.join(os.fspath(run_dir), LOCK_NAME)
+        self.what, self.run_dir = what, os.fspath(run_dir)
+        self.host = socket.gethostname()
+        self.record = json.dumps({"host": self.host, "pid": os.getpid(),
+                                  "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
+        self.stale = None  # the record of a dead holder this lock replaced, in words
+        self._file, self._lease = None, None
+
+    def acquire(self):
+        """Take the lock or raise RunDirInUse naming its holder. Returns self."""
+        try:
+            self._acquire()
+        except OSError as exc:
+            raise fs_error(exc, f"cannot lock {self.what}", self.path) from exc
+        return self
+
+    def _acquire(self):
+        import fcntl
+
+        while True:
+            f = open(self.path, "a+b")
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                self._refuse(_holder_text(self.path))
+            except OSError as exc:
+                f.close()
+                if exc.errno not in _NO_LOCKS:
+                    raise
+                return self._acquire_lease()
+            try:  # a holder that released (and removed the file) between our open and our lock: try again
+                same = os.path.samestat(os.fstat(f.fileno()), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            f.close()
+        f.seek(0)
+        previous = f.read(4096).decode("utf-8", "replace").strip()
+        if previous:
+            self.stale = _describe_holder(previous)
+        f.seek(0)
+        f.truncate()
+        f.write(self.record.encode() + b"\n")
+        f.flush()
+        self._file = f
+
+    def _refuse(self, text):
+        raise RunDirInUse(f"{self.what} {self.run_dir} is in use by another run ({_describe_holder(text)}; lock file "
+                          f"{self.path}): wait for it to end or stop it, or choose another {self.what}")
+
+    def _acquire_lease(self):
+        import json
+        import threading
+        import time
+
+        text = _holder_text(self.path)
+        if text:
+            try:
+                holder = json.loads(text)
+                same_host = holder.get("host") == self.host
+                alive = _pid_alive(holder.get("pid")) if same_host else \
+                    time.time() - os.stat(self.path).st_mtime < LEASE_S
+            except (ValueError, AttributeError, OSError):
+                alive = False
+            if alive:
+                self._refuse(text)
+            self.stale = _describe_holder(text)
+        write_file_atomically(self.path, self.record + "\n")
+        stop = threading.Event()
+
+        def renew():
+            while not stop.wait(LEASE_S / 4):
+                with contextlib.suppress(OSError):
+                    os.utime(self.path)
+
+        threading.Thread(target=renew, name="boostmpi-run-lease", daemon=True).start()
+        self._lease = stop
+
+    def release(self):
+        """Remove the record and drop the lock (the record is removed while the lock is still held)."""
+        if self._file is None and self._lease is None:
+            return
+        with contextlib.suppress(OSError):
+            os.remove(self.path)
+        if self._lease is not None:
+            self._lease.set()
+            self._lease = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -23,8 +23,8 @@ source jobs/setup_env.sh || exit 1
 # shellcheck source=jobs/common.sh
 source jobs/common.sh || exit 1
 
-# ---- environment: one BLAS/OpenMP thread per rank (the ranks already use the cores)
-export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+# ---- environment: BLAS/OpenMP threads per rank are left to boostmpi, which gives each rank the
+# machine's cores divided by the ranks (MPI_LOCALNRANKS) before NumPy loads; a value set here wins
 
 if [ "${BOOSTMPI_DRY_RUN:-0}" = 1 ]; then
   PY="${BOOSTMPI_VENV:-$PWD/.venv}/bin/python"

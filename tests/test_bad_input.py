@@ -37,6 +37,11 @@ BAD_SETTINGS = {
     "mlp rank above min(d_in, d_out)": (["model.mlp_rank=33"], ["model.mlp_rank", "33", "32"]),
     "odd head dim": (["model.d_model=36"], ["head dim", "9"]),
     "layout larger than the ranks started": (["parallel.tp=2"], ["parallel.tp", "1 MPI rank"]),
+    "seed beyond 64 bits": (["train.seed=18446744073709551616"], ["train.seed", "does not fit in 64 bits"]),
+    "a count beyond int64": (["train.steps=9223372036854775808"], ["train.steps", "does not fit in 64 bits"]),
+    # refused from an estimate, before anything is allocated (the embedding alone would be 119 GiB)
+    "vocabulary too large for memory": (["model.vocab_size=1000000000"],
+                                        ["needs about", "GiB per rank", "of host memory here", "model.vocab_size"]),
 }
 
 
@@ -222,3 +227,81 @@ def test_a_run_dir_on_a_read_only_filesystem_is_refused(shards, tmp_path):
     lines = done.stderr.splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert lines[0] == f"error: train.run_dir {mount / 'run'} is on a read-only filesystem ({mount})", lines[0]
+
+
+# ---------------------------------------------------------------- the other commands' bad input
+
+@pytest.fixture(scope="module")
+def trained(shards, tmp_path_factory):
+    """A run directory with checkpoints of steps 1 and 2."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    assert run_train(run_dir, *shards, "train.steps=2", "checkpoint.every=1") == 0
+    return run_dir
+
+
+def test_generate_refuses_a_seed_numpy_cannot_take(trained, tmp_path, capfd):
+    for seed in ("-1", str(2**64)):
+        assert_refused(capfd, ["generate", str(trained), "--prompt", "def ", "--seed", seed], trained,
+                       "--seed must be between 0 and 2**64 - 1", seed)
+
+
+def test_a_latest_that_is_not_utf8(trained, shards, tmp_path, capfd):
+    """Named itself it is refused, naming what it holds; through the run directory it reads as no valid
+    name, like a stale one: the newest complete checkpoint is used (eval, and train resumes)."""
+    import shutil
+
+    from boostmpi.cli import main
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    latest = run_dir / "checkpoints" / "latest"
+    latest.write_bytes(b"\xff\xfestep_\x80\n")
+    assert_refused(capfd, ["eval", str(latest), "--data", str(shards[1])], run_dir, str(latest),
+                   "does not name a checkpoint folder")
+    capfd.readouterr()
+    assert main(["eval", str(run_dir), "--data", str(shards[1]), "--max-windows", "2"]) == 0
+    assert '"step": 2' in capfd.readouterr().out
+    assert run_train(run_dir, *shards, "train.steps=3", "checkpoint.every=1") == 0
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000002'} (step 2)" in capfd.readouterr().out
+
+
+def test_sim_sweep_over_a_huge_device_count_answers_at_once(tmp_path, capfd):
+    """10**12 devices: the layouts come from the count's 169 divisors, found in a million steps, not
+    10**12; none fits the tiny model's batch, which is one line and exit 2."""
+    import time
+
+    from train_helpers import TINY_CONFIG
+
+    t0 = time.monotonic()
+    assert_refused(capfd, ["sim", "--config", str(TINY_CONFIG), "--machine", "a100-80gb", "--sweep", "--gpus",
+                           "1000000000000"], tmp_path, "no layout of this model fits on 1000000000000 x")
+    assert time.monotonic() - t0 < 30
+    for bad in ("0", "-4"):
+        assert_refused(capfd, ["sim", "--config", str(TINY_CONFIG), "--machine", "a100-80gb", "--sweep", "--gpus", bad],
+                       tmp_path, f"--gpus must be positive, got {bad}")
+
+
+def test_the_dp_change_hint_names_the_micro_batch_when_it_must_change_too(shards, tmp_path, capfd):
+    """A global batch of 6 (3 x 1 x dp 2) resumed on dp 1 with micro-batches of 4: keeping 6 needs a
+    micro-batch that divides it, and the hint says which; following it works."""
+    run_dir = tmp_path / "run"
+    assert run_train(run_dir, *shards, "train.steps=2") == 0
+    checkpoint_as_if_written_with(run_dir, 2, **{"parallel.dp": 2, "train.micro_batch_size": 3,
+                                                 "train.global_batch_size": 6})
+    line = assert_refused(capfd, train_argv(run_dir, *shards, "train.steps=3", "train.micro_batch_size=4"),
+                          run_dir / "checkpoints", "global batch from 6 to 4 sequences",
+                          "train.global_batch_size=6", "and train.micro_batch_size=3", "4 x 1 does not divide 6")
+    assert line.endswith("or set train.global_batch_size=4 to change it"), line
+    assert run_train(run_dir, *shards, "train.steps=3", "train.micro_batch_size=3", "train.global_batch_size=6") == 0
+
+
+def test_a_lone_copy_of_model_h5_is_refused_naming_the_missing_rank_files(trained, shards, tmp_path, capfd):
+    """model.h5's tensors are views of the rank files: copied alone, HDF5 reads NaN. Every command that
+    takes a checkpoint says so instead."""
+    lone = tmp_path / "copy" / "model.h5"
+    lone.parent.mkdir()
+    shutil.copy(trained / "checkpoints" / "step_00000002" / "model.h5", lone)
+    for argv in (["eval", str(lone), "--data", str(shards[1])], ["inspect", str(lone.parent)],
+                 ["generate", str(lone), "--prompt", "a"]):
+        assert_refused(capfd, argv, tmp_path, f"{lone} is not a checkpoint by itself", "rank-tp0-pp0-dp0.h5",
+                       "--to h5")

@@ -67,20 +67,87 @@ FAULT_LAUNCHER = textwrap.dedent('''
         # kill-rank-1-while-saving-step-N: rank 1 gets it once its own file is written, the others still writing
         from boostmpi.train import checkpoint
 
+        # stop-rank-1-while-saving-step-N: rank 1 is stopped (SIGSTOP) there instead: alive, never answering
+        import time
+
         kill_step = int(fault.rsplit("-", 1)[1])
-        victim, at = (1, "rank file") if fault.startswith("kill-rank-1-") else (0, "model.h5")
+        victim, at = (1, "rank file") if fault.startswith(("kill-rank-1-", "stop-rank-1-")) else (0, "model.h5")
+        how = signal.SIGSTOP if fault.startswith("stop-") else signal.SIGKILL
         save = checkpoint.save
 
         def save_then_die(run_dir, step, *args, **kwargs):
             if step == kill_step:
                 def die_after_model_h5(stage):
                     if stage == at and rank == victim:
-                        os.kill(os.getpid(), signal.SIGKILL)
+                        if os.environ.get("BOOSTMPI_FAULT_NOTE"):  # when it happened, for the test to measure from
+                            with open(os.environ["BOOSTMPI_FAULT_NOTE"], "w") as note:
+                                note.write(f"{how.name} {time.time():.3f}\\n")
+                        os.kill(os.getpid(), how)
 
                 kwargs["crash_hook"] = die_after_model_h5
             return save(run_dir, step, *args, **kwargs)
 
         checkpoint.save = save_then_die
+    elif fault == "slow-stop-save":
+        # the checkpoint a stop signal asks for takes 8 s: time for a second Ctrl-C while it is written
+        import time
+
+        from boostmpi.train import trainer
+
+        save_checkpoint = trainer.Trainer.save_checkpoint
+
+        def slow_save_checkpoint(self):
+            if self.preemption.signal is not None:
+                time.sleep(8)
+            return save_checkpoint(self)
+
+        trainer.Trainer.save_checkpoint = slow_save_checkpoint
+    elif fault.startswith("sigterm-in-validation-at-step-"):
+        # Slurm's SIGTERM to every task while validation runs, after the step's all-reduce
+        from boostmpi.train import trainer
+
+        validate, at = trainer.Trainer.validate, int(fault.rsplit("-", 1)[1])
+
+        def signalled_validate(self):
+            if self.step == at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return validate(self)
+
+        trainer.Trainer.validate = signalled_validate
+    elif fault.startswith(("EDQUOT-", "EFBIG-")) and rank == 0:
+        # EDQUOT-metrics-at-N: the N-th metrics row gets half-way, then the quota is exceeded;
+        # EFBIG-log-at-N: the N-th line of the log (standard output) meets the file-size limit
+        import errno
+
+        code, where, _, n = fault.split("-")
+        refusal = OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+        calls = [0]
+        if where == "metrics":
+            from boostmpi import files
+
+            write_all = files._write_all
+
+            def refusing_write_all(fd, data):
+                calls[0] += 1
+                if calls[0] == int(n):
+                    write_all(fd, data[: len(data) // 2])
+                    raise refusal
+                write_all(fd, data)
+
+            files._write_all = refusing_write_all
+        else:
+            import builtins
+
+            from boostmpi.train import trainer
+
+            def refusing_print(*args, **kwargs):
+                if kwargs.get("file") is not sys.stderr:
+                    calls[0] += 1
+                    if calls[0] == int(n):
+                        raise refusal
+                builtins.print(*args, **kwargs)
+
+            trainer.print = refusing_print
     from boostmpi.cli import main
 
     sys.exit(main(sys.argv[1:]))
@@ -213,6 +280,15 @@ def test_kill_9_of_one_rank_ends_all_and_the_restart_continues_exactly(tmp_path,
     proc = _start(_train_argv(run_dir), tmp_path / "first.log")
     try:
         ranks = _wait_ranks(proc)
+        _wait_for_rows(run_dir, 25, proc)
+        # a second run on the live run directory (any layout) is refused in one line naming the holder
+        first = _train_argv(run_dir)
+        status, out, _ = _run(["timeout", str(JOB_TIMEOUT_S), PY, "-m", "boostmpi", *first[first.index("train"):],
+                               "--set", "parallel.tp=1", "--set", "parallel.dp=1"])
+        lines = [line for line in out.splitlines() if line.strip() and not line.startswith(("mpi:", "boostmpi |"))]
+        assert status == 2 and len(lines) == 1, out
+        assert lines[0].startswith(f"error: train.run_dir {run_dir} is in use by another run (host "), lines[0]
+        assert f"pid {ranks[0]}, started " in lines[0], lines[0]
         _wait_for_rows(run_dir, 35, proc)
         killed_at = time.monotonic()
         os.kill(ranks[1], signal.SIGKILL)
@@ -234,10 +310,13 @@ def test_kill_9_of_one_rank_ends_all_and_the_restart_continues_exactly(tmp_path,
     resumed_step = int(Path(latest).name.split("_")[1])
     assert 0 < resumed_step < STEPS
 
+    stale = (run_dir / ".lock").exists()  # rank 0 was ended by the launcher before it could release it
     status, out, _ = _run(_train_argv(run_dir))
     assert status == 0, out
     assert f"resumed from {latest} (step {resumed_step})" in out
-    assert _losses(run_dir) == reference  # exactly: same steps, bit-identical losses
+    assert (f"the lock of {run_dir} was stale (host " in out) == stale, out
+    assert _losses(run_dir) == reference  # exactly: same steps, bit-identical losses, in step order
+    assert not (run_dir / ".lock").exists()
 
 
 @pytest.mark.parametrize("fault,left", [("kill-while-saving-step-", "model.h5"),
@@ -427,6 +506,25 @@ def test_too_little_free_space_is_refused_before_writing(text_shards, tmp_path, 
                               "no space left on device; it needs ", "iB, 4.0 KiB free")
 
 
+def test_a_first_checkpoint_that_cannot_be_written_claims_no_previous_one(text_shards, tmp_path, capfd, monkeypatch):
+    """No room at the first save: the line says there is nothing to resume from (not that a previous
+    checkpoint is unchanged), and the rerun says why it cannot resume."""
+    from boostmpi import files
+    from train_helpers import run_train
+
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(files, "free_bytes", lambda path: 4096)
+    capfd.readouterr()
+    assert run_train(run_dir, *text_shards, "train.steps=2") == 2
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "nothing was written, there is no earlier checkpoint" in lines[0], lines
+    assert "previous checkpoint" not in lines[0]
+    monkeypatch.undo()
+    assert run_train(run_dir, *text_shards, "train.steps=2") == 2
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "(its first checkpoint was never written)" in lines[0], lines
+
+
 def test_a_file_size_limit_under_mpiexec_ends_every_rank_with_one_line(text_shards, tmp_path):
     """`ulimit -f` below the size of optim.h5 (MPI itself needs about 10 MB of shared-memory files,
     so the model is made big enough that its optimizer state is not): HDF5 would crash on the
@@ -475,3 +573,283 @@ def test_a_really_full_disk_under_mpiexec_ends_every_rank_with_one_line(text_sha
     assert [line for line in lines if line.startswith(("step_", "latest"))] == ["latest", "step_00000002", "step_00000002"]
     digests = {f"step_00000002/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest() for p in previous.iterdir()}
     assert {line.split()[1]: line.split()[0] for line in lines if "  step_" in line} == digests
+
+
+# ---------------------------------------------------------------- one run per run directory
+
+HOLD_LOCK = textwrap.dedent('''
+    import sys, time
+    from boostmpi.files import RunLock
+
+    lock = RunLock(sys.argv[1]).acquire()  # held while this process lives
+    print("held", flush=True)
+    time.sleep(120)
+''')
+
+
+def test_the_lock_of_a_killed_holder_is_stale_and_taken_over(tmp_path):
+    """A real holder in another process: refused while it lives, taken over (saying so) once it is
+    killed with SIGKILL, and released (the file removed) by the new holder."""
+    from boostmpi.files import RunDirInUse, RunLock
+
+    holder = subprocess.Popen(["timeout", "150", PY, "-c", HOLD_LOCK, str(tmp_path)], cwd=REPO, env=_env(),
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        pid = _children()[holder.pid][0]
+        with pytest.raises(RunDirInUse, match=rf"in use by another run \(host \S+, pid {pid}, started 20\d\d-"):
+            RunLock(tmp_path).acquire()
+        os.kill(pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+    lock = RunLock(tmp_path).acquire()
+    assert lock.stale is not None and f"pid {pid}" in lock.stale
+    with pytest.raises(RunDirInUse):  # another open of the file, even in this process, is refused
+        RunLock(tmp_path).acquire()
+    lock.release()
+    assert not (tmp_path / ".lock").exists()
+    RunLock(tmp_path).acquire().release()  # a clean release leaves nothing stale behind
+
+
+@pytest.mark.parametrize("holder,age_s,refused", [
+    ("this host, live pid", 0, True), ("this host, dead pid", 0, False),
+    ("another host, lease renewed", 10, True), ("another host, lease expired", 1000, False)])
+def test_without_os_locks_the_record_is_a_lease(holder, age_s, refused, tmp_path, monkeypatch):
+    """A filesystem that refuses flock (ENOLCK): the holder record decides, by pid on the same host
+    and by the age of the lease (the file's mtime, renewed by the holder) from another host."""
+    import errno
+    import fcntl
+    import json
+    import socket
+
+    from boostmpi import files
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    dead = subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    host = socket.gethostname() if holder.startswith("this") else "elsewhere-node-7"
+    pid = os.getpid() if "live" in holder else int(dead)
+    record = tmp_path / ".lock"
+    record.write_text(json.dumps({"host": host, "pid": pid, "started": "2026-01-01 00:00:00 UTC"}))
+    os.utime(record, (time.time() - age_s, time.time() - age_s))
+    if refused:
+        with pytest.raises(files.RunDirInUse, match=f"host {host}, pid {pid}, started 2026-01-01"):
+            files.RunLock(tmp_path).acquire()
+        return
+    lock = files.RunLock(tmp_path).acquire()
+    assert lock.stale == f"host {host}, pid {pid}, started 2026-01-01 00:00:00 UTC"
+    assert json.loads(record.read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not record.exists()
+
+
+# ---------------------------------------------------------------- a disk that fills up during training
+
+def test_a_disk_filled_during_training_ends_the_job_in_one_line_and_every_writer_refuses_it(text_shards, tmp_path):
+    """A real tmpfs of 8 MiB of its own: 2 ranks train, and once the first checkpoint is there the
+    rest of the disk is filled. The metrics append fails on rank 0: one line, exit 2 for the whole
+    job, metrics.jsonl ends with its last whole row, and the checkpoint evaluates. Then `export`
+    (two formats), `plot` and `data` on the full disk: one line and exit 2 each."""
+    from train_helpers import run_on_a_private_tmpfs, train_argv
+
+    mount, logs = tmp_path / "disk", tmp_path / "logs"
+    mount.mkdir(), logs.mkdir()
+    run_dir = mount / "run"
+    argv = " ".join(f"'{a}'" for a in train_argv(run_dir, *text_shards, "train.steps=3000", "checkpoint.every=20",
+                                                  "train.log_every=1", "parallel.tp=2"))
+    boostmpi = f"timeout {JOB_TIMEOUT_S} {PY} -m boostmpi"
+
+    def step(name, command):  # run `command`, its stderr and exit status into logs/name.*
+        return f"{command} >{logs}/{name}.out 2>{logs}/{name}.err; echo $? >{logs}/{name}.status; "
+
+    script = (f"( {step('train', f'timeout {JOB_TIMEOUT_S} {MPIEXEC} -n 2 {PY} -m boostmpi {argv}')} ) & "
+              f"while [ ! -e {run_dir}/checkpoints/latest ] && [ ! -e {logs}/train.status ]; do sleep 0.05; done; "
+              f"dd if=/dev/zero of={mount}/filler bs=64k 2>/dev/null; wait; "
+              f"rm -f {mount}/filler; dd if=/dev/zero of={mount}/filler bs=64k 2>/dev/null; "  # nothing freed since
+              + step("export-safetensors", f"{boostmpi} export {run_dir} --to safetensors --out {mount}/w.safetensors")
+              + step("export-h5", f"{boostmpi} export {run_dir} --to h5 --out {mount}/w.h5")
+              + step("plot", f"{boostmpi} plot {run_dir} --out {mount}/curves.png")
+              + step("data", f"{boostmpi} data --builtin --max-bytes 3000000 --out {mount}/data")
+              + f"cp -a {run_dir} {tmp_path}/saved")
+    done = run_on_a_private_tmpfs(mount, "size=8m", script, env=_env(), timeout=JOB_TIMEOUT_S * 3)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for name, fragment in [("train", f"error: cannot append to {run_dir}/metrics.jsonl: no space left on device"),
+                           ("export-safetensors", f"error: cannot write {mount}/w.safetensors: no space left on device"),
+                           ("export-h5", f"error: cannot write {mount}/w.h5: no space left on device"),
+                           ("plot", f"error: cannot write {mount}/curves.png: no space left on device"),
+                           ("data", f"error: cannot write {mount}/data")]:
+        err = (logs / f"{name}.err").read_text()
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert (logs / f"{name}.status").read_text().strip() == "2", (name, err)
+        assert len(lines) == 1 and lines[0].startswith(fragment), (name, err)
+        assert "no space left on device" in lines[0], (name, err)
+    saved = tmp_path / "saved"
+    assert not (saved / ".lock").exists()
+    rows = [json.loads(line) for line in open(saved / "metrics.jsonl")]  # every row whole
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) < 3000
+    from boostmpi.cli import main
+
+    assert main(["eval", str(saved), "--data", str(text_shards[1]), "--max-windows", "4"]) == 0
+
+
+@pytest.mark.parametrize("fault,line", [
+    ("EDQUOT-metrics-at-25", "cannot append to {run_dir}/metrics.jsonl: the disk quota is exceeded"),
+    ("EFBIG-log-at-25", "cannot write the log (standard output) <stdout>: the file-size limit was reached (ulimit -f)")])
+def test_a_quota_or_file_size_limit_on_rank_0_ends_every_rank_with_one_line(fault, line, tmp_path):
+    """Injected on rank 0 alone (the fault launcher): the job ends with one line and exit status 2 on
+    every rank at the next step, no traceback; metrics.jsonl ends with its last whole row, in step
+    order; the last checkpoint is intact."""
+    from boostmpi.train import checkpoint
+
+    run_dir = tmp_path / "run"
+    status, out, seconds = _run(_train_argv(run_dir, program=("-c", FAULT_LAUNCHER), steps=60),
+                                BOOSTMPI_FAULT=fault)
+    errors = [x for x in out.splitlines() if "error" in x.lower() or "Traceback" in x or "MPI_Abort" in x]
+    assert status == 2, out
+    assert errors == ["error: " + line.format(run_dir=run_dir)], out
+    steps = [s for s, _ in _losses(run_dir)]
+    assert steps == list(range(1, len(steps) + 1)) and 20 <= len(steps) <= 25, steps
+    latest = checkpoint.find_latest(str(run_dir))
+    assert latest == str(run_dir / "checkpoints" / "step_00000020")
+    checkpoint.verify(latest)
+    assert seconds < 30
+
+
+# ---------------------------------------------------------------- a peer lost during a checkpoint
+
+NCCL_WATCHDOG_SCRIPT = textwrap.dedent('''
+    """On the CuPy stand-in's NCCL: rank 1 never joins the second all-reduce of an NCCL group."""
+    import sys
+    import time
+
+    import cupy
+    from mpi4py import MPI
+
+    from boostmpi.parallel.comm import CommCounter, configure_watchdog
+    from boostmpi.parallel.nccl import NcclGroup, select_device
+
+    configure_watchdog(float(sys.argv[1]))
+    select_device(MPI.COMM_WORLD.Get_rank())
+    group = NcclGroup("dp", MPI.COMM_WORLD.Dup(), CommCounter())
+    buf = cupy.ones(8, dtype=cupy.float32)
+    group.allreduce(buf)
+    assert float(buf.get()[0]) == 2.0
+    if group.rank == 1:
+        time.sleep(60)  # stuck outside NCCL
+    group.allreduce(buf)
+''')
+
+
+def test_the_watchdog_aborts_a_stuck_nccl_group():
+    tests = REPO / "tests"
+    env = {"PYTHONPATH": os.pathsep.join([str(tests / "cupy_standin"), str(tests), str(REPO)]),
+           "BOOSTMPI_CUPY_STANDIN": "1"}
+    status, out, seconds = _run(["timeout", "60", MPIEXEC, "-n", "2", PY, "-c", NCCL_WATCHDOG_SCRIPT, "1.0"], **env)
+    assert status != 0 and status != 124, out
+    assert "watchdog: rank 0: NCCL allReduce on the dp axis has waited" in out, out
+    assert "watchdog: rank 0: aborted 1 NCCL communicator(s) (ncclCommAbort)" in out, out
+    assert seconds < 20
+
+
+WATCHDOG_S = 3
+
+
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_a_rank_stopped_or_killed_during_a_checkpoint_ends_every_rank_within_the_watchdog_limit(how, tmp_path):
+    """Rank 1 gets SIGSTOP (alive, never answering) or SIGKILL once its own file of the step-30
+    checkpoint is written, while the others wait in the checkpoint's agreement: every rank is gone
+    within parallel.watchdog_s + 5 s, and the step-20 checkpoint is still the latest and intact."""
+    from boostmpi.train import checkpoint
+
+    run_dir = tmp_path / "run"
+    argv = _train_argv(run_dir, program=("-c", FAULT_LAUNCHER), steps=40) + ["--set", f"parallel.watchdog_s={WATCHDOG_S}"]
+    note = tmp_path / "signalled"
+    status, out, _ = _run(argv, BOOSTMPI_FAULT=f"{how}-rank-1-while-saving-step-{3 * EVERY}", BOOSTMPI_FAULT_NOTE=str(note))
+    ended = time.time()
+    assert status != 0 and status != 124, out
+    name, signalled = note.read_text().split()
+    assert name == f"SIG{how.upper()}"
+    assert ended - float(signalled) < WATCHDOG_S + 5, out
+    if how == "stop":
+        assert "watchdog: rank " in out and "on the checkpoint axis has waited" in out, out
+    latest = checkpoint.find_latest(str(run_dir))
+    assert latest == str(run_dir / "checkpoints" / f"step_{2 * EVERY:08d}")
+    checkpoint.verify(latest)
+
+
+def test_a_stop_signal_late_in_a_step_is_acted_on_at_that_step(tmp_path):
+    """SIGTERM arriving during validation (after the step's all-reduce has counted the stop flags) stops
+    the job with a checkpoint of that very step, not one step later."""
+    run_dir = tmp_path / "run"
+    argv = _train_argv(run_dir, program=("-c", FAULT_LAUNCHER), steps=40) + ["--set", "train.val_every=5"]
+    status, out, _ = _run(argv, BOOSTMPI_FAULT="sigterm-in-validation-at-step-15")
+    assert status == 75, out
+    assert "stopped by signal at step 15: checkpoint written" in out, out
+    assert [s for s, _ in _losses(run_dir)][-1] == 15
+
+
+def test_a_refused_metrics_row_is_cut_off_again(tmp_path, monkeypatch):
+    """Half a row reaches the disk, then the quota refuses the rest: the file is cut back to its last whole
+    row. The mutant that does not cut back leaves the half row, and this check sees it."""
+    import errno
+
+    from boostmpi import files
+
+    path = tmp_path / "metrics.jsonl"
+
+    def half_then_refuse(fd, data):
+        os.write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    def append_refused():
+        log = files.LineLog(path)
+        log.append('{"step": 1}\n')
+        monkeypatch.setattr(files, "_write_all", half_then_refuse)
+        with pytest.raises(files.FilesystemError, match=f"cannot append to {path}: the disk quota is exceeded"):
+            log.append('{"step": 2, "loss": 1.0}\n')
+        log.close()
+        monkeypatch.undo()
+        return path.read_text()
+
+    assert append_refused() == '{"step": 1}\n'
+    path.unlink()
+    monkeypatch.setattr(os, "ftruncate", lambda fd, length: None)  # the mutant
+    assert append_refused() != '{"step": 1}\n'
+
+
+def test_a_second_ctrl_c_stops_at_once_with_a_failure_status(tmp_path):
+    """Ctrl-C, then Ctrl-C again 2 s later while the stop's checkpoint is still being written: the job
+    ends at once without it (Hydra's mpiexec forces the abort; a rank that sees the second SIGINT
+    itself exits 130), mpiexec's status says the job failed (never 0, never 75), no rank outlives it,
+    and the previous checkpoint stays the latest and intact."""
+    from boostmpi.train import checkpoint
+
+    run_dir = tmp_path / "run"
+    proc = _start(_train_argv(run_dir, program=("-c", FAULT_LAUNCHER)), tmp_path / "log", BOOSTMPI_FAULT="slow-stop-save")
+    try:
+        ranks = _wait_ranks(proc)
+        _wait_for_rows(run_dir, 15, proc)
+        launcher = _launcher_pid(proc.pid)
+        os.kill(launcher, signal.SIGINT)
+        time.sleep(2)
+        os.kill(launcher, signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "log").read_text()
+    assert proc.returncode not in (0, 75), log
+    assert "stopped by signal" not in log and "done: step" not in log, log
+    deadline = time.monotonic() + 5  # the launcher's SIGKILLs may land just after it exits
+    while any(_alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = {rank: Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[:2]
+             for rank, pid in ranks.items() if _alive(pid)}
+    assert not alive, f"ranks outlived the job (state, parent): {alive}\n{log}"
+    latest = checkpoint.find_latest(str(run_dir))
+    assert latest is not None and int(Path(latest).name.split("_")[1]) % EVERY == 0
+    checkpoint.verify(latest)

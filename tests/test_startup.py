@@ -299,3 +299,150 @@ def test_the_banner_names_the_communication_asked_for_not_a_guess():
         gpu = config_from_dict({"train": {"device": "gpu"}, "parallel": {"comm": comm}})
         line = banner(gpu, "c.toml", 1, 0)
         assert f" | comm {comm} | " in line and "nccl yes" not in line
+
+
+# ---------------------------------------------------------------- BLAS/OpenMP threads per rank
+
+@pytest.mark.parametrize("env,expected", [
+    ({"MPI_LOCALNRANKS": "4", "PMI_RANK": "0"}, 4),  # MPICH's Hydra
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "8"}, 2),  # Open MPI
+    ({"PALS_LOCAL_SIZE": "4", "PALS_RANKID": "5"}, 4),  # PALS (Polaris)
+    ({"SLURM_STEP_NUM_TASKS": "9", "SLURM_STEP_TASKS_PER_NODE": "4(x2),1", "SLURM_NODEID": "2"}, 1),
+    ({"SLURM_STEP_NUM_TASKS": "9", "SLURM_STEP_TASKS_PER_NODE": "4(x2),1", "SLURM_NODEID": "1"}, 4),
+    ({"SLURM_STEP_NUM_TASKS": "16", "SLURM_NTASKS_PER_NODE": "8"}, 8),
+    ({"SLURM_STEP_NUM_TASKS": "6", "SLURM_TASKS_PER_NODE": "3(x2)", "SLURM_NODEID": "0"}, 3),
+    ({"SLURM_TASKS_PER_NODE": "3(x2)"}, None),  # the batch script itself, not an srun step
+    ({"PMI_RANK": "0", "PMI_SIZE": "4"}, None),  # under a launcher that does not say
+    ({}, None),
+])
+def test_the_ranks_on_this_node_come_from_the_launcher(env, expected):
+    assert startup.ranks_on_this_node(env) == expected
+
+
+@pytest.mark.parametrize("env,cores,expected", [
+    ({"MPI_LOCALNRANKS": "4", "PMI_RANK": "1"}, 64, 16),  # the node's cores shared among its ranks
+    ({"MPI_LOCALNRANKS": "4", "PMI_RANK": "1"}, 2, 1),  # never fewer than one
+    ({"PMI_RANK": "0", "PMI_SIZE": "4"}, 64, 1),  # under MPI, ranks per node unknown: one
+    ({"SLURM_STEP_NUM_TASKS": "16", "SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_PER_TASK": "7"}, 56, 7),
+    ({}, 64, None),  # no launcher: the libraries' own default
+])
+def test_each_rank_gets_its_share_of_the_cores_and_a_user_value_stands(env, cores, expected):
+    env = dict(env)
+    assert startup.set_host_threads(env, cores=cores) == expected
+    assert all(env.get(k) == (None if expected is None else str(expected)) for k in startup.THREAD_VARIABLES)
+    mine = dict(env, MPI_LOCALNRANKS="4", OMP_NUM_THREADS="3")
+    mine.pop("OPENBLAS_NUM_THREADS", None), mine.pop("MKL_NUM_THREADS", None)
+    assert startup.set_host_threads(mine, cores=cores) is None  # the user chose: nothing is changed
+    assert mine["OMP_NUM_THREADS"] == "3" and "OPENBLAS_NUM_THREADS" not in mine
+
+
+# Each rank enters the way a user's command does (`boostmpi` = boostmpi.cli:main, or `python -m
+# boostmpi`), then loads NumPy, makes OpenBLAS work and counts its own threads.
+THREAD_PROBE = '''
+import os, runpy, sys
+entry, out = sys.argv[1], sys.argv[2]
+import boostmpi.cli
+assert "numpy" not in sys.modules, "importing boostmpi.cli loaded NumPy"
+if entry == "unset":  # the mutant: what the command line did before it set the variables
+    boostmpi.cli.set_host_threads = lambda: None
+sys.argv = ["boostmpi", "--version"]
+try:
+    if entry == "module":
+        runpy.run_module("boostmpi", run_name="__main__")
+    else:
+        boostmpi.cli.main(["--version"])
+except SystemExit:
+    pass
+import numpy as np
+a = np.ones((512, 512))
+for _ in range(3):
+    a @ a  # OpenBLAS has started its pool by now
+# a file per rank: the launcher may interleave the ranks' output lines
+with open(os.path.join(out, f"rank-{os.environ['PMI_RANK']}"), "w") as f:
+    f.write(f"{len(os.listdir('/proc/self/task'))} {os.environ.get('OPENBLAS_NUM_THREADS')}\\n")
+'''
+
+
+def _probe_threads(entry, **env):
+    import tempfile
+
+    from mpi_helpers import MPIEXEC
+
+    clean = {k: v for k, v in os.environ.items() if k not in startup.THREAD_VARIABLES}  # tests/run.sh sets them
+    clean.update(env, PYTHONPATH=str(REPO))
+    with tempfile.TemporaryDirectory() as out:
+        p = subprocess.run(["timeout", "120", MPIEXEC, "-n", "4", sys.executable, "-c", THREAD_PROBE, entry, out],
+                           env=clean, capture_output=True, text=True, timeout=150)
+        assert p.returncode == 0, p.stdout + p.stderr
+        rows = [Path(out, name).read_text().split() for name in sorted(os.listdir(out))]
+    assert len(rows) == 4, (rows, p.stdout + p.stderr)
+    return [int(r[0]) for r in rows], {r[1] for r in rows}
+
+
+@pytest.mark.skipif(startup.usable_cores() < 2, reason="one core: OpenBLAS starts no extra threads to count")
+def test_four_ranks_started_without_thread_variables_run_one_blas_thread_each():
+    """4 ranks on this machine's cores (2 in CI): each gets cores // 4 = 1 thread, as many threads as a
+    rank whose user set OPENBLAS_NUM_THREADS=1; with the setting removed (the mutant) OpenBLAS starts
+    one thread per core and the count rises."""
+    expected = max(1, startup.usable_cores() // 4)
+    pinned, _ = _probe_threads("script", OPENBLAS_NUM_THREADS=str(expected), OMP_NUM_THREADS=str(expected))
+    for entry in ("script", "module"):
+        counts, values = _probe_threads(entry)
+        assert values == {str(expected)}
+        assert counts == pinned, (entry, counts, pinned)
+    counts, values = _probe_threads("unset")
+    assert values == {"None"} and min(counts) > max(pinned), (counts, pinned)
+
+
+# ---------------------------------------------------------------- memory a rank may use
+
+def test_the_cgroup_limit_is_the_tightest_of_the_process_group_and_its_parents(tmp_path):
+    v2 = tmp_path / "v2"
+    (v2 / "job" / "step").mkdir(parents=True)
+    (v2 / "memory.max").write_text("max\n")
+    (v2 / "job" / "memory.max").write_text(f"{8 * 2**30}\n")  # the job's limit
+    (v2 / "job" / "step" / "memory.max").write_text("max\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/job/step\n")
+    assert startup.cgroup_memory_limit(str(v2), str(proc)) == 8 * 2**30
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "slurm").mkdir(parents=True)
+    (v1 / "memory" / "slurm" / "memory.limit_in_bytes").write_text(f"{2**30}\n")
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    proc.write_text("12:cpu,cpuacct:/slurm\n7:memory:/slurm\n")
+    assert startup.cgroup_memory_limit(str(v1), str(proc)) == 2**30
+    proc.write_text("0::/\n")
+    (v2 / "memory.max").write_text("max\n")
+    assert startup.cgroup_memory_limit(str(v2), str(proc)) is None
+
+
+@pytest.mark.parametrize("env,cgroup,total,ranks,expected,named", [
+    ({}, None, 64 * 2**30, 4, 16 * 2**30, "the machine's MemTotal 64.0 GiB over 4 ranks on this node"),
+    ({}, 8 * 2**30, 64 * 2**30, 2, 4 * 2**30, "the cgroup's memory.max 8.0 GiB over 2 ranks on this node"),
+    ({"SLURM_MEM_PER_NODE": "4096"}, None, 64 * 2**30, 1, 4 * 2**30, "Slurm's --mem=4096M"),
+    ({"SLURM_MEM_PER_CPU": "1024", "SLURM_CPUS_PER_TASK": "3"}, None, 64 * 2**30, 8, 3 * 2**30,
+     "Slurm's --mem-per-cpu=1024M x 3 CPU(s) of this task"),
+])
+def test_host_memory_per_rank_takes_the_smallest_share(env, cgroup, total, ranks, expected, named):
+    assert startup.host_memory_per_rank(env, ranks, cgroup=cgroup, total=total) == (expected, named)
+
+
+def test_a_model_that_cannot_fit_is_refused_naming_its_parts_and_the_limit(monkeypatch):
+    from boostmpi.config import load_config
+
+    big = load_config(REPO / "configs" / "tiny.toml", overrides=["model.d_model=1048576", "model.rank=262144",
+                                                                  "model.d_ff=4194304"], world_size=1)
+    memory = startup.model_memory(big)
+    problem = startup.memory_problem(memory, 64 * 2**30, "the machine's MemTotal 64.0 GiB", "host")
+    assert problem.startswith("this model needs about ") and "but a rank may use 64.0 GiB of host memory" in problem
+    assert all(f"{k} " in problem for k in ("params", "grads", "optimizer", "activations"))
+    tiny = startup.model_memory(load_config(REPO / "configs" / "tiny.toml", world_size=1))
+    assert startup.memory_problem(tiny, 64 * 2**30, "x", "host") is None
+    assert startup.memory_problem(tiny, tiny["total"] - 1, "x", "host") is not None  # the check can fail
+    # the GPU path compares with the memory of the GPU the rank will use
+    cupy = _fake_cupy(monkeypatch, 2)
+    cupy.cuda.runtime.getDeviceProperties = lambda device: {"totalGlobalMem": 40 * 2**30}
+    gpu = load_config(REPO / "configs" / "tiny.toml", overrides=["train.device=gpu", "model.vocab_size=100000000"],
+                      world_size=1)
+    with pytest.raises(UserError, match=r"of device memory here \(GPU 1's total memory\)"):
+        startup.check_memory(gpu, None, local_rank=3)

@@ -602,6 +602,12 @@ def test_plot_overlays_runs(trained, tmp_path, capsys):
     assert list(fig.axes[0].get_lines()[0].get_xdata()) == [1, 2, 3, 4]
     fig, n_series = make_figure(runs[:1])  # no communication at all: the panel says so
     assert n_series == 3 and "no communication" in fig.axes[2].texts[0].get_text()
+    # every panel's title lies inside the figure, none clipped at its edge
+    renderer = fig.canvas.get_renderer()
+    box = fig.bbox
+    for ax in fig.axes:
+        title = ax.title.get_window_extent(renderer)
+        assert box.x0 <= title.x0 and title.x1 <= box.x1 and title.y1 <= box.y1, (ax.get_title(), title, box)
 
     out = tmp_path / "curves.png"
     status, text, _ = run_cli(capsys, "plot", *runs, trained[0], "--out", out, "--x", "step")

@@ -138,18 +138,20 @@ def run_on_a_private_tmpfs(mount_dir, options, command, timeout=150, env=None):
     """Run shell `command` (cwd REPO) in a mount namespace of its own where `mount_dir` is a fresh
     tmpfs mounted with `options` (e.g. "size=700k" for a small disk, "ro" for a read-only one):
     real full disks and read-only filesystems without touching the machine's. Skips the test
-    when this machine does not allow it (not root, no unshare)."""
+    when this machine does not allow it (not root, no unshare); fails instead under CI=true."""
     import shutil
     import subprocess
 
     import pytest
 
+    # CI runs as root: there a missing unshare or mount is a failure, never a skip
+    give_up = pytest.fail if os.environ.get("CI") == "true" else pytest.skip
     if shutil.which("unshare") is None:
-        pytest.skip("no unshare(1) to make a private tmpfs")
+        give_up("no unshare(1) to make a private tmpfs")
     probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k none {mount_dir}"],
                            capture_output=True, text=True)
     if probe.returncode != 0:
-        pytest.skip(f"cannot mount a private tmpfs here: {probe.stderr.strip()}")
+        give_up(f"cannot mount a private tmpfs here: {probe.stderr.strip()}")
     script = f"mount -t tmpfs -o {options} none {mount_dir} && {command}"
     return subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env=env)

@@ -44,8 +44,9 @@ def write_shard(path, tokens):
     header[0], header[1], header[2] = MAGIC, VERSION, tokens.size
 
     with atomic_file(path, "wb") as f:
-        header.tofile(f)
-        tokens.astype(TOKEN_DTYPE, copy=False).tofile(f)
+        # file.write, not ndarray.tofile: tofile reports a full disk without its errno
+        f.write(memoryview(header).cast("B"))
+        f.write(memoryview(np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE)).cast("B"))
 
 
 def open_shard(path, vocab_size=None):

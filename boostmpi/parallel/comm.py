@@ -13,7 +13,6 @@ Every call that can block (a collective, or the wait on a request) is watched by
 one that waits longer than `parallel.watchdog_s` ends the job (see `Watchdog`).
 """
 
-import contextlib
 import os
 import sys
 import threading
@@ -59,6 +58,7 @@ class Watchdog:
         self.seconds = 0.0  # 0 = off
         self._open = None  # (axis, call, nbytes, peer, start) of the blocking call in progress
         self._thread = None
+        self._aborts = []  # what to abort before the job ends (NCCL communicators: ncclCommAbort)
 
     def configure(self, seconds):
         """Set the limit in seconds (0 turns the watchdog off); starts the thread on first use."""
@@ -73,14 +73,19 @@ class Watchdog:
     def end(self):
         self._open = None
 
-    @contextlib.contextmanager
-    def watching(self, axis, call, nbytes=None, peer=None):
-        """`with WATCHDOG.watching("world", "Barrier"):` watches a call made outside a Group."""
+    def call(self, axis, call, fn, nbytes=None, peer=None):
+        """`fn()`, watched: the one wrapper every blocking call goes through (collectives of the groups,
+        HostCollectives, the checkpoint's agreement, NCCL group calls, waits on requests)."""
         self.begin(axis, call, nbytes, peer)
         try:
-            yield
+            return fn()
         finally:
             self.end()
+
+    def on_fire(self, abort):
+        """Run `abort()` when the watchdog fires, before the job is ended (an NCCL group registers its
+        communicators' ncclCommAbort: device work stuck in a collective would otherwise never return)."""
+        self._aborts.append(abort)
 
     def _watch(self):
         while True:
@@ -103,6 +108,17 @@ class Watchdog:
               f"longer than parallel.watchdog_s = {self.seconds:g}; a peer rank is stuck or dead; aborting the job\n"
               f"rank {rank} is waiting in:\n{stack}", file=sys.stderr, flush=True)
         time.sleep(0.5)  # lets the launcher forward the message before the abort tears the job down
+        # last, right before the job ends: device work stuck in NCCL is released (the call the main
+        # thread waits in then fails, and that failure must not get ahead of the abort below)
+        aborted = 0
+        for abort in self._aborts:
+            try:
+                aborted += int(abort() or 0)
+            except Exception as exc:  # noqa: BLE001 - the job ends anyway; say what failed
+                print(f"watchdog: rank {rank}: aborting an NCCL communicator failed: {exc}", file=sys.stderr, flush=True)
+        if aborted:
+            print(f"watchdog: rank {rank}: aborted {aborted} NCCL communicator(s) (ncclCommAbort)", file=sys.stderr,
+                  flush=True)
         if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
             world.Abort(1)
         # this MPI does not allow a call from a second thread: end this rank, the launcher ends the rest
@@ -122,14 +138,13 @@ class HostCollectives:
     metadata between our own ranks. Every call is watched by `WATCHDOG` and none is counted as
     model traffic. `comm` None: one process, every call returns its input."""
 
-    def __init__(self, comm):
-        self.comm = comm
+    def __init__(self, comm, axis="world"):
+        self.comm, self.axis = comm, axis
 
     def _call(self, call, fn):
         if self.comm is None:
             return None
-        with WATCHDOG.watching("world", call):
-            return fn(self.comm)
+        return WATCHDOG.call(self.axis, call, lambda: fn(self.comm))
 
     def sum(self, values):
         """Element-wise sum over all ranks of a sequence of floats, as a float64 array."""
@@ -153,6 +168,14 @@ class HostCollectives:
 
     def barrier(self):
         self._call("Barrier", lambda c: c.Barrier())
+
+    def gather(self, obj, root=0):
+        """Every rank's small picklable object, as a list on `root` (None elsewhere)."""
+        return [obj] if self.comm is None else self._call("gather", lambda c: c.gather(obj, root=root))
+
+    def allgather(self, obj):
+        """Every rank's small picklable object, as a list on every rank."""
+        return [obj] if self.comm is None else self._call("allgather", lambda c: c.allgather(obj))
 
     def allgather_pieces(self, buf, counts):
         """In place over a host array: rank i's piece sits at offset sum(counts[:i]) of `buf`; afterwards
@@ -247,11 +270,7 @@ class Group:
         self._count_collective(nbytes)
         self._sync()
         t0 = time.perf_counter()
-        WATCHDOG.begin(self.axis, call, nbytes)
-        try:
-            run()
-        finally:
-            WATCHDOG.end()
+        WATCHDOG.call(self.axis, call, run, nbytes)
         self.wait_seconds += time.perf_counter() - t0
 
     def reduce_scatter(self, buf, out, counts):
@@ -272,11 +291,8 @@ class Group:
         counts = [int(c) for c in counts]
         if blocking or not self.overlap:
             t0 = time.perf_counter()
-            WATCHDOG.begin(self.axis, "Reduce_scatter", buf.nbytes)
-            try:
-                self.comm.Reduce_scatter(_mpi_buf(wide), _mpi_buf(wide_out), recvcounts=counts, op=MPI.SUM)
-            finally:
-                WATCHDOG.end()
+            WATCHDOG.call(self.axis, "Reduce_scatter", lambda: self.comm.Reduce_scatter(
+                _mpi_buf(wide), _mpi_buf(wide_out), recvcounts=counts, op=MPI.SUM), buf.nbytes)
             put_back()
             self.wait_seconds += time.perf_counter() - t0
             return _DONE
@@ -300,11 +316,8 @@ class Group:
         displs = [int(d) for d in np.concatenate([[0], np.cumsum(counts)[:-1]])]
         self._sync()
         t0 = time.perf_counter()
-        WATCHDOG.begin(self.axis, "Allgatherv", counts[0] * (1 if mpi_type == MPI.BYTE else buf.itemsize))
-        try:
-            self.comm.Allgatherv(MPI.IN_PLACE, [_mpi_buf(buf), counts, displs, mpi_type])
-        finally:
-            WATCHDOG.end()
+        WATCHDOG.call(self.axis, "Allgatherv", lambda: self.comm.Allgatherv(
+            MPI.IN_PLACE, [_mpi_buf(buf), counts, displs, mpi_type]), counts[0] * (1 if mpi_type == MPI.BYTE else buf.itemsize))
         self.wait_seconds += time.perf_counter() - t0
         return buf
 
@@ -337,11 +350,7 @@ class _WatchedRequest:
 
     def wait(self):
         t0 = time.perf_counter()
-        WATCHDOG.begin(self.group.axis, f"wait on {self.call}", self.nbytes, self.peer)
-        try:
-            self.req.Wait()
-        finally:
-            WATCHDOG.end()
+        WATCHDOG.call(self.group.axis, f"wait on {self.call}", self.req.Wait, self.nbytes, self.peer)
         if self.then is not None:
             then, self.then, self.keep = self.then, None, None
             then()

@@ -37,8 +37,9 @@ def init_mpi():
     killing the rank, a crash in native code prints the Python stack, and SIGUSR2 prints every
     rank's stack without stopping it (`scancel --signal=USR2 JOB` shows where a job waits).
     """
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from boostmpi.parallel.startup import set_host_threads
+
+    set_host_threads()  # in time only if NumPy is not loaded yet: `boostmpi` itself sets them first (cli.main)
     try:
         for sig in STOP_SIGNALS:
             signal.signal(sig, _record_stop_signal)

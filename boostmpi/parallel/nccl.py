@@ -37,7 +37,7 @@ Without a GPU, CI runs it unchanged on the CuPy stand-in's NCCL, carried out by 
 ranks with NCCL's ordering rules (tests/test_gpu.py, tests/test_nccl_p2p.py; docs/GPU.md).
 """
 
-from boostmpi.parallel.comm import Group
+from boostmpi.parallel.comm import WATCHDOG, Group, HostCollectives
 
 
 def _nccl():
@@ -89,11 +89,28 @@ class _Event:
         cupy.cuda.get_current_stream().wait_event(self.event)
 
 
-def _communicator(nccl, mpi_comm, size, rank):
-    """A new NCCL communicator over the ranks of `mpi_comm` (collective over it)."""
+class _WatchedComm:
+    """An NCCL communicator whose calls go through the watchdog's one wrapper (`WATCHDOG.call`): a
+    call that blocks longer than parallel.watchdog_s ends the job, after `abort()` (ncclCommAbort,
+    registered with the watchdog by the group) has released the device work stuck in it."""
+
+    _UNWATCHED = frozenset({"abort", "destroy", "rank_id", "size", "device_id"})
+
+    def __init__(self, comm, axis):
+        self.comm, self.axis = comm, axis
+
+    def __getattr__(self, name):
+        attr = getattr(self.comm, name)
+        if name in self._UNWATCHED or not callable(attr):
+            return attr
+        return lambda *args: WATCHDOG.call(self.axis, f"NCCL {name}", lambda: attr(*args))
+
+
+def _communicator(nccl, mpi_comm, size, rank, axis):
+    """A new NCCL communicator over the ranks of `mpi_comm` (collective over it), watched."""
     uid = nccl.get_unique_id() if rank == 0 else None
-    uid = mpi_comm.bcast(uid, root=0)
-    return nccl.NcclCommunicator(size, uid, rank)
+    uid = HostCollectives(mpi_comm, axis).bcast(uid)
+    return _WatchedComm(WATCHDOG.call(axis, "ncclCommInitRank", lambda: nccl.NcclCommunicator(size, uid, rank)), axis)
 
 
 class NcclGroup(Group):
@@ -106,13 +123,21 @@ class NcclGroup(Group):
         import cupy
 
         nccl = _nccl()
-        self.nccl_comm = _communicator(nccl, mpi_comm, self.size, self.rank)
+        self.nccl_comm = _communicator(nccl, mpi_comm, self.size, self.rank, axis)
         self.side_stream = cupy.cuda.Stream(non_blocking=True)
         self._side_done = None  # the last side-stream collective, until the current stream has waited for it
         if p2p:  # +1: messages to higher ranks, -1: to lower ranks; by kind too round a ring (module docstring)
             for key in ([(kind, d) for kind in (0, 1) for d in (+1, -1)] if ring else [+1, -1]):
-                self.p2p[key] = (_communicator(nccl, mpi_comm, self.size, self.rank),
+                self.p2p[key] = (_communicator(nccl, mpi_comm, self.size, self.rank, axis),
                                  cupy.cuda.Stream(non_blocking=True))
+        WATCHDOG.on_fire(self.abort)
+
+    def abort(self):
+        """ncclCommAbort on every communicator of the group (the watchdog's last act); how many."""
+        comms = [self.nccl_comm] + [comm for comm, _ in self.p2p.values()]
+        for comm in comms:
+            comm.abort()
+        return len(comms)
 
     def _stream(self):
         import cupy

@@ -1,6 +1,11 @@
 """Start-up checks, run on every rank before any training work, so that a wrong setting shows in
 the first lines of the log instead of as a slow or silently broken run.
 
+- `set_host_threads()`: called by the command line before NumPy is imported. Under a launcher,
+  each rank gets the node's cores divided by the ranks on the node as its BLAS/OpenMP threads
+  (OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS), 1 when the launcher does not say how
+  many ranks share the node; a value the user set is never changed. Left alone, every rank's
+  OpenBLAS starts one thread per core and the ranks of a node fight over the same cores.
 - `check_mpi(world, rank, local_rank)`: prints (rank 0) the MPI library, the file it was loaded
   from, its transport where the library says so, and how many nodes the ranks span. It refuses a
   multi-node batch job (Slurm or PBS) that runs on the MPICH wheel from PyPI: that MPICH's own
@@ -32,6 +37,200 @@ from boostmpi.errors import UserError
 ALLOW_PYPI_MPI = "BOOSTMPI_ALLOW_PYPI_MPI"
 GPU_MAP_VAR = "BOOSTMPI_GPU_MAP_VAR"
 SITE_SETUP = "jobs/setup_frontier.sh, jobs/setup_perlmutter.sh or jobs/setup_polaris.sh"
+
+
+# ---------------------------------------------------------------- host threads per rank
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# variables that only a launcher sets in the processes it starts: Hydra/PALS PMI, Open MPI, srun
+_LAUNCHED = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PALS_RANKID", "SLURM_STEP_NUM_TASKS")
+
+
+def slurm_tasks_on_node(spec, node_id):
+    """Tasks on node `node_id` from Slurm's compressed per-node list ("4(x2),3": 4, 4, 3), or None."""
+    counts = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m is None:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    if not counts:
+        return None
+    return counts[node_id] if 0 <= node_id < len(counts) else counts[0]
+
+
+def ranks_on_this_node(environ):
+    """How many ranks the launcher started on this node, or None when it does not say.
+
+    MPICH's Hydra: MPI_LOCALNRANKS; Open MPI: OMPI_COMM_WORLD_LOCAL_SIZE; HPE PALS (Polaris):
+    PALS_LOCAL_SIZE; Slurm's srun: SLURM_STEP_TASKS_PER_NODE, else SLURM_NTASKS_PER_NODE, else
+    SLURM_TASKS_PER_NODE (https://slurm.schedmd.com/srun.html#SECTION_OUTPUT-ENVIRONMENT-VARIABLES),
+    the compressed lists indexed by SLURM_NODEID."""
+    for key in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "PALS_LOCAL_SIZE"):
+        value = environ.get(key, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    if environ.get("SLURM_STEP_NUM_TASKS"):  # inside an srun step, not the batch script itself
+        node = environ.get("SLURM_NODEID", "0")
+        for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+            count = slurm_tasks_on_node(environ.get(key, ""), int(node) if node.isdigit() else 0)
+            if count:
+                return count
+    return None
+
+
+def usable_cores():
+    """The cores this process may run on (its CPU affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def host_threads(environ, cores):
+    """BLAS/OpenMP threads per rank: `cores` divided by the ranks on this node (at least 1); 1 under
+    a launcher that does not say how many ranks share the node; None (leave the libraries' default)
+    for a process started without a launcher."""
+    per_task = environ.get("SLURM_CPUS_PER_TASK", "")
+    if environ.get("SLURM_STEP_NUM_TASKS") and per_task.isdigit() and int(per_task) > 0:
+        return int(per_task)  # srun --cpus-per-task: the cores Slurm gave this task
+    ranks = ranks_on_this_node(environ)
+    if ranks is not None:
+        return max(1, cores // ranks)
+    if any(environ.get(key) for key in _LAUNCHED):
+        return 1
+    return None
+
+
+def set_host_threads(environ=None, cores=None):
+    """Set the thread variables for this rank unless the user set any of them; must run before NumPy
+    is imported (OpenBLAS sizes its thread pool when it loads). Returns the count set, or None."""
+    environ = os.environ if environ is None else environ
+    if any(environ.get(key) for key in THREAD_VARIABLES):
+        return None  # the user chose: theirs stands
+    threads = host_threads(environ, usable_cores() if cores is None else cores)
+    if threads is not None:
+        for key in THREAD_VARIABLES:
+            environ[key] = str(threads)
+    return threads
+
+
+# ---------------------------------------------------------------- memory a rank may use
+
+_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def cgroup_memory_limit(root="/sys/fs/cgroup", proc="/proc/self/cgroup"):
+    """The tightest memory limit of this process's cgroup and its parents (cgroup v2 memory.max,
+    v1 memory.limit_in_bytes), in bytes, or None when there is none."""
+    limits = []
+    for line in _read(proc).splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # v2: one unified hierarchy
+            folder, name = os.path.join(root, path.lstrip("/")), "memory.max"
+        elif "memory" in controllers.split(","):
+            folder, name = os.path.join(root, "memory", path.lstrip("/")), "memory.limit_in_bytes"
+        else:
+            continue
+        while True:  # the limit of a parent applies too
+            value = _read(os.path.join(folder, name)).strip()
+            if value.isdigit() and int(value) < _UNLIMITED:
+                limits.append(int(value))
+            if os.path.normpath(folder) == os.path.normpath(root) or folder in ("/", ""):
+                break
+            folder = os.path.dirname(folder)
+    return min(limits) if limits else None
+
+
+def machine_memory(meminfo="/proc/meminfo"):
+    m = re.search(r"^MemTotal:\s+(\d+) kB", _read(meminfo), re.M)
+    return int(m.group(1)) * 1024 if m else None
+
+
+def host_memory_per_rank(environ, local_ranks, cgroup=None, total=None):
+    """(bytes one rank may use, where that figure comes from) or (None, None): the node's limit (the
+    cgroup's memory.max, Slurm's --mem, else the machine's MemTotal) shared among its ranks, or
+    Slurm's --mem-per-cpu for this task, whichever is smaller."""
+    cgroup = cgroup_memory_limit() if cgroup is None else cgroup
+    total = machine_memory() if total is None else total
+    found = []
+    share = f" over {local_ranks} ranks on this node" if local_ranks > 1 else ""
+    for value, what in ((cgroup, "the cgroup's memory.max"), (total, "the machine's MemTotal")):
+        if value:
+            found.append((value // local_ranks, f"{what} {_gib(value)}{share}"))
+    per_node = environ.get("SLURM_MEM_PER_NODE", "")
+    if per_node.isdigit() and int(per_node) > 0:  # megabytes (https://slurm.schedmd.com/sbatch.html)
+        found.append((int(per_node) * 2**20 // local_ranks, f"Slurm's --mem={per_node}M{share}"))
+    per_cpu, cpus = environ.get("SLURM_MEM_PER_CPU", ""), environ.get("SLURM_CPUS_PER_TASK", "1")
+    if per_cpu.isdigit() and int(per_cpu) > 0:
+        n = int(cpus) if cpus.isdigit() and int(cpus) > 0 else 1
+        found.append((int(per_cpu) * 2**20 * n, f"Slurm's --mem-per-cpu={per_cpu}M x {n} CPU(s) of this task"))
+    return min(found) if found else (None, None)
+
+
+def _gib(n):
+    return f"{n / 2**30:,.1f} GiB"
+
+
+def model_memory(cfg):
+    """{params, grads, optimizer, activations, total}: bytes per rank the performance model estimates
+    (boostmpi/sim; the largest pipeline stage)."""
+    from boostmpi.sim.machines import builtin_names, load_machine
+    from boostmpi.sim.model import predict
+
+    try:
+        memory = predict(cfg, load_machine(builtin_names()[0])).memory_bytes  # the bytes do not depend on the machine
+    except Exception:  # noqa: BLE001 - a layout the model does not cover: no estimate, no refusal
+        return None
+    return {k: memory[k] for k in ("params", "grads", "optimizer", "activations", "total")}
+
+
+def memory_problem(memory, limit, where, device):
+    """The one-line reason to refuse, or None."""
+    if memory is None or limit is None or memory["total"] <= limit:
+        return None
+    parts = ", ".join(f"{k} {_gib(memory[k])}" for k in ("params", "grads", "optimizer", "activations"))
+    return (f"this model needs about {_gib(memory['total'])} per rank ({parts}; an estimate) but a rank may use "
+            f"{_gib(limit)} of {device} memory here ({where}): shrink the model (model.vocab_size, model.d_model, "
+            f"model.n_layers, train.micro_batch_size) or spread it over more ranks (parallel.tp, parallel.pp)")
+
+
+def check_memory(cfg, world, local_rank, environ=None):
+    """Stop (every rank together, exit 2) a model that cannot fit in what a rank may use, before
+    anything is allocated: host memory on the CPU path, the GPU's memory on the GPU path."""
+    environ = os.environ if environ is None else environ
+    from boostmpi.parallel.comm import HostCollectives
+
+    host = HostCollectives(world)
+    memory = model_memory(cfg)
+    if cfg.train.device == "gpu":
+        import cupy
+
+        device = local_rank % cupy.cuda.runtime.getDeviceCount()  # the GPU select_device will choose
+        limit = int(cupy.cuda.runtime.getDeviceProperties(device)["totalGlobalMem"])
+        problem = memory_problem(memory, limit, f"GPU {device}'s total memory", "device")
+    else:
+        from mpi4py import MPI
+
+        name = MPI.Get_processor_name()
+        local_ranks = host.allgather(name).count(name)
+        limit, where = host_memory_per_rank(environ, local_ranks)
+        problem = memory_problem(memory, limit, where, "host")
+    problems = host.allgather(problem)
+    first = next((p for p in problems if p), None)
+    if first:
+        raise UserError(first)
 
 
 # ---------------------------------------------------------------- MPI library and transport

@@ -7,6 +7,8 @@ dropped when the configuration validation rejects it (divisibility of heads, ran
 batch), when `train` could not run it (`Config.sim_only`) or when it does not fit in device memory.
 """
 
+import math
+
 from boostmpi.errors import UserError
 from boostmpi.sim.model import predict
 
@@ -16,7 +18,9 @@ RECOMPUTE = {"full": ("none", "layer"), "svd": ("none", "layer", "lowrank"),
 
 
 def divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending, in O(sqrt(n)) steps (--gpus may be any size)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def layouts(gpus):

@@ -216,6 +216,8 @@ def encode_prompt(tokenizer, prompt, vocab_size):
 
 def run(args):
     check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
+    if not 0 <= args.seed < 2**64:  # NumPy's generators take non-negative seeds; boostmpi's are 64-bit
+        raise UserError(f"--seed must be between 0 and 2**64 - 1, got {args.seed}")
     loaded = load_checkpoint(args.checkpoint)
     cfg = loaded.cfg
     tokenizer = checkpoint_tokenizer(cfg, args.tokenizer)

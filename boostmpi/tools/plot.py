@@ -122,7 +122,7 @@ def draw_communication(ax, runs):
 
     summaries = [communication_summary(rows) for _, rows in runs]
     axes = [axis for axis in AXES if any(axis in s for s in summaries)]
-    ax.set(title="communication per step (median; whisker: min to max)", ylabel="payload bytes per step")
+    ax.set(title="communication per step\n(median; whisker: min to max)", ylabel="payload bytes per step")
     if not axes:
         ax.text(0.5, 0.5, "no communication\n(single process)", ha="center", va="center", transform=ax.transAxes)
         ax.set_xticks([])

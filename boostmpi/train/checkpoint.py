@@ -572,16 +572,20 @@ class _Agreement:
     error any rank met, on every rank, as the same one-line UserError."""
 
     def __init__(self, comm):
+        from boostmpi.parallel.comm import HostCollectives
+
         self.comm = comm
+        # watched (parallel.watchdog_s): a peer that dies or stops during a save ends the job, never hangs it
+        self.host = HostCollectives(comm, axis="checkpoint")
 
     def bcast(self, value):
-        return value if self.comm is None else self.comm.bcast(value, root=0)
+        return self.host.bcast(value)
 
     def gather(self, value):
-        return [value] if self.comm is None else self.comm.gather(value, root=0)
+        return self.host.gather(value)
 
     def check(self, error):
-        errors = [error] if self.comm is None else self.comm.allgather(error)
+        errors = self.host.allgather(error)
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise _raised(first)
@@ -604,6 +608,8 @@ class PendingSave:
     failure). `save` runs the three in a row."""
 
     KEPT = "the previous checkpoint and `latest` are unchanged"
+    NONE_KEPT = ("there is no earlier checkpoint, so this run has nothing to resume from: make room (or raise the "
+                 "limit) and start it again in a new train.run_dir, or after removing this one")
 
     def __init__(self, run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, crash_hook=None, log=None,
                  prune_in_background=False):
@@ -625,21 +631,23 @@ class PendingSave:
         # (COMPLETE, rename, `latest`, pruning), and "wait" (finish's gather until every rank reported)
         self.phases = {}
         self._timer = _PhaseTimer(self.phases)
-        tmp, error = None, None
+        tmp, error, self.kept = None, None, self.KEPT
         if self.is_root:
             wait_for_pruning()  # the space an earlier save's pruning frees counts
+            if find_latest(run_dir) is None:  # the first save: never claim a previous checkpoint
+                self.kept = self.NONE_KEPT
             try:
                 make_dirs(self.root, "checkpoint folder")
                 try:
                     check_space(self.root, self.needed, f"cannot write checkpoint {self.name} into", largest_file=largest)
                 except FilesystemError as exc:
-                    raise FilesystemError(f"{exc}; nothing was written, {self.KEPT}") from None
+                    raise FilesystemError(f"{exc}; nothing was written, {self.kept}") from None
                 tmp = os.path.join(self.root, f".{self.name}.tmp-{os.getpid()}")
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
             except UserError as exc:
                 error = (type(exc).__name__, str(exc))
-        self.tmp, error = self.agree.bcast((tmp, error))
+        self.tmp, error, self.kept = self.agree.bcast((tmp, error, self.kept))
         self.agree.check(error)
 
     @property
@@ -660,7 +668,7 @@ class PendingSave:
                 with self._timer("snapshot"):
                     self.images.append((st.coords, *rank_file_image(path, self.cfg, st)))
         except Exception as exc:  # noqa: BLE001 -- reported on every rank by finish()
-            self.error = _failure(exc, self.name, self.root, self.needed, self.KEPT)
+            self.error = _failure(exc, self.name, self.root, self.needed, self.kept)
             self.images = []
         self.states = None  # training owns those arrays again
 
@@ -679,7 +687,7 @@ class PendingSave:
             if self.crash_hook:
                 self.crash_hook("rank file")
         except Exception as exc:  # noqa: BLE001 -- reported on every rank by finish()
-            self.error = _failure(exc, self.name, self.root, self.needed, self.KEPT)
+            self.error = _failure(exc, self.name, self.root, self.needed, self.kept)
         self.written = True
 
     def _write_images(self):
@@ -696,7 +704,7 @@ class PendingSave:
                 if self.crash_hook:
                     self.crash_hook("rank file")
         except Exception as exc:  # noqa: BLE001 -- reported on every rank by finish()
-            self.error = _failure(exc, self.name, self.root, self.needed, self.KEPT)
+            self.error = _failure(exc, self.name, self.root, self.needed, self.kept)
         for _, image, _ in self.images:  # the snapshot's memory, for the next save
             SPARE_IMAGES.give_back(image)
         self.images = []
@@ -721,7 +729,7 @@ class PendingSave:
                 self._publish_on_root(gathered)
             except BaseException as exc:
                 shutil.rmtree(self.tmp, ignore_errors=True)
-                failure = _failure(exc, self.name, self.root, self.needed, self.KEPT)
+                failure = _failure(exc, self.name, self.root, self.needed, self.kept)
                 if isinstance(exc, UserError):
                     verdict = (type(exc).__name__, str(exc))
                 elif isinstance(exc, Exception) and (self.comm is not None or _os_error_of(exc) is not None):
@@ -745,11 +753,11 @@ class PendingSave:
                     for d in range(cfg.parallel.dp)}
         if set(marker) != expected:
             raise CheckpointError(f"cannot write checkpoint {name}: rank files {sorted(expected - set(marker))} "
-                                  f"were not reported; {self.KEPT}")
+                                  f"were not reported; {self.kept}")
         for file_name, record in marker.items():  # every rank's file is there, as its writer recorded it
             if os.path.getsize(os.path.join(tmp, file_name)) != record["bytes"]:
                 raise CheckpointError(f"cannot write checkpoint {name}: {file_name} is not the size its rank "
-                                      f"wrote; {self.KEPT}")
+                                      f"wrote; {self.kept}")
         with self._timer("virtual files"):
             write_virtual_files(tmp, cfg, self.step, self.adam_t, self.dtype)
             if self.crash_hook:
@@ -875,6 +883,11 @@ def write_consolidated(path, ckpt_dir):
                     f.create_dataset(name, data=obj[()])
 
             src.visititems(copy)
+    except (OSError, RuntimeError) as exc:  # h5py may report the disk's refusal without an errno of its own
+        os_exc = _os_error_of(exc)
+        if os_exc is None or os_exc.errno is None:
+            raise
+        raise fs_error(os_exc, "cannot write", path) from exc
     finally:
         src.close()
 
@@ -959,8 +972,8 @@ def complete_checkpoints(run_dir):
 def find_latest(run_dir):
     """The newest complete checkpoint of a run (following `latest`), or None."""
     root = checkpoints_dir(run_dir)
-    try:
-        with open(os.path.join(root, "latest")) as f:
+    try:  # `latest` that is not UTF-8 reads as no valid name: the newest complete checkpoint instead
+        with open(os.path.join(root, "latest"), errors="replace") as f:
             name = f.read().strip()
         path = os.path.join(root, name)
         if name.startswith("step_") and is_complete(path):
@@ -980,7 +993,7 @@ def resolve(path):
         path = os.path.dirname(path) or "."
     elif os.path.isfile(path) and os.path.basename(path) == "latest":
         try:
-            with open(path) as f:
+            with open(path, errors="replace") as f:  # not UTF-8: refused below, by what it holds
                 name = f.read().strip()
         except OSError as exc:
             raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from exc
@@ -1003,8 +1016,36 @@ def resolve(path):
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
     if not is_complete(path):
+        missing = missing_rank_files(path)
+        if missing:  # a copy of model.h5 alone: HDF5 would read every tensor as NaN without a word
+            raise CheckpointError(f"{os.path.join(path, 'model.h5')} is not a checkpoint by itself: its tensors are views "
+                                  f"of rank files that are not beside it ({', '.join(missing[:3])}"
+                                  f"{' ...' if len(missing) > 3 else ''}), and HDF5 would read them as NaN; copy the "
+                                  f"whole step folder, or write one self-contained file with `boostmpi export "
+                                  f"CHECKPOINT --to h5 --out FILE`")
         raise CheckpointError(f"checkpoint {path} is incomplete (no {MARKER} marker): it was never finished and is not loaded")
     return path
+
+
+def missing_rank_files(folder):
+    """The rank files that `folder`/model.h5's virtual datasets read from but that do not exist ([] when
+    there is no such model.h5, or nothing is missing)."""
+    model = os.path.join(folder, "model.h5")
+    if not os.path.isfile(model):
+        return []
+    try:
+        import h5py
+
+        sources = set()
+        with h5py.File(model, "r") as f:
+            def collect(_, obj):
+                if isinstance(obj, h5py.Dataset) and obj.is_virtual:
+                    sources.update(vs.file_name for vs in obj.virtual_sources())
+
+            f.visititems(collect)
+    except (OSError, RuntimeError, ValueError):
+        return []
+    return sorted(name for name in sources if name != "." and not os.path.exists(os.path.join(folder, name)))
 
 
 def recorded_files(ckpt_dir):

@@ -35,7 +35,7 @@ def run(args):
 
     def body():
         from boostmpi.config import load_config
-        from boostmpi.parallel.startup import check_mpi
+        from boostmpi.parallel.startup import check_memory, check_mpi
 
         check_mpi(world, rank, local_rank)  # prints the MPI library and transport; refuses a wrong MPI
 
@@ -45,6 +45,7 @@ def run(args):
 
         if rank == 0:
             print(banner(cfg, args.config, size, local_rank), flush=True)
+        check_memory(cfg, world, local_rank)  # a model too big for a rank's memory stops here, before any allocation
         try:
             try:
                 prepare_builtin(cfg, rank == 0)

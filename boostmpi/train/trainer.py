@@ -1,5 +1,6 @@
 """The training loop: data, engine, optimizer, validation, metrics, checkpoints, preemption."""
 
+import contextlib
 import json
 import math
 import os
@@ -14,7 +15,8 @@ import numpy as np
 from boostmpi.data.progress import format_duration
 from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
 from boostmpi.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, UserError
-from boostmpi.files import FilesystemError, atomic_file, check_dir_creatable, format_bytes, fs_error, make_dirs
+from boostmpi.files import (FilesystemError, LineLog, RunDirInUse, RunLock, atomic_file, check_dir_creatable,
+                            format_bytes, fs_error, is_out_of_space, make_dirs)
 from boostmpi.parallel.comm import AXES
 from boostmpi.parallel.engine import Engine
 from boostmpi.train import checkpoint as ckpt
@@ -94,6 +96,7 @@ class Trainer:
         self.step = 0
         self.resumed_from = None
         self._in_flight = None  # (PendingSave, writer thread) of an asynchronous checkpoint
+        self._write_failure = None  # rank 0: the FilesystemError of a metrics or log write (see _write_failed)
         self.snapshot_bytes = 0  # memory of the last asynchronous checkpoint's snapshot
         self._root_decides(lambda: check_dir_creatable(self.run_dir, "train.run_dir"))
         V, T = cfg.model.vocab_size, cfg.model.seq_len
@@ -108,7 +111,31 @@ class Trainer:
         self.loader, (self.val_x, self.val_y) = self._root_decides(lambda: open_data(V), lambda: open_data(None))
         self.preemption = _Preemption()
         self.config_path = config_path
-        self._resume(resume)
+        self._lock, self._made_run_dir = None, False
+        self._lock = self._root_decides(self._lock_run_dir)  # from here until close(): one run per run directory
+        try:
+            self._resume(resume)
+        except BaseException:
+            self.close()
+            raise
+
+    def _lock_run_dir(self):
+        """Rank 0: hold the run directory's lock (files.RunLock) for the run's life."""
+        self._made_run_dir = not os.path.isdir(self.run_dir)
+        make_dirs(self.run_dir, "train.run_dir")
+        lock = RunLock(self.run_dir).acquire()
+        if lock.stale:
+            self.log(f"the lock of {self.run_dir} was stale ({lock.stale}: that run is gone); this run takes it over")
+        return lock
+
+    def close(self):
+        """Release the run directory (also done when `train` returns or raises)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+            if self._made_run_dir:  # refused before anything was written: leave no empty folder behind
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.run_dir)
 
     # ------------------------------------------------------------------ helpers
     def log(self, msg, live=False):
@@ -129,6 +156,30 @@ class Trainer:
             print(msg, file=out, flush=True)  # out None: sys.stdout as it is now, not at import
         except BrokenPipeError:  # whoever read the log went away (`| head`): keep training, quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        except OSError as exc:
+            if not is_out_of_space(exc):
+                raise
+            # the log's disk is full: nothing more can go there; the run stops at the next agreement
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+            self._write_failed(fs_error(exc, "cannot write the log (standard output)", getattr(out, "name", None)))
+
+    def _write_failed(self, error):
+        """Rank 0 could not write its metrics or log: remembered here, and every rank stops together with
+        this one line (exit status 2) at the next step's all-reduce or before the next checkpoint."""
+        if self._write_failure is None:
+            self._write_failure = error
+
+    def _stop_if_a_write_failed(self, failed=None):
+        """Raise, on every rank, the write failure rank 0 met. `failed`: the agreed flag of the step's
+        all-reduce; None: agree here (a broadcast from rank 0)."""
+        if failed is None:
+            failed = self._root_decides(lambda: self._write_failure is not None) if self.world is not None \
+                else self._write_failure is not None
+        if not failed:
+            return
+        error = self._write_failure or FilesystemError("rank 0 could not write the run's metrics or log")
+        error.all_ranks = True  # rank 0 prints it; every rank exits 2, none waits in a collective
+        raise error
 
     def _metrics_path(self):
         return os.path.join(self.run_dir, "metrics.jsonl")
@@ -145,7 +196,7 @@ class Trainer:
         if self.world is not None:
             verdict = self.engine.grid.host.bcast(verdict)
         if verdict is not None:
-            kinds = (UserError, CheckpointError, ConfigError, DataError, FilesystemError)
+            kinds = (UserError, CheckpointError, ConfigError, DataError, FilesystemError, RunDirInUse)
             exc = {c.__name__: c for c in kinds}.get(verdict[0], UserError)(verdict[1])
             exc.all_ranks = True
             raise exc
@@ -156,8 +207,8 @@ class Trainer:
         path = resume or ckpt.find_latest(self.run_dir)
         if path is None:
             if os.path.exists(self._metrics_path()) and os.path.getsize(self._metrics_path()) > 0:
-                raise UserError(f"{self.run_dir} already holds a run (metrics.jsonl) but no complete checkpoint to resume; "
-                                f"choose another train.run_dir or remove it")
+                raise UserError(f"{self.run_dir} already holds a run (metrics.jsonl) but no complete checkpoint to resume "
+                                f"(its first checkpoint was never written); choose another train.run_dir or remove it")
             return None
         return ckpt.resolve(path)
 
@@ -205,9 +256,23 @@ class Trainer:
             return
         err = ConfigError(f"resuming {path} with parallel.dp = {cfg.parallel.dp} instead of {saved_dp} would change the "
                           f"global batch from {before} to {now} sequences (micro_batch_size x grad_accum x dp); "
-                          f"set train.global_batch_size={before} to keep it (grad_accum follows), or ={now} to change it")
+                          f"{self._keep_batch_hint(before)}, or set train.global_batch_size={now} to change it")
         err.all_ranks = True
         raise err
+
+    def _keep_batch_hint(self, before):
+        """How to keep a global batch of `before` sequences on this run's dp: grad_accum follows the global
+        batch, but micro_batch_size x dp must divide it."""
+        dp, micro = self.cfg.parallel.dp, self.cfg.train.micro_batch_size
+        keep = f"set train.global_batch_size={before} to keep it (grad_accum follows)"
+        if before % (micro * dp) == 0:
+            return keep
+        fitting = [m for m in range(micro, 0, -1) if before % (m * dp) == 0]
+        if not fitting:
+            return (f"a global batch of {before} sequences cannot be split over dp = {dp} ranks (it is not a multiple "
+                    f"of {dp}); resume on a dp that divides it")
+        return (f"{keep}, and train.micro_batch_size={fitting[0]}: micro_batch_size x dp = {micro} x {dp} does not "
+                f"divide {before}")
 
     # ------------------------------------------------------------------ checkpoint
     def save_checkpoint(self):
@@ -218,6 +283,7 @@ class Trainer:
         reported as memory.checkpoint_snapshot), rank 0 prepares the folder, and a background thread
         writes each rank's file while training goes on; `poll_async_save` publishes it at a later step
         boundary. At most one save is in flight: a new one first waits for the previous one."""
+        self._stop_if_a_write_failed()  # never a checkpoint past metrics that could not be written
         self.poll_async_save(wait=True)
         par, asynchronous = self.cfg.parallel, self.cfg.checkpoint.async_
         state = None
@@ -271,7 +337,7 @@ class Trainer:
         cfg, e, tr = self.cfg, self.engine, self.cfg.train
         self._root_decides(self._prepare_run_dir)
         tokens_per_step = cfg.tokens_per_step
-        metrics = open(self._metrics_path(), "a") if self.is_root else None
+        metrics = LineLog(self._metrics_path()) if self.is_root else None
         t_start = time.perf_counter()
         steps_done = 0
         last_val = None
@@ -283,7 +349,8 @@ class Trainer:
                 e.grid.counter.reset()
                 t0 = time.perf_counter()
                 loss = e.forward_backward(micro, also_sum=self._step_sums)
-                comm, calls, stop = self._step_totals(e.summed)
+                comm, calls, stop, write_failed = self._step_totals(e.summed)
+                self._stop_if_a_write_failed(write_failed)
                 if not math.isfinite(loss):
                     raise TrainingDiverged(f"the loss became {loss} at step {step + 1}; the last checkpoint is kept intact "
                                            f"(lower train.lr or raise train.warmup_steps)")
@@ -302,12 +369,11 @@ class Trainer:
                 if want_val:
                     last_val = self.validate()
                     row["val_loss"] = last_val
-                if metrics:
+                if metrics and self._write_failure is None:
                     try:
-                        metrics.write(json.dumps(row) + "\n")
-                        metrics.flush()
-                    except OSError as exc:  # rank 0 alone: the job is ended from here (run_guarded)
-                        raise fs_error(exc, "cannot append to", self._metrics_path()) from exc
+                        metrics.append(json.dumps(row) + "\n")
+                    except FilesystemError as exc:  # rank 0 alone: every rank stops at the next agreement
+                        self._write_failed(exc)
                 if self.step == 1 or self.step % max(1, tr.log_every) == 0 or self.step == tr.steps or want_val:
                     elapsed = time.perf_counter() - t_start
                     eta = elapsed / steps_done * (tr.steps - self.step)
@@ -315,9 +381,18 @@ class Trainer:
                     self.log(f"step {self.step:>6d}/{tr.steps} | loss {loss:.4f}{val} | lr {lr:.2e} | "
                              f"{tokens_per_step / dt:,.0f} tok/s | elapsed {format_duration(elapsed)} | eta {format_duration(eta)}",
                              live=not want_val and self.step != tr.steps)
-                self.poll_async_save(wait=self.step == tr.steps)
                 every = cfg.checkpoint.every
-                if (every and self.step % every == 0) or self.step == tr.steps:
+                saving = (every and self.step % every == 0) or self.step == tr.steps
+                if not stop and (want_val or saving):
+                    # a stop signal (or a write failure) that came after the step's all-reduce, during the long
+                    # parts that follow it (validation), is acted on at this step: before its checkpoint. On
+                    # other steps the next step's all-reduce carries it (one all-reduce per ordinary step).
+                    late = e.grid.host.max([0.0 if self.preemption.signal is None else 1.0,
+                                            0.0 if self._write_failure is None else 1.0])
+                    self._stop_if_a_write_failed(late[1] > 0)
+                    stop = late[0] > 0
+                self.poll_async_save(wait=self.step == tr.steps)
+                if saving:
                     self.save_checkpoint()
                     self.poll_async_save(wait=self.step == tr.steps)
                 if stop:
@@ -326,11 +401,14 @@ class Trainer:
                     self.poll_async_save(wait=True)
                     self.log(f"stopped by signal at step {self.step}: checkpoint written, resume by running the same command "
                              f"({self.preemption.name()}; exit status {STOPPED_EARLY_EXIT})")
+                    self._stop_if_a_write_failed()
                     return {"step": self.step, "preempted": True, "val_loss": last_val}
         finally:
             if metrics:
                 metrics.close()
             ckpt.wait_for_pruning()
+            self.close()
+        self._stop_if_a_write_failed()
         return {"step": self.step, "preempted": False, "val_loss": last_val, "loss": loss if steps_done else None}
 
     def _step_sums(self):
@@ -338,15 +416,15 @@ class Trainer:
         per axis, and whether a stop signal has arrived here."""
         counter = self.engine.grid.counter
         return ([counter.bytes[a] for a in AXES] + [counter.calls[a] for a in AXES]
-                + [1.0 if self.preemption.signal is not None else 0.0])
+                + [1.0 if self.preemption.signal is not None else 0.0, 1.0 if self._write_failure is not None else 0.0])
 
     @staticmethod
     def _step_totals(summed):
-        """(bytes per axis, calls per axis, some rank was signalled to stop), summed over all ranks
-        (each group's traffic counted once)."""
+        """(bytes per axis, calls per axis, some rank was signalled to stop, rank 0 failed to write its
+        metrics or log), summed over all ranks (each group's traffic counted once)."""
         n = len(AXES)
         return (dict(zip(AXES, map(int, summed[:n]))), dict(zip(AXES, map(int, summed[n:2 * n]))),
-                summed[2 * n] > 0)
+                summed[2 * n] > 0, summed[2 * n + 1] > 0)
 
     def _memory(self):
         e = self.engine

@@ -184,13 +184,16 @@ class NcclCommunicator:
             self._mpi.Free()
             self._mpi = None
 
-    abort = destroy
+    def abort(self):
+        """ncclCommAbort: every operation of the communicator still pending, and any issued later, ends
+        with an error. Called from the watchdog's thread, so it makes no MPI call."""
+        self._aborted = True
 
     # -- queueing
     def _enqueue(self, what, stream, start, test, finish=None, touches=()):
         """Queue an op on `stream`; `touches`: (device pointer, bytes, writes?) it reads or writes."""
-        if self._mpi is None:
-            raise NcclError("ncclInvalidUsage: the communicator was destroyed")
+        if self._mpi is None or getattr(self, "_aborted", False):
+            raise NcclError("ncclInvalidUsage: the communicator was destroyed or aborted")
         stream = _stream(stream)
         op = _queue.DeviceOp(f"NCCL {what} on communicator rank {self._rank}/{self._size}", start, test, finish)
         unordered = [earlier for earlier in self._issued if earlier.id not in stream.covered]
@@ -211,6 +214,8 @@ class NcclCommunicator:
         def test():
             from mpi4py import MPI
 
+            if getattr(self, "_aborted", False):
+                raise NcclError("ncclSystemError: the communicator was aborted (ncclCommAbort)")
             return MPI.Request.Testall(state["reqs"])
 
         return state, test
