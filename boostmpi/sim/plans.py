@@ -344,9 +344,12 @@ def embedding_plan(s, strategy):
     N, C, p = s.N, s.C, s.p
     if strategy == "btp":  # each rank looks up its own columns: no communication
         return [Pointwise("embedding", N * C // p, 2, 2)]
-    # vocabulary-parallel lookup: partial rows summed (reduce-scattered along the sequence under sp)
-    return [Pointwise("embedding", N * C, 2, 2),
-            Collective("embedding.y", "reducescatter" if s.sp else "allreduce", N * C, "fwd")]
+    # vocabulary-parallel lookup: partial rows summed; under sp reduce-scattered along the sequence,
+    # and the backward all-gathers the gradient every rank's rows need
+    if s.sp:
+        return [Pointwise("embedding", N * C, 2, 2), Collective("embedding.y", "reducescatter", N * C, "fwd"),
+                Collective("embedding.dy", "allgather", N * C // p, "bwd")]
+    return [Pointwise("embedding", N * C, 2, 2), Collective("embedding.y", "allreduce", N * C, "fwd")]
 
 
 def head_plan(s, strategy):
