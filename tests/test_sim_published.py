@@ -14,8 +14,8 @@ from boostmpi.sim import model, plans, published
 from boostmpi.sim.machines import load_machine
 
 # What docs/SIM.md records for the command-line set; a change that makes either worse fails here.
-CLI_WORST_BOUND = 0.234
-CLI_MEDIAN_BOUND = 0.083
+CLI_WORST_BOUND = 0.26
+CLI_MEDIAN_BOUND = 0.072
 
 GPT = {"arch": "full", "vocab_size": 51200, "d_model": 4096, "n_layers": 8, "n_heads": 32, "d_ff": 10944,
        "seq_len": 2048}

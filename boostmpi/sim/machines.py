@@ -46,7 +46,8 @@ class Machine:
     gemm_k_overhead: float  # prologue/epilogue cost of one tile, in k-steps: efficiency k/(k + this)
     gemm_mn_overhead: float  # per-dim overhead of thin GEMMs (packing on CPUs): m/(m + this)
     compute_units: int  # SMs / CUs / cores that run tiles concurrently
-    attention: str  # "flash" (fused kernel, no T x T tensor) or "matmul" (scores materialised)
+    attention: str  # "flash" (fused kernel, no T x T tensor), "matmul" (scores materialised, boostmpi's
+    # tiled softmax) or "fused_softmax" (scores materialised, a fused softmax kernel: pre-flash frameworks)
     attention_efficiency: float  # fraction of peak of the fused attention kernel (flash only)
     kernel_launch_s: float  # fixed cost of one kernel (or one NumPy call)
     optimizer_passes: float  # full passes over a master-dtype buffer of one AdamW step
@@ -91,7 +92,7 @@ _LAYOUT = {
 }
 assert set(_LAYOUT) == {f.name for f in fields(Machine)}
 
-_CHOICES = {"device": ("gpu", "cpu"), "attention": ("flash", "matmul")}
+_CHOICES = {"device": ("gpu", "cpu"), "attention": ("flash", "matmul", "fused_softmax")}
 _POSITIVE = {"memory_capacity_bytes", "memory_bandwidth", "elementwise_efficiency", "gemm_efficiency",
              "gemm_tile_m", "gemm_tile_n", "compute_units", "attention_efficiency", "optimizer_passes",
              "gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth"}

@@ -14,7 +14,8 @@ from boostmpi.parallel.pipeline import warmup_units
 from boostmpi.sim.costs import (ITEMSIZE, PassTimes, group_allreduce_seconds, group_link, p2p_seconds,
                                 pass_times)
 from boostmpi.sim.plans import (Collective, Shape, attention_core_ops, core_statistics, embedding_plan, head_plan,
-                                kept_by_lowrank, layer_plan, plan_strategy, recompute_plan, saved_elements, shape_of)
+                                kept_by_lowrank, layer_plan, plan_strategy, recompute_plan, saved_elements, shape_of,
+                                with_attention)
 
 BREAKDOWN_KEYS = ("gemm", "elementwise", "tp_comm", "pp_bubble_and_p2p", "dp_comm", "optimizer")
 
@@ -195,7 +196,7 @@ class Workload:
     virtual_stages: int = 1  # interleaved 1F1B: model chunks per pipeline rank
     dp_sharded: bool = False  # FSDP: zero_stage 3
     zero_stage: int = 0  # 1: AdamW moments sharded over dp; 2: and gradients; 3: and parameters (dp_seconds)
-    attention: str = None  # "flash" or "matmul" when the framework fixes it, else the machine's
+    attention: str = None  # "flash" or "matmul" when the workload fixes it (shape as given), else the machine's
 
 
 def boundary_sharded(cfg):
@@ -228,7 +229,7 @@ def predict(cfg, machine):
 def predict_workload(w, machine, comm=None):
     """Time, memory and MFU of one optimizer step of `w` on `machine`; `comm` = payload bytes per axis."""
     dtype, recompute, M = w.dtype, w.recompute, w.micro_batches
-    s = replace(w.shape, attention=w.attention or machine.attention)
+    s = w.shape if w.attention else with_attention(w.shape, machine.attention)
     strategy = w.strategy
     e, e_master = ITEMSIZE[dtype], ITEMSIZE[master_dtype(dtype)]
 

@@ -20,6 +20,11 @@ from boostmpi.model.params import tp_strategy
 # backward = (dP*P) (3) and its row sum (1), subtract (2), multiply (3).
 _SOFTMAX_PASSES = (11, 9)
 _SOFTMAX_REDUCTION_PASSES = 2  # max and sum: what a recompute handed the statistics skips
+# A GPU framework's fused scale-mask-softmax over materialised scores (Megatron's
+# FusedScaleMaskSoftmax): forward reads the scores and writes the probabilities; backward reads the
+# probabilities and their gradient and writes the scores' gradient. Its backward needs the
+# probabilities, so they are kept: T values per row (Korthikanti et al. 2022's 2as^2b term).
+FUSED_SOFTMAX_PASSES = (2, 3)
 # Cross-entropy over the local logits: max, exp-sum, target pick (forward); softmax minus one-hot (backward).
 _CROSS_ENTROPY_PASSES = (3, 3)
 
@@ -100,7 +105,7 @@ class Shape:
     gate_act: bool
     grouped: bool
     sync_norm: bool
-    attention: str  # "flash" or "matmul"
+    attention: str  # "flash", "matmul" or "fused_softmax" (with_attention)
     gated: bool = True  # MLP = down(act(gate) * up); False: GPT's down(gelu(up)), no gate
     # full passes of the softmax over the T x T scores when attention = "matmul": the NumPy
     # engine's by default; a GPU framework's fused scale-mask-softmax (+ dropout) moves fewer
@@ -116,6 +121,15 @@ class Shape:
     @property
     def K(self):
         return self.Hkv * self.Dh
+
+
+def with_attention(s, attention):
+    """`s` with the attention kernel a machine profile names: "flash" (fused, no T x T tensor),
+    "matmul" (materialised scores, softmax as boostmpi's tiled attention runs it) or
+    "fused_softmax" (materialised scores, one fused softmax kernel each way, probabilities kept)."""
+    if attention == "fused_softmax":
+        return replace(s, attention=attention, softmax_passes=FUSED_SOFTMAX_PASSES, softmax_saved_per_row=s.T)
+    return replace(s, attention=attention)
 
 
 def shape_of(cfg, attention):

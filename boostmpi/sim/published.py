@@ -231,10 +231,11 @@ def cli_config(h, heads, layers, V, s, t, p, dp, B, mbs, *, d_ff=None, kv_heads=
 
 GPT_ASSUMED = ("GPT's 4h GELU MLP as a gated MLP of equal FLOPs (d_ff = 8h/3); LayerNorm, learned "
                "positions, biases and dropout as boostmpi's RMSNorm, RoPE and bias-free layers; attention "
-               "scores materialised (the profile's attention = matmul)")
-# Runs of frameworks that predate fused (flash) attention materialise the T x T scores: their rows run
-# with a profile that says so (compute.attention = "matmul"), the one thing a user changes for them.
-MATERIALISED = (("attention", "matmul"),)
+               "scores materialised with a fused softmax (the profile's attention = fused_softmax)")
+# Runs of frameworks that predate fused (flash) attention materialise the T x T scores and run one fused
+# softmax kernel over them: their rows run with a profile that says so (compute.attention =
+# "fused_softmax"), the one thing a user changes for them.
+MATERIALISED = (("attention", "fused_softmax"),)
 
 
 def _sc21_cli(params_b, heads, h, l, t, p, n, B, tflops, mbs, v, overlap):
