@@ -230,6 +230,8 @@ def predict_workload(w, machine, comm=None):
     """Time, memory and MFU of one optimizer step of `w` on `machine`; `comm` = payload bytes per axis."""
     dtype, recompute, M = w.dtype, w.recompute, w.micro_batches
     s = w.shape if w.attention else with_attention(w.shape, machine.attention)
+    if machine.elementwise == "eager":  # the software stack runs elementwise work op by op
+        s = replace(s, eager=True)
     strategy = w.strategy
     e, e_master = ITEMSIZE[dtype], ITEMSIZE[master_dtype(dtype)]
 

@@ -330,12 +330,26 @@ def _llama3_cli(dp, tflops):
                  "126 layers split by the model's rule (the paper drops one layer from the first and last stages)"))
 
 
+def _torchtitan_cli(name, C, layers, heads, kv_heads, F, V, T, local_batch, recompute, wps, mfu):
+    config = cli_config(C, heads, layers, V, T, 1, 1, 64, 64 * local_batch, local_batch, d_ff=F, kv_heads=kv_heads,
+                        recompute=recompute, zero=3)
+    return CliRun(
+        name=f"{name} (FSDP2, 64 GPUs, batch {local_batch})", framework="torchtitan (FSDP2)", gpu="A100",
+        source="torchtitan docs/performance.md (64 A100 80GB)", machine="a100-80gb-dgx", config=config,
+        network=(("elementwise", "eager"),),
+        measured_s=local_batch * T / wps, derived=f"{local_batch} x {T} tokens / {wps} tokens/s per GPU (MFU {mfu})",
+        assumed=("FSDP2 as zero_stage = 3 (one layer prefetched); nodes of 8 A100 with one 200 Gb/s adapter per GPU; "
+                 "the elementwise work as eager PyTorch runs it (the preset does not compile: the profile's "
+                 "elementwise = eager)"))
+
+
 def cli_runs():
     runs = [_sc21_cli(*row) for row in SC21_TABLE_1]
     runs += [r for row in KORTHIKANTI for r in _korthikanti_cli(*row)]
     runs += [_mtnlg_cli(*row) for row in MT_NLG]
     runs.append(_bloom_cli())
     runs += [_llama3_cli(*row) for row in LLAMA3]
+    runs += [_torchtitan_cli(*row) for row in TORCHTITAN]
     return runs
 
 
