@@ -227,3 +227,20 @@ def test_profile_states_attention_kernel_and_elementwise_fusion(tmp_path, capsys
     assert main(["sim", "--config", str(config), "--machine", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "compute.elementwise must be one of fused, eager" in err and "\n" not in err
+
+
+def test_sweep_keeps_sim_only_layouts_when_the_configuration_asks_for_them(tmp_path, capsys):
+    from boostmpi.sim.sweep import sweep
+
+    machine = load_machine("a100-80gb-dgx")
+    rows = sweep(zero_cfg(3), machine, 64, archs=["full"])  # every layout is ZeRO-3: sim only
+    assert rows and all(r["tp"] * r["pp"] * r["dp"] == 64 for r in rows)
+    assert not sweep(zero_cfg(1), machine, 64, archs=["full"], keep_infeasible=True)[0].get("zero_stage")
+    config = tmp_path / "gpt.toml"
+    config.write_text(published.toml_text({"model": GPT, "parallel": {"tp_mode": "vanilla"},
+                                           "train": {"micro_batch_size": 1, **BF16}}))
+    argv = ["sim", "--config", str(config), "--machine", "a100-80gb-dgx"]
+    for setting in ("parallel.tp=8", "parallel.sequence_parallel=true", "parallel.dp=2", "parallel.zero_stage=3"):
+        argv += ["--set", setting]
+    assert main(argv) == 0
+    assert "sequence parallel, ZeRO-3" in capsys.readouterr().out
