@@ -235,7 +235,6 @@ def test_sweep_keeps_sim_only_layouts_when_the_configuration_asks_for_them(tmp_p
     machine = load_machine("a100-80gb-dgx")
     rows = sweep(zero_cfg(3), machine, 64, archs=["full"])  # every layout is ZeRO-3: sim only
     assert rows and all(r["tp"] * r["pp"] * r["dp"] == 64 for r in rows)
-    assert not sweep(zero_cfg(1), machine, 64, archs=["full"], keep_infeasible=True)[0].get("zero_stage")
     config = tmp_path / "gpt.toml"
     config.write_text(published.toml_text({"model": GPT, "parallel": {"tp_mode": "vanilla"},
                                            "train": {"micro_batch_size": 1, **BF16}}))
