@@ -13,6 +13,13 @@
 3. `boostmpi.sim.model.predict(cfg, profile)` predicts the same step. Target: within 25% for each.
 
     PYTHONPATH=. .venv/bin/python bench/sim_validation.py [--append bench/RESULTS.md]
+
+With `--published` it instead runs `boostmpi sim` on every published training run of
+`boostmpi.sim.published.cli_runs()` (a configuration file and a profile per row, docs/SIM.md,
+"Through the command line") and reports the errors against the published times; targets: worst
+within 15%, median within 8%.
+
+    PYTHONPATH=. .venv/bin/python bench/sim_validation.py --published [--append bench/RESULTS.md]
 """
 
 import common  # noqa: F401 - first: one BLAS thread before numpy loads
@@ -136,11 +143,16 @@ def main():
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, from: " + ", ".join(LAYOUTS))
     p.add_argument("--profile", help="use this profile instead of calibrating now")
     p.add_argument("--keep-profile", metavar="FILE", help="write the calibrated profile here")
+    p.add_argument("--published", action="store_true",
+                   help="compare with published training runs through `boostmpi sim` instead")
     p.add_argument("--measure", help=argparse_hidden())
     p.add_argument("--out", help=argparse_hidden())
     args = p.parse_args()
     if args.measure:
         measure(args.measure, args.warmup, args.repeats, args.out)
+        return
+    if args.published:
+        published_runs(args.append)
         return
 
     from boostmpi.sim.model import predict
@@ -194,6 +206,23 @@ def main():
                f"`{' '.join(f'{k}={v}' for k, v in ALLOCATORS['heap kept'].items())}`, which keeps them.\n\n"
                f"{profile_text}\n\n{table}\n\nTarget within {100 * TARGET:.0f}% for each layout: {verdicts}.")
     common.emit("sim_validation: performance model vs the CPU engine", machine_lines, [summary], args.append)
+
+
+def published_runs(append):
+    """Every published run through the command line; worst and median error against the targets."""
+    from boostmpi.sim import published
+
+    rows = published.cli_validation_table()
+    s = published.cli_summary(rows)
+    verdict = (f"worst {100 * s['worst']:.1f}% {common.verdict(s['worst'] <= 0.15)} (target 15%), median "
+               f"{100 * s['median']:.1f}% {common.verdict(s['median'] <= 0.08)} (target 8%), over {len(rows)} runs of "
+               f"{len(s['frameworks'])} frameworks on {', '.join(s['gpus'])}")
+    text = ("Each row: its configuration file and machine profile written as a user writes them, then "
+            "`boostmpi sim --config ROW.toml --machine PROFILE --json` (in-process); measured = the published "
+            "time per iteration or what it follows from (docs/SIM.md gives each row's source, layout and "
+            f"assumptions). No measurement on this machine.\n\n{published.format_cli_table(rows)}\n\n{verdict}.")
+    common.emit("sim_validation --published: performance model vs published runs, through the CLI",
+                common.machine_description(mpi=False), [text], append)
 
 
 def milliseconds(values):

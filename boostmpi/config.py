@@ -49,7 +49,8 @@ _RANGE_CHECKS = {
     "fraction": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     "beta": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "nonempty": (lambda v: v != "", "must not be empty"),
-    "zero_stage": (lambda v: v in (0, 1), "must be 0 (optimizer state replicated over dp) or 1 (sharded over dp)"),
+    "zero_stage": (lambda v: v in (0, 1, 2, 3), "must be 0 (optimizer state replicated over dp), 1 (sharded over dp), "
+                   "2 (and gradients) or 3 (and parameters)"),
 }
 
 
@@ -106,6 +107,8 @@ class ParallelConfig:
     watchdog_s: float = _key(600.0, "nonnegative")  # seconds a collective may wait; 0 = off
     zero_stage: int = _key(0, "zero_stage")  # 1: AdamW state sharded over the data-parallel group
     virtual_stages: int = _key(1, "positive")  # interleaved 1F1B: layer chunks per pipeline rank
+    # Megatron's sequence parallelism in the regions outside tensor parallelism (sim only)
+    sequence_parallel: bool = _key(False)
 
 
 @dataclass(frozen=True)
@@ -265,6 +268,10 @@ class Config:
                          "every pipeline stage needs at least one layer")
         if p.virtual_stages > 1:
             self._check_interleaving()
+        if p.sequence_parallel and p.tp > 1 and tp_strategy(self) != "megatron":
+            raise _error(f"parallel.sequence_parallel = true needs model.arch = \"full\" when parallel.tp > 1 "
+                         f"(Megatron tensor parallelism; arch = \"{m.arch}\" with tp_mode = \"{p.tp_mode}\" "
+                         "has no sequence-parallel regions)")
         if p.tp > m.vocab_size:
             raise _error(f"parallel.tp = {p.tp} is larger than model.vocab_size = {m.vocab_size}: "
                          "every tensor-parallel rank needs part of the vocabulary")
@@ -288,10 +295,16 @@ class Config:
                          f"model.n_layers = {self.model.n_layers}: every virtual stage needs at least one layer")
 
     def sim_only(self):
-        """What `boostmpi sim` prices but the engine does not run, as one line naming it, or None.
-        Interleaving with chunks of unequal size or micro-batches in part-groups (as some published
-        runs use) is priced by the performance model; the engine runs Megatron's schedule."""
+        """What `boostmpi sim` prices but the engine does not run, as one line naming it, or None:
+        ZeRO stages 2 and 3, sequence parallelism, and interleaving with chunks of unequal size or
+        micro-batches in part-groups (as some published runs are laid out)."""
         m, p, t = self.model, self.parallel, self.train
+        if p.zero_stage > 1:
+            return (f"parallel.zero_stage = {p.zero_stage} is priced by boostmpi sim only: train shards the "
+                    "optimizer state (zero_stage = 1), not gradients or parameters")
+        if p.sequence_parallel:
+            return ("parallel.sequence_parallel = true is priced by boostmpi sim only: train keeps the regions "
+                    "outside tensor parallelism whole on every tp rank")
         v = p.virtual_stages
         if v == 1:
             return None

@@ -88,6 +88,10 @@ def format_prediction(cfg, p, machine):
     par, t = cfg.parallel, cfg.train
     gib = 2**30
     chunks = f" x {par.virtual_stages} chunks (interleaved)" if par.virtual_stages > 1 else ""
+    if par.sequence_parallel and par.tp > 1:
+        chunks += ", sequence parallel"
+    if par.zero_stage and par.dp > 1:
+        chunks += f", ZeRO-{par.zero_stage}"
     lines = [f"{cfg.model.arch} model, tp={par.tp} ({p.details['strategy']}) pp={par.pp}{chunks} dp={par.dp}, "
              f"{t.grad_accum} x {t.micro_batch_size} sequences of {cfg.model.seq_len} per rank, "
              f"{t.dtype}, recompute={t.recompute}, on {p.details['gpus']} x {machine.name}",

@@ -161,6 +161,8 @@ def pass_times(ops, backward, s, machine, dtype):
         elif isinstance(op, Collective) and (op.phase == "bwd") == backward:
             if op.kind == "allreduce":
                 t.tp_comm += group_allreduce_seconds(op.nbytes(e), s.p, 1, machine)
+            elif op.kind == "reducescatter":  # the first half of an all-reduce of the whole tensor
+                t.tp_comm += group_allreduce_seconds(op.nbytes(e), s.p, 1, machine, fraction=0.5)
             else:  # an all-gather of p contributions: half an all-reduce of all of them
                 t.tp_comm += group_allreduce_seconds(op.nbytes(e) * s.p, s.p, 1, machine, fraction=0.5)
     return t

@@ -46,7 +46,8 @@ class Machine:
     gemm_k_overhead: float  # prologue/epilogue cost of one tile, in k-steps: efficiency k/(k + this)
     gemm_mn_overhead: float  # per-dim overhead of thin GEMMs (packing on CPUs): m/(m + this)
     compute_units: int  # SMs / CUs / cores that run tiles concurrently
-    attention: str  # "flash" (fused kernel, no T x T tensor) or "matmul" (scores materialised)
+    attention: str  # "flash" (fused kernel, no T x T tensor), "matmul" (scores materialised, boostmpi's
+    # tiled softmax) or "fused_softmax" (scores materialised, a fused softmax kernel: pre-flash frameworks)
     attention_efficiency: float  # fraction of peak of the fused attention kernel (flash only)
     kernel_launch_s: float  # fixed cost of one kernel (or one NumPy call)
     optimizer_passes: float  # full passes over a master-dtype buffer of one AdamW step
@@ -57,6 +58,8 @@ class Machine:
     intra_node_latency: float  # seconds per collective step inside a node
     inter_node_bandwidth: float  # bytes/s per device across nodes
     inter_node_latency: float
+    # [compute], optional: "fused" (one kernel per elementwise step) or "eager" (eager PyTorch, op by op)
+    elementwise: str = "fused"
 
     def peak(self, dtype):
         if dtype not in self.peak_flops:
@@ -82,6 +85,7 @@ _LAYOUT = {
     "attention": ("compute", "attention", str),
     "attention_efficiency": ("compute", "attention_efficiency", float),
     "kernel_launch_s": ("compute", "kernel_launch_s", float),
+    "elementwise": ("compute", "elementwise", str),
     "optimizer_passes": ("compute", "optimizer_passes", float),
     "gpus_per_node": ("node", "gpus_per_node", int),
     "intra_node_bandwidth": ("network", "intra_node_bandwidth", float),
@@ -91,7 +95,10 @@ _LAYOUT = {
 }
 assert set(_LAYOUT) == {f.name for f in fields(Machine)}
 
-_CHOICES = {"device": ("gpu", "cpu"), "attention": ("flash", "matmul")}
+_CHOICES = {"device": ("gpu", "cpu"), "attention": ("flash", "matmul", "fused_softmax"),
+            "elementwise": ("fused", "eager")}
+# keys a profile may leave out, and their values then (profiles written before the key existed)
+_OPTIONAL = {"elementwise": "fused"}
 _POSITIVE = {"memory_capacity_bytes", "memory_bandwidth", "elementwise_efficiency", "gemm_efficiency",
              "gemm_tile_m", "gemm_tile_n", "compute_units", "attention_efficiency", "optimizer_passes",
              "gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth"}
@@ -126,6 +133,8 @@ def machine_from_dict(document, source="profile"):
     for field_name, (section, key, kind) in _LAYOUT.items():
         where = f"{section}.{key}" if section else key
         table = document if section is None else document.get(section, {})
+        if isinstance(table, dict) and key not in table and field_name in _OPTIONAL:
+            table = {key: _OPTIONAL[field_name]}
         if not isinstance(table, dict) or key not in table:
             raise UserError(f"machine profile {source}: missing key {where}")
         value = table[key]

@@ -14,7 +14,8 @@ from boostmpi.parallel.pipeline import warmup_units
 from boostmpi.sim.costs import (ITEMSIZE, PassTimes, group_allreduce_seconds, group_link, p2p_seconds,
                                 pass_times)
 from boostmpi.sim.plans import (Collective, Shape, attention_core_ops, core_statistics, embedding_plan, head_plan,
-                                kept_by_lowrank, layer_plan, plan_strategy, recompute_plan, saved_elements, shape_of)
+                                kept_by_lowrank, layer_plan, plan_strategy, recompute_plan, saved_elements, shape_of,
+                                with_attention)
 
 BREAKDOWN_KEYS = ("gemm", "elementwise", "tp_comm", "pp_bubble_and_p2p", "dp_comm", "optimizer")
 
@@ -68,15 +69,18 @@ def comm_bytes(cfg):
     e = ITEMSIZE[t.dtype]
     M, N = t.grad_accum, t.micro_batch_size * cfg.model.seq_len
     tp = par.dp * M * tp_per_micro_batch(cfg, lambda op: op.nbytes(e))
-    shard = cfg.model.d_model // par.tp if tp_strategy(cfg) == "btp" else cfg.model.d_model
+    # btp's residual is sharded along d_model; under sequence parallelism along the sequence
+    shard = cfg.model.d_model // par.tp if boundary_sharded(cfg) else cfg.model.d_model
     # every boundary between consecutive virtual stages (pp - 1 of them, pp * v - 1 interleaved)
     pp = par.tp * par.dp * M * 2 * (par.pp * par.virtual_stages - 1) * N * shard * e
     dp = 0
     if par.dp > 1:
-        dp = sum(stage_params(cfg, st)[1] for st in range(par.pp)) * ITEMSIZE[master_dtype(t.dtype)]
-        # ZeRO-1 all-gathers the weights the forward reads: the compute dtype (bf16 under mixed precision)
-        dp += e * sum(zero_allgather_elements(n, par.dp, par.zero_stage) for st in range(par.pp)
-                      for n in rank_params(cfg, st))
+        grads = sum(stage_params(cfg, st)[1] for st in range(par.pp)) * ITEMSIZE[master_dtype(t.dtype)]
+        # ZeRO all-gathers the weights the forward reads: the compute dtype (bf16 under mixed precision)
+        slices = e * sum(zero_allgather_elements(n, par.dp, par.zero_stage) for st in range(par.pp)
+                         for n in rank_params(cfg, st))
+        # stage 2 reduces every micro-batch's gradient; stage 3 also gathers the weights twice per micro-batch
+        dp = {2: M * grads + slices, 3: M * (grads + 2 * slices)}.get(par.zero_stage, grads + slices)
     return {"tp": int(tp), "pp": int(pp), "dp": int(dp)}
 
 
@@ -190,9 +194,15 @@ class Workload:
     model_flops: float  # per step (model_flops_per_step)
     tokens_per_step: int
     virtual_stages: int = 1  # interleaved 1F1B: model chunks per pipeline rank
-    dp_sharded: bool = False  # FSDP / ZeRO-3: parameters gathered per layer, gradients reduce-scattered
-    zero_stage: int = 0  # 1: AdamW moments sharded over dp, gradients reduce-scattered, slices all-gathered
-    attention: str = None  # "flash" or "matmul" when the framework fixes it, else the machine's
+    dp_sharded: bool = False  # FSDP: zero_stage 3
+    zero_stage: int = 0  # 1: AdamW moments sharded over dp; 2: and gradients; 3: and parameters (dp_seconds)
+    attention: str = None  # "flash" or "matmul" when the workload fixes it (shape as given), else the machine's
+
+
+def boundary_sharded(cfg):
+    """Whether a pipeline boundary holds 1/tp of the activation per rank (btp, or sequence parallel)."""
+    par = cfg.parallel
+    return tp_strategy(cfg) == "btp" or (par.sequence_parallel and par.tp > 1)
 
 
 def workload_of(cfg):
@@ -207,7 +217,7 @@ def workload_of(cfg):
         virtual_stages=par.virtual_stages,
         dtype=t.dtype, overlap=par.overlap, zero_stage=par.zero_stage,
         params_per_stage=[stage_params(cfg, st)[0] for st in range(par.pp)],
-        p2p_elements=s.N * (s.C // s.p if strategy == "btp" else s.C),
+        p2p_elements=s.N * s.C // s.p if boundary_sharded(cfg) else s.N * s.C,
         model_flops=model_flops_per_step(cfg), tokens_per_step=cfg.tokens_per_step)
 
 
@@ -219,7 +229,9 @@ def predict(cfg, machine):
 def predict_workload(w, machine, comm=None):
     """Time, memory and MFU of one optimizer step of `w` on `machine`; `comm` = payload bytes per axis."""
     dtype, recompute, M = w.dtype, w.recompute, w.micro_batches
-    s = replace(w.shape, attention=w.attention or machine.attention)
+    s = w.shape if w.attention else with_attention(w.shape, machine.attention)
+    if machine.elementwise == "eager":  # the software stack runs elementwise work op by op
+        s = replace(s, eager=True)
     strategy = w.strategy
     e, e_master = ITEMSIZE[dtype], ITEMSIZE[master_dtype(dtype)]
 
@@ -232,7 +244,7 @@ def predict_workload(w, machine, comm=None):
     if again is not None:  # the backward runs (part of) the forward again first
         layer_b.add(pass_times(again, False, s, machine, dtype))
     per_layer_saved = saved_elements(layer)
-    layer_input = s.N * (s.C // s.p if strategy == "btp" else s.C)
+    layer_input = s.N * s.C // s.p if strategy == "btp" or s.sp else s.N * s.C
     if recompute == "layer":
         kept = layer_input  # the layer's input only
     elif recompute == "lowrank":
@@ -245,7 +257,6 @@ def predict_workload(w, machine, comm=None):
     rebuilt = {"none": 0, "selective": saved_elements(attention_core_ops(layer))}.get(recompute, per_layer_saved)
     # lowrank looks the first layer's input up again from the token ids (no collective under btp)
     first_input_dropped = layer_input if recompute == "lowrank" else 0
-    shard = w.dp if w.dp_sharded else 1  # FSDP keeps 1/dp of parameters, gradients and moments
 
     stages = []
     for stage, n_layers in enumerate(w.layers_per_stage):
@@ -280,31 +291,15 @@ def predict_workload(w, machine, comm=None):
         msg = w.p2p_elements * e
         pp_time = (w.pp - 1) / v * slot + 2 * (v * M + w.pp - 1) * p2p_seconds(msg, pp_link)
 
-    # data parallel: one all-reduce of the local gradient (hierarchical across nodes), hidden
-    # behind the last backward if overlapped; FSDP instead all-gathers the compute-dtype
-    # parameters in the forward and again in the backward and reduce-scatters the gradients,
-    # layer by layer behind the whole step's compute
-    dp_time = 0.0
-    if w.dp > 1:
-        stride = w.tp * w.pp
-        if w.dp_sharded:
-            dp_time = max(group_allreduce_seconds(st["params"] * (2 * e + e_master), w.dp, stride,
-                                                  machine, fraction=0.5) for st in stages)
-            hidden = M * slot
-        else:  # ZeRO-1 reduce-scatters: the first half of the all-reduce
-            dp_time = max(group_allreduce_seconds(st["params"] * e_master, w.dp, stride, machine,
-                                                  fraction=0.5 if w.zero_stage else 1.0) for st in stages)
-            hidden = slowest["bwd"].total
-        if w.overlap:  # buckets go out as layers finish; the last bucket cannot be hidden
-            last_bucket = dp_time / (slowest["layers"] + 1)
-            dp_time = max(dp_time - hidden, last_bucket)
-        if w.zero_stage and not w.dp_sharded:  # ZeRO-1's all-gather of the updated slices, after the optimizer
-            dp_time += max(group_allreduce_seconds(st["params"] * e, w.dp, stride, machine, fraction=0.5)
-                           for st in stages)
+    # data parallel, by ZeRO stage (docs/SIM.md, "Data parallelism and ZeRO stages")
+    zero = zero_stage_of(w)
+    dp_time = 0.0 if w.dp == 1 else dp_seconds(w, zero, stages, slowest, e, e_master, machine)
 
-    # AdamW over the local master buffer (+ the compute copy when it is a narrower dtype)
-    params = max(st["params"] for st in stages) / shard
-    owned = zero_slice(params, w.dp, w.zero_stage)  # what this rank's AdamW updates and keeps moments for
+    # AdamW over the local master buffer (+ the compute copy when it is a narrower dtype); ZeRO-3
+    # keeps 1/dp of parameters, gradients and moments, stages 1 and 2 the moments (and gradients) of a slice
+    full = max(st["params"] for st in stages)
+    params = -(-full // w.dp) if zero == 3 and w.dp > 1 else full
+    owned = zero_slice(params, w.dp, zero if zero < 3 else 0)  # what this rank's AdamW updates
     opt_bytes = owned * machine.optimizer_passes * e_master + (params * e if e != e_master else 0)
     optimizer = opt_bytes / (machine.memory_bandwidth * machine.elementwise_efficiency)
 
@@ -316,9 +311,15 @@ def predict_workload(w, machine, comm=None):
                  "dp_comm": dp_time, "optimizer": optimizer}
     time_s = sum(breakdown.values())
 
-    # master weights (under mixed precision with ZeRO-1, the slice only) + the whole compute copy
-    memory = {"params": owned * e_master + params * e if e != e_master else params * e_master,
-              "grads": (params + (owned if owned != params else 0)) * e_master,  # + ZeRO-1's summed slice
+    # master weights (under mixed precision with ZeRO-1/2, the slice only) + the whole compute copy;
+    # ZeRO-3 also holds the gathered compute-dtype weights of the layer running and the one prefetched
+    gathered = 2 * full / max(slowest["layers"], 1) * e if zero == 3 and w.dp > 1 else 0
+    if zero == 2:
+        grads = owned + full / max(slowest["layers"], 1)  # its slice + one layer's bucket being reduced
+    else:
+        grads = params + (owned if owned != params else 0)  # + ZeRO-1's summed slice
+    memory = {"params": (owned * e_master + params * e if e != e_master else params * e_master) + gathered,
+              "grads": grads * e_master,
               "optimizer": 2 * owned * e_master,
               "activations": max(st["activations"] for st in stages)}
     memory["total"] = sum(memory.values())
@@ -332,6 +333,61 @@ def predict_workload(w, machine, comm=None):
                "tokens_per_step": w.tokens_per_step,
                "forward_s": slowest["fwd"].total, "backward_s": slowest["bwd"].total}
     return Prediction(time_s, breakdown, comm, memory, mfu, w.tokens_per_step / time_s, details)
+
+
+def zero_stage_of(w):
+    """The ZeRO stage a workload runs (FSDP's full sharding is stage 3)."""
+    return 3 if w.dp_sharded else w.zero_stage
+
+
+def dp_seconds(w, zero, stages, slowest, e, e_master, machine):
+    """Exposed data-parallel communication of one step (hierarchical collectives across nodes).
+
+    Stage 0: one all-reduce of the master-dtype gradient; stage 1: its reduce-scatter (half), then the
+    all-gather of the updated compute-dtype slices after the optimizer; both once per step, behind
+    the last micro-batch's backward when overlapped (what exceeds it, and at least the last bucket,
+    one layer's share, is exposed). Stage 2 reduce-scatters after every micro-batch's backward
+    (gradients live only as slices), then all-gathers like stage 1. Stage 3 all-gathers each layer's
+    compute-dtype weights before its forward and again before its backward, and reduce-scatters its
+    gradient after it, every micro-batch; a framework prefetches one layer ahead (`zero3_exposed`)."""
+    M, stride = w.micro_batches, w.tp * w.pp
+
+    def collective(per_stage_bytes, fraction):
+        return max(group_allreduce_seconds(per_stage_bytes(st), w.dp, stride, machine, fraction=fraction)
+                   for st in stages)
+
+    layers = slowest["layers"] + 1  # buckets: its layers and the embedding or head
+    if zero == 3:
+        gather = collective(lambda st: st["params"] * e, 0.5)
+        reduce = collective(lambda st: st["params"] * e_master, 0.5)
+        return M * zero3_exposed(gather, reduce, slowest, layers, w.overlap)
+    reduce = collective(lambda st: st["params"] * e_master, 0.5 if zero else 1.0)
+    times = M if zero == 2 else 1
+    if w.overlap:  # buckets go out as layers finish; the last bucket cannot be hidden
+        reduce = max(reduce - slowest["bwd"].total, reduce / layers)
+    total = times * reduce
+    if zero:  # the all-gather of the updated slices, after the optimizer
+        total += collective(lambda st: st["params"] * e, 0.5)
+    return total
+
+
+def zero3_exposed(gather, reduce, slowest, layers, overlap):
+    """Seconds of ZeRO-3 communication one micro-batch leaves on the critical path.
+
+    The gathers of a pass and the reduce-scatters of the backward split into `layers` equal units.
+    With prefetching, the gather of unit i + 1 runs while unit i computes (DeepSpeed issues gathers
+    up to `stage3_prefetch_bucket_size` parameters ahead, default 5e7, which is one layer or less of
+    a large model; PyTorch FSDP prefetches one layer, `backward_prefetch = BACKWARD_PRE` and
+    `forward_prefetch`, FSDP2 by default), so a unit costs max(compute, communication) and only the
+    first gather (and the last reduce-scatter) of a pass is exposed in full: a prefetch hides latency,
+    never bandwidth. Without overlap every collective is exposed."""
+    if not overlap:
+        return 2 * gather + reduce
+    g, r = gather / layers, reduce / layers
+    f, b = slowest["fwd"].total / layers, slowest["bwd"].total / layers
+    forward = g + (layers - 1) * max(0.0, g - f)
+    backward = g + r + (layers - 1) * max(0.0, g + r - b)
+    return forward + backward
 
 
 def predict_step_time(cfg, machine):

@@ -20,6 +20,11 @@ from boostmpi.model.params import tp_strategy
 # backward = (dP*P) (3) and its row sum (1), subtract (2), multiply (3).
 _SOFTMAX_PASSES = (11, 9)
 _SOFTMAX_REDUCTION_PASSES = 2  # max and sum: what a recompute handed the statistics skips
+# A GPU framework's fused scale-mask-softmax over materialised scores (Megatron's
+# FusedScaleMaskSoftmax): forward reads the scores and writes the probabilities; backward reads the
+# probabilities and their gradient and writes the scores' gradient. Its backward needs the
+# probabilities, so they are kept: T values per row (Korthikanti et al. 2022's 2as^2b term).
+FUSED_SOFTMAX_PASSES = (2, 3)
 # Cross-entropy over the local logits: max, exp-sum, target pick (forward); softmax minus one-hot (backward).
 _CROSS_ENTROPY_PASSES = (3, 3)
 
@@ -66,7 +71,8 @@ class Attention:
 
 @dataclass
 class Collective:
-    """`kind` allreduce or allgather of `elements` contributed per member, in the forward or backward."""
+    """`kind` allreduce, allgather or reducescatter of `elements` contributed per member (for a
+    reduce-scatter the whole tensor each member reduces), in the forward or backward."""
     name: str
     kind: str
     elements: int
@@ -99,13 +105,14 @@ class Shape:
     gate_act: bool
     grouped: bool
     sync_norm: bool
-    attention: str  # "flash" or "matmul"
+    attention: str  # "flash", "matmul" or "fused_softmax" (with_attention)
     gated: bool = True  # MLP = down(act(gate) * up); False: GPT's down(gelu(up)), no gate
     # full passes of the softmax over the T x T scores when attention = "matmul": the NumPy
     # engine's by default; a GPU framework's fused scale-mask-softmax (+ dropout) moves fewer
     softmax_passes: tuple = _SOFTMAX_PASSES
     softmax_saved_per_row: int = 2  # what the backward keeps of the scores per row (T: the probs)
     eager: bool = False  # elementwise work as eager PyTorch runs it (EAGER_PYTORCH_PASSES), not fused
+    sp: bool = False  # Megatron's sequence parallelism: the regions outside tp hold N/p tokens per rank
 
     @property
     def N(self):
@@ -116,13 +123,23 @@ class Shape:
         return self.Hkv * self.Dh
 
 
+def with_attention(s, attention):
+    """`s` with the attention kernel a machine profile names: "flash" (fused, no T x T tensor),
+    "matmul" (materialised scores, softmax as boostmpi's tiled attention runs it) or
+    "fused_softmax" (materialised scores, one fused softmax kernel each way, probabilities kept)."""
+    if attention == "fused_softmax":
+        return replace(s, attention=attention, softmax_passes=FUSED_SOFTMAX_PASSES, softmax_saved_per_row=s.T)
+    return replace(s, attention=attention)
+
+
 def shape_of(cfg, attention):
     m, par = cfg.model, cfg.parallel
     ranks = m.linear_shapes()
     return Shape(B=cfg.train.micro_batch_size, T=m.seq_len, C=m.d_model, F=m.d_ff, H=m.n_heads,
                  Hkv=m.n_kv_heads, Dh=m.head_dim, V=m.vocab_size, Ra=ranks["q"][2] or 0,
                  Rm=ranks["gate"][2] or 0, p=par.tp, cola=m.arch == "cola", gate_act=m.mlp_gate_act,
-                 grouped=par.grouped, sync_norm=par.norm == "sync", attention=attention)
+                 grouped=par.grouped, sync_norm=par.norm == "sync", attention=attention,
+                 sp=par.sequence_parallel and par.tp > 1)
 
 
 # ------------------------------------------------------------------ plans
@@ -183,38 +200,64 @@ def eager_pytorch(ops):
 
 def _megatron_layer(s):
     N, C, F, K, p = s.N, s.C, s.F, s.K, s.p
-    ops = [norm("attn_norm", N, C)]
+    Ns = N // p if s.sp else N  # tokens per rank outside the tensor-parallel regions
+    enter, leave = _tp_region_edges(s)
+    ops = [norm("attn_norm", Ns, C)] + enter("qkv")
     widths = {"q": C // p, "k": K // p, "v": K // p}
     if s.grouped:
-        ops.append(Gemm("qkv", N, sum(widths.values()), C, saved=N * C))
-        ops.append(Collective("qkv.dx", "allreduce", N * C, "bwd"))
+        ops.append(Gemm("qkv", N, sum(widths.values()), C, saved=Ns * C))
+        ops.append(_column_dx("qkv", s))
     else:
         for i, (lin, w) in enumerate(widths.items()):
-            ops.append(Gemm(lin, N, w, C, saved=N * C if i == 0 else 0))
-            ops.append(Collective(f"{lin}.dx", "allreduce", N * C, "bwd"))
+            ops.append(Gemm(lin, N, w, C, saved=Ns * C if i == 0 else 0))
+            ops.append(_column_dx(lin, s))
     ops.append(unary("rope", N * (C + K) // p))
     ops += attention_core(s, s.H // p, s.Hkv // p)
     ops.append(Gemm("o", N, C, C // p, saved=N * C // p))
-    ops.append(Collective("o.y", "allreduce", N * C, "fwd"))
-    ops.append(binary("residual", N * C))
-    ops.append(norm("mlp_norm", N, C))
+    ops += leave("o")
+    ops.append(binary("residual", Ns * C))
+    ops.append(norm("mlp_norm", Ns, C))
+    ops += enter("mlp")
     if not s.gated:  # GPT: up (column-parallel), GELU, down (row-parallel)
-        ops.append(Gemm("up", N, F // p, C, saved=N * C))
-        ops.append(Collective("up.dx", "allreduce", N * C, "bwd"))
+        ops.append(Gemm("up", N, F // p, C, saved=Ns * C))
+        ops.append(_column_dx("up", s))
         ops.append(unary("gelu", N * F // p, saved=N * F // p))
     elif s.grouped:
-        ops.append(Gemm("gate_up", N, 2 * F // p, C, saved=N * C))
-        ops.append(Collective("gate_up.dx", "allreduce", N * C, "bwd"))
+        ops.append(Gemm("gate_up", N, 2 * F // p, C, saved=Ns * C))
+        ops.append(_column_dx("gate_up", s))
     else:
         for i, lin in enumerate(("gate", "up")):
-            ops.append(Gemm(lin, N, F // p, C, saved=N * C if i == 0 else 0))
-            ops.append(Collective(f"{lin}.dx", "allreduce", N * C, "bwd"))
+            ops.append(Gemm(lin, N, F // p, C, saved=Ns * C if i == 0 else 0))
+            ops.append(_column_dx(lin, s))
     if s.gated:
         ops.append(binary("gate*up", N * F // p, saved=2 * N * F // p))
     ops.append(Gemm("down", N, C, F // p, saved=N * F // p))
-    ops.append(Collective("down.y", "allreduce", N * C, "fwd"))
-    ops.append(binary("residual", N * C))
+    ops += leave("down")
+    ops.append(binary("residual", Ns * C))
     return ops
+
+
+def _tp_region_edges(s):
+    """(enter, leave): the collectives where a Megatron tensor-parallel region begins and ends.
+
+    Without sequence parallelism the input is whole on every rank (nothing on entry) and the
+    row-parallel output is all-reduced on exit. With it (Korthikanti et al. 2022, Sec. 4.2.2) the
+    N/p tokens of each rank are all-gathered on entry (the backward reduce-scatters the input's
+    gradient, `_column_dx`) and the output is reduce-scattered on exit (the backward all-gathers
+    its gradient): the same bytes and ring steps as the all-reduces they replace. Megatron saves
+    the sharded input and gathers it again in the backward for the weight gradient, overlapped
+    with the input-gradient GEMM; that second gather is not on the critical path and not counted."""
+    N, C, p = s.N, s.C, s.p
+    if not s.sp:
+        return (lambda name: []), (lambda name: [Collective(f"{name}.y", "allreduce", N * C, "fwd")])
+    return ((lambda name: [Collective(f"{name}.x", "allgather", N * C // p, "fwd")]),
+            (lambda name: [Collective(f"{name}.y", "reducescatter", N * C, "fwd"),
+                           Collective(f"{name}.dy", "allgather", N * C // p, "bwd")]))
+
+
+def _column_dx(name, s):
+    """The backward collective of a column-parallel GEMM's input gradient."""
+    return Collective(f"{name}.dx", "reducescatter" if s.sp else "allreduce", s.N * s.C, "bwd")
 
 
 def _vanilla_layer(s):
@@ -315,8 +358,12 @@ def embedding_plan(s, strategy):
     N, C, p = s.N, s.C, s.p
     if strategy == "btp":  # each rank looks up its own columns: no communication
         return [Pointwise("embedding", N * C // p, 2, 2)]
-    return [Pointwise("embedding", N * C, 2, 2),
-            Collective("embedding.y", "allreduce", N * C, "fwd")]
+    # vocabulary-parallel lookup: partial rows summed; under sp reduce-scattered along the sequence,
+    # and the backward all-gathers the gradient every rank's rows need
+    if s.sp:
+        return [Pointwise("embedding", N * C, 2, 2), Collective("embedding.y", "reducescatter", N * C, "fwd"),
+                Collective("embedding.dy", "allgather", N * C // p, "bwd")]
+    return [Pointwise("embedding", N * C, 2, 2), Collective("embedding.y", "allreduce", N * C, "fwd")]
 
 
 def head_plan(s, strategy):
@@ -326,9 +373,12 @@ def head_plan(s, strategy):
     ops = []
     if strategy == "btp":
         ops.append(Collective("final.gather", "allgather", N * C // p, "fwd"))
-    ops += [norm("final_norm", N, C),
-            Gemm("lm_head", N, V_local, C, saved=N * C),
-            Collective("lm_head.dx", "allreduce", N * C, "bwd"),
+    Ns = N // p if s.sp else N
+    ops.append(norm("final_norm", Ns, C))
+    if s.sp:  # the head is a column-parallel GEMM: its input gathered along the sequence
+        ops.append(Collective("lm_head.x", "allgather", N * C // p, "fwd"))
+    ops += [Gemm("lm_head", N, V_local, C, saved=Ns * C),
+            _column_dx("lm_head", s),
             Pointwise("cross_entropy", N * V_local, *_CROSS_ENTROPY_PASSES, saved=N * V_local),
             Collective("ce.max", "allreduce", N, "fwd", min_itemsize=4),  # softmax statistics in >= fp32
             Collective("ce.sums", "allreduce", 2 * N, "fwd", min_itemsize=4)]

@@ -5,11 +5,23 @@ documentation plus the few global efficiency constants of docs/SIM.md, fixed bef
 comparison, and no number here is adjusted per row. docs/SIM.md ("Validation against published
 runs") gives the source of every row, the configuration as published and what had to be assumed.
 
-    python -m boostmpi.sim.published      # prints the error table
+Two sets: `published_runs()` describes each run to the model directly (`Workload`: GPT's GELU
+MLP, Megatron's fused softmax, eager PyTorch), and `cli_runs()` states each run as a user states
+it to `boostmpi sim`: a configuration file, `--set` nothing, `--machine` a built-in profile or a
+profile file; `cli_validation_table()` runs the command line itself for every row.
+
+    python -m boostmpi.sim.published          # prints both error tables
+    python -m boostmpi.sim.published --cli    # the command-line set only, with each row's command
 """
 
+import contextlib
+import io
+import json
 import statistics
-from dataclasses import dataclass
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from boostmpi.sim.machines import load_machine
 from boostmpi.sim.model import Workload, model_flops, predict_workload
@@ -158,5 +170,295 @@ def format_table(rows):
     return "\n".join(lines)
 
 
+
+# ================================================================== the command-line set
+@dataclass(frozen=True)
+class CliRun:
+    """A published run stated the way a user states it to `boostmpi sim`."""
+    name: str
+    framework: str
+    gpu: str  # the device generation, for the coverage the targets ask for
+    source: str  # publication, table or figure
+    machine: str  # built-in profile
+    config: dict  # the configuration file: section -> key -> value
+    measured_s: float  # seconds per iteration, derived from the published figure (see `derived`)
+    derived: str
+    assumed: str  # what the publication leaves unknown and the row assumes
+    network: tuple = ()  # (profile key, value) overrides: the row runs with a profile file of its own
+
+    def profile(self):
+        """The machine the row runs on: the built-in profile, with `network` replaced."""
+        machine = load_machine(self.machine)
+        return replace(machine, name=f"{machine.name}-{_slug(self.name)}", **dict(self.network)) if self.network \
+            else machine
+
+
+def _slug(text):
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+
+
+def gated_d_ff(h, t):
+    """GPT's h -> 4h -> h GELU MLP stated as boostmpi's gated MLP of equal FLOPs and parameters
+    (3 d_ff h = 8 h^2): d_ff = 8h/3, rounded to a multiple of 64 (and of tp)."""
+    step = 64 * t // _gcd(64, t)
+    return step * round(8 * h / 3 / step)
+
+
+def _gcd(a, b):
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def cli_config(h, heads, layers, V, s, t, p, dp, B, mbs, *, d_ff=None, kv_heads=None, v=1, recompute="layer",
+               sp=False, overlap=True, zero=0):
+    """The TOML sections of a full-rank run (Megatron tensor parallelism: tp_mode = vanilla)."""
+    model = {"arch": "full", "vocab_size": V, "d_model": h, "n_layers": layers, "n_heads": heads,
+             "d_ff": d_ff or gated_d_ff(h, t), "seq_len": s}
+    if kv_heads:
+        model["n_kv_heads"] = kv_heads
+    parallel = {"tp": t, "pp": p, "dp": dp, "tp_mode": "vanilla", "overlap": overlap}
+    if v > 1:
+        parallel["virtual_stages"] = v
+    if sp:
+        parallel["sequence_parallel"] = True
+    if zero:
+        parallel["zero_stage"] = zero
+    train = {"micro_batch_size": mbs, "global_batch_size": B, "dtype": "bfloat16", "device": "gpu",
+             "recompute": recompute}
+    return {"model": model, "parallel": parallel, "train": train}
+
+
+GPT_ASSUMED = ("GPT's 4h GELU MLP as a gated MLP of equal FLOPs (d_ff = 8h/3); LayerNorm, learned "
+               "positions, biases and dropout as boostmpi's RMSNorm, RoPE and bias-free layers; attention "
+               "scores materialised with a fused softmax (the profile's attention = fused_softmax)")
+# Runs of frameworks that predate fused (flash) attention materialise the T x T scores and run one fused
+# softmax kernel over them: their rows run with a profile that says so (compute.attention =
+# "fused_softmax"), the one thing a user changes for them.
+MATERIALISED = (("attention", "fused_softmax"),)
+
+
+def _sc21_cli(params_b, heads, h, l, t, p, n, B, tflops, mbs, v, overlap):
+    dp = n // (t * p)
+    return CliRun(
+        name=f"GPT {params_b}B (t={t}, p={p}, d={dp})", framework="Megatron-LM", gpu="A100",
+        source="Narayanan et al., SC21, Table 1; micro-batch, v and DDP from examples/sc21/run_table_1.sh",
+        machine="a100-80gb-dgx", network=MATERIALISED,
+        config=cli_config(h, heads, l, 51200, 2048, t, p, dp, B, mbs, v=v, overlap=overlap),
+        measured_s=sc21_flops_per_iteration(B, 2048, l, h, 51200) / (n * tflops * 1e12),
+        derived=f"Eq. 3 FLOPs / ({n} GPUs x {tflops} TFLOP/s)", assumed=GPT_ASSUMED)
+
+
+# Korthikanti et al. 2022 (arXiv 2205.05198), Table 3 (layouts; data-parallel size 1, sequence 2048,
+# vocabulary 51200) and Table 4 (seconds per iteration, full recompute and "present work" =
+# sequence parallelism + selective recompute): name, heads, hidden, layers, t, p, GPUs = batch,
+# full-recompute s, present-work s; chunks per rank as SC21's run_table_1.sh ran the same 530B and 1T
+KORTHIKANTI = [
+    ("22B", 64, 6144, 48, 8, 1, 4, 1.42, 1.10, 1),
+    ("175B", 96, 12288, 96, 8, 8, 64, 18.13, 13.75, 1),
+    ("530B", 128, 20480, 105, 8, 35, 280, 49.05, 37.83, 3),
+    ("1T", 160, 25600, 128, 8, 64, 512, 94.42, 71.49, 1),
+]
+
+
+def _korthikanti_cli(name, heads, h, l, t, p, B, full_s, present_s, v):
+    rows = []
+    for label, seconds, recompute, sp in (("full recompute", full_s, "layer", False),
+                                          ("SP + selective", present_s, "selective", True)):
+        rows.append(CliRun(
+            name=f"GPT {name} {label} (t={t}, p={p})", framework="Megatron-LM", gpu="A100",
+            source="Korthikanti et al. 2022, Tables 3 and 4", machine="a100-80gb-dgx", network=MATERIALISED,
+            config=cli_config(h, heads, l, 51200, 2048, t, p, 1, B, 1, v=v, recompute=recompute, sp=sp),
+            measured_s=seconds, derived="Table 4, seconds per iteration as published",
+            assumed=GPT_ASSUMED + f"; micro-batch 1; {v} model chunks per pipeline rank (SC21's script for "
+                    "this model)" if v > 1 else GPT_ASSUMED + "; micro-batch 1; plain 1F1B"))
+    return rows
+
+
+# Smith et al. 2022 (MT-NLG 530B, arXiv 2201.11990), Sec. 2.4: batch 1920 sequences of 2048 on 280,
+# 350 and 420 DGX A100 nodes (t = 8, p = 35 with DeepSpeed's pipeline, data parallel 8, 10, 12),
+# 60.1, 50.2 and 44.4 s per iteration (126, 121, 113 TFLOP/s per GPU).
+MT_NLG = [(8, 60.1), (10, 50.2), (12, 44.4)]
+
+
+def _mtnlg_cli(dp, seconds):
+    return CliRun(
+        name=f"MT-NLG 530B ({280 * dp} GPUs, d={dp})",
+        framework="Megatron-DeepSpeed", gpu="A100",
+        source="Smith et al. 2022 (MT-NLG), Sec. 2.4", machine="a100-80gb-dgx", network=MATERIALISED,
+        config=cli_config(20480, 128, 105, 50304, 2048, 8, 35, dp, 1920, 1, overlap=False, zero=1),
+        measured_s=seconds, derived="seconds per iteration as published",
+        assumed=GPT_ASSUMED + "; micro-batch 1; DeepSpeed's pipeline (plain 1F1B, the data-parallel "
+                "reduction after the flush: overlap = false) with ZeRO-1; vocabulary padded to 50304")
+
+
+# BLOOM 176B (BigScience; arXiv 2211.05100, Sec. 3.4): 384 A100 80GB on Jean Zay, t = 4, p = 12, d = 8,
+# micro-batch 2, batch 2048 sequences of 2048, ZeRO-1, bf16, "about 150 TFLOP/s" per GPU
+# (bigscience.notion.site, BigScience 176B Model); 8 GPUs and four 100 Gb/s Omni-Path links per node.
+def _bloom_cli():
+    return CliRun(
+        name="BLOOM 176B (t=4, p=12, d=8)", framework="Megatron-DeepSpeed", gpu="A100",
+        source="BLOOM (arXiv 2211.05100) Sec. 3.4; BigScience 176B model page (150 TFLOP/s)",
+        machine="a100-80gb-dgx", network=MATERIALISED + (("inter_node_bandwidth", 4 * 100e9 / 8 / 8),),
+        config=cli_config(14336, 112, 70, 250880, 2048, 4, 12, 8, 2048, 2, overlap=False, zero=1),
+        measured_s=sc21_flops_per_iteration(2048, 2048, 70, 14336, 250880) / (384 * 150e12),
+        derived="Eq. 3 FLOPs / (384 GPUs x 150 TFLOP/s), the Megatron-DeepSpeed throughput formula",
+        assumed=GPT_ASSUMED + "; ALiBi as RoPE; 70 layers over 12 stages as 6 and 5; the network as 4 x 100 "
+                "Gb/s per 8 GPUs (inter_node_bandwidth 6.25e9); DeepSpeed's pipeline (overlap = false)")
+
+
+# Llama 3 405B (Llama Team 2024, arXiv 2407.21783, Table 4): 126 layers, 16384 wide, 128 heads, 8 kv
+# heads, d_ff 53248, vocabulary 128256, sequence 8192, 16M tokens per batch; 8192 H100 at t = 8,
+# p = 16, d = 64: 430 TFLOP/s per GPU; 16384 at d = 128: 400. (The third row, context parallel 16
+# at sequence 131072, is left out: boostmpi has no context parallelism.)
+LLAMA3 = [(64, 430), (128, 400)]
+
+
+def _llama3_cli(dp, tflops):
+    gpus = 8 * 16 * dp
+    config = cli_config(16384, 128, 126, 128256, 8192, 8, 16, dp, 2048, 1, d_ff=53248, kv_heads=8, v=2,
+                        recompute="none", sp=True, zero=1)
+    matmul = 126 * (16384 * (2 * 16384 + 2 * 1024) + 3 * 16384 * 53248) + 128256 * 16384
+    flops = model_flops(matmul, 126, 16384, 8192, 2048 * 8192)
+    return CliRun(
+        name=f"Llama 3 405B ({gpus} GPUs, d={dp})", framework="Meta (Megatron-style 4D)", gpu="H100",
+        source="Llama 3 (arXiv 2407.21783), Table 4", machine="h100-sxm", config=config,
+        measured_s=flops / (gpus * tflops * 1e12),
+        derived=f"6N + 12LCT FLOPs of 16M tokens / ({gpus} GPUs x {tflops} TFLOP/s)",
+        assumed=("interleaved 1F1B with 2 chunks per rank (the number is not published); sequence "
+                 "parallelism; no activation recomputation; FSDP that keeps weights gathered as ZeRO-1; "
+                 "126 layers split by the model's rule (the paper drops one layer from the first and last stages)"))
+
+
+# Dash et al. 2023 ("Optimizing Distributed Training on Frontier for Large Language Models", arXiv
+# 2312.12705, ISC 2024): Megatron-DeepSpeed on Frontier's MI250X, 38.38%, 36.14% and 31.96% of peak
+# for the 22B, 175B and 1T GPT models: 73.5, 69.2 and 61.2 TFLOP/s per GCD (191.5 TFLOP/s peak each).
+# Layouts: the authors' launch scripts for these three models on Frontier (github.com/sajal-vt/
+# Megatron-DeepSpeed-ORNL, branch FA2: launch_gpt22b_bf16.slurm, launch_gpt175b_bf16.slurm,
+# launch_gpt1T_bf16.slurm): name, heads, hidden, layers, sequence, t, p, nodes, batch, per-GCD
+# share of peak. Every script: micro-batch 1, ZeRO-1, activation checkpointing, flash attention 2.
+FRONTIER = [
+    ("22B", 48, 6144, 48, 2048, 1, 8, 2, 640, 0.3838),
+    ("175B", 96, 12288, 96, 4096, 4, 16, 16, 640, 0.3614),
+    ("1T", 200, 25600, 128, 2048, 4, 128, 128, 1024, 0.3196),
+]
+
+
+def _frontier_cli(name, heads, h, l, seq, t, p, nodes, B, share):
+    gcds = 8 * nodes
+    dp = gcds // (t * p)
+    V = 50688  # GPT-2's 50257 padded to a multiple of 128 x tp (Megatron's rule)
+    tflops = share * 191.5
+    return CliRun(
+        name=f"GPT {name} on Frontier (t={t}, p={p}, d={dp}, {gcds} GCDs)", framework="Megatron-DeepSpeed",
+        gpu="MI250X", source="Dash et al. 2023 (arXiv 2312.12705); layout: the authors' Frontier scripts",
+        machine="mi250x-gcd",
+        config=cli_config(h, heads, l, V, seq, t, p, dp, B, 1, overlap=False, zero=1),
+        measured_s=sc21_flops_per_iteration(B, seq, l, h, V) / (gcds * tflops * 1e12),
+        derived=(f"Eq. 3 FLOPs / ({gcds} GCDs x {tflops:.1f} TFLOP/s per GCD = {share:.2%} of 191.5); "
+                 "Megatron-DeepSpeed's throughput_calculator counts Eq. 3 under --checkpoint-activations"),
+        assumed=("the paper's per-GCD figure holds for the layout of the authors' script for this model "
+                 "(the paper reports weak scaling at 100% efficiency, so the per-GCD rate does not depend on "
+                 "the data-parallel size); GPT-2 vocabulary; DeepSpeed's pipeline (overlap = false); "
+                 + GPT_ASSUMED.replace("; attention scores materialised with a fused softmax "
+                                       "(the profile's attention = fused_softmax)", "; flash attention")))
+
+
+def _torchtitan_cli(name, C, layers, heads, kv_heads, F, V, T, local_batch, recompute, wps, mfu):
+    config = cli_config(C, heads, layers, V, T, 1, 1, 64, 64 * local_batch, local_batch, d_ff=F, kv_heads=kv_heads,
+                        recompute=recompute, zero=3)
+    return CliRun(
+        name=f"{name} (FSDP2, 64 GPUs, batch {local_batch})", framework="torchtitan (FSDP2)", gpu="A100",
+        source="torchtitan docs/performance.md (64 A100 80GB)", machine="a100-80gb-dgx", config=config,
+        network=(("elementwise", "eager"),),
+        measured_s=local_batch * T / wps, derived=f"{local_batch} x {T} tokens / {wps} tokens/s per GPU (MFU {mfu})",
+        assumed=("FSDP2 as zero_stage = 3 (one layer prefetched); nodes of 8 A100 with one 200 Gb/s adapter per GPU; "
+                 "the elementwise work as eager PyTorch runs it (the preset does not compile: the profile's "
+                 "elementwise = eager)"))
+
+
+def cli_runs():
+    runs = [_sc21_cli(*row) for row in SC21_TABLE_1]
+    runs += [r for row in KORTHIKANTI for r in _korthikanti_cli(*row)]
+    runs += [_mtnlg_cli(*row) for row in MT_NLG]
+    runs.append(_bloom_cli())
+    runs += [_llama3_cli(*row) for row in LLAMA3]
+    runs += [_torchtitan_cli(*row) for row in TORCHTITAN]
+    runs += [_frontier_cli(*row) for row in FRONTIER]
+    return runs
+
+
+# ------------------------------------------------------------------ running the command line
+def toml_text(sections):
+    """A configuration file of scalar keys, as a user writes it."""
+    from boostmpi.config import _toml_value
+
+    lines = []
+    for section, keys in sections.items():
+        lines += [f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in keys.items()] + [""]
+    return "\n".join(lines)
+
+
+def cli_argv(run, directory):
+    """Write the row's configuration (and profile, if its network differs) into `directory` and
+    return the `boostmpi sim` arguments that predict it."""
+    from boostmpi.sim.machines import machine_to_toml
+
+    directory = Path(directory)
+    config = directory / f"{_slug(run.name)}.toml"
+    config.write_text(toml_text(run.config))
+    machine = run.machine
+    if run.network:
+        profile = directory / f"{_slug(run.name)}-machine.toml"
+        profile.write_text(machine_to_toml(run.profile()))
+        machine = str(profile)
+    return ["sim", "--config", str(config), "--machine", machine, "--json"]
+
+
+def run_cli(argv):
+    """`boostmpi sim ... --json` in this process: (exit status, the printed JSON object or None)."""
+    from boostmpi.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(argv)
+    text = out.getvalue().strip()
+    return status, (json.loads(text) if status == 0 and text else None)
+
+
+def cli_validation_table():
+    """[(run, predicted seconds, relative error, prediction)] with every row run through the CLI."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in cli_runs():
+            status, prediction = run_cli(cli_argv(run, tmp))
+            if status != 0:
+                raise RuntimeError(f"boostmpi sim failed on {run.name} (exit {status})")
+            rows.append((run, prediction["time_s"], prediction["time_s"] / run.measured_s - 1, prediction))
+    return rows
+
+
+def cli_summary(rows):
+    return {**summary([r[:3] for r in rows]), "frameworks": sorted({r[0].framework for r in rows}),
+            "gpus": sorted({r[0].gpu for r in rows})}
+
+
+def format_cli_table(rows):
+    lines = ["| run | framework | source | measured s/iter | predicted s/iter | error | "
+             "compute / tp / bubble+p2p / dp (s) |", "|---|---|---|---|---|---|---|"]
+    for run, predicted, error, p in rows:
+        b = p["breakdown"]
+        compute = b["gemm"] + b["elementwise"] + b["optimizer"]
+        lines.append(f"| {run.name} | {run.framework} | {run.source} | {run.measured_s:.2f} | {predicted:.2f} | "
+                     f"{error:+.1%} | {compute:.2f} / {b['tp_comm']:.2f} / {b['pp_bubble_and_p2p']:.2f} / "
+                     f"{b['dp_comm']:.2f} |")
+    s = cli_summary(rows)
+    lines.append(f"\nworst {s['worst']:.1%}, median {s['median']:.1%}, best {s['best']:.1%} over {len(rows)} runs "
+                 f"({len(s['frameworks'])} frameworks: {', '.join(s['frameworks'])}; GPUs: {', '.join(s['gpus'])})")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(format_table(validation_table()))
+    if "--cli" not in sys.argv[1:]:
+        print(format_table(validation_table()) + "\n")
+    print(format_cli_table(cli_validation_table()))

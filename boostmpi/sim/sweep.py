@@ -4,7 +4,9 @@ The global batch (sequences per optimizer step) and the micro-batch size stay as
 each layout takes the gradient accumulation that keeps the global batch, and the configured
 `parallel.virtual_stages` where it has a pipeline (plain 1F1B where it has none). A layout is
 dropped when the configuration validation rejects it (divisibility of heads, ranks, layers,
-batch), when `train` could not run it (`Config.sim_only`) or when it does not fit in device memory.
+batch), when `train` could not run it (`Config.sim_only`; unless the configuration itself asks for
+what only `sim` prices, such as `zero_stage = 3` or `sequence_parallel`) or when it does not fit in
+device memory.
 """
 
 import math
@@ -54,8 +56,8 @@ def sweep(cfg, machine, gpus, archs=None, keep_infeasible=False):
                         candidate = cfg.replace(**changes)
                     except UserError:
                         continue  # the configuration validation rejects this layout
-                    if candidate.sim_only():
-                        continue  # a layout to run is what the sweep ranks
+                    if candidate.sim_only() and not cfg.sim_only():
+                        continue  # a layout to run is what the sweep ranks (unless sim-only was asked for)
                     p = predict(candidate, machine)
                     if not p.memory_bytes["fits"] and not keep_infeasible:
                         continue
