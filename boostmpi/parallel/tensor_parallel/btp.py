@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from boostmpi.backend import get_array_module
 from boostmpi.model import layers
-from boostmpi.model.layers import col_slices, grouped_matmul
+from boostmpi.model.layers import col_slices, grouped_matmul, matmul
 from boostmpi.model.params import split_range
 from boostmpi.model.recompute import NO_TAPE
 from boostmpi.parallel.mappings import (copy_to_tp_region, copy_to_tp_region_backward_async, gather_from_tp_region,
@@ -118,11 +118,11 @@ class BottleneckTP(Strategy):
         if extra is not None:
             tail[...] = extra
         if self.grouped:
-            xp.matmul(x, A, out=prod)
+            matmul(x, A, out=prod)
             reduce_from_tp_region(flat, self.tp)
         else:
             for j, s in enumerate(sl):
-                piece = x @ A[:, s]
+                piece = matmul(x, A[:, s])
                 if j == 0 and extra is not None:
                     both = reduce_from_tp_region(xp.concatenate([piece.reshape(-1), tail]), self.tp)
                     prod[:, s], tail[...] = both[:N * piece.shape[1]].reshape(piece.shape), both[N * piece.shape[1]:]
@@ -141,8 +141,7 @@ class BottleneckTP(Strategy):
         # (one all-reduce when grouped, else one per factor)
         pieces = [dZs] if self.grouped or len(sl) == 1 else [xp.ascontiguousarray(dZs[:, s]) for s in sl]
         req = copy_to_tp_region_backward_async(pieces, self.tp)
-        for nm, dB in zip(names, grouped_matmul([Zs[:, s].T for s in sl], douts, self.grouped)):
-            Gr[f"{nm}/B"] += dB
+        grouped_matmul([Zs[:, s].T for s in sl], douts, outs=[Gr[f"{nm}/B"] for nm in names])
         req.wait()
         if len(pieces) > 1:
             for s, piece in zip(sl, pieces):
@@ -151,16 +150,16 @@ class BottleneckTP(Strategy):
         dZ = reduce_from_tp_region_backward(dZ, self.tp)  # Z was reduced from the region
         A = P.columns([f"{nm}/A" for nm in names])
         if norm_name is None:
-            dx = dZ @ A.T
+            dx = matmul(dZ, A.T)
             for s, nm in zip(sl, names):
-                Gr[f"{nm}/A"] += xw.T @ dZ[:, s]
+                matmul(xw.T, dZ[:, s], out=Gr[f"{nm}/A"], accumulate=True)
             return dx
         # exact backward of Z = (sum_i xw_i·A_i) * rstd(S), S = sum of squares over all shards;
         # dZ and Z are replicated over the tp group, so the statistic's gradient dS is local
-        dP = dZ * rstd
+        dP = (dZ * rstd).astype(x.dtype, copy=False)  # a GEMM operand: in x's dtype, as A and xw are
         dS = (-0.5 / self.C) * (dZ * Z).sum(axis=-1, keepdims=True) * (rstd * rstd)
-        dxw = dP @ A.T
+        dxw = matmul(dP, A.T, dtype=layers.accumulation_dtype(x.dtype))  # the float32 accumulator, not rounded
         for s, nm in zip(sl, names):
-            Gr[f"{nm}/A"] += xw.T @ dP[:, s]
+            matmul(xw.T, dP[:, s], out=Gr[f"{nm}/A"], accumulate=True)
         Gr[norm_name] += (dxw * x).sum(axis=0)
         return (dxw * P[norm_name] + 2.0 * x * dS).astype(x.dtype, copy=False)  # float32 statistics, bf16 x
