@@ -174,6 +174,38 @@ def test_lowrank_elementwise_match_layers(warp, suffix):
             assert_close(out2.get(), stored(du, dtype), dtype, f"du act={act}")
 
 
+@pytest.mark.parametrize("warp", WARPS)
+@pytest.mark.parametrize("suffix", DTYPES)
+def test_btp_backward_kernels_match_layers(warp, suffix):
+    """btp's backward around the GEMM dxw = dP . A^T (layers.btp_norm_backward_pre/post in float64)."""
+    dtype = DTYPES[suffix]
+    N = 5
+    for width in WIDTHS:
+        dzs, z = random((N, width), dtype, 21, 2.0), random((N, width), dtype, 22, 2.0)
+        rstd = np.abs(random(N, np.float32, 23)) + 0.5
+        DZS, Z, R = cudaemu.DeviceArray(dzs), cudaemu.DeviceArray(z), cudaemu.DeviceArray(rstd)
+        DP, DS = cudaemu.DeviceArray(shape=N * width, dtype=dtype), cudaemu.DeviceArray(shape=N, dtype=np.float32)
+        for act in (True, False):
+            for block in (row_block(width, dtype, warp), warp):
+                kernel("btp", f"btp_backward_pre_{suffix}", warp)(
+                    N, block, (DZS, Z, R, DP, DS, np.int32(width), np.int32(4 * width), np.int32(act)))
+                dP_ref, dS_ref = layers.btp_norm_backward_pre(f64(dzs), f64(z), f64(rstd)[:, None], 4 * width, act)
+                assert_close(DP.get().reshape(N, width), stored(dP_ref, dtype), dtype, f"dP C={width} act={act}")
+                assert_close(DS.get(), dS_ref[:, 0], np.float32, f"dS C={width} act={act}")
+
+        dxw = random((N, width), np.float32, 24)
+        x, w, ds = random((N, width), dtype, 25), random(width, dtype, 26), random(N, np.float32, 27, 0.1)
+        DX, P = cudaemu.DeviceArray(shape=N * width, dtype=dtype), cudaemu.DeviceArray(shape=2 * width, dtype=np.float32)
+        kernel("btp", f"btp_backward_post_{suffix}", warp)(
+            2, row_block(width, dtype, warp), (cudaemu.DeviceArray(dxw), cudaemu.DeviceArray(x), cudaemu.DeviceArray(w),
+                                               cudaemu.DeviceArray(ds), DX, P, np.int32(N), np.int32(width)),
+            shared_mem=4 * width)
+        dw_ref = np.zeros(width)
+        dx_ref = layers.btp_norm_backward_post(f64(dxw), f64(x), f64(w), f64(ds)[:, None], dw_ref)
+        assert_close(DX.get().reshape(N, width), stored(dx_ref, dtype), dtype, f"dx C={width}")
+        assert_close(P.get().reshape(2, width).sum(axis=0), dw_ref, np.float32, f"dw C={width}")
+
+
 def _xent_reference(logits, targets, scale):
     lf = f64(logits)
     m = lf.max(axis=1, keepdims=True)

@@ -186,6 +186,46 @@ def test_rmsnorm_kernels_index_more_than_2_32_elements(pool, small, suffix, warp
     run_rmsnorm(pool, small, suffix, warp=warp)
 
 
+def run_btp(pool, small, suffix, code=None, warp=32):
+    """btp's backward kernels at rows x rank and rows x (d_model / 4) past 2^32 (tp = 4, the paper's)."""
+    dtype = DTYPES[suffix]
+    R, N = RANK, rows_for(RANK)
+    dZs, Z, dP = (Tensor(pool[i], (N, R), dtype) for i in range(3))
+    rstd, dS = Tensor(pool[3], (N,), np.float32), Tensor(pool[4], (N,), np.float32)
+    dzr, zr = random(R, dtype, 6, 2.0), random(R, dtype, 7, 2.0)
+    dZs.row(N - 1)[:], Z.row(N - 1)[:], rstd.flat(N - 1, N)[:] = dzr, zr, 0.75
+    for act in (True, False):
+        function("btp", f"btp_backward_pre_{suffix}", code, warp)(
+            N, loader._row_block(R, dtype.itemsize, warp), (dZs, Z, rstd, dP, dS, np.int32(R), np.int32(D_MODEL),
+                                                            np.int32(act)), blocks=[N - 1])
+        dP_ref, dS_ref = layers.btp_norm_backward_pre(dzr.astype(np.float32)[None], zr.astype(np.float32)[None],
+                                                      np.array([[0.75]], np.float32), D_MODEL, act)
+        assert_close(dP.row(N - 1), dP_ref[0], dtype, f"btp dP of the last row, act={act}")
+        assert_close(dS.flat(N - 1, N), dS_ref[:, 0], np.float32, f"btp dS of the last row, act={act}")
+
+    Cs = D_MODEL // 4
+    N = rows_for(Cs)
+    dxw, x, dx, dw = (Tensor(pool[0], (N, Cs), np.float32), Tensor(pool[1], (N, Cs), dtype),
+                      Tensor(pool[2], (N, Cs), dtype), Tensor(pool[3], (N, Cs), np.float32))
+    dS = Tensor(pool[4], (N,), np.float32)
+    gr, xr, w = random(Cs, np.float32, 8), random(Cs, dtype, 9), random(Cs, dtype, 10)
+    dxw.row(N - 1)[:], x.row(N - 1)[:], dS.flat(N - 1, N)[:] = gr, xr, -0.25
+    kernel = function("btp", f"btp_backward_post_{suffix}", code, warp)
+    kernel(N, loader._row_block(Cs, dtype.itemsize, warp), (dxw, x, small(w), dS, dx, dw, np.int32(N), np.int32(Cs)),
+           shared_mem=4 * Cs, blocks=[N - 1])
+    dw_ref = np.zeros(Cs, np.float32)
+    dx_ref = layers.btp_norm_backward_post(gr[None], xr.astype(np.float32)[None], w.astype(np.float32),
+                                           np.array([[-0.25]], np.float32), dw_ref)
+    assert_close(dx.row(N - 1), dx_ref[0], dtype, "btp dx of the last row")
+    assert_close(dw.row(N - 1), dw_ref, np.float32, "btp dw partial of the last block")
+
+
+@pytest.mark.parametrize("warp", WARPS)
+@pytest.mark.parametrize("suffix", DTYPES)
+def test_btp_kernels_index_more_than_2_32_elements(pool, small, suffix, warp):
+    run_btp(pool, small, suffix, warp=warp)
+
+
 # ------------------------------------------------------------------------------ the elementwise kernels
 
 
@@ -237,7 +277,8 @@ def test_elementwise_kernels_index_more_than_2_32_elements(pool, small, suffix, 
 
 # entry points the tests above run past 2^32 elements; a new kernel gets its test here
 CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "rmsnorm_backward_", "rescale_rows_",
-           "silu_forward_", "silu_backward_", "gate_forward_", "gate_backward_")
+           "silu_forward_", "silu_backward_", "gate_forward_", "gate_backward_", "btp_backward_pre_",
+           "btp_backward_post_")
 
 
 def test_every_entry_point_is_run_past_2_32_elements():

@@ -73,6 +73,10 @@ def launch_shape(entry, warp):
         return loader._row_block(PAPER["vocab"], itemsize, warp), 0
     if entry.startswith(("silu_", "gate_")):
         return loader.ELEMENTWISE_BLOCK_THREADS, 0
+    if entry.startswith("btp_backward_pre"):
+        return loader._row_block(PAPER["rank"], itemsize, warp), 0
+    if entry.startswith("btp_backward_post"):  # the residual shard C / tp, at the paper's tp = 4
+        return loader._row_block(PAPER["d_model"] // 4, itemsize, warp), 4 * (PAPER["d_model"] // 4)
     raise AssertionError(f"{entry}: no launch shape here; add how the loader launches it to launch_shape()")
 
 
@@ -94,6 +98,7 @@ KNOWN_SHORTFALLS = {
 KNOWN_SCRATCH = {
     "rmsnorm_backward_bf16": "32 bytes per lane (hipcc of ROCm 5.2; the other bf16 kernels place their 16-byte "
                              "vector staging arrays in LDS instead, this one, with dynamic LDS, does not)",
+    "btp_backward_post_bf16": "32 bytes per lane, as rmsnorm_backward_bf16 (the same row loop over dynamic LDS)",
 }
 
 

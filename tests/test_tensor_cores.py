@@ -58,13 +58,13 @@ def test_a_float32_step_is_counted_off_the_tensor_cores():
 
 def test_float32_a_factor_weight_gradients_are_caught(monkeypatch):
     """Mutant: btp's A-factor weight gradients multiplied as they were, xw (bf16) by dP in float32
-    through CuPy's matmul: a float32 GEMM each, which the count reports."""
+    through CuPy's matmul (which casts both to float32): a float32 GEMM each, which the count reports."""
     _needs_standin()
     from boostmpi.parallel.tensor_parallel import btp
 
     src = inspect.getsource(btp.BottleneckTP._bottleneck_backward)
     mutant = src.replace('matmul(xw.T, dP[:, s], out=Gr[f"{nm}/A"], accumulate=True)',
-                         'Gr[f"{nm}/A"] += xw.T @ (dZ * rstd)[:, s]')
+                         'Gr[f"{nm}/A"] += xw.T @ dP[:, s].astype("float32")')
     assert mutant != src, "the A factors' weight gradient is no longer written as the mutant expects"
     namespace = {}
     exec(compile("if True:\n" + mutant, btp.__file__, "exec"), vars(btp), namespace)  # noqa: S102 - the mutant

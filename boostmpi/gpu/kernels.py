@@ -197,20 +197,28 @@ def rmsnorm_backward(dy, x, w, rstd):
     _check("dy", dy, (N, C), x.dtype)
     _check("w", w, (C,), x.dtype)
     _check("rstd", rstd, (N,), np.float32)
+    dx = _import_cupy().empty_like(x)
+    return dx, _launch_column_sums("rmsnorm", f"rmsnorm_backward_{suffix}", x, (dy, x, w, rstd, dx),
+                                   f"rmsnorm_backward: C = {C}")
+
+
+def _launch_column_sums(module_name, entry_point, x, args, what):
+    """A row kernel whose blocks stride over the rows of x [N, C], each keeping its running
+    per-column sums (C floats) in shared memory and writing them once: launched with `args`, then
+    its partial sums [blocks, C] and N and C; returns the sums over all rows (float32 [C])."""
     cupy = _import_cupy()
-    dx = cupy.empty_like(x)
+    N, C = x.shape
     if N == 0:
-        return dx, cupy.zeros(C, dtype=np.float32)
+        return cupy.zeros(C, dtype=np.float32)
     device = _current_device()
-    kernel = _kernel("rmsnorm", f"rmsnorm_backward_{suffix}")
-    # each block keeps its running dw (C floats) in shared memory
+    kernel = _kernel(module_name, entry_point)
     shared_bytes = 4 * C
-    _reserve_dynamic_shared(kernel, shared_bytes, device, f"rmsnorm_backward: C = {C}")
+    _reserve_dynamic_shared(kernel, shared_bytes, device, what)
     blocks = min(N, 2 * device.sm_count)
-    dw_partial = cupy.empty((blocks, C), dtype=np.float32)
-    _launch(kernel, blocks, _row_block(C, x.itemsize, device.warp_size),
-            (dy, x, w, rstd, dx, dw_partial, np.int32(N), np.int32(C)), shared_mem=shared_bytes)
-    return dx, dw_partial.sum(axis=0)
+    partial = cupy.empty((blocks, C), dtype=np.float32)
+    _launch(kernel, blocks, _row_block(C, x.itemsize, device.warp_size), args + (partial, np.int32(N), np.int32(C)),
+            shared_mem=shared_bytes)
+    return partial.sum(axis=0)
 
 
 def rmsnorm_online_stats(x, w):
@@ -233,6 +241,35 @@ def rescale_rows(P, ss_total, C_total, eps):
     _launch_rows("rmsnorm", f"rescale_rows_{suffix}", N, R, P.itemsize,
                  (P, ss_total, out, np.int32(R), np.int32(C_total), np.float32(eps)))
     return out
+
+
+# ------------------------------------------------------------------------------ btp.cu
+
+
+def btp_backward_pre(dZs, Z, rstd, C_total, act):
+    """dZs, Z [N,R], rstd [N] float32 -> dP [N,R] = dZ * rstd (Z's dtype), dS [N] (float32) =
+    -0.5 / C_total * rstd^2 * sum(dZ * Z), with dZ = dZs * silu'(Z) when `act`, else dZs."""
+    N, R, suffix = _check_matrix("Z", Z)
+    _check("dZs", dZs, (N, R), Z.dtype)
+    _check("rstd", rstd, (N,), np.float32)
+    cupy = _import_cupy()
+    dP = cupy.empty_like(Z)
+    dS = cupy.empty(N, dtype=np.float32)
+    _launch_rows("btp", f"btp_backward_pre_{suffix}", N, R, Z.itemsize,
+                 (dZs, Z, rstd, dP, dS, np.int32(R), np.int32(C_total), np.int32(bool(act))))
+    return dP, dS
+
+
+def btp_backward_post(dxw, x, w, dS):
+    """dxw [N,Cs] float32, x [N,Cs], w [Cs], dS [N] float32 -> dx [N,Cs] = dxw * w + 2 * x * dS
+    (x's dtype), dw [Cs] = sum over rows of dxw * x (float32)."""
+    N, Cs, suffix = _check_matrix("x", x)
+    _check("dxw", dxw, (N, Cs), np.float32)
+    _check("w", w, (Cs,), x.dtype)
+    _check("dS", dS, (N,), np.float32)
+    dx = _import_cupy().empty_like(x)
+    return dx, _launch_column_sums("btp", f"btp_backward_post_{suffix}", x, (dxw, x, w, dS, dx),
+                                   f"btp_backward_post: C/tp = {Cs}")
 
 
 # ------------------------------------------------------------------------------ lowrank.cu

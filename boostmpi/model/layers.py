@@ -155,6 +155,37 @@ def rescale_rows(P, ss_total, C, eps):
     return (P * online_rstd(ss_total, C, eps)[:, None]).astype(P.dtype, copy=False)
 
 
+# ---------------------------------------------------------------- btp's backward through a normed group
+# Z = rstd(S) * P with P = sum over shards of xw_s . A_s and S the sum of squares over all shards;
+# dZ and Z are replicated over the tp group, so the statistic's gradient dS is local. Around the
+# GEMM dxw = dP . A^T: `btp_norm_backward_pre` gives (dP, dS) from the gradient of silu(Z) (or of
+# Z), `btp_norm_backward_post` the input gradient and the norm weight's (one kernel each on a GPU).
+def btp_norm_backward_pre(dZs, Z, rstd, C, act, sig=None):
+    """dZs (the gradient of silu(Z) with `act`, else of Z), Z [N, R], rstd [N, 1] -> (dP [N, R] =
+    dZ * rstd in Z's dtype, dS [N, 1] = -0.5 / C * rowsum(dZ * Z) * rstd^2 in rstd's dtype)."""
+    k, (dzc, zc) = kernel_inputs(dZs, Z)
+    if k is not None and Z.ndim == 2 and rstd.dtype == np.float32:
+        dP, dS = k.btp_backward_pre(dzc, zc, get_array_module(Z).ascontiguousarray(rstd.reshape(-1)), C, act)
+        return dP, dS[:, None]
+    dZ = silu_backward(dZs, Z, sig) if act else dZs
+    dP = (dZ * rstd).astype(Z.dtype, copy=False)  # a GEMM operand: in the dtype of A and xw
+    dS = (-0.5 / C) * (dZ * Z).sum(axis=-1, keepdims=True) * (rstd * rstd)
+    return dP, dS
+
+
+def btp_norm_backward_post(dxw, x, w, dS, dw):
+    """dxw [N, Cs] (in the accumulation dtype), x [N, Cs], w [Cs], dS [N, 1] -> dx = dxw * w + 2 x dS
+    in x's dtype; accumulates sum over rows of dxw * x into dw."""
+    k, (xc, wc) = kernel_inputs(x, w)
+    if k is not None and x.ndim == 2 and dxw.dtype == np.float32 and dS.dtype == np.float32:
+        xp = get_array_module(x)
+        dx, dw_part = k.btp_backward_post(xp.ascontiguousarray(dxw), xc, wc, xp.ascontiguousarray(dS.reshape(-1)))
+        dw += dw_part
+        return dx
+    dw += (dxw * x).sum(axis=0)
+    return (dxw * w + 2.0 * x * dS).astype(x.dtype, copy=False)  # float32 statistics, bf16 x
+
+
 # ---------------------------------------------------------------- SiLU and the gated product
 # The NumPy paths work in place on one fresh array: these run on [N, F] and [N, R] tensors every
 # layer, forward, backward and recompute, and temporaries would dominate their cost.
