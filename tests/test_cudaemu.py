@@ -206,6 +206,33 @@ def test_btp_backward_kernels_match_layers(warp, suffix):
         assert_close(P.get().reshape(2, width).sum(axis=0), dw_ref, np.float32, f"dw C={width}")
 
 
+@pytest.mark.parametrize("warp", WARPS)
+def test_adamw_step_matches_the_update(warp):
+    """AdamW over a flat slice, in float64 from the same inputs (boostmpi/train/optim.py's formulas)."""
+    suffix = "f32"
+    for n in (3000, 1027):  # vectorised + strided grid, and a scalar tail
+        p, g = random(n, np.float32, 31), random(n, np.float32, 32)
+        m, v = random(n, np.float32, 33, 0.1), np.abs(random(n, np.float32, 34, 0.1))
+        bounds = np.array([5, 700, 1000, 1020], np.int64)
+        P, M, V = cudaemu.DeviceArray(p), cudaemu.DeviceArray(m), cudaemu.DeviceArray(v)
+        lr, b1, b2, eps, wd, scale, t = 1e-2, 0.9, 0.95, 1e-8, 0.1, 0.5, 3
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        kernel("adamw", f"adamw_step_{suffix}", warp)(
+            loader._elementwise_grid(n, 4, SM_COUNT), loader.ELEMENTWISE_BLOCK_THREADS,
+            (P, cudaemu.DeviceArray(g), M, V, np.int64(n), cudaemu.DeviceArray(bounds), np.int32(4), np.float32(b1),
+             np.float32(1 - b1), np.float32(b2), np.float32(1 - b2), np.float32(eps), np.float32(lr * wd),
+             np.float32(scale), np.float32(lr / bc1), np.float32(np.sqrt(bc2))))
+        gs = f64(g) * scale
+        m_ref, v_ref = b1 * f64(m) + (1 - b1) * gs, b2 * f64(v) + (1 - b2) * gs * gs
+        decay = np.zeros(n, bool)
+        decay[5:700] = decay[1000:1020] = True
+        p_ref = f64(p) - np.where(decay, lr * wd * f64(p), 0.0)
+        p_ref -= m_ref / (np.sqrt(v_ref) / np.sqrt(bc2) + eps) * (lr / bc1)
+        assert_close(M.get(), m_ref, np.float32, f"m n={n}")
+        assert_close(V.get(), v_ref, np.float32, f"v n={n}")
+        assert_close(P.get(), p_ref, np.float32, f"p n={n}")
+
+
 def _xent_reference(logits, targets, scale):
     lf = f64(logits)
     m = lf.max(axis=1, keepdims=True)

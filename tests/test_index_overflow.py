@@ -275,10 +275,42 @@ def test_elementwise_kernels_index_more_than_2_32_elements(pool, small, suffix, 
     run_lowrank(pool, small, suffix, warp=warp)
 
 
+@pytest.mark.parametrize("warp", WARPS)
+def test_adamw_indexes_more_than_2_32_elements(pool, small, warp):
+    run_adamw(pool, small, warp=warp)
+
+
+def run_adamw(pool, small, code=None, warp=32):
+    """The fused AdamW over a flat slice of 2^32 + 7 floats, decay on a range past 2^32."""
+    n = ELEMENTS
+    per_block = loader.ELEMENTWISE_BLOCK_THREADS * 4
+    grid = -(-n // per_block)
+    spans = [(0, per_block), ((grid - 1) * per_block, n)]
+    p, g, m, v = (Tensor(pool[i], (n,), np.float32) for i in range(4))
+    for i, t in enumerate((p, g, m, v)):
+        for k, (a, b) in enumerate(spans):
+            t.flat(a, b)[:] = np.abs(random(b - a, np.float32, 20 + 10 * i + k)) if t is v else random(b - a, np.float32,
+                                                                                                        20 + 10 * i + k)
+    before = [[t.flat(a, b).astype(np.float64) for t in (p, g, m, v)] for a, b in spans]
+    bounds = small(np.array([n - 3, n], np.int64))  # decay on the last 3 elements only
+    lr, b1, b2, eps, wd = 1e-2, 0.9, 0.95, 1e-8, 0.1
+    function("adamw", "adamw_step_f32", code, warp)(
+        grid, loader.ELEMENTWISE_BLOCK_THREADS,
+        (p, g, m, v, np.int64(n), bounds, np.int32(2), np.float32(b1), np.float32(1 - b1), np.float32(b2),
+         np.float32(1 - b2), np.float32(eps), np.float32(lr * wd), np.float32(1.0), np.float32(lr / (1 - b1)),
+         np.float32(np.sqrt(1 - b2))), blocks=[0, grid - 1])
+    for (a, b), (p0, g0, m0, v0) in zip(spans, before):
+        m_ref, v_ref = b1 * m0 + (1 - b1) * g0, b2 * v0 + (1 - b2) * g0 * g0
+        decay = np.arange(a, b) >= n - 3
+        p_ref = p0 - np.where(decay, lr * wd * p0, 0.0) - m_ref / (np.sqrt(v_ref) / np.sqrt(1 - b2) + eps) * (lr / (1 - b1))
+        assert_close(p.flat(a, b), p_ref, np.float32, f"adamw p [{a}, {b})")
+        assert_close(m.flat(a, b), m_ref, np.float32, f"adamw m [{a}, {b})")
+
+
 # entry points the tests above run past 2^32 elements; a new kernel gets its test here
 CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "rmsnorm_backward_", "rescale_rows_",
            "silu_forward_", "silu_backward_", "gate_forward_", "gate_backward_", "btp_backward_pre_",
-           "btp_backward_post_")
+           "btp_backward_post_", "adamw_step_")
 
 
 def test_every_entry_point_is_run_past_2_32_elements():

@@ -71,7 +71,7 @@ def launch_shape(entry, warp):
         return loader._row_block(PAPER["rank"], itemsize, warp), 0
     if entry.startswith("softmax_xent"):
         return loader._row_block(PAPER["vocab"], itemsize, warp), 0
-    if entry.startswith(("silu_", "gate_")):
+    if entry.startswith(("silu_", "gate_", "adamw_step")):
         return loader.ELEMENTWISE_BLOCK_THREADS, 0
     if entry.startswith("btp_backward_pre"):
         return loader._row_block(PAPER["rank"], itemsize, warp), 0

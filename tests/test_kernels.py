@@ -37,6 +37,7 @@ ENTRY_POINTS = {
                    for t in ("f32", "bf16")],
     "softmax_xent.cu": [f"softmax_xent_{t}_{i}" for t in ("f32", "bf16") for i in ("i32", "i64")],
     "btp.cu": [f"{k}_{t}" for k in ("btp_backward_pre", "btp_backward_post") for t in ("f32", "bf16")],
+    "adamw.cu": ["adamw_step_f32"],
 }
 
 # ---------------------------------------------------------------------------- (a) offline compiles

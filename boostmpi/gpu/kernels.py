@@ -13,6 +13,7 @@ the `boostmpi` package in a checkout (and an editable install).
 """
 
 import functools
+import math
 import os
 import re
 from pathlib import Path
@@ -270,6 +271,29 @@ def btp_backward_post(dxw, x, w, dS):
     dx = _import_cupy().empty_like(x)
     return dx, _launch_column_sums("btp", f"btp_backward_post_{suffix}", x, (dxw, x, w, dS, dx),
                                    f"btp_backward_post: C/tp = {Cs}")
+
+
+# ------------------------------------------------------------------------------ adamw.cu
+
+
+def adamw_step(p, g, m, v, decay_bounds, lr, beta1, beta2, eps, weight_decay, grad_scale, t):
+    """One AdamW update of the flat float32 arrays p, m, v (in place) from the gradient g, weight
+    decay on the ranges [decay_bounds[2i], decay_bounds[2i+1]) (int64 on the device; empty: none),
+    bias corrections for update number t (boostmpi.train.optim.AdamW.step is the specification)."""
+    suffix = _check_elementwise("p", p, g=g, m=m, v=v)
+    if suffix != "f32":
+        raise TypeError(f"adamw_step updates float32 master weights, got {p.dtype}")
+    if decay_bounds.dtype != np.int64 or decay_bounds.ndim != 1 or decay_bounds.size % 2:
+        raise ValueError("decay_bounds must be a 1-D int64 array of (start, stop) pairs")
+    _check_contiguous("decay_bounds", decay_bounds)
+    bc1, bc2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
+    n_bounds = decay_bounds.size if weight_decay else 0
+    if p.size > 0:
+        grid = _elementwise_grid(p.size, p.itemsize, _current_device().sm_count)
+        _launch(_kernel("adamw", "adamw_step_f32"), grid, ELEMENTWISE_BLOCK_THREADS,
+                (p, g, m, v, np.int64(p.size), decay_bounds, np.int32(n_bounds), np.float32(beta1),
+                 np.float32(1.0 - beta1), np.float32(beta2), np.float32(1.0 - beta2), np.float32(eps), np.float32(lr * weight_decay), np.float32(grad_scale), np.float32(lr / bc1),
+                 np.float32(math.sqrt(bc2))))
 
 
 # ------------------------------------------------------------------------------ lowrank.cu
