@@ -385,3 +385,26 @@ def test_a_bf16_step_runs_on_rocm_through_float32_copies(rocm, monkeypatch):
         monkeypatch.setattr(f"boostmpi.parallel.tensor_parallel.{module}.matmul", layers.matmul)
     with pytest.raises(cublas.ProcessAbort, match="unrecognized type"):
         step("cola", "gpu", "bfloat16")
+
+
+def test_a_cublas_gemm_reads_and_writes_on_its_stream(cupy):
+    """The stand-in's cuBLAS binding feeds the happens-before tracking (cuda/_order.py): a GEMM on a
+    side stream writes C there, so reading C on the current stream without a wait is reported, and
+    a GEMM reading an operand still being written on another stream is too."""
+    from boostmpi.gpu import blas
+    from cupy.cuda._order import StreamOrderError
+
+    a, b, da, db = _operands(cupy, BF16, (5, 3), (3, 4))
+    side = cupy.cuda.Stream(non_blocking=True)
+    side.wait_event(cupy.cuda.get_current_stream().record())
+    with side:
+        c = blas.matmul(da, db)
+    with pytest.raises(StreamOrderError, match="cuBLAS gemmEx"):
+        c + c
+    cupy.cuda.get_current_stream().wait_event(side.record())
+    np.testing.assert_array_equal((c + c).get(), 2 * np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(BF16))
+    with side:
+        d = da * 2  # written on the side stream
+    with pytest.raises(StreamOrderError, match="cuBLAS gemmEx"):
+        blas.matmul(d, db)
+    cupy.cuda.Device().synchronize()

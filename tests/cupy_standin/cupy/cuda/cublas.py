@@ -260,6 +260,9 @@ def _gemm(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Bty
     a = _matrices("A", A, _storage_dtype(Atype), a_rows, a_cols, lda, strideA, batchCount)
     b = _matrices("B", B, _storage_dtype(Btype), b_rows, b_cols, ldb, strideB, batchCount)
     c = _matrices("C", C, _storage_dtype(Ctype), m, n, ldc, strideC, batchCount)
+    _track(entry, (A, a.itemsize, a_rows, a_cols, lda, strideA, batchCount, False),
+           (B, b.itemsize, b_rows, b_cols, ldb, strideB, batchCount, False),
+           (C, c.itemsize, m, n, ldc, strideC, batchCount, True))
     a, b = a.astype(work), b.astype(work)
     if compute == CUBLAS_COMPUTE_32F_FAST_TF32 and work == np.float32:  # inputs rounded to TF32's 10-bit mantissa
         a, b = _tf32(a), _tf32(b)
@@ -275,6 +278,21 @@ def _tf32(x):
     """float32 values rounded to the nearest TF32 (8-bit exponent, 10-bit mantissa), ties away from zero."""
     bits = x.view(np.uint32)
     return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def _track(entry, *matrices):
+    """The GEMM as device work on the handle's stream (CuPy's current one, which the binding sets) for
+    the happens-before tracking (cuda/_order.py): `matrices` are (pointer, itemsize, rows, cols, ld,
+    batch stride, batch, writes?) for A, B and C. It reads the bytes A and B span and writes C's
+    (with beta != 0 it reads them too; the write covers that). A strided matrix counts whole from
+    its first element to its last, the bytes between its columns' ends included."""
+    from cupy.cuda import _order, get_current_stream
+
+    issued, where = _order.issue(get_current_stream()), _order.call_site()
+    for ptr, item, rows, cols, ld, stride, batch, write in matrices:
+        if rows and cols and batch:
+            nbytes = ((batch - 1) * stride + (cols - 1) * ld + rows) * item
+            _order.access_pointer(ptr, nbytes, write, issued, f"cuBLAS {entry}", where)
 
 
 def _scalars(state, work, alpha, beta):
