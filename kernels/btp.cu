@@ -1,5 +1,6 @@
-// The elementwise chain of bottleneck-aware tensor parallelism's backward through a normed
-// low-rank group, as two row kernels around the GEMM dxw = dP . A^T:
+// Bottleneck-aware tensor parallelism's rank-R elementwise work. Forward: online RMSNorm's row
+// rescale and cola's SiLU in one pass. Backward through a normed low-rank group: the elementwise
+// chain as two row kernels around the GEMM dxw = dP . A^T:
 //   before it:  dZ = dZs * silu'(Z) (cola; dZs itself otherwise),  dP = dZ * rstd,
 //               dS = -0.5 / C_total * rstd^2 * sum_r dZ * Z
 //   after it:   dx = dxw * w + 2 * x * dS,   dw = sum over rows of dxw * x
@@ -39,6 +40,35 @@ __device__ void btp_backward_pre(const T* dZs, const T* Z, const float* rstd, T*
         btp_backward_pre_row<T, V>(dZs + offset, Z + offset, rstd[row], dP + offset, dS + row, R, C_total, act != 0);
     else
         btp_backward_pre_row<T, 1>(dZs + offset, Z + offset, rstd[row], dP + offset, dS + row, R, C_total, act != 0);
+}
+
+// Online RMSNorm's second half with cola's SiLU, one block per row: P [N,R], ss_total [N] (fp32)
+// -> Z = P * rsqrt(ss_total / C_total + eps) and Zs = silu(Z) (of Z as stored), in one read of P.
+template <typename T, int V>
+__device__ void rescale_silu_row(const T* P, float ss_total, T* Z, T* Zs, int R, int C_total, float eps) {
+    const float rstd = rsqrtf(ss_total / C_total + eps);
+    for (int j = threadIdx.x * V; j < R; j += blockDim.x * V) {
+        float pv[V], zv[V], sv[V];
+        load_vec<V>(P + j, pv);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            zv[k] = pv[k] * rstd;
+            sv[k] = silu(to_float(from_float<T>(zv[k])));
+        }
+        store_vec<V>(Z + j, zv);
+        store_vec<V>(Zs + j, sv);
+    }
+}
+
+template <typename T>
+__device__ void btp_rescale_silu(const T* P, const float* ss_total, T* Z, T* Zs, int R, int C_total, float eps) {
+    const int row = blockIdx.x;
+    const long long offset = static_cast<long long>(row) * R;
+    const int V = VecWidth<T>::value;
+    if (R % V == 0 && aligned16(P) && aligned16(Z) && aligned16(Zs))
+        rescale_silu_row<T, V>(P + offset, ss_total[row], Z + offset, Zs + offset, R, C_total, eps);
+    else
+        rescale_silu_row<T, 1>(P + offset, ss_total[row], Z + offset, Zs + offset, R, C_total, eps);
 }
 
 // V consecutive floats (V = 4 or 8: 16-byte loads from 16-byte aligned memory; V = 1: one float).
@@ -100,6 +130,10 @@ __device__ void btp_backward_post(const float* dxw, const T* x, const T* w, cons
 }
 
 #define BTP_ENTRY_POINTS(T, SUFFIX)                                                                        \
+    extern "C" __global__ void btp_rescale_silu_##SUFFIX(const T* P, const float* ss_total, T* Z, T* Zs,    \
+                                                         int R, int C_total, float eps) {                  \
+        btp_rescale_silu<T>(P, ss_total, Z, Zs, R, C_total, eps);                                          \
+    }                                                                                                      \
     extern "C" __global__ void btp_backward_pre_##SUFFIX(const T* dZs, const T* Z, const float* rstd, T* dP, \
                                                          float* dS, int R, int C_total, int act) {          \
         btp_backward_pre<T>(dZs, Z, rstd, dP, dS, R, C_total, act);                                        \

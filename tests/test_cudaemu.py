@@ -193,6 +193,16 @@ def test_btp_backward_kernels_match_layers(warp, suffix):
                 assert_close(DP.get().reshape(N, width), stored(dP_ref, dtype), dtype, f"dP C={width} act={act}")
                 assert_close(DS.get(), dS_ref[:, 0], np.float32, f"dS C={width} act={act}")
 
+        ss = np.abs(random(N, np.float32, 28, 50.0))
+        ZK, ZS = cudaemu.DeviceArray(shape=N * width, dtype=dtype), cudaemu.DeviceArray(shape=N * width, dtype=dtype)
+        kernel("btp", f"btp_rescale_silu_{suffix}", warp)(
+            N, row_block(width, dtype, warp), (DZS, cudaemu.DeviceArray(ss), ZK, ZS, np.int32(width),
+                                               np.int32(4 * width), np.float32(EPS)))
+        z_ref = layers.rescale_rows(f64(dzs), f64(ss), 4 * width, EPS)
+        assert_close(ZK.get().reshape(N, width), stored(z_ref, dtype), dtype, f"rescale Z C={width}")
+        assert_close(ZS.get().reshape(N, width), stored(layers.silu_forward(f64(ZK.get().reshape(N, width))), dtype),
+                     dtype, f"silu(Z) C={width}")
+
         dxw = random((N, width), np.float32, 24)
         x, w, ds = random((N, width), dtype, 25), random(width, dtype, 26), random(N, np.float32, 27, 0.1)
         DX, P = cudaemu.DeviceArray(shape=N * width, dtype=dtype), cudaemu.DeviceArray(shape=2 * width, dtype=np.float32)

@@ -49,6 +49,7 @@ def reduce_bottleneck(dtype, strategy_class=None):
 
     from boostmpi.backend import compute_dtype
     from boostmpi.model import layers
+    from boostmpi.model.recompute import NO_TAPE
     from boostmpi.parallel.tensor_parallel.btp import BottleneckTP
 
     cfg = config("cola", "gpu", dtype, parallel=dict(tp=2))
@@ -62,7 +63,7 @@ def reduce_bottleneck(dtype, strategy_class=None):
     w = np.ones(C, np.float32)
     A = rng.standard_normal((C, R)).astype(BF16).astype(np.float32)
     xw, ss = layers.rmsnorm_online_stats(cupy.asarray(x).astype(cd), cupy.asarray(w).astype(cd))
-    _, rstd = strategy._reduce_bottleneck(xw, ss, cupy.asarray(A).astype(cd), [slice(0, R)])
+    _, rstd, _ = strategy._reduce_bottleneck(xw, ss, cupy.asarray(A).astype(cd), [slice(0, R)], NO_TAPE)
     want = 1.0 / np.sqrt(2 * (x.astype(np.float64) ** 2).sum(axis=1) / strategy.C + strategy.eps)
     return rstd.get().reshape(-1).astype(np.float64), want, group
 

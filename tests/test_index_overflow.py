@@ -194,6 +194,14 @@ def run_btp(pool, small, suffix, code=None, warp=32):
     rstd, dS = Tensor(pool[3], (N,), np.float32), Tensor(pool[4], (N,), np.float32)
     dzr, zr = random(R, dtype, 6, 2.0), random(R, dtype, 7, 2.0)
     dZs.row(N - 1)[:], Z.row(N - 1)[:], rstd.flat(N - 1, N)[:] = dzr, zr, 0.75
+    rstd.flat(N - 1, N)[:] = 3.0 * D_MODEL  # first as the sum of squares the rescale reads
+    function("btp", f"btp_rescale_silu_{suffix}", code, warp)(
+        N, loader._row_block(R, dtype.itemsize, warp), (dZs, rstd, Z, dP, np.int32(R), np.int32(D_MODEL), np.float32(EPS)),
+        blocks=[N - 1])
+    z_ref = layers.rescale_rows(dzr.astype(np.float32)[None], np.array([3.0 * D_MODEL], np.float32), D_MODEL, EPS)
+    assert_close(Z.row(N - 1), z_ref[0], dtype, "btp rescale Z of the last row")
+    assert_close(dP.row(N - 1), layers.silu_forward(Z.row(N - 1).astype(np.float32)), dtype, "btp silu(Z), last row")
+    Z.row(N - 1)[:], rstd.flat(N - 1, N)[:] = zr, 0.75
     for act in (True, False):
         function("btp", f"btp_backward_pre_{suffix}", code, warp)(
             N, loader._row_block(R, dtype.itemsize, warp), (dZs, Z, rstd, dP, dS, np.int32(R), np.int32(D_MODEL),
@@ -310,7 +318,7 @@ def run_adamw(pool, small, code=None, warp=32):
 # entry points the tests above run past 2^32 elements; a new kernel gets its test here
 CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "rmsnorm_backward_", "rescale_rows_",
            "silu_forward_", "silu_backward_", "gate_forward_", "gate_backward_", "btp_backward_pre_",
-           "btp_backward_post_", "adamw_step_")
+           "btp_backward_post_", "btp_rescale_silu_", "adamw_step_")
 
 
 def test_every_entry_point_is_run_past_2_32_elements():

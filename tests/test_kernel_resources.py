@@ -73,7 +73,7 @@ def launch_shape(entry, warp):
         return loader._row_block(PAPER["vocab"], itemsize, warp), 0
     if entry.startswith(("silu_", "gate_", "adamw_step")):
         return loader.ELEMENTWISE_BLOCK_THREADS, 0
-    if entry.startswith("btp_backward_pre"):
+    if entry.startswith(("btp_backward_pre", "btp_rescale_silu")):
         return loader._row_block(PAPER["rank"], itemsize, warp), 0
     if entry.startswith("btp_backward_post"):  # the residual shard C / tp, at the paper's tp = 4
         return loader._row_block(PAPER["d_model"] // 4, itemsize, warp), 4 * (PAPER["d_model"] // 4)

@@ -36,7 +36,7 @@ ENTRY_POINTS = {
     "lowrank.cu": [f"{k}_{t}" for k in ("silu_forward", "silu_backward", "gate_forward", "gate_backward")
                    for t in ("f32", "bf16")],
     "softmax_xent.cu": [f"softmax_xent_{t}_{i}" for t in ("f32", "bf16") for i in ("i32", "i64")],
-    "btp.cu": [f"{k}_{t}" for k in ("btp_backward_pre", "btp_backward_post") for t in ("f32", "bf16")],
+    "btp.cu": [f"{k}_{t}" for k in ("btp_rescale_silu", "btp_backward_pre", "btp_backward_post") for t in ("f32", "bf16")],
     "adamw.cu": ["adamw_step_f32"],
 }
 
@@ -264,6 +264,11 @@ def test_btp_backward_kernels_match_the_model(small_grid, dtype_name, R, Cs):
     dZs, Z = _randn(rng, (N, R), dtype, 2.0), _randn(rng, (N, R), dtype, 2.0)
     rstd = np.abs(_randn(rng, (N, 1), np.float32)) + 0.5
     dzf, zf = _widened(dZs, Z)
+    ss_total = np.abs(_randn(rng, N, np.float32, 4.0 * Cs)) + Cs
+    Z_ref, Zs_ref, _ = layers.rescale_rows_silu(dzf, ss_total, 4 * Cs, EPS, keep=False)
+    Zk, Zsk = kernels.btp_rescale_silu(*_device(dZs, ss_total), 4 * Cs, EPS)
+    _assert_close(Zk, _stored(Z_ref, dtype), "btp rescale Z")
+    _assert_close(Zsk, _stored(layers.silu_forward(to_numpy(Zk).astype(np.float32)), dtype), "btp rescale silu(Z)")
     for act in (True, False):
         dP_ref, dS_ref = layers.btp_norm_backward_pre(dzf, zf, rstd, 4 * Cs, act)
         dP, dS = kernels.btp_backward_pre(*_device(dZs, Z, rstd[:, 0]), 4 * Cs, act)

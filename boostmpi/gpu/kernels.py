@@ -247,6 +247,17 @@ def rescale_rows(P, ss_total, C_total, eps):
 # ------------------------------------------------------------------------------ btp.cu
 
 
+def btp_rescale_silu(P, ss_total, C_total, eps):
+    """P [N,R], ss_total [N] float32 -> Z = P * rsqrt(ss_total / C_total + eps), Zs = silu(Z) [N,R] (P's dtype)."""
+    N, R, suffix = _check_matrix("P", P)
+    _check("ss_total", ss_total, (N,), np.float32)
+    cupy = _import_cupy()
+    Z, Zs = cupy.empty_like(P), cupy.empty_like(P)
+    _launch_rows("btp", f"btp_rescale_silu_{suffix}", N, R, P.itemsize,
+                 (P, ss_total, Z, Zs, np.int32(R), np.int32(C_total), np.float32(eps)))
+    return Z, Zs
+
+
 def btp_backward_pre(dZs, Z, rstd, C_total, act):
     """dZs, Z [N,R], rstd [N] float32 -> dP [N,R] = dZ * rstd (Z's dtype), dS [N] (float32) =
     -0.5 / C_total * rstd^2 * sum(dZ * Z), with dZ = dZs * silu'(Z) when `act`, else dZs."""

@@ -155,6 +155,16 @@ def rescale_rows(P, ss_total, C, eps):
     return (P * online_rstd(ss_total, C, eps)[:, None]).astype(P.dtype, copy=False)
 
 
+def rescale_rows_silu(P, ss_total, C, eps, keep):
+    """(Z = rescale_rows(P, ss_total, C, eps), silu(Z), sigmoid(Z) as `silu_and_sigmoid` keeps it):
+    online RMSNorm's second half and cola's SiLU, one kernel on a GPU."""
+    k, (Pc,) = kernel_inputs(P)
+    if k is not None and P.ndim == 2 and ss_total.dtype == np.float32:
+        return (*k.btp_rescale_silu(Pc, get_array_module(P).ascontiguousarray(ss_total), C, eps), None)
+    Z = rescale_rows(P, ss_total, C, eps)
+    return (Z, *silu_and_sigmoid(Z, keep))
+
+
 # ---------------------------------------------------------------- btp's backward through a normed group
 # Z = rstd(S) * P with P = sum over shards of xw_s . A_s and S the sum of squares over all shards;
 # dZ and Z are replicated over the tp group, so the statistic's gradient dS is local. Around the

@@ -80,29 +80,38 @@ class BottleneckTP(Strategy):
         sl = col_slices([P[f"{nm}/A"].shape[1] for nm in names])
         # online RMSNorm's first half: x * w and this shard's sum of squares, in one pass
         xw, ss = layers.rmsnorm_online_stats(x, P[norm_name]) if norm_name else (x, None)
+        activated = None
         if tape.replaying:
             Z, rstd = tape.take()
         else:
             A = P.columns([f"{nm}/A" for nm in names])  # [A_1 | A_2 | ...], stored side by side
-            Z, rstd = tape.keep(self._reduce_bottleneck(xw, ss, A, sl))
-        Zs, sig = activate(copy_to_tp_region(Z, self.tp), self.act, tape)
+            Z, rstd, activated = self._reduce_bottleneck(xw, ss, A, sl, tape)
+            tape.keep((Z, rstd))
+        # Z is copied to the tp region (the identity forward), then activated, unless the rescale did it
+        Zs, sig = activated or activate(copy_to_tp_region(Z, self.tp), self.act, tape)
         outs = grouped_matmul([Zs[:, s] for s in sl], [P[f"{nm}/B"] for nm in names], self.grouped) if output else None
         return outs, BottleneckCache(x, xw, norm_name, Z, Zs, rstd, names, sl, sig)
 
-    def _reduce_bottleneck(self, xw, ss, A, sl):
+    def _reduce_bottleneck(self, xw, ss, A, sl, tape):
         """The only forward communication of a btp group: Z = rmsnorm(x)·A exactly, from shards.
-        Returns (Z, rstd [N, 1]); rstd is None without a norm."""
+        Returns (Z, rstd [N, 1], activated); rstd is None without a norm; activated is (silu(Z),
+        its sigmoid or None) when the online rescale computed the SiLU too (cola), else None."""
         if ss is None:
-            return self._reduce_products(xw, A, sl), None
+            return self._reduce_products(xw, A, sl), None, None
         if self.online:
             # the sum of squares travels in the same collective as the unnormalised A-product (in
-            # float32 at least), then online RMSNorm's second half rescales the rows
+            # float32 at least), then online RMSNorm's second half rescales the rows (cola: and
+            # applies the SiLU in the same pass)
             prod, ss_total = self._reduce_products(xw, A, sl, ss)
-            return layers.rescale_rows(prod, ss_total, self.C, self.eps), layers.online_rstd(ss_total, self.C, self.eps)[:, None]
+            rstd = layers.online_rstd(ss_total, self.C, self.eps)[:, None]
+            if self.act:
+                Z, Zs, sig = layers.rescale_rows_silu(prod, ss_total, self.C, self.eps, keep=tape.backward_follows)
+                return Z, rstd, (Zs, sig)
+            return layers.rescale_rows(prod, ss_total, self.C, self.eps), rstd, None
         # sync: a separate all-reduce of the statistic first, then normalise and multiply
         reduce_from_tp_region(ss, self.tp)
         return self._reduce_products(layers.rescale_rows(xw, ss, self.C, self.eps), A, sl), \
-            layers.online_rstd(ss, self.C, self.eps)[:, None]
+            layers.online_rstd(ss, self.C, self.eps)[:, None], None
 
     def _reduce_products(self, x, A, sl, extra=None):
         """x·[A_1 | A_2 | ...] reduced from the tp region (A = [A_1 | A_2 | ...], A_j its column
