@@ -45,9 +45,11 @@ import numpy as np  # noqa: E402
 from boostmpi.sim.trace import TracedOp, price  # noqa: E402
 
 LAYERS = 32
-# modules whose frames are skipped when naming the call site: the array module, and the
-# communicators a collective passes through on its way to NCCL
-INTERNAL = ("backend.py", "parallel/comm.py", "parallel/nccl.py")
+# modules whose frames are skipped when naming the call site: the array module, the communicators
+# a collective passes through on its way to NCCL, and the kernel and cuBLAS wrappers (a fused
+# kernel or a GEMM is named by the model function that launches it; the optimizer's as the optimizer)
+INTERNAL = ("backend.py", "parallel/comm.py", "parallel/nccl.py", "gpu/kernels.py", "gpu/blas.py")
+GEMM_WRAPPERS = ("matmul", "batched_matmul", "grouped_matmul", "<listcomp>")  # of model/layers.py: a GEMM is named by its caller
 
 
 # ---------------------------------------------------------------- the recorder
@@ -59,7 +61,8 @@ class Recorder:
     def site(self):
         for frame in inspect.stack()[2:]:
             path = frame.filename
-            if "/boostmpi/" in path and not path.endswith(INTERNAL):
+            if "/boostmpi/" in path and not path.endswith(INTERNAL) and not (
+                    path.endswith("model/layers.py") and frame.function in GEMM_WRAPPERS):
                 module = path.split("/boostmpi/")[-1].removesuffix(".py").replace("/", ".")
                 return f"{module}.{frame.function}"
         return "?"

@@ -75,15 +75,16 @@ def batched_matmul(a, b):
     return matmul(a, b)
 
 
-def grouped_matmul(lefts, rights, batched=True, outs=None):
+def grouped_matmul(lefts, rights, batched=True, outs=None, accumulate=False):
     """[l @ r for l, r in pairs]; with `batched`, pairs of equal shapes run as one batched GEMM
     (the grouped B factors: gate/up, and k/v, whose shapes agree) on a GPU. NumPy's batched matmul
     is a loop of the same BLAS calls, so on the CPU stacking the operands would only add copies.
-    With `outs` (weight gradients) each product is added to its out by its own GEMM (beta = 1):
-    no stacked copies of the operands, no temporary and no addition kernel."""
+    With `outs` each product is written to its out (a column block of a wider matrix is fine), or
+    with `accumulate` added to it (weight gradients), by its own GEMM: no stacked copies of the
+    operands, no temporary, no copy into the block and no addition kernel."""
     xp = get_array_module(lefts[0])
     if outs is not None:
-        return [matmul(l, r, out=o, accumulate=True) for l, r, o in zip(lefts, rights, outs)]
+        return [matmul(l, r, out=o, accumulate=accumulate) for l, r, o in zip(lefts, rights, outs)]
     if xp is np:
         return [l @ r for l, r in zip(lefts, rights)]
     outs = [None] * len(lefts)

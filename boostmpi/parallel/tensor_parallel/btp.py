@@ -154,14 +154,13 @@ class BottleneckTP(Strategy):
         x, xw, norm_name, Z, Zs, rstd, names, sl, sig = cache
         xp = get_array_module(x)
         dZs = xp.empty_like(Z)
-        Bs = [P[f"{nm}/B"] for nm in names]
-        for s, d in zip(sl, grouped_matmul(douts, [B.T for B in Bs], self.grouped)):
-            dZs[:, s] = d
+        # each factor's GEMM writes its column block of dZs in place
+        grouped_matmul(douts, [P[f"{nm}/B"].T for nm in names], outs=[dZs[:, s] for s in sl])
         # copy_to_tp_region's backward sums the partial dZ of every rank, started before dB's GEMMs
         # (one all-reduce when grouped, else one per factor)
         pieces = [dZs] if self.grouped or len(sl) == 1 else [xp.ascontiguousarray(dZs[:, s]) for s in sl]
         req = copy_to_tp_region_backward_async(pieces, self.tp)
-        grouped_matmul([Zs[:, s].T for s in sl], douts, outs=[Gr[f"{nm}/B"] for nm in names])
+        grouped_matmul([Zs[:, s].T for s in sl], douts, outs=[Gr[f"{nm}/B"] for nm in names], accumulate=True)
         req.wait()
         if len(pieces) > 1:
             for s, piece in zip(sl, pieces):
