@@ -28,6 +28,7 @@ over a tp group of N.
 import common  # noqa: F401 - first: one BLAS thread before numpy loads
 
 import argparse  # noqa: E402
+import ctypes  # noqa: E402
 import inspect  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -44,20 +45,24 @@ import numpy as np  # noqa: E402
 from boostmpi.sim.trace import TracedOp, price  # noqa: E402
 
 LAYERS = 32
-# modules whose frames are skipped when naming the call site: the array module, and the
-# communicators a collective passes through on its way to NCCL
-INTERNAL = ("backend.py", "parallel/comm.py", "parallel/nccl.py")
+# modules whose frames are skipped when naming the call site: the array module, the communicators
+# a collective passes through on its way to NCCL, and the kernel and cuBLAS wrappers (a fused
+# kernel or a GEMM is named by the model function that launches it; the optimizer's as the optimizer)
+INTERNAL = ("backend.py", "parallel/comm.py", "parallel/nccl.py", "gpu/kernels.py", "gpu/blas.py")
+GEMM_WRAPPERS = ("matmul", "batched_matmul", "grouped_matmul", "<listcomp>")  # of model/layers.py: a GEMM is named by its caller
 
 
 # ---------------------------------------------------------------- the recorder
 class Recorder:
     def __init__(self):
         self.ops, self.depth, self.on = [], 0, False
+        self.group = None  # inside an NCCL group: its first recorded op, which the later collectives join
 
     def site(self):
         for frame in inspect.stack()[2:]:
             path = frame.filename
-            if "/boostmpi/" in path and not path.endswith(INTERNAL):
+            if "/boostmpi/" in path and not path.endswith(INTERNAL) and not (
+                    path.endswith("model/layers.py") and frame.function in GEMM_WRAPPERS):
                 module = path.split("/boostmpi/")[-1].removesuffix(".py").replace("/", ".")
                 return f"{module}.{frame.function}"
         return "?"
@@ -78,6 +83,8 @@ class Recorder:
             fields = describe(result, *args, **kwargs)
             if fields is not None:
                 recorder.ops.append(TracedOp(site=recorder.site(), **fields))
+                if recorder.group is not None and recorder.group.kind == "group":
+                    recorder.group = recorder.ops[-1]
             return result
 
         setattr(owner, attr, wrapper)
@@ -92,7 +99,7 @@ def _nbytes(x):
 def install(rec):
     import cupy
     from cupy import _kernel
-    from cupy.cuda import nccl
+    from cupy.cuda import cublas, nccl, runtime
 
     def ufunc_call(result, self, *args, out=None, **kw):
         written = _nbytes(out if out is not None else result)
@@ -108,6 +115,24 @@ def install(rec):
         batch = int(np.prod(result.shape[:-2])) if result.ndim > 2 else 1
         return dict(kind="gemm", name="matmul", nbytes=a.nbytes + b.nbytes + result.nbytes,
                     dtype=str(result.dtype), gemm=(batch, m, n, k))
+
+    def cublas_gemm(batched):
+        """A GEMM the engine hands cuBLAS itself (boostmpi.gpu.blas): priced at its operands' dtype."""
+        def describe(result, handle, transa, transb, m, n, k, alpha, A, Atype, lda, *rest, **kw):
+            if batched:
+                _sa, _b, Btype, _ldb, _sb, beta, _c, Ctype, _ldc, _sc, count, compute, _algo = rest
+            else:
+                _b, Btype, _ldb, beta, _c, Ctype, _ldc, compute, _algo = rest
+                count = 1
+            size = {t: cublas._storage_dtype(t).itemsize for t in (Atype, Btype, Ctype)}
+            scale = ctypes.c_double if compute in (cublas.CUBLAS_COMPUTE_64F, cublas.CUBLAS_COMPUTE_64F_PEDANTIC,
+                                                   runtime.CUDA_R_64F) else ctypes.c_float
+            c_passes = 1 if scale.from_address(beta).value == 0 else 2  # beta != 0 reads C too
+            nbytes = count * (m * k * size[Atype] + k * n * size[Btype] + c_passes * m * n * size[Ctype])
+            # cuBLAS is column-major: its m x n output is the row-major n x m product
+            return dict(kind="gemm", name="cublas", nbytes=nbytes, dtype=cublas._storage_dtype(Atype).name,
+                        gemm=(count, n, m, k))
+        return describe
 
     def copy(name):
         def describe(result, *args, **kw):
@@ -143,12 +168,30 @@ def install(rec):
     def collective(name):
         def describe(result, self, *args, **kw):
             count, datatype = (args[1], args[2]) if name in ("send", "recv") else (args[2], args[3])
-            return dict(kind="collective", name=name, nbytes=count * nccl._dtype(datatype).itemsize, dtype="")
+            nbytes = count * nccl._dtype(datatype).itemsize
+            if rec.group is not None and rec.group.kind == "collective":
+                rec.group.nbytes += nbytes  # NCCL runs a group's collectives as one launch: one call
+                return None
+            return dict(kind="collective", name=name, nbytes=nbytes, dtype="")
         return describe
+
+    group_start, group_end = nccl.groupStart, nccl.groupEnd
+
+    def start():
+        rec.group = TracedOp(site="?", kind="group", name="group", nbytes=0)  # the group's first collective replaces it
+        group_start()
+
+    def end():
+        group_end()
+        rec.group = None
+
+    nccl.groupStart, nccl.groupEnd = start, end
 
     rec.wrap(cupy.ufunc, "__call__", ufunc_call)
     rec.wrap(cupy, "_reduce", reduction)
     rec.wrap(cupy, "matmul", gemm)
+    rec.wrap(cublas, "gemmEx", cublas_gemm(batched=False))
+    rec.wrap(cublas, "gemmStridedBatchedEx", cublas_gemm(batched=True))
     cupy.dot = cupy.matmul
     cupy.ndarray.__matmul__ = lambda self, other: cupy.matmul(self, other)
     for name in ("copy", "astype"):

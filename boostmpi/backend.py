@@ -106,7 +106,7 @@ def version_tuple(text):
     return tuple(out)
 
 
-def bf16_gpu_problem(cupy_version, numpy_version, ml_dtypes_version, is_hip=False):
+def bf16_gpu_problem(cupy_version, numpy_version, ml_dtypes_version):
     """One line saying what a bfloat16 GPU run lacks (None when nothing): versions as strings,
     ml_dtypes_version None when it is not installed."""
     found = {"CuPy": cupy_version, "NumPy": numpy_version, "ml_dtypes": ml_dtypes_version}
@@ -114,12 +114,10 @@ def bf16_gpu_problem(cupy_version, numpy_version, ml_dtypes_version, is_hip=Fals
              for name, need in BF16_NEEDS.items() if found[name] is None or version_tuple(found[name]) < need]
     if short:
         return f"train.dtype = \"bfloat16\" on the GPU needs {', '.join(short)}: {BF16_INSTALL}"
-    if is_hip:
-        # cupy_backends/hip/cupy_hipblas.h (CuPy 14.2): convert_hipblasDatatype_t maps cudaDataType
-        # 0-9 only, and throws on CUDA_R_16BF, ending the process at the first bfloat16 GEMM
-        return ("train.dtype = \"bfloat16\" is not available on ROCm with CuPy "
-                f"{cupy_version}: its hipBLAS layer has no bfloat16 matrix type (a bfloat16 matmul aborts the "
-                "process); use train.dtype = \"float32\" on AMD GPUs")
+    # ROCm needs nothing more: CuPy 14.2's hipBLAS layer has no bfloat16 matrix type
+    # (cupy_backends/hip/cupy_hipblas.h: convert_hipblasDatatype_t maps cudaDataType 0-9 only and
+    # throws on CUDA_R_16BF, ending the process), but the engine never hands it one: every product
+    # goes through boostmpi.gpu.blas, which multiplies float32 copies there (docs/GPU.md)
     return None
 
 
@@ -133,8 +131,7 @@ def check_bf16_gpu():
         ml_version = getattr(ml_dtypes, "__version__", "0")
     except ImportError:
         ml_version = None
-    problem = bf16_gpu_problem(cupy.__version__, np.__version__, ml_version,
-                               bool(getattr(cupy.cuda.runtime, "is_hip", False)))
+    problem = bf16_gpu_problem(cupy.__version__, np.__version__, ml_version)
     if problem:
         raise UserError(problem)
 

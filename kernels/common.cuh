@@ -160,4 +160,12 @@ __device__ void elementwise(long long n, bool all_aligned, const Op& op) {
 
 __device__ __forceinline__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }
 
+// silu(a) = a * s,  silu'(a) = s * (1 + a * (1 - s)),  with s = sigmoid(a)
+__device__ __forceinline__ float silu(float a) { return a * sigmoid(a); }
+
+__device__ __forceinline__ float silu_derivative(float a) {
+    const float s = sigmoid(a);
+    return s * (1.0f + a * (1.0f - s));
+}
+
 #endif  // BOOSTMPI_COMMON_CUH

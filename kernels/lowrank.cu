@@ -4,14 +4,6 @@
 // Entry points per storage type T: <kernel>_f32 (float) and <kernel>_bf16 (bfloat16 bits).
 #include "common.cuh"
 
-// silu(a) = a * s,  silu'(a) = s * (1 + a * (1 - s)),  with s = sigmoid(a)
-__device__ __forceinline__ float silu(float a) { return a * sigmoid(a); }
-
-__device__ __forceinline__ float silu_derivative(float a) {
-    const float s = sigmoid(a);
-    return s * (1.0f + a * (1.0f - s));
-}
-
 // z = silu(a)
 template <typename T>
 struct SiluForward {

@@ -178,6 +178,75 @@ def test_lowrank_elementwise_match_layers(warp, suffix):
             assert_close(out2.get(), stored(du, dtype), dtype, f"du act={act}")
 
 
+@pytest.mark.parametrize("warp", WARPS)
+@pytest.mark.parametrize("suffix", DTYPES)
+def test_btp_backward_kernels_match_layers(warp, suffix):
+    """btp's backward around the GEMM dxw = dP . A^T (layers.btp_norm_backward_pre/post in float64)."""
+    dtype = DTYPES[suffix]
+    N = 5
+    for width in WIDTHS:
+        dzs, z = random((N, width), dtype, 21, 2.0), random((N, width), dtype, 22, 2.0)
+        rstd = np.abs(random(N, np.float32, 23)) + 0.5
+        DZS, Z, R = cudaemu.DeviceArray(dzs), cudaemu.DeviceArray(z), cudaemu.DeviceArray(rstd)
+        DP, DS = cudaemu.DeviceArray(shape=N * width, dtype=dtype), cudaemu.DeviceArray(shape=N, dtype=np.float32)
+        for act in (True, False):
+            for block in (row_block(width, dtype, warp), warp):
+                kernel("btp", f"btp_backward_pre_{suffix}", warp)(
+                    N, block, (DZS, Z, R, DP, DS, np.int32(width), np.int32(4 * width), np.int32(act)))
+                dP_ref, dS_ref = layers.btp_norm_backward_pre(f64(dzs), f64(z), f64(rstd)[:, None], 4 * width, act)
+                assert_close(DP.get().reshape(N, width), stored(dP_ref, dtype), dtype, f"dP C={width} act={act}")
+                assert_close(DS.get(), dS_ref[:, 0], np.float32, f"dS C={width} act={act}")
+
+        ss = np.abs(random(N, np.float32, 28, 50.0))
+        ZK, ZS = cudaemu.DeviceArray(shape=N * width, dtype=dtype), cudaemu.DeviceArray(shape=N * width, dtype=dtype)
+        kernel("btp", f"btp_rescale_silu_{suffix}", warp)(
+            N, row_block(width, dtype, warp), (DZS, cudaemu.DeviceArray(ss), ZK, ZS, np.int32(width),
+                                               np.int32(4 * width), np.float32(EPS)))
+        z_ref = layers.rescale_rows(f64(dzs), f64(ss), 4 * width, EPS)
+        assert_close(ZK.get().reshape(N, width), stored(z_ref, dtype), dtype, f"rescale Z C={width}")
+        assert_close(ZS.get().reshape(N, width), stored(layers.silu_forward(f64(ZK.get().reshape(N, width))), dtype),
+                     dtype, f"silu(Z) C={width}")
+
+        dxw = random((N, width), np.float32, 24)
+        x, w, ds = random((N, width), dtype, 25), random(width, dtype, 26), random(N, np.float32, 27, 0.1)
+        DX, P = cudaemu.DeviceArray(shape=N * width, dtype=dtype), cudaemu.DeviceArray(shape=2 * width, dtype=np.float32)
+        kernel("btp", f"btp_backward_post_{suffix}", warp)(
+            2, row_block(width, dtype, warp), (cudaemu.DeviceArray(dxw), cudaemu.DeviceArray(x), cudaemu.DeviceArray(w),
+                                               cudaemu.DeviceArray(ds), DX, P, np.int32(N), np.int32(width)),
+            shared_mem=4 * width)
+        dw_ref = np.zeros(width)
+        dx_ref = layers.btp_norm_backward_post(f64(dxw), f64(x), f64(w), f64(ds)[:, None], dw_ref)
+        assert_close(DX.get().reshape(N, width), stored(dx_ref, dtype), dtype, f"dx C={width}")
+        assert_close(P.get().reshape(2, width).sum(axis=0), dw_ref, np.float32, f"dw C={width}")
+
+
+@pytest.mark.parametrize("warp", WARPS)
+def test_adamw_step_matches_the_update(warp):
+    """AdamW over a flat slice, in float64 from the same inputs (boostmpi/train/optim.py's formulas)."""
+    suffix = "f32"
+    for n in (3000, 1027):  # vectorised + strided grid, and a scalar tail
+        p, g = random(n, np.float32, 31), random(n, np.float32, 32)
+        m, v = random(n, np.float32, 33, 0.1), np.abs(random(n, np.float32, 34, 0.1))
+        bounds = np.array([5, 700, 1000, 1020], np.int64)
+        P, M, V = cudaemu.DeviceArray(p), cudaemu.DeviceArray(m), cudaemu.DeviceArray(v)
+        lr, b1, b2, eps, wd, scale, t = 1e-2, 0.9, 0.95, 1e-8, 0.1, 0.5, 3
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        kernel("adamw", f"adamw_step_{suffix}", warp)(
+            loader._elementwise_grid(n, 4, SM_COUNT), loader.ELEMENTWISE_BLOCK_THREADS,
+            (P, cudaemu.DeviceArray(g), M, V, np.int64(n), cudaemu.DeviceArray(bounds), np.int32(4), np.float32(b1),
+             np.float32(1 - b1), np.float32(b2), np.float32(1 - b2), np.float32(eps), np.float32(lr * wd),
+             np.float32(scale), np.float32(lr / bc1), np.float32(np.sqrt(bc2))))
+        gs = f64(g) * scale
+        m_ref, v_ref = b1 * f64(m) + (1 - b1) * gs, b2 * f64(v) + (1 - b2) * gs * gs
+        decay = np.zeros(n, bool)
+        decay[5:700] = decay[1000:1020] = True
+        p_ref = f64(p) - np.where(decay, lr * wd * f64(p), 0.0)
+        p_ref -= m_ref / (np.sqrt(v_ref) / np.sqrt(bc2) + eps) * (lr / bc1)
+        assert_close(M.get(), m_ref, np.float32, f"m n={n}")
+        assert_close(V.get(), v_ref, np.float32, f"v n={n}")
+        assert_close(P.get(), p_ref, np.float32, f"p n={n}")
+
+
 def _xent_reference(logits, targets, scale):
     lf = f64(logits)
     m = lf.max(axis=1, keepdims=True)

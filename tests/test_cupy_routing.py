@@ -252,6 +252,85 @@ def test_gpu_batched_matmul_on_rocm_rounds_a_float32_product_once(rocm):
     np.testing.assert_array_equal(got.get(), np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(BF16))
 
 
+@pytest.mark.parametrize("dtype,tf32,want", [
+    (BF16, "0", (14, 14, 14, 68)), (np.dtype(np.float16), "0", (2, 2, 2, 68)), (np.dtype(np.float32), "0", (0, 0, 0, 68)),
+    (np.dtype(np.float32), "1", (0, 0, 0, 77)), (np.dtype(np.float64), "1", (1, 1, 1, 70))], ids=str)
+def test_2d_matmul_is_one_gemmex_with_cupys_compute_type(cupy, monkeypatch, dtype, tf32, want):
+    """CuPy 14.2's 2-D matmul on CUDA (tensordot_core_v11, _routines_linalg.pyx line 702): one gemmEx
+    with the operands' cudaDataType, CUBLAS_COMPUTE_32F for 16- and 32-bit floats (CUBLAS_COMPUTE_32F_FAST_TF32
+    for float32 under CUPY_TF32 > 0, read by get_compute_type, line 448), CUBLAS_COMPUTE_64F for float64,
+    algo CUBLAS_GEMM_DEFAULT_TENSOR_OP on compute capability 8.0; the stand-in records it."""
+    from cupy import _record
+    from cupy.cuda import cublas
+
+    monkeypatch.setenv("CUPY_TF32", tf32)
+    a, b, da, db = _operands(cupy, dtype, (5, 3), (3, 4))
+    with _record.gemms() as log:
+        got = da @ db
+        cols = da @ cupy.asarray(np.ascontiguousarray(b.T)).T  # an F-contiguous operand: CUBLAS_OP_T, no copy
+    work = np.float32 if dtype.itemsize <= 4 else np.float64
+    want_value = np.matmul(a.astype(work), b.astype(work)).astype(dtype)
+    tol = 2.0 ** -10 if want[3] == 77 else 1e-6  # TF32 keeps 10 bits of the inputs' mantissa
+    np.testing.assert_allclose(got.get().astype(np.float64), want_value, rtol=tol, atol=tol * np.abs(want_value).max())
+    np.testing.assert_array_equal(cols.get(), got.get())
+    assert (want[3] == 77) == (not np.array_equal(got.get(), want_value))  # TF32 rounds what full float32 does not
+    g = log[0]
+    assert (g.entry, g.Atype, g.Btype, g.Ctype, g.computeType, g.algo) == ("gemmEx",) + want + (
+        cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP,)
+    assert (g.m, g.n, g.k, g.batch) == (4, 5, 3, 1)
+    assert cublas.bf16_tensor_core(g) == (dtype == BF16)
+
+
+def test_a_mixed_2d_matmul_runs_in_float32_off_the_tensor_cores(cupy):
+    """bfloat16 @ float32: CuPy casts both to float32 (tensordot_core line 580), a float32 GEMM."""
+    from cupy import _record
+    from cupy.cuda import cublas
+
+    a, _, da, _ = _operands(cupy, BF16, (5, 3), (3, 4))
+    _, b, _, db = _operands(cupy, np.float32, (5, 3), (3, 4))
+    with _record.gemms() as log:
+        got = da @ db
+    assert got.dtype == np.float32 and [(g.Atype, g.computeType) for g in log] == [(0, 68)]
+    assert not cublas.bf16_tensor_core(log[0])
+
+
+@pytest.mark.parametrize("compute,atype,ctype,on", [
+    ("CUBLAS_COMPUTE_32F", 14, 14, True), ("CUBLAS_COMPUTE_32F", 14, 0, True), ("CUDA_R_32F", 14, 14, True),
+    ("CUBLAS_COMPUTE_32F_PEDANTIC", 14, 14, False), ("CUBLAS_COMPUTE_32F", 0, 0, False),
+    ("CUBLAS_COMPUTE_32F_FAST_16BF", 0, 0, False), ("CUBLAS_COMPUTE_16F", 2, 2, False)])
+def test_bf16_tensor_core_follows_the_cublas_type_table(cupy, compute, atype, ctype, on):
+    from cupy import _record
+    from cupy.cuda import cublas, runtime
+
+    value = getattr(cublas, compute, None)
+    value = getattr(runtime, compute) if value is None else value
+    g = _record.Gemm("gemmEx", atype, atype, ctype, value, -1, 4, 5, 3, 1, True)
+    assert cublas.bf16_tensor_core(g) is on
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float32)], ids=str)
+@pytest.mark.parametrize("batch", [(), (3,)], ids=["2-D", "batched"])
+def test_gpu_matmul_writes_and_accumulates_in_place(cupy, dtype, batch):
+    """blas.matmul(out=..., accumulate=True): the product added to a float32 column block of a wider
+    matrix by the GEMM itself (beta = 1), the bfloat16 operands' float32 accumulator never rounded."""
+    from boostmpi.gpu import blas
+    from cupy import _record
+
+    a, b, da, db = _operands(cupy, dtype, batch + (5, 3), batch + (3, 4))
+    base = np.random.default_rng(1).standard_normal(batch + (5, 7)).astype(np.float32)
+    dbig = cupy.asarray(base)
+    with _record.gemms() as log:
+        blas.matmul(da, db, out=dbig[..., 2:6], accumulate=True)
+    want = base.copy()
+    want[..., 2:6] += np.matmul(a.astype(np.float32), b.astype(np.float32))
+    np.testing.assert_allclose(dbig.get(), want, rtol=1e-6, atol=1e-5)
+    assert [(g.entry, g.Ctype, g.beta_zero) for g in log] == [("gemmEx" if not batch else "gemmStridedBatchedEx", 0, False)]
+    with pytest.raises(ValueError, match="cuBLAS can write in place"):
+        blas.matmul(da, db, out=cupy.zeros(batch + (4, 5), np.float32).swapaxes(-1, -2))
+    with pytest.raises(TypeError, match="out of dtype"):
+        blas.matmul(da, db, out=cupy.zeros(batch + (5, 4), np.float64))
+
+
 # ------------------------------------------------------------------ start-up
 def test_bf16_gpu_problem_names_what_to_install():
     from boostmpi.backend import bf16_gpu_problem
@@ -262,7 +341,6 @@ def test_bf16_gpu_problem_names_what_to_install():
     for fragment in ("CuPy >= 14.2 (found 13.6.0)", "NumPy >= 2.1.2 (found 2.0.2)", "ml_dtypes >= 0.5 (found none)",
                      "pip install 'cupy-cuda12x[ctk]>=14.2,<14.3' 'numpy>=2.1.2'"):
         assert fragment in line, line
-    assert "ROCm" in bf16_gpu_problem("14.2.0", "2.4.6", "0.6.0", is_hip=True)
 
 
 @pytest.fixture(scope="module")
@@ -287,18 +365,46 @@ def test_a_bf16_gpu_run_with_an_older_stack_is_refused_in_one_line(cupy, monkeyp
                    fragment, "pip install")
 
 
-def test_without_the_rocm_refusal_a_bf16_step_would_abort_on_rocm(rocm, monkeypatch):
-    """Why start-up refuses bfloat16 on ROCm: the engine's 2-D bfloat16 products reach CuPy's
-    hipBLAS shim, which has no bfloat16 type (the batched ones alone would be taken by
-    boostmpi.gpu.blas through float32)."""
-    from boostmpi import backend
-    from boostmpi.errors import UserError
+def test_a_bf16_step_runs_on_rocm_through_float32_copies(rocm, monkeypatch):
+    """bfloat16 on ROCm: CuPy 14.2's hipBLAS shim has no bfloat16 type, so every product of the step
+    goes through boostmpi.gpu.blas, which multiplies float32 copies there: no GEMM reaches hipBLAS
+    with CUDA_R_16BF. Mutant: the 2-D products back on CuPy's own matmul abort the process, as they
+    would on an MI250X."""
+    from boostmpi.model import layers
+    from cupy import _record
     from cupy.cuda import cublas
     from gpu_steps import step
 
-    with pytest.raises(UserError, match="not available on ROCm"):
+    with _record.gemms() as log:
         step("cola", "gpu", "bfloat16")
-    monkeypatch.setattr(backend, "check_bf16_gpu", lambda: None)
+    assert log and all(g.Atype == g.Btype == rocm.cuda.runtime.CUDA_R_32F for g in log), log
+    matmul = layers.matmul
+    monkeypatch.setattr(layers, "matmul", lambda a, b, out=None, accumulate=False, dtype=None:
+                        a @ b if out is None and dtype is None and a.ndim == b.ndim == 2 else matmul(a, b, out, accumulate, dtype))
+    for module in ("btp", "base", "vanilla", "megatron"):
+        monkeypatch.setattr(f"boostmpi.parallel.tensor_parallel.{module}.matmul", layers.matmul)
     with pytest.raises(cublas.ProcessAbort, match="unrecognized type"):
         step("cola", "gpu", "bfloat16")
-    step("cola", "gpu", "float32")  # float32 runs there
+
+
+def test_a_cublas_gemm_reads_and_writes_on_its_stream(cupy):
+    """The stand-in's cuBLAS binding feeds the happens-before tracking (cuda/_order.py): a GEMM on a
+    side stream writes C there, so reading C on the current stream without a wait is reported, and
+    a GEMM reading an operand still being written on another stream is too."""
+    from boostmpi.gpu import blas
+    from cupy.cuda._order import StreamOrderError
+
+    a, b, da, db = _operands(cupy, BF16, (5, 3), (3, 4))
+    side = cupy.cuda.Stream(non_blocking=True)
+    side.wait_event(cupy.cuda.get_current_stream().record())
+    with side:
+        c = blas.matmul(da, db)
+    with pytest.raises(StreamOrderError, match="cuBLAS gemmEx"):
+        c + c
+    cupy.cuda.get_current_stream().wait_event(side.record())
+    np.testing.assert_array_equal((c + c).get(), 2 * np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(BF16))
+    with side:
+        d = da * 2  # written on the side stream
+    with pytest.raises(StreamOrderError, match="cuBLAS gemmEx"):
+        blas.matmul(d, db)
+    cupy.cuda.Device().synchronize()

@@ -193,6 +193,54 @@ def test_rmsnorm_kernels_index_more_than_2_32_elements(pool, small, suffix, warp
     run_rmsnorm(pool, small, suffix, warp=warp)
 
 
+def run_btp(pool, small, suffix, code=None, warp=32):
+    """btp's backward kernels at rows x rank and rows x (d_model / 4) past 2^32 (tp = 4, the paper's)."""
+    dtype = DTYPES[suffix]
+    R, N = RANK, rows_for(RANK)
+    dZs, Z, dP = (Tensor(pool[i], (N, R), dtype) for i in range(3))
+    rstd, dS = Tensor(pool[3], (N,), np.float32), Tensor(pool[4], (N,), np.float32)
+    dzr, zr = random(R, dtype, 6, 2.0), random(R, dtype, 7, 2.0)
+    dZs.row(N - 1)[:], Z.row(N - 1)[:], rstd.flat(N - 1, N)[:] = dzr, zr, 0.75
+    rstd.flat(N - 1, N)[:] = 3.0 * D_MODEL  # first as the sum of squares the rescale reads
+    function("btp", f"btp_rescale_silu_{suffix}", code, warp)(
+        N, loader._row_block(R, dtype.itemsize, warp), (dZs, rstd, Z, dP, np.int32(R), np.int32(D_MODEL), np.float32(EPS)),
+        blocks=[N - 1])
+    z_ref = layers.rescale_rows(dzr.astype(np.float32)[None], np.array([3.0 * D_MODEL], np.float32), D_MODEL, EPS)
+    assert_close(Z.row(N - 1), z_ref[0], dtype, "btp rescale Z of the last row")
+    assert_close(dP.row(N - 1), layers.silu_forward(Z.row(N - 1).astype(np.float32)), dtype, "btp silu(Z), last row")
+    Z.row(N - 1)[:], rstd.flat(N - 1, N)[:] = zr, 0.75
+    for act in (True, False):
+        function("btp", f"btp_backward_pre_{suffix}", code, warp)(
+            N, loader._row_block(R, dtype.itemsize, warp), (dZs, Z, rstd, dP, dS, np.int32(R), np.int32(D_MODEL),
+                                                            np.int32(act)), blocks=[N - 1])
+        dP_ref, dS_ref = layers.btp_norm_backward_pre(dzr.astype(np.float32)[None], zr.astype(np.float32)[None],
+                                                      np.array([[0.75]], np.float32), D_MODEL, act)
+        assert_close(dP.row(N - 1), dP_ref[0], dtype, f"btp dP of the last row, act={act}")
+        assert_close(dS.flat(N - 1, N), dS_ref[:, 0], np.float32, f"btp dS of the last row, act={act}")
+
+    Cs = D_MODEL // 4
+    N = rows_for(Cs)
+    dxw, x, dx, dw = (Tensor(pool[0], (N, Cs), np.float32), Tensor(pool[1], (N, Cs), dtype),
+                      Tensor(pool[2], (N, Cs), dtype), Tensor(pool[3], (N, Cs), np.float32))
+    dS = Tensor(pool[4], (N,), np.float32)
+    gr, xr, w = random(Cs, np.float32, 8), random(Cs, dtype, 9), random(Cs, dtype, 10)
+    dxw.row(N - 1)[:], x.row(N - 1)[:], dS.flat(N - 1, N)[:] = gr, xr, -0.25
+    kernel = function("btp", f"btp_backward_post_{suffix}", code, warp)
+    kernel(N, loader._row_block(Cs, dtype.itemsize, warp), (dxw, x, small(w), dS, dx, dw, np.int32(N), np.int32(Cs)),
+           shared_mem=4 * Cs, blocks=[N - 1])
+    dw_ref = np.zeros(Cs, np.float32)
+    dx_ref = layers.btp_norm_backward_post(gr[None], xr.astype(np.float32)[None], w.astype(np.float32),
+                                           np.array([[-0.25]], np.float32), dw_ref)
+    assert_close(dx.row(N - 1), dx_ref[0], dtype, "btp dx of the last row")
+    assert_close(dw.row(N - 1), dw_ref, np.float32, "btp dw partial of the last block")
+
+
+@pytest.mark.parametrize("warp", WARPS)
+@pytest.mark.parametrize("suffix", DTYPES)
+def test_btp_kernels_index_more_than_2_32_elements(pool, small, suffix, warp):
+    run_btp(pool, small, suffix, warp=warp)
+
+
 # ------------------------------------------------------------------------------ the elementwise kernels
 
 
@@ -242,9 +290,42 @@ def test_elementwise_kernels_index_more_than_2_32_elements(pool, small, suffix, 
     run_lowrank(pool, small, suffix, warp=warp)
 
 
+@pytest.mark.parametrize("warp", WARPS)
+def test_adamw_indexes_more_than_2_32_elements(pool, small, warp):
+    run_adamw(pool, small, warp=warp)
+
+
+def run_adamw(pool, small, code=None, warp=32):
+    """The fused AdamW over a flat slice of 2^32 + 7 floats, decay on a range past 2^32."""
+    n = ELEMENTS
+    per_block = loader.ELEMENTWISE_BLOCK_THREADS * 4
+    grid = -(-n // per_block)
+    spans = [(0, per_block), ((grid - 1) * per_block, n)]
+    p, g, m, v = (Tensor(pool[i], (n,), np.float32) for i in range(4))
+    for i, t in enumerate((p, g, m, v)):
+        for k, (a, b) in enumerate(spans):
+            t.flat(a, b)[:] = np.abs(random(b - a, np.float32, 20 + 10 * i + k)) if t is v else random(b - a, np.float32,
+                                                                                                        20 + 10 * i + k)
+    before = [[t.flat(a, b).astype(np.float64) for t in (p, g, m, v)] for a, b in spans]
+    bounds = small(np.array([n - 3, n], np.int64))  # decay on the last 3 elements only
+    lr, b1, b2, eps, wd = 1e-2, 0.9, 0.95, 1e-8, 0.1
+    function("adamw", "adamw_step_f32", code, warp)(
+        grid, loader.ELEMENTWISE_BLOCK_THREADS,
+        (p, g, m, v, np.int64(n), bounds, np.int32(2), np.float32(b1), np.float32(1 - b1), np.float32(b2),
+         np.float32(1 - b2), np.float32(eps), np.float32(lr * wd), np.float32(1.0), np.float32(lr / (1 - b1)),
+         np.float32(np.sqrt(1 - b2))), blocks=[0, grid - 1])
+    for (a, b), (p0, g0, m0, v0) in zip(spans, before):
+        m_ref, v_ref = b1 * m0 + (1 - b1) * g0, b2 * v0 + (1 - b2) * g0 * g0
+        decay = np.arange(a, b) >= n - 3
+        p_ref = p0 - np.where(decay, lr * wd * p0, 0.0) - m_ref / (np.sqrt(v_ref) / np.sqrt(1 - b2) + eps) * (lr / (1 - b1))
+        assert_close(p.flat(a, b), p_ref, np.float32, f"adamw p [{a}, {b})")
+        assert_close(m.flat(a, b), m_ref, np.float32, f"adamw m [{a}, {b})")
+
+
 # entry points the tests above run past 2^32 elements; a new kernel gets its test here
-CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "rmsnorm_projection_", "rmsnorm_backward_",
-           "rescale_rows_", "silu_forward_", "silu_backward_", "gate_forward_", "gate_backward_")
+CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "rmsnorm_projection_", "rmsnorm_backward_", "rescale_rows_",
+           "silu_forward_", "silu_backward_", "gate_forward_", "gate_backward_", "btp_backward_pre_",
+           "btp_backward_post_", "btp_rescale_silu_", "adamw_step_")
 
 
 def test_every_entry_point_is_run_past_2_32_elements():

@@ -38,6 +38,8 @@ ENTRY_POINTS = {
     "softmax_xent.cu": [f"softmax_xent_{t}_{i}" for t in ("f32", "bf16") for i in ("i32", "i64")],
     "attention.cu": [f"{k}_{t}" for k in ("attention_forward", "attention_backward_dq", "attention_backward",
                                           "rope_forward", "rope_backward") for t in ("f32", "bf16")],
+    "btp.cu": [f"{k}_{t}" for k in ("btp_rescale_silu", "btp_backward_pre", "btp_backward_post") for t in ("f32", "bf16")],
+    "adamw.cu": ["adamw_step_f32"],
 }
 
 # ---------------------------------------------------------------------------- (a) offline compiles
@@ -265,6 +267,39 @@ def test_lowrank_kernels_match_the_model(small_grid, dtype_name, shape):
         dg_ref, du_ref = layers.gate_backward(dyf, gf, uf, act)
         _assert_close(dg, _stored(dg_ref, dtype), f"gate dg act={act}")
         _assert_close(du, _stored(du_ref, dtype), f"gate du act={act}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", STORAGE)
+@pytest.mark.parametrize("R,Cs", [(64, 64), (13, 37), (24, 4100)])  # vectors; scalar tails; rows past one pass
+def test_btp_backward_kernels_match_the_model(small_grid, dtype_name, R, Cs):
+    """btp's backward around the GEMM dxw = dP . A^T (layers.btp_norm_backward_pre/post)."""
+    dtype = STORAGE[dtype_name]
+    rng = np.random.default_rng(9)
+    N = 5  # more rows than the post kernel's 2 x 2 blocks: blocks stride over rows
+    dZs, Z = _randn(rng, (N, R), dtype, 2.0), _randn(rng, (N, R), dtype, 2.0)
+    rstd = np.abs(_randn(rng, (N, 1), np.float32)) + 0.5
+    dzf, zf = _widened(dZs, Z)
+    ss_total = np.abs(_randn(rng, N, np.float32, 4.0 * Cs)) + Cs
+    Z_ref, Zs_ref, _ = layers.rescale_rows_silu(dzf, ss_total, 4 * Cs, EPS, keep=False)
+    Zk, Zsk = kernels.btp_rescale_silu(*_device(dZs, ss_total), 4 * Cs, EPS)
+    _assert_close(Zk, _stored(Z_ref, dtype), "btp rescale Z")
+    _assert_close(Zsk, _stored(layers.silu_forward(to_numpy(Zk).astype(np.float32)), dtype), "btp rescale silu(Z)")
+    for act in (True, False):
+        dP_ref, dS_ref = layers.btp_norm_backward_pre(dzf, zf, rstd, 4 * Cs, act)
+        dP, dS = kernels.btp_backward_pre(*_device(dZs, Z, rstd[:, 0]), 4 * Cs, act)
+        _assert_close(dP, _stored(dP_ref, dtype), f"btp dP act={act}")
+        _assert_close(dS, dS_ref[:, 0], f"btp dS act={act}")
+
+    dxw = _randn(rng, (N, Cs), np.float32)
+    x, w = _randn(rng, (N, Cs), dtype), _randn(rng, Cs, dtype)
+    dS = _randn(rng, (N, 1), np.float32, 0.1)
+    xf, wf = _widened(x, w)
+    dw_ref = np.zeros(Cs, np.float32)
+    dx_ref = layers.btp_norm_backward_post(dxw, xf, wf, dS, dw_ref)
+    dx, dw = kernels.btp_backward_post(*_device(dxw, x, w, dS[:, 0]))
+    _assert_close(dx, _stored(dx_ref, dtype), "btp dx")
+    _assert_close(dw, dw_ref, "btp dw")
 
 
 @pytest.mark.gpu

@@ -54,8 +54,9 @@ def expected_bytes(cfg):
     e = {"float64": 8, "float32": 4, "bfloat16": 2}[t.dtype]
     e_master = 8 if t.dtype == "float64" else 4
     btp = par.tp_mode == "btp" and m.is_lowrank
+    stat = 0  # the norm statistics travel in float32 at least (in a bf16 step beside the bf16 products)
     if btp:
-        fwd, bwd = N * (4 * Ra + 3 * Rm) + 2 * N, N * (4 * Ra + 3 * Rm)
+        fwd, bwd, stat = N * (4 * Ra + 3 * Rm), N * (4 * Ra + 3 * Rm), 2 * N
         edges = N * C // p + N * C  # all-gather, head backward
     elif m.is_lowrank:
         fwd = N * (3 * C + 2 * K + 2 * F)
@@ -66,9 +67,9 @@ def expected_bytes(cfg):
         bwd = 2 * N * C if par.grouped else 5 * N * C
         edges = N * C + N * C
     if t.recompute == "layer":
-        fwd *= 2
+        fwd, stat = 2 * fwd, 2 * stat
     cross_entropy = 3 * N * max(e, 4)  # its statistics are reduced in float32 (or float64)
-    tp = par.dp * M * ((L * (fwd + bwd) + edges) * e + cross_entropy) if p > 1 else 0
+    tp = par.dp * M * ((L * (fwd + bwd) + edges) * e + L * stat * max(e, 4) + cross_entropy) if p > 1 else 0
     shard = C // p if btp else C
     pp = p * par.dp * M * 2 * (par.pp - 1) * N * shard * e
     # dp: every parameter once, plus the tp-replicated ones once more per extra tp rank

@@ -1,11 +1,19 @@
-"""Batched matrix products on the GPU through cuBLAS's strided-batched GEMM (CuPy's bindings).
+"""Every matrix product of the GPU step, through cuBLAS's GEMMs (CuPy's bindings).
 
 `matmul(a, b)` is `a @ b` over leading batch dimensions for CuPy arrays of float16, bfloat16,
-float32 or float64, as one `cublasGemmStridedBatchedEx` with float32 compute (float64 for
-float64) and the output rounded once to the operands' dtype. It exists because CuPy 14.2's own
-`matmul` sends batched operands of any dtype outside 'efdFD' to its integer GEMM kernel, which
-refuses bfloat16 (`TypeError: data type 'E' not understood`; cupy/_core/_routines_linalg.pyx at
-v14.2.0, line 992). The NumPy path (`numpy.matmul`) is the specification it is tested against.
+float32 or float64, as one `cublasGemmEx` (one matrix) or `cublasGemmStridedBatchedEx` (a batch)
+with float32 compute (float64 for float64) and the output rounded once to the operands' dtype, or
+kept in float32 (`out` of float32 for 16-bit operands), or added to `out` (`accumulate`: beta = 1).
+Batched products need it because CuPy 14.2's own `matmul` sends batched operands of any dtype
+outside 'efdFD' to its integer GEMM kernel, which refuses bfloat16 (`TypeError: data type 'E' not
+understood`; cupy/_core/_routines_linalg.pyx at v14.2.0, line 992). 2-D products need it for what
+CuPy's `dot` cannot do: a float32 result or accumulation from bfloat16 operands (`dot` requires
+out.dtype == result_type(a, b), line 484), operands that are column blocks of a wider matrix
+(CuPy copies an operand that is neither C- nor F-contiguous, line 470; cuBLAS reads it in place
+with its leading dimension), and bfloat16 on ROCm (below). CuPy's 2-D bfloat16 product itself
+already runs bf16-in/fp32-accumulate on CUDA (tensordot_core_v11, line 702: CUBLAS_COMPUTE_32F,
+CUBLAS_GEMM_DEFAULT_TENSOR_OP from compute capability 8.0). The NumPy path (`numpy.matmul`) is the
+specification it is tested against.
 
 Operands are passed as they lie in memory when cuBLAS can address them: each matrix row-major or
 column-major with a leading dimension (a transposed view costs nothing: it is the other
@@ -104,9 +112,23 @@ def _cupy():
     return cupy
 
 
-def matmul(a, b):
+def _output(out, batch_shape, m, n):
+    """(ldc, batch stride) of a given output [..., m, n]: each matrix row-major with unit column
+    stride (a column block of a wider matrix is fine: its row stride is the ldc) and the batch
+    dimensions one stride; else ValueError (the caller passes a buffer cuBLAS can write)."""
+    got = _layout(out, batch_shape)
+    if out.shape != tuple(batch_shape) + (m, n) or got is None or got[1] != 0:
+        raise ValueError(f"blas.matmul: out of shape {out.shape} and strides {out.strides} is not a row-major "
+                         f"[{', '.join(map(str, tuple(batch_shape) + (m, n)))}] cuBLAS can write in place")
+    return got[2], got[3]
+
+
+def matmul(a, b, out=None, accumulate=False):
     """a @ b for CuPy arrays [..., m, k] @ [..., k, n] (batch dimensions broadcast), of one float
-    dtype, through one strided-batched cuBLAS GEMM; float32 compute for 16- and 32-bit floats."""
+    dtype, through one cuBLAS GEMM (gemmEx for one matrix, gemmStridedBatchedEx for a batch); float32
+    compute for 16- and 32-bit floats. `out` receives the product (it may be float32 for 16-bit
+    operands: the float32 accumulator stored without rounding) and with `accumulate` the product is
+    added to what `out` holds (cuBLAS's beta = 1: a weight gradient accumulates with no temporary)."""
     xp = _cupy()
     from cupy.cuda import cublas, runtime
 
@@ -118,14 +140,31 @@ def matmul(a, b):
         raise ValueError(f"matmul: shapes {a.shape} and {b.shape} are not aligned")
     batch_shape = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     dtype = a.dtype
+    if accumulate and out is None:
+        raise ValueError("blas.matmul: accumulate needs the out array to add to")
+    if out is not None and out.dtype != dtype and not (dtype.itemsize == 2 and out.dtype == np.float32):
+        raise TypeError(f"blas.matmul: out of dtype {out.dtype} for {dtype} operands (the operands' dtype, or "
+                        f"float32 for 16-bit ones)")
     if runtime.is_hip and dtype.name == "bfloat16":  # CuPy's hipBLAS shim has no bfloat16 (see above)
-        return matmul(a.astype(np.float32), b.astype(np.float32)).astype(dtype)
-    out = xp.empty(batch_shape + (m, n), dtype=dtype)
+        a, b = a.astype(np.float32), b.astype(np.float32)
+        if out is None:
+            return matmul(a, b).astype(dtype)
+        if out.dtype == np.float32:
+            return matmul(a, b, out, accumulate)
+        product = matmul(a, b)
+        if accumulate:
+            product += out
+        out[...] = product
+        return out
+    if out is None:
+        out = xp.empty(batch_shape + (m, n), dtype=dtype)
+    ldc, stride_c = _output(out, batch_shape, m, n)
     count = math.prod(batch_shape)
     if out.size == 0:
         return out
     if k == 0:
-        out[...] = 0
+        if not accumulate:
+            out[...] = 0
         return out
     a, op_a, lda, stride_a = _operand(a, batch_shape)
     b, op_b, ldb, stride_b = _operand(b, batch_shape)
@@ -134,10 +173,15 @@ def matmul(a, b):
         compute = runtime.CUDA_R_64F if dtype == np.float64 else runtime.CUDA_R_32F
     else:
         compute = cublas.CUBLAS_COMPUTE_64F if dtype == np.float64 else cublas.CUBLAS_COMPUTE_32F
-    t = _cuda_type(dtype)
+    t, tc = _cuda_type(dtype), _cuda_type(out.dtype)
+    beta = (_ONE if accumulate else _ZERO)[scale].ctypes.data
     # row-major C [m, n] = A @ B is column-major C^T [n, m] = B^T A^T
+    if count == 1:
+        cublas.gemmEx(xp.cuda.get_cublas_handle(), op_b, op_a, n, m, k, _ONE[scale].ctypes.data, b.data.ptr, t, ldb,
+                      a.data.ptr, t, lda, beta, out.data.ptr, tc, ldc, compute, cublas.CUBLAS_GEMM_DEFAULT)
+        return out
     cublas.gemmStridedBatchedEx(
         xp.cuda.get_cublas_handle(), op_b, op_a, n, m, k,
         _ONE[scale].ctypes.data, b.data.ptr, t, ldb, stride_b, a.data.ptr, t, lda, stride_a,
-        _ZERO[scale].ctypes.data, out.data.ptr, t, n, m * n, count, compute, cublas.CUBLAS_GEMM_DEFAULT)
+        beta, out.data.ptr, tc, ldc, stride_c, count, compute, cublas.CUBLAS_GEMM_DEFAULT)
     return out

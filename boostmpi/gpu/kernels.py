@@ -13,6 +13,7 @@ the `boostmpi` package in a checkout (and an editable install).
 """
 
 import functools
+import math
 import os
 import re
 from pathlib import Path
@@ -68,12 +69,14 @@ class _Device(NamedTuple):
     id: int
     warp_size: int  # 32 on NVIDIA, 64 on AMD CDNA
     sm_count: int
+    max_shared_bytes: int  # dynamic shared memory a block may opt in to
 
 
 @functools.lru_cache(maxsize=None)
 def _device_info(device_id):
     props = _import_cupy().cuda.runtime.getDeviceProperties(device_id)
-    return _Device(device_id, props["warpSize"], props["multiProcessorCount"])
+    return _Device(device_id, props["warpSize"], props["multiProcessorCount"],
+                   props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"]))
 
 
 def _current_device():
@@ -158,6 +161,19 @@ def _elementwise_grid(n, itemsize, sm_count):
     return max(1, min(-(-n // per_block), 16 * sm_count))
 
 
+def _reserve_dynamic_shared(kernel, nbytes, device, what):
+    """Lets `kernel` launch with `nbytes` of dynamic shared memory: a block holds its static
+    shared memory plus the dynamic part, within the default per-block limit or, opted in,
+    within what the device allows; raises a clear error beyond that."""
+    total = kernel.shared_size_bytes + nbytes
+    if total > device.max_shared_bytes:
+        raise ValueError(f"{what} needs {nbytes} bytes of dynamic shared memory per block ({total} with the kernel's "
+                         f"static shared memory), the device has {device.max_shared_bytes}")
+    if total > DEFAULT_DYNAMIC_SHARED_BYTES:
+        kernel.max_dynamic_shared_size_bytes = nbytes
+
+
+
 def _launch_rows(module_name, entry_point, rows, width, itemsize, args):
     """One block per row of `width` elements."""
     if rows > 0:
@@ -217,6 +233,26 @@ def rmsnorm_backward(dy, x, w, rstd):
     return dx, dw_partial.sum(axis=0)
 
 
+
+def _launch_column_sums(module_name, entry_point, x, args, what):
+    """A row kernel whose blocks stride over the rows of x [N, C], each keeping its running
+    per-column sums (C floats) in shared memory and writing them once: launched with `args`, then
+    its partial sums [blocks, C] and N and C; returns the sums over all rows (float32 [C])."""
+    cupy = _import_cupy()
+    N, C = x.shape
+    if N == 0:
+        return cupy.zeros(C, dtype=np.float32)
+    device = _current_device()
+    kernel = _kernel(module_name, entry_point)
+    shared_bytes = 4 * C
+    _reserve_dynamic_shared(kernel, shared_bytes, device, what)
+    blocks = min(N, 2 * device.sm_count)
+    partial = cupy.empty((blocks, C), dtype=np.float32)
+    _launch(kernel, blocks, _row_block(C, x.itemsize, device.warp_size), args + (partial, np.int32(N), np.int32(C)),
+            shared_mem=shared_bytes)
+    return partial.sum(axis=0)
+
+
 def rmsnorm_online_stats(x, w):
     """This rank's shard x [N,Cs], w [Cs] -> xw [N,Cs] = x * w (x's dtype), ss [N] = sum(x^2) (float32)."""
     N, Cs, suffix = _check_matrix("x", x)
@@ -237,6 +273,69 @@ def rescale_rows(P, ss_total, C_total, eps):
     _launch_rows("rmsnorm", f"rescale_rows_{suffix}", N, R, P.itemsize,
                  (P, ss_total, out, np.int32(R), np.int32(C_total), np.float32(eps)))
     return out
+
+
+# ------------------------------------------------------------------------------ btp.cu
+
+
+def btp_rescale_silu(P, ss_total, C_total, eps):
+    """P [N,R], ss_total [N] float32 -> Z = P * rsqrt(ss_total / C_total + eps), Zs = silu(Z) [N,R] (P's dtype)."""
+    N, R, suffix = _check_matrix("P", P)
+    _check("ss_total", ss_total, (N,), np.float32)
+    cupy = _import_cupy()
+    Z, Zs = cupy.empty_like(P), cupy.empty_like(P)
+    _launch_rows("btp", f"btp_rescale_silu_{suffix}", N, R, P.itemsize,
+                 (P, ss_total, Z, Zs, np.int32(R), np.int32(C_total), np.float32(eps)))
+    return Z, Zs
+
+
+def btp_backward_pre(dZs, Z, rstd, C_total, act):
+    """dZs, Z [N,R], rstd [N] float32 -> dP [N,R] = dZ * rstd (Z's dtype), dS [N] (float32) =
+    -0.5 / C_total * rstd^2 * sum(dZ * Z), with dZ = dZs * silu'(Z) when `act`, else dZs."""
+    N, R, suffix = _check_matrix("Z", Z)
+    _check("dZs", dZs, (N, R), Z.dtype)
+    _check("rstd", rstd, (N,), np.float32)
+    cupy = _import_cupy()
+    dP = cupy.empty_like(Z)
+    dS = cupy.empty(N, dtype=np.float32)
+    _launch_rows("btp", f"btp_backward_pre_{suffix}", N, R, Z.itemsize,
+                 (dZs, Z, rstd, dP, dS, np.int32(R), np.int32(C_total), np.int32(bool(act))))
+    return dP, dS
+
+
+def btp_backward_post(dxw, x, w, dS):
+    """dxw [N,Cs] float32, x [N,Cs], w [Cs], dS [N] float32 -> dx [N,Cs] = dxw * w + 2 * x * dS
+    (x's dtype), dw [Cs] = sum over rows of dxw * x (float32)."""
+    N, Cs, suffix = _check_matrix("x", x)
+    _check("dxw", dxw, (N, Cs), np.float32)
+    _check("w", w, (Cs,), x.dtype)
+    _check("dS", dS, (N,), np.float32)
+    dx = _import_cupy().empty_like(x)
+    return dx, _launch_column_sums("btp", f"btp_backward_post_{suffix}", x, (dxw, x, w, dS, dx),
+                                   f"btp_backward_post: C/tp = {Cs}")
+
+
+# ------------------------------------------------------------------------------ adamw.cu
+
+
+def adamw_step(p, g, m, v, decay_bounds, lr, beta1, beta2, eps, weight_decay, grad_scale, t):
+    """One AdamW update of the flat float32 arrays p, m, v (in place) from the gradient g, weight
+    decay on the ranges [decay_bounds[2i], decay_bounds[2i+1]) (int64 on the device; empty: none),
+    bias corrections for update number t (boostmpi.train.optim.AdamW.step is the specification)."""
+    suffix = _check_elementwise("p", p, g=g, m=m, v=v)
+    if suffix != "f32":
+        raise TypeError(f"adamw_step updates float32 master weights, got {p.dtype}")
+    if decay_bounds.dtype != np.int64 or decay_bounds.ndim != 1 or decay_bounds.size % 2:
+        raise ValueError("decay_bounds must be a 1-D int64 array of (start, stop) pairs")
+    _check_contiguous("decay_bounds", decay_bounds)
+    bc1, bc2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
+    n_bounds = decay_bounds.size if weight_decay else 0
+    if p.size > 0:
+        grid = _elementwise_grid(p.size, p.itemsize, _current_device().sm_count)
+        _launch(_kernel("adamw", "adamw_step_f32"), grid, ELEMENTWISE_BLOCK_THREADS,
+                (p, g, m, v, np.int64(p.size), decay_bounds, np.int32(n_bounds), np.float32(beta1),
+                 np.float32(1.0 - beta1), np.float32(beta2), np.float32(1.0 - beta2), np.float32(eps), np.float32(lr * weight_decay), np.float32(grad_scale), np.float32(lr / bc1),
+                 np.float32(math.sqrt(bc2))))
 
 
 # ------------------------------------------------------------------------------ lowrank.cu

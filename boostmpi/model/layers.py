@@ -45,22 +45,46 @@ def concat_cols(mats):
     return mats[0] if len(mats) == 1 else xp.concatenate(mats, axis=1)
 
 
-def batched_matmul(a, b):
-    """a @ b over leading batch dimensions. NumPy's matmul on the CPU (the specification); on a GPU
-    cuBLAS's strided-batched GEMM with float32 compute (boostmpi.gpu.blas), never CuPy's own batched
-    matmul: CuPy 14.2 sends batched bfloat16 operands to an integer GEMM kernel that refuses them."""
+def matmul(a, b, out=None, accumulate=False, dtype=None):
+    """a @ b (2-D, or over leading batch dimensions): the one way the layers multiply matrices.
+    `out` receives the product, or with `accumulate` has it added (a weight gradient: `out += a @ b`);
+    `dtype` is the result's dtype when there is no `out` (float32 from bfloat16 operands: the GEMM's
+    float32 accumulator, never rounded to bfloat16). NumPy's matmul on the CPU (the specification);
+    on a GPU one cuBLAS GEMM with float32 compute (boostmpi.gpu.blas) for every product, 2-D ones
+    included: bfloat16 operands run bf16-in/fp32-accumulate on tensor cores, a float32 gradient
+    accumulates in the GEMM itself, column blocks are read in place, and ROCm works (CuPy 14.2's own
+    matmul sends batched bfloat16 operands to an integer GEMM kernel that refuses them, and its
+    hipBLAS layer has no bfloat16). Operands of two dtypes are refused on a GPU: a mixed product
+    would run in float32, off the tensor cores."""
     if get_array_module(a) is np:
-        return np.matmul(a, b)
+        if accumulate:
+            out += a @ b
+            return out
+        r = np.matmul(a, b) if out is None else np.matmul(a, b, out=out)
+        return r if dtype is None else r.astype(dtype, copy=False)
     from boostmpi.gpu import blas
 
-    return blas.matmul(a, b)
+    if out is None and dtype is not None and np.dtype(dtype) != a.dtype:
+        xp = get_array_module(a)
+        out = xp.empty(tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2])) + (a.shape[-2], b.shape[-1]), dtype=dtype)
+    return blas.matmul(a, b, out, accumulate)
 
 
-def grouped_matmul(lefts, rights, batched=True):
+def batched_matmul(a, b):
+    """a @ b over leading batch dimensions (see `matmul`)."""
+    return matmul(a, b)
+
+
+def grouped_matmul(lefts, rights, batched=True, outs=None, accumulate=False):
     """[l @ r for l, r in pairs]; with `batched`, pairs of equal shapes run as one batched GEMM
     (the grouped B factors: gate/up, and k/v, whose shapes agree) on a GPU. NumPy's batched matmul
-    is a loop of the same BLAS calls, so on the CPU stacking the operands would only add copies."""
+    is a loop of the same BLAS calls, so on the CPU stacking the operands would only add copies.
+    With `outs` each product is written to its out (a column block of a wider matrix is fine), or
+    with `accumulate` added to it (weight gradients), by its own GEMM: no stacked copies of the
+    operands, no temporary, no copy into the block and no addition kernel."""
     xp = get_array_module(lefts[0])
+    if outs is not None:
+        return [matmul(l, r, out=o, accumulate=accumulate) for l, r, o in zip(lefts, rights, outs)]
     if xp is np:
         return [l @ r for l, r in zip(lefts, rights)]
     outs = [None] * len(lefts)
@@ -69,7 +93,7 @@ def grouped_matmul(lefts, rights, batched=True):
         by_shape.setdefault((l.shape, r.shape) if batched else j, []).append(j)
     for idx in by_shape.values():
         if len(idx) == 1:
-            outs[idx[0]] = lefts[idx[0]] @ rights[idx[0]]
+            outs[idx[0]] = matmul(lefts[idx[0]], rights[idx[0]])
             continue
         stacked = batched_matmul(xp.stack([lefts[j] for j in idx]), xp.stack([rights[j] for j in idx]))
         for k, j in enumerate(idx):
@@ -105,7 +129,7 @@ def rmsnorm_backward(dy, x, w, rstd, dw):
 # rmsnorm(x, w) @ A from channel shards x_s, w_s, A_s: each rank computes x_s * w_s and the sum of
 # squares of its shard, multiplies x_s * w_s by A_s, and one all-reduce sums both over the shards;
 # then rescale_rows(P, ss_total, C, eps) = rsqrt(ss_total / C + eps) * P = rmsnorm(x, w) @ A.
-def _accumulation_dtype(dtype):
+def accumulation_dtype(dtype):
     """float32 for float32 and 16-bit floats (as the kernels accumulate), float64 for float64."""
     return np.promote_types(dtype, np.float32)
 
@@ -116,7 +140,7 @@ def rmsnorm_online_stats(x, w):
     k, (xc, wc) = kernel_inputs(x, w)
     if k is not None and x.ndim == 2:
         return k.rmsnorm_online_stats(xc, wc)
-    return x * w, (x * x).sum(axis=-1, dtype=_accumulation_dtype(x.dtype))
+    return x * w, (x * x).sum(axis=-1, dtype=accumulation_dtype(x.dtype))
 
 
 def online_rstd(ss_total, C, eps):
@@ -130,6 +154,47 @@ def rescale_rows(P, ss_total, C, eps):
     if k is not None and P.ndim == 2 and ss_total.dtype == np.float32:
         return k.rescale_rows(Pc, get_array_module(P).ascontiguousarray(ss_total), C, eps)
     return (P * online_rstd(ss_total, C, eps)[:, None]).astype(P.dtype, copy=False)
+
+
+def rescale_rows_silu(P, ss_total, C, eps, keep):
+    """(Z = rescale_rows(P, ss_total, C, eps), silu(Z), sigmoid(Z) as `silu_and_sigmoid` keeps it):
+    online RMSNorm's second half and cola's SiLU, one kernel on a GPU."""
+    k, (Pc,) = kernel_inputs(P)
+    if k is not None and P.ndim == 2 and ss_total.dtype == np.float32:
+        return (*k.btp_rescale_silu(Pc, get_array_module(P).ascontiguousarray(ss_total), C, eps), None)
+    Z = rescale_rows(P, ss_total, C, eps)
+    return (Z, *silu_and_sigmoid(Z, keep))
+
+
+# ---------------------------------------------------------------- btp's backward through a normed group
+# Z = rstd(S) * P with P = sum over shards of xw_s . A_s and S the sum of squares over all shards;
+# dZ and Z are replicated over the tp group, so the statistic's gradient dS is local. Around the
+# GEMM dxw = dP . A^T: `btp_norm_backward_pre` gives (dP, dS) from the gradient of silu(Z) (or of
+# Z), `btp_norm_backward_post` the input gradient and the norm weight's (one kernel each on a GPU).
+def btp_norm_backward_pre(dZs, Z, rstd, C, act, sig=None):
+    """dZs (the gradient of silu(Z) with `act`, else of Z), Z [N, R], rstd [N, 1] -> (dP [N, R] =
+    dZ * rstd in Z's dtype, dS [N, 1] = -0.5 / C * rowsum(dZ * Z) * rstd^2 in rstd's dtype)."""
+    k, (dzc, zc) = kernel_inputs(dZs, Z)
+    if k is not None and Z.ndim == 2 and rstd.dtype == np.float32:
+        dP, dS = k.btp_backward_pre(dzc, zc, get_array_module(Z).ascontiguousarray(rstd.reshape(-1)), C, act)
+        return dP, dS[:, None]
+    dZ = silu_backward(dZs, Z, sig) if act else dZs
+    dP = (dZ * rstd).astype(Z.dtype, copy=False)  # a GEMM operand: in the dtype of A and xw
+    dS = (-0.5 / C) * (dZ * Z).sum(axis=-1, keepdims=True) * (rstd * rstd)
+    return dP, dS
+
+
+def btp_norm_backward_post(dxw, x, w, dS, dw):
+    """dxw [N, Cs] (in the accumulation dtype), x [N, Cs], w [Cs], dS [N, 1] -> dx = dxw * w + 2 x dS
+    in x's dtype; accumulates sum over rows of dxw * x into dw."""
+    k, (xc, wc) = kernel_inputs(x, w)
+    if k is not None and x.ndim == 2 and dxw.dtype == np.float32 and dS.dtype == np.float32:
+        xp = get_array_module(x)
+        dx, dw_part = k.btp_backward_post(xp.ascontiguousarray(dxw), xc, wc, xp.ascontiguousarray(dS.reshape(-1)))
+        dw += dw_part
+        return dx
+    dw += (dxw * x).sum(axis=0)
+    return (dxw * w + 2.0 * x * dS).astype(x.dtype, copy=False)  # float32 statistics, bf16 x
 
 
 # ---------------------------------------------------------------- SiLU and the gated product

@@ -240,6 +240,20 @@ class Group:
         put_back()
         return buf
 
+    def allreduce_many(self, bufs):
+        """Sum-all-reduce each of `bufs` in place (they may differ in dtype), as one collective: counted
+        once, with the bytes of them all (NCCL: one group call; MPI: one call per buffer)."""
+        if self.size == 1:
+            return bufs
+        from mpi4py import MPI
+
+        wides = [_reducible(b) for b in bufs]
+        self._blocking("Allreduce", sum(b.nbytes for b in bufs),
+                       lambda: [self.comm.Allreduce(MPI.IN_PLACE, _mpi_buf(w), op=MPI.SUM) for w, _ in wides])
+        for _, put_back in wides:
+            put_back()
+        return bufs
+
     def iallreduce(self, buf):
         """Start an in-place sum all-reduce of `buf`; `.wait()` on the result before reading it."""
         if self.size == 1:

@@ -38,6 +38,11 @@ def reduce_from_tp_region(y, tp, op="sum"):
     return tp.allreduce(y, op=op)
 
 
+def reduce_from_tp_region_many(ys, tp):
+    """reduce_from_tp_region (sum) of several buffers, of any dtypes, as one collective."""
+    return tp.allreduce_many(ys)
+
+
 def reduce_from_tp_region_backward(dy, tp):
     """backward of reduce_from_tp_region: every rank already holds the whole gradient."""
     return dy

@@ -161,6 +161,19 @@ class NcclGroup(Group):
                                  nccl.NCCL_SUM if op == "sum" else nccl.NCCL_MAX, self._collective_stream().ptr)
         return buf
 
+    def allreduce_many(self, bufs):
+        """Sum all-reduces of several buffers (of any dtypes) in one NCCL group: one collective, counted once."""
+        if self.size == 1:
+            return bufs
+        nccl = _nccl()
+        self._count_collective(sum(b.nbytes for b in bufs))
+        stream = self._collective_stream()
+        nccl.groupStart()
+        for b in bufs:
+            self.nccl_comm.allReduce(b.data.ptr, b.data.ptr, b.size, _dtype(nccl, b.dtype), nccl.NCCL_SUM, stream.ptr)
+        nccl.groupEnd()
+        return bufs
+
     def iallreduce(self, buf):
         if self.size == 1 or not self.overlap:
             self.allreduce(buf)

@@ -57,8 +57,8 @@ class HeadCache(NamedTuple):
 
 
 def _logits(n, lm_head):
-    logits = n @ lm_head  # [N, V_local]
-    return logits.astype(np.promote_types(logits.dtype, np.float32), copy=False)  # softmax and loss in >= fp32
+    # [N, V_local], softmax and loss in >= fp32: from bfloat16 operands the GEMM's float32 accumulator itself
+    return layers.matmul(n, lm_head, dtype=np.promote_types(n.dtype, np.float32))
 
 
 def cross_entropy_forward(logits, targets, v0, tp, normalise=True):
@@ -130,9 +130,10 @@ def head_backward(cache, scale, norm_w, lm_head, dnorm_w, dlm_head, tp):
             probs = xp.exp(_logits(n, lm_head) - cache.row_max[:, None])
             probs /= cache.sumexp[:, None]
         dlogits = cross_entropy_backward(probs, cache.local, cache.tidx, scale)
-    dn = dlogits.astype(n.dtype, copy=False) @ lm_head.T  # partial over the vocabulary shards
+    dlogits = dlogits.astype(n.dtype, copy=False)  # both GEMMs in the compute dtype (tensor cores for bf16)
+    dn = layers.matmul(dlogits, lm_head.T)  # partial over the vocabulary shards
     req = copy_to_tp_region_backward_async([dn], tp)  # n was copied to the region for the lm_head
-    dlm_head += n.T @ dlogits
+    layers.matmul(n.T, dlogits, out=dlm_head, accumulate=True)
     req.wait()
     dh = layers.rmsnorm_backward(dn, h, norm_w, rstd, dnorm_w)
     return dh.astype(h.dtype, copy=False)

@@ -80,11 +80,12 @@ class Collective:
     saved: int = 0
     keeps_output: bool = True  # under recompute = lowrank its output is kept, so it is never reissued
     min_itemsize: int = 0  # the payload is at least this wide whatever the step's dtype (fp32 statistics)
+    wide: int = 0  # of `elements`, how many travel at least 4 bytes wide (a norm statistic beside bf16 products)
     fed_by: int = 1  # how many GEMMs right before it it reduces the outputs of (a grouped all-reduce: several)
 
     def nbytes(self, itemsize):
         """Payload bytes contributed per member at the step's item size."""
-        return self.elements * max(itemsize, self.min_itemsize)
+        return (self.elements - self.wide) * max(itemsize, self.min_itemsize) + self.wide * max(itemsize, 4)
 
 
 @dataclass
@@ -311,14 +312,15 @@ def _btp_layer(s):
         stat = N if with_norm_statistic and not s.sync_norm else 0
         ops = []
         if with_norm_statistic and s.sync_norm:
-            ops.append(Collective("norm.sumsq", "allreduce", N, "fwd"))
+            ops.append(Collective("norm.sumsq", "allreduce", N, "fwd", min_itemsize=4))  # float32 at least
         if s.grouped:
             ops += [Gemm("+".join(names) + ".A", N, r * len(names), d_in_local, saved=N * d_in_local),
-                    Collective("+".join(names) + ".z", "allreduce", N * r * len(names) + stat, "fwd")]
+                    Collective("+".join(names) + ".z", "allreduce", N * r * len(names) + stat, "fwd", wide=stat)]
         else:
             for i, name in enumerate(names):
                 ops += [Gemm(f"{name}.A", N, r, d_in_local, saved=N * d_in_local if i == 0 else 0),
-                        Collective(f"{name}.z", "allreduce", N * r + (stat if i == 0 else 0), "fwd")]
+                        Collective(f"{name}.z", "allreduce", N * r + (stat if i == 0 else 0), "fwd",
+                                   wide=stat if i == 0 else 0)]
         if with_norm_statistic:  # z arrives unnormalised: scale each token's row by 1/rms
             ops.append(unary("norm.scale", N * r * len(names)))
         if s.cola:

@@ -61,6 +61,7 @@ class AdamW:
             else:
                 self.decay_ranges.append((a, b))
         self.t = 0  # updates taken (for bias correction)
+        self._decay_bounds = None  # the decay ranges as device int64 bounds, for the GPU kernel
         self._scratch = touched(xp.empty_like(self.m))
         # the clipped gradient (clipping may start at any step: made now, not inside the first one)
         self._scaled = touched(xp.empty_like(self.m)) if tr.grad_clip > 0 else None
@@ -77,6 +78,14 @@ class AdamW:
         lo, hi = self.shard
         g = grads.data[lo:hi] if isinstance(grads, FlatBuffer) else grads
         p, m, v, tmp = self.master, self.m, self.v, self._scratch
+        if xp is not np and p.dtype == np.float32 and g.dtype == np.float32:  # the GPU: one fused kernel
+            from boostmpi.gpu import kernels
+
+            if self._decay_bounds is None:
+                self._decay_bounds = xp.asarray(np.array(self.decay_ranges, np.int64).reshape(-1))
+            kernels.adamw_step(p, g, m, v, self._decay_bounds, lr, tr.beta1, tr.beta2, tr.adam_eps, tr.weight_decay,
+                               grad_scale, self.t)
+            return
         # every operation in place or into the scratch buffer: no full-size temporary per step (a large
         # one is a fresh mmap every time, whose pages fault in again); the same roundings as the
         # textbook expressions in the comments

@@ -16,9 +16,8 @@ backward would otherwise compute again.
 
 from typing import NamedTuple
 
-from boostmpi.backend import get_array_module
 from boostmpi.model import layers
-from boostmpi.model.layers import concat_cols
+from boostmpi.model.layers import concat_cols, matmul
 from boostmpi.model.params import split_range
 from boostmpi.parallel import vocab_parallel
 from boostmpi.parallel.mappings import copy_to_tp_region_backward_async
@@ -99,9 +98,8 @@ def column_parallel_input_grad(douts, P, names, grouped, tp):
     copy_to_tp_region's backward, started (one GEMM on the matrices side by side and one all-reduce
     when grouped, else one of each per matrix). Returns (parts, request): after request.wait()
     the gradient is sum(parts)."""
-    xp = get_array_module(douts[0])
     if grouped:
-        parts = [xp.ascontiguousarray(concat_cols(douts) @ P.columns(names).T)]
+        parts = [matmul(concat_cols(douts), P.columns(names).T)]
     else:
-        parts = [xp.ascontiguousarray(d @ P[n].T) for d, n in zip(douts, names)]
+        parts = [matmul(d, P[n].T) for d, n in zip(douts, names)]
     return parts, copy_to_tp_region_backward_async(parts, tp)

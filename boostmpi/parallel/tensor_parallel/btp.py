@@ -3,7 +3,7 @@ communication of a low-rank group is at rank R.
 
 A group (q/k/v, gate/up, or o, down alone) runs
   [RMSNorm] -> A row-parallel [C/p, R] -> reduce_from_tp_region (the rank-R activation, with the
-  online RMSNorm's sum of squares riding in the same all-reduce) -> SiLU (cola) on the replicated
+  online RMSNorm's sum of squares, in float32 at least, in the same collective) -> SiLU (cola) on the replicated
   R-vector -> copy_to_tp_region -> B column-parallel [R, out/p].
 The embedding is sharded along C (no communication); the head gathers the residual from the region.
 """
@@ -12,12 +12,12 @@ from typing import NamedTuple
 
 from boostmpi.backend import get_array_module
 from boostmpi.model import layers
-from boostmpi.model.layers import col_slices, grouped_matmul
+from boostmpi.model.layers import col_slices, grouped_matmul, matmul
 from boostmpi.model.params import split_range
 from boostmpi.model.recompute import NO_TAPE
 from boostmpi.parallel.mappings import (copy_to_tp_region, copy_to_tp_region_backward_async, gather_from_tp_region,
                                         gather_from_tp_region_backward, reduce_from_tp_region,
-                                        reduce_from_tp_region_backward)
+                                        reduce_from_tp_region_backward, reduce_from_tp_region_many)
 from boostmpi.parallel.tensor_parallel.base import Strategy, activate
 
 
@@ -80,87 +80,104 @@ class BottleneckTP(Strategy):
         sl = col_slices([P[f"{nm}/A"].shape[1] for nm in names])
         # online RMSNorm's first half: x * w and this shard's sum of squares, in one pass
         xw, ss = layers.rmsnorm_online_stats(x, P[norm_name]) if norm_name else (x, None)
+        activated = None
         if tape.replaying:
             Z, rstd = tape.take()
         else:
             A = P.columns([f"{nm}/A" for nm in names])  # [A_1 | A_2 | ...], stored side by side
-            Z, rstd = tape.keep(self._reduce_bottleneck(xw, ss, A, sl))
-        Zs, sig = activate(copy_to_tp_region(Z, self.tp), self.act, tape)
+            Z, rstd, activated = self._reduce_bottleneck(xw, ss, A, sl, tape)
+            tape.keep((Z, rstd))
+        # Z is copied to the tp region (the identity forward), then activated, unless the rescale did it
+        Zs, sig = activated or activate(copy_to_tp_region(Z, self.tp), self.act, tape)
         outs = grouped_matmul([Zs[:, s] for s in sl], [P[f"{nm}/B"] for nm in names], self.grouped) if output else None
         return outs, BottleneckCache(x, xw, norm_name, Z, Zs, rstd, names, sl, sig)
 
-    def _reduce_bottleneck(self, xw, ss, A, sl):
+    def _reduce_bottleneck(self, xw, ss, A, sl, tape):
         """The only forward communication of a btp group: Z = rmsnorm(x)·A exactly, from shards.
-        Returns (Z, rstd [N, 1]); rstd is None without a norm."""
+        Returns (Z, rstd [N, 1], activated); rstd is None without a norm; activated is (silu(Z),
+        its sigmoid or None) when the online rescale computed the SiLU too (cola), else None."""
         if ss is None:
-            return self._reduce_products(xw, A, sl), None
+            return self._reduce_products(xw, A, sl), None, None
         if self.online:
-            # the sum of squares rides in the same all-reduce as the unnormalised A-product,
-            # then online RMSNorm's second half rescales the rows
+            # the sum of squares travels in the same collective as the unnormalised A-product (in
+            # float32 at least), then online RMSNorm's second half rescales the rows (cola: and
+            # applies the SiLU in the same pass)
             prod, ss_total = self._reduce_products(xw, A, sl, ss)
-            ss_total = ss_total.astype(ss.dtype)  # contiguous, in the accumulation dtype again
-            return layers.rescale_rows(prod, ss_total, self.C, self.eps), layers.online_rstd(ss_total, self.C, self.eps)[:, None]
+            rstd = layers.online_rstd(ss_total, self.C, self.eps)[:, None]
+            if self.act:
+                Z, Zs, sig = layers.rescale_rows_silu(prod, ss_total, self.C, self.eps, keep=tape.backward_follows)
+                return Z, rstd, (Zs, sig)
+            return layers.rescale_rows(prod, ss_total, self.C, self.eps), rstd, None
         # sync: a separate all-reduce of the statistic first, then normalise and multiply
         reduce_from_tp_region(ss, self.tp)
         return self._reduce_products(layers.rescale_rows(xw, ss, self.C, self.eps), A, sl), \
-            layers.online_rstd(ss, self.C, self.eps)[:, None]
+            layers.online_rstd(ss, self.C, self.eps)[:, None], None
 
     def _reduce_products(self, x, A, sl, extra=None):
         """x·[A_1 | A_2 | ...] reduced from the tp region (A = [A_1 | A_2 | ...], A_j its column
         slices `sl`): one GEMM and one all-reduce when grouped, else one of each per factor. With
-        `extra` [N] (the sum of squares), returns (products, extra summed) from the same
-        all-reduce: one buffer in x's dtype, the products [N, R] first and `extra` after them, so
-        each part is a contiguous array."""
+        `extra` [N] (the sum of squares, in the accumulation dtype), returns (products, extra
+        summed) from the same collective: riding after the products [N, R] in one buffer when x's
+        dtype holds it exactly (float32, float64), else (bfloat16) in a buffer of its own dtype,
+        reduced with the products in one group call, so the statistic keeps float32's 24-bit
+        mantissa instead of bfloat16's 8."""
         xp = get_array_module(x)
         N, R = x.shape[0], A.shape[1]
-        flat = xp.empty(N * R + (N if extra is not None else 0), dtype=x.dtype)
-        prod, tail = flat[:N * R].reshape(N, R), flat[N * R:]
-        if extra is not None:
+        ride = extra is not None and extra.dtype == x.dtype
+        flat = xp.empty(N * R + (N if ride else 0), dtype=x.dtype)
+        prod = flat[:N * R].reshape(N, R)
+        if ride:
+            tail = flat[N * R:]
             tail[...] = extra
+        elif extra is not None:
+            tail = xp.ascontiguousarray(extra)  # this rank's own statistic: summed in place
+
+        def reduce(buf, j):
+            if j == 0 and extra is not None and not ride:
+                return reduce_from_tp_region_many([buf, tail], self.tp)[0]
+            return reduce_from_tp_region(buf, self.tp)
+
         if self.grouped:
-            xp.matmul(x, A, out=prod)
-            reduce_from_tp_region(flat, self.tp)
+            matmul(x, A, out=prod)
+            reduce(flat, 0)
         else:
             for j, s in enumerate(sl):
-                piece = x @ A[:, s]
-                if j == 0 and extra is not None:
+                piece = matmul(x, A[:, s])
+                if j == 0 and ride:
                     both = reduce_from_tp_region(xp.concatenate([piece.reshape(-1), tail]), self.tp)
                     prod[:, s], tail[...] = both[:N * piece.shape[1]].reshape(piece.shape), both[N * piece.shape[1]:]
                 else:
-                    prod[:, s] = reduce_from_tp_region(xp.ascontiguousarray(piece), self.tp)
+                    prod[:, s] = reduce(piece, j)
         return (prod, tail) if extra is not None else prod
 
     def _bottleneck_backward(self, douts, cache, P, Gr):
         x, xw, norm_name, Z, Zs, rstd, names, sl, sig = cache
         xp = get_array_module(x)
         dZs = xp.empty_like(Z)
-        Bs = [P[f"{nm}/B"] for nm in names]
-        for s, d in zip(sl, grouped_matmul(douts, [B.T for B in Bs], self.grouped)):
-            dZs[:, s] = d
+        # each factor's GEMM writes its column block of dZs in place
+        grouped_matmul(douts, [P[f"{nm}/B"].T for nm in names], outs=[dZs[:, s] for s in sl])
         # copy_to_tp_region's backward sums the partial dZ of every rank, started before dB's GEMMs
         # (one all-reduce when grouped, else one per factor)
         pieces = [dZs] if self.grouped or len(sl) == 1 else [xp.ascontiguousarray(dZs[:, s]) for s in sl]
         req = copy_to_tp_region_backward_async(pieces, self.tp)
-        for nm, dB in zip(names, grouped_matmul([Zs[:, s].T for s in sl], douts, self.grouped)):
-            Gr[f"{nm}/B"] += dB
+        grouped_matmul([Zs[:, s].T for s in sl], douts, outs=[Gr[f"{nm}/B"] for nm in names], accumulate=True)
         req.wait()
         if len(pieces) > 1:
             for s, piece in zip(sl, pieces):
                 dZs[:, s] = piece
-        dZ = layers.silu_backward(dZs, Z, sig) if self.act else dZs
-        dZ = reduce_from_tp_region_backward(dZ, self.tp)  # Z was reduced from the region
         A = P.columns([f"{nm}/A" for nm in names])
         if norm_name is None:
-            dx = dZ @ A.T
+            dZ = layers.silu_backward(dZs, Z, sig) if self.act else dZs
+            dZ = reduce_from_tp_region_backward(dZ, self.tp)  # Z was reduced from the region
+            dx = matmul(dZ, A.T)
             for s, nm in zip(sl, names):
-                Gr[f"{nm}/A"] += xw.T @ dZ[:, s]
+                matmul(xw.T, dZ[:, s], out=Gr[f"{nm}/A"], accumulate=True)
             return dx
-        # exact backward of Z = (sum_i xw_i·A_i) * rstd(S), S = sum of squares over all shards;
-        # dZ and Z are replicated over the tp group, so the statistic's gradient dS is local
-        dP = dZ * rstd
-        dS = (-0.5 / self.C) * (dZ * Z).sum(axis=-1, keepdims=True) * (rstd * rstd)
-        dxw = dP @ A.T
+        # exact backward of Z = (sum_i xw_i·A_i) * rstd(S), S = sum of squares over all shards
+        # (layers.btp_norm_backward_pre/post: one kernel each on a GPU, around the GEMM)
+        dP, dS = layers.btp_norm_backward_pre(dZs, Z, rstd, self.C, self.act, sig)
+        dP = reduce_from_tp_region_backward(dP, self.tp)  # the product was reduced from the region
+        dxw = matmul(dP, A.T, dtype=layers.accumulation_dtype(x.dtype))  # the float32 accumulator, not rounded
         for s, nm in zip(sl, names):
-            Gr[f"{nm}/A"] += xw.T @ dP[:, s]
-        Gr[norm_name] += (dxw * x).sum(axis=0)
-        return (dxw * P[norm_name] + 2.0 * x * dS).astype(x.dtype, copy=False)  # float32 statistics, bf16 x
+            matmul(xw.T, dP[:, s], out=Gr[f"{nm}/A"], accumulate=True)
+        return layers.btp_norm_backward_post(dxw, x, P[norm_name], dS, Gr[norm_name])

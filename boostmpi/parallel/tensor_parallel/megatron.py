@@ -9,9 +9,8 @@ The residual and the norms are replicated; embedding and head are vocabulary-par
 
 from typing import NamedTuple
 
-from boostmpi.backend import get_array_module
 from boostmpi.model import layers
-from boostmpi.model.layers import col_slices
+from boostmpi.model.layers import col_slices, matmul
 from boostmpi.model.recompute import NO_TAPE
 from boostmpi.parallel.mappings import copy_to_tp_region, reduce_from_tp_region, reduce_from_tp_region_backward
 from boostmpi.parallel.tensor_parallel.base import NormCache, ReplicatedResidual, column_parallel_input_grad
@@ -33,27 +32,27 @@ class MegatronTP(ReplicatedResidual):
         n = copy_to_tp_region(n, self.tp)
         W_names = [f"{nm}/W" for nm in names]
         if self.grouped:
-            y = n @ P.columns(W_names)  # the matrices stored side by side: one GEMM
+            y = matmul(n, P.columns(W_names))  # the matrices stored side by side: one GEMM
             outs = [y[:, s] for s in col_slices([P[w].shape[1] for w in W_names])]
         else:
-            outs = [n @ P[w] for w in W_names]
+            outs = [matmul(n, P[w]) for w in W_names]
         return outs, NormCache(x, norm_name, rstd, (n, names))
 
     def in_proj_backward(self, douts, cache, P, Gr):
         n, names = cache.inner
         parts, req = column_parallel_input_grad(douts, P, [f"{nm}/W" for nm in names], self.grouped, self.tp)
         for nm, dy in zip(names, douts):  # weight gradients while the input gradient travels
-            Gr[f"{nm}/W"] += n.T @ dy
+            matmul(n.T, dy, out=Gr[f"{nm}/W"], accumulate=True)
         req.wait()
         dn = sum(parts[1:], parts[0])
         return layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, Gr[cache.norm_name])
 
     def out_proj_forward(self, x, name, P, tape=NO_TAPE):
-        y = get_array_module(x).ascontiguousarray(x @ P[f"{name}/W"])
+        y = matmul(x, P[f"{name}/W"])
         return reduce_from_tp_region(y, self.tp), LinearCache(x, name)
 
     def out_proj_backward(self, dy, cache, P, Gr):
         x, name = cache
         dy = reduce_from_tp_region_backward(dy, self.tp)
-        Gr[f"{name}/W"] += x.T @ dy
-        return dy @ P[f"{name}/W"].T
+        matmul(x.T, dy, out=Gr[f"{name}/W"], accumulate=True)
+        return matmul(dy, P[f"{name}/W"].T)

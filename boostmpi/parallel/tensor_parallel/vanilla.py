@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from boostmpi.backend import get_array_module
 from boostmpi.model import layers
-from boostmpi.model.layers import col_slices
+from boostmpi.model.layers import col_slices, matmul
 from boostmpi.model.recompute import NO_TAPE
 from boostmpi.parallel.mappings import copy_to_tp_region, reduce_from_tp_region, reduce_from_tp_region_backward
 from boostmpi.parallel.tensor_parallel.base import NormCache, ReplicatedResidual, activate, column_parallel_input_grad
@@ -50,11 +50,14 @@ class VanillaLowRankTP(ReplicatedResidual):
         if tape.replaying:
             (Z,) = tape.take()
         elif self.grouped:
-            Z = tape.keep((x @ P.columns(A_names),))[0]  # the factors stored side by side: one GEMM
-        else:
-            Z = tape.keep((xp.concatenate([x @ P[n] for n in A_names], axis=1),))[0]
+            Z = tape.keep((matmul(x, P.columns(A_names)),))[0]  # the factors stored side by side: one GEMM
+        else:  # one GEMM per factor, each writing its column block of Z in place
+            Z = xp.empty((x.shape[0], sl[-1].stop), dtype=x.dtype)
+            for s, n in zip(sl, A_names):
+                matmul(x, P[n], out=Z[:, s])
+            Z = tape.keep((Z,))[0]
         Zs, sig = activate(Z, self.act, tape)
-        ys = [xp.ascontiguousarray(Zs[:, s] @ P[f"{nm}/B"]) for s, nm in zip(sl, names)]
+        ys = [matmul(Zs[:, s], P[f"{nm}/B"]) for s, nm in zip(sl, names)]
         if self.grouped and len(ys) > 1 and self.p > 1:  # one all-reduce for the whole group
             widths = [y.shape[1] for y in ys]
             buf = reduce_from_tp_region(xp.concatenate(ys, axis=1), self.tp)
@@ -69,12 +72,12 @@ class VanillaLowRankTP(ReplicatedResidual):
         dZs = xp.empty_like(Z)
         douts = [reduce_from_tp_region_backward(dy, self.tp) for dy in douts]
         for s, nm, dy in zip(sl, names, douts):
-            dZs[:, s] = dy @ P[f"{nm}/B"].T
-            Gr[f"{nm}/B"] += Zs[:, s].T @ dy
+            matmul(dy, P[f"{nm}/B"].T, out=dZs[:, s])  # written in place, a column block of dZs
+            matmul(Zs[:, s].T, dy, out=Gr[f"{nm}/B"], accumulate=True)
         dZ = layers.silu_backward(dZs, Z, sig) if self.act else dZs
         parts, req = column_parallel_input_grad([dZ[:, s] for s in sl], P, [f"{nm}/A" for nm in names],
                                                 self.grouped, self.tp)
         for s, nm in zip(sl, names):  # weight gradients while the input gradient travels
-            Gr[f"{nm}/A"] += x.T @ dZ[:, s]
+            matmul(x.T, dZ[:, s], out=Gr[f"{nm}/A"], accumulate=True)
         req.wait()
         return sum(parts[1:], parts[0])

@@ -615,6 +615,62 @@ def _gemm_ex_2d(dtype):
                          cuda.runtime.CUDA_R_32F, cublas.CUBLAS_GEMM_DEFAULT)
 
 
+_CUDA_TYPES = {"float16": 2, "float32": 0, "float64": 1, "complex64": 4, "complex128": 5, "bfloat16": 14}
+
+
+def _to_cublas(x, trans):
+    """_mat_to_cublas_contiguous (_routines_linalg.pyx line 461): an F-contiguous x as it is, else
+    x made C-contiguous (a copy when it is not) and the transpose flag flipped; with its ld."""
+    item = x.dtype.itemsize
+    if x._a.flags.f_contiguous:
+        return x, trans, builtins.max(x.strides[1] // item, x.shape[0])
+    if not x._a.flags.c_contiguous:
+        x = _device_copy(np.ascontiguousarray(x._a))
+    return x, 1 - trans, x.strides[0] // item
+
+
+def _tensordot_core_v11(a, b, res, out):
+    """A 2-D float product as CuPy 14.2 runs it on CUDA (`dot` line 475, `tensordot_core` line 541,
+    `tensordot_core_v11` line 702): operands cast to the result dtype (line 580), laid out for cuBLAS
+    (copied when neither C- nor F-contiguous), then one cuBLAS gemmEx with the compute type of
+    `get_compute_type` (line 448: COMPUTE_TYPE_DEFAULT, or TF32 for float32 when CUPY_TF32 > 0) ->
+    CUBLAS_COMPUTE_32F (16-bit and 32-bit floats), CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_COMPUTE_64F;
+    algo CUBLAS_GEMM_DEFAULT_TENSOR_OP from compute capability 8.0 (line 742)."""
+    from cupy.cuda import cublas
+
+    M, K = a.shape if a.ndim == 2 else (1, a.shape[0])
+    N = b.shape[1] if b.ndim == 2 else 1
+    ret_shape = tuple(a.shape[:-1]) + tuple(b.shape[1:])
+    if a.size == 0 or b.size == 0 or (M == 1 and N == 1):  # zeros, or CuPy's elementwise mul-sum (line 560)
+        result = np.matmul(a._a.astype(np.float32 if _is_half(res) else res), b._a.astype(np.float32 if _is_half(res) else res))
+        return _device_copy(np.asarray(result).astype(res).reshape(ret_shape))
+    a2 = _device_copy(a._a.astype(res)) if a.dtype != res else a
+    b2 = _device_copy(b._a.astype(res)) if b.dtype != res else b
+    a2 = a2.reshape(M, K).transpose()  # dot rolls the summed axis first (line 516): [k, n] and [k, m]
+    b2 = b2.reshape(K, N)
+    a2, transa, lda = _to_cublas(a2, 0)
+    b2, transb, ldb = _to_cublas(b2, 1)
+    shares = out is not None and (np.may_share_memory(out._a, a._a) or np.may_share_memory(out._a, b._a))
+    c = ndarray((M, N), res) if out is None or shares else out
+    t = _CUDA_TYPES[res.name]
+    tf32 = res.char in "fF" and int(os.getenv("CUPY_TF32", "0")) > 0
+    if res.char in "dD":
+        compute, one, zero = cublas.CUBLAS_COMPUTE_64F, np.ones(1, np.float64), np.zeros(1, np.float64)
+    else:
+        compute = cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if tf32 else cublas.CUBLAS_COMPUTE_32F
+        one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    if res.kind == "c":
+        one, zero = one.astype(np.complex128 if res.char == "D" else np.complex64), zero.astype(np.complex128 if res.char == "D" else np.complex64)
+    major = int(cuda.Device().compute_capability[:-1])
+    algo = cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP if major >= 8 else cublas.CUBLAS_GEMM_DEFAULT
+    cublas.gemmEx(cuda.get_cublas_handle(), transb, transa, N, M, K, one.ctypes.data, b2.data.ptr, t, ldb,
+                  a2.data.ptr, t, lda, zero.ctypes.data, c.data.ptr, t, N, compute, algo)
+    if c is not out and out is not None:
+        out._a[...] = c._a
+        return out
+    return c.reshape(ret_shape) if c.shape != ret_shape else c
+
+
 def matmul(a, b, out=None, dtype=None):
     """CuPy's matmul: the result dtype is promote_types of the operands (bfloat16 @ bfloat16 is
     bfloat16, computed with float32 accumulation and rounded once), routed as CuPy routes it."""
@@ -640,6 +696,17 @@ def matmul(a, b, out=None, dtype=None):
             _integer_gemm_kernel(res)
         else:
             _gemm_ex_2d(res)
+            if not cuda.runtime.is_hip:
+                if out is None or (out.flags.c_contiguous and out.dtype == res):  # line 857
+                    if out is not None and out.size != a.size // a.shape[-1] * (b.shape[1] if b.ndim == 2 else 1):
+                        raise ValueError("Output array has an invalid size")
+                    return _tensordot_core_v11(a, b, res, out)
+                if not isinstance(out, ndarray):
+                    raise TypeError(f"Output arrays must be cupy.ndarray, got {type(out)}")
+                c = _tensordot_core_v11(a, b, res, None)  # into a new array, then elementwise_copy (line 863)
+                _check_same_kind(res, out.dtype, "out dtype")
+                out._a[...] = c._a.astype(out.dtype, copy=False)
+                return out
     else:
         work = np.dtype(np.float32) if res == np.float16 else res
         try:

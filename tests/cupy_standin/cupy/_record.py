@@ -6,14 +6,53 @@ recording costs one global lookup per call. tests/test_cupy_calls.py runs the en
 `recording()` and checks every signature against the table of calls read in CuPy's source.
 BOOSTMPI_STANDIN_RECORD=FILE records from import on and appends the signatures to FILE at exit
 (for runs in other processes, such as `mpiexec`).
+
+Every cuBLAS GEMM the stand-in carries out (`cupy.cuda.cublas`, which CuPy's own 2-D matmul reaches
+through `gemmEx` as it does on a device) is also appended, one `Gemm` per call with its shapes, to
+each list opened by `gemms()`: what a test reads to say which GEMMs ran on tensor cores.
 """
 
 import atexit
 import os
+from typing import NamedTuple
 
 import numpy as np
 
 active = None
+gemm_logs = []  # the lists of the open `gemms()` blocks
+
+
+class Gemm(NamedTuple):
+    """One cuBLAS GEMM as the binding received it (cudaDataType numbers, cuBLAS compute type)."""
+    entry: str  # the cuBLAS function: gemmEx or gemmStridedBatchedEx
+    Atype: int
+    Btype: int
+    Ctype: int
+    computeType: int
+    algo: int
+    m: int
+    n: int
+    k: int
+    batch: int
+    beta_zero: bool  # False: C is accumulated into (beta != 0)
+
+
+def note_gemm(gemm):
+    for log in gemm_logs:
+        log.append(gemm)
+
+
+class gemms:
+    """`with gemms() as log:` -- every cuBLAS GEMM made inside the block, in order."""
+
+    def __enter__(self):
+        self._log = []
+        gemm_logs.append(self._log)
+        return self._log
+
+    def __exit__(self, *exc):
+        gemm_logs.remove(self._log)
+        return False
 
 
 def note(*parts):

@@ -176,13 +176,25 @@ def _set_current_stream(handle):
 def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
            computeType, algo):
     args = _convert(locals(), strided=False)
-    _gemm(**args, strideA=0, strideB=0, strideC=0, batchCount=1)
+    _gemm(**args, strideA=0, strideB=0, strideC=0, batchCount=1, entry="gemmEx")
 
 
 def gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb, strideB,
                          beta, C, Ctype, ldc, strideC, batchCount, computeType, algo):
     args = _convert(locals(), strided=True)
-    _gemm(**args)
+    _gemm(**args, entry="gemmStridedBatchedEx")
+
+
+def bf16_tensor_core(gemm):
+    """Whether a recorded GEMM (`cupy._record.Gemm`) multiplies bfloat16 operands with float32
+    accumulation, the tensor-core row of the cuBLAS guide's cublasGemmEx table: Atype = Btype =
+    CUDA_R_16BF, Ctype CUDA_R_16BF or CUDA_R_32F, computeType CUBLAS_COMPUTE_32F (or the legacy
+    CUDA_R_32F, which cuBLAS takes as CUBLAS_COMPUTE_32F). CUBLAS_COMPUTE_32F_PEDANTIC does not count:
+    it asks cuBLAS for no reduced-precision shortcuts. A float32 product (CUDA_R_32F operands with
+    CUBLAS_COMPUTE_32F) runs on the FP32 units: 19.5 instead of 312 TFLOP/s on an A100 (NVIDIA A100
+    datasheet, https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf)."""
+    return (gemm.Atype == gemm.Btype == _R16BF and gemm.Ctype in (_R16BF, _R32F)
+            and _LEGACY_COMPUTE.get(gemm.computeType, gemm.computeType) == CUBLAS_COMPUTE_32F)
 
 
 _INT_ARGS = ("transa", "transb", "m", "n", "k", "Atype", "lda", "Btype", "ldb", "Ctype", "ldc", "computeType", "algo")
@@ -212,7 +224,7 @@ def _hip_shim(Atype, Btype, Ctype, computeType, algo):
 
 
 def _gemm(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb, strideB, beta, C, Ctype,
-          ldc, strideC, batchCount, computeType, algo):
+          ldc, strideC, batchCount, computeType, algo, entry):
     from cupy import _record
 
     state = _state(handle)
@@ -227,8 +239,8 @@ def _gemm(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Bty
         raise _error("CUBLAS_STATUS_INVALID_VALUE")
     if Atype != Btype or (Atype, Ctype) not in _SUPPORTED[compute]:
         raise _error("CUBLAS_STATUS_NOT_SUPPORTED")
-    if compute == CUBLAS_COMPUTE_32F_FAST_TF32 or computeType == CUBLAS_COMPUTE_32F_FAST_16BF:
-        raise NotImplementedError("the stand-in computes reduced-precision compute types only as full float32")
+    if computeType == CUBLAS_COMPUTE_32F_FAST_16BF:
+        raise NotImplementedError("the stand-in does not model CUBLAS_COMPUTE_32F_FAST_16BF")
     a_rows, a_cols = (m, k) if transa == CUBLAS_OP_N else (k, m)
     b_rows, b_cols = (k, n) if transb == CUBLAS_OP_N else (n, k)
     if (transa not in (0, 1, 2) or transb not in (0, 1, 2) or min(m, n, k, batchCount) < 0
@@ -243,16 +255,44 @@ def _gemm(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Bty
     if _storage_dtype(Ctype).kind == "c":
         work = np.dtype(np.complex128 if work == np.float64 else np.complex64)
     scale = _scalars(state, work, alpha, beta)
+    _record.note_gemm(_record.Gemm(entry, Atype, Btype, Ctype, computeType, algo, m, n, k, batchCount,
+                                   bool(scale[1] == 0)))
     a = _matrices("A", A, _storage_dtype(Atype), a_rows, a_cols, lda, strideA, batchCount)
     b = _matrices("B", B, _storage_dtype(Btype), b_rows, b_cols, ldb, strideB, batchCount)
     c = _matrices("C", C, _storage_dtype(Ctype), m, n, ldc, strideC, batchCount)
+    _track(entry, (A, a.itemsize, a_rows, a_cols, lda, strideA, batchCount, False),
+           (B, b.itemsize, b_rows, b_cols, ldb, strideB, batchCount, False),
+           (C, c.itemsize, m, n, ldc, strideC, batchCount, True))
     a, b = a.astype(work), b.astype(work)
+    if compute == CUBLAS_COMPUTE_32F_FAST_TF32 and work == np.float32:  # inputs rounded to TF32's 10-bit mantissa
+        a, b = _tf32(a), _tf32(b)
     op = {CUBLAS_OP_N: lambda x: x, CUBLAS_OP_T: lambda x: x.transpose(0, 2, 1),
           CUBLAS_OP_C: lambda x: x.conj().transpose(0, 2, 1)}
     result = scale[0] * np.matmul(op[transa](a), op[transb](b))
     if scale[1] != 0:  # beta == 0: C is not read (it may hold anything, NaN included)
         result = result + scale[1] * c.astype(work)
     c[...] = result.astype(c.dtype)
+
+
+def _tf32(x):
+    """float32 values rounded to the nearest TF32 (8-bit exponent, 10-bit mantissa), ties away from zero."""
+    bits = x.view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def _track(entry, *matrices):
+    """The GEMM as device work on the handle's stream (CuPy's current one, which the binding sets) for
+    the happens-before tracking (cuda/_order.py): `matrices` are (pointer, itemsize, rows, cols, ld,
+    batch stride, batch, writes?) for A, B and C. It reads the bytes A and B span and writes C's
+    (with beta != 0 it reads them too; the write covers that). A strided matrix counts whole from
+    its first element to its last, the bytes between its columns' ends included."""
+    from cupy.cuda import _order, get_current_stream
+
+    issued, where = _order.issue(get_current_stream()), _order.call_site()
+    for ptr, item, rows, cols, ld, stride, batch, write in matrices:
+        if rows and cols and batch:
+            nbytes = ((batch - 1) * stride + (cols - 1) * ld + rows) * item
+            _order.access_pointer(ptr, nbytes, write, issued, f"cuBLAS {entry}", where)
 
 
 def _scalars(state, work, alpha, beta):

@@ -1,0 +1,119 @@
+"""The fused AdamW kernel (kernels/adamw.cu) against the NumPy AdamW it replaces on a GPU.
+
+boostmpi.train.optim.AdamW.step on CuPy float32 master weights launches one kernel over the flat
+slice (boostmpi.gpu.kernels.adamw_step) instead of its dozen vector operations and two more per
+weight-decay range; the NumPy code of the same step is the specification. Three steps with weight
+decay on some ranges, a gradient scale, and a slice whose length leaves a scalar tail, on the
+device (the stand-in runs the kernel's source through the execution harness).
+"""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from boostmpi.train.optim import AdamW
+
+pytestmark = pytest.mark.gpu
+
+N = 1003  # not a multiple of the 4-float vector: a scalar tail
+SPANS = {"embed": (0, 300), "norm": (300, 364), "w": (364, 900), "final_norm": (900, 950), "head": (950, N)}
+DECAY = {"embed", "w", "head"}
+TR = SimpleNamespace(beta1=0.9, beta2=0.95, adam_eps=1e-8, weight_decay=0.1, grad_clip=0.0)
+
+
+def optimizer(xp, p0):
+    params = SimpleNamespace(data=xp.asarray(p0.copy()), size=N, spans=SPANS)
+    specs = [SimpleNamespace(name=name, decay=name in DECAY) for name in SPANS]
+    return AdamW(params, specs, TR, xp)
+
+
+def run(xp, steps):
+    rng = np.random.default_rng(5)
+    p0 = rng.standard_normal(N).astype(np.float32)
+    opt = optimizer(xp, p0)
+    for t, (scale, lr) in enumerate(steps):
+        g = rng.standard_normal(N).astype(np.float32) * (t + 1)
+        opt.step(xp.asarray(g), lr, grad_scale=scale)
+    to_host = (lambda a: a) if xp is np else (lambda a: a.get())
+    return [to_host(a) for a in (opt.master, opt.m, opt.v)]
+
+
+def test_adamw_kernel_matches_the_numpy_update(monkeypatch):
+    import cupy
+
+    from boostmpi.gpu import kernels
+
+    launched = []
+    launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda k, *a, **kw: (launched.append(k.name), launch(k, *a, **kw)))
+    steps = [(1.0, 1e-3), (0.5, 2e-3), (0.25, 1e-3)]
+    got = run(cupy, steps)
+    want = run(np, steps)
+    assert launched == ["adamw_step_f32"] * 3
+    for name, a, b in zip(("p", "m", "v"), got, want):
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-6 * np.abs(b).max(), err_msg=name)
+    # weight decay only where it applies: with zero gradients and moments, only decayed entries move
+    p0 = np.ones(N, np.float32)
+    opt = optimizer(cupy, p0)
+    opt.step(cupy.zeros(N, np.float32), 0.5)
+    moved = opt.master.get() != 1.0
+    expected = np.zeros(N, bool)
+    for name in DECAY:
+        expected[slice(*SPANS[name])] = True
+    np.testing.assert_array_equal(moved, expected)
+
+
+def test_adamw_kernel_refuses_what_it_cannot_update():
+    import cupy
+
+    from boostmpi.gpu import kernels
+
+    p = cupy.zeros(8, np.float32)
+    with pytest.raises(TypeError, match="float32"):
+        kernels.adamw_step(*(cupy.zeros(8, np.float64),) * 4, cupy.zeros(0, np.int64), 1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0, 1)
+    with pytest.raises(ValueError, match="pairs"):
+        kernels.adamw_step(p, p, p, p, cupy.zeros(3, np.int64), 1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0, 1)
+
+
+@pytest.fixture
+def mutated_kernels(monkeypatch):
+    """`mutate(file, old, new)`: the loader compiles kernels/<file>.cu with `old` replaced by `new`."""
+    import functools
+
+    from boostmpi.gpu import kernels
+
+    real = kernels.kernel_source
+    changes = {}
+
+    def source(name):
+        text = real(name)
+        if name in changes:
+            old, new = changes[name]
+            assert old in text, f"the mutation target {old!r} is not in {name}.cu any more"
+            text = text.replace(old, new)
+        return text
+
+    monkeypatch.setattr(kernels, "kernel_source", source)
+    monkeypatch.setattr(kernels, "_module", functools.lru_cache(maxsize=None)(kernels._module.__wrapped__))
+    return lambda name, old, new: changes.__setitem__(name, (old, new))
+
+
+@pytest.mark.parametrize("old,new", [
+    ("return (lo & 1) != 0;", "return (lo & 1) == 0;"),  # weight decay on the wrong ranges
+    ("sqrtf(vv[k]) / sqrt_bc2", "sqrtf(vv[k])"),  # no second-moment bias correction
+])
+def test_a_wrong_adamw_kernel_is_caught(mutated_kernels, old, new):
+    mutated_kernels("adamw", old, new)
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(AssertionError):
+        test_adamw_kernel_matches_the_numpy_update(patch)
+
+
+def test_a_btp_kernel_without_the_silu_derivative_is_caught(mutated_kernels):
+    """The btp backward kernel's CuPy-level check (tests/test_kernels.py) fails on a kernel that
+    ignores cola's SiLU."""
+    from test_kernels import test_btp_backward_kernels_match_the_model
+
+    mutated_kernels("btp", "act ? dv[k] * silu_derivative(zv[k]) : dv[k]", "dv[k]")
+    with pytest.raises(AssertionError, match="act=True"):
+        test_btp_backward_kernels_match_the_model(None, "float32", 64, 64)
