@@ -28,9 +28,9 @@ install_mpi4py_from_source() {
         --no-binary mpi4py "mpi4py>=3.1" || { echo "error: building mpi4py with MPICC=$mpicc failed" >&2; exit 1; }
     return 0
   fi
-  # BOOSTMPI_MPI4PY_WHEELHOUSE: one build per MPI (the wrapper, the library folder its module names,
-  # the Python, the flags), kept as a wheel for the next venv on the same machine
-  key="$(_boostmpi_hash "$mpicc|$(command -v "${mpicc%% *}")|${MPICH_DIR:-}|${CFLAGS:-}|$("$PY" -c 'import sys; print(sys.version)')")"
+  # BOOSTMPI_MPI4PY_WHEELHOUSE: one build per MPI (the wrapper, the programming environment behind it,
+  # the library folder its module names, the Python, the flags), kept as a wheel for the next venv
+  key="$(_boostmpi_hash "$mpicc|$(command -v "${mpicc%% *}")|${PE_ENV:-}|${MPICH_DIR:-}|${CFLAGS:-}|$("$PY" -c 'import sys; print(sys.version)')")"
   house="$BOOSTMPI_MPI4PY_WHEELHOUSE/$key"
   if ! compgen -G "$house/mpi4py-*.whl" >/dev/null; then
     echo "building an mpi4py wheel against the MPI of \`$mpicc\` into $house (a few minutes, once)"
