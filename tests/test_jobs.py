@@ -313,11 +313,11 @@ def test_an_impossible_layout_is_refused():
 
 # ---- the shared body, for real: 2 ranks of the tiny model on this machine
 
-def _body(tmp_path, steps, launch=None, **env):
-    """Run one attempt of jobs/common.sh; RESUBMIT touches tmp_path/resubmitted."""
+def _body(tmp_path, steps, launch=None, common="jobs/common.sh", **env):
+    """Run one attempt of jobs/common.sh (or another copy of it); RESUBMIT touches tmp_path/resubmitted."""
     launch = launch or f'timeout 120 {shlex.quote(MPIEXEC)} -n 2'
     script = f"""
-        source jobs/common.sh || exit 1
+        source {shlex.quote(str(common))} || exit 1
         CONFIG=configs/tiny.toml RUN_DIR={shlex.quote(str(tmp_path / "run"))} TP=2 PP=1 NRANKS=2
         PY={shlex.quote(PY)}
         EXTRA_SETS=(train.steps={steps} checkpoint.every=100)
@@ -355,3 +355,28 @@ def test_body_failure_ends_the_chain(tmp_path):
     assert p.returncode == 1
     assert "training ended with status 1 at checkpoint step 0 without stopping on a signal" in p.stdout
     assert not (tmp_path / "resubmitted").exists() and not (tmp_path / "run" / "DONE").exists()
+
+
+# srun --kill-on-bad-exit=1 ends the other ranks when the first exits 75, and then reports 128 + SIGKILL:
+# a launcher that passes the stop signal on to mpiexec and, once the ranks have stopped, dies by SIGKILL
+# stands for it
+KILLED_LAUNCHER = ("bash -c 'trap \"kill -TERM \\$child\" TERM; \"$@\" & child=$!; wait $child; wait $child; kill -KILL $$' "
+                   f"launcher timeout 120 {shlex.quote(MPIEXEC)} -n 2")
+
+
+def test_body_resubmits_from_the_marker_when_the_launcher_reports_a_signal(tmp_path):
+    p = _body(tmp_path, steps=5000, launch=KILLED_LAUNCHER, STOP_AFTER_S="4")
+    assert p.returncode == 0, p.stdout
+    assert "the ranks stopped on a signal with a checkpoint" in p.stdout and "launcher status 137" in p.stdout
+    assert (tmp_path / "resubmitted").exists()
+
+
+def test_body_deciding_from_exit_status_75_would_end_the_chain(tmp_path):
+    """The earlier rule, put back: "stopped by a signal" only when the launcher returns 75."""
+    text = (REPO / "jobs" / "common.sh").read_text()
+    old = '  if [ ! -f "$marker" ]; then'
+    assert old in text
+    mutant = tmp_path / "common.sh"
+    mutant.write_text(text.replace(old, '  if [ "$status" -ne 0 ] && [ "$status" -ne 75 ]; then'))
+    p = _body(tmp_path, steps=5000, launch=KILLED_LAUNCHER, common=mutant, STOP_AFTER_S="4")
+    assert p.returncode != 0 and not (tmp_path / "resubmitted").exists(), p.stdout

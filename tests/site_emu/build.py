@@ -30,6 +30,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -55,6 +56,14 @@ PERLMUTTER_GPU_NUMA = [3, 2, 1, 0]
 # Python's own compile flags (what mpi4py's build passes the MPI compiler, GCC-only ones among them:
 # -fwrapv, -Wsign-compare), at -O0: mpi4py compiles in a third of the time; the flags nvc must refuse stay
 PYTHON_CFLAGS_O0 = re.sub(r"-O[0-9s]?", "-O0", sysconfig.get_config_var("CFLAGS") or "-O0")
+
+
+def kill_group(proc):
+    """SIGKILL the process group that `proc` leads (the emulated site's processes of one call)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def run(cmd, **kw):
@@ -258,13 +267,22 @@ case ":${{LD_LIBRARY_PATH:-}}:" in *":/opt/cray/pe/lib64:"*) ;; *) export LD_LIB
                 "/usr/bin/env", "-i", *[f"{k}={v}" for k, v in env.items()], *argv]
 
     def enter(self, argv, env, timeout=600):
-        return subprocess.run(self._command(argv, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout)
+        """Run argv on the site; on a timeout every process it started is killed (its process group)."""
+        proc = subprocess.Popen(self._command(argv, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            out, _ = proc.communicate()
+            out += f"\n[site_emu: killed after {timeout} s]"
+        return subprocess.CompletedProcess(argv, proc.returncode, out)
 
     def enter_async(self, argv, **extra):
-        """Popen of argv on the site (a login session's variables plus `extra`), from the repository copy."""
+        """Popen of argv on the site (a login session's variables plus `extra`), in its own process group
+        (kill_group ends all of it)."""
         return subprocess.Popen(self._command(argv, self.environment(**extra)), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, cwd=self.repo)
+                                stderr=subprocess.STDOUT, text=True, cwd=self.repo, start_new_session=True)
 
     def polaris_base(self):
         """ALCF's conda base on the emulated Polaris: a Python environment with numpy, h5py and

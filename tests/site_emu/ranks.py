@@ -26,8 +26,9 @@ def run(nranks, command, per_rank, step_dir, kill_on_bad_exit, log_name):
     root = os.environ["EMU_ROOT"]
     with open(os.path.join(root, "log", log_name), "a") as f:
         f.write(json.dumps({"ranks": nranks, "command": command}) + "\n")
-    hydra = subprocess.Popen(["mpiexec.mpich", "-n", str(nranks), sys.executable, os.path.abspath(__file__),
-                              "--rank", step_dir, "--", *command])
+    # fork on this machine: Hydra would otherwise read the job's node list (PBS_NODEFILE, SLURM_*) and ssh
+    hydra = subprocess.Popen(["mpiexec.mpich", "-launcher", "fork", "-rmk", "user", "-n", str(nranks), sys.executable,
+                              os.path.abspath(__file__), "--rank", step_dir, "--", *command])
     received = []
 
     def forward(signum, frame):
