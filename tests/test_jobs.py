@@ -21,7 +21,8 @@ VENV_PY = str(REPO / ".venv" / "bin" / "python")  # what the scripts use by defa
 SCRIPTS = ["jobs/common.sh", "jobs/setup_env.sh", "jobs/local.sh", "jobs/frontier.sbatch", "jobs/perlmutter.sbatch",
            "jobs/polaris.pbs", "jobs/setup_frontier.sh", "jobs/setup_perlmutter.sh", "jobs/setup_polaris.sh",
            "jobs/sites.sh", "jobs/submit.sh", "jobs/gpu_check.sh",
-           "tests/run.sh", "tests/slurm/run_slurm_test.sh", "tests/sysmpi/system_mpi.sh", "tests/sysmpi/run_sysmpi_test.sh"]
+           "tests/run.sh", "tests/slurm/run_slurm_test.sh", "tests/sysmpi/system_mpi.sh", "tests/sysmpi/run_sysmpi_test.sh",
+           "tests/site_emu/cc", "tests/site_emu/enter.sh"]
 
 
 def _bash(args, env=None, timeout=60):
@@ -380,3 +381,39 @@ def test_body_deciding_from_exit_status_75_would_end_the_chain(tmp_path):
     mutant.write_text(text.replace(old, '  if [ "$status" -ne 0 ] && [ "$status" -ne 75 ]; then'))
     p = _body(tmp_path, steps=5000, launch=KILLED_LAUNCHER, common=mutant, STOP_AFTER_S="4")
     assert p.returncode != 0 and not (tmp_path / "resubmitted").exists(), p.stdout
+
+
+# ---- jobs/gpu_numa.py: the Perlmutter rank -> GPU order from the node's NUMA layout
+
+def _gpu_numa():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_numa", REPO / "jobs" / "gpu_numa.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# a node of 4 NUMA domains of 16 cores (and their second hardware threads), one GPU on each
+NUMA = {n: set(range(16 * n, 16 * n + 16)) | set(range(64 + 16 * n, 80 + 16 * n)) for n in range(4)}
+
+
+@pytest.mark.parametrize("gpu_numa, visible", [([0, 1, 2, 3], "0,1,2,3"), ([3, 2, 1, 0], "3,2,1,0"),
+                                               ([1, 0, 3, 2], "1,0,3,2")])
+def test_gpu_numa_gives_each_rank_the_gpu_of_its_numa_domain(gpu_numa, visible):
+    g = _gpu_numa()
+    gpus = [(f"00000000:{0x07 + 0x40 * i:02X}:00.0", n) for i, n in enumerate(gpu_numa)]
+    for rank in range(4):
+        cpus = set(range(16 * rank, 16 * rank + 16)) | set(range(64 + 16 * rank, 80 + 16 * rank))  # srun -c 32 --cpu-bind=cores
+        order, problem = g.plan(gpus, NUMA, cpus, rank)
+        assert problem is None and order == visible
+        assert gpus[int(order.split(",")[rank])][1] == rank  # the GPU at position `rank` sits on the rank's domain
+
+
+def test_gpu_numa_stops_a_rank_whose_cores_are_elsewhere():
+    g = _gpu_numa()
+    gpus = [(f"00000000:{0x07 + 0x40 * i:02X}:00.0", n) for i, n in enumerate([3, 2, 1, 0])]
+    _, problem = g.plan(gpus, NUMA, set(range(16, 32)), 0)  # local rank 0 bound to NUMA 1's cores
+    assert problem == ("local rank 0 would take the GPU at 00000000:C7:00.0 on NUMA node 0, but its cores 16-31 are "
+                       "on NUMA node(s) 1: the ranks' CPU binding does not follow the node's GPU layout (check -c and --cpu-bind)")
+    assert g.parse_cpulist("0-2,64,70-71\n") == {0, 1, 2, 64, 70, 71}

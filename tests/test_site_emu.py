@@ -359,7 +359,7 @@ def test_put_back_2_frontier_modules_and_cupy(site):
                  'true "${CRAY_LD_LIBRARY_PATH:?'):
         p = rerun_setup(s, s.venv)
     assert p.returncode == 1, p.stdout[-2000:]
-    assert "-> /opt/cray/pe/mpich/8.1.31/ofi/gnu/12.3/lib/libmpi_gnu_123.so.12" in p.stdout  # not 9.1.0's
+    assert "runs on /opt/cray/pe/mpich/8.1.31/ofi/gnu/12.3/lib/libmpi_gnu_123.so.12" in p.stdout  # not 9.1.0's
     # ROCm's default (6.2.4) with cpe/26.03: not a pair of OLCF's table
     with mutated(s, "jobs/setup_frontier.sh", 'FRONTIER_ROCM="${BOOSTMPI_ROCM:-7.0.2}"', 'FRONTIER_ROCM=6.2.4'):
         p = rerun_setup(s, s.venv)
@@ -389,17 +389,21 @@ def _polaris_job(s, *options, **env):
 
 def test_put_back_4_polaris_job_shell_and_queues(site):
     s = site("polaris")
-    # not a login shell: PBS's environment has no `module`
+    # not a login shell: PBS's environment has no qstat, module or conda
     with mutated(s, "jobs/polaris.pbs", "#!/bin/bash -l\n", "#!/bin/bash\n"):
         _, job, out, _ = _polaris_job(s, "-N", "1", "-t", "00:30:00")
-    assert job["exit"] != 0 and "module: command not found" in out, out[-2000:]
-    # conda activate under set -u: its activation scripts read unset variables
+    assert job["exit"] != 0 and "qstat: command not found" in out, out[-2000:]
+    # conda activate under set -u: its activation scripts read unset variables (jobs/submit.sh, which
+    # loads the job's environment under set -u before submitting, already stops there)
     with mutated(s, "jobs/setup_polaris.sh", "  case $- in *u*) had_u=1; set +u ;; esac\n", ""):
-        _, job, out, _ = _polaris_job(s, "-N", "1", "-t", "00:30:00")
-    assert job["exit"] != 0 and "CONDA_BUILD: unbound variable" in out, out[-2000:]
+        clear(s)
+        p = submit_and_run(s, "-N", "1", "-t", "00:30:00")
+    assert p.returncode == 2 and not jobs(s), p.stdout[-2000:]
+    assert "error: the polaris environment does not load:" in p.stdout and "CONDA_BUILD: unbound variable" in p.stdout
     # prod's routing table: 10 nodes for 6 h passes the old one-line table, and qsub refuses it later
-    old = '''      elif [ "$nodes" -le 24 ]; then _boostmpi_limits_problem "prod (routed to small)" 10 24 3 "$nodes" "$seconds"'''
-    with mutated(s, "jobs/sites.sh", old, '''      elif false; then :'''):
+    sites = (s.repo / "jobs" / "sites.sh").read_text()
+    routing = sites[sites.index("    prod)\n"):sites.index("      fi ;;\n", sites.index("    prod)\n")) + len("      fi ;;\n")]
+    with mutated(s, "jobs/sites.sh", routing, '    prod) _boostmpi_limits_problem prod 10 496 24 "$nodes" "$seconds" ;;\n'):
         clear(s)
         p = s.login(f"bash jobs/submit.sh polaris -A {ACCOUNT['polaris']} -N 10 -q prod -t 06:00:00", **job_env(s))
     assert "qsub: error: Job violates queue and/or server resource limits" in p.stdout, p.stdout
@@ -423,7 +427,7 @@ def test_debug_scaling_job_stops_without_a_successor_and_chaining_there_fails(si
     (job,) = jobs(s)
     out = output(s, job)
     assert job["exit"] == 0, out[-3000:]
-    assert "this job queues no successor" in out and "stopped on SIGUSR1" in out
+    assert "this job queues no successor" in out and "stopped on SIGTERM" in out  # PALS forwards SIGTERM
     with mutated(s, "jobs/polaris.pbs", 'if [ "$QUEUE" = debug-scaling ]; then', "if false; then"):
         run_stopping_job()
     (job,) = jobs(s)
