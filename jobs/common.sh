@@ -15,14 +15,18 @@
 #                 for schedulers that give no warning before the time limit (PBS)
 # and may set BOOSTMPI_DRY_RUN=1 to print the commands (launch, resubmit, env) instead of running them.
 # Helpers for the site scripts: boostmpi_site_launcher (the site's srun/mpiexec, never the venv's),
-# boostmpi_require_net (NCCL_NET on multi-node runs), boostmpi_env_summary.
+# boostmpi_network_plugin (NCCL_NET on multi-node runs, and the plugin it will load, checked),
+# boostmpi_compile_kernels (the GPU kernels compiled once into a per-job cache before the ranks start),
+# boostmpi_run_dir_filesystem (where RUN_DIR lives, its Lustre layout), boostmpi_env_summary.
 #
 # One attempt: exit at once if RUN_DIR/DONE exists; otherwise train (resuming from the latest
 # complete checkpoint, which `boostmpi train` does by itself). SIGTERM, SIGUSR1 or SIGINT to this
 # shell is forwarded to the launcher as STOP_SIGNAL: the ranks checkpoint at the next step boundary
-# and exit 0. Afterwards the run is finished when its newest complete checkpoint is at
-# train.steps: then DONE is written; if it stopped early but made progress, RESUBMIT queues the
-# next attempt; a failure (non-zero status) or an attempt without progress ends the chain.
+# and exit. Afterwards the run is finished when its newest complete checkpoint is at train.steps:
+# then DONE is written. It stopped on a signal when the trainer left its marker file
+# (RUN_DIR/STOPPED_ON_SIGNAL, written once that checkpoint is complete), whatever status the
+# launcher returned (srun --kill-on-bad-exit may give 128 + the signal): if it made progress,
+# RESUBMIT queues the next attempt. Anything else (a failure, an attempt without progress) ends the chain.
 
 # boostmpi_require_job VAR HOW: stop with status 2 unless VAR is set (we are inside a batch job).
 boostmpi_require_job() {
@@ -54,13 +58,77 @@ boostmpi_site_launcher() {
   exit 2
 }
 
-# boostmpi_require_net NNODES NAME: on more than one node, NCCL/RCCL must use the network NAME
-# (the name its Slingshot plugin registers): NCCL_NET makes a missing or broken plugin an error at
-# start-up instead of a silent fall-back to TCP sockets. One node needs no network plugin.
-boostmpi_require_net() {
-  if [ "$1" -gt 1 ]; then
-    export NCCL_NET="$2"
+# boostmpi_network_plugin NNODES NAME: the job's first line about NCCL/RCCL's network plugin. It
+# lists the plugin libraries the loader will find (NCCL_NET_PLUGIN, LD_LIBRARY_PATH) and opens each,
+# so a plugin whose own libraries are missing is caught here, not by the first collective. On more
+# than one node a plugin is required: without one the job stops (status 2) with one line; with one,
+# NCCL_NET=NAME (the name the plugin registers) makes NCCL/RCCL fail at start-up instead of falling
+# back to TCP sockets. One node needs no plugin (the network is not used).
+boostmpi_network_plugin() {
+  local nodes="$1" name="$2" found
+  if [ "${BOOSTMPI_DRY_RUN:-0}" = 1 ]; then  # nothing is loaded in a dry run: only the setting
+    [ "$nodes" -gt 1 ] && export NCCL_NET="$name"
+    return 0
   fi
+  found="$(PYTHONPATH="${REPO:-$PWD}${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c '
+import ctypes, os, sys
+from boostmpi.parallel.startup import net_plugins
+for path in net_plugins(os.environ):
+    try:
+        ctypes.CDLL(path)
+    except OSError as exc:
+        print(f"error: the network plugin {path} does not load: {exc}", file=sys.stderr)
+        sys.exit(2)
+    print(os.path.realpath(path))')" || exit 2
+  found="$(printf '%s' "$found" | tr '\n' ' ')"
+  if [ "$nodes" -gt 1 ]; then
+    if [ -z "$found" ]; then
+      echo "error: no NCCL/RCCL network plugin (lib*ccl-net*.so) on LD_LIBRARY_PATH or NCCL_NET_PLUGIN for this $nodes-node job: between nodes NCCL would fall back to TCP sockets; load the site's plugin module (see the job script)" >&2
+      exit 2
+    fi
+    export NCCL_NET="$name"
+    echo "job: network plugin: ${found% } (NCCL_NET=$NCCL_NET, required on $nodes nodes)"
+  else
+    echo "job: network plugin: ${found:-none found} (one node: not used)"
+  fi
+}
+
+# boostmpi_compile_kernels: with train.device=gpu, compile every GPU kernel once, here on the batch
+# node, into a cache of this job (CUPY_CACHE_DIR under RUN_DIR, on the parallel file system the
+# ranks of every node read), before any rank starts: the ranks then load the compiled kernels
+# instead of each compiling the same sources at once (OLCF "Installing CuPy": CuPy caches compiled
+# kernels in CUPY_CACHE_DIR; its default $HOME/.cupy is not reachable from compute nodes).
+boostmpi_compile_kernels() {
+  local seconds
+  export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-$RUN_DIR/.kernel-cache/job-${SLURM_JOB_ID:-${PBS_JOBID:-$$}}}"
+  mkdir -p "$CUPY_CACHE_DIR" || { echo "error: cannot create the kernel cache $CUPY_CACHE_DIR" >&2; exit 2; }
+  seconds="$(PYTHONPATH="${REPO:-$PWD}${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c '
+import time
+t0 = time.perf_counter()
+from boostmpi.gpu import kernels
+for source in sorted(kernels.kernels_dir().glob("*.cu")):
+    kernels._module(source.stem, 0).compile()  # the loader the ranks use, for GPU 0 of this node
+print(f"{time.perf_counter() - t0:.1f}")')" ||
+    { echo "error: compiling the GPU kernels on $(hostname) failed (the message above); no rank was started" >&2; exit 1; }
+  echo "job: GPU kernels compiled once into $CUPY_CACHE_DIR in $seconds s, before the ranks start"
+}
+
+# boostmpi_run_dir_filesystem PREFIX WHY: where RUN_DIR lives (its file system type and, on Lustre,
+# its stripe layout, which files created in it inherit); a warning when it is not below PREFIX, the
+# file system the centre names for job output (WHY says which page).
+boostmpi_run_dir_filesystem() {
+  local prefix="$1" why="$2" abs fstype layout=""
+  mkdir -p "$RUN_DIR" 2>/dev/null
+  abs="$(cd "$RUN_DIR" 2>/dev/null && pwd -P)" || abs="$RUN_DIR"
+  fstype="$(stat -f -c %T "$abs" 2>/dev/null || echo unknown)"
+  if command -v lfs >/dev/null && [ "$fstype" = lustre ]; then
+    layout=" | $(lfs getstripe -d "$abs" 2>&1 | tr -s ' \n' ' ')"
+  fi
+  echo "job: run directory $abs on $fstype$layout"
+  case "$abs/" in
+    "$prefix"/*) ;;
+    *) echo "job: warning: $RUN_DIR is not below $prefix, where $why" ;;
+  esac
 }
 
 # boostmpi_env_summary: the job's communication and threading settings, one NAME=value word each.
@@ -69,7 +137,7 @@ boostmpi_env_summary() {
   local -a words=()
   for name in $(compgen -e | LC_ALL=C sort); do
     case "$name" in
-      NCCL_*|FI_*|MPICH_*|HSA_*|ROCM_HOME|CUPY_*|OMP_NUM_THREADS|OPENBLAS_NUM_THREADS|BOOSTMPI_GPU_MAP_VAR|LD_LIBRARY_PATH)
+      NCCL_*|FI_*|MPICH_*|HSA_*|ROCM_HOME|CUPY_*|CUDA_DEVICE_ORDER|OMP_NUM_THREADS|OPENBLAS_NUM_THREADS|BOOSTMPI_GPU_MAP_VAR|LD_LIBRARY_PATH)
         words+=("$name=${!name}") ;;
     esac
   done
@@ -104,7 +172,8 @@ boostmpi_quote() {
   printf '%s\n' "${line% }"
 }
 
-# boostmpi_progress: prints "<step of the newest complete checkpoint, 0 if none> <train.steps, 0 if never started>".
+# boostmpi_progress: prints "<step of the newest complete checkpoint, 0 if none> <train.steps, 0 if never
+# started> <the trainer's stopped-on-a-signal marker file>".
 boostmpi_progress() {
   "$PY" - "$RUN_DIR" <<'EOF'
 import os
@@ -112,6 +181,7 @@ import sys
 import tomllib
 
 from boostmpi.train.checkpoint import find_latest, read_state
+from boostmpi.train.trainer import STOPPED_MARKER
 
 run_dir = sys.argv[1]
 latest = find_latest(run_dir)
@@ -120,7 +190,7 @@ try:  # the resolved configuration of the last attempt, written by the trainer
         steps = tomllib.load(f)["train"]["steps"]
 except OSError:
     steps = 0
-print(read_state(latest)["step"] if latest else 0, steps)
+print(read_state(latest)["step"] if latest else 0, steps, os.path.join(run_dir, STOPPED_MARKER))
 EOF
 }
 
@@ -142,8 +212,9 @@ boostmpi_job() {
     echo "job: $RUN_DIR/DONE exists: this run is finished, nothing to do (remove DONE or raise train.steps to go on)"
     return 0
   fi
-  local before after steps status
-  read -r before steps < <(boostmpi_progress) || { echo "error: cannot read the progress of $RUN_DIR with $PY" >&2; return 1; }
+  local before after steps status marker
+  read -r before steps marker < <(boostmpi_progress) || { echo "error: cannot read the progress of $RUN_DIR with $PY" >&2; return 1; }
+  rm -f "$marker"   # a marker left by an earlier attempt says nothing about this one
   echo "job: $(date '+%F %T') starting at checkpoint step $before: $(boostmpi_quote "${LAUNCH[@]}" "${TRAIN[@]}")"
   echo "job: environment: $(boostmpi_env_summary)"
 
@@ -168,19 +239,21 @@ boostmpi_job() {
   trap - TERM USR1 INT
   [ -n "$timer" ] && kill "$timer" 2>/dev/null
 
-  read -r after steps < <(boostmpi_progress) || { echo "error: cannot read the progress of $RUN_DIR" >&2; return 1; }
-  # 75: the trainer stopped early on a signal and wrote a checkpoint (0: it finished train.steps)
-  if [ "$status" -ne 0 ] && [ "$status" -ne 75 ]; then
-    echo "job: training failed with status $status at checkpoint step $after; the chain stops here" \
-         "(fix the cause and submit again: it resumes from $RUN_DIR/checkpoints/latest)" >&2
-    return "$status"
-  fi
+  read -r after steps marker < <(boostmpi_progress) || { echo "error: cannot read the progress of $RUN_DIR" >&2; return 1; }
   if [ "$steps" -gt 0 ] && [ "$after" -ge "$steps" ]; then
     printf 'finished step %s of %s on %s (job %s)\n' "$after" "$steps" "$(date '+%F %T')" \
       "${SLURM_JOB_ID:-${PBS_JOBID:-local}}" > "$RUN_DIR/DONE"
     echo "job: finished all $steps steps; wrote $RUN_DIR/DONE"
     return 0
   fi
+  if [ ! -f "$marker" ]; then
+    echo "job: training ended with status $status at checkpoint step $after without stopping on a signal" \
+         "(no $marker); the chain stops here (fix the cause and submit again: it resumes from" \
+         "$RUN_DIR/checkpoints/latest)" >&2
+    [ "$status" -ne 0 ] && return "$status"
+    return 1
+  fi
+  echo "job: the ranks stopped on a signal with a checkpoint ($(cat "$marker" 2>/dev/null); launcher status $status)"
   if [ "$after" -le "$before" ]; then
     echo "job: stopped at step $after of $steps without progress (checkpoint step was $before); the chain stops here" >&2
     return 1

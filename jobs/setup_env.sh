@@ -7,22 +7,38 @@
 #                            compiler wrapper, so the venv uses the machine's MPI, not a wheel's.
 #   install_mpi4py_from_source MPICC
 #                            build mpi4py against the MPI behind the wrapper MPICC (`mpicc.mpich`,
-#                            `cc -shared` on Cray), as mpi4py's installation notes describe.
-#   boostmpi_check_site_venv PATTERN
-#                            stop unless mpi4py is linked against the MPI library whose path has PATTERN
-#                            and no PyPI MPICH is installed (the site setup scripts, the system-MPI test).
+#                            `cc -shared` on Cray), as mpi4py's installation notes describe; with
+#                            BOOSTMPI_MPI4PY_WHEELHOUSE=DIR, built once per MPI into a wheel kept there.
+#   boostmpi_check_site_venv LIBRARY...
+#                            stop unless mpi4py, asked itself, runs on one of the site's MPI LIBRARY files
+#                            (links resolved) and no PyPI MPICH is installed (site setup, system-MPI test).
+#   boostmpi_check_one_nccl  stop if the venv itself holds an NCCL wheel beside the site's NCCL.
 #   boostmpi_cray_site_venv SITE EXTRAS
 #                            the venv of jobs/setup_<site>.sh: mpi4py against Cray MPICH, boostmpi[EXTRAS].
 #   boostmpi_mpiexec         print the mpiexec that belongs to $PY's MPI (boostmpi.parallel.launch.find_mpiexec).
 # Needs only python3 with venv and pip.
 
 install_mpi4py_from_source() {
-  local mpicc="$1"
-  echo "building mpi4py from source against the MPI of \`$mpicc\` (a few minutes)"
-  # --no-binary: a wheel would bring its own MPI ABI stubs; --no-cache-dir: never reuse a build
-  # made against another MPI; --force-reinstall: replace an mpi4py that came from a wheel
-  MPICC="$mpicc" "$PY" -m pip install -q --disable-pip-version-check --no-cache-dir --force-reinstall \
-      --no-binary mpi4py "mpi4py>=3.1" || { echo "error: building mpi4py with MPICC=$mpicc failed" >&2; exit 1; }
+  local mpicc="$1" house key
+  # --no-binary: a wheel from PyPI would bring its own MPI ABI stubs; --no-cache-dir: never reuse a
+  # build made against another MPI; --force-reinstall: replace an mpi4py that came from a wheel
+  if [ -z "${BOOSTMPI_MPI4PY_WHEELHOUSE:-}" ]; then
+    echo "building mpi4py from source against the MPI of \`$mpicc\` (a few minutes)"
+    MPICC="$mpicc" "$PY" -m pip install -q --disable-pip-version-check --no-cache-dir --force-reinstall \
+        --no-binary mpi4py "mpi4py>=3.1" || { echo "error: building mpi4py with MPICC=$mpicc failed" >&2; exit 1; }
+    return 0
+  fi
+  # BOOSTMPI_MPI4PY_WHEELHOUSE: one build per MPI (the wrapper, the programming environment behind it,
+  # the library folder its module names, the Python, the flags), kept as a wheel for the next venv
+  key="$(_boostmpi_hash "$mpicc|$(command -v "${mpicc%% *}")|${PE_ENV:-}|${MPICH_DIR:-}|${CFLAGS:-}|$("$PY" -c 'import sys; print(sys.version)')")"
+  house="$BOOSTMPI_MPI4PY_WHEELHOUSE/$key"
+  if ! compgen -G "$house/mpi4py-*.whl" >/dev/null; then
+    echo "building an mpi4py wheel against the MPI of \`$mpicc\` into $house (a few minutes, once)"
+    MPICC="$mpicc" "$PY" -m pip wheel -q --disable-pip-version-check --no-cache-dir --no-deps --no-binary mpi4py \
+        -w "$house" "mpi4py>=3.1" || { echo "error: building mpi4py with MPICC=$mpicc failed" >&2; exit 1; }
+  fi
+  "$PY" -m pip install -q --disable-pip-version-check --no-index --force-reinstall --find-links "$house" mpi4py ||
+    { echo "error: installing the mpi4py wheel of $house failed" >&2; exit 1; }
 }
 
 _boostmpi_hash() {
@@ -65,29 +81,66 @@ boostmpi_mpi4py_library() {
   ldd "$ext" | awk '$1 ~ /^lib(mpi|mpich)[._]/ && $1 !~ /fort|cxx/ {print ($3 == "not" ? $1 " (not found)" : $3); exit}'
 }
 
-# boostmpi_check_site_venv PATTERN: stop unless $PY's mpi4py is linked against an MPI whose path
-# contains PATTERN and the venv holds no MPICH wheel from PyPI.
+# boostmpi_check_site_venv LIBRARY...: stop unless the MPI that $PY's mpi4py loads is one of the site's
+# library files (globs allowed). The library itself is asked, not a path pattern matched: Cray PE links
+# mpi4py against /opt/cray/pe/lib64/libmpi_gnu_*.so, a farm of links into /opt/cray/pe/mpich/<version>/...,
+# so the loaded file and the site's are compared after every link is resolved (readlink -f). No MPI_Init:
+# it works on a login node.
 boostmpi_check_site_venv() {
-  local library
+  local report
   if "$PY" -m pip show -q mpich >/dev/null 2>&1; then
     echo "error: $VENV holds the MPICH wheel from PyPI (the [mpich] extra); remove it: $PY -m pip uninstall -y mpich" >&2
     exit 1
   fi
-  library="$(boostmpi_mpi4py_library)"
-  case "$library" in
-    *"$1"*) echo "mpi4py in $VENV uses $library" ;;
-    *) echo "error: mpi4py in $VENV is linked against '${library:-no MPI library}', not the site MPI ($1)" >&2; exit 1 ;;
-  esac
+  report="$(PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c '
+import glob, os, sys
+from mpi4py import MPI
+from boostmpi.parallel.startup import loaded_mpi_library
+version = MPI.Get_library_version().strip().splitlines()[0].strip()
+loaded = loaded_mpi_library()
+real = os.path.realpath(loaded) if loaded else None
+site = {os.path.realpath(f) for pattern in sys.argv[1:] for f in glob.glob(pattern)}
+where = f"{loaded} -> {real}" if loaded and real != loaded else str(loaded)
+wanted = " ".join(sys.argv[1:])
+if real is None or real not in site:
+    print(f"runs on {where} ({version}), not on the site MPI ({wanted})")
+    sys.exit(1)
+print(f"{version} | {where}")' "$@" 2>&1)" ||
+    { echo "error: mpi4py in $VENV ${report##*$'\n'}" >&2; exit 1; }
+  echo "mpi4py in $VENV: $report"
+}
+
+# boostmpi_check_one_nccl: stop if the venv's own site-packages hold an NCCL wheel (nvidia-nccl-cu*).
+# CuPy 14 loads NCCL through cuda-pathfinder, which prefers NVIDIA wheels in site-packages to the
+# library path (cuda.pathfinder.load_nvidia_dynamic_lib, "Search order"): such a wheel would be
+# loaded instead of the site's NCCL, whose network plugin is what a multi-node job needs.
+boostmpi_check_one_nccl() {
+  local wheels
+  wheels="$("$PY" -c '
+import importlib.metadata, sysconfig
+found = []
+for dist in importlib.metadata.distributions(path=[sysconfig.get_paths()["purelib"]]):
+    name = dist.metadata["Name"] or ""
+    if name.lower().replace("_", "-").startswith("nvidia-nccl"):
+        found.append(f"{name}=={dist.version}")
+print(" ".join(found))')" ||
+    { echo "error: cannot list the packages of $VENV" >&2; exit 1; }
+  if [ -n "$wheels" ]; then
+    echo "error: $VENV holds $wheels, a second NCCL beside the site's (which has the network plugin); remove it: $PY -m pip uninstall -y ${wheels%%==*}" >&2
+    exit 1
+  fi
 }
 
 # boostmpi_cray_site_venv SITE EXTRAS: the venv of a Cray site (BOOSTMPI_VENV, default .venv-SITE)
-# with mpi4py built against Cray MPICH and boostmpi[EXTRAS], checked. The site's modules must be loaded.
+# with mpi4py built against Cray MPICH and boostmpi[EXTRAS], checked. The site's modules must be
+# loaded: cray-mpich sets MPICH_DIR, whose lib/ holds the library (OLCF Frontier User Guide,
+# "Compatible ROCm & Cray MPICH versions": "${MPICH_DIR}/lib").
 boostmpi_cray_site_venv() {
   export BOOSTMPI_VENV="${BOOSTMPI_VENV:-$PWD/.venv-$1}"
-  # mpi4py's install notes, and OLCF's and NERSC's Python pages: on Cray, MPICC="cc -shared"
+  # mpi4py's install notes, OLCF's "Installing mpi4py and h5py" and NERSC's Python pages: on Cray, MPICC="cc -shared"
   export BOOSTMPI_MPICC="cc -shared"
   setup_venv "$2"
-  boostmpi_check_site_venv "/opt/cray/pe/mpich"
+  boostmpi_check_site_venv "${MPICH_DIR:?the cray-mpich module did not set MPICH_DIR}/lib/libmpi*.so*"
 }
 
 boostmpi_mpiexec() {

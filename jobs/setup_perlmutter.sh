@@ -2,8 +2,9 @@
 # NERSC Perlmutter GPU nodes, run once on a login node from the repository root:
 #   bash jobs/setup_perlmutter.sh
 # Builds the venv that jobs/perlmutter.sbatch uses (BOOSTMPI_VENV, default .venv-perlmutter): NERSC's
-# Python, mpi4py compiled against Cray MPICH, boostmpi[gpu] (CuPy for CUDA 12 and NCCL), without
-# the [mpich] extra (the PyPI MPICH has no Slingshot support).
+# Python, mpi4py compiled against Cray MPICH, CuPy for CUDA 12 (cupy-cuda12x) and ml_dtypes, without
+# the [mpich] extra (the PyPI MPICH has no Slingshot support) and without an NCCL wheel: the nccl
+# module's NCCL, the one built with the Slingshot plugin, is the only NCCL the ranks load.
 # jobs/perlmutter.sbatch sources this file for perlmutter_environment only (the same modules at run time).
 
 perlmutter_environment() {
@@ -11,19 +12,21 @@ perlmutter_environment() {
   # craype-accel-nvidia80 give the CUDA runtime and Cray MPICH's GPU transfer library (needed when
   # MPI carries device buffers); the nccl module is NERSC's NCCL build with the Slingshot
   # (aws-ofi-nccl) plugin on its library path.
-  module load PrgEnv-gnu cudatoolkit craype-accel-nvidia80 nccl "${BOOSTMPI_PYTHON_MODULE:-python}"
+  module load PrgEnv-gnu cudatoolkit craype-accel-nvidia80 nccl "${BOOSTMPI_PYTHON_MODULE:-python}" || return 2
 }
 
 main() {
   set -euo pipefail
   cd "$(dirname "${BASH_SOURCE[0]}")/.."
-  perlmutter_environment
+  perlmutter_environment || exit 2
   # shellcheck source=jobs/setup_env.sh
   source jobs/setup_env.sh
-  # [gpu]: cupy-cuda12x wheels do not carry NCCL; the extra adds nvidia-nccl-cu12. At run time
-  # the nccl module's plugin (libnccl-net.so) is found through LD_LIBRARY_PATH either way.
-  boostmpi_cray_site_venv perlmutter gpu
-  echo "next: sbatch -A <project>_g jobs/perlmutter.sbatch   (docs/OPERATIONS.md, 'First run on Perlmutter')"
+  # no [gpu] extra: it brings nvidia-nccl-cu12, which CuPy would load instead of the nccl module's
+  boostmpi_cray_site_venv perlmutter ""
+  "$PY" -m pip install -q --disable-pip-version-check cupy-cuda12x ml_dtypes
+  boostmpi_check_one_nccl
+  echo "venv ready: $VENV (cupy-cuda12x $("$PY" -c 'import importlib.metadata as m; print(m.version("cupy-cuda12x"))'))"
+  echo "next: bash jobs/submit.sh perlmutter -A <project>_g   (docs/OPERATIONS.md, 'First run on Perlmutter')"
 }
 
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then

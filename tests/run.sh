@@ -7,7 +7,10 @@
 #   3. the system-MPI test: boostmpi without the [mpich] extra, mpi4py built against Debian's MPICH,
 #      two ranks under mpiexec.mpich (tests/sysmpi/run_sysmpi_test.sh; the first run compiles mpi4py),
 #   4. the real-Slurm test on that same system MPI,
-#   3 and 4 when this machine allows them (root and apt), otherwise each says why it skipped.
+#   5. the emulated centres: jobs/setup_<site>.sh and the job scripts end to end on emulated Frontier,
+#      Perlmutter and Polaris (tests/test_site_emu.py, tests/site_emu; root, a mount namespace, apt),
+#   3 and 4 when this machine allows them (root and apt), otherwise each says why it skipped; 5 fails
+#   under CI=true when it cannot run.
 # Exit status is non-zero when anything failed.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -53,6 +56,9 @@ if [ -x tests/slurm/run_slurm_test.sh ] || [ -f tests/slurm/run_slurm_test.sh ];
 else
   echo "skipped: tests/slurm/run_slurm_test.sh is not present"
 fi
+
+step "emulated centres"
+BOOSTMPI_SITE_EMU=1 timeout 1200 "$PY" -m pytest -q -p no:cacheprovider tests/test_site_emu.py || status=1
 
 echo
 if [ "$status" -eq 0 ]; then echo "ALL TESTS PASSED"; else echo "SOME TESTS FAILED"; fi

@@ -20,7 +20,9 @@ PY = sys.executable
 VENV_PY = str(REPO / ".venv" / "bin" / "python")  # what the scripts use by default
 SCRIPTS = ["jobs/common.sh", "jobs/setup_env.sh", "jobs/local.sh", "jobs/frontier.sbatch", "jobs/perlmutter.sbatch",
            "jobs/polaris.pbs", "jobs/setup_frontier.sh", "jobs/setup_perlmutter.sh", "jobs/setup_polaris.sh",
-           "tests/run.sh", "tests/slurm/run_slurm_test.sh", "tests/sysmpi/system_mpi.sh", "tests/sysmpi/run_sysmpi_test.sh"]
+           "jobs/sites.sh", "jobs/submit.sh", "jobs/gpu_check.sh",
+           "tests/run.sh", "tests/slurm/run_slurm_test.sh", "tests/sysmpi/system_mpi.sh", "tests/sysmpi/run_sysmpi_test.sh",
+           "tests/site_emu/cc", "tests/site_emu/enter.sh"]
 
 
 def _bash(args, env=None, timeout=60):
@@ -167,7 +169,7 @@ def test_perlmutter_renders_one_rank_per_a100(tmp_path):
     py = str(REPO / ".venv-perlmutter" / "bin" / "python")
     assert out["launch"] == [
         f"{site}/srun", "-N", "3", "-n", "12", "--ntasks-per-node=4", "-c", "32", "--cpu-bind=cores",
-        "--gpus-per-node=4", "--gpu-bind=none", "--kill-on-bad-exit=1",
+        "--gpus-per-node=4", "--gpu-bind=none", "--kill-on-bad-exit=1", py, f"{REPO}/jobs/gpu_numa.py", "--",
         *_train("configs/cola_d1024.toml", "/scratch/me/run", 2, 2, 3, "train.device=gpu", "parallel.comm=nccl",
                 py=py)]
     assert out["resubmit"] == ["scontrol", "requeue", "77"]
@@ -224,7 +226,7 @@ def test_polaris_renders_pals_mpiexec_with_gpu_binding(tmp_path):
     venv = str(REPO / ".venv")
     assert out["resubmit"] == [
         "qsub", "-A", "myproject", "-q", "debug", "-l", "select=2:system=polaris", "-l", "walltime=01:00:00",
-        "-v", f"TP=4,PP=1,CONFIG=configs/cola_d1024.toml,RUN_DIR=runs/polaris-cola_d1024,COMM=nccl,BOOSTMPI_VENV={venv}",
+        "-v", f"TP=4,PP=1,CONFIG=configs/cola_d1024.toml,RUN_DIR=runs/polaris-cola_d1024,COMM=nccl,RANKS_PER_NODE=4,BOOSTMPI_VENV={venv}",
         "-W", "depend=afterany:123.polaris-pbs-01", f"{REPO}/jobs/polaris.pbs"]
 
 
@@ -236,20 +238,27 @@ def test_polaris_without_an_account_resubmits_without_one_and_says_so(tmp_path):
 
 @pytest.mark.parametrize("queue, nodes, walltime, refused", [
     ("debug", 2, "01:00:00", None),
-    ("debug", 3, "01:00:00", "queue debug takes 1-2 nodes for at most 1 h, not 3 nodes for 60 min"),
-    ("debug", 2, "02:00:00", "queue debug takes 1-2 nodes for at most 1 h, not 2 nodes for 120 min"),
-    ("prod", 2, "01:00:00", "queue prod takes 10-496 nodes for at most 24 h, not 2 nodes for 60 min"),
+    ("debug", 3, "01:00:00", "queue debug takes 1-2 nodes for 5 min to 1 h, not 3 nodes for 60 min"),
+    ("debug", 2, "02:00:00", "queue debug takes 1-2 nodes for 5 min to 1 h, not 2 nodes for 120 min"),
+    ("prod", 2, "01:00:00", "queue prod takes 10-496 nodes for 5 min to 24 h, not 2 nodes for 60 min"),
     ("prod", 10, "03:00:00", None),
+    ("prod", 24, "04:00:00", "queue prod (routed to small) takes 10-24 nodes for 5 min to 3 h, not 24 nodes for 240 min"),
+    ("prod", 25, "06:00:00", None),
+    ("prod", 99, "07:00:00", "queue prod (routed to medium) takes 25-99 nodes for 5 min to 6 h, not 99 nodes for 420 min"),
+    ("prod", 100, "24:00:00", None),
     ("debug-scaling", 10, "01:00:00", None),
     ("preemptable", 4, "72:00:00", None),
-    ("preemptable", 11, "01:00:00", "queue preemptable takes 1-10 nodes for at most 72 h, not 11 nodes for 60 min"),
+    ("preemptable", 11, "01:00:00", "queue preemptable takes 1-10 nodes for 5 min to 72 h, not 11 nodes for 60 min"),
+    ("debug", 1, "00:04:00", "queue debug takes 1-2 nodes for 5 min to 1 h, not 1 nodes for 4 min"),
+    ("workq", 1, "01:00:00", "queue workq is not one of Polaris's"),
 ])
 def test_polaris_queue_limits(tmp_path, queue, nodes, walltime, refused):
     p, *_ = _polaris(tmp_path, nodes=[f"x3001c0s{i}b0n0" for i in range(nodes)], PBS_O_QUEUE=queue,
                      BOOSTMPI_WALLTIME=walltime, PBS_ACCOUNT="p")
     if refused is None:
         out = _parsed(p)
-        assert out["resubmit"][3:8] == ["-q", queue, "-l", f"select={nodes}:system=polaris", "-l"]
+        if queue != "debug-scaling":  # which takes no successor
+            assert out["resubmit"][3:8] == ["-q", queue, "-l", f"select={nodes}:system=polaris", "-l"]
     else:
         assert p.returncode == 2 and f"error: {refused}" in p.stdout
 
@@ -260,11 +269,18 @@ def test_polaris_header_is_a_valid_debug_job():
     assert "select=2:system=polaris" in [f"{k}={v}" for k, v in (x.split("=", 1) for x in d["-l"])]
 
 
-def test_polaris_needs_the_nccl_plugin_on_several_nodes(tmp_path):
-    p, _, plugin_dir, _ = _polaris(tmp_path, plugin=False, PBS_ACCOUNT="p")
-    assert p.returncode == 2 and f"error: no NCCL network plugin at {plugin_dir}/libnccl-net.so" in p.stdout
+def test_polaris_sets_nccl_net_on_several_nodes_only(tmp_path):
+    p, *_ = _polaris(tmp_path, plugin=False, PBS_ACCOUNT="p")
+    assert _env_words(_parsed(p))["NCCL_NET"] == "AWS Libfabric"
     p, *_ = _polaris(tmp_path / "one", nodes=["x3001c0s1b0n0"], plugin=False, PBS_ACCOUNT="p")
     assert "NCCL_NET" not in _env_words(_parsed(p))  # one node: no network plugin needed
+
+
+def test_polaris_debug_scaling_queues_no_successor(tmp_path):
+    """ALCF: debug-scaling takes one job running, accruing or queued per user."""
+    p, *_ = _polaris(tmp_path, PBS_O_QUEUE="debug-scaling", PBS_ACCOUNT="p")
+    assert _parsed(p)["resubmit"] == []
+    assert "queue debug-scaling takes one job per user: this job queues no successor" in p.stdout
 
 
 def test_polaris_never_launches_with_the_venvs_mpiexec(tmp_path):
@@ -298,11 +314,11 @@ def test_an_impossible_layout_is_refused():
 
 # ---- the shared body, for real: 2 ranks of the tiny model on this machine
 
-def _body(tmp_path, steps, launch=None, **env):
-    """Run one attempt of jobs/common.sh; RESUBMIT touches tmp_path/resubmitted."""
+def _body(tmp_path, steps, launch=None, common="jobs/common.sh", **env):
+    """Run one attempt of jobs/common.sh (or another copy of it); RESUBMIT touches tmp_path/resubmitted."""
     launch = launch or f'timeout 120 {shlex.quote(MPIEXEC)} -n 2'
     script = f"""
-        source jobs/common.sh || exit 1
+        source {shlex.quote(str(common))} || exit 1
         CONFIG=configs/tiny.toml RUN_DIR={shlex.quote(str(tmp_path / "run"))} TP=2 PP=1 NRANKS=2
         PY={shlex.quote(PY)}
         EXTRA_SETS=(train.steps={steps} checkpoint.every=100)
@@ -338,5 +354,66 @@ def test_body_stops_on_time_checkpoints_and_resubmits(tmp_path):
 def test_body_failure_ends_the_chain(tmp_path):
     p = _body(tmp_path, steps=4, launch="false")
     assert p.returncode == 1
-    assert "training failed with status 1" in p.stdout
+    assert "training ended with status 1 at checkpoint step 0 without stopping on a signal" in p.stdout
     assert not (tmp_path / "resubmitted").exists() and not (tmp_path / "run" / "DONE").exists()
+
+
+# srun --kill-on-bad-exit=1 ends the other ranks when the first exits 75, and then reports 128 + SIGKILL:
+# a launcher that passes the stop signal on to mpiexec and, once the ranks have stopped, dies by SIGKILL
+# stands for it
+KILLED_LAUNCHER = ("bash -c 'trap \"kill -TERM \\$child\" TERM; \"$@\" & child=$!; wait $child; wait $child; kill -KILL $$' "
+                   f"launcher timeout 120 {shlex.quote(MPIEXEC)} -n 2")
+
+
+def test_body_resubmits_from_the_marker_when_the_launcher_reports_a_signal(tmp_path):
+    p = _body(tmp_path, steps=5000, launch=KILLED_LAUNCHER, STOP_AFTER_S="4")
+    assert p.returncode == 0, p.stdout
+    assert "the ranks stopped on a signal with a checkpoint" in p.stdout and "launcher status 137" in p.stdout
+    assert (tmp_path / "resubmitted").exists()
+
+
+def test_body_deciding_from_exit_status_75_would_end_the_chain(tmp_path):
+    """The earlier rule, put back: "stopped by a signal" only when the launcher returns 75."""
+    text = (REPO / "jobs" / "common.sh").read_text()
+    old = '  if [ ! -f "$marker" ]; then'
+    assert old in text
+    mutant = tmp_path / "common.sh"
+    mutant.write_text(text.replace(old, '  if [ "$status" -ne 0 ] && [ "$status" -ne 75 ]; then'))
+    p = _body(tmp_path, steps=5000, launch=KILLED_LAUNCHER, common=mutant, STOP_AFTER_S="4")
+    assert p.returncode != 0 and not (tmp_path / "resubmitted").exists(), p.stdout
+
+
+# ---- jobs/gpu_numa.py: the Perlmutter rank -> GPU order from the node's NUMA layout
+
+def _gpu_numa():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_numa", REPO / "jobs" / "gpu_numa.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# a node of 4 NUMA domains of 16 cores (and their second hardware threads), one GPU on each
+NUMA = {n: set(range(16 * n, 16 * n + 16)) | set(range(64 + 16 * n, 80 + 16 * n)) for n in range(4)}
+
+
+@pytest.mark.parametrize("gpu_numa, visible", [([0, 1, 2, 3], "0,1,2,3"), ([3, 2, 1, 0], "3,2,1,0"),
+                                               ([1, 0, 3, 2], "1,0,3,2")])
+def test_gpu_numa_gives_each_rank_the_gpu_of_its_numa_domain(gpu_numa, visible):
+    g = _gpu_numa()
+    gpus = [(f"00000000:{0x07 + 0x40 * i:02X}:00.0", n) for i, n in enumerate(gpu_numa)]
+    for rank in range(4):
+        cpus = set(range(16 * rank, 16 * rank + 16)) | set(range(64 + 16 * rank, 80 + 16 * rank))  # srun -c 32 --cpu-bind=cores
+        order, problem = g.plan(gpus, NUMA, cpus, rank)
+        assert problem is None and order == visible
+        assert gpus[int(order.split(",")[rank])][1] == rank  # the GPU at position `rank` sits on the rank's domain
+
+
+def test_gpu_numa_stops_a_rank_whose_cores_are_elsewhere():
+    g = _gpu_numa()
+    gpus = [(f"00000000:{0x07 + 0x40 * i:02X}:00.0", n) for i, n in enumerate([3, 2, 1, 0])]
+    _, problem = g.plan(gpus, NUMA, set(range(16, 32)), 0)  # local rank 0 bound to NUMA 1's cores
+    assert problem == ("local rank 0 would take the GPU at 00000000:C7:00.0 on NUMA node 0, but its cores 16-31 are "
+                       "on NUMA node(s) 1: the ranks' CPU binding does not follow the node's GPU layout (check -c and --cpu-bind)")
+    assert g.parse_cpulist("0-2,64,70-71\n") == {0, 1, 2, 64, 70, 71}

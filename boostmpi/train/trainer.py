@@ -47,6 +47,9 @@ def prepare_builtin(cfg, is_root):
 # the exit status of a run stopped early by a signal, with a checkpoint to resume from (sysexits.h's
 # EX_TEMPFAIL: "try again later"); a finished run exits 0
 STOPPED_EARLY_EXIT = 75
+# written into train.run_dir once that checkpoint is complete: how a job script knows the run stopped on a
+# signal whatever status its launcher returns (srun may report 128 + the signal instead of 75)
+STOPPED_MARKER = "STOPPED_ON_SIGNAL"
 
 
 class _Preemption:
@@ -402,6 +405,12 @@ class Trainer:
                     self.log(f"stopped by signal at step {self.step}: checkpoint written, resume by running the same command "
                              f"({self.preemption.name()}; exit status {STOPPED_EARLY_EXIT})")
                     self._stop_if_a_write_failed()
+                    if self.is_root:
+                        with atomic_file(os.path.join(self.run_dir, STOPPED_MARKER)) as f:
+                            f.write(f"stopped on {self.preemption.name()} at step {self.step}\n")
+                    # no rank leaves before rank 0 has published the checkpoint and the marker: a launcher
+                    # that ends the others at the first non-zero exit (srun --kill-on-bad-exit) would cut them
+                    self.engine.grid.host.barrier()
                     return {"step": self.step, "preempted": True, "val_loss": last_val}
         finally:
             if metrics:
