@@ -146,7 +146,7 @@ def test_selective_on_the_gpu_path_is_bit_identical_to_none(arch, dtype):
 def test_lowrank_on_the_gpu_path_keeps_one_log_sum_exp_per_head_and_token(dtype):
     """The fused attention kernels' cache has one float32 statistic per head and token (the
     log-sum-exp), where the CPU path's tiled softmax has two (maximum and sum): lowrank on the GPU
-    path keeps docs/MEMORY.md's `(Cl + 4·Ra + 3·Rm)·e + 2·es + Hl·4` bytes per token, and boostmpi sim
+    path keeps docs/MEMORY.md's `(Cl + 4·Ra + 3·Rm)·e + 2·4 + Hl·4` bytes per token, and boostmpi sim
     prices one statistic per row for its `flash` attention, two for `matmul`."""
     from boostmpi.parallel.engine import Engine
     from boostmpi.sim import plans
