@@ -44,9 +44,10 @@ import numpy as np  # noqa: E402
 from boostmpi.sim.trace import TracedOp, price  # noqa: E402
 
 LAYERS = 32
-# modules whose frames are skipped when naming the call site: the array module, and the
-# communicators a collective passes through on its way to NCCL
-INTERNAL = ("backend.py", "parallel/comm.py", "parallel/nccl.py")
+# modules whose frames are skipped when naming the call site: the array module, the kernels'
+# wrappers (a launch is named by the model function that asked for it), and the communicators a
+# collective passes through on its way to NCCL
+INTERNAL = ("backend.py", "gpu/kernels.py", "parallel/comm.py", "parallel/nccl.py")
 
 
 # ---------------------------------------------------------------- the recorder
