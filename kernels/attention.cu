@@ -43,9 +43,10 @@
 // memory, so two blocks fit an SM of sm_80 (64K registers) and a CU of gfx90a (64 KiB LDS).
 // Shared-memory tiles are zero past Dh and past T, so dot products run over all 128 dims
 // without bounds tests (a head dim of 64 does the work of 128: no tensor cores yet, fp32 FMAs).
-// Resources (ptxas -v, sm_80; bench/attention_traffic.py): registers a thread, forward 128,
-// dQ 92-93, dK/dV 120-122; shared memory 16384, 16384, 16512 bytes; no spills. gfx90a (hipcc):
-// no scratch, 3-5 blocks per CU.
+// Resources (NVRTC 12.9's ptxas report, sm_80 / sm_90; tests/test_kernel_resources.py checks them):
+// registers a thread, forward 128 / 128, dQ 94 / 96, dK/dV 121 / 124-128; shared memory 16384,
+// 16384, 16512 bytes; no spills. gfx90a (hipcc of ROCm 5.2): 31-33, 70, 69-70 SGPRs, no SGPR or
+// VGPR spills, no scratch, 3, 5 and 4 blocks per CU.
 #include "common.cuh"
 
 #define ATTN_HEAD_DIM_MAX 128
@@ -104,12 +105,17 @@ __device__ __forceinline__ void load_row(float* out, const T* row, bool live, in
     }
 }
 
+// The lane's dims d = k LANES + lane below Dh: every k below Dh / LANES (a test uniform over the
+// block), and at k = Dh / LANES the lanes below Dh % LANES. Testing d < Dh for each k instead
+// keeps one lane mask per k alive from the loads to the store: on gfx90a (64-bit masks) that
+// spilled SGPRs in both backward kernels.
 template <typename T, int LANES, int DIMS>
 __device__ __forceinline__ void store_row(T* row, const float* in, int lane, int Dh, float factor) {
+    const int full = Dh / LANES;
+    const bool in_tail = lane < Dh - full * LANES;
 #pragma unroll
     for (int k = 0; k < DIMS; ++k) {
-        const int d = k * LANES + lane;
-        if (d < Dh) row[d] = from_float<T>(in[k] * factor);
+        if (k < full || (k == full && in_tail)) row[k * LANES + lane] = from_float<T>(in[k] * factor);
     }
 }
 

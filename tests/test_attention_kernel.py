@@ -7,13 +7,11 @@ largest error at most twice that of a float32 NumPy reference which rounds the s
 T not a multiple of the tiles, 1/2/4 query heads per key/value head, head dims 64 and 128 (and an
 odd one), on 32- and 64-lane execution. On a real GPU when CuPy reaches one, else on the CuPy
 stand-in, whose launches run the kernel text on the CUDA execution harness (tests/cudaemu).
+Registers, shared memory, spills and resident blocks under NVRTC and hipRTC are checked with every
+other kernel's in tests/test_kernel_resources.py.
 """
 
 import functools
-import os
-import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -283,99 +281,6 @@ def test_a_forward_reading_keys_past_the_causal_limit_fails_the_traffic_check(ke
     check_against_specification(1, 100, 2, 1, 64, np.float32)
     with pytest.raises(AssertionError):
         check_traffic(np.float32)
-
-
-# ---------------------------------------------------------------------------- resources
-
-SM80_REGISTERS, SM80_SHARED, SHARED_RESERVED_PER_BLOCK = 65536, 164 * 1024, 1024  # per SM (A100)
-GFX90A_LDS = 64 * 1024  # per CU (MI250X)
-
-
-def resident_blocks(registers, shared_bytes, threads):
-    """Blocks of `threads` that fit one sm_80 SM by registers (allocated per warp in units of 256)
-    and shared memory (plus the 1 KiB the driver reserves per block), and one gfx90a CU by LDS."""
-    per_warp = -(-registers * 32 // 256) * 256
-    by_registers = SM80_REGISTERS // (per_warp * (threads // 32))
-    by_shared = SM80_SHARED // (shared_bytes + SHARED_RESERVED_PER_BLOCK)
-    by_lds = GFX90A_LDS // max(shared_bytes, 1)
-    return min(by_registers, by_shared), by_lds
-
-
-@pytest.mark.gpu
-def test_two_blocks_of_each_attention_kernel_are_resident_on_sm80_and_gfx90a(tmp_path):
-    """ptxas -v for sm_80: no spills, and registers and shared memory leave room for two blocks."""
-    from test_kernel_resources import NVCC, _ptxas
-
-    if NVCC is None:
-        message = "nvcc is not on PATH (ptxas -v gives the registers)"
-        pytest.fail(message) if os.environ.get("CI") == "true" else pytest.skip(message)
-    table = _ptxas("attention", tmp_path)
-    for t in ("f32", "bf16"):
-        for entry in ("attention_forward", "attention_backward_dq", "attention_backward"):
-            info = table[(f"{entry}_{t}", "sm_80")]
-            assert info["spills"] == 0 and info["stack"] == 0, (entry, info)
-            sm80, gfx90a = resident_blocks(info["registers"], info["smem"], kernels.ATTENTION_THREADS)
-            assert sm80 >= 2 and gfx90a >= 2, f"{entry}_{t}: {info} -> {sm80} blocks per SM, {gfx90a} per CU"
-
-
-def test_resident_blocks_counts_what_the_limits_allow():
-    assert resident_blocks(128, 16 * 1024, 256) == (2, 4)
-    assert resident_blocks(129, 16 * 1024, 256)[0] == 1  # 136 a thread after rounding
-    assert resident_blocks(64, 80 * 1024, 256) == (2, 0)
-
-
-HIPCC = shutil.which("hipcc")
-_HIP_REMARK = re.compile(r"remark: +(Function Name|VGPRs|ScratchSize \[bytes/lane\]|Occupancy \[waves/SIMD\]|"
-                         r"LDS Size \[bytes/block\]): (\w+)")
-
-
-@pytest.mark.gpu
-def test_two_blocks_of_each_attention_kernel_fit_a_gfx90a_cu(tmp_path):
-    """hipcc (clang, AMD platform) on the loader's text for gfx90a at a 64-wide wavefront, with the
-    header hipRTC provides by itself: no scratch (spills), and the occupancy it reports (waves per
-    SIMD; a block of 256 threads is 4 waves, one per SIMD) leaves room for two blocks per CU."""
-    if HIPCC is None:
-        message = "hipcc is not on PATH (Debian: apt-get install hipcc libamdhip64-dev)"
-        pytest.fail(message) if os.environ.get("CI") == "true" else pytest.skip(message)
-    source = tmp_path / "attention.cu"
-    source.write_text(kernels.kernel_source("attention"))
-    result = subprocess.run([HIPCC, "-std=c++14", "-DWARP_SIZE=64", "--offload-arch=gfx90a", "--cuda-device-only",
-                             "-include", "hip/hip_runtime.h", "-O3", "-Rpass-analysis=kernel-resource-usage", "-c",
-                             str(source), "-o", str(tmp_path / "attention.o")],
-                            capture_output=True, text=True, env=dict(os.environ, HIP_PLATFORM="amd"), timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report, name = {}, None
-    for key, value in _HIP_REMARK.findall(result.stderr):
-        if key == "Function Name":
-            name = value
-            report[name] = {}
-        else:
-            report[name][key.split(" ")[0]] = int(value)
-    entries = {f"{e}_{t}" for e in ("attention_forward", "attention_backward_dq", "attention_backward")
-               for t in ("f32", "bf16")}
-    assert entries <= set(report), sorted(report)
-    waves_per_block = kernels.ATTENTION_THREADS // 64
-    for entry in entries:
-        info = report[entry]
-        assert info["ScratchSize"] == 0, (entry, info)
-        blocks = min(info["Occupancy"] * 4 // waves_per_block, GFX90A_LDS // info["LDS"])
-        assert blocks >= 2, f"{entry}: {info} -> {blocks} blocks per CU"
-
-
-@pytest.mark.gpu
-def test_a_kernel_without_its_launch_bounds_fails_the_sm80_residency_check(kernel_text, tmp_path):
-    """Without __launch_bounds__(256, 2) ptxas gives the forward more than 128 registers a thread."""
-    kernel_text("#define ATTN_BLOCKS_PER_SM 2", "#define ATTN_BLOCKS_PER_SM 1")
-    with pytest.raises(AssertionError, match="blocks per SM"):
-        test_two_blocks_of_each_attention_kernel_are_resident_on_sm80_and_gfx90a(tmp_path)
-
-
-@pytest.mark.gpu
-def test_a_larger_query_tile_in_dkdv_fails_the_gfx90a_residency_check(kernel_text, tmp_path):
-    """32 staged queries: 33 KiB of LDS a block, one block per 64 KiB CU."""
-    kernel_text("#define ATTN_BWD_QUERY_TILE 16", "#define ATTN_BWD_QUERY_TILE 32")
-    with pytest.raises(AssertionError, match="blocks per CU"):
-        test_two_blocks_of_each_attention_kernel_fit_a_gfx90a_cu(tmp_path)
 
 
 # ---------------------------------------------------------------------------- RoPE

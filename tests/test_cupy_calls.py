@@ -2,13 +2,15 @@
 
 The stand-in records each distinct call signature (function, operand dtypes and ranks, output,
 broadcasting: tests/cupy_standin/cupy/_record.py) while GPU training steps run -- every arch and
-dtype, and the recompute modes -- and the test fails on any signature missing from
+dtype, the recompute modes, and the attention both through the fused kernels and through the
+CuPy operations the GPU path runs for head dims beyond them -- and the test fails on any signature missing from
 tests/cupy_calls_checked.txt, whose rows each cite the CuPy v14.2.0 source line that routes the
 call to code that takes it. A new call, or an old one with a new dtype or rank, must be read in
 CuPy's source before it lands. The mutation tests put a call CuPy 14.2 handles differently back
 into the engine and show that these checks catch it.
 """
 
+import contextlib
 import functools
 import inspect
 import re
@@ -22,7 +24,10 @@ from gpu_steps import ARCHS, DTYPES, step
 pytestmark = pytest.mark.gpu
 
 TABLE = Path(__file__).resolve().parent / "cupy_calls_checked.txt"
-RECOMPUTE = [("full", "layer"), ("svd", "lowrank"), ("cola", "layer"), ("cola", "lowrank")]
+RECOMPUTE = [("full", "layer"), ("svd", "lowrank"), ("cola", "layer"), ("cola", "lowrank"), ("cola", "selective")]
+# the unfused attention's ways: handed the kept statistics (lowrank); a plain forward, then one keeping
+# the probability tiles for the backward that follows (layer)
+UNFUSED = [("cola", "lowrank"), ("full", "layer")]
 CITATION = re.compile(r"^cupy[\w/]*\.(pyx|pxd|py|h):\d+\s")
 
 
@@ -42,10 +47,25 @@ def checked_table():
     return rows
 
 
-def record_steps(runs):
+@contextlib.contextmanager
+def unfused_attention():
+    """The GPU path's attention as it runs for a head dim above the fused kernels' limit
+    (layers._fused_attention): batched GEMMs and CuPy operations. The limit is lowered below the
+    test model's head dim, so the same branch is taken."""
+    from boostmpi.gpu import kernels
+
+    limit = kernels.ATTENTION_HEAD_DIM_MAX
+    kernels.ATTENTION_HEAD_DIM_MAX = 0
+    try:
+        yield
+    finally:
+        kernels.ATTENTION_HEAD_DIM_MAX = limit
+
+
+def record_steps(runs, unfused=False):
     from cupy import _record
 
-    with _record.recording() as calls:
+    with _record.recording() as calls, (unfused_attention() if unfused else contextlib.nullcontext()):
         for arch, dtype, train in runs:
             step(arch, "gpu", dtype, train=train)
     return calls
@@ -55,7 +75,8 @@ def record_steps(runs):
 def engine_calls():
     runs = [(arch, dtype, None) for arch in ARCHS for dtype in DTYPES]
     runs += [(arch, dtype, dict(recompute=rc)) for arch, rc in RECOMPUTE for dtype in DTYPES]
-    return frozenset(record_steps(runs))
+    unfused = [(arch, dtype, dict(recompute=rc)) for arch, rc in UNFUSED for dtype in DTYPES]
+    return frozenset(record_steps(runs)) | frozenset(record_steps(unfused, unfused=True))
 
 
 def unchecked(calls):
@@ -72,14 +93,29 @@ def test_every_cupy_call_of_a_gpu_step_is_checked_against_cupys_source():
 
 
 def test_a_new_call_signature_fails_the_check(monkeypatch):
-    """Mutation: the attention's batched products back on CuPy's matmul in float32 (a batched
+    """Mutation: the unfused attention's batched products back on CuPy's matmul in float32 (a batched
     `matmul float32[4] float32[4]`, a signature the table does not list) are reported."""
     _needs_standin()
     from boostmpi.model import layers
 
     monkeypatch.setattr(layers, "batched_matmul", lambda a, b: layers.get_array_module(a).matmul(a, b))
-    missing = unchecked(record_steps([("full", "float32", None)]))
+    missing = unchecked(record_steps([("full", "float32", None)], unfused=True))
     assert "matmul float32[4] float32[4]" in missing, missing
+
+
+def test_the_unfused_attention_is_what_the_gpu_path_runs_past_the_kernels_head_dim(monkeypatch):
+    """The recorded unfused runs take the branch a head dim above the fused kernels' limit takes:
+    no attention kernel is launched in them, and the fused runs launch all three."""
+    _needs_standin()
+    from boostmpi.gpu import kernels
+
+    launched = []
+    launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda kernel, *a, **k: (launched.append(kernel.name), launch(kernel, *a, **k)))
+    record_steps([("full", "float32", None)], unfused=True)
+    assert launched and not [name for name in launched if name.startswith("attention_")], launched
+    record_steps([("full", "float32", None)])
+    assert {"attention_forward_f32", "attention_backward_dq_f32", "attention_backward_f32"} <= set(launched)
 
 
 def _grouped_matmul_with_cupys_batched_matmul():

@@ -4,8 +4,9 @@ The paper's largest shapes: logits of a 128,256-token vocabulary over 16,384 tok
 2,101,346,304 elements, 97.9% of 2^31, so `int` row x row-length arithmetic passes there and breaks
 at 2.2% more tokens; d_ff 53,248 x 16,384 tokens is 0.87 x 10^9 elements. The check therefore
 launches every kernel at the paper's row lengths (vocabulary 128,256, d_model 16,384, rank 4,096)
-with enough rows that rows x row length passes 2^32, and the elementwise kernels over 2^32 + 7
-elements, beyond what 32-bit arithmetic, signed or unsigned, can index.
+with enough rows that rows x row length passes 2^32, the elementwise kernels over 2^32 + 7
+elements, and attention and RoPE with q [B, T, H, Dh] past 2^32 elements at the largest model's
+heads, beyond what 32-bit arithmetic, signed or unsigned, can index.
 
 How, without 17 GB per tensor: the harness (tests/cudaemu) runs only the blocks that reach the
 largest indices (`blocks=[...]`) over allocations of the full logical size (reserved address
@@ -43,8 +44,13 @@ def rows_for(width):
     return LIMIT // width + 1
 
 
+# attention and RoPE at the largest model's heads (128 query heads, 8 key/value heads of 128 dims,
+# Llama-3-405B's) and a short sequence that no tile divides, with a batch enough that q's
+# B x T x H x Dh passes 2^32 (the last batch straddles it)
+ATTN_T, ATTN_H, ATTN_HKV, ATTN_DH = 40, 128, 8, 128
+ATTN_B = LIMIT // (ATTN_T * ATTN_H * ATTN_DH) + 1
 LARGEST = max(rows_for(w) * w for w in (VOCAB, D_MODEL, RANK))
-LARGEST = max(LARGEST, ELEMENTS)
+LARGEST = max(LARGEST, ELEMENTS, ATTN_B * ATTN_T * ATTN_H * ATTN_DH)
 
 
 class Tensor:
@@ -322,10 +328,102 @@ def run_adamw(pool, small, code=None, warp=32):
         assert_close(m.flat(a, b), m_ref, np.float32, f"adamw m [{a}, {b})")
 
 
+# ------------------------------------------------------------------------------ attention and RoPE
+
+
+def run_attention(pool, suffix, code=None, warp=32):
+    """The three attention passes at q, o, dO, dQ [B, T, H, Dh] of more than 2^32 elements, over
+    the blocks of the last batch's last key/value head group (the largest indices): the forward and
+    dQ blocks of its G query heads, the dK/dV blocks of its key/value head, against the model's
+    NumPy attention on that group."""
+    from test_attention_kernel import specification
+
+    dtype = DTYPES[suffix]
+    B, T, H, Hkv, Dh = ATTN_B, ATTN_T, ATTN_H, ATTN_HKV, ATTN_DH
+    G = H // Hkv
+    q, o, do, dq = (Tensor(pool[i], (B, T, H, Dh), dtype) for i in range(4))
+    side = [cudaemu.alloc(B * T * Hkv * Dh * 4) for _ in range(4)] + [cudaemu.alloc(B * H * T * 4) for _ in range(2)]
+    try:
+        k, v, dk, dv = (Tensor(buf, (B, T, Hkv, Dh), dtype) for buf in side[:4])
+        lse, delta = (Tensor(buf, (B, H, T), np.float32) for buf in side[4:])
+
+        def last_batch(t, heads):  # [T, heads, Dh] of batch B - 1, a writable view
+            return t.flat((B - 1) * T * heads * Dh, B * T * heads * Dh).reshape(T, heads, Dh)
+
+        group = slice(H - G, H)
+        inputs = []
+        for seed, (t, heads, part) in enumerate(((q, H, group), (k, Hkv, slice(Hkv - 1, Hkv)),
+                                                 (v, Hkv, slice(Hkv - 1, Hkv)), (do, H, group))):
+            values = random((T, part.stop - part.start, Dh), dtype, 20 + seed)
+            last_batch(t, heads)[:, part] = values
+            inputs.append(values[None])
+        scalars = loader._attention_scalars(T, H, Hkv, Dh)
+
+        def run(entry, tile, heads, first_slice, n_slices, args):
+            tiles = -(-T // tile)
+            blocks = [s * tiles + x for s in range(first_slice, first_slice + n_slices) for x in range(tiles)]
+            function("attention", f"{entry}_{suffix}", code, warp)(B * heads * tiles, loader.ATTENTION_THREADS, args,
+                                                                   blocks=blocks)
+
+        last_group = (B - 1) * H + H - G  # the slice (b, h) of the group's first query head
+        run("attention_forward", loader.ATTENTION_QUERY_TILE, H, last_group, G, (q, k, v, o, lse, *scalars))
+        run("attention_backward_dq", loader.ATTENTION_DQ_QUERY_TILE, H, last_group, G,
+            (q, k, v, o, do, lse, delta, dq, *scalars))
+        run("attention_backward", loader.ATTENTION_BWD_KEY_TILE, Hkv, B * Hkv - 1, 1,
+            (q, k, v, do, lse, delta, dk, dv, *scalars))
+
+        want = specification(*inputs)
+        got = (last_batch(o, H)[:, group], lse.flat(((B - 1) * H + H - G) * T, B * H * T).reshape(G, T),
+               last_batch(dq, H)[:, group], last_batch(dk, Hkv)[:, -1:], last_batch(dv, Hkv)[:, -1:])
+        for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+            assert_close(g, w.reshape(g.shape), np.float32 if name == "lse" else dtype, f"attention {name} of the last group")
+    finally:
+        for buf in side:
+            buf.free()
+
+
+@pytest.mark.parametrize("warp", WARPS)
+@pytest.mark.parametrize("suffix", DTYPES)
+def test_attention_kernels_index_more_than_2_32_elements(pool, suffix, warp):
+    run_attention(pool, suffix, warp=warp)
+
+
+def run_rope(pool, small, suffix, code=None, warp=32):
+    """RoPE forward and backward on x [B, T, H, Dh] of more than 2^32 elements, one pair a thread
+    (the loader's grid strides at most 16 blocks an SM over the same pair indices): the first and
+    the last block, against the model's NumPy RoPE on the rows they rotate."""
+    dtype = DTYPES[suffix]
+    B, T, H, Dh = ATTN_B, ATTN_T, ATTN_H, ATTN_DH
+    x, out = Tensor(pool[0], (B, T, H, Dh), dtype), Tensor(pool[1], (B, T, H, Dh), dtype)
+    pairs = B * T * H * Dh // 2
+    grid = -(-pairs // loader.ATTENTION_THREADS)
+    rows = loader.ATTENTION_THREADS // (Dh // 2)  # rows of Dh a block rotates
+    cos, sin = layers.rope_tables(T, Dh, 10000.0, dtype)
+    spans = [(0, rows * Dh, 0), (B * T * H * Dh - rows * Dh, B * T * H * Dh, T - 1)]  # elements and their position
+    for k, (a, b, _) in enumerate(spans):
+        x.flat(a, b)[:] = random(b - a, dtype, 30 + k)
+    tables = (small(cos), small(sin))
+    for entry, reference in (("rope_forward", layers.rope_forward), ("rope_backward", layers.rope_backward)):
+        function("attention", f"{entry}_{suffix}", code, warp)(
+            grid, loader.ATTENTION_THREADS, (x, *tables, out, np.int64(pairs), np.int32(T), np.int32(H), np.int32(Dh)),
+            blocks=[0, grid - 1])
+        for a, b, t in spans:
+            want = reference(x.flat(a, b).astype(np.float32).reshape(rows, Dh), cos[t].astype(np.float32),
+                             sin[t].astype(np.float32))
+            assert_close(out.flat(a, b).reshape(rows, Dh), want, dtype, f"{entry} of elements [{a}, {b})")
+
+
+@pytest.mark.parametrize("warp", WARPS)
+@pytest.mark.parametrize("suffix", DTYPES)
+def test_rope_kernels_index_more_than_2_32_elements(pool, small, suffix, warp):
+    run_rope(pool, small, suffix, warp=warp)
+
+
 # entry points the tests above run past 2^32 elements; a new kernel gets its test here
-CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "rmsnorm_projection_", "rmsnorm_backward_", "rescale_rows_",
-           "silu_forward_", "silu_backward_", "gate_forward_", "gate_backward_", "btp_backward_pre_",
-           "btp_backward_post_", "btp_rescale_silu_", "adamw_step_")
+CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "rmsnorm_projection_", "rmsnorm_backward_",
+           "rescale_rows_", "silu_forward_", "silu_backward_", "gate_forward_", "gate_backward_", "btp_backward_pre_",
+           "btp_backward_post_", "btp_rescale_silu_", "adamw_step_", "attention_forward_", "attention_backward_dq_",
+           "attention_backward_", "rope_forward_", "rope_backward_")
 
 
 def test_every_entry_point_is_run_past_2_32_elements():
@@ -373,3 +471,18 @@ def test_an_int_dw_partial_offset_is_an_integer_overflow(pool, small):
     code = mutated("rmsnorm", "dw_partial + static_cast<long long>(chunk) * C + j;", "dw_partial + chunk * C + j;")
     with pytest.raises(cudaemu.IntegerOverflowError, match=r"16384 \* 262144 does not fit 'int'.*dw_partial \+ chunk \* C"):
         run_rmsnorm(pool, small, "f32", code)
+
+
+def test_an_int_token_offset_is_an_integer_overflow(pool):
+    """attention's [B, T, heads, Dh] offset in int: (6553 x 40 + t) x 128 x 128 overflows (line named)."""
+    code = mutated("attention", "return ((static_cast<long long>(b) * tokens + t) * heads + head) * Dh;",
+                   "return ((b * tokens + t) * heads + head) * Dh;")
+    with pytest.raises(cudaemu.IntegerOverflowError, match=r"does not fit 'int'.*\* heads \+ head\) \* Dh"):
+        run_attention(pool, "f32", code)
+
+
+def test_an_int_rope_row_is_an_integer_overflow(pool, small):
+    """RoPE's row (b T + t) heads + head fits an int; the row times Dh / 2 does not."""
+    code = mutated("attention", "const long long row = p / half;", "const int row = static_cast<int>(p / half);")
+    with pytest.raises(cudaemu.IntegerOverflowError, match=r"64 \* \d+ does not fit 'int'.*p - row \* half"):
+        run_rope(pool, small, "f32", code)

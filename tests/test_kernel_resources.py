@@ -171,9 +171,10 @@ def test_hiprtc_compiles_each_kernel_for_gfx90a_at_64_lanes(name):
     assert report["code_bytes"] > 0 and "-DWARP_SIZE=64" in report["options"]
 
 
-@pytest.mark.parametrize("name", FILES)
-def test_no_spills_and_two_resident_blocks_per_sm_at_the_launch_shapes(ptxas, name):
-    for (entry, arch), info in ptxas[name].items():
+def check_nvidia_budget(table):
+    """The budget on one file's ptxas table {(entry, arch): info}: no spills, and
+    MIN_RESIDENT_BLOCKS per SM at the launch shapes unless a KNOWN_SHORTFALLS entry says why not."""
+    for (entry, arch), info in table.items():
         threads, dynamic = launch_shape(entry, 32)
         assert info["registers"] <= MAX_REGISTERS
         assert info["spills"] == 0 and info["stack"] == 0, f"{entry} on {arch} spills to local memory: {info}"
@@ -184,11 +185,11 @@ def test_no_spills_and_two_resident_blocks_per_sm_at_the_launch_shapes(ptxas, na
             f"{info['smem']} + {dynamic} bytes of shared memory)")
 
 
-@pytest.mark.parametrize("name", FILES)
-def test_no_spills_and_two_resident_blocks_per_cu_on_gfx90a(amd, entries, name):
-    table = amd[name]
-    assert set(entries[name]) <= set(table), f"hipcc reports no resources for {set(entries[name]) - set(table)}"
-    for entry in entries[name]:
+def check_amd_budget(table, entry_points):
+    """The budget on one file's hipcc table {entry: info} for gfx90a: no VGPR or SGPR spills, no
+    scratch but KNOWN_SCRATCH, and MIN_RESIDENT_BLOCKS per CU unless KNOWN_SHORTFALLS says why not."""
+    assert set(entry_points) <= set(table), f"hipcc reports no resources for {set(entry_points) - set(table)}"
+    for entry in entry_points:
         info = table[entry]
         assert info["VGPRs Spill"] == 0 and info["SGPRs Spill"] == 0, f"{entry} spills: {info}"
         assert (info["ScratchSize"] > 0) == (entry in KNOWN_SCRATCH), f"{entry} uses scratch memory: {info}"
@@ -206,6 +207,16 @@ def test_the_budget_sees_rmsnorm_backward_at_1024_threads_fall_short(ptxas, monk
     monkeypatch.setattr(loader, "RMSNORM_BACKWARD_BLOCK_THREADS", 1024)
     with pytest.raises(AssertionError, match=r"rmsnorm_backward_bf16 on sm_\d0: 1 resident blocks per SM \(48 registers x 1024"):
         test_no_spills_and_two_resident_blocks_per_sm_at_the_launch_shapes(ptxas, "rmsnorm")
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_no_spills_and_two_resident_blocks_per_sm_at_the_launch_shapes(ptxas, name):
+    check_nvidia_budget(ptxas[name])
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_no_spills_and_two_resident_blocks_per_cu_on_gfx90a(amd, entries, name):
+    check_amd_budget(amd[name], entries[name])
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -242,6 +253,34 @@ def test_hiprtc_rejects_a_host_header_constant():
     require("hipRTC")
     report = gpu_compilers.hiprtc(mutated(*HOST_CONSTANT), AMD_OPTIONS)
     assert not report["ok"] and "undeclared identifier 'INFINITY'" in report["log"], report["log"]
+
+
+# One-line changes to attention.cu that break its budget: each must fail the check above.
+# Without __launch_bounds__(256, 2) ptxas gives the forward more than 128 registers a thread.
+ATTENTION_NO_LAUNCH_BOUNDS = ("attention", "#define ATTN_BLOCKS_PER_SM 2", "#define ATTN_BLOCKS_PER_SM 1")
+# 32 staged queries in dK/dV: 33 KiB of LDS a block, one block per 64 KiB CU
+ATTENTION_LARGER_DKDV_TILE = ("attention", "#define ATTN_BWD_QUERY_TILE 16", "#define ATTN_BWD_QUERY_TILE 32")
+# store_row testing d < Dh per dim: one 64-bit lane mask per dim stays alive from the loads to
+# the store, and both backward kernels spill SGPRs on gfx90a
+ATTENTION_MASK_PER_DIM = ("attention", "if (k < full || (k == full && in_tail)) row[k * LANES + lane]",
+                          "if (k * LANES + lane < Dh) row[k * LANES + lane]")
+
+
+def test_attention_without_its_launch_bounds_fails_the_sm80_budget():
+    require("NVRTC")
+    [report] = gpu_compilers.nvrtc([(mutated(*ATTENTION_NO_LAUNCH_BOUNDS), NVIDIA_OPTIONS, "80")])
+    assert report["ok"], report["log"]
+    with pytest.raises(AssertionError, match="attention_forward_.* 1 resident blocks per SM"):
+        check_nvidia_budget(gpu_compilers.ptxas_table(report["log"]))
+
+
+@pytest.mark.parametrize("mutation,message", [(ATTENTION_LARGER_DKDV_TILE, "attention_backward_.* 1 resident blocks per CU"),
+                                              (ATTENTION_MASK_PER_DIM, "attention_backward_.* spills")],
+                         ids=["larger dK/dV query tile", "lane mask per dim"])
+def test_attention_mutations_fail_the_gfx90a_budget(entries, mutation, message):
+    require("hipcc")
+    with pytest.raises(AssertionError, match=message):
+        check_amd_budget(gpu_compilers.amd_resources(mutated(*mutation), AMD_OPTIONS), entries["attention"])
 
 
 # What the harness's prelude (tests/cudaemu/prelude.h) declares, used once each: NVRTC, hipRTC and

@@ -6,6 +6,8 @@ Runs single-process (plain pytest) and under MPI (`mpiexec -n N python -m pytest
 with tp = N, the layout where recompute matters most.
 """
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -139,6 +141,33 @@ def test_selective_on_the_gpu_path_is_bit_identical_to_none(arch, dtype):
     assert all(np.array_equal(sel_grads[name], g) for name, g in grads.items())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lowrank_on_the_gpu_path_keeps_one_log_sum_exp_per_head_and_token(dtype):
+    """The fused attention kernels' cache has one float32 statistic per head and token (the
+    log-sum-exp), where the CPU path's tiled softmax has two (maximum and sum): lowrank on the GPU
+    path keeps docs/MEMORY.md's `(Cl + 4·Ra + 3·Rm)·e + 2·4 + Hl·4` bytes per token, and boostmpi sim
+    prices one statistic per row for its `flash` attention, two for `matmul`."""
+    from boostmpi.parallel.engine import Engine
+    from boostmpi.sim import plans
+
+    cfg = config_from_dict({"model": dict(MODEL, arch="cola"), "train": {"dtype": dtype, "micro_batch_size": B,
+                                                                         "recompute": "lowrank", "device": "gpu"}})
+    eng = Engine(cfg)
+    x = np.zeros((B, MODEL["seq_len"]), dtype=np.int64)
+    eng.forward_backward([(x, x)])
+    e, N, Cl = 4 if dtype == "float32" else 2, B * MODEL["seq_len"], MODEL["d_model"]
+    # the two RMSNorm statistics and the log-sum-exp are float32 in both dtypes
+    per_token = (Cl + 4 * MODEL["attn_rank"] + 3 * MODEL["mlp_rank"]) * e + 2 * 4 + 4 * MODEL["n_heads"]
+    want = [(per_token - Cl * e) * N] + [per_token * N] * (MODEL["n_layers"] - 1)  # the first input looked up again
+    assert eng.saved_activation_bytes_per_layer == want
+
+    s = plans.shape_of(cfg, "matmul")
+    flash = replace(s, attention="flash")
+    assert plans.kept_by_lowrank(plans.layer_plan(s, "btp"), s) - \
+        plans.kept_by_lowrank(plans.layer_plan(flash, "btp"), flash) == s.B * s.H * s.T
+
+
 @pytest.mark.mpi(min_size=2)
 def test_the_selective_checks_can_fail(monkeypatch):
     """Keeping v as a view of the grouped projection's output (vanilla tp: q | k | v in one
@@ -163,8 +192,6 @@ def test_sim_prices_selective_as_the_engine_keeps_it():
     """boostmpi sim: selective keeps what the engine keeps per layer (none's set less the core's softmax
     statistics), runs the core's forward again in the backward, and for a framework that keeps the
     probabilities (T per row) saves them."""
-    from dataclasses import replace
-
     from boostmpi.parallel.engine import Engine
     from boostmpi.sim import model, plans
     from boostmpi.sim.machines import load_machine
@@ -192,8 +219,9 @@ def test_sim_prices_selective_as_the_engine_keeps_it():
             w = replace(w, shape=replace(w.shape, softmax_saved_per_row=w.shape.T), attention="matmul")
         return model.predict_workload(w, machine)
 
-    # the engine's attention keeps 2 statistics per row: selective saves them, less the core it rebuilds
-    # for the layer in its backward; a framework keeping the probabilities saves T per row and layer
+    # the engine's GPU attention (flash on this machine, kernels/attention.cu) keeps one log-sum-exp per
+    # row: selective saves it, less the core it rebuilds for the layer in its backward; a framework
+    # keeping the probabilities saves T per row and layer
     for keeps_probs in (False, True):
         runs = {rc: predicted(rc, keeps_probs) for rc in ("none", "selective", "layer")}
         act = {rc: p.memory_bytes["activations"] for rc, p in runs.items()}

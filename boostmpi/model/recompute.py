@@ -5,12 +5,14 @@
   layer     only the layer's input is kept; the backward runs the layer's forward again first,
             collectives included.
   selective everything but the attention core's own cache is kept: the core's inputs q, k, v (after
-            RoPE) instead of its scaled and transposed copies and its two softmax statistics per
-            head and token; the backward runs the core's forward again first (no collective, no
+            RoPE) instead of its scaled and transposed copies and its softmax statistics per
+            head and token (two on the CPU path, the GPU kernels' one log-sum-exp on the GPU
+            path); the backward runs the core's forward again first (no collective, no
             projection: only the scores, softmax and probabilities @ v of each layer).
   lowrank   the layer's input and a `Tape` are kept: what each of the layer's collectives produced
             (the post-all-reduce rank-R activations, with the RMSNorm statistic that rode along)
-            and the attention's two softmax statistics per head and token. The recompute replays
+            and the attention's softmax statistics per head and token (the CPU path's maximum and
+            sum; the GPU path's float32 log-sum-exp, `FusedAttentionCache`). The recompute replays
             the tape instead of computing the A GEMMs and communicating again, and instead of
             reducing the attention scores again. The first layer of the first stage keeps no input
             when the embedding lookup is local: it is looked up again from the token ids.

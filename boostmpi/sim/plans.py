@@ -149,14 +149,15 @@ def attention_core(s, heads, kv_heads):
     N, T, Dh, B = s.N, s.T, s.Dh, s.B
     # q, k, v are what the backward of the core reads besides its output, which the o GEMM keeps
     qkv = N * Dh * (heads + 2 * kv_heads)
-    if s.attention == "flash":  # plus the log-sum-exp of every row
+    if s.attention == "flash":  # plus the log-sum-exp of every row: what the engine's GPU path keeps
+        # (kernels/attention.cu, layers.FusedAttentionCache); float32, counted at the compute dtype's size
         return [Attention("attention", B * heads, T, Dh, saved=qkv + B * heads * T)]
     group = heads // kv_heads
     scores = B * heads * T * T
     return [
         Gemm("scores", group * T, T, Dh, batch=B * kv_heads, saved=qkv),
-        # the engine's tiled softmax keeps two statistics per row (maximum, sum), never the T x T
-        # probabilities: its backward recomputes them tile by tile (boostmpi/model/layers.py)
+        # the engine's CPU path (its tiled softmax) keeps two statistics per row (maximum, sum), never
+        # the T x T probabilities: its backward recomputes them tile by tile (boostmpi/model/layers.py)
         Pointwise("softmax", scores, *s.softmax_passes, saved=s.softmax_saved_per_row * B * heads * T),
         Gemm("probs@v", group * T, Dh, T, batch=B * kv_heads),
     ]
@@ -398,8 +399,9 @@ def attention_core_ops(ops):
 def core_statistics(ops):
     """Elements the attention core keeps besides its inputs q, k, v (which `selective` still keeps): the
     log-sum-exp per row of flash attention, the softmax's saved statistics or probabilities per row
-    of materialised scores (2 per row for the engine's tiled softmax, T for a framework that keeps
-    the probabilities: Korthikanti et al.'s 5as/h term lives here)."""
+    of materialised scores (2 per row for the engine's tiled softmax on the CPU path, T for a
+    framework that keeps the probabilities: Korthikanti et al.'s 5as/h term lives here). The engine's
+    GPU path is `flash`: one log-sum-exp per row."""
     return sum(op.heads * op.T if isinstance(op, Attention) else op.saved
                for op in attention_core_ops(ops) if not isinstance(op, Gemm))
 
@@ -439,8 +441,9 @@ def saved_elements(ops):
 
 def kept_by_lowrank(ops, s):
     """Elements `recompute = lowrank` keeps per layer besides its input: the outputs of the forward
-    collectives and the attention's softmax statistics (a log-sum-exp per row for flash, the
-    maximum and sum for the engine's tiled attention), so its recompute reduces no scores again."""
+    collectives and the attention's softmax statistics (a log-sum-exp per row for flash, which is
+    the engine's GPU path, the maximum and sum for the engine's tiled attention on the CPU), so its
+    recompute reduces no scores again."""
     stats = s.B * (s.H // s.p) * s.T * (1 if s.attention == "flash" else 2)
     return stats + sum(op.elements for op in ops if isinstance(op, Collective) and op.phase == "fwd")
 
