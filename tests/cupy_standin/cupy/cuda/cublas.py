@@ -246,6 +246,7 @@ def _gemm(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Bty
     a = _matrices("A", A, _storage_dtype(Atype), a_rows, a_cols, lda, strideA, batchCount)
     b = _matrices("B", B, _storage_dtype(Btype), b_rows, b_cols, ldb, strideB, batchCount)
     c = _matrices("C", C, _storage_dtype(Ctype), m, n, ldc, strideC, batchCount)
+    _accesses(state, ((A, a, False), (B, b, False), (C, c, True)))
     a, b = a.astype(work), b.astype(work)
     op = {CUBLAS_OP_N: lambda x: x, CUBLAS_OP_T: lambda x: x.transpose(0, 2, 1),
           CUBLAS_OP_C: lambda x: x.conj().transpose(0, 2, 1)}
@@ -253,6 +254,23 @@ def _gemm(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Bty
     if scale[1] != 0:  # beta == 0: C is not read (it may hold anything, NaN included)
         result = result + scale[1] * c.astype(work)
     c[...] = result.astype(c.dtype)
+
+
+def _accesses(state, operands):
+    """The GEMM's device accesses for the order tracking (cuda/_order.py), on the handle's stream:
+    A and B read, C written (with beta != 0 C is read too, which its write covers). Each operand
+    counts as the byte range from its first to its last element (a leading dimension or batch
+    stride larger than the matrix leaves gaps that count as touched)."""
+    from cupy.cuda import _order, _queue
+
+    stream = next((s for s in _queue.Stream._live if s.ptr == state["stream"]), None)
+    if stream is None:
+        raise ValueError(f"the handle's stream {state['stream']:#x} is not a stream of this process")
+    issued, where = _order.issue(stream), _order.call_site()
+    for name, (ptr, view, write) in zip("ABC", operands):
+        nbytes = (sum((n - 1) * s for n, s in zip(view.shape, view.strides)) + view.itemsize) if view.size else 0
+        _order.access_pointer(ptr, nbytes, write, issued, f"cuBLAS GEMM ({name} {'written' if write else 'read'})",
+                              where)
 
 
 def _scalars(state, work, alpha, beta):
