@@ -20,6 +20,7 @@ class Device:
     def synchronize(self):
         from cupy.cuda import _order, _queue
 
+        _queue._host_sync()
         _queue.wait_for({op.id for op in _queue._pending}, f"synchronize of device {self.id}")
         _order.host_waits_all()
 

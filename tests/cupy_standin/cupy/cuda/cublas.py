@@ -99,6 +99,35 @@ def _storage_dtype(cuda_type):
                      _C64F: np.complex128, _R8I: np.int8, _R32I: np.int32}[cuda_type])
 
 
+def _cuda_type(dtype):
+    """The cudaDataType of a float or complex NumPy dtype."""
+    dtype = np.dtype(dtype)
+    if dtype.name == "bfloat16":
+        return _R16BF
+    return {"e": _R16F, "f": _R32F, "d": _R64F, "F": _C32F, "D": _C64F}[dtype.char]
+
+
+def called(api, batch, m, n, k, Atype, Btype, Ctype, computeType):
+    """Every GEMM cuBLAS runs passes here once: the binding's calls, and the ones CuPy's own `matmul`
+    makes (cupy/__init__.py `_cublas_call`). A no-op that traces wrap (bench/gpu_trace.py) to learn
+    each GEMM's shape, data types and compute type."""
+
+
+def compute_type(computeType):
+    """A cuBLAS compute type, with a legacy cudaDataType given as compute type mapped to its own."""
+    return _LEGACY_COMPUTE.get(computeType, computeType)
+
+
+def tensor_core_bf16(Atype, Btype, Ctype, computeType):
+    """Whether a GEMM runs bfloat16 inputs with float32 accumulation, which cuBLAS does on tensor cores
+    (sm_80 and later): A = B = CUDA_R_16BF, compute type CUBLAS_COMPUTE_32F (or the legacy CUDA_R_32F),
+    and (Atype, Ctype) a row of the guide's table for that compute type. CUBLAS_COMPUTE_32F_PEDANTIC
+    (no reduced-precision or alternative algorithms) is not counted."""
+    compute = compute_type(computeType)
+    return (Atype == Btype == _R16BF and compute == CUBLAS_COMPUTE_32F
+            and (Atype, Ctype) in _SUPPORTED[CUBLAS_COMPUTE_32F])
+
+
 # ------------------------------------------------------------------ Cython argument conversion
 def _c_int(name, v, bits=32):
     if isinstance(v, (bool, np.bool_)) or not hasattr(v, "__index__"):
@@ -222,7 +251,7 @@ def _gemm(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Bty
                      "batched" if batchCount != 1 or strideA or strideB or strideC else "single")
     if runtime.is_hip:
         _hip_shim(Atype, Btype, Ctype, computeType, algo)
-    compute = _LEGACY_COMPUTE.get(computeType, computeType)
+    compute = compute_type(computeType)
     if compute not in _SUPPORTED or algo not in (CUBLAS_GEMM_DEFAULT, CUBLAS_GEMM_DEFAULT_TENSOR_OP) and not 0 <= algo <= 23:
         raise _error("CUBLAS_STATUS_INVALID_VALUE")
     if Atype != Btype or (Atype, Ctype) not in _SUPPORTED[compute]:
@@ -247,6 +276,12 @@ def _gemm(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Bty
     b = _matrices("B", B, _storage_dtype(Btype), b_rows, b_cols, ldb, strideB, batchCount)
     c = _matrices("C", C, _storage_dtype(Ctype), m, n, ldc, strideC, batchCount)
     _accesses(state, ((A, a, False), (B, b, False), (C, c, True)))
+    called("gemmStridedBatchedEx" if strideA or strideB or strideC or batchCount != 1 else "gemmEx",
+           batchCount, m, n, k, Atype, Btype, Ctype, computeType)
+    from cupy import _memory
+
+    if _memory.META:  # shapes only: the checks above ran, nothing is computed
+        return
     a, b = a.astype(work), b.astype(work)
     op = {CUBLAS_OP_N: lambda x: x, CUBLAS_OP_T: lambda x: x.transpose(0, 2, 1),
           CUBLAS_OP_C: lambda x: x.conj().transpose(0, 2, 1)}
