@@ -52,6 +52,8 @@ from common import REPO  # noqa: E402
 os.environ["BOOSTMPI_CUPY_STANDIN"] = "1"
 if "--meta" in sys.argv[1:]:  # read when the stand-in is imported
     os.environ["BOOSTMPI_STANDIN_META"] = "1"
+if "--paper" in sys.argv[1:]:  # one node of 8 GPUs (the 13B layout's 8 ranks; a DGX A100)
+    os.environ.setdefault("BOOSTMPI_STANDIN_GPUS", "8")
 sys.path.insert(0, str(REPO / "tests"))
 import gpu_setup  # noqa: E402,F401 - puts the stand-in first on sys.path
 
