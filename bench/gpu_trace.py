@@ -62,9 +62,9 @@ import numpy as np  # noqa: E402
 from boostmpi.sim.trace import TracedOp, price  # noqa: E402
 
 LAYERS = 32
-# modules whose frames are skipped when naming the call site: the array module, and the
+# modules whose frames are skipped when naming the call site: the array module, the cuBLAS wrapper, and the
 # communicators a collective passes through on its way to NCCL
-INTERNAL = ("backend.py", "parallel/comm.py", "parallel/nccl.py")
+INTERNAL = ("backend.py", "parallel/comm.py", "parallel/nccl.py", "gpu/blas.py")
 
 
 # ---------------------------------------------------------------- the recorder
@@ -312,6 +312,17 @@ def not_tensor_core(ops):
     return [op for op in ops if op.kind == "gemm" and not cublas.tensor_core_bf16(*op.cublas)]
 
 
+def _site_differences(one, two, M, top):
+    """[site, kind, launches, bytes, priced ms] per layer and micro-batch: trace(2) - trace(1) by call site."""
+    first = {(site, kind): (n, nb, sec) for site, kind, n, nb, sec in one}
+    rows = []
+    for site, kind, n, nb, sec in two:
+        n1, nb1, s1 = first.get((site, kind), (0, 0, 0.0))
+        if n - n1 > 0:
+            rows.append([site, kind, round((n - n1) / M, 2), int((nb - nb1) / M), round((sec - s1) / M * 1e3, 3)])
+    return sorted(rows, key=lambda r: -r[4])[:top]
+
+
 def paper_report(args, world):
     """Full-size meta traces of a paper layout on every rank; rank 0 writes the JSON object."""
     import json
@@ -319,7 +330,7 @@ def paper_report(args, world):
     from boostmpi.sim.machines import load_machine
     from boostmpi.sim.model import predict
     from boostmpi.sim.plans import plan_strategy, shape_of
-    from boostmpi.sim.trace import plan_launches_and_bytes
+    from boostmpi.sim.trace import by_site, plan_launches_and_bytes
 
     machine = load_machine(args.machine)
     cfg = paper_config(args.paper)
@@ -380,6 +391,8 @@ def paper_report(args, world):
         "sim_memory_bytes": prediction.memory_bytes,
         "largest_step_allocation_bytes": max(r["largest_fb"] for r in ranks),
         "scores_bytes": cfg.train.micro_batch_size * (m.n_heads // tp) * m.seq_len ** 2 * 2,
+        "top_sites_per_layer": _site_differences(by_site(per_stage[1], machine, tp), by_site(per_stage[2], machine, tp),
+                                                 M, args.top),
     }
     text = json.dumps(out, indent=1)
     if args.json:
