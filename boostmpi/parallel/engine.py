@@ -349,7 +349,7 @@ class Engine:
         (every dp rank holds the whole sum), with ZeRO-1 every dp rank over its own slice."""
         c = self.grid.coords
         lo, hi = self.shard
-        sq, seen = 0.0, set()
+        parts, seen = [], set()
         if self.sharded or c.dp == 0:
             for s in self.specs:
                 if s.tp_replicated and c.tp != 0:
@@ -361,8 +361,11 @@ class Engine:
                 a, b = max(a, lo), min(b, hi)
                 if a < b:
                     g = self.grad_shard[a - lo:b - lo]
-                    sq += float((g * g).sum())
-        return sq
+                    parts.append((g * g).sum())
+        if self.xp is np or not parts:
+            return sum((float(p) for p in parts), 0.0)
+        # on a GPU the blocks' sums stay on the device and reach the host in one read (one synchronisation)
+        return float(self.xp.stack(parts).sum(dtype=np.float64))
 
     def grad_norm(self):
         """Global L2 norm of the dp-summed gradient of the last forward_backward."""
