@@ -274,7 +274,8 @@ def run_steps(rec, cfg, world=None, steps=1, max_norm=1.0):
                 group.comm.Free()
     counted = counted.tolist()
     del eng, opt
-    return {"ops": list(rec.ops), "counted": {"bytes": dict(zip(AXES, counted[:3])), "calls": dict(zip(AXES, counted[3:]))},
+    counted = {"bytes": dict(zip(AXES, counted[:3])), "calls": dict(zip(AXES, counted[3:]))}
+    return {"ops": list(rec.ops), "counted": counted,
             "host_syncs": syncs, "pool": peak, "largest_fb": largest}
 
 
@@ -337,7 +338,8 @@ def paper_report(args, world):
     tp, pp, M = cfg.parallel.tp, cfg.parallel.pp, cfg.train.grad_accum
     size = 1 if world is None else world.Get_size()
     if size != tp * pp:
-        raise SystemExit(f"error: --paper {args.paper} needs {tp * pp} ranks (mpiexec -n {tp * pp}), this job has {size}")
+        raise SystemExit(f"error: --paper {args.paper} needs {tp * pp} ranks (mpiexec -n {tp * pp}), "
+                         f"this job has {size}")
     rank = 0 if world is None else world.Get_rank()
     _meta_init()
     rec = Recorder()

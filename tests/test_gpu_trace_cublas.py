@@ -71,7 +71,8 @@ def test_a_gemm_writes_its_output_on_its_stream(cp):
     a, b, c, side = _race_on_a(cp)
     side.wait_event(cp.cuda.get_current_stream().record())
     _gemm(cp, a, b, c, side)
-    with pytest.raises(StreamOrderError, match=r"ndarray.sum on stream 0x0 .* reads .* written by cuBLAS GEMM \(C written\)"):
+    with pytest.raises(StreamOrderError,
+                       match=r"ndarray.sum on stream 0x0 .* reads .* written by cuBLAS GEMM \(C written\)"):
         c.sum()  # the current stream reads C before waiting for the side stream
     cp.cuda.get_current_stream().wait_event(side.record())
     c.sum()
