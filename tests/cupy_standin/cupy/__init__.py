@@ -465,9 +465,10 @@ def _host_value(shape, dtype):
 
 def _meta_index_shape(shape, index):
     """The shape NumPy's indexing gives, found on a zero-byte array of `shape` (no values moved).
-    Index arrays read as zeros (valid indices); a boolean mask, whose result depends on its values,
-    counts as selecting every element (the largest result it can give)."""
-    index = tuple(np.ones(k.shape, bool) if isinstance(k, np.ndarray) and k.dtype == np.bool_ else k for k in index)
+    Index arrays count as zeros (valid indices, whatever the memory holds); a boolean mask, whose
+    result depends on its values, counts as selecting every element (the largest result it can give)."""
+    index = tuple((np.ones(k.shape, bool) if k.dtype == np.bool_ else np.zeros(k.shape, np.intp))
+                  if isinstance(k, np.ndarray) else k for k in index)
     return np.empty(shape, np.dtype([]))[index].shape
 
 
