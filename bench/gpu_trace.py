@@ -216,11 +216,12 @@ def _meta_init():
 def run_steps(rec, cfg, world=None, steps=1, max_norm=1.0):
     """Build the engine, run `steps` optimizer steps (forward_backward + optimizer_step with `max_norm`)
     and record the last. Returns {"ops", "counted": the engine's tp/pp/dp counters of the recorded
-    step summed over the ranks, "host_syncs": the host's blocking waits in it, "pool": this rank's
+    step summed over the ranks, "host_syncs": the host's blocking waits in it, "ranges": its NVTX
+    events [(push|pop|mark, name)], "pool": this rank's
     pool high-water marks over the whole run {"total": bytes held, "used": bytes in use}, and
     "largest_fb": the largest allocation made during the recorded step's forward_backward}."""
     import cupy
-    from cupy.cuda import _queue
+    from cupy.cuda import _queue, nvtx
 
     from boostmpi.parallel.comm import AXES
     from boostmpi.parallel.engine import Engine
@@ -252,6 +253,7 @@ def run_steps(rec, cfg, world=None, steps=1, max_norm=1.0):
                 pool.standin_reset_peaks()
                 syncs = _queue.host_syncs
                 rec.ops, rec.on = [], True
+                nvtx.events = []
             try:
                 eng.forward_backward(batch)
                 if last:
@@ -260,6 +262,7 @@ def run_steps(rec, cfg, world=None, steps=1, max_norm=1.0):
             finally:
                 rec.on = False
     syncs = _queue.host_syncs - syncs
+    ranges, nvtx.events = nvtx.events, None
     for key, value in pool.standin_peaks().items():
         if key in peak:
             peak[key] = max(peak[key], value)
@@ -276,7 +279,7 @@ def run_steps(rec, cfg, world=None, steps=1, max_norm=1.0):
     del eng, opt
     counted = {"bytes": dict(zip(AXES, counted[:3])), "calls": dict(zip(AXES, counted[3:]))}
     return {"ops": list(rec.ops), "counted": counted,
-            "host_syncs": syncs, "pool": peak, "largest_fb": largest}
+            "host_syncs": syncs, "pool": peak, "largest_fb": largest, "ranges": ranges}
 
 
 # ---------------------------------------------------------------- the paper's layouts at full size

@@ -5,8 +5,9 @@ Under `mpiexec -n 2` (tensor parallelism 2, NCCL stand-in) each rank runs bench/
 first computing (RawKernels run on the CUDA execution harness, GEMMs and collectives carry values),
 then in meta mode (arrays without values), and compares what the two recorded: every kernel launch,
 GEMM (shape and cuBLAS types), copy, reduction and collective with its call site and bytes, the
-host synchronisations, the engine's communication counters, and the memory pool's high-water
-marks and largest allocation during forward/backward. The mutation test runs the same with the
+host synchronisations, the named (NVTX) ranges, the engine's communication counters, and the
+memory pool's high-water marks and largest allocation during forward/backward; the ranges nest and
+name every layer's forward and backward and the collectives. The mutation test runs the same with the
 meta mode's reduction shapes made wrong (`keepdims` dropped) and requires the comparison to fail.
 
 One thing depends on values and is compared by kind, name, site and dtype only: the vocabulary-
@@ -48,7 +49,7 @@ cfg = gt.config(32, 2, world.Get_size())
 def summary(run):
     ops = [[op.kind, op.name, op.site, op.nbytes, op.dtype, op.gemm, op.cublas] for op in run["ops"]]
     return {"ops": ops, "host_syncs": run["host_syncs"], "pool": run["pool"], "largest_fb": run["largest_fb"],
-            "counted": run["counted"]}
+            "counted": run["counted"], "ranges": run["ranges"]}
 
 
 computing = summary(gt.run_steps(rec, cfg, world, steps=2, max_norm=0))
@@ -110,6 +111,17 @@ def test_meta_trace_equals_the_computing_trace(tmp_path):
         assert result["computing"]["host_syncs"] > 0
         assert result["computing"]["pool"]["total"] >= result["computing"]["pool"]["used"] > 0
         assert result["computing"]["largest_fb"] > 0
+        ranges = result["computing"]["ranges"]  # named ranges around layers and collectives, nested
+        open_ = []
+        for kind, name in ranges:
+            if kind == "push":
+                open_.append(name)
+            elif kind == "pop":
+                assert open_ and open_.pop() == name, ranges
+        assert not open_
+        names = {name for kind, name in ranges if kind == "push"}
+        assert {"layer 0 forward", "layer 1 forward", "layer 0 backward", "layer 1 backward",
+                "tp allreduce", "tp allgather"} <= names, names
 
 
 def test_mutant_meta_shapes_are_caught(tmp_path):

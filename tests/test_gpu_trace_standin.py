@@ -127,3 +127,39 @@ def test_pool_high_water_marks_and_host_syncs(meta):
     float(b.sum())
     b.get()
     assert _queue.host_syncs == syncs + 2  # each copy to the host synchronizes its stream
+
+
+def test_named_ranges_nest_and_the_engine_names_its_layers(cp, monkeypatch):
+    """time_range pushes and pops NVTX ranges; one GPU step names each layer's forward and backward.
+    The mutant (the engine without its ranges) leaves the profile without them."""
+    from cupy.cuda import nvtx
+    from cupyx.profiler import time_range
+
+    from boostmpi.config import config_from_dict
+    from boostmpi.gpu import ranges
+    from boostmpi.parallel import engine as engine_module
+
+    monkeypatch.setattr(nvtx, "events", [])
+    with time_range("outer"):
+        with ranges.named_range(cp, "inner"):
+            pass
+    with ranges.named_range(np, "cpu"):  # nothing on the CPU path
+        pass
+    assert nvtx.events == [("push", "outer"), ("push", "inner"), ("pop", "inner"), ("pop", "outer")]
+
+    cfg = config_from_dict({"model": {"arch": "cola", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64,
+                                      "rank": 8, "vocab_size": 64, "seq_len": 8},
+                            "train": {"device": "gpu", "dtype": "float32", "micro_batch_size": 2}})
+    batch = [(np.zeros((2, 8), np.int64), np.ones((2, 8), np.int64))]
+
+    def named(run):
+        nvtx.events = []
+        run.forward_backward(batch)
+        return [name for kind, name in nvtx.events if kind == "push"]
+
+    assert named(engine_module.Engine(cfg)) == ["layer 0 forward", "layer 1 forward", "layer 1 backward",
+                                                "layer 0 backward"]
+    from contextlib import nullcontext
+
+    monkeypatch.setattr(engine_module, "named_range", lambda xp, name: nullcontext())
+    assert named(engine_module.Engine(cfg)) == []

@@ -17,6 +17,7 @@ the bf16 compute buffer (`params`), and that buffer is what is all-gathered.
 import numpy as np
 
 from boostmpi.backend import compute_dtype, get_array_module, get_xp, keep_host_memory, param_dtype
+from boostmpi.gpu.ranges import named_range
 from boostmpi.model import layers
 from boostmpi.model.params import FlatBuffer, block_pieces, init_box, init_local, param_specs, split_range, stage_layers
 from boostmpi.model.recompute import POLICIES, Saved, Tape
@@ -185,14 +186,15 @@ class Engine:
         saved = {"ids": ids, "layers": []}
         for i in self.layers:
             block = Block(i, P, tpx, self.rope, (B, T))
-            if not keep:
-                h, _ = block.forward(h)
-                continue
-            # the first layer's input is the embedding lookup: without a collective, a policy
-            # may look it up again from the token ids instead of keeping it
-            input_is_lookup = self.first and i == self.layers[0] and tpx.embedding_is_local
-            h, entry = self.policy.forward(block, h, input_is_lookup)
-            saved["layers"].append(entry)
+            with named_range(self.xp, f"layer {i} forward"):
+                if not keep:
+                    h, _ = block.forward(h)
+                    continue
+                # the first layer's input is the embedding lookup: without a collective, a policy
+                # may look it up again from the token ids instead of keeping it
+                input_is_lookup = self.first and i == self.layers[0] and tpx.embedding_is_local
+                h, entry = self.policy.forward(block, h, input_is_lookup)
+                saved["layers"].append(entry)
         if not self.last:
             return h, saved
         lean = keep and self.policy.lean_head
@@ -210,9 +212,10 @@ class Engine:
         for i in reversed(self.layers):
             block = Block(i, P, tpx, self.rope, shape)
             entry = saved["layers"].pop()
-            cache = self.policy.cache(block, entry, look_up)
-            del entry
-            dh = block.backward(dh, cache, Gr)
+            with named_range(self.xp, f"layer {i} backward"):
+                cache = self.policy.cache(block, entry, look_up)
+                del entry
+                dh = block.backward(dh, cache, Gr)
             on_bucket_done(i)
         if self.first:
             tpx.embed_backward(saved["ids"], dh, Gr)
