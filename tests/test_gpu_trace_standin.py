@@ -98,6 +98,19 @@ def test_the_engine_blas_wrapper_reports_bf16_on_tensor_cores(cp, gemms):
     assert (api, batch) == ("gemmStridedBatchedEx", 2) and cublas.tensor_core_bf16(a_type, b_type, c_type, compute)
 
 
+def test_an_accumulating_gemm_reports_that_it_reads_c(cp, gemms):
+    """beta = 1 (a weight gradient added into `out`) reads C as well as writing it: the hook says so,
+    which the trace counts as C's bytes twice (bench/gpu_trace.py); beta = 0 only writes C."""
+    from boostmpi.gpu import blas
+
+    a, b = cp.ones((5, 3), dtype=BF16), cp.ones((3, 4), dtype=BF16)
+    out = cp.zeros((5, 4), dtype=np.float32)
+    blas.matmul(a, b, out=out)
+    blas.matmul(a, b, out=out, accumulate=True)
+    assert [g[0] for g in gemms] == ["gemmEx", "gemmEx"] and gemms.beta_zero == [True, False]
+    assert float(out.sum()) == 2 * 5 * 4 * 3.0
+
+
 def test_mutant_type_table_without_bf16_changes_the_judgement(monkeypatch):
     """The judgement reads the type table: without its bf16 row (the mutant) a bf16 GEMM is not counted."""
     from cupy.cuda import cublas, runtime
