@@ -8,7 +8,8 @@ GEMM (shape and cuBLAS types), copy, reduction and collective with its call site
 host synchronisations, the named (NVTX) ranges, the engine's communication counters, and the
 memory pool's high-water marks and largest allocation during forward/backward; the ranges nest and
 name every layer's forward and backward and the collectives. The mutation test runs the same with the
-meta mode's reduction shapes made wrong (`keepdims` dropped) and requires the comparison to fail.
+meta mode's reduction shapes made wrong (reduced axes kept whatever `keepdims` says) and requires the
+comparison to fail.
 
 One thing depends on values and is compared by kind, name, site and dtype only: the vocabulary-
 parallel cross-entropy backward selects, with a boolean mask, the targets that fall in this rank's
@@ -56,7 +57,7 @@ computing = summary(gt.run_steps(rec, cfg, world, steps=2, max_norm=0))
 _memory.set_meta(True)
 if "--mutant" in sys.argv:
     right = cupy._reduced_shape
-    cupy._reduced_shape = lambda shape, axis, keepdims: right(shape, axis, False)
+    cupy._reduced_shape = lambda shape, axis, keepdims: right(shape, axis, True)
 try:
     meta = summary(gt.run_steps(rec, cfg, world, steps=2, max_norm=0))
 except Exception as exc:  # a mutant may fail outright: that too is a difference
@@ -125,5 +126,7 @@ def test_meta_trace_equals_the_computing_trace(tmp_path):
 
 
 def test_mutant_meta_shapes_are_caught(tmp_path):
-    """Reductions that drop keepdims in meta mode (the mutant) give a different trace, or fail."""
+    """Reductions that keep the reduced axes in meta mode whatever keepdims says (the mutant) give a
+    different trace, or fail. (The step's reductions are sums without keepdims: the gradient norm's
+    and the ones along the token axis; the fused kernels do the rest.)"""
     assert all(_differences(result) for result in _run(tmp_path, "--mutant"))
