@@ -414,7 +414,7 @@ def paper_report(args, world):
     # 1F1B: M slots of every stage's busiest rank plus (pp - 1) slots of warm-up and cool-down
     priced_step = compute * (M + pp - 1) / M + p2p * (M + pp - 1) / M + optimizer
     prediction = predict(cfg, machine)
-    s = shape_of(cfg, "matmul")
+    s = shape_of(cfg, "flash")  # the engine's attention: fused kernels (boostmpi/gpu/kernels.py)
     plan_launches, plan_gemms, plan_bytes = plan_launches_and_bytes(s, plan_strategy(cfg), cfg.train.recompute, 2)
     allowance = sum(ALLOWANCE.values())
     top = max(ranks, key=lambda r: r["pool"]["total"])
