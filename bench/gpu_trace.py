@@ -23,13 +23,26 @@ over a tp group of N.
 
     python bench/gpu_trace.py [--scale 8] [--machine a100-80gb] [--top 12]
     mpiexec -n 4 python bench/gpu_trace.py --tp 4 [--scale 8] ...
+
+`--paper 7b|13b --meta --json PATH` runs the paper's layouts at full size in the stand-in's
+shapes-only mode (tests/cupy_standin/README.md: arrays carry shape, dtype and a pool allocation
+but no values; kernels, GEMMs and collectives are checked and recorded, not run): the 7B (d 4096,
+32 layers, 32 heads, d_ff 11008, r 1024, tp 4) under `mpiexec -n 4`, the 13B (d 5120, 40 layers,
+40 heads, d_ff 13824, r 1280, tp 4 x pp 2, 4 micro-batches) under `mpiexec -n 8`; both V 32000,
+T 4096, micro-batch 4, bf16, cola, btp, grouped, recompute lowrank. Each rank builds the engine,
+runs one step to warm up and records the second (its launches, GEMMs with their cuBLAS types,
+bytes, collectives, host synchronisations, pool allocations); per-layer numbers are rank 0's
+trace at 2 layers per stage minus 1 layer per stage, per micro-batch. Rank 0 writes one JSON object
+(see `paper_report`).
+
+    mpiexec -n 4 python bench/gpu_trace.py --paper 7b --meta --json 7b.json
+    mpiexec -n 8 python bench/gpu_trace.py --paper 13b --meta --json 13b.json
 """
 
 import common  # noqa: F401 - first: one BLAS thread before numpy loads
 
 import argparse  # noqa: E402
-import ctypes  # noqa: E402
-import inspect  # noqa: E402
+import gc  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import warnings  # noqa: E402
@@ -37,6 +50,10 @@ import warnings  # noqa: E402
 from common import REPO  # noqa: E402
 
 os.environ["BOOSTMPI_CUPY_STANDIN"] = "1"
+if "--meta" in sys.argv[1:]:  # read when the stand-in is imported
+    os.environ["BOOSTMPI_STANDIN_META"] = "1"
+if "--paper" in sys.argv[1:]:  # one node of 8 GPUs (the 13B layout's 8 ranks; a DGX A100)
+    os.environ.setdefault("BOOSTMPI_STANDIN_GPUS", "8")
 sys.path.insert(0, str(REPO / "tests"))
 import gpu_setup  # noqa: E402,F401 - puts the stand-in first on sys.path
 
@@ -59,12 +76,14 @@ class Recorder:
         self.group = None  # inside an NCCL group: its first recorded op, which the later collectives join
 
     def site(self):
-        for frame in inspect.stack()[2:]:
-            path = frame.filename
+        frame = sys._getframe(2)
+        while frame is not None:
+            path = frame.f_code.co_filename
             if "/boostmpi/" in path and not path.endswith(INTERNAL) and not (
-                    path.endswith("model/layers.py") and frame.function in GEMM_WRAPPERS):
+                    path.endswith("model/layers.py") and frame.f_code.co_name in GEMM_WRAPPERS):
                 module = path.split("/boostmpi/")[-1].removesuffix(".py").replace("/", ".")
-                return f"{module}.{frame.function}"
+                return f"{module}.{frame.f_code.co_name}"
+            frame = frame.f_back
         return "?"
 
     def wrap(self, owner, attr, describe):
@@ -96,10 +115,12 @@ def _nbytes(x):
     return x.nbytes if isinstance(x, cupy.ndarray) else 0
 
 
-def install(rec):
+def install(rec, run_kernels=False):
+    """Wrap the stand-in for `rec`. The fused RawKernels are recorded and, unless `run_kernels`,
+    not executed (in meta mode they never run)."""
     import cupy
     from cupy import _kernel
-    from cupy.cuda import cublas, nccl, runtime
+    from cupy.cuda import cublas, nccl
 
     def ufunc_call(result, self, *args, out=None, **kw):
         written = _nbytes(out if out is not None else result)
@@ -109,30 +130,15 @@ def install(rec):
     def reduction(result, kind, a, *args, **kw):
         return dict(kind="reduction", name=kind, nbytes=a.nbytes + _nbytes(result), dtype=str(a.dtype))
 
-    def gemm(result, a, b, *args, **kw):
-        m, k = a.shape[-2:]
-        n = b.shape[-1]
-        batch = int(np.prod(result.shape[:-2])) if result.ndim > 2 else 1
-        return dict(kind="gemm", name="matmul", nbytes=a.nbytes + b.nbytes + result.nbytes,
-                    dtype=str(result.dtype), gemm=(batch, m, n, k))
-
-    def cublas_gemm(batched):
-        """A GEMM the engine hands cuBLAS itself (boostmpi.gpu.blas): priced at its operands' dtype."""
-        def describe(result, handle, transa, transb, m, n, k, alpha, A, Atype, lda, *rest, **kw):
-            if batched:
-                _sa, _b, Btype, _ldb, _sb, beta, _c, Ctype, _ldc, _sc, count, compute, _algo = rest
-            else:
-                _b, Btype, _ldb, beta, _c, Ctype, _ldc, compute, _algo = rest
-                count = 1
-            size = {t: cublas._storage_dtype(t).itemsize for t in (Atype, Btype, Ctype)}
-            scale = ctypes.c_double if compute in (cublas.CUBLAS_COMPUTE_64F, cublas.CUBLAS_COMPUTE_64F_PEDANTIC,
-                                                   runtime.CUDA_R_64F) else ctypes.c_float
-            c_passes = 1 if scale.from_address(beta).value == 0 else 2  # beta != 0 reads C too
-            nbytes = count * (m * k * size[Atype] + k * n * size[Btype] + c_passes * m * n * size[Ctype])
-            # cuBLAS is column-major: its m x n output is the row-major n x m product
-            return dict(kind="gemm", name="cublas", nbytes=nbytes, dtype=cublas._storage_dtype(Atype).name,
-                        gemm=(count, n, m, k))
-        return describe
+    def gemm(result, api, batch, m, n, k, a_type, b_type, c_type, compute, beta_zero=True):
+        """Every GEMM the cuBLAS model sees (the binding's calls and CuPy's own matmul), priced at its
+        operands' dtypes: A and B read, C written, and read as well when beta != 0 (accumulated into)."""
+        size = {t: cublas._storage_dtype(t).itemsize for t in (a_type, b_type, c_type)}
+        c_passes = 1 if beta_zero else 2
+        nbytes = batch * (m * k * size[a_type] + k * n * size[b_type] + c_passes * m * n * size[c_type])
+        # cuBLAS is column-major: its m x n output is the row-major n x m product
+        return dict(kind="gemm", name=api, nbytes=nbytes, dtype=cublas._storage_dtype(a_type).name,
+                    gemm=(batch, n, m, k), cublas=(a_type, b_type, c_type, compute))
 
     def copy(name):
         def describe(result, *args, **kw):
@@ -189,11 +195,7 @@ def install(rec):
 
     rec.wrap(cupy.ufunc, "__call__", ufunc_call)
     rec.wrap(cupy, "_reduce", reduction)
-    rec.wrap(cupy, "matmul", gemm)
-    rec.wrap(cublas, "gemmEx", cublas_gemm(batched=False))
-    rec.wrap(cublas, "gemmStridedBatchedEx", cublas_gemm(batched=True))
-    cupy.dot = cupy.matmul
-    cupy.ndarray.__matmul__ = lambda self, other: cupy.matmul(self, other)
+    rec.wrap(cublas, "called", gemm)
     for name in ("copy", "astype"):
         rec.wrap(cupy.ndarray, name, copy(name))
     for name in ("ascontiguousarray", "concatenate", "stack", "where", "array"):
@@ -203,8 +205,9 @@ def install(rec):
     rec.wrap(cupy.ndarray, "fill", fill)
     for name in ("zeros", "zeros_like"):
         rec.wrap(cupy, name, memset)
-    # the fused kernels: recorded with what their arguments move, not executed
-    _kernel.RawKernel.__call__ = lambda self, grid, block, args, **kw: None
+    # the fused kernels: recorded with what their arguments move
+    if not run_kernels:
+        _kernel.RawKernel.__call__ = lambda self, grid, block, args, **kw: None
     rec.wrap(_kernel.RawKernel, "__call__", kernel)
     for name in ("allReduce", "allGather", "broadcast", "send", "recv"):
         rec.wrap(nccl.NcclCommunicator, name, collective(name))
@@ -244,26 +247,73 @@ def config(scale, layers, tp=1):
 
 def trace_step(rec, cfg, world=None):
     """(ops this rank launched, the engine's counters {"bytes"|"calls": per axis} summed over the ranks) of one step."""
+    run = run_steps(rec, cfg, world, steps=1)
+    return run["ops"], run["counted"]
+
+
+def _meta_init():
+    """In meta mode the engine's initial weights are not drawn: `init_local` hands back a zero-byte
+    broadcast of the shard's shape, which the stand-in turns into a device array without values."""
+    from boostmpi.model.params import local_box
+    from boostmpi.parallel import engine
+
+    engine.init_local = lambda spec, seed: np.broadcast_to(np.zeros((), np.float64),
+                                                           tuple(hi - lo for lo, hi in local_box(spec)))
+
+
+def run_steps(rec, cfg, world=None, steps=1, max_norm=1.0):
+    """Build the engine, run `steps` optimizer steps (forward_backward + optimizer_step with `max_norm`)
+    and record the last. Returns {"ops", "counted": the engine's tp/pp/dp counters of the recorded
+    step summed over the ranks, "host_syncs": the host's blocking waits in it, "ranges": its NVTX
+    events [(push|pop|mark, name)], "pool": this rank's
+    pool high-water marks over the whole run {"total": bytes held, "used": bytes in use}, and
+    "largest_fb": the largest allocation made during the recorded step's forward_backward}."""
+    import cupy
+    from cupy.cuda import _queue, nvtx
+
     from boostmpi.parallel.comm import AXES
     from boostmpi.parallel.engine import Engine
     from boostmpi.train.optim import AdamW
 
+    pool = cupy.get_default_memory_pool()
+    gc.collect()  # what an earlier run left (engines hold reference cycles) goes back to the pool first
+    pool.free_all_blocks()
+    pool.standin_reset_peaks()
     eng = Engine(cfg, world, local_rank=0 if world is None else world.Get_rank())
-    if world is not None and not eng.grid.use_nccl:
+    if world is not None and world.Get_size() > 1 and not eng.grid.use_nccl:
         raise RuntimeError("a multi-rank GPU run did not choose NCCL")
-    eng.grid.counter.reset()
     opt = AdamW(eng.params, eng.specs, cfg.train, eng.xp)
     rng = np.random.default_rng(0)
     shape = (cfg.train.micro_batch_size, cfg.model.seq_len)
-    batch = [(rng.integers(0, cfg.model.vocab_size, shape), rng.integers(0, cfg.model.vocab_size, shape))]
-    rec.ops, rec.on = [], True
-    try:
-        with warnings.catch_warnings(), np.errstate(all="ignore"):
-            warnings.simplefilter("ignore")
-            eng.forward_backward(batch)
-            opt.step(eng.grads, 1e-4)
-    finally:
-        rec.on = False
+    batch = [(rng.integers(0, cfg.model.vocab_size, shape), rng.integers(0, cfg.model.vocab_size, shape))
+             for _ in range(cfg.train.grad_accum)]
+    peak = {"total": 0, "used": 0}
+    largest = 0
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        for step in range(steps):
+            last = step == steps - 1
+            if last:
+                eng.grid.counter.reset()
+                for key, value in pool.standin_peaks().items():
+                    if key in peak:
+                        peak[key] = max(peak[key], value)
+                pool.standin_reset_peaks()
+                syncs = _queue.host_syncs
+                rec.ops, rec.on = [], True
+                nvtx.events = []
+            try:
+                eng.forward_backward(batch)
+                if last:
+                    largest = pool.standin_peaks()["largest"]
+                eng.optimizer_step(opt, 1e-4, max_norm)
+            finally:
+                rec.on = False
+    syncs = _queue.host_syncs - syncs
+    ranges, nvtx.events = nvtx.events, None
+    for key, value in pool.standin_peaks().items():
+        if key in peak:
+            peak[key] = max(peak[key], value)
     counter = eng.grid.counter
     counted = np.array([counter.bytes[a] for a in AXES] + [counter.calls[a] for a in AXES], dtype=np.int64)
     if world is not None:
@@ -274,7 +324,134 @@ def trace_step(rec, cfg, world=None):
             if group.comm is not None:
                 group.comm.Free()
     counted = counted.tolist()
-    return list(rec.ops), {"bytes": dict(zip(AXES, counted[:3])), "calls": dict(zip(AXES, counted[3:]))}
+    del eng, opt
+    counted = {"bytes": dict(zip(AXES, counted[:3])), "calls": dict(zip(AXES, counted[3:]))}
+    return {"ops": list(rec.ops), "counted": counted,
+            "host_syncs": syncs, "pool": peak, "largest_fb": largest, "ranges": ranges}
+
+
+# ---------------------------------------------------------------- the paper's layouts at full size
+PAPER = {
+    "7b": dict(model=dict(d_model=4096, n_layers=32, n_heads=32, d_ff=11008, rank=1024),
+               parallel=dict(tp=4, pp=1), grad_accum=1),
+    "13b": dict(model=dict(d_model=5120, n_layers=40, n_heads=40, d_ff=13824, rank=1280),
+                parallel=dict(tp=4, pp=2), grad_accum=4),
+}
+# device memory outside CuPy's pool, per rank: a stated allowance, not a measurement (GB = 1e9 B)
+ALLOWANCE = {"cuda_context": 500_000_000,  # the CUDA context and the loaded kernel modules
+             "nccl": 500_000_000,  # NCCL's communicator buffers (NCCL_BUFFSIZE, 4 MiB, per channel and peer)
+             "cublas_workspace": 4 * 1024 * 1024}  # cuBLAS's default workspace on pre-Hopper GPUs
+
+
+def paper_config(name, n_layers=None):
+    from boostmpi.config import config_from_dict
+
+    p = PAPER[name]
+    model = dict(arch="cola", vocab_size=32000, seq_len=4096, **p["model"])
+    if n_layers is not None:
+        model["n_layers"] = n_layers
+    return config_from_dict({"model": model,
+                             "parallel": {"tp_mode": "btp", "grouped": True, **p["parallel"]},
+                             "train": {"device": "gpu", "dtype": "bfloat16", "micro_batch_size": 4,
+                                       "grad_accum": p["grad_accum"], "recompute": "lowrank"}})
+
+
+def not_tensor_core(ops):
+    """The recorded GEMMs that do not run bf16 x bf16 with float32 accumulation on tensor cores,
+    judged from their cuBLAS types by the guide's table (the stand-in's cublas.tensor_core_bf16)."""
+    from cupy.cuda import cublas
+
+    return [op for op in ops if op.kind == "gemm" and not cublas.tensor_core_bf16(*op.cublas)]
+
+
+def _site_differences(one, two, M, top):
+    """[site, kind, launches, bytes, priced ms] per layer and micro-batch: trace(2) - trace(1) by call site."""
+    first = {(site, kind): (n, nb, sec) for site, kind, n, nb, sec in one}
+    rows = []
+    for site, kind, n, nb, sec in two:
+        n1, nb1, s1 = first.get((site, kind), (0, 0, 0.0))
+        if n - n1 > 0:
+            rows.append([site, kind, round((n - n1) / M, 2), int((nb - nb1) / M), round((sec - s1) / M * 1e3, 3)])
+    return sorted(rows, key=lambda r: -r[4])[:top]
+
+
+def paper_report(args, world):
+    """Full-size meta traces of a paper layout on every rank; rank 0 writes the JSON object."""
+    import json
+
+    from boostmpi.sim.machines import load_machine
+    from boostmpi.sim.model import predict
+    from boostmpi.sim.plans import plan_strategy, shape_of
+    from boostmpi.sim.trace import by_site, plan_launches_and_bytes
+
+    machine = load_machine(args.machine)
+    cfg = paper_config(args.paper)
+    tp, pp, M = cfg.parallel.tp, cfg.parallel.pp, cfg.train.grad_accum
+    size = 1 if world is None else world.Get_size()
+    if size != tp * pp:
+        raise SystemExit(f"error: --paper {args.paper} needs {tp * pp} ranks (mpiexec -n {tp * pp}), "
+                         f"this job has {size}")
+    rank = 0 if world is None else world.Get_rank()
+    _meta_init()
+    rec = Recorder()
+    install(rec, run_kernels=True)
+    full = run_steps(rec, cfg, world, steps=2)
+    per_stage = {n: run_steps(rec, paper_config(args.paper, n * pp), world, steps=1)["ops"] for n in (1, 2)}
+    priced = price(full["ops"], machine, tp)
+    bad = not_tensor_core(full["ops"])
+    mine = {"rank": rank, "priced": priced, "host_syncs": full["host_syncs"], "pool": full["pool"],
+            "largest_fb": full["largest_fb"], "not_tc": len(bad), "gemms": sum(op.kind == "gemm" for op in full["ops"]),
+            "not_tc_sites": sorted({f"{op.site} {op.name} A{op.cublas[0]} C{op.cublas[2]} compute{op.cublas[3]}"
+                                    for op in bad})}
+    ranks = [mine] if world is None else world.gather(mine, root=0)
+    if rank != 0:
+        return
+    one, two = (price(per_stage[n], machine, tp) for n in (1, 2))
+    per_layer = {k: (two[k] - one[k]) / M for k in one}
+    compute = max(r["priced"]["gemm"] + r["priced"]["elementwise"] + r["priced"]["tp_comm"] for r in ranks)
+    p2p = max(r["priced"]["pp_p2p"] for r in ranks)
+    optimizer = max(r["priced"]["optimizer"] for r in ranks)
+    # 1F1B: M slots of every stage's busiest rank plus (pp - 1) slots of warm-up and cool-down
+    priced_step = compute * (M + pp - 1) / M + p2p * (M + pp - 1) / M + optimizer
+    prediction = predict(cfg, machine)
+    s = shape_of(cfg, "flash")  # the engine's attention: fused kernels (boostmpi/gpu/kernels.py)
+    plan_launches, plan_gemms, plan_bytes = plan_launches_and_bytes(s, plan_strategy(cfg), cfg.train.recompute, 2)
+    allowance = sum(ALLOWANCE.values())
+    top = max(ranks, key=lambda r: r["pool"]["total"])
+    m = cfg.model
+    out = {
+        "layout": args.paper, "machine": machine.name, "ranks": size, "tp": tp, "pp": pp, "micro_batches": M,
+        "launches_per_layer": round(per_layer["launches"], 2),
+        "gemm_launches_per_layer": round(per_layer["gemm_launches"], 2),
+        "plan_launches_per_layer": plan_launches, "plan_gemms_per_layer": plan_gemms,
+        "gemm_not_tensor_core": max(r["not_tc"] for r in ranks),
+        "gemm_not_tensor_core_sites": sorted({x for r in ranks for x in r["not_tc_sites"]}),
+        "gemms_per_step": max(r["gemms"] for r in ranks),
+        "non_gemm_bytes_per_layer": int(per_layer["elementwise_bytes"]),
+        "plan_non_gemm_bytes_per_layer": int(plan_bytes),
+        "priced_step_s": round(priced_step, 4),
+        "priced_breakdown_s": {k: round(max(r["priced"][k] for r in ranks), 4)
+                               for k in ("gemm", "elementwise", "tp_comm", "pp_p2p", "optimizer")},
+        "analytical_step_s": round(prediction.time_s, 4),
+        "analytical_breakdown_s": {k: round(v, 4) for k, v in prediction.breakdown.items()},
+        "host_syncs_per_step": max(r["host_syncs"] for r in ranks),
+        "peak_device_bytes": top["pool"]["total"] + allowance,
+        "peak_device_rank": top["rank"],
+        "pool_peak_bytes_by_rank": [r["pool"]["total"] for r in ranks],
+        "pool_peak_in_use_bytes_by_rank": [r["pool"]["used"] for r in ranks],
+        "outside_pool_allowance_bytes": ALLOWANCE,
+        "sim_device_bytes": prediction.memory_bytes["total"],
+        "sim_memory_bytes": prediction.memory_bytes,
+        "largest_step_allocation_bytes": max(r["largest_fb"] for r in ranks),
+        "scores_bytes": cfg.train.micro_batch_size * (m.n_heads // tp) * m.seq_len ** 2 * 2,
+        "top_sites_per_layer": _site_differences(by_site(per_stage[1], machine, tp), by_site(per_stage[2], machine, tp),
+                                                 M, args.top),
+    }
+    text = json.dumps(out, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
 
 
 def main():
@@ -283,8 +460,30 @@ def main():
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under mpiexec with this many)")
     ap.add_argument("--machine", default="a100-80gb")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--paper", choices=sorted(PAPER), help="the paper's layout at full size (with --meta)")
+    ap.add_argument("--meta", action="store_true", help="the stand-in's shapes-only mode (no values)")
+    ap.add_argument("--json", help="--paper: write the result object here")
     args = ap.parse_args()
     world = None
+    if args.paper:
+        if not args.meta:
+            ap.error("--paper runs at full size, which needs --meta")
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        try:
+            paper_report(args, world)
+        except SystemExit as exc:
+            if world.Get_rank() == 0:
+                print(exc, file=sys.stderr)
+            sys.exit(2)
+        except BaseException:  # noqa: BLE001 - a rank that fails ends every rank, never a hang
+            import traceback
+
+            sys.stderr.write(f"rank {world.Get_rank()}: {traceback.format_exc()}")
+            sys.stderr.flush()
+            world.Abort(1)
+        return
     if args.tp > 1:
         from mpi4py import MPI
 

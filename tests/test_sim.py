@@ -450,7 +450,7 @@ def test_gpu_trace_runs_on_the_standin():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_trace.py"), "--scale", "32", "--top", "3"],
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_trace.py"), "--scale", "32", "--top", "8"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     m = re.search(r"per layer: (\d+) kernel launches in the trace \((\d+) GEMMs\), (\d+) in the analytical "

@@ -17,6 +17,7 @@ the bf16 compute buffer (`params`), and that buffer is what is all-gathered.
 import numpy as np
 
 from boostmpi.backend import compute_dtype, get_array_module, get_xp, keep_host_memory, param_dtype
+from boostmpi.gpu.ranges import named_range
 from boostmpi.model import layers
 from boostmpi.model.params import (FlatBuffer, block_pieces, chunk_layers, init_box, init_local, param_specs,
                                    split_range, stage_layers)
@@ -193,14 +194,15 @@ class Engine:
         saved = {"ids": ids, "layers": []}
         for i in layers:
             block = Block(i, P, tpx, self.rope, (B, T))
-            if not keep:
-                h, _ = block.forward(h)
-                continue
-            # the first layer's input is the embedding lookup: without a collective, a policy
-            # may look it up again from the token ids instead of keeping it
-            input_is_lookup = first and i == layers[0] and tpx.embedding_is_local
-            h, entry = self.policy.forward(block, h, input_is_lookup)
-            saved["layers"].append(entry)
+            with named_range(self.xp, f"layer {i} forward"):
+                if not keep:
+                    h, _ = block.forward(h)
+                    continue
+                # the first layer's input is the embedding lookup: without a collective, a policy
+                # may look it up again from the token ids instead of keeping it
+                input_is_lookup = first and i == layers[0] and tpx.embedding_is_local
+                h, entry = self.policy.forward(block, h, input_is_lookup)
+                saved["layers"].append(entry)
         if not last:
             return h, saved
         lean = keep and self.policy.lean_head
@@ -223,9 +225,10 @@ class Engine:
         for i in reversed(layers):
             block = Block(i, P, tpx, self.rope, shape)
             entry = saved["layers"].pop()
-            cache = self.policy.cache(block, entry, look_up)
-            del entry
-            dh = block.backward(dh, cache, Gr)
+            with named_range(self.xp, f"layer {i} backward"):
+                cache = self.policy.cache(block, entry, look_up)
+                del entry
+                dh = block.backward(dh, cache, Gr)
             on_bucket_done(i)
         if first:
             tpx.embed_backward(saved["ids"], dh, Gr)
@@ -375,7 +378,7 @@ class Engine:
         (every dp rank holds the whole sum), with ZeRO-1 every dp rank over its own slice."""
         c = self.grid.coords
         lo, hi = self.shard
-        sq, seen = 0.0, set()
+        parts, seen = [], set()
         if self.sharded or c.dp == 0:
             for s in self.specs:
                 if s.tp_replicated and c.tp != 0:
@@ -387,8 +390,11 @@ class Engine:
                 a, b = max(a, lo), min(b, hi)
                 if a < b:
                     g = self.grad_shard[a - lo:b - lo]
-                    sq += float((g * g).sum())
-        return sq
+                    parts.append((g * g).sum())
+        if self.xp is np or not parts:
+            return sum((float(p) for p in parts), 0.0)
+        # on a GPU the blocks' sums stay on the device and reach the host in one read (one synchronisation)
+        return float(self.xp.stack(parts).sum(dtype=np.float64))
 
     def grad_norm(self):
         """Global L2 norm of the dp-summed gradient of the last forward_backward."""

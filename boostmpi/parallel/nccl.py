@@ -37,6 +37,7 @@ Without a GPU, CI runs it unchanged on the CuPy stand-in's NCCL, carried out by 
 ranks with NCCL's ordering rules (tests/test_gpu.py, tests/test_nccl_p2p.py; docs/GPU.md).
 """
 
+from boostmpi.gpu.ranges import ranged
 from boostmpi.parallel.comm import WATCHDOG, Group, HostCollectives
 
 
@@ -281,3 +282,10 @@ def select_device(local_rank):
     device = local_rank % n
     cupy.cuda.Device(device).use()
     return device
+
+
+# a named range around each collective and point-to-point call (boostmpi/gpu/ranges.py): a profile
+# of a node shows `tp allreduce`, `pp isend`... around the NCCL kernels
+for _name in ("allreduce", "allreduce_many", "iallreduce", "allgather", "ireduce_scatter", "reduce_scatter",
+              "allgather_pieces", "isend", "irecv"):
+    setattr(NcclGroup, _name, ranged(_name, getattr(NcclGroup, _name)))

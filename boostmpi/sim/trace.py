@@ -28,6 +28,7 @@ class TracedOp:
     dtype: str = "float32"
     gemm: tuple = None  # (batch, m, n, k) for GEMMs
     flops: float = 0.0  # "attention" (a fused attention kernel): the multiply-adds x 2 it computes
+    cublas: tuple = None  # GEMMs: (Atype, Btype, Ctype, compute type) of the cuBLAS call
 
 
 def op_seconds(op, machine, tp):
@@ -52,9 +53,9 @@ OPTIMIZER_SITE = "train.optim."
 
 def price(ops, machine, tp=1):
     """Seconds of a trace in the model's breakdown categories ("gemm", "elementwise", "tp_comm",
-    "optimizer": what the optimizer module issues), plus the kernel launches and bytes of the
-    non-GEMM kernels outside the optimizer."""
-    out = {"gemm": 0.0, "elementwise": 0.0, "tp_comm": 0.0, "optimizer": 0.0, "launches": 0,
+    "pp_p2p": point-to-point sends and receives, "optimizer": what the optimizer module issues),
+    plus the kernel launches and bytes of the non-GEMM kernels outside the optimizer."""
+    out = {"gemm": 0.0, "elementwise": 0.0, "tp_comm": 0.0, "pp_p2p": 0.0, "optimizer": 0.0, "launches": 0,
            "gemm_launches": 0, "elementwise_bytes": 0}
     for op in ops:
         seconds = op_seconds(op, machine, tp)
@@ -64,7 +65,7 @@ def price(ops, machine, tp=1):
         if op.kind == "gemm":
             out["gemm"] += seconds
         elif op.kind == "collective":
-            out["tp_comm"] += seconds
+            out["pp_p2p" if op.name in ("send", "recv") else "tp_comm"] += seconds
         else:
             out["elementwise"] += seconds
             out["elementwise_bytes"] += op.nbytes

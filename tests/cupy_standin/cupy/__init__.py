@@ -216,7 +216,7 @@ class ndarray:
         return impl(*args, **kwargs)
 
     def get(self, stream=None, order="C", out=None, blocking=True):
-        host = np.array(self._a, copy=True, order=order)
+        host = _host_value(self.shape, self.dtype) if _memory.META else np.array(self._a, copy=True, order=order)
         if out is not None:
             out[...] = host
             return out
@@ -229,15 +229,18 @@ class ndarray:
             raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
         if arr.shape != self.shape:
             raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
-        self._a[...] = arr
+        if not _memory.META:
+            self._a[...] = arr
 
     def item(self):
         if self.size != 1:
             raise ValueError("can only convert an array of size 1 to a Python scalar")
+        if _memory.META:
+            return _host_value((), self.dtype).item()
         return self._a.reshape(-1)[0].item()
 
     def tolist(self):
-        return self._a.tolist()
+        return self.get().tolist() if _memory.META else self._a.tolist()
 
     def __float__(self):
         return float(self.item())
@@ -275,6 +278,12 @@ class ndarray:
     # -- shape and views
     def reshape(self, *shape, order="C"):
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        if _memory.META:
+            try:  # a view when the strides allow one, else a copy (no values to move)
+                return self._wrap_result(np.reshape(self._a, shape, order=order, copy=False))
+            except ValueError:
+                np.reshape(np.empty(self.shape, np.dtype([])), shape)  # NumPy's errors for a bad shape
+                return _new(np.empty(self.shape, np.dtype([])).reshape(shape).shape, self.dtype)
         return self._wrap_result(self._a.reshape(shape, order=order))
 
     def transpose(self, *axes):
@@ -285,9 +294,13 @@ class ndarray:
         return self._wrap_result(self._a.swapaxes(a, b))
 
     def ravel(self, order="C"):
+        if _memory.META:
+            return self.reshape(-1, order=order)
         return self._wrap_result(self._a.ravel(order))
 
     def flatten(self):
+        if _memory.META:
+            return _new((self.size,), self.dtype)
         return _device_copy(self._a.flatten())
 
     def squeeze(self, axis=None):
@@ -297,6 +310,8 @@ class ndarray:
         return self._wrap_result(self._a if dtype is None else self._a.view(dtype))
 
     def copy(self, order="C"):
+        if _memory.META:
+            return _new(self.shape, self.dtype)
         return _device_copy(self._a, order)
 
     def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
@@ -305,12 +320,15 @@ class ndarray:
             _record.note("astype", _record.arg(self), dt.name)
         if not copy and dt == self.dtype:
             return self
+        if _memory.META:
+            return _new(self.shape, dt)
         return _device_copy(self._a.astype(dt))
 
     def fill(self, value):
         if isinstance(value, np.ndarray) and value.ndim:
             raise TypeError(f"Unsupported type {type(value)}")
-        self._a.fill(value._a.item() if isinstance(value, ndarray) else value)
+        if not _memory.META:
+            self._a.fill(value._a.item() if isinstance(value, ndarray) else value)
 
     # -- indexing
     @staticmethod
@@ -326,7 +344,16 @@ class ndarray:
         return tuple(out)
 
     def __getitem__(self, key):
+        if _memory.META:
+            return self._meta_getitem(self._index(key))
         return self._wrap_result(self._a[self._index(key)])
+
+    def _meta_getitem(self, index):
+        """Basic indexing is a view; a gather gets a new array of the shape NumPy gives (index arrays
+        read as zeros, which are valid indices; a boolean mask's result depends on values)."""
+        if not any(isinstance(k, (np.ndarray, list)) for k in index):
+            return self._wrap_result(self._a[index])
+        return _new(_meta_index_shape(self.shape, index), self.dtype)
 
     def __setitem__(self, key, value):
         if _record.active is not None:  # a copy into self: CuPy's elementwise_copy casts value to self's dtype
@@ -335,6 +362,11 @@ class ndarray:
             raise TypeError(f"Unsupported type {type(value)}")  # CuPy fills with scalars only
         if isinstance(value, ndarray):
             value = value._a
+        if _memory.META:  # the shapes must fit, as for a write
+            index = self._index(key)
+            target = _meta_index_shape(self.shape, index)
+            np.broadcast_to(np.empty(np.shape(value), np.dtype([])), target)
+            return
         self._a[self._index(key)] = value
 
     # -- reductions
@@ -354,15 +386,24 @@ class ndarray:
         return _reduce("min", self, axis, None, out, keepdims)
 
     def argmax(self, axis=None):
+        if _memory.META:
+            return _new(_reduced_shape(self.shape, axis, False), np.dtype(np.int64))
         return _device_copy(np.asarray(self._a.argmax(axis)))
 
     def cumsum(self, axis=None, dtype=None):
+        if _memory.META:
+            dt = np.cumsum(np.zeros(1, self.dtype), dtype=dtype).dtype
+            return _new((self.size,) if axis is None else self.shape, dt)
         return _device_copy(self._a.cumsum(axis, dtype))
 
     def all(self, axis=None, keepdims=False):
+        if _memory.META:
+            return _new(_reduced_shape(self.shape, axis, keepdims), np.dtype(bool))
         return _device_copy(np.asarray(self._a.all(axis, keepdims=keepdims)))
 
     def any(self, axis=None, keepdims=False):
+        if _memory.META:
+            return _new(_reduced_shape(self.shape, axis, keepdims), np.dtype(bool))
         return _device_copy(np.asarray(self._a.any(axis, keepdims=keepdims)))
 
     def dot(self, other):
@@ -403,10 +444,52 @@ def _binary_operators():
 
 
 def _device_copy(host, order="C"):
-    """A new device array holding a copy of the NumPy array `host`."""
+    """A new device array holding a copy of the NumPy array `host` (meta mode: its shape and dtype)."""
     host = np.asarray(host)
     out = ndarray(host.shape, host.dtype)
-    out._a[...] = host
+    if not _memory.META:
+        out._a[...] = host
+    return out
+
+
+# ================================================================== shapes-only ("meta") mode (_memory.py)
+def _new(shape, dtype):
+    """A new device array with no values (meta mode)."""
+    return ndarray(tuple(int(n) for n in shape), dtype)
+
+
+def _host_value(shape, dtype):
+    """What a host read returns in meta mode: every element META_HOST_VALUE."""
+    return np.full(shape, _memory.META_HOST_VALUE).astype(dtype)
+
+
+def _meta_index_shape(shape, index):
+    """The shape NumPy's indexing gives, found on a zero-byte array of `shape` (no values moved).
+    Index arrays count as zeros (valid indices, whatever the memory holds); a boolean mask, whose
+    result depends on its values, counts as selecting every element (the largest result it can give)."""
+    index = tuple((np.ones(k.shape, bool) if k.dtype == np.bool_ else np.zeros(k.shape, np.intp))
+                  if isinstance(k, np.ndarray) else k for k in index)
+    return np.empty(shape, np.dtype([]))[index].shape
+
+
+def _reduced_shape(shape, axis, keepdims):
+    if axis is None:
+        axes = set(range(len(shape)))
+    else:
+        axes = {int(a) % len(shape) if len(shape) else 0 for a in (axis if isinstance(axis, tuple) else (axis,))}
+    if keepdims:
+        return tuple(1 if i in axes else n for i, n in enumerate(shape))
+    return tuple(n for i, n in enumerate(shape) if i not in axes)
+
+
+def _meta_result(shape, dtype, out, what):
+    """A meta-mode result of `shape`: a new array, or `out` when its shape takes the result."""
+    if out is None:
+        return _new(shape, dtype)
+    if not isinstance(out, ndarray):
+        raise TypeError(f"Output arrays must be cupy.ndarray, got {type(out)}")
+    if np.broadcast_shapes(tuple(shape), out.shape) != out.shape:
+        raise ValueError(f"{what}: a result of shape {tuple(shape)} does not fit out of shape {out.shape}")
     return out
 
 
@@ -461,8 +544,13 @@ class ufunc:
         if not any(isinstance(a, ndarray) for a in args) and out is None:
             raise TypeError(f"{self.__name__}: the stand-in needs at least one device array")
         loop = np.dtype(dtype) if dtype is not None else _select_loop(self.__name__, self._loops, operands)
-        result = self._np(*_compute(loop, [o.value for o in operands]))
         res_dtype = self._out_dtype(loop) if callable(self._out_dtype) else self._out_dtype or loop
+        if _memory.META:
+            if out is not None:
+                _check_same_kind(np.dtype(res_dtype), out.dtype, "ufunc output")
+            shape = np.broadcast_shapes(*(a.shape for a in args if isinstance(a, ndarray)))
+            return _meta_result(shape, res_dtype, out, self.__name__)
+        result = self._np(*_compute(loop, [o.value for o in operands]))
         result = np.asarray(result).astype(res_dtype, copy=False)
         if out is None:
             return _device_copy(result)
@@ -485,6 +573,8 @@ class ufunc:
         types, names = _SCATTER_TYPES[self.__name__]
         if not issubclass(a.dtype.type, types):  # the value is cast to a.dtype first
             raise TypeError(f"cupy.{self.__name__}.at only supports {names} as data type")
+        if _memory.META:
+            return
         value = b._a.astype(a.dtype) if isinstance(b, ndarray) else np.asarray(b, dtype=a.dtype)
         getattr(np, self.__name__).at(a._a, idx, value)
 
@@ -542,6 +632,16 @@ def _reduce(kind, a, axis, dtype, out, keepdims):
     if _record.active is not None:
         _record.note(kind, _record.arg(a), "all" if axis is None else "axis", *([f"dtype={np.dtype(dtype).name}"] if dtype is not None else []),
                      *(["out"] if out is not None else []))
+    if _memory.META:
+        if kind in ("max", "min"):
+            res_dtype = src
+        elif dtype is not None:
+            res_dtype = np.dtype(dtype)
+        elif src.kind in "biu" or src == np.bool_:
+            res_dtype = np.dtype(np.float64) if kind == "mean" else np.dtype(np.int64 if src.kind != "u" else np.uint64)
+        else:
+            res_dtype = src
+        return _meta_result(_reduced_shape(a.shape, axis, keepdims), res_dtype, out, kind)
     if kind in ("max", "min"):
         if a.size == 0 and axis is None:
             raise ValueError("zero-size array to reduction operation which has no identity")
@@ -666,7 +766,8 @@ def _tensordot_core_v11(a, b, res, out):
     cublas.gemmEx(cuda.get_cublas_handle(), transb, transa, N, M, K, one.ctypes.data, b2.data.ptr, t, ldb,
                   a2.data.ptr, t, lda, zero.ctypes.data, c.data.ptr, t, N, compute, algo)
     if c is not out and out is not None:
-        out._a[...] = c._a
+        if not _memory.META:
+            out._a[...] = c._a
         return out
     return c.reshape(ret_shape) if c.shape != ret_shape else c
 
@@ -705,7 +806,8 @@ def matmul(a, b, out=None, dtype=None):
                     raise TypeError(f"Output arrays must be cupy.ndarray, got {type(out)}")
                 c = _tensordot_core_v11(a, b, res, None)  # into a new array, then elementwise_copy (line 863)
                 _check_same_kind(res, out.dtype, "out dtype")
-                out._a[...] = c._a.astype(out.dtype, copy=False)
+                if not _memory.META:
+                    out._a[...] = c._a.astype(out.dtype, copy=False)
                 return out
     else:
         work = np.dtype(np.float32) if res == np.float16 else res
@@ -715,6 +817,18 @@ def matmul(a, b, out=None, dtype=None):
             raise ValueError("operands could not be broadcast together with remapped shapes") from None
         if work.char not in "efdFD":
             _integer_gemm_kernel(work)
+    if work.kind not in "biu":
+        _cublas_call(a, b, work, nd)
+    if _memory.META:
+        sa = a.shape if a.ndim > 1 else (1,) + a.shape
+        sb = b.shape if b.ndim > 1 else b.shape + (1,)
+        shape = tuple(np.broadcast_shapes(sa[:-2], sb[:-2])) + (sa[-2], sb[-1])
+        shape = shape[:-2] + shape[-2:-1] * (a.ndim > 1) + shape[-1:] * (b.ndim > 1)
+        if out is not None:
+            _check_same_kind(res, out.dtype, "out dtype")
+            if out.shape != shape:
+                raise ValueError("Output array has an invalid size")
+        return _meta_result(shape, res, out, "matmul")
     if _is_half(work):
         work = np.dtype(np.float32)  # cuBLAS with CUBLAS_COMPUTE_32F: float32 products and sums
     result = np.matmul(a._a.astype(work, copy=False), b._a.astype(work, copy=False)).astype(res, copy=False)
@@ -727,6 +841,28 @@ def matmul(a, b, out=None, dtype=None):
     _check_same_kind(res, out.dtype, "out dtype")
     out._a[...] = result
     return out
+
+
+def _cublas_call(a, b, work, nd):
+    """Tell the cuBLAS model which GEMM CuPy 14.2 calls here (`cublas.called`, for traces), where the
+    stand-in computes the product itself instead of calling its cuBLAS binding: batched,
+    `gemmStridedBatchedEx` with the legacy cudaDataType of the (float16: float32) work dtype as
+    compute type (_routines_linalg.pyx line 1014); at most 2-D (on ROCm only: on CUDA
+    `_tensordot_core_v11` calls the binding's gemmEx, which reports itself), `gemmEx` with A = B = C
+    of the dtype and CUBLAS_COMPUTE_32F for 16- and 32-bit floats (line 702)."""
+    from cupy.cuda import cublas
+
+    sa = a.shape if a.ndim > 1 else (1,) + a.shape
+    sb = b.shape if b.ndim > 1 else b.shape + (1,)
+    m, k, n = sa[-2], sa[-1], sb[-1]
+    batch = int(np.prod(np.broadcast_shapes(sa[:-2], sb[:-2]), dtype=np.int64)) if nd > 2 else 1
+    t = cublas._cuda_type(work)
+    # cuBLAS is column-major: the row-major m x n product is its n x m one (operands swapped)
+    if nd <= 2:
+        compute = cublas.CUBLAS_COMPUTE_64F if work.itemsize == 8 and work.kind == "f" else cublas.CUBLAS_COMPUTE_32F
+        cublas.called("gemmEx", batch, n, m, k, t, t, t, compute)
+    else:
+        cublas.called("gemmStridedBatchedEx", batch, n, m, k, t, t, t, t)
 
 
 def dot(a, b, out=None):
@@ -747,19 +883,22 @@ def zeros(shape, dtype=float, order="C"):
     if _record.active is not None:
         _record.note("zeros", np.dtype(dtype).name)
     out = ndarray(shape, dtype)
-    out._a[...] = 0
+    if not _memory.META:
+        out._a[...] = 0
     return out
 
 
 def ones(shape, dtype=float, order="C"):
     out = ndarray(shape, dtype)
-    out._a[...] = 1
+    if not _memory.META:
+        out._a[...] = 1
     return out
 
 
 def full(shape, fill_value, dtype=None, order="C"):
     out = ndarray(shape, np.result_type(fill_value) if dtype is None else dtype)
-    out._a[...] = fill_value
+    if not _memory.META:
+        out._a[...] = fill_value
     return out
 
 
@@ -780,6 +919,10 @@ def array(obj, dtype=None, copy=True, order="K", ndmin=0):
         return obj.astype(obj.dtype if dtype is None else dtype, copy=copy)
     if isinstance(obj, (list, tuple)) and any(isinstance(o, ndarray) for o in obj):
         return stack(obj).astype(dtype or result_type(*obj), copy=False)
+    if _memory.META:  # the host array's shape and dtype; nothing is copied
+        host = np.asarray(obj)
+        shape = (1,) * builtins.max(0, ndmin - host.ndim) + host.shape
+        return _new(shape, host.dtype if dtype is None else np.dtype(dtype))
     host = np.array(obj, dtype=dtype, ndmin=ndmin)  # host -> device: an explicit transfer
     return _device_copy(host)
 
@@ -794,6 +937,8 @@ def ascontiguousarray(a, dtype=None):
     dt = a.dtype if dtype is None else np.dtype(dtype)
     if a.flags.c_contiguous and dt == a.dtype:
         return a
+    if _memory.META:
+        return _new(a.shape, dt)
     return _device_copy(np.ascontiguousarray(a._a, dtype=dt))
 
 
@@ -827,6 +972,11 @@ def _devices(arrays):
 def _joined(np_join, arrays, axis, out, dtype):
     if _record.active is not None:
         _record.note(np_join.__name__, *sorted({_record.arg(a) for a in arrays}))
+    if _memory.META:  # NumPy's shape and dtype rules, on zero-byte stand-ins of the operands
+        _devices(list(arrays))
+        dt = np.result_type(*[a.dtype for a in arrays]) if dtype is None else np.dtype(dtype)
+        shape = np_join([np.empty(a.shape, np.dtype([])) for a in arrays], axis=axis).shape
+        return _meta_result(shape, dt, out, np_join.__name__)
     host = np_join(_devices(list(arrays)), axis=axis, dtype=dtype)
     if out is None:
         return _device_copy(host)
@@ -852,6 +1002,8 @@ def where(condition, x=None, y=None):
     if (x is None) != (y is None):
         raise ValueError("Must provide both 'x' and 'y' or neither.")
     if x is None and y is None:
+        if _memory.META:
+            raise NotImplementedError("cupy.where(condition) (nonzero): its result's shape depends on values")
         return tuple(_device_copy(i) for i in np.nonzero(condition._a))
     if _record.active is not None:
         _note_call("where", (condition, x, y))
@@ -859,6 +1011,8 @@ def where(condition, x=None, y=None):
     loop = _select_loop("where", _WHERE, operands)
     if not isinstance(condition, ndarray):
         raise TypeError(f"Unsupported type {type(condition)}")
+    if _memory.META:
+        return _new(np.broadcast_shapes(*(v.shape for v in (condition, x, y) if isinstance(v, ndarray))), loop)
     xv, yv = _compute(loop, [o.value for o in operands])
     return _device_copy(np.where(condition._a.astype(bool), xv, yv).astype(loop, copy=False))
 
@@ -874,10 +1028,15 @@ def reshape(a, newshape, order="C"):
 def copyto(dst, src, casting="same_kind"):
     if isinstance(src, np.ndarray):
         raise TypeError(f"Unsupported type {type(src)}")
+    if _memory.META:
+        np.broadcast_to(np.empty(np.shape(src), np.dtype([])), dst.shape)
+        return
     dst._a[...] = src._a if isinstance(src, ndarray) else src
 
 
 def allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False):
+    if _memory.META:
+        return _new((), np.dtype(bool))
     return _device_copy(np.asarray(np.allclose(_devices([a])[0], _devices([b])[0], rtol, atol, equal_nan)))
 
 

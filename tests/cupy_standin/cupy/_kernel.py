@@ -69,6 +69,14 @@ class RawKernel:
                                   f"max_dynamic_shared_size_bytes = {self.max_dynamic_shared_size_bytes}")
         if not isinstance(args, tuple):
             raise TypeError("kernel arguments must be a tuple")
+        from cupy import _memory
+
+        if _memory.META:  # shapes only: the arguments are checked against the C signature, nothing runs
+            import cudaemu
+
+            with cudaemu._lock:
+                self._function._convert(args)
+            return
         self._function(grid, block, args, shared_mem=shared_mem)
 
 

@@ -8,12 +8,34 @@ per stream: cupy/cuda/memory.pyx at v14.2.0, `SingleDeviceMemoryPool._malloc`), 
 `total_bytes` / `free_all_blocks`. A block remembers the accesses made to it across reuse, so the
 order tracking (cuda/_order.py) sees a new array written while the block's previous user on
 another stream may still be reading it.
+
+**Shapes-only ("meta") mode** (`BOOSTMPI_STANDIN_META=1` at import, or `set_meta(True)`): arrays
+keep their shape, dtype, strides and a pool allocation, but no values. The allocation is a harness
+allocation as always (reserved address space: pages no one writes take no host memory), and its
+host view is read-only, so an operation the meta mode does not cover fails loudly instead of
+committing host memory. Host reads of device values (`get`, `item`, `float()`...) return arrays
+filled with `META_HOST_VALUE`.
+
+The pool also keeps, in both modes, its high-water marks (`standin_peaks`): the most bytes in use
+and the most bytes held from the device (in use plus cached free blocks, what a GPU would see
+taken), and the largest single allocation since `standin_reset_peaks()`.
 """
 
 import bisect
+import os
 import weakref
 
 import numpy as np
+
+META = os.environ.get("BOOSTMPI_STANDIN_META", "0") == "1"
+META_HOST_VALUE = 1.0  # what a host read of a device value returns in meta mode
+
+
+def set_meta(on):
+    """Switch the shapes-only mode (arrays made in one mode are not for use in the other)."""
+    global META
+    META = bool(on)
+
 
 ALLOCATION_UNIT = 512  # CuPy's pool rounds every request up to this
 POISON_BYTE = 0xFF  # float32, bfloat16 and float64 NaN; -1 for integers
@@ -38,6 +60,9 @@ class Memory:
         self.pool, self.raw, self.size = pool, raw, size
         self.ptr = raw.ptr
         self.host = raw.host[:size]
+        if META:  # no values: nothing may write (or commit) these pages
+            self.host = self.host.view()
+            self.host.flags.writeable = False
         self.site = call_site()  # where the array was made, for the order tracking's reports
         _register(self)
         weakref.finalize(self, pool._release, raw, size, self.ptr, arena)
@@ -58,6 +83,7 @@ class MemoryPool:
         self._free = {}  # (stream pointer, rounded size) -> raw harness allocations
         self._used = 0
         self._total = 0
+        self.standin_reset_peaks()
 
     def malloc(self, nbytes):
         from cupy.cuda._queue import get_current_stream
@@ -71,9 +97,25 @@ class MemoryPool:
             raw = _harness().alloc(size)
             self._total += size
         self._used += size
+        self._peak_used = max(self._peak_used, self._used)
+        self._peak_total = max(self._peak_total, self._total)
+        self._largest = max(self._largest, size)
+        self._mallocs += 1
         mem = Memory(self, raw, size, arena)
-        mem.host[...] = POISON_BYTE  # CuPy's memory is uninitialised: make unwritten reads show
+        if not META:
+            mem.host[...] = POISON_BYTE  # CuPy's memory is uninitialised: make unwritten reads show
         return mem
+
+    def standin_reset_peaks(self):
+        """Start new high-water marks from what is in use and held now (a stand-in extra)."""
+        self._peak_used, self._peak_total = self._used, self._total
+        self._largest, self._mallocs = 0, 0
+
+    def standin_peaks(self):
+        """{"used", "total": the most bytes in use / held from the device, "largest": the largest single
+        allocation, "mallocs": allocations} since the last `standin_reset_peaks` (a stand-in extra)."""
+        return {"used": self._peak_used, "total": self._peak_total, "largest": self._largest,
+                "mallocs": self._mallocs}
 
     def _release(self, raw, size, ptr, arena):
         _unregister(ptr)

@@ -20,6 +20,7 @@ class Device:
     def synchronize(self):
         from cupy.cuda import _order, _queue
 
+        _queue._host_sync()
         _queue.wait_for({op.id for op in _queue._pending}, f"synchronize of device {self.id}")
         _order.host_waits_all()
 
@@ -63,8 +64,8 @@ def get_cublas_handle():
 
 
 def __getattr__(name):  # CuPy loads `cupy.cuda.cublas` on first access (cupy/cuda/__init__.py, v14.2.0 line 65)
-    if name == "cublas":
+    if name in ("cublas", "nvtx"):
         import importlib
 
-        return importlib.import_module("cupy.cuda.cublas")
+        return importlib.import_module(f"cupy.cuda.{name}")
     raise AttributeError(f"module 'cupy.cuda' has no attribute {name!r}")

@@ -30,6 +30,12 @@ _stream_ptrs = itertools.count(0x5000)
 _pending = []  # DeviceOps not yet done, in issue order
 _done = set()
 _local = threading.local()
+host_syncs = 0  # blocking waits of the host for the device (synchronize; get() and the like synchronize too)
+
+
+def _host_sync():
+    global host_syncs
+    host_syncs += 1
 
 
 class StandinDeadlock(RuntimeError):
@@ -124,6 +130,7 @@ class Stream:
         return event
 
     def synchronize(self):
+        _host_sync()
         wait_for(self.covered, f"synchronize of stream {self.ptr:#x}")
         _order.host_waits(self.clock)
 
@@ -181,6 +188,7 @@ class Event:
         self.recorded = True
 
     def synchronize(self):
+        _host_sync()
         wait_for(self.covers, f"synchronize of {self!r}")
         _order.host_waits(self.clock)
 

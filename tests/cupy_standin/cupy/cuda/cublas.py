@@ -99,6 +99,36 @@ def _storage_dtype(cuda_type):
                      _C64F: np.complex128, _R8I: np.int8, _R32I: np.int32}[cuda_type])
 
 
+def _cuda_type(dtype):
+    """The cudaDataType of a float or complex NumPy dtype."""
+    dtype = np.dtype(dtype)
+    if dtype.name == "bfloat16":
+        return _R16BF
+    return {"e": _R16F, "f": _R32F, "d": _R64F, "F": _C32F, "D": _C64F}[dtype.char]
+
+
+def called(api, batch, m, n, k, Atype, Btype, Ctype, computeType, beta_zero=True):
+    """Every GEMM cuBLAS runs passes here once: the binding's calls (m, n, k as given, column-major),
+    and the batched ones CuPy's own `matmul` makes (cupy/__init__.py `_cublas_call`). `beta_zero`:
+    C is only written (False: accumulated into, so read as well). A no-op that traces wrap
+    (bench/gpu_trace.py) to learn each GEMM's shape, data types and compute type."""
+
+
+def compute_type(computeType):
+    """A cuBLAS compute type, with a legacy cudaDataType given as compute type mapped to its own."""
+    return _LEGACY_COMPUTE.get(computeType, computeType)
+
+
+def tensor_core_bf16(Atype, Btype, Ctype, computeType):
+    """Whether a GEMM runs bfloat16 inputs with float32 accumulation, which cuBLAS does on tensor cores
+    (sm_80 and later): A = B = CUDA_R_16BF, compute type CUBLAS_COMPUTE_32F (or the legacy CUDA_R_32F),
+    and (Atype, Ctype) a row of the guide's table for that compute type. CUBLAS_COMPUTE_32F_PEDANTIC
+    (no reduced-precision or alternative algorithms) is not counted."""
+    compute = compute_type(computeType)
+    return (Atype == Btype == _R16BF and compute == CUBLAS_COMPUTE_32F
+            and (Atype, Ctype) in _SUPPORTED[CUBLAS_COMPUTE_32F])
+
+
 # ------------------------------------------------------------------ Cython argument conversion
 def _c_int(name, v, bits=32):
     if isinstance(v, (bool, np.bool_)) or not hasattr(v, "__index__"):
@@ -186,15 +216,10 @@ def gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, 
 
 
 def bf16_tensor_core(gemm):
-    """Whether a recorded GEMM (`cupy._record.Gemm`) multiplies bfloat16 operands with float32
-    accumulation, the tensor-core row of the cuBLAS guide's cublasGemmEx table: Atype = Btype =
-    CUDA_R_16BF, Ctype CUDA_R_16BF or CUDA_R_32F, computeType CUBLAS_COMPUTE_32F (or the legacy
-    CUDA_R_32F, which cuBLAS takes as CUBLAS_COMPUTE_32F). CUBLAS_COMPUTE_32F_PEDANTIC does not count:
-    it asks cuBLAS for no reduced-precision shortcuts. A float32 product (CUDA_R_32F operands with
-    CUBLAS_COMPUTE_32F) runs on the FP32 units: 19.5 instead of 312 TFLOP/s on an A100 (NVIDIA A100
-    datasheet, https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf)."""
-    return (gemm.Atype == gemm.Btype == _R16BF and gemm.Ctype in (_R16BF, _R32F)
-            and _LEGACY_COMPUTE.get(gemm.computeType, gemm.computeType) == CUBLAS_COMPUTE_32F)
+    """`tensor_core_bf16` of a recorded GEMM (`cupy._record.Gemm`). A float32 product (CUDA_R_32F
+    operands with CUBLAS_COMPUTE_32F) runs on the FP32 units: 19.5 instead of 312 TFLOP/s on an A100
+    (NVIDIA A100 datasheet, https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf)."""
+    return tensor_core_bf16(gemm.Atype, gemm.Btype, gemm.Ctype, gemm.computeType)
 
 
 _INT_ARGS = ("transa", "transb", "m", "n", "k", "Atype", "lda", "Btype", "ldb", "Ctype", "ldc", "computeType", "algo")
@@ -234,7 +259,7 @@ def _gemm(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Bty
                      "batched" if batchCount != 1 or strideA or strideB or strideC else "single")
     if runtime.is_hip:
         _hip_shim(Atype, Btype, Ctype, computeType, algo)
-    compute = _LEGACY_COMPUTE.get(computeType, computeType)
+    compute = compute_type(computeType)
     if compute not in _SUPPORTED or algo not in (CUBLAS_GEMM_DEFAULT, CUBLAS_GEMM_DEFAULT_TENSOR_OP) and not 0 <= algo <= 23:
         raise _error("CUBLAS_STATUS_INVALID_VALUE")
     if Atype != Btype or (Atype, Ctype) not in _SUPPORTED[compute]:
@@ -260,9 +285,12 @@ def _gemm(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Bty
     a = _matrices("A", A, _storage_dtype(Atype), a_rows, a_cols, lda, strideA, batchCount)
     b = _matrices("B", B, _storage_dtype(Btype), b_rows, b_cols, ldb, strideB, batchCount)
     c = _matrices("C", C, _storage_dtype(Ctype), m, n, ldc, strideC, batchCount)
-    _track(entry, (A, a.itemsize, a_rows, a_cols, lda, strideA, batchCount, False),
-           (B, b.itemsize, b_rows, b_cols, ldb, strideB, batchCount, False),
-           (C, c.itemsize, m, n, ldc, strideC, batchCount, True))
+    _accesses(state, entry, ((A, a, False), (B, b, False), (C, c, True)))
+    called(entry, batchCount, m, n, k, Atype, Btype, Ctype, computeType, beta_zero=bool(scale[1] == 0))
+    from cupy import _memory
+
+    if _memory.META:  # shapes only: the checks above ran, nothing is computed
+        return
     a, b = a.astype(work), b.astype(work)
     if compute == CUBLAS_COMPUTE_32F_FAST_TF32 and work == np.float32:  # inputs rounded to TF32's 10-bit mantissa
         a, b = _tf32(a), _tf32(b)
@@ -280,19 +308,23 @@ def _tf32(x):
     return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
-def _track(entry, *matrices):
-    """The GEMM as device work on the handle's stream (CuPy's current one, which the binding sets) for
-    the happens-before tracking (cuda/_order.py): `matrices` are (pointer, itemsize, rows, cols, ld,
-    batch stride, batch, writes?) for A, B and C. It reads the bytes A and B span and writes C's
-    (with beta != 0 it reads them too; the write covers that). A strided matrix counts whole from
-    its first element to its last, the bytes between its columns' ends included."""
-    from cupy.cuda import _order, get_current_stream
+def _accesses(state, entry, operands):
+    """The GEMM's device accesses for the order tracking (cuda/_order.py), on the handle's stream
+    (CuPy's current one, which the binding sets): A and B read, C written (with beta != 0 C is read
+    too, which its write covers). Each operand counts as the byte range from its first to its last
+    element (a leading dimension or batch stride larger than the matrix leaves gaps that count as
+    touched); an empty one touches nothing."""
+    from cupy.cuda import _order, _queue
 
-    issued, where = _order.issue(get_current_stream()), _order.call_site()
-    for ptr, item, rows, cols, ld, stride, batch, write in matrices:
-        if rows and cols and batch:
-            nbytes = ((batch - 1) * stride + (cols - 1) * ld + rows) * item
-            _order.access_pointer(ptr, nbytes, write, issued, f"cuBLAS {entry}", where)
+    stream = next((s for s in _queue.Stream._live if s.ptr == state["stream"]), None)
+    if stream is None:
+        raise ValueError(f"the handle's stream {state['stream']:#x} is not a stream of this process")
+    issued, where = _order.issue(stream), _order.call_site()
+    for name, (ptr, view, write) in zip("ABC", operands):
+        if view.size:
+            nbytes = sum((n - 1) * s for n, s in zip(view.shape, view.strides)) + view.itemsize
+            _order.access_pointer(ptr, nbytes, write, issued,
+                                  f"cuBLAS {entry} ({name} {'written' if write else 'read'})", where)
 
 
 def _scalars(state, work, alpha, beta):

@@ -56,7 +56,8 @@ class CUDARuntimeError(RuntimeError):
 
 
 def getDeviceCount():
-    return model()["count"]
+    """The model's GPUs per node; BOOSTMPI_STANDIN_GPUS sets another count (a node of 8 A100s, say)."""
+    return int(os.environ.get("BOOSTMPI_STANDIN_GPUS", model()["count"]))
 
 
 def _check(device):

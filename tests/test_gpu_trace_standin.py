@@ -1,0 +1,192 @@
+"""What the GPU-step trace reads from the CuPy stand-in, in-process.
+
+- `cublas.called` sees each GEMM with the types CuPy 14.2 gives cuBLAS (its own `matmul`: `gemmEx`
+  with CUBLAS_COMPUTE_32F at most 2-D, `gemmStridedBatchedEx` with the legacy float32 compute type
+  batched; the binding's calls as made), and `cublas.tensor_core_bf16` judges them by the cuBLAS
+  guide's type table: bf16 inputs with float32 compute only.
+- The shapes-only mode: results of the right shape and dtype without values, host reads of the
+  stated value, read-only memory (a write that the mode missed fails), the pool's high-water marks
+  and the host-synchronisation count.
+"""
+
+import numpy as np
+import pytest
+
+from gpu_setup import GPU
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not GPU.standin, reason="checks the CuPy stand-in; a real GPU is in use")]
+
+BF16 = np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+
+
+@pytest.fixture
+def cp():
+    """The stand-in (the module conftest.py put first on sys.path)."""
+    import cupy
+
+    return cupy
+
+
+class _Seen(list):
+    """The GEMMs `cublas.called` saw, with `beta_zero`: for each, whether it only wrote C."""
+
+    def __init__(self):
+        super().__init__()
+        self.beta_zero = []
+
+    def __call__(self, *args, beta_zero=True):
+        self.append(args)
+        self.beta_zero.append(beta_zero)
+
+
+@pytest.fixture
+def gemms(cp, monkeypatch):
+    """Every GEMM the cuBLAS model sees during the test: (api, batch, m, n, k, Atype, Btype, Ctype, compute)."""
+    from cupy.cuda import cublas
+
+    seen = _Seen()
+    monkeypatch.setattr(cublas, "called", seen)
+    return seen
+
+
+@pytest.fixture
+def meta(cp, monkeypatch):
+    from cupy import _memory
+
+    monkeypatch.setattr(_memory, "META", True)
+    yield cp
+    cp.cuda.Device().synchronize()
+
+
+def test_tensor_core_judgement_follows_the_type_table():
+    from cupy.cuda import cublas, runtime
+
+    bf, f32 = runtime.CUDA_R_16BF, runtime.CUDA_R_32F
+    assert cublas.tensor_core_bf16(bf, bf, bf, cublas.CUBLAS_COMPUTE_32F)
+    assert cublas.tensor_core_bf16(bf, bf, f32, cublas.CUBLAS_COMPUTE_32F)  # fp32 output: a row of the table
+    assert cublas.tensor_core_bf16(bf, bf, bf, runtime.CUDA_R_32F)  # the legacy compute type CuPy passes batched
+    assert not cublas.tensor_core_bf16(f32, f32, f32, cublas.CUBLAS_COMPUTE_32F)  # float32: no tensor cores
+    assert not cublas.tensor_core_bf16(f32, f32, f32, cublas.CUBLAS_COMPUTE_32F_FAST_16BF)  # fp32 in memory
+    assert not cublas.tensor_core_bf16(bf, bf, bf, cublas.CUBLAS_COMPUTE_32F_PEDANTIC)
+    assert not cublas.tensor_core_bf16(bf, f32, bf, cublas.CUBLAS_COMPUTE_32F)  # A and B differ: not in the table
+
+
+def test_cupy_matmul_reports_the_gemm_cupy_makes(cp, gemms):
+    from cupy.cuda import cublas, runtime
+
+    a, b = cp.ones((5, 3), dtype=BF16), cp.ones((3, 4), dtype=BF16)
+    cp.matmul(a, b)
+    cp.matmul(a.astype(np.float32), b.astype(np.float32))
+    cp.matmul(cp.ones((2, 5, 3), dtype=np.float32), cp.ones((2, 3, 4), dtype=np.float32))
+    bf, f32 = runtime.CUDA_R_16BF, runtime.CUDA_R_32F
+    # cuBLAS is column-major: the row-major 5 x 4 product is its 4 x 5 one
+    assert gemms == [("gemmEx", 1, 4, 5, 3, bf, bf, bf, cublas.CUBLAS_COMPUTE_32F),
+                     ("gemmEx", 1, 4, 5, 3, f32, f32, f32, cublas.CUBLAS_COMPUTE_32F),
+                     ("gemmStridedBatchedEx", 2, 4, 5, 3, f32, f32, f32, f32)]
+    assert [cublas.tensor_core_bf16(*g[5:]) for g in gemms] == [True, False, False]
+    assert gemms.beta_zero == [True, True, True]  # a new product: C only written
+
+
+def test_the_engine_blas_wrapper_reports_bf16_on_tensor_cores(cp, gemms):
+    from cupy.cuda import cublas
+
+    from boostmpi.gpu import blas
+
+    blas.matmul(cp.ones((2, 5, 3), dtype=BF16), cp.ones((2, 3, 4), dtype=BF16))
+    (api, batch, *_, a_type, b_type, c_type, compute), = gemms
+    assert (api, batch) == ("gemmStridedBatchedEx", 2) and cublas.tensor_core_bf16(a_type, b_type, c_type, compute)
+
+
+def test_an_accumulating_gemm_reports_that_it_reads_c(cp, gemms):
+    """beta = 1 (a weight gradient added into `out`) reads C as well as writing it: the hook says so,
+    which the trace counts as C's bytes twice (bench/gpu_trace.py); beta = 0 only writes C."""
+    from boostmpi.gpu import blas
+
+    a, b = cp.ones((5, 3), dtype=BF16), cp.ones((3, 4), dtype=BF16)
+    out = cp.zeros((5, 4), dtype=np.float32)
+    blas.matmul(a, b, out=out)
+    blas.matmul(a, b, out=out, accumulate=True)
+    assert [g[0] for g in gemms] == ["gemmEx", "gemmEx"] and gemms.beta_zero == [True, False]
+    assert float(out.sum()) == 2 * 5 * 4 * 3.0
+
+
+def test_mutant_type_table_without_bf16_changes_the_judgement(monkeypatch):
+    """The judgement reads the type table: without its bf16 row (the mutant) a bf16 GEMM is not counted."""
+    from cupy.cuda import cublas, runtime
+
+    bf = runtime.CUDA_R_16BF
+    table = dict(cublas._SUPPORTED)
+    table[cublas.CUBLAS_COMPUTE_32F] = table[cublas.CUBLAS_COMPUTE_32F] - {(bf, bf)}
+    monkeypatch.setattr(cublas, "_SUPPORTED", table)
+    assert not cublas.tensor_core_bf16(bf, bf, bf, cublas.CUBLAS_COMPUTE_32F)
+
+
+def test_meta_arrays_have_shapes_and_no_values(meta):
+    from cupy import _memory
+
+    a = meta.empty((4, 8, 16), dtype=BF16)
+    b = (a * 2 + 1).astype(np.float32)
+    assert b.shape == (4, 8, 16) and b.dtype == np.float32
+    assert b.sum(axis=-1, keepdims=True).shape == (4, 8, 1)
+    assert meta.matmul(b, b.transpose(0, 2, 1)).shape == (4, 8, 8)  # (batched bf16: CuPy 14.2 refuses)
+    assert a[:, meta.arange(3)].shape == (4, 3, 16)  # a gather (index arrays count as zeros)
+    assert a[:, (meta.arange(8) > 3)].shape == (4, 8, 16)  # a mask selects every element
+    assert meta.concatenate([a, a], axis=1).shape == (4, 16, 16)
+    assert float(b.sum()) == _memory.META_HOST_VALUE and b.get().shape == b.shape
+    assert np.all(b.get() == 1.0)
+    with pytest.raises(ValueError, match="read-only"):
+        b._a[...] = 0  # nothing may write a meta array's memory
+
+
+def test_pool_high_water_marks_and_host_syncs(meta):
+    from cupy.cuda import _queue
+
+    pool = meta.get_default_memory_pool()
+    pool.standin_reset_peaks()
+    before = pool.used_bytes()
+    a = meta.empty(1000, dtype=np.float32)  # 4000 bytes, rounded to 4096
+    b = meta.empty(300, dtype=np.float32)  # 1200 -> 1536
+    del a
+    peaks = pool.standin_peaks()
+    assert peaks["largest"] == 4096 and peaks["used"] == before + 4096 + 1536 and peaks["mallocs"] == 2
+    syncs = _queue.host_syncs
+    float(b.sum())
+    b.get()
+    assert _queue.host_syncs == syncs + 2  # each copy to the host synchronizes its stream
+
+
+def test_named_ranges_nest_and_the_engine_names_its_layers(cp, monkeypatch):
+    """time_range pushes and pops NVTX ranges; one GPU step names each layer's forward and backward.
+    The mutant (the engine without its ranges) leaves the profile without them."""
+    from cupy.cuda import nvtx
+    from cupyx.profiler import time_range
+
+    from boostmpi.config import config_from_dict
+    from boostmpi.gpu import ranges
+    from boostmpi.parallel import engine as engine_module
+
+    monkeypatch.setattr(nvtx, "events", [])
+    with time_range("outer"):
+        with ranges.named_range(cp, "inner"):
+            pass
+    with ranges.named_range(np, "cpu"):  # nothing on the CPU path
+        pass
+    assert nvtx.events == [("push", "outer"), ("push", "inner"), ("pop", "inner"), ("pop", "outer")]
+
+    cfg = config_from_dict({"model": {"arch": "cola", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64,
+                                      "rank": 8, "vocab_size": 64, "seq_len": 8},
+                            "train": {"device": "gpu", "dtype": "float32", "micro_batch_size": 2}})
+    batch = [(np.zeros((2, 8), np.int64), np.ones((2, 8), np.int64))]
+
+    def named(run):
+        nvtx.events = []
+        run.forward_backward(batch)
+        return [name for kind, name in nvtx.events if kind == "push"]
+
+    assert named(engine_module.Engine(cfg)) == ["layer 0 forward", "layer 1 forward", "layer 1 backward",
+                                                "layer 0 backward"]
+    from contextlib import nullcontext
+
+    monkeypatch.setattr(engine_module, "named_range", lambda xp, name: nullcontext())
+    assert named(engine_module.Engine(cfg)) == []
