@@ -216,7 +216,7 @@ def test_sim_prices_selective_as_the_engine_keeps_it():
     def predicted(rc, keeps_probs):
         w = model.workload_of(config_from_dict({**big, "train": dict(big["train"], recompute=rc)}))
         if keeps_probs:  # materialised scores whose probabilities the backward reads (T per row)
-            w = replace(w, shape=replace(w.shape, softmax_saved_per_row=w.shape.T), attention="matmul")
+            w = replace(w, shape=replace(w.shape, softmax_saved_per_row=w.shape.T, attention="matmul"), attention="matmul")
         return model.predict_workload(w, machine)
 
     # the engine's GPU attention (flash on this machine, kernels/attention.cu) keeps one log-sum-exp per
