@@ -821,11 +821,14 @@ def test_a_refused_metrics_row_is_cut_off_again(tmp_path, monkeypatch):
     assert append_refused() != '{"step": 1}\n'
 
 
-def test_a_second_ctrl_c_stops_at_once_with_a_failure_status(tmp_path):
+def test_a_second_ctrl_c_stops_at_once_without_claiming_a_clean_stop(tmp_path):
     """Ctrl-C, then Ctrl-C again 2 s later while the stop's checkpoint is still being written: the job
     ends at once without it (Hydra's mpiexec forces the abort; a rank that sees the second SIGINT
-    itself exits 130), mpiexec's status says the job failed (never 0, never 75), no rank outlives it,
-    and the previous checkpoint stays the latest and intact."""
+    itself exits 130), nothing claims a clean stop (never status 75, no STOPPED_ON_SIGNAL marker, no
+    DONE), no rank outlives it, and the previous checkpoint stays the latest and intact. mpiexec's own
+    status after its forced abort is Hydra's: MPICH 5.0.2 returned 255 in some runs and 0 in others
+    (its proxy fails an assertion while cleaning up), so the run directory, not that status, is
+    what tells a script the run did not finish."""
     from boostmpi.train import checkpoint
 
     run_dir = tmp_path / "run"
@@ -842,7 +845,8 @@ def test_a_second_ctrl_c_stops_at_once_with_a_failure_status(tmp_path):
         if proc.poll() is None:
             proc.kill()
     log = (tmp_path / "log").read_text()
-    assert proc.returncode not in (0, 75), log
+    assert proc.returncode != 75, log
+    assert not (run_dir / "STOPPED_ON_SIGNAL").exists() and not (run_dir / "DONE").exists(), log
     assert "stopped by signal" not in log and "done: step" not in log, log
     deadline = time.monotonic() + 5  # the launcher's SIGKILLs may land just after it exits
     while any(_alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
