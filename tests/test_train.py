@@ -86,3 +86,14 @@ def test_training_on_text_beats_the_unigram_entropy(arch, text_shards, tmp_path,
         if m["val"] is not None:
             assert m["val"] == f"{row['val_loss']:.4f}"
     assert out.splitlines()[-1].startswith(f"done: step {STEPS}; results in {run_dir}")
+
+
+def test_a_stop_marker_left_by_an_earlier_run_is_removed_when_a_run_starts(text_shards, tmp_path):
+    """RUN_DIR/STOPPED_ON_SIGNAL tells a job script that the last attempt stopped cleanly on a signal;
+    one left behind by an earlier run must not speak for a run that then finishes (or crashes)."""
+    train_shard, val_shard = text_shards
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "STOPPED_ON_SIGNAL").write_text("stopped on SIGUSR1 at step 3\n")
+    assert run_train(run_dir, train_shard, val_shard, "train.steps=2") == 0
+    assert not (run_dir / "STOPPED_ON_SIGNAL").exists()

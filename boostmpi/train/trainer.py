@@ -129,6 +129,9 @@ class Trainer:
         lock = RunLock(self.run_dir).acquire()
         if lock.stale:
             self.log(f"the lock of {self.run_dir} was stale ({lock.stale}: that run is gone); this run takes it over")
+        # a stop marker left by an earlier run says nothing about this one (written again if this one stops)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(self.run_dir, STOPPED_MARKER))
         return lock
 
     def close(self):
