@@ -90,7 +90,8 @@ def prepare_cache(cache):
 
 def stub_wheel(folder, name, version):
     """A wheel NAME==VERSION without the real library: a CuPy wheel installs the project's CuPy
-    stand-in (tests/cupy_standin/cupy) and its CUDA execution harness (tests/cudaemu) instead; an
+    stand-in (tests/cupy_standin/cupy and cupyx, as the real wheel ships both) and its CUDA
+    execution harness (tests/cudaemu) instead; an
     NCCL wheel installs only its name, which is what the one-NCCL check looks for."""
     dist = name.replace("-", "_")
     files = {f"{dist}-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
@@ -99,7 +100,7 @@ def stub_wheel(folder, name, version):
                                                   "Tag: py3-none-any\n"}
     if name.startswith("cupy"):
         tests = REPO / "tests"
-        for package in (tests / "cupy_standin" / "cupy", tests / "cudaemu"):
+        for package in (tests / "cupy_standin" / "cupy", tests / "cupy_standin" / "cupyx", tests / "cudaemu"):
             for path in sorted(package.rglob("*")):
                 if path.is_file() and "__pycache__" not in path.parts:
                     files[str(path.relative_to(package.parent))] = path.read_text()
