@@ -11,7 +11,7 @@ Prints a markdown block:
     tiles, dQ accumulated in float32 by atomics (read and written once per key tile that a
     query meets), its preprocessing pass (delta = rowsum(dO o O)) and the final dQ conversion.
 
-    python bench/attention_traffic.py [--append bench/RESULTS.md]
+    python bench/attention_traffic.py [--append bench/log/attention_traffic.md]
 """
 
 import argparse

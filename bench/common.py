@@ -47,7 +47,7 @@ def parser(description, warmup, repeats):
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--warmup", type=int, default=warmup, help="untimed rounds first (default %(default)s)")
     p.add_argument("--repeats", type=int, default=repeats, help="timed rounds; the median is reported (default %(default)s)")
-    p.add_argument("--append", metavar="FILE", help="also append the result block to FILE (e.g. bench/RESULTS.md)")
+    p.add_argument("--append", metavar="FILE", help="also append the result block to FILE (bench/log/<benchmark>.md)")
     return p
 
 
@@ -148,8 +148,9 @@ def code_version():
 
     try:
         commit = git("rev-parse", "--short", "HEAD")
-        # the results file itself changes with every appended block: not a change to what is measured
-        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/RESULTS.md")
+        # the results files change with every appended block: not a change to what is measured
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/RESULTS.md",
+                    ":(exclude)bench/log")
     except (OSError, subprocess.SubprocessError):
         return "unknown (no git)"
     return f"commit {commit or 'unknown'}" + (" + uncommitted changes" if dirty else "")

@@ -4,7 +4,7 @@ d=1024, 16 heads, d_ff=2736, 4 layers, T=256, vocab 256; cola with r=256. A step
 backward + AdamW update (Engine.forward_backward, AdamW.step), float32. The two models are timed
 interleaved round by round in the same process. Target: the cola step at least 1.4x faster.
 
-    PYTHONPATH=. .venv/bin/python bench/full_vs_lowrank.py [--batch 4] [--append bench/RESULTS.md]
+    PYTHONPATH=. .venv/bin/python bench/full_vs_lowrank.py [--batch 4] [--append bench/log/full_vs_lowrank.md]
 """
 
 import common  # first: one BLAS thread before numpy loads

@@ -9,7 +9,7 @@ so oversleeping counts as busy). Formula: (pp - 1) / (v m). Passes of 100 ms: wi
 load average of 8 on the 2 cores added its wake-up delays (+17% to +22% on both schedules). Target: interleaved (v = 2) within
 10% of it at pp = 4, m = 8. Cases are timed interleaved round by round.
 
-    PYTHONPATH=. .venv/bin/python bench/pipeline_bubble.py [--pp 4] [--micro 8] [--unit 0.1] [--append bench/RESULTS.md]
+    PYTHONPATH=. .venv/bin/python bench/pipeline_bubble.py [--pp 4] [--micro 8] [--unit 0.1] [--append bench/log/pipeline_bubble.md]
 
 The script starts itself under `timeout <--timeout> mpiexec -n <--pp>`. The logical-clock version
 of the same measurement is a test (tests/test_pipeline_schedule.py).

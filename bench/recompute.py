@@ -23,7 +23,7 @@ Memory, three ways, each per case and the largest over the ranks:
 Targets: lowrank keeps <= 20% of none's saved-activation bytes at <= 25% extra step time, and
 saves >= 1.5x more memory per ms of added time than layer.
 
-    PYTHONPATH=. .venv/bin/python bench/recompute.py [--no-rss] [--append bench/RESULTS.md]
+    PYTHONPATH=. .venv/bin/python bench/recompute.py [--no-rss] [--append bench/log/recompute.md]
 
 The script starts itself under `timeout <--timeout> mpiexec -n <--ranks>` (the mpiexec of `boostmpi.parallel.launch.find_mpiexec`).
 """

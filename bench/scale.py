@@ -2,7 +2,7 @@
 save, resume, engine build and the first step, at 1, 2 and 4 ranks; then the performance model's
 checkpoint time and per-rank memory for the paper's 7B (tp = 4) and a 30B layout.
 
-    PYTHONPATH=. .venv/bin/python bench/scale.py [--model small|277m] [--repeats 10] [--layouts "1,1,2,1 2,1,2,1"] [--append bench/RESULTS.md]
+    PYTHONPATH=. .venv/bin/python bench/scale.py [--model small|277m] [--repeats 10] [--layouts "1,1,2,1 2,1,2,1"] [--append bench/log/scale.md]
 
 Each layout runs as its own `mpiexec` job (this script relaunched as a worker). Per layout:
 - build: Engine + AdamW construction, the slowest rank;

@@ -12,14 +12,14 @@
    cost of the NumPy engine (up to a third of a tp=2 vanilla step) that the model does not count.
 3. `boostmpi.sim.model.predict(cfg, profile)` predicts the same step. Target: within 25% for each.
 
-    PYTHONPATH=. .venv/bin/python bench/sim_validation.py [--append bench/RESULTS.md]
+    PYTHONPATH=. .venv/bin/python bench/sim_validation.py [--append bench/log/sim_validation.md]
 
 With `--published` it instead runs `boostmpi sim` on every published training run of
 `boostmpi.sim.published.cli_runs()` (a configuration file and a profile per row, docs/SIM.md,
 "Through the command line") and reports the errors against the published times; targets: worst
 within 15%, median within 8%.
 
-    PYTHONPATH=. .venv/bin/python bench/sim_validation.py --published [--append bench/RESULTS.md]
+    PYTHONPATH=. .venv/bin/python bench/sim_validation.py --published [--append bench/log/sim_validation.md]
 """
 
 import common  # noqa: F401 - first: one BLAS thread before numpy loads

@@ -11,7 +11,7 @@ and a constant learning rate on both sides. Target: boostmpi / torch <= 1.0.
 Then a profile of boostmpi's step (phases and hot spots from cProfile) and of torch's
 (phases timed in the step, hot operators from torch.profiler), for whoever optimises next.
 
-    PYTHONPATH=. .venv/bin/python bench/step_vs_torch.py [--append bench/RESULTS.md]
+    PYTHONPATH=. .venv/bin/python bench/step_vs_torch.py [--append bench/log/step_vs_torch.md]
 """
 
 import common  # first: one BLAS thread before numpy loads

@@ -17,7 +17,7 @@ Targets: btp moves >= 5x fewer tp bytes than vanilla and its step is faster; onl
 tp calls than sync. Grouping is one of BOOST's own techniques (grouped low-rank GEMMs),
 so the baseline is vanilla without it; the grouped variant is reported beside it.
 
-    PYTHONPATH=. .venv/bin/python bench/tp_modes.py [--append bench/RESULTS.md]
+    PYTHONPATH=. .venv/bin/python bench/tp_modes.py [--append bench/log/tp_modes.md]
 
 The script starts itself under `timeout <--timeout> mpiexec -n <--ranks>` (the mpiexec of `boostmpi.parallel.launch.find_mpiexec`).
 """
