@@ -1,0 +1,479 @@
+"""The docs say what the code does: every configuration key and default (docs/FORMATS.md), the files,
+attributes and datasets a checkpoint holds (docs/FORMATS.md), the world all-reduces of a training step
+(docs/COMMUNICATION.md), the paths of docs/DESIGN.md's "where is X" table; and no doc points to issue
+numbers or outside the repository. Each check reads the doc's own table and compares it with what the
+code holds or does, so it finds the code by behaviour (its schema, a checkpoint it writes, the calls it
+makes), not by file; and each has a mutation test that proves it fails when either side changes."""
+
+import io
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from boostmpi import config as config_module
+from boostmpi.cli import main
+from boostmpi.config import config_from_dict
+from boostmpi.data.shards import write_shard
+from boostmpi.parallel.comm import HostCollectives
+from boostmpi.train.trainer import Trainer
+from train_helpers import TINY_CONFIG, stop_signals_restored
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+
+
+# ------------------------------------------------------------------ reading the docs' tables
+def doc_text(name):
+    return (DOCS / name).read_text(encoding="utf-8")
+
+
+def part(text, heading):
+    """The text under `heading` (a line of the doc) up to the next heading of the same level."""
+    level = heading.split(" ")[0]
+    start = text.index(heading + "\n") + len(heading) + 1
+    end = re.search(rf"^{level} ", text[start:], flags=re.M)
+    return text[start:start + end.start()] if end else text[start:]
+
+
+def cells(line):
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def table_rows(text):
+    """The body rows of the markdown tables in `text`, each a list of cells (header and rule left out)."""
+    rows, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if not line.startswith("|") or re.fullmatch(r"\|[-| :]+\|", line.strip()):
+            continue
+        if i + 1 < len(lines) and re.fullmatch(r"\|[-| :]+\|", lines[i + 1].strip()):
+            continue  # a header
+        rows.append(cells(line))
+    return rows
+
+
+def code_names(cell):
+    """The `backticked` names of a cell, in order."""
+    return re.findall(r"`([^`]+)`", cell)
+
+
+# ------------------------------------------------------------------ 1. configuration keys and defaults
+DERIVED = "derived"
+
+
+def documented_config(text):
+    """section -> key -> default, from the `[section]` tables of FORMATS.md's Configuration; DERIVED for
+    a key whose default says "derived". A row may name several keys: one default for all, or one each."""
+    documented, section = {}, None
+    for line in part(text, "## Configuration").splitlines():
+        heading = re.fullmatch(r"`\[(\w+)\]`", line.strip())
+        if heading:
+            section = heading.group(1)
+            documented.setdefault(section, {})
+            continue
+        if section is None or not line.startswith("|"):
+            continue
+        for row in table_rows(line + "\n"):
+            keys = code_names(row[0])
+            if not keys or row[0].strip() == "key":
+                continue
+            default = row[1].replace("`", "")
+            if default.startswith(DERIVED):
+                values = [DERIVED] * len(keys)
+            else:
+                parts = [p.strip() for p in default.split(",")] if len(keys) > 1 and "," in default else [default]
+                values = [tomllib.loads(f"v = {p}")["v"] for p in parts]
+                values = values * len(keys) if len(values) == 1 else values
+            assert len(values) == len(keys), f"[{section}] {row[0]}: {len(keys)} keys, defaults {default!r}"
+            for key, value in zip(keys, values):
+                assert key not in documented[section], f"[{section}] {key} is documented twice"
+                documented[section][key] = value
+    return documented
+
+
+def config_doc_problems(text=None):
+    """What differs between boostmpi.config's schema (DEFAULTS: None marks a derived key) and the doc."""
+    text = doc_text("FORMATS.md") if text is None else text
+    documented = documented_config(text)
+    problems = []
+    for section, keys in config_module.DEFAULTS.items():
+        for key, default in keys.items():
+            doc = documented.get(section, {}).get(key, "missing")
+            if doc == "missing":
+                problems.append(f"{section}.{key} is not in docs/FORMATS.md")
+            elif default is None and doc != DERIVED:
+                problems.append(f"{section}.{key} is derived, the doc gives {doc!r}")
+            elif default is not None and (doc == DERIVED or doc != default or isinstance(doc, bool) != isinstance(default, bool)):
+                problems.append(f"{section}.{key}: default {default!r} in the code, {doc!r} in the doc")
+    for section, keys in documented.items():
+        for key in keys:
+            if key not in config_module.DEFAULTS.get(section, {}):
+                problems.append(f"docs/FORMATS.md documents {section}.{key}, which the code does not have")
+    return problems
+
+
+def test_every_config_key_and_default_is_documented_and_every_documented_key_exists():
+    assert config_doc_problems() == []
+
+
+def test_config_doc_check_fails_on_a_mutant(monkeypatch):
+    text = doc_text("FORMATS.md")
+    assert "| `keep` | 0 |" in text and "| `seed` | 1337 |" in text
+    assert any("keep" in p for p in config_doc_problems(text.replace("| `keep` | 0 |", "| `kept` | 0 |")))
+    assert any("seed" in p for p in config_doc_problems(text.replace("| `seed` | 1337 |", "| `seed` | 1338 |")))
+    schema = {section: dict(keys) for section, keys in config_module.DEFAULTS.items()}
+    schema["train"]["fake_key"] = 3
+    monkeypatch.setattr(config_module, "DEFAULTS", schema)
+    assert config_doc_problems(text) == ["train.fake_key is not in docs/FORMATS.md"]
+
+
+CONFIG_REFERENCE = re.compile(r"\[(model|parallel|train|data|checkpoint)\] ([a-z_]\w*)"
+                              r"|(?<![\w./-])(model|parallel|train|data|checkpoint)\.([a-z_]\w*) ?=")
+
+
+def config_references(text):
+    """(section, key) of every `[section] key` and `section.key = value` in a text."""
+    return {(m[1] or m[3], m[2] or m[4]) for m in CONFIG_REFERENCE.finditer(text)}
+
+
+def doc_files():
+    return sorted(DOCS.glob("*.md")) + [REPO / "README.md"] + sorted((REPO / "bench").glob("*.md"))
+
+
+def test_every_key_the_docs_name_exists():
+    unknown = {f"{path.relative_to(REPO)}: {section}.{key}" for path in doc_files()
+               for section, key in config_references(path.read_text(encoding="utf-8"))
+               if key not in config_module.DEFAULTS[section]}
+    assert not unknown, sorted(unknown)
+    assert config_references("set `[train] recompute` or `--set parallel.tp=2`; model.h5") == {
+        ("train", "recompute"), ("parallel", "tp")}
+    assert ("train", "recomputed") in config_references("`[train] recomputed`")  # the mutant would be refused
+
+
+# ------------------------------------------------------------------ 2. what a checkpoint holds
+PLACEHOLDERS = {"<step, 8 digits>": r"\d{8}", "<lin>": "(q|k|v|o|gate|up|down)", "<name>": ".+",
+                "<i>": r"\d+", "<j>": r"\d+", "<t>": r"\d+", "<s>": r"\d+", "<d>": r"\d+"}
+
+
+def name_pattern(documented):
+    """A regex for a documented name: <i>, <j>, <t>, <s>, <d> are numbers, <lin> a linear, <name> a
+    parameter name."""
+    pieces = re.split(r"(<[^>]+>)", documented)
+    for placeholder in pieces[1::2]:
+        assert placeholder in PLACEHOLDERS, f"an unknown placeholder {placeholder} in {documented!r}"
+    return re.compile("".join(PLACEHOLDERS[p] if i % 2 else re.escape(p) for i, p in enumerate(pieces)))
+
+
+def documented_checkpoint(text):
+    """From FORMATS.md's Checkpoints: the files of a checkpoint folder (from the tree) and, per file, its
+    attributes and its datasets or JSON keys (from the table); a name followed by "(archs)" only for
+    those archs, `key` (`a`, `b`) a JSON object with those keys, "each with the attribute `x`" the
+    attributes of the datasets of that row."""
+    section = part(text, "## Checkpoints")
+    tree = re.search(r"```\n(.*?)```", section, flags=re.S).group(1).splitlines()
+    folder = [line.split()[0] for line in tree if line.startswith("    ")]
+    files = {}
+    for row in table_rows(section):
+        (file_name,) = code_names(row[0])
+        content = row[2]
+        dataset_attrs = set()
+        each = re.search(r",? each with the attributes? (.*)$", content)
+        if each:
+            dataset_attrs = set(code_names(each.group(1)))
+            content = content[:each.start()]
+        entries, objects = {}, {}
+        # `key` (`a`, `b`): an object's keys; `name` (full): only under those archs
+        for m in re.finditer(r"`([^`]+)`(?: \(([^)]*)\))?", content):
+            name, after = m.group(1), m.group(2)
+            if after and "`" in after:
+                objects[name] = set(code_names(after))
+                entries[name] = None
+            else:
+                entries[name] = set(re.findall(r"full|svd|cola", after)) if after else None
+        files[file_name] = {"attrs": set(code_names(row[1])), "entries": entries, "objects": objects,
+                            "dataset_attrs": dataset_attrs, "each other file": "every other file" in content}
+    return folder, files
+
+
+def datasets_of(path):
+    """name -> set of attribute names, for every dataset of an HDF5 file."""
+    found = {}
+
+    def note(name, obj):  # returns None: visititems stops at the first other value
+        if isinstance(obj, h5py.Dataset):
+            found[name] = set(obj.attrs)
+
+    with h5py.File(path, "r") as f:
+        f.visititems(note)
+        return found, set(f.attrs)
+
+
+def checkpoint_doc_problems(folder_path, arch, text=None):
+    """What differs between the checkpoint folder written at `folder_path` (by arch `arch`) and FORMATS.md."""
+    text = doc_text("FORMATS.md") if text is None else text
+    folder, files = documented_checkpoint(text)
+    problems = []
+    present = sorted(p.name for p in folder_path.iterdir())
+    patterns = {documented: name_pattern(documented) for documented in folder}
+    for name in present:
+        if not any(p.fullmatch(name) for p in patterns.values()):
+            problems.append(f"{name} is in the checkpoint, not in the doc's tree")
+    for documented, p in patterns.items():
+        if not any(p.fullmatch(name) for name in present):
+            problems.append(f"{documented} is in the doc's tree, not in the checkpoint")
+    for documented, spec in files.items():
+        matching = [name for name in present if patterns.get(documented, name_pattern(documented)).fullmatch(name)]
+        if not matching:
+            problems.append(f"the doc's table describes {documented}, which the checkpoint does not have")
+        for name in matching:
+            path = folder_path / name
+            wanted = {n: archs for n, archs in spec["entries"].items() if archs is None or arch in archs}
+            if name.endswith(".h5"):
+                datasets, attrs = datasets_of(path)
+                if attrs != spec["attrs"]:
+                    problems.append(f"{name}: attributes {sorted(attrs)}, documented {sorted(spec['attrs'])}")
+                for dataset, dataset_attrs in datasets.items():
+                    if not any(name_pattern(n).fullmatch(dataset) for n in wanted):
+                        problems.append(f"{name}: dataset {dataset} is not documented")
+                    elif dataset_attrs != spec["dataset_attrs"]:
+                        problems.append(f"{name}: {dataset} has attributes {sorted(dataset_attrs)}, documented "
+                                        f"{sorted(spec['dataset_attrs'])}")
+                for n in wanted:
+                    if not any(name_pattern(n).fullmatch(dataset) for dataset in datasets):
+                        problems.append(f"{name}: documented {n} (arch {arch}) is not there")
+            else:
+                content = json.loads(path.read_text())
+                if spec["each other file"]:
+                    if set(content) != set(present) - {name}:
+                        problems.append(f"{name} records {sorted(content)}, not every other file")
+                    for record in content.values():
+                        if set(record) != set(wanted):
+                            problems.append(f"{name}: a record has {sorted(record)}, documented {sorted(wanted)}")
+                    continue
+                if set(content) != set(wanted):
+                    problems.append(f"{name}: keys {sorted(content)}, documented {sorted(wanted)}")
+                for key, keys in spec["objects"].items():
+                    if set(content.get(key, {})) != keys:
+                        problems.append(f"{name}: {key} has {sorted(content.get(key, {}))}, documented {sorted(keys)}")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """arch -> the folder of a one-step checkpoint of the tiny model (one layer): cola written
+    synchronously, full asynchronously."""
+    tmp = tmp_path_factory.mktemp("checkpoints")
+    shard = tmp / "tokens.bin"
+    write_shard(shard, np.frombuffer(b"the same short sentence, again and again. " * 40, dtype=np.uint8))
+    folders = {}
+    for arch, asynchronous in (("cola", "false"), ("full", "true")):
+        run_dir = tmp / arch
+        argv = ["train", "--config", str(TINY_CONFIG)]
+        for setting in (f"train.run_dir={run_dir}", f"data.train={shard}", f"data.val={shard}", "train.steps=1",
+                        "train.val_windows=2", "model.n_layers=1", f"model.arch={arch}", f"checkpoint.async={asynchronous}"):
+            argv += ["--set", setting]
+        with stop_signals_restored():
+            assert main(argv) == 0
+        latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+        folders[arch] = run_dir / "checkpoints" / latest
+    return folders
+
+
+@pytest.mark.parametrize("arch", ["cola", "full"])
+def test_a_checkpoint_holds_what_formats_md_documents(arch, checkpoints):
+    folder = checkpoints[arch]
+    assert folder.name == "step_00000001"
+    assert checkpoint_doc_problems(folder, arch) == []
+
+
+def test_checkpoint_doc_check_fails_on_a_mutant(checkpoints, tmp_path):
+    text, folder = doc_text("FORMATS.md"), checkpoints["cola"]
+    assert checkpoint_doc_problems(folder, "cola", text) == []
+    # the doc loses an attribute, a state.json key, a file; a documented name is misspelt
+    for old, new in (("`format`, `format_version`, `step`, `config`", "`format`, `format_version`, `step`"),
+                     ("`tp_mode`, `zero_stage`)", "`tp_mode`)"),
+                     ("    state.json ", "    status.json "),
+                     ("`m/<name>`, `v/<name>`", "`m/<name>`, `w/<name>`")):
+        assert old in text
+        assert checkpoint_doc_problems(folder, "cola", text.replace(old, new)), old
+    # the writer writes one more file, one more attribute
+    mutant = tmp_path / folder.name
+    mutant.mkdir()
+    for path in folder.iterdir():
+        (mutant / path.name).write_bytes(path.read_bytes())
+    (mutant / "extra.json").write_text("{}")
+    assert checkpoint_doc_problems(mutant, "cola", text) == ["extra.json is in the checkpoint, not in the doc's tree",
+                                                              "COMPLETE records ['model.h5', 'optim.h5', "
+                                                              "'rank-tp0-pp0-dp0.h5', 'state.json'], not every other file"]
+    (mutant / "extra.json").unlink()
+    with h5py.File(mutant / "optim.h5", "a") as f:
+        f.attrs["zero_stage"] = 0
+    assert checkpoint_doc_problems(mutant, "cola", text) == [
+        "optim.h5: attributes ['format', 'step', 't', 'zero_stage'], documented ['format', 'step', 't']"]
+
+
+# ------------------------------------------------------------------ 3. world all-reduces per step
+class CountingComm:
+    """A world communicator of one rank that notes, for each all-reduce, the step the trainer is in
+    (a step runs from the start of its forward_backward to the start of the next one's)."""
+
+    def __init__(self):
+        self.step = 0
+        self.per_step = {}
+
+    def Allreduce(self, sendbuf, recvbuf, op):
+        assert sendbuf is MPI.IN_PLACE
+        self.per_step[self.step] = self.per_step.get(self.step, 0) + 1
+
+    def bcast(self, obj, root=0):
+        return obj
+
+    def Barrier(self):
+        pass
+
+
+# the rows of COMMUNICATION.md's table: when each applies to step k (1-based) of a run of `cfg`
+def _logged(k, cfg):
+    return k == 1 or k % cfg.train.log_every == 0 or k == cfg.train.steps
+
+
+def _validating(k, cfg):
+    return bool(cfg.train.val_every and k % cfg.train.val_every == 0) or k == cfg.train.steps
+
+
+def _saving(k, cfg):
+    return bool(cfg.checkpoint.every and k % cfg.checkpoint.every == 0) or k == cfg.train.steps
+
+
+def _validation_batches(cfg):
+    per_batch = cfg.train.micro_batch_size * cfg.parallel.dp
+    return -(-cfg.train.val_windows // per_batch)
+
+
+STEP_ROWS = {
+    "every step": lambda k, cfg: 1,
+    "a logged step": lambda k, cfg: int(_logged(k, cfg)),
+    "a validation step": lambda k, cfg: int(_validating(k, cfg)),
+    "a validation or checkpoint step": lambda k, cfg: int(_validating(k, cfg) or _saving(k, cfg)),
+    # a save started at step k is in flight at its boundary (the runs below save at the last step only,
+    # which waits for its writers, so exactly there)
+    "an asynchronous save in flight": lambda k, cfg: int(cfg.checkpoint.async_ and _saving(k, cfg)),
+}
+
+
+def documented_world_allreduces(cfg, text=None):
+    """step -> world all-reduces, as COMMUNICATION.md's table adds them up for a run of `cfg`."""
+    text = doc_text("COMMUNICATION.md") if text is None else text
+    rows = table_rows(part(text, "## Host bookkeeping: world all-reduces per step"))
+    expected = {k: 0 for k in range(1, cfg.train.steps + 1)}
+    for when, count, _ in rows:
+        assert when in STEP_ROWS, f"COMMUNICATION.md: a row this test does not know: {when!r}"
+        m = re.fullmatch(r"(\d+)( per validation batch)?", count)
+        assert m, f"COMMUNICATION.md: cannot read the count {count!r}"
+        per = int(m[1]) * (_validation_batches(cfg) if m[2] else 1)
+        for k in expected:
+            expected[k] += per * STEP_ROWS[when](k, cfg)
+    return expected
+
+
+def counted_world_allreduces(tmp_path, asynchronous, trainer_hook=None):
+    tmp_path.mkdir(exist_ok=True)
+    shard = tmp_path / "tokens.bin"
+    write_shard(shard, np.frombuffer(b"the same short sentence, again and again. " * 40, dtype=np.uint8))
+    cfg = config_from_dict({
+        "model": {"arch": "cola", "vocab_size": 256, "d_model": 16, "n_layers": 1, "n_heads": 2,
+                  "n_kv_heads": 2, "rank": 4, "d_ff": 32, "seq_len": 8},
+        "train": {"run_dir": str(tmp_path / "run"), "steps": 5, "micro_batch_size": 2, "log_every": 2,
+                  "val_every": 3, "val_windows": 4},
+        "data": {"train": str(shard), "val": str(shard)},
+        "checkpoint": {"every": 0 if asynchronous else 4, "async": asynchronous}})
+    assert _validation_batches(cfg) == 2
+    with stop_signals_restored():
+        trainer = Trainer(cfg, out=io.StringIO())
+        comm = CountingComm()
+        trainer.engine.grid.host = HostCollectives(comm)
+        forward_backward = trainer.engine.forward_backward
+
+        def step_marked(*args, **kwargs):
+            comm.step += 1
+            return forward_backward(*args, **kwargs)
+
+        trainer.engine.forward_backward = step_marked
+        if trainer_hook:
+            trainer_hook(trainer)
+        trainer.train()
+    return cfg, {k: comm.per_step.get(k, 0) for k in range(1, cfg.train.steps + 1)}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_world_allreduces_per_step_are_the_documented_ones(asynchronous, tmp_path):
+    cfg, counted = counted_world_allreduces(tmp_path, asynchronous)
+    assert counted == documented_world_allreduces(cfg)
+    assert counted[2] == 2  # an ordinary step that logs: two, not one
+
+
+def test_world_allreduce_check_fails_on_a_mutant(tmp_path):
+    text = doc_text("COMMUNICATION.md")
+    row = "| a logged step | 1 |"
+    assert row in text
+    cfg, counted = counted_world_allreduces(tmp_path / "a", False)
+    assert counted == documented_world_allreduces(cfg, text)
+    assert counted != documented_world_allreduces(cfg, text.replace(row, "| a logged step | 0 |"))
+
+    def one_more_sum_per_validation(trainer):  # the code makes an extra all-reduce when it validates
+        validate = trainer.validate
+
+        def validate_and_sum():
+            trainer.engine.grid.host.sum([0.0])
+            return validate()
+        trainer.validate = validate_and_sum
+
+    cfg, counted = counted_world_allreduces(tmp_path / "b", False, one_more_sum_per_validation)
+    assert counted != documented_world_allreduces(cfg, text)
+
+
+# ------------------------------------------------------------------ 4. no issue numbers, nothing outside
+ISSUE_CITATION = re.compile(r"\bissues?\s*#?\s*\d+|(?<![\w&/])#\d+\b|(?:\.\./|/work/)shared\b|\bshared/(?:CONTRACT|STYLE)",
+                            re.I)
+
+
+def citations(text, markdown):
+    """Issue numbers and pointers outside the repository in a text; a markdown file's fenced blocks
+    (program output, where `#2` is a rank) are read for issue words and paths only."""
+    found = []
+    in_fence = False
+    for number, line in enumerate(text.splitlines(), 1):
+        if markdown and line.lstrip().startswith("```"):
+            in_fence = not in_fence
+            continue
+        for m in ISSUE_CITATION.finditer(line):
+            if in_fence and m.group().startswith("#"):
+                continue
+            found.append(f"{number}: {m.group()}")
+    return found
+
+
+def cited_files():
+    bench = REPO / "bench"
+    return doc_files() + sorted((bench / "log").glob("*.md")) + sorted(bench.glob("*.py"))
+
+
+def test_no_doc_or_bench_file_cites_an_issue_or_points_outside_the_repository():
+    hits = {str(path.relative_to(REPO)): found for path in cited_files()
+            if (found := citations(path.read_text(encoding="utf-8"), path.suffix == ".md"))}
+    assert not hits, hits
+
+
+@pytest.mark.parametrize("text", ["as issue 24 asks", "(issue #3)", "fixed in #24.", "see ../shared/CONTRACT.md",
+                                  "Issues 7 and 8", "STYLE: shared/STYLE.md"])
+def test_citation_check_fails_on_a_mutant(text):
+    assert citations(f"Some prose.\n{text}\n", markdown=True)
+
+
+def test_citation_check_passes_what_is_not_a_citation():
+    assert citations("step 24, a 2-issue queue, `&#24;`, x/#3\n```\nmargin over #2\n```\n", markdown=True) == []
