@@ -437,6 +437,53 @@ def test_world_allreduce_check_fails_on_a_mutant(tmp_path):
     assert counted != documented_world_allreduces(cfg, text)
 
 
+# ------------------------------------------------------------------ 5. DESIGN.md's "where is X" table
+PATH = re.compile(r"(?<![\w.])(?:[\w.-]+/)+[\w.-]*")
+
+
+def where_paths(text=None):
+    """Every path in the "where" column of DESIGN.md's Where is X table."""
+    text = doc_text("DESIGN.md") if text is None else text
+    rows = table_rows(part(text, "## Where is X"))
+    assert len(rows) >= 10
+    return [p for _, where in rows for p in PATH.findall(where)]
+
+
+def missing_paths(paths):
+    return [p for p in paths if not (REPO / p).exists()]
+
+
+def test_every_path_of_the_where_table_exists():
+    paths = where_paths()
+    assert "boostmpi/model/layers.py" in paths and "docs/FORMATS.md" in paths and "kernels/" in paths
+    assert missing_paths(paths) == []
+
+
+def test_where_table_check_fails_on_a_mutant():
+    text = doc_text("DESIGN.md")
+    assert "`boostmpi/model/layers.py`" in text
+    mutant = text.replace("`boostmpi/model/layers.py`", "`boostmpi/model/layer.py`")
+    assert missing_paths(where_paths(mutant)) == ["boostmpi/model/layer.py"]
+
+
+REPO_PATH = re.compile(r"(?<![\w./-])((?:boostmpi|tests|bench|docs|jobs|kernels|configs)/[\w./-]*[\w/])(?![\w<*])")
+OTHER_PROJECTS = {"docs/performance.md"}  # torchtitan's, cited in docs/SIM.md
+
+
+def named_paths(text):
+    """The repository paths a text names (a path ending in a <placeholder> or a glob is not one)."""
+    return {p for p in REPO_PATH.findall(text) if p not in OTHER_PROJECTS}
+
+
+def test_every_path_a_doc_names_exists():
+    missing = {f"{path.relative_to(REPO)}: {p}" for path in doc_files()
+               for p in named_paths(path.read_text(encoding="utf-8")) if not (REPO / p).exists()}
+    assert not missing, sorted(missing)
+    assert named_paths("see boostmpi/train/trainer.py, `jobs/setup_<site>.sh`, kernels/*.cu") == {
+        "boostmpi/train/trainer.py"}
+    assert missing_paths(named_paths("moved to boostmpi/train/trainers.py.")) == ["boostmpi/train/trainers.py"]
+
+
 # ------------------------------------------------------------------ 4. no issue numbers, nothing outside
 ISSUE_CITATION = re.compile(r"\bissues?\s*#?\s*\d+|(?<![\w&/])#\d+\b|(?:\.\./|/work/)shared\b|\bshared/(?:CONTRACT|STYLE)",
                             re.I)
