@@ -437,6 +437,79 @@ def test_world_allreduce_check_fails_on_a_mutant(tmp_path):
     assert counted != documented_world_allreduces(cfg, text)
 
 
+# ------------------------------------------------------------------ 3b. tensor-parallel calls per step
+def layout_overrides(layout):
+    """`--set` overrides of a layout cell of COMMUNICATION.md's calls table, e.g. "`btp`, sync norm, grouped"."""
+    (mode,) = code_names(layout)
+    arch = "full" if "full rank" in layout else "cola"
+    return [f"parallel.tp_mode={mode}", f"model.arch={arch}", f"parallel.norm={'sync' if 'sync norm' in layout else 'online'}",
+            f"parallel.grouped={'false' if 'ungrouped' in layout else 'true'}"]
+
+
+def documented_tp_calls(text=None):
+    """[(overrides of the layout, forward, backward, embedding and head)] of COMMUNICATION.md's calls table."""
+    text = doc_text("COMMUNICATION.md") if text is None else text
+    rows = table_rows(part(text, "## Calls per step"))
+    assert len(rows) >= 8
+    return [(layout_overrides(layout), int(fwd), int(bwd), int(ends)) for layout, fwd, bwd, ends in rows]
+
+
+def tp_calls_per_step(cfg, forward, backward, ends):
+    """The per-step total COMMUNICATION.md gives: dp · M · (L · (f · forward + backward) + ends)."""
+    f = 2 if cfg.train.recompute == "layer" else 1
+    return cfg.parallel.dp * cfg.train.grad_accum * (cfg.model.n_layers * (f * forward + backward) + ends)
+
+
+def tp2_config(overrides, *more):
+    from boostmpi.config import load_config
+    return load_config(TINY_CONFIG, overrides=["parallel.tp=2", "train.dtype=float64", *overrides, *more])
+
+
+def test_documented_tp_calls_are_the_performance_models():
+    """The model's tp_calls equal the engine's counters for every layout (tests/test_sim_vs_engine.py, under
+    MPI); here the table against it, for layer counts, micro-batches, dp and recompute modes."""
+    from boostmpi.sim.model import tp_calls
+
+    for overrides, fwd, bwd, ends in documented_tp_calls():
+        for more in ([], ["model.n_layers=4", "train.grad_accum=3"], ["parallel.dp=2", "train.recompute=layer"],
+                     ["train.recompute=selective"]):
+            cfg = tp2_config(overrides, *more)
+            assert tp_calls(cfg) == tp_calls_per_step(cfg, fwd, bwd, ends), (overrides, more)
+
+
+def test_tp_calls_check_fails_on_a_mutant():
+    text = doc_text("COMMUNICATION.md")
+    row = "| `btp`, sync norm, grouped | 6 | 4 | 4 |"
+    assert row in text
+    mutant = documented_tp_calls(text.replace(row, "| `btp`, sync norm, grouped | 4 | 4 | 4 |"))
+    from boostmpi.sim.model import tp_calls
+
+    cfg = tp2_config(mutant[2][0])
+    assert tp_calls(cfg) != tp_calls_per_step(cfg, *mutant[2][1:])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_documented_tp_calls_are_what_the_engine_counts():
+    from boostmpi.parallel.engine import Engine
+    from mpi_helpers import abort_on_error, assert_all_ranks, world
+    from test_parallel import free_communicators
+    from test_sim_vs_engine import counted, random_micro_batches
+
+    comm = world()
+    if comm.Get_size() != 2:
+        pytest.skip("tp = 2 on two ranks")
+    for overrides, fwd, bwd, ends in documented_tp_calls():
+        for recompute in ("none", "layer"):
+            cfg = tp2_config(overrides, f"train.recompute={recompute}", "train.grad_accum=2")
+            with abort_on_error():
+                engine = Engine(cfg, comm)
+                _, calls = counted(engine, random_micro_batches(cfg), comm)  # summed: each group's calls once
+            expected = tp_calls_per_step(cfg, fwd, bwd, ends)
+            assert_all_ranks(calls == expected, f"{overrides} recompute={recompute}: the engine made {calls} tp calls, "
+                             f"docs/COMMUNICATION.md says {expected}")
+            free_communicators(engine)
+
+
 # ------------------------------------------------------------------ 5. DESIGN.md's "where is X" table
 PATH = re.compile(r"(?<![\w.])(?:[\w.-]+/)+[\w.-]*")
 
