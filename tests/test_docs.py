@@ -8,6 +8,7 @@ makes), not by file; and each has a mutation test that proves it fails when eith
 import io
 import json
 import re
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -62,6 +63,13 @@ def code_names(cell):
     return re.findall(r"`([^`]+)`", cell)
 
 
+def tiny_shard(folder):
+    """A token shard of a little repeated text, for runs that only count what they do."""
+    shard = folder / "tokens.bin"
+    write_shard(shard, np.frombuffer(b"the same short sentence, again and again. " * 40, dtype=np.uint8))
+    return shard
+
+
 # ------------------------------------------------------------------ 1. configuration keys and defaults
 DERIVED = "derived"
 
@@ -108,7 +116,8 @@ def config_doc_problems(text=None):
                 problems.append(f"{section}.{key} is not in docs/FORMATS.md")
             elif default is None and doc != DERIVED:
                 problems.append(f"{section}.{key} is derived, the doc gives {doc!r}")
-            elif default is not None and (doc == DERIVED or doc != default or isinstance(doc, bool) != isinstance(default, bool)):
+            elif default is not None and (doc == DERIVED or doc != default
+                                          or isinstance(doc, bool) != isinstance(default, bool)):
                 problems.append(f"{section}.{key}: default {default!r} in the code, {doc!r} in the doc")
     for section, keys in documented.items():
         for key in keys:
@@ -176,7 +185,11 @@ def documented_checkpoint(text):
     attributes of the datasets of that row."""
     section = part(text, "## Checkpoints")
     tree = re.search(r"```\n(.*?)```", section, flags=re.S).group(1).splitlines()
-    folder = [line.split()[0] for line in tree if line.startswith("    ")]
+    def path(line):  # the name, up to the gap before its description
+        return re.split(r"\s{2,}", line.strip())[0]
+
+    folder = {"inside": [path(line) for line in tree if line.startswith("    ")],
+              "outside": [path(line) for line in tree if line.strip() and not line.startswith("    ")]}
     files = {}
     for row in table_rows(section):
         (file_name,) = code_names(row[0])
@@ -218,8 +231,16 @@ def checkpoint_doc_problems(folder_path, arch, text=None):
     text = doc_text("FORMATS.md") if text is None else text
     folder, files = documented_checkpoint(text)
     problems = []
+    run_dir = folder_path.parent.parent
+    for documented in folder["outside"]:  # <run_dir>/checkpoints/step_<step, 8 digits>/ and .../latest
+        inside_run_dir = documented.removeprefix("<run_dir>/")
+        if documented.endswith("/"):
+            if not name_pattern(inside_run_dir.rstrip("/")).fullmatch(str(folder_path.relative_to(run_dir))):
+                problems.append(f"{folder_path.relative_to(run_dir)} is not named as {documented}")
+        elif (run_dir / inside_run_dir).read_text().strip() != folder_path.name:
+            problems.append(f"{documented} does not name the newest checkpoint")
     present = sorted(p.name for p in folder_path.iterdir())
-    patterns = {documented: name_pattern(documented) for documented in folder}
+    patterns = {documented: name_pattern(documented) for documented in folder["inside"]}
     for name in present:
         if not any(p.fullmatch(name) for p in patterns.values()):
             problems.append(f"{name} is in the checkpoint, not in the doc's tree")
@@ -227,40 +248,39 @@ def checkpoint_doc_problems(folder_path, arch, text=None):
         if not any(p.fullmatch(name) for name in present):
             problems.append(f"{documented} is in the doc's tree, not in the checkpoint")
     for documented, spec in files.items():
-        matching = [name for name in present if patterns.get(documented, name_pattern(documented)).fullmatch(name)]
+        matching = [name for name in present if name_pattern(documented).fullmatch(name)]
         if not matching:
             problems.append(f"the doc's table describes {documented}, which the checkpoint does not have")
+        wanted = {n for n, archs in spec["entries"].items() if archs is None or arch in archs}
         for name in matching:
-            path = folder_path / name
-            wanted = {n: archs for n, archs in spec["entries"].items() if archs is None or arch in archs}
-            if name.endswith(".h5"):
-                datasets, attrs = datasets_of(path)
-                if attrs != spec["attrs"]:
-                    problems.append(f"{name}: attributes {sorted(attrs)}, documented {sorted(spec['attrs'])}")
-                for dataset, dataset_attrs in datasets.items():
-                    if not any(name_pattern(n).fullmatch(dataset) for n in wanted):
-                        problems.append(f"{name}: dataset {dataset} is not documented")
-                    elif dataset_attrs != spec["dataset_attrs"]:
-                        problems.append(f"{name}: {dataset} has attributes {sorted(dataset_attrs)}, documented "
-                                        f"{sorted(spec['dataset_attrs'])}")
-                for n in wanted:
-                    if not any(name_pattern(n).fullmatch(dataset) for dataset in datasets):
-                        problems.append(f"{name}: documented {n} (arch {arch}) is not there")
-            else:
-                content = json.loads(path.read_text())
-                if spec["each other file"]:
-                    if set(content) != set(present) - {name}:
-                        problems.append(f"{name} records {sorted(content)}, not every other file")
-                    for record in content.values():
-                        if set(record) != set(wanted):
-                            problems.append(f"{name}: a record has {sorted(record)}, documented {sorted(wanted)}")
-                    continue
-                if set(content) != set(wanted):
-                    problems.append(f"{name}: keys {sorted(content)}, documented {sorted(wanted)}")
-                for key, keys in spec["objects"].items():
-                    if set(content.get(key, {})) != keys:
-                        problems.append(f"{name}: {key} has {sorted(content.get(key, {}))}, documented {sorted(keys)}")
+            check = h5_problems if name.endswith(".h5") else json_problems
+            problems += [f"{name}: {p}" for p in check(folder_path / name, spec, wanted, arch, present)]
     return problems
+
+
+def h5_problems(path, spec, wanted, arch, present):
+    datasets, attrs = datasets_of(path)
+    problems = [] if attrs == spec["attrs"] else [f"attributes {sorted(attrs)}, documented {sorted(spec['attrs'])}"]
+    for dataset, dataset_attrs in datasets.items():
+        if not any(name_pattern(n).fullmatch(dataset) for n in wanted):
+            problems.append(f"dataset {dataset} is not documented")
+        elif dataset_attrs != spec["dataset_attrs"]:
+            problems.append(f"{dataset} has attributes {sorted(dataset_attrs)}, "
+                            f"documented {sorted(spec['dataset_attrs'])}")
+    return problems + [f"documented {n} (arch {arch}) is not there" for n in sorted(wanted)
+                       if not any(name_pattern(n).fullmatch(dataset) for dataset in datasets)]
+
+
+def json_problems(path, spec, wanted, arch, present):
+    content = json.loads(path.read_text())
+    if spec["each other file"]:  # COMPLETE: a record per file
+        others = set(present) - {path.name}
+        problems = [] if set(content) == others else [f"records {sorted(content)}, not every other file"]
+        return problems + [f"a record has {sorted(record)}, documented {sorted(wanted)}"
+                           for record in content.values() if set(record) != wanted]
+    problems = [] if set(content) == wanted else [f"keys {sorted(content)}, documented {sorted(wanted)}"]
+    return problems + [f"{key} has {sorted(content.get(key, {}))}, documented {sorted(keys)}"
+                       for key, keys in spec["objects"].items() if set(content.get(key, {})) != keys]
 
 
 @pytest.fixture(scope="module")
@@ -268,14 +288,14 @@ def checkpoints(tmp_path_factory):
     """arch -> the folder of a one-step checkpoint of the tiny model (one layer): cola written
     synchronously, full asynchronously."""
     tmp = tmp_path_factory.mktemp("checkpoints")
-    shard = tmp / "tokens.bin"
-    write_shard(shard, np.frombuffer(b"the same short sentence, again and again. " * 40, dtype=np.uint8))
+    shard = tiny_shard(tmp)
     folders = {}
     for arch, asynchronous in (("cola", "false"), ("full", "true")):
         run_dir = tmp / arch
         argv = ["train", "--config", str(TINY_CONFIG)]
         for setting in (f"train.run_dir={run_dir}", f"data.train={shard}", f"data.val={shard}", "train.steps=1",
-                        "train.val_windows=2", "model.n_layers=1", f"model.arch={arch}", f"checkpoint.async={asynchronous}"):
+                        "train.val_windows=2", "model.n_layers=1", f"model.arch={arch}",
+                        f"checkpoint.async={asynchronous}"):
             argv += ["--set", setting]
         with stop_signals_restored():
             assert main(argv) == 0
@@ -302,19 +322,23 @@ def test_checkpoint_doc_check_fails_on_a_mutant(checkpoints, tmp_path):
         assert old in text
         assert checkpoint_doc_problems(folder, "cola", text.replace(old, new)), old
     # the writer writes one more file, one more attribute
-    mutant = tmp_path / folder.name
-    mutant.mkdir()
-    for path in folder.iterdir():
-        (mutant / path.name).write_bytes(path.read_bytes())
+    shutil.copytree(folder.parent, tmp_path / "checkpoints")
+    mutant = tmp_path / "checkpoints" / folder.name
     (mutant / "extra.json").write_text("{}")
-    assert checkpoint_doc_problems(mutant, "cola", text) == ["extra.json is in the checkpoint, not in the doc's tree",
-                                                              "COMPLETE records ['model.h5', 'optim.h5', "
-                                                              "'rank-tp0-pp0-dp0.h5', 'state.json'], not every other file"]
+    assert checkpoint_doc_problems(mutant, "cola", text) == [
+        "extra.json is in the checkpoint, not in the doc's tree",
+        "COMPLETE: records ['model.h5', 'optim.h5', 'rank-tp0-pp0-dp0.h5', 'state.json'], not every other file"]
     (mutant / "extra.json").unlink()
     with h5py.File(mutant / "optim.h5", "a") as f:
         f.attrs["zero_stage"] = 0
     assert checkpoint_doc_problems(mutant, "cola", text) == [
         "optim.h5: attributes ['format', 'step', 't', 'zero_stage'], documented ['format', 'step', 't']"]
+    (mutant.parent / "latest").write_text("step_00000002\n")
+    assert checkpoint_doc_problems(mutant, "cola", text)[0] == (
+        "<run_dir>/checkpoints/latest does not name the newest checkpoint")
+    renamed = mutant.rename(mutant.parent / "step_1")
+    assert checkpoint_doc_problems(renamed, "cola", text)[0] == (
+        "checkpoints/step_1 is not named as <run_dir>/checkpoints/step_<step, 8 digits>/")
 
 
 # ------------------------------------------------------------------ 3. world all-reduces per step
@@ -383,8 +407,7 @@ def documented_world_allreduces(cfg, text=None):
 
 def counted_world_allreduces(tmp_path, asynchronous, trainer_hook=None):
     tmp_path.mkdir(exist_ok=True)
-    shard = tmp_path / "tokens.bin"
-    write_shard(shard, np.frombuffer(b"the same short sentence, again and again. " * 40, dtype=np.uint8))
+    shard = tiny_shard(tmp_path)
     cfg = config_from_dict({
         "model": {"arch": "cola", "vocab_size": 256, "d_model": 16, "n_layers": 1, "n_heads": 2,
                   "n_kv_heads": 2, "rank": 4, "d_ff": 32, "seq_len": 8},
@@ -442,7 +465,8 @@ def layout_overrides(layout):
     """`--set` overrides of a layout cell of COMMUNICATION.md's calls table, e.g. "`btp`, sync norm, grouped"."""
     (mode,) = code_names(layout)
     arch = "full" if "full rank" in layout else "cola"
-    return [f"parallel.tp_mode={mode}", f"model.arch={arch}", f"parallel.norm={'sync' if 'sync norm' in layout else 'online'}",
+    norm = "sync" if "sync norm" in layout else "online"
+    return [f"parallel.tp_mode={mode}", f"model.arch={arch}", f"parallel.norm={norm}",
             f"parallel.grouped={'false' if 'ungrouped' in layout else 'true'}"]
 
 
@@ -558,8 +582,9 @@ def test_every_path_a_doc_names_exists():
 
 
 # ------------------------------------------------------------------ 4. no issue numbers, nothing outside
-ISSUE_CITATION = re.compile(r"\bissues?\s*#?\s*\d+|(?<![\w&/])#\d+\b|(?:\.\./|/work/)shared\b|\bshared/(?:CONTRACT|STYLE)",
-                            re.I)
+# "issue 24", "issue #3", "issues 7 and 8", "#24"; not "the engine issues 2 calls"
+ISSUE_CITATION = re.compile(r"\bissue\s*#?\s*\d+|\bissues\s*#\d+|\bissues\s+\d+(?:\s*(?:,|and)\s*#?\d+)+"
+                            r"|(?<![\w&/])#\d+\b|(?:\.\./|/work/)shared\b|\bshared/(?:CONTRACT|STYLE)", re.I)
 
 
 def citations(text, markdown):
@@ -596,4 +621,5 @@ def test_citation_check_fails_on_a_mutant(text):
 
 
 def test_citation_check_passes_what_is_not_a_citation():
-    assert citations("step 24, a 2-issue queue, `&#24;`, x/#3\n```\nmargin over #2\n```\n", markdown=True) == []
+    assert citations("step 24, a 2-issue queue, `&#24;`, x/#3, the engine issues 2 calls\n```\nmargin over #2\n```\n",
+                     markdown=True) == []
