@@ -169,13 +169,16 @@ PLACEHOLDERS = {"<step, 8 digits>": r"\d{8}", "<lin>": "(q|k|v|o|gate|up|down)",
                 "<i>": r"\d+", "<j>": r"\d+", "<t>": r"\d+", "<s>": r"\d+", "<d>": r"\d+"}
 
 
-def name_pattern(documented):
+def name_pattern(documented, params=None):
     """A regex for a documented name: <i>, <j>, <t>, <s>, <d> are numbers, <lin> a linear, <name> a
-    parameter name."""
+    parameter name (one of `params`, model.h5's datasets, when given)."""
+    placeholders = dict(PLACEHOLDERS)
+    if params:
+        placeholders["<name>"] = "(" + "|".join(map(re.escape, params)) + ")"
     pieces = re.split(r"(<[^>]+>)", documented)
     for placeholder in pieces[1::2]:
-        assert placeholder in PLACEHOLDERS, f"an unknown placeholder {placeholder} in {documented!r}"
-    return re.compile("".join(PLACEHOLDERS[p] if i % 2 else re.escape(p) for i, p in enumerate(pieces)))
+        assert placeholder in placeholders, f"an unknown placeholder {placeholder} in {documented!r}"
+    return re.compile("".join(placeholders[p] if i % 2 else re.escape(p) for i, p in enumerate(pieces)))
 
 
 def documented_checkpoint(text):
@@ -259,16 +262,22 @@ def checkpoint_doc_problems(folder_path, arch, text=None):
 
 
 def h5_problems(path, spec, wanted, arch, present):
+    """An HDF5 file against its row: attributes, every dataset documented (a <name> being one of model.h5's
+    datasets) with its attributes, and every documented name there (a <name> pattern for each parameter)."""
     datasets, attrs = datasets_of(path)
+    params = sorted(datasets_of(path.parent / "model.h5")[0])
     problems = [] if attrs == spec["attrs"] else [f"attributes {sorted(attrs)}, documented {sorted(spec['attrs'])}"]
     for dataset, dataset_attrs in datasets.items():
-        if not any(name_pattern(n).fullmatch(dataset) for n in wanted):
+        if not any(name_pattern(n, params).fullmatch(dataset) for n in wanted):
             problems.append(f"dataset {dataset} is not documented")
         elif dataset_attrs != spec["dataset_attrs"]:
             problems.append(f"{dataset} has attributes {sorted(dataset_attrs)}, "
                             f"documented {sorted(spec['dataset_attrs'])}")
-    return problems + [f"documented {n} (arch {arch}) is not there" for n in sorted(wanted)
-                       if not any(name_pattern(n).fullmatch(dataset) for dataset in datasets)]
+    for n in sorted(wanted):
+        for instance in ([n.replace("<name>", p) for p in params] if "<name>" in n else [n]):
+            if not any(name_pattern(instance).fullmatch(dataset) for dataset in datasets):
+                problems.append(f"documented {instance} (arch {arch}) is not there")
+    return problems
 
 
 def json_problems(path, spec, wanted, arch, present):
@@ -336,6 +345,10 @@ def test_checkpoint_doc_check_fails_on_a_mutant(checkpoints, tmp_path):
     (mutant.parent / "latest").write_text("step_00000002\n")
     assert checkpoint_doc_problems(mutant, "cola", text)[0] == (
         "<run_dir>/checkpoints/latest does not name the newest checkpoint")
+    with h5py.File(mutant / "optim.h5", "a") as f:
+        del f.attrs["zero_stage"]
+        del f["v/final_norm"]
+    assert checkpoint_doc_problems(mutant, "cola", text)[1:] == ["optim.h5: documented v/final_norm (arch cola) is not there"]
     renamed = mutant.rename(mutant.parent / "step_1")
     assert checkpoint_doc_problems(renamed, "cola", text)[0] == (
         "checkpoints/step_1 is not named as <run_dir>/checkpoints/step_<step, 8 digits>/")
