@@ -133,6 +133,8 @@ def test_every_config_key_and_default_is_documented_and_every_documented_key_exi
 def test_config_doc_check_fails_on_a_mutant(monkeypatch):
     text = doc_text("FORMATS.md")
     assert "| `keep` | 0 |" in text and "| `seed` | 1337 |" in text
+    keep_row = next(line for line in text.splitlines() if line.startswith("| `keep` | 0 |"))
+    assert config_doc_problems(text.replace(keep_row + "\n", "")) == ["checkpoint.keep is not in docs/FORMATS.md"]
     assert any("keep" in p for p in config_doc_problems(text.replace("| `keep` | 0 |", "| `kept` | 0 |")))
     assert any("seed" in p for p in config_doc_problems(text.replace("| `seed` | 1337 |", "| `seed` | 1338 |")))
     schema = {section: dict(keys) for section, keys in config_module.DEFAULTS.items()}
