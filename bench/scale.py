@@ -55,9 +55,10 @@ def vm_hwm():
 def worker(args):
     from mpi4py import MPI
 
+    from boostmpi import checkpoint as ckpt
     from boostmpi.config import config_from_dict
+    from boostmpi.files import write_at
     from boostmpi.parallel.engine import Engine
-    from boostmpi.train import checkpoint as ckpt
     from boostmpi.train.optim import AdamW
 
     world = MPI.COMM_WORLD
@@ -130,7 +131,7 @@ def worker(args):
         memory (like `dd oflag=direct`), then fsync."""
         fd = os.open(os.path.join(plain_dir, f"rank{rank}.direct"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
         try:
-            ckpt.write_at(fd, aligned, 0)
+            write_at(fd, aligned, 0)
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -180,7 +180,7 @@ import os
 import sys
 import tomllib
 
-from boostmpi.train.checkpoint import find_latest, read_state
+from boostmpi.checkpoint import find_latest, read_state
 from boostmpi.train.trainer import STOPPED_MARKER
 
 run_dir = sys.argv[1]

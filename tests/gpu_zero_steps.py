@@ -45,8 +45,8 @@ def gathered(engine, buffer):
 def main(run_dir):
     from mpi4py import MPI
 
+    from boostmpi import checkpoint as ckpt
     from boostmpi.model.params import FlatBuffer
-    from boostmpi.train import checkpoint as ckpt
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()

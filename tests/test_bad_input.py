@@ -143,8 +143,8 @@ def test_a_nan_loss_stops_with_one_line_and_keeps_the_last_checkpoint(shards, tm
 
 def checkpoint_as_if_written_with(run_dir, step, **changes):
     """Rewrite checkpoint `step` of `run_dir` as if its run had been configured with `changes`."""
+    from boostmpi import checkpoint as ckpt
     from boostmpi.config import load_config
-    from boostmpi.train import checkpoint as ckpt
     from train_helpers import h5_datasets
 
     folder = run_dir / "checkpoints" / f"step_{step:08d}"

@@ -11,11 +11,11 @@ import h5py
 import numpy as np
 import pytest
 
+from boostmpi import checkpoint as ckpt
 from boostmpi.config import config_from_dict
 from boostmpi.errors import CheckpointError
 from boostmpi.model.params import FlatBuffer
 from boostmpi.parallel.engine import Engine
-from boostmpi.train import checkpoint as ckpt
 from boostmpi.train.optim import AdamW
 from mpi_helpers import abort_on_error, assert_all_ranks, on_root, world
 

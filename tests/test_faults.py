@@ -65,7 +65,7 @@ FAULT_LAUNCHER = textwrap.dedent('''
     elif "-while-saving-step-" in fault:
         # kill-while-saving-step-N: rank 0 gets SIGKILL between model.h5 and the rest;
         # kill-rank-1-while-saving-step-N: rank 1 gets it once its own file is written, the others still writing
-        from boostmpi.train import checkpoint
+        from boostmpi import checkpoint
 
         # stop-rank-1-while-saving-step-N: rank 1 is stopped (SIGSTOP) there instead: alive, never answering
         import time
@@ -303,7 +303,7 @@ def test_kill_9_of_one_rank_ends_all_and_the_restart_continues_exactly(tmp_path,
     assert not any(_alive(pid) for pid in ranks.values()), "a rank outlived the job"
     assert "done: step" not in log
 
-    from boostmpi.train.checkpoint import find_latest
+    from boostmpi.checkpoint import find_latest
 
     latest = find_latest(str(run_dir))
     assert latest is not None
@@ -323,7 +323,7 @@ def test_kill_9_of_one_rank_ends_all_and_the_restart_continues_exactly(tmp_path,
                                         ("kill-rank-1-while-saving-step-", "rank-tp1-pp0-dp0.h5")])
 def test_kill_during_checkpoint_writing_keeps_the_previous_checkpoint(fault, left, tmp_path, reference):
     from boostmpi.errors import CheckpointError
-    from boostmpi.train import checkpoint
+    from boostmpi import checkpoint
 
     run_dir = tmp_path / "run"
     kill_step = 3 * EVERY
@@ -387,7 +387,7 @@ def test_a_stop_signal_writes_a_checkpoint_exits_75_and_the_rerun_resumes(how, t
     stopped = int(log.split("stopped by signal at step ")[1].split(":")[0])
     assert 15 <= stopped < STEPS
 
-    from boostmpi.train.checkpoint import find_latest
+    from boostmpi.checkpoint import find_latest
 
     latest = find_latest(str(run_dir))
     assert latest == str(run_dir / "checkpoints" / f"step_{stopped:08d}")
@@ -470,14 +470,14 @@ def _assert_disk_full_refusal(status, err, run_dir, before, *fragments):
 def test_a_write_that_hits_a_full_disk_removes_its_temporary_folder(where, text_shards, tmp_path, capfd, monkeypatch):
     import errno
 
-    from boostmpi.train import checkpoint
+    from boostmpi.checkpoint import writer as checkpoint_writer  # where the save looks its writers up
     from train_helpers import run_train, stop_signals_restored
 
     run_dir = tmp_path / "run"
     assert run_train(run_dir, *text_shards, "train.steps=2") == 0
     before = _checkpoint_folder_state(run_dir)
     writer = "write_rank_file" if where == "rank file" else "write_virtual_files"
-    write = getattr(checkpoint, writer)
+    write = getattr(checkpoint_writer, writer)
 
     def write_until_full(path, *args, **kwargs):
         target = path if where == "rank file" else os.path.join(path, "model.h5")
@@ -485,7 +485,7 @@ def test_a_write_that_hits_a_full_disk_removes_its_temporary_folder(where, text_
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), target)
 
     assert write is not None
-    monkeypatch.setattr(checkpoint, writer, write_until_full)
+    monkeypatch.setattr(checkpoint_writer, writer, write_until_full)
     capfd.readouterr()
     with stop_signals_restored():
         status = run_train(run_dir, *text_shards, "train.steps=4")
@@ -709,7 +709,7 @@ def test_a_quota_or_file_size_limit_on_rank_0_ends_every_rank_with_one_line(faul
     """Injected on rank 0 alone (the fault launcher): the job ends with one line and exit status 2 on
     every rank at the next step, no traceback; metrics.jsonl ends with its last whole row, in step
     order; the last checkpoint is intact."""
-    from boostmpi.train import checkpoint
+    from boostmpi import checkpoint
 
     run_dir = tmp_path / "run"
     status, out, seconds = _run(_train_argv(run_dir, program=("-c", FAULT_LAUNCHER), steps=60),
@@ -769,7 +769,7 @@ def test_a_rank_stopped_or_killed_during_a_checkpoint_ends_every_rank_within_the
     """Rank 1 gets SIGSTOP (alive, never answering) or SIGKILL once its own file of the step-30
     checkpoint is written, while the others wait in the checkpoint's agreement: every rank is gone
     within parallel.watchdog_s + 5 s, and the step-20 checkpoint is still the latest and intact."""
-    from boostmpi.train import checkpoint
+    from boostmpi import checkpoint
 
     run_dir = tmp_path / "run"
     argv = _train_argv(run_dir, program=("-c", FAULT_LAUNCHER), steps=40) + ["--set", f"parallel.watchdog_s={WATCHDOG_S}"]
@@ -835,7 +835,7 @@ def test_a_second_ctrl_c_stops_at_once_without_claiming_a_clean_stop(tmp_path):
     status after its forced abort is Hydra's: MPICH 5.0.2 returned 255 in some runs and 0 in others
     (its proxy fails an assertion while cleaning up), so the run directory, not that status, is
     what tells a script the run did not finish."""
-    from boostmpi.train import checkpoint
+    from boostmpi import checkpoint
 
     run_dir = tmp_path / "run"
     proc = _start(_train_argv(run_dir, program=("-c", FAULT_LAUNCHER)), tmp_path / "log", BOOSTMPI_FAULT="slow-stop-save")

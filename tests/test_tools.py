@@ -20,6 +20,7 @@ import h5py
 import numpy as np
 import pytest
 
+from boostmpi import checkpoint as ckpt
 from boostmpi.cli import main
 from boostmpi.config import config_from_dict
 from boostmpi.data.shards import eval_windows, open_shard, write_shard
@@ -28,7 +29,6 @@ from boostmpi.tools.generate import Decoder, checkpoint_tokenizer, encode_prompt
 from boostmpi.tools.inspect import describe
 from boostmpi.tools.loading import load_checkpoint, load_checkpoint_engine
 from boostmpi.tools.plot import make_figure
-from boostmpi.train import checkpoint as ckpt
 from boostmpi.train.trainer import Trainer
 from mpi_helpers import MPIEXEC
 

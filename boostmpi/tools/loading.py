@@ -10,10 +10,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from boostmpi import checkpoint as ckpt
 from boostmpi.config import config_from_dict
 from boostmpi.errors import CheckpointError, ConfigError
 from boostmpi.model.params import all_global_specs
-from boostmpi.train import checkpoint as ckpt
 
 
 def checkpoint_dir(path):

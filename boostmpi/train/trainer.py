@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from boostmpi import checkpoint as ckpt
 from boostmpi.data.progress import format_duration
 from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
 from boostmpi.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, UserError
@@ -19,7 +20,6 @@ from boostmpi.files import (FilesystemError, LineLog, RunDirInUse, RunLock, atom
                             format_bytes, fs_error, is_out_of_space, make_dirs)
 from boostmpi.parallel.comm import AXES
 from boostmpi.parallel.engine import Engine
-from boostmpi.train import checkpoint as ckpt
 from boostmpi.train.optim import AdamW, learning_rate
 
 
