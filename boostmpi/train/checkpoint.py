@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from boostmpi.errors import CheckpointError, UserError
+from boostmpi.errors import CheckpointError, UserError, raised_on_all_ranks
 from boostmpi.files import (FilesystemError, atomic_file, check_space, fs_error, fsync_dir, make_dirs, write_at,
                             write_file_atomically)
 from boostmpi.model.params import FlatBuffer, all_global_specs, block_pieces, param_specs, split_range
@@ -585,10 +585,7 @@ class _Agreement:
         return self.host.gather(value)
 
     def check(self, error):
-        errors = self.host.allgather(error)
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise _raised(first)
+        self.host.agree(error)
 
 
 def _failure(exc, name, root, needed, kept):
@@ -798,9 +795,7 @@ def save(run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, crash_hoo
 
 def _raised(error):
     """The UserError of a (class name, message) verdict, marked as raised on every rank."""
-    exc = {c.__name__: c for c in (FilesystemError, CheckpointError)}.get(error[0], CheckpointError)(error[1])
-    exc.all_ranks = True
-    return exc
+    return raised_on_all_ranks(error)
 
 
 def _publish(run_dir, tmp, final, step, keep, log, prune_in_background=False):
