@@ -21,6 +21,8 @@ import traceback
 
 import numpy as np
 
+from boostmpi.precision import mpi_sum_dtype
+
 AXES = ("tp", "pp", "dp")
 
 
@@ -423,10 +425,11 @@ def _reducible(buf, keep=True):
     buffer is summed as a float32 copy (twice the bytes on the wire; each sum rounded to bfloat16 once,
     at the end) and cast back; the byte counters still count `buf`, the payload. `keep=False`: `buf`
     only receives (an output), its values are not copied in."""
-    if _mpi_knows(buf.dtype):
+    dtype = mpi_sum_dtype(buf.dtype, _mpi_knows(buf.dtype))
+    if dtype == buf.dtype:
         return buf, _nothing
     xp = _xp(buf)
-    wide = buf.astype(np.float32) if keep else xp.empty(buf.shape, dtype=np.float32)
+    wide = buf.astype(dtype) if keep else xp.empty(buf.shape, dtype=dtype)
 
     def put_back():
         buf[...] = wide.astype(buf.dtype)

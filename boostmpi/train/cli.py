@@ -47,7 +47,9 @@ def _run(args):
         check_mpi(world, rank, local_rank)  # prints the MPI library and transport; refuses a wrong MPI
 
         cfg = load_config(args.config, overrides=args.set, world_size=size)
-        from boostmpi.parallel.comm import HostCollectives
+        from boostmpi.parallel.comm import HostCollectives, configure_watchdog
+
+        configure_watchdog(cfg.parallel.watchdog_s)  # from here on, a collective that waits too long ends the job
         from boostmpi.train.trainer import Trainer, prepare_builtin
 
         if rank == 0:
