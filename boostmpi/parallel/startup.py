@@ -227,10 +227,7 @@ def check_memory(cfg, world, local_rank, environ=None):
         local_ranks = host.allgather(name).count(name)
         limit, where = host_memory_per_rank(environ, local_ranks)
         problem = memory_problem(memory, limit, where, "host")
-    problems = host.allgather(problem)
-    first = next((p for p in problems if p), None)
-    if first:
-        raise UserError(first)
+    host.agree(("UserError", problem) if problem else None)  # the first rank's problem stops every rank
 
 
 # ---------------------------------------------------------------- MPI library and transport
