@@ -398,7 +398,8 @@ def _mpi_type(dtype):
             (np.float32, MPI.FLOAT), (np.float64, MPI.DOUBLE), (np.complex64, MPI.C_FLOAT_COMPLEX),
             (np.complex128, MPI.C_DOUBLE_COMPLEX), (np.bool_, MPI.C_BOOL),
             (np.int8, MPI.INT8_T), (np.int16, MPI.INT16_T), (np.int32, MPI.INT32_T), (np.int64, MPI.INT64_T),
-            (np.uint8, MPI.UINT8_T), (np.uint16, MPI.UINT16_T), (np.uint32, MPI.UINT32_T), (np.uint64, MPI.UINT64_T))})
+            (np.uint8, MPI.UINT8_T), (np.uint16, MPI.UINT16_T), (np.uint32, MPI.UINT32_T), (np.uint64, MPI.UINT64_T))
+            if m != MPI.DATATYPE_NULL})  # a type this MPI lacks is left out
     return _MPI_TYPES.get(np.dtype(dtype))
 
 
