@@ -61,25 +61,6 @@ def to_numpy(x):
     return np.asarray(x)
 
 
-# dtype policy: parameters/compute dtype by name. float64 for gradient checks, float32 the
-# CPU default; bfloat16 is GPU mixed precision (bf16 compute, fp32 master weights and state).
-COMPUTE_DTYPES = {"float64": np.float64, "float32": np.float32}
-
-
-def param_dtype(dtype_name):
-    """Master-weight / optimizer-state dtype."""
-    return np.float64 if dtype_name == "float64" else np.float32
-
-
-def compute_dtype(dtype_name, xp=np):
-    if dtype_name == "bfloat16":
-        if xp is np:
-            raise UserError("train.dtype = \"bfloat16\" needs device = \"gpu\" (NumPy has no bfloat16)")
-        check_bf16_gpu()
-        return _cupy_bfloat16()
-    return COMPUTE_DTYPES[dtype_name]
-
-
 # What a bfloat16 run on the GPU needs. CuPy has bfloat16 from 14.0; the engine's routing is checked
 # against 14.2's source (tests/cupy_calls_checked.txt), which pyproject.toml's [gpu] extra pins.
 # CuPy turns bfloat16 off entirely under NumPy < 2.1.2 (its _util.pyx and _core/_scalar.pyx), and
@@ -134,15 +115,6 @@ def check_bf16_gpu():
     problem = bf16_gpu_problem(cupy.__version__, np.__version__, ml_version)
     if problem:
         raise UserError(problem)
-
-
-def _cupy_bfloat16():
-    try:
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    except ImportError as exc:
-        raise UserError(f"bfloat16 needs the ml_dtypes package ({exc})") from exc
 
 
 def keep_host_memory():

@@ -114,6 +114,18 @@ FAULT_LAUNCHER = textwrap.dedent('''
             return validate(self)
 
         trainer.Trainer.validate = signalled_validate
+    elif fault.startswith("sigusr1-on-rank-1-after-the-all-reduce-of-step-"):
+        # one rank alone is signalled, after the step's merged all-reduce (while it makes the metrics row)
+        from boostmpi.train import metrics
+
+        step_row, at = metrics.step_row, int(fault.rsplit("-", 1)[1])
+
+        def signalling_step_row(step, *args, **kwargs):
+            if step == at and rank == 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return step_row(step, *args, **kwargs)
+
+        metrics.step_row = signalling_step_row
     elif fault.startswith(("EDQUOT-", "EFBIG-")) and rank == 0:
         # EDQUOT-metrics-at-N: the N-th metrics row gets half-way, then the quota is exceeded;
         # EFBIG-log-at-N: the N-th line of the log (standard output) meets the file-size limit
@@ -796,6 +808,24 @@ def test_a_stop_signal_late_in_a_step_is_acted_on_at_that_step(tmp_path):
     assert status == 75, out
     assert "stopped by signal at step 15: checkpoint written" in out, out
     assert [s for s, _ in _losses(run_dir)][-1] == 15
+
+
+def test_a_stop_signal_on_one_rank_after_the_all_reduce_stops_at_that_step_boundary(tmp_path, reference):
+    """SIGUSR1 to rank 1 alone, after step 17's merged all-reduce: the other ranks learn of it from step
+    18's all-reduce, that step is dropped, and the checkpoint is of step 17; the rerun matches the
+    uninterrupted run's losses exactly (the dropped step's batches went back to the data stream)."""
+    run_dir = tmp_path / "run"
+    status, out, _ = _run(_train_argv(run_dir, program=("-c", FAULT_LAUNCHER)),
+                          BOOSTMPI_FAULT="sigusr1-on-rank-1-after-the-all-reduce-of-step-17")
+    assert status == 75, out
+    assert "stopped by signal at step 17: checkpoint written" in out, out
+    assert [s for s, _ in _losses(run_dir)][-1] == 17
+    from boostmpi.train.checkpoint import find_latest
+
+    assert find_latest(str(run_dir)) == str(run_dir / "checkpoints" / f"step_{17:08d}")
+    status, out, _ = _run(_train_argv(run_dir))
+    assert status == 0, out
+    assert _losses(run_dir) == reference
 
 
 def test_a_refused_metrics_row_is_cut_off_again(tmp_path, monkeypatch):

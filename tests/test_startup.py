@@ -260,8 +260,8 @@ def test_nccl_missing_on_one_rank_only_is_missing_for_all(monkeypatch):
         def Get_rank(self):
             return 0
 
-        def allreduce(self, value, op):
-            return max(value, 1)  # another rank reports NCCL missing
+        def Allreduce(self, sendbuf, recvbuf, op):  # in place, through HostCollectives
+            recvbuf[...] = 1  # another rank reports NCCL missing
 
     _fake_cupy(monkeypatch, gpus=1, nccl=_nccl_module(True))
     err = io.StringIO()

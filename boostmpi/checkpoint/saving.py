@@ -24,7 +24,7 @@ from boostmpi.checkpoint.layout import estimate_bytes, global_rank_states
 from boostmpi.checkpoint.runs import (complete_checkpoints, find_latest, is_complete, move_aside, prune,
                                       wait_for_pruning, write_latest)
 from boostmpi.checkpoint.writer import SPARE_IMAGES, PhaseTimer, file_record, rank_file_image
-from boostmpi.errors import CheckpointError, UserError
+from boostmpi.errors import CheckpointError, UserError, raised_on_all_ranks
 from boostmpi.files import FilesystemError, atomic_file, check_space, fs_error, fsync_dir, make_dirs
 
 def _lowest_cpu_priority():
@@ -56,10 +56,7 @@ class Agreement:
         return self.host.gather(value)
 
     def check(self, error):
-        errors = self.host.allgather(error)
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise _raised(first)
+        self.host.agree(error)
 
 
 def _failure(exc, name, root, needed, kept):
@@ -216,7 +213,7 @@ class PendingSave:
         cfg, tmp, name = self.cfg, self.tmp, self.name
         errors = [e for _, e in gathered if e is not None]
         if errors:
-            raise _raised(errors[0])
+            raise raised_on_all_ranks(errors[0])
         marker = {}
         for r, _ in gathered:
             marker.update(r)
@@ -265,13 +262,6 @@ def save(run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, crash_hoo
     pending = PendingSave(run_dir, step, cfg, states, adam_t, state, comm, keep, crash_hook, log, prune_in_background)
     pending.write()
     return pending.finish()
-
-
-def _raised(error):
-    """The UserError of a (class name, message) verdict, marked as raised on every rank."""
-    exc = {c.__name__: c for c in (FilesystemError, CheckpointError)}.get(error[0], CheckpointError)(error[1])
-    exc.all_ranks = True
-    return exc
 
 
 def _publish(run_dir, tmp, final, step, keep, log, prune_in_background=False):

@@ -16,7 +16,7 @@ the bf16 compute buffer (`params`), and that buffer is what is all-gathered.
 
 import numpy as np
 
-from boostmpi.backend import compute_dtype, get_array_module, get_xp, keep_host_memory, param_dtype
+from boostmpi.backend import get_array_module, get_xp, keep_host_memory
 from boostmpi.gpu.ranges import named_range
 from boostmpi.model import layers
 from boostmpi.model.params import (FlatBuffer, block_pieces, chunk_layers, init_box, init_local, param_specs,
@@ -27,6 +27,7 @@ from boostmpi.parallel.comm import HostCollectives, configure_watchdog
 from boostmpi.parallel.grid import Coords, ProcessGrid, rank_of
 from boostmpi.parallel.pipeline import FORWARD, message_tag, steps_with_messages
 from boostmpi.parallel.tensor_parallel import make_strategy
+from boostmpi.precision import compute_dtype, master_dtype, separate_master
 from boostmpi.train.optim import clip_coefficient, touched
 
 
@@ -79,7 +80,7 @@ class Engine:
         self.chunks = chunk_layers(m.n_layers, par.pp, c.pp, self.n_chunks)
         self.layers = stage_layers(m.n_layers, par.pp, c.pp, self.n_chunks)
         self.specs = param_specs(cfg, c.tp, c.pp)
-        self.pdtype = param_dtype(tr.dtype)
+        self.pdtype = master_dtype(tr.dtype)
         self.cdtype = compute_dtype(tr.dtype, self.xp)
         self.grads = FlatBuffer(self.specs, self.pdtype, self.xp)
         touched(self.grads.data)  # its pages fault in now, not in the first step's backward
@@ -96,7 +97,7 @@ class Engine:
         # only (`master`): the optimizer updates it, casts it into the compute buffer, and the compute
         # buffer (`params`, in the compute dtype) is all-gathered.
         same = np.dtype(self.cdtype) == np.dtype(self.pdtype)
-        self.master_separate = self.sharded and not same
+        self.master_separate = separate_master(self.cdtype, self.pdtype, self.sharded)
         if self.master_separate:
             self.params = FlatBuffer(self.specs, self.cdtype, self.xp)  # compute weights, whole
             self.cparams = self.params

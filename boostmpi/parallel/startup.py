@@ -227,10 +227,7 @@ def check_memory(cfg, world, local_rank, environ=None):
         local_ranks = host.allgather(name).count(name)
         limit, where = host_memory_per_rank(environ, local_ranks)
         problem = memory_problem(memory, limit, where, "host")
-    problems = host.allgather(problem)
-    first = next((p for p in problems if p), None)
-    if first:
-        raise UserError(first)
+    host.agree(("UserError", problem) if problem else None)  # the first rank's problem stops every rank
 
 
 # ---------------------------------------------------------------- MPI library and transport
@@ -307,14 +304,16 @@ def site_mpi_problem(nodes, batch_system, pypi, environ):
 
 def count_nodes(world, local_rank):
     """How many nodes the ranks span, by MPI's own account (ranks sharing memory form a node)."""
-    from mpi4py import MPI
+    from boostmpi.parallel.comm import HostCollectives
 
-    return 1 if world is None else world.allreduce(int(local_rank == 0), op=MPI.SUM)
+    return 1 if world is None else int(HostCollectives(world).sum([int(local_rank == 0)])[0])
 
 
 def check_mpi(world, rank, local_rank, environ=None, out=None):
     """Print what MPI this job runs on (rank 0) and stop a job whose MPI cannot serve it."""
     from mpi4py import MPI
+
+    from boostmpi.parallel.comm import HostCollectives
 
     environ = os.environ if environ is None else environ
     out = out or sys.stdout
@@ -328,7 +327,7 @@ def check_mpi(world, rank, local_rank, environ=None, out=None):
     library = loaded_mpi_library()
     pypi = is_pypi_mpich(library, pypi_mpich_libraries())
     nodes = count_nodes(world, local_rank)
-    any_pypi = pypi if world is None else bool(world.allreduce(int(pypi), op=MPI.MAX))
+    any_pypi = pypi if world is None else bool(HostCollectives(world).max([int(pypi)])[0])
     version = MPI.Get_library_version()
     if rank == 0:
         name = version.strip().splitlines()[0].strip()
@@ -375,11 +374,13 @@ def check_gpu_per_rank(world, rank, bus_id, environ=None, out=None):
     """Gather every rank's GPU bus id; stop (all ranks together) on a shared GPU or an unset map variable."""
     from mpi4py import MPI
 
+    from boostmpi.parallel.comm import HostCollectives
+
     environ = os.environ if environ is None else environ
     out = out or sys.stdout
     map_var = environ.get(GPU_MAP_VAR, "")
     record = (MPI.Get_processor_name(), rank, bus_id, map_var, environ.get(map_var, "") != "" if map_var else True)
-    records = [record] if world is None else world.allgather(record)
+    records = HostCollectives(world).allgather(record)
     problem = gpu_mapping_problem(records)
     if problem:
         raise UserError(problem)
@@ -429,6 +430,7 @@ def resolve_comm(requested, world, environ=None, out=None, err=None):
     """'nccl' or 'mpi' for a GPU run: what `parallel.comm` ("auto", "nccl", "mpi") becomes here."""
     from mpi4py import MPI
 
+    from boostmpi.parallel.comm import HostCollectives
     from boostmpi.parallel.nccl import nccl_unavailable_reason
 
     environ = os.environ if environ is None else environ
@@ -437,7 +439,7 @@ def resolve_comm(requested, world, environ=None, out=None, err=None):
     choice = "mpi"
     if requested in ("auto", "nccl"):
         reason = nccl_unavailable_reason()
-        missing = reason is not None if world is None else bool(world.allreduce(int(reason is not None), op=MPI.MAX))
+        missing = bool(HostCollectives(world).max([int(reason is not None)])[0])
         if not missing:
             choice = "nccl"
         elif requested == "nccl":

@@ -19,6 +19,7 @@ from boostmpi.parallel.mappings import (copy_to_tp_region, copy_to_tp_region_bac
                                         gather_from_tp_region_backward, reduce_from_tp_region,
                                         reduce_from_tp_region_backward, reduce_from_tp_region_many)
 from boostmpi.parallel.tensor_parallel.base import Strategy, activate
+from boostmpi.precision import statistic_dtype
 
 
 class BottleneckCache(NamedTuple):
@@ -177,7 +178,7 @@ class BottleneckTP(Strategy):
         # (layers.btp_norm_backward_pre/post: one kernel each on a GPU, around the GEMM)
         dP, dS = layers.btp_norm_backward_pre(dZs, Z, rstd, self.C, self.act, sig)
         dP = reduce_from_tp_region_backward(dP, self.tp)  # the product was reduced from the region
-        dxw = matmul(dP, A.T, dtype=layers.accumulation_dtype(x.dtype))  # the float32 accumulator, not rounded
+        dxw = matmul(dP, A.T, dtype=statistic_dtype(x.dtype))  # the float32 accumulator, not rounded
         for s, nm in zip(sl, names):
             matmul(xw.T, dP[:, s], out=Gr[f"{nm}/A"], accumulate=True)
         return layers.btp_norm_backward_post(dxw, x, P[norm_name], dS, Gr[norm_name])
