@@ -820,7 +820,7 @@ def test_a_stop_signal_on_one_rank_after_the_all_reduce_stops_at_that_step_bound
     assert status == 75, out
     assert "stopped by signal at step 17: checkpoint written" in out, out
     assert [s for s, _ in _losses(run_dir)][-1] == 17
-    from boostmpi.train.checkpoint import find_latest
+    from boostmpi.checkpoint import find_latest
 
     assert find_latest(str(run_dir)) == str(run_dir / "checkpoints" / f"step_{17:08d}")
     status, out, _ = _run(_train_argv(run_dir))

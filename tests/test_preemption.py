@@ -12,7 +12,8 @@ import textwrap
 import pytest
 
 from boostmpi import preemption
-from boostmpi.train import checkpoint, metrics, trainer
+from boostmpi import checkpoint
+from boostmpi.train import metrics, trainer
 from train_helpers import h5_datasets, read_metrics, reproducible, run_train, write_text_shards
 
 STEPS, SIGNAL_AT = 7, 3
