@@ -45,7 +45,10 @@ def run(args):
 
         if rank == 0:
             print(banner(cfg, args.config, size, local_rank), flush=True)
-        check_memory(cfg, world, local_rank)  # a model too big for a rank's memory stops here, before any allocation
+        from boostmpi.sim.model import memory_estimate
+
+        # a model too big for a rank's memory stops here, before any allocation
+        check_memory(cfg, world, local_rank, memory_estimate(cfg))
         try:
             try:
                 prepare_builtin(cfg, rank == 0)
