@@ -140,7 +140,7 @@ def _dp4_step_matches_single_rank(world):
 
     from boostmpi.backend import to_numpy
     from boostmpi.parallel.engine import Engine
-    from engine_helpers import gather_global
+    from global_tensors import gather_global
 
     micro = batches(n_micro=4)
     eng = Engine(config("cola", "gpu", "bfloat16", dict(dp=4)), world, local_rank=world.Get_rank())

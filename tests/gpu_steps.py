@@ -56,7 +56,7 @@ def config(arch, device, dtype, parallel=None, train=None):
 
 def step(arch, device, dtype, parallel=None, train=None, world=None):
     from boostmpi.parallel.engine import Engine
-    from engine_helpers import gather_global
+    from global_tensors import gather_global
 
     cfg = config(arch, device, dtype, parallel, train)
     # one node: the local rank is the world rank, so each rank has its own (emulated) GPU

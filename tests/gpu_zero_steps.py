@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from engine_helpers import gather_global
+from global_tensors import gather_global
 from gpu_steps import MODEL, config, run_or_abort
 
 STEPS, LR = 3, 0.01

@@ -145,6 +145,7 @@ def checkpoint_as_if_written_with(run_dir, step, **changes):
     """Rewrite checkpoint `step` of `run_dir` as if its run had been configured with `changes`."""
     from boostmpi.config import load_config
     from boostmpi.train import checkpoint as ckpt
+    from global_tensors import save_global
     from train_helpers import h5_datasets
 
     folder = run_dir / "checkpoints" / f"step_{step:08d}"
@@ -153,7 +154,7 @@ def checkpoint_as_if_written_with(run_dir, step, **changes):
     moments = tuple({k.split("/", 1)[1]: v for k, v in optim.items() if k.startswith(f"{which}/")} for which in "mv")
     state = ckpt.read_state(folder)
     shutil.rmtree(folder)
-    ckpt.save_global(str(run_dir), step, cfg, model, moments, step, state)
+    save_global(str(run_dir), step, cfg, model, moments, step, state)
 
 
 def test_resuming_with_another_dp_that_would_change_the_global_batch_is_refused(shards, tmp_path, capfd):

@@ -18,7 +18,7 @@ from boostmpi.parallel.engine import Engine
 from boostmpi.train import checkpoint as ckpt
 from boostmpi.train.optim import AdamW
 from boostmpi.train.trainer import optimizer_step
-from engine_helpers import gather_global
+from global_tensors import gather_global
 from mpi_helpers import abort_on_error, assert_all_ranks, on_root, world
 
 pytestmark = pytest.mark.mpi(min_size=2)

@@ -11,7 +11,7 @@ import pytest
 
 from boostmpi.cli import main
 from boostmpi.config import config_from_dict
-from engine_helpers import gather_global
+from global_tensors import gather_global
 from mpi_helpers import abort_on_error, assert_all_ranks, on_root, world
 from train_helpers import h5_datasets, read_metrics, reproducible, train_argv, write_text_shards
 

@@ -24,7 +24,7 @@ from boostmpi.parallel.engine import Engine
 from boostmpi.model.params import FlatBuffer, param_specs
 from boostmpi.train.optim import AdamW, learning_rate
 from boostmpi.train.trainer import optimizer_step as trainer_optimizer_step
-from engine_helpers import gather_global
+from global_tensors import gather_global
 from mpi_helpers import MPIEXEC, abort_on_error, assert_all_ranks, collectively, on_root, running_under_mpi, world
 
 # vocab 61 is odd: the vocabulary-parallel embedding and head get uneven ranges

@@ -1,8 +1,10 @@
-"""Test helpers around the engine that the product does not need.
+"""Global (unsharded) tensors in tests: the helpers the product does not need.
 
-- `gather_global(engine, buffer)`: the global (unsharded) tensors of a FlatBuffer laid out like the
-  engine's parameters, assembled on world rank 0 from every (tp, pp) rank of dp replica 0: how the
-  parity tests compare a parallel layout with one process.
+- `gather_global(engine, buffer)`: the global tensors of a FlatBuffer laid out like the engine's
+  parameters, assembled on world rank 0 from every (tp, pp) rank of dp replica 0: how the parity
+  tests compare a parallel layout with one process.
+- `save_global(run_dir, step, cfg, tensors, moments, adam_t, state, **kwargs)`: a checkpoint of
+  `cfg`'s layout written from one process out of global tensors and moments.
 """
 
 import numpy as np
@@ -10,6 +12,7 @@ import numpy as np
 from boostmpi.backend import to_numpy
 from boostmpi.model.params import FlatBuffer, param_specs
 from boostmpi.parallel.grid import Coords, rank_of
+from boostmpi.train import checkpoint as ckpt
 
 _TAG = 77
 
@@ -41,3 +44,9 @@ def gather_global(engine, buffer):
                     out[sp.name] = np.empty(sp.global_shape, dtype=local.dtype)
                 out[sp.name][sp.local_slice()] = remote[sp.name]
     return out
+
+
+def save_global(run_dir, step, cfg, tensors, moments, adam_t, state, **kwargs):
+    """`checkpoint.save` from one process, for `cfg`'s layout, of global tensors ({name: array}) and
+    moments ({name: m}, {name: v}); `kwargs` as for `save`."""
+    return ckpt.save(run_dir, step, cfg, ckpt.global_rank_states(cfg, tensors, moments), adam_t, state, **kwargs)
