@@ -463,8 +463,8 @@ class Trainer:
 
     def _memory(self):
         e = self.engine
-        data_parallel = e.data_parallel
-        grads = e.grads.data.nbytes + (data_parallel.grad_shard.nbytes if data_parallel.sharded else 0)  # + the reduce-scattered slice
+        data_parallel = e.data_parallel  # + the reduce-scattered slice of the summed gradient under ZeRO-1
+        grads = e.grads.data.nbytes + (data_parallel.grad_shard.nbytes if data_parallel.sharded else 0)
         mine = np.array([e.param_bytes, grads, self.optimizer.nbytes, e.saved_activation_bytes,
                          e.in_flight_activation_bytes, self.snapshot_bytes, peak_memory_bytes(e.xp)], dtype=np.float64)
         mine = self.engine.grid.host.max(mine)
