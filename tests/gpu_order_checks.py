@@ -40,8 +40,8 @@ MUTANTS = {
     "skip-p2p-wait": ("boostmpi.parallel.nccl", "boostmpi/parallel/nccl.py",
                       "        stream.wait_event(_Event(self._stream()).event)\n        return comm, stream",
                       "        return comm, stream"),
-    "no-mpi-sync": ("boostmpi.parallel.engine", "boostmpi/parallel/engine.py",
-                    "sync = lambda: self.xp.cuda.get_current_stream().synchronize()  # noqa: E731",
+    "no-mpi-sync": ("boostmpi.parallel.startup", "boostmpi/parallel/startup.py",
+                    "sync = lambda: xp.cuda.get_current_stream().synchronize()  # noqa: E731",
                     "sync = None"),
     # kernel text (every kernel's source as the loader assembles it): a warp reduction for 32 lanes
     "warp-32-reduction": ("boostmpi.gpu.kernels", "kernels/common.cuh",
