@@ -90,8 +90,8 @@ def banner(cfg, config_path, size, local_rank):
 
     par, tr, m = cfg.parallel, cfg.train, cfg.model
     backend = "numpy (cpu)" if tr.device == "cpu" else "cupy (gpu)"
-    # what the configuration asks for: on a GPU, "auto" (and "nccl") are settled when the engine starts,
-    # and the `comm:` line (or a warning) says what was chosen
+    # what the configuration asks for: on a GPU, "auto" (and "nccl") are settled when start-up builds the
+    # process grid, and the `comm:` line (or a warning) says what was chosen
     comm = "mpi" if tr.device == "cpu" else par.comm
     pp = f"{par.pp} ({par.virtual_stages} chunks each, interleaved)" if par.virtual_stages > 1 else par.pp
     return (f"boostmpi | {backend} | {mpi_library()} | comm {comm} | ranks {size} = tp {par.tp} x pp {pp} x dp {par.dp} "
