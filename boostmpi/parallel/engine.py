@@ -13,8 +13,8 @@ import numpy as np
 from boostmpi.backend import compute_dtype, get_array_module, get_xp, param_dtype, prefaulted
 from boostmpi.gpu.ranges import named_range
 from boostmpi.model import layers
-from boostmpi.model.params import FlatBuffer, block_pieces, chunk_layers, init_box, init_local, param_specs, \
-    split_range, stage_layers
+from boostmpi.model.params import (FlatBuffer, block_pieces, chunk_layers, init_box, init_local, param_specs,
+                                   split_range, stage_layers)
 from boostmpi.model.recompute import POLICIES, Saved, Tape
 from boostmpi.model.transformer import Block, BlockCache
 from boostmpi.parallel.comm import HostCollectives
