@@ -326,8 +326,8 @@ def engines_built(monkeypatch):
 
 
 def refusals_after_a_run(shards, tmp_path):
-    """{case: (argv, fragments)}: a bad run directory, bad data, and a checkpoint the configuration or
-    the data cannot continue; `tmp_path/done` holds a finished 2-step run to resume."""
+    """{case: (argv, fragments)}: a bad run directory, a bad configuration, bad data, and a checkpoint
+    the configuration or the data cannot continue; `tmp_path/done` holds a finished 2-step run to resume."""
     done = tmp_path / "done"
     assert run_train(done, *shards, "train.steps=2") == 0
     a_file = tmp_path / "a_file"
@@ -343,6 +343,7 @@ def refusals_after_a_run(shards, tmp_path):
     return {
         "run dir is a file": (train_argv(a_file, *shards), ["a_file", "is a file"]),
         "run dir holds a run without a checkpoint": (train_argv(no_checkpoint, *shards), ["metrics.jsonl"]),
+        "bad configuration": (train_argv(tmp_path / "run", *shards, "model.d_model=30"), ["model.d_model = 30"]),
         "bad data": (train_argv(tmp_path / "run", bad, shards[1]), [bad.name, "300"]),
         "checkpoint of another model": (train_argv(done, *shards, "train.steps=4", "model.d_model=64"),
                                         ["cannot resume from", "d_model"]),
