@@ -274,6 +274,7 @@ def run_steps(rec, cfg, world=None, steps=1, max_norm=1.0):
     from boostmpi.parallel.comm import AXES
     from boostmpi.parallel.engine import Engine
     from boostmpi.train.optim import AdamW
+    from boostmpi.train.trainer import optimizer_step
 
     pool = cupy.get_default_memory_pool()
     gc.collect()  # what an earlier run left (engines hold reference cycles) goes back to the pool first
@@ -306,7 +307,7 @@ def run_steps(rec, cfg, world=None, steps=1, max_norm=1.0):
                 eng.forward_backward(batch)
                 if last:
                     largest = pool.standin_peaks()["largest"]
-                eng.optimizer_step(opt, 1e-4, max_norm)
+                optimizer_step(eng, opt, 1e-4, max_norm)
             finally:
                 rec.on = False
     syncs = _queue.host_syncs - syncs

@@ -60,6 +60,7 @@ def worker(args):
     from boostmpi.files import write_at
     from boostmpi.parallel.engine import Engine
     from boostmpi.train.optim import AdamW
+    from boostmpi.train.trainer import optimizer_step
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
@@ -83,7 +84,7 @@ def worker(args):
     def step():
         tokens = rng.integers(0, MODEL["vocab_size"], (BATCH, MODEL["seq_len"] + 1))
         engine.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
-        engine.optimizer_step(optimizer, 1e-4, 1.0)
+        optimizer_step(engine, optimizer, 1e-4, 1.0)
 
     def timed(fn):
         world.Barrier()

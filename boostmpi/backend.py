@@ -16,16 +16,6 @@ except Exception as exc:  # noqa: BLE001 - any import failure means "no CuPy"
     _cupy_import_error = exc
 
 
-def gpu_available():
-    """True when CuPy imports and at least one CUDA/ROCm device answers."""
-    if _cupy is None:
-        return False
-    try:
-        return _cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001
-        return False
-
-
 def gpu_unavailable_reason():
     if _cupy is None:
         return f"CuPy is not importable ({type(_cupy_import_error).__name__}: {_cupy_import_error})"
@@ -139,3 +129,11 @@ def keep_host_memory():
         return bool(ok)
     except (OSError, AttributeError):
         return False
+
+
+def prefaulted(array):
+    """`array`, zero-filled now so that every page of it is backed by memory: the first step does not
+    pay the page faults of buffers that live for the whole run (an allocation's pages are mapped
+    only when first written)."""
+    array.fill(0)
+    return array

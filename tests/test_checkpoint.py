@@ -19,6 +19,7 @@ from boostmpi.config import SECTIONS, load_config
 from boostmpi.errors import CheckpointError
 from boostmpi.parallel.engine import Engine
 from boostmpi.train.trainer import Trainer
+from global_tensors import save_global
 from train_helpers import (TINY_CONFIG, assert_refused, file_digests, h5_datasets, read_metrics, reproducible,
                            run_train, stop_signals_restored, write_text_shards)
 
@@ -166,7 +167,7 @@ def test_a_failure_mid_write_leaves_the_previous_checkpoint_in_charge(stage, sha
     optim = h5_datasets(previous / "optim.h5")
     moments = tuple({k.split("/", 1)[1]: v for k, v in optim.items() if k.startswith(f"{which}/")} for which in "mv")
     with pytest.raises(SimulatedCrash):
-        ckpt.save_global(str(run_dir), 3, cfg, model, moments, 3, ckpt.read_state(previous), crash_hook=crash_at)
+        save_global(str(run_dir), 3, cfg, model, moments, 3, ckpt.read_state(previous), crash_hook=crash_at)
 
     # the failed write took its temporary folder with it; everything that was there before is untouched
     assert {p.name for p in folder.iterdir()} == names_before

@@ -22,7 +22,7 @@ from boostmpi.checkpoint.reading import (load, model_mismatch, open_model, read_
 from boostmpi.checkpoint.runs import (complete_checkpoints, find_latest, is_complete, is_stale_temporary,
                                       move_aside, remove_stale_temporaries, resolve, stale_temporaries,
                                       wait_for_pruning, write_latest)
-from boostmpi.checkpoint.saving import PendingSave, save, save_global
+from boostmpi.checkpoint.saving import PendingSave, save
 from boostmpi.checkpoint.writer import (SPARE_IMAGES, SequentialWriter, file_record, rank_file_image,
                                         write_file_image, write_rank_file, write_virtual_files)
 
@@ -34,7 +34,7 @@ __all__ = [
     "verify_together", "write_consolidated",
     "complete_checkpoints", "find_latest", "is_complete", "is_stale_temporary", "move_aside",
     "remove_stale_temporaries", "resolve", "stale_temporaries", "wait_for_pruning", "write_latest",
-    "PendingSave", "save", "save_global",
+    "PendingSave", "save",
     "SPARE_IMAGES", "SequentialWriter", "file_record", "rank_file_image", "write_file_image", "write_rank_file",
     "write_virtual_files",
 ]

@@ -20,7 +20,7 @@ import shutil
 
 from boostmpi.checkpoint import writer
 from boostmpi.checkpoint.format import FILES, MARKER, Checksum, checkpoints_dir, os_error_of, rank_file_name, step_dir_name
-from boostmpi.checkpoint.layout import estimate_bytes, global_rank_states
+from boostmpi.checkpoint.layout import estimate_bytes
 from boostmpi.checkpoint.runs import (complete_checkpoints, find_latest, is_complete, move_aside, prune,
                                       wait_for_pruning, write_latest)
 from boostmpi.checkpoint.writer import SPARE_IMAGES, PhaseTimer, file_record, rank_file_image
@@ -278,8 +278,3 @@ def _publish(run_dir, tmp, final, step, keep, log, prune_in_background=False):
     write_latest(run_dir, name)
     if keep > 0:
         prune(complete_checkpoints(run_dir)[:-keep], prune_in_background, log)
-
-
-def save_global(run_dir, step, cfg, tensors, moments, adam_t, state, **kwargs):
-    """`save` from one process, for `cfg`'s layout, of global tensors and moments ({name: m}, {name: v})."""
-    return save(run_dir, step, cfg, global_rank_states(cfg, tensors, moments), adam_t, state, **kwargs)

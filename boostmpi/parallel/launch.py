@@ -1,9 +1,10 @@
 """Start-up that works under any launcher (mpiexec, srun --mpi=pmi2, PALS) and abort semantics.
 
 Rank, world size and local rank come from MPI itself (a shared-memory split), never from a
-launcher's environment variables; the engine picks the GPU by local rank. An unhandled exception
-on any rank ends the whole job with MPI_Abort after printing the rank and traceback; bad input
-(UserError) is printed once. A hung collective is ended by the watchdog in parallel/comm.py.
+launcher's environment variables; start-up (`startup.process_grid`) picks the GPU by local rank.
+An unhandled exception on any rank ends the whole job with MPI_Abort after printing the rank and
+traceback; bad input (UserError) is printed once. A hung collective is ended by the watchdog in
+parallel/comm.py.
 """
 
 import faulthandler

@@ -18,6 +18,8 @@ the first lines of the log instead of as a slow or silently broken run.
   per rank, device ids alone cannot show that), and so does a GPU-mapping variable that the job
   promised (`BOOSTMPI_GPU_MAP_VAR`, set by the Polaris job to `PMI_LOCAL_RANK`) but the launcher
   did not set.
+- `process_grid(cfg, world, local_rank)`: the decisions above that shape the process grid, then the
+  grid itself, before any weight exists.
 - `resolve_comm(requested, world)`: for GPU runs, "nccl" when every rank can load NCCL (RCCL on
   ROCm), else "mpi" with a warning for `parallel.comm = "auto"`, or a stop for `"nccl"`. MPI
   carrying GPU buffers on Cray MPICH needs MPICH_GPU_SUPPORT_ENABLED=1: checked here too.
@@ -183,19 +185,6 @@ def _gib(n):
     return f"{n / 2**30:,.1f} GiB"
 
 
-def model_memory(cfg):
-    """{params, grads, optimizer, activations, total}: bytes per rank the performance model estimates
-    (boostmpi/sim; the largest pipeline stage)."""
-    from boostmpi.sim.machines import builtin_names, load_machine
-    from boostmpi.sim.model import predict
-
-    try:
-        memory = predict(cfg, load_machine(builtin_names()[0])).memory_bytes  # the bytes do not depend on the machine
-    except Exception:  # noqa: BLE001 - a layout the model does not cover: no estimate, no refusal
-        return None
-    return {k: memory[k] for k in ("params", "grads", "optimizer", "activations", "total")}
-
-
 def memory_problem(memory, limit, where, device):
     """The one-line reason to refuse, or None."""
     if memory is None or limit is None or memory["total"] <= limit:
@@ -206,14 +195,14 @@ def memory_problem(memory, limit, where, device):
             f"model.n_layers, train.micro_batch_size) or spread it over more ranks (parallel.tp, parallel.pp)")
 
 
-def check_memory(cfg, world, local_rank, environ=None):
+def check_memory(cfg, world, local_rank, memory, environ=None):
     """Stop (every rank together, exit 2) a model that cannot fit in what a rank may use, before
-    anything is allocated: host memory on the CPU path, the GPU's memory on the GPU path."""
+    anything is allocated: host memory on the CPU path, the GPU's memory on the GPU path. `memory`:
+    the performance model's estimate per rank (`boostmpi.sim.model.memory_estimate`), or None."""
     environ = os.environ if environ is None else environ
     from boostmpi.parallel.comm import HostCollectives
 
     host = HostCollectives(world)
-    memory = model_memory(cfg)
     if cfg.train.device == "gpu":
         import cupy
 
@@ -463,3 +452,31 @@ def resolve_comm(requested, world, environ=None, out=None, err=None):
 
 def _ranks(ranks):
     return ", ".join(str(r) for r in sorted(ranks)[:8]) + (" ..." if len(ranks) > 8 else "")
+
+
+# ---------------------------------------------------------------- the process grid
+
+def process_grid(cfg, world, local_rank=0):
+    """This rank's ProcessGrid, built after the decisions that shape it and before any weight is drawn:
+    a configuration only the performance model can run is refused; on the CPU glibc keeps freed
+    memory (`keep_host_memory`); on a GPU this rank's device is chosen and checked (`select_gpu`),
+    MPI is told to wait for the stream before reading GPU buffers (CUDA-aware MPI), and the
+    collective library is chosen (`resolve_comm`: "auto" falls back to MPI without NCCL); the
+    watchdog gets `parallel.watchdog_s`."""
+    from boostmpi.backend import get_xp, keep_host_memory
+    from boostmpi.parallel.comm import configure_watchdog
+    from boostmpi.parallel.grid import ProcessGrid
+
+    cfg.check_runnable()  # nothing only the performance model understands
+    par = cfg.parallel
+    xp = get_xp(cfg.train.device)
+    sync, use_nccl = None, False
+    if cfg.train.device == "cpu":
+        keep_host_memory()
+    else:
+        select_gpu(world, local_rank)  # and no two ranks of a node on one GPU
+        sync = lambda: xp.cuda.get_current_stream().synchronize()  # noqa: E731
+        use_nccl = resolve_comm(par.comm, world) == "nccl"
+    configure_watchdog(par.watchdog_s)  # a collective waiting longer than this ends the job
+    return ProcessGrid(world, par.tp, par.pp, par.dp, overlap=par.overlap, sync=sync, use_nccl=use_nccl,
+                       ring=par.virtual_stages > 1)

@@ -83,6 +83,6 @@ def load_checkpoint_engine(path, dtype=None):
     from boostmpi.parallel.engine import Engine
 
     loaded = load_checkpoint(path, dtype)
-    engine = Engine(loaded.cfg, world=None)
+    engine = Engine(loaded.cfg)
     ckpt.read_params(loaded.tensors, engine.specs, engine.params)
     return engine, loaded.cfg, loaded.step

@@ -54,7 +54,10 @@ def _run(args):
 
         if rank == 0:
             print(banner(cfg, args.config, size, local_rank), flush=True)
-        check_memory(cfg, world, local_rank)  # a model too big for a rank's memory stops here, before any allocation
+        from boostmpi.sim.model import memory_estimate
+
+        # a model too big for a rank's memory stops here, before any allocation
+        check_memory(cfg, world, local_rank, memory_estimate(cfg))
         try:
             try:
                 prepare_builtin(cfg, rank == 0)
@@ -89,8 +92,8 @@ def banner(cfg, config_path, size, local_rank):
 
     par, tr, m = cfg.parallel, cfg.train, cfg.model
     backend = "numpy (cpu)" if tr.device == "cpu" else "cupy (gpu)"
-    # what the configuration asks for: on a GPU, "auto" (and "nccl") are settled when the engine starts,
-    # and the `comm:` line (or a warning) says what was chosen
+    # what the configuration asks for: on a GPU, "auto" (and "nccl") are settled when start-up builds the
+    # process grid, and the `comm:` line (or a warning) says what was chosen
     comm = "mpi" if tr.device == "cpu" else par.comm
     pp = f"{par.pp} ({par.virtual_stages} chunks each, interleaved)" if par.virtual_stages > 1 else par.pp
     return (f"boostmpi | {backend} | {mpi_library()} | comm {comm} | ranks {size} = tp {par.tp} x pp {pp} x dp {par.dp} "

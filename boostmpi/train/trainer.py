@@ -18,9 +18,10 @@ from boostmpi.errors import CheckpointError, ConfigError, DataError, TrainingDiv
 from boostmpi.files import (FilesystemError, RunLock, atomic_file, check_dir_creatable, format_bytes, fs_error,
                             is_out_of_space, make_dirs)
 from boostmpi.parallel.engine import Engine
+from boostmpi.parallel.startup import process_grid
 from boostmpi.preemption import STOPPED_EARLY_EXIT, STOPPED_MARKER  # noqa: F401 - where job scripts look for them
 from boostmpi.train import metrics
-from boostmpi.train.optim import AdamW, learning_rate
+from boostmpi.train.optim import AdamW, clip_coefficient, learning_rate
 
 
 def resolve_data(cfg):
@@ -44,6 +45,16 @@ def prepare_builtin(cfg, is_root):
         ensure_builtin(cfg.data.builtin_dir)
 
 
+def optimizer_step(engine, optimizer, lr, max_norm):
+    """What follows `engine.forward_backward`: the exact global gradient norm, clipping to `max_norm`
+    (0 = off), the AdamW update of this rank's slice and, under ZeRO-1, the all-gather of the updated
+    slices over dp (`DataParallel.gather_update`). Returns the norm."""
+    norm = engine.grad_norm()
+    optimizer.step(engine.data_parallel.grad_shard, lr, clip_coefficient(norm, max_norm))
+    engine.data_parallel.gather_update(engine.params, engine.master, engine.master_separate)
+    return norm
+
+
 def peak_memory_bytes(xp):
     if xp is not np:
         return int(xp.get_default_memory_pool().total_bytes())
@@ -51,15 +62,17 @@ def peak_memory_bytes(xp):
 
 
 class Trainer:
+    """A training run. Everything that can refuse the run (the process grid, the run directory, the
+    data, the checkpoint to resume and its fit to this configuration) is checked before the engine
+    draws a weight."""
+
     def __init__(self, cfg, world=None, resume=None, config_path=None, out=None, local_rank=0):
         self.cfg, self.world, self.out = cfg, world, out
-        self.engine = Engine(cfg, world, local_rank=local_rank)
-        e = self.engine
-        self.rank = e.grid.world_rank
+        self.grid = process_grid(cfg, world, local_rank)
+        self.rank = self.grid.world_rank
         self.is_root = self.rank == 0
         tr = cfg.train
         self.run_dir = tr.run_dir
-        self.optimizer = AdamW(e.params, e.specs, tr, e.xp, shard=e.shard, master=e.master)
         self.step = 0
         self.resumed_from = None
         self._in_flight = None  # (PendingSave, writer thread) of an asynchronous checkpoint
@@ -70,7 +83,7 @@ class Trainer:
 
         def open_data(vocab_size):
             train_paths, val_paths = resolve_data(cfg)
-            loader = TrainLoader(train_paths, T, tr.micro_batch_size, rank=e.grid.coords.dp, world=cfg.parallel.dp,
+            loader = TrainLoader(train_paths, T, tr.micro_batch_size, rank=self.grid.coords.dp, world=cfg.parallel.dp,
                                  seed=tr.seed, vocab_size=vocab_size, shuffle=cfg.data.shuffle)
             return loader, eval_windows(open_shard(val_paths[0], vocab_size), T, tr.val_windows, name=val_paths[0])
 
@@ -81,7 +94,12 @@ class Trainer:
         self._lock, self._made_run_dir = None, False
         self._lock = self._root_decides(self._lock_run_dir)  # from here until close(): one run per run directory
         try:
-            self._resume(resume)
+            path = self._check_resume(resume)
+            self.engine = Engine(cfg, self.grid)  # the weights are drawn here, after every check
+            e = self.engine
+            self.optimizer = AdamW(e.params, e.specs, tr, e.xp, shard=e.shard, master=e.master)
+            if path is not None:
+                self._resume(path)
         except BaseException:
             self.close()
             raise
@@ -161,7 +179,7 @@ class Trainer:
                 value = on_root()
             except UserError as exc:
                 verdict = verdict_of(exc)
-        self.engine.grid.host.agree(verdict, root=0)
+        self.grid.host.agree(verdict, root=0)
         return value if self.is_root else (elsewhere() if elsewhere else None)
 
     def _checkpoint_to_resume(self, resume):
@@ -174,12 +192,13 @@ class Trainer:
             return None
         return ckpt.resolve(path)
 
-    def _resume(self, resume):
-        """Continue from `resume` (a path), or automatically from the run's latest complete checkpoint."""
+    def _check_resume(self, resume):
+        """The checkpoint to continue from (`resume`, a path, or the run's latest complete one), verified
+        and checked against this configuration and data before any weight exists; None for a fresh run."""
         path = self._root_decides(lambda: self._checkpoint_to_resume(resume))
-        path = self.engine.grid.host.bcast(path)
+        path = self.grid.host.bcast(path)
         if path is None:
-            return
+            return None
         ckpt.verify_together(path, self.world)  # sizes and SHA-256 of every file, shared among the ranks
         f, step, saved_cfg = ckpt.open_model(path, check=False)
         f.close()
@@ -188,18 +207,22 @@ class Trainer:
             err = CheckpointError(f"cannot resume from {path}: {mismatch}")
             err.all_ranks = True
             raise err
-        e = self.engine
-        buffer = e.master_buffer()  # the parameters in the master dtype (a host buffer for a ZeRO-1 slice)
-        step, state = ckpt.load(path, e.specs, buffer, self.optimizer, e.xp)
-        e.adopt_master(buffer)
         self._check_global_batch(path, saved_cfg)
         try:
-            self.loader.load_state_dict(state["data"])
+            self.loader.load_state_dict(ckpt.read_state(path)["data"])
         except DataError as exc:  # every rank reads the same state: each raises, rank 0 prints
             err = DataError(f"cannot resume {path}: {exc}. To train on these shards, start a new run: set a new "
                             f"train.run_dir (or remove {self.run_dir} to start it afresh)")
             err.all_ranks = True
             raise err from None
+        return path
+
+    def _resume(self, path):
+        """Load the checkpoint `_check_resume` accepted into the engine and the optimizer."""
+        e = self.engine
+        buffer = e.master_buffer()  # the parameters in the master dtype (a host buffer for a ZeRO-1 slice)
+        step, _ = ckpt.load(path, e.specs, buffer, self.optimizer, e.xp)
+        e.adopt_master(buffer)
         self.step = step
         self.resumed_from = path
         self.log(f"resumed from {path} (step {step})")
@@ -324,7 +347,7 @@ class Trainer:
                 if not math.isfinite(loss):
                     raise TrainingDiverged(f"the loss became {loss} at step {step + 1}; the last checkpoint is kept intact "
                                            f"(lower train.lr or raise train.warmup_steps)")
-                gnorm = e.optimizer_step(self.optimizer, lr, tr.grad_clip)
+                gnorm = optimizer_step(e, self.optimizer, lr, tr.grad_clip)
                 dt = time.perf_counter() - t0
                 self.step = step + 1
                 steps_done += 1
@@ -406,7 +429,8 @@ class Trainer:
 
     def _memory(self):
         e = self.engine
-        grads = e.grads.data.nbytes + (e.grad_shard.nbytes if e.sharded else 0)  # + the reduce-scattered slice
+        data_parallel = e.data_parallel  # + the reduce-scattered slice of the summed gradient under ZeRO-1
+        grads = e.grads.data.nbytes + (data_parallel.grad_shard.nbytes if data_parallel.sharded else 0)
         mine = [e.param_bytes, grads, self.optimizer.nbytes, e.saved_activation_bytes, e.in_flight_activation_bytes,
                 self.snapshot_bytes, peak_memory_bytes(e.xp)]
         return metrics.memory_figures(mine, e.grid.host)  # the largest rank's figure for each
