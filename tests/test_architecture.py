@@ -69,3 +69,21 @@ def test_the_import_check_finds_an_upward_import_anywhere():
                              (relative, "boostmpi.tools"), (plain, "boostmpi.train.optim")):
         assert mutant != real
         assert ("parallel/engine.py", expected) in upward_imports({path: mutant}), expected
+
+
+MAX_LINES = 600  # a module a reader takes in at one sitting
+
+
+def modules_too_long(files, limit=MAX_LINES):
+    """[(file, lines)] of the modules in `files` ({path: text}) longer than `limit` lines."""
+    return [(path, text.count("\n")) for path, text in sorted(files.items()) if text.count("\n") > limit]
+
+
+def test_no_module_of_the_package_is_longer_than_600_lines():
+    files = {str(p): p.read_text() for p in PACKAGE.rglob("*.py")}
+    assert len(files) > 40
+    assert modules_too_long(files) == []
+    # mutant: one module grown past the limit is named
+    path = str(PACKAGE / "parallel" / "engine.py")
+    grown = dict(files, **{path: files[path] + "\n" * (MAX_LINES + 1)})
+    assert [p for p, _ in modules_too_long(grown)] == [path]

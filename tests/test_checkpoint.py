@@ -16,9 +16,9 @@ from boostmpi import checkpoint as ckpt
 from boostmpi.checkpoint import writer
 from boostmpi.cli import main
 from boostmpi.config import SECTIONS, load_config
-from boostmpi.errors import CheckpointError
 from boostmpi.parallel.engine import Engine
 from boostmpi.train.trainer import Trainer
+from checkpoint_stages import at_stage
 from global_tensors import save_global
 from train_helpers import (TINY_CONFIG, assert_refused, file_digests, h5_datasets, read_metrics, reproducible,
                            run_train, stop_signals_restored, write_text_shards)
@@ -166,8 +166,8 @@ def test_a_failure_mid_write_leaves_the_previous_checkpoint_in_charge(stage, sha
     model = h5_datasets(previous / "model.h5")
     optim = h5_datasets(previous / "optim.h5")
     moments = tuple({k.split("/", 1)[1]: v for k, v in optim.items() if k.startswith(f"{which}/")} for which in "mv")
-    with pytest.raises(SimulatedCrash):
-        save_global(str(run_dir), 3, cfg, model, moments, 3, ckpt.read_state(previous), crash_hook=crash_at)
+    with pytest.raises(SimulatedCrash), at_stage(crash_at):
+        save_global(str(run_dir), 3, cfg, model, moments, 3, ckpt.read_state(previous))
 
     # the failed write took its temporary folder with it; everything that was there before is untouched
     assert {p.name for p in folder.iterdir()} == names_before

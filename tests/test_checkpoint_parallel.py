@@ -18,6 +18,7 @@ from boostmpi.model.params import FlatBuffer
 from boostmpi.parallel.engine import Engine
 from boostmpi.train.optim import AdamW
 from boostmpi.train.trainer import optimizer_step
+from checkpoint_stages import at_stage
 from global_tensors import gather_global
 from mpi_helpers import abort_on_error, assert_all_ranks, on_root, world
 
@@ -128,7 +129,8 @@ def test_a_rank_failing_mid_save_leaves_the_previous_checkpoint_in_charge(tmp_pa
 
     failure = None
     try:
-        save(cfg, engine, optimizer, 3, crash_hook=crash)
+        with at_stage(crash):
+            save(cfg, engine, optimizer, 3)
     except CheckpointError as exc:
         failure = str(exc)
     assert_all_ranks(failure is not None and "SimulatedCrash" in failure and "unchanged" in failure,

@@ -73,18 +73,31 @@ FAULT_LAUNCHER = textwrap.dedent('''
         kill_step = int(fault.rsplit("-", 1)[1])
         victim, at = (1, "rank file") if fault.startswith(("kill-rank-1-", "stop-rank-1-")) else (0, "model.h5")
         how = signal.SIGSTOP if fault.startswith("stop-") else signal.SIGKILL
-        save = checkpoint.save
+        from boostmpi.checkpoint import writer
+
+        save, armed = checkpoint.save, [False]
+
+        def die(stage):  # a stage of the save of step N reached on the victim rank
+            if armed[0] and stage == at and rank == victim:
+                if os.environ.get("BOOSTMPI_FAULT_NOTE"):  # when it happened, for the test to measure from
+                    with open(os.environ["BOOSTMPI_FAULT_NOTE"], "w") as note:
+                        note.write(f"{how.name} {time.time():.3f}\\n")
+                os.kill(os.getpid(), how)
+
+        def then_die(function, stage):
+            def wrapped(*args, **kwargs):
+                result = function(*args, **kwargs)
+                die(stage)
+                return result
+            return wrapped
+
+        # the stages, from outside the product: this rank's file written, or rank 0's model.h5 written
+        writer.write_rank_file = then_die(writer.write_rank_file, "rank file")
+        writer.write_file_image = then_die(writer.write_file_image, "rank file")
+        writer.write_virtual_files = then_die(writer.write_virtual_files, "model.h5")
 
         def save_then_die(run_dir, step, *args, **kwargs):
-            if step == kill_step:
-                def die_after_model_h5(stage):
-                    if stage == at and rank == victim:
-                        if os.environ.get("BOOSTMPI_FAULT_NOTE"):  # when it happened, for the test to measure from
-                            with open(os.environ["BOOSTMPI_FAULT_NOTE"], "w") as note:
-                                note.write(f"{how.name} {time.time():.3f}\\n")
-                        os.kill(os.getpid(), how)
-
-                kwargs["crash_hook"] = die_after_model_h5
+            armed[0] = step == kill_step
             return save(run_dir, step, *args, **kwargs)
 
         checkpoint.save = save_then_die

@@ -79,10 +79,10 @@ class PendingSave:
     NONE_KEPT = ("there is no earlier checkpoint, so this run has nothing to resume from: make room (or raise the "
                  "limit) and start it again in a new train.run_dir, or after removing this one")
 
-    def __init__(self, run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, crash_hook=None, log=None,
+    def __init__(self, run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, log=None,
                  prune_in_background=False):
         self.run_dir, self.step, self.cfg, self.states, self.adam_t, self.state = run_dir, step, cfg, states, adam_t, state
-        self.comm, self.keep, self.crash_hook, self.log = comm, keep, crash_hook, log
+        self.comm, self.keep, self.log = comm, keep, log
         self.prune_in_background = prune_in_background
         self.dtype = states[0].params.dtype  # of the global tensors
         self.agree = Agreement(comm)
@@ -152,8 +152,6 @@ class PendingSave:
                 with self._timer("write"):
                     writer.write_rank_file(path, self.cfg, st, digest=digest)
                 self.records[os.path.basename(path)] = file_record(path, self.phases, digest)
-            if self.crash_hook:
-                self.crash_hook("rank file")
         except Exception as exc:  # noqa: BLE001 -- reported on every rank by finish()
             self.error = _failure(exc, self.name, self.root, self.needed, self.kept)
         self.written = True
@@ -169,8 +167,6 @@ class PendingSave:
                     with self._timer("checksum"):
                         digest = Checksum(memoryview(image)[:size])
                     self.records[os.path.basename(path)] = file_record(path, self.phases, digest)
-                if self.crash_hook:
-                    self.crash_hook("rank file")
         except Exception as exc:  # noqa: BLE001 -- reported on every rank by finish()
             self.error = _failure(exc, self.name, self.root, self.needed, self.kept)
         for _, image, _ in self.images:  # the snapshot's memory, for the next save
@@ -202,7 +198,7 @@ class PendingSave:
                     verdict = (type(exc).__name__, str(exc))
                 elif isinstance(exc, Exception) and (self.comm is not None or os_error_of(exc) is not None):
                     verdict = failure
-                else:  # an interrupt (or, on one process, a crash a test simulates) goes up as it is
+                else:  # an interrupt (or, on one process, any other BaseException) goes up as it is
                     if self.comm is not None:
                         self.agree.bcast(failure)  # the others stop too
                     raise
@@ -228,22 +224,17 @@ class PendingSave:
                                       f"wrote; {self.kept}")
         with self._timer("virtual files"):
             writer.write_virtual_files(tmp, cfg, self.step, self.adam_t, self.dtype)
-            if self.crash_hook:
-                self.crash_hook("model.h5")
             with atomic_file(os.path.join(tmp, "state.json")) as f:
                 json.dump(dict(self.state, step=int(self.step)), f, indent=1, sort_keys=True)
             for file_name in FILES:
                 marker[file_name] = file_record(os.path.join(tmp, file_name))
-        if self.crash_hook:
-            self.crash_hook("marker")
         with self._timer("publish"):
             with atomic_file(os.path.join(tmp, MARKER)) as f:
                 json.dump(marker, f, indent=1, sort_keys=True)
             _publish(self.run_dir, tmp, self.final, self.step, self.keep, self.log, self.prune_in_background)
 
 
-def save(run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, crash_hook=None, log=None,
-         prune_in_background=False):
+def save(run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, log=None, prune_in_background=False):
     """Write checkpoint `step`, collectively over `comm` (every rank calls it; None: one process, which
     writes every RankState in `states`). Returns the folder on every rank.
 
@@ -254,12 +245,12 @@ def save(run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, crash_hoo
     replaces `latest`. A failure on any rank (a full disk, an exception) removes the temporary folder and
     raises the same one-line error on every rank; the previous checkpoint and `latest` are untouched.
     A complete folder of the same step belongs to another timeline and is moved aside, never reused.
-    `crash_hook(stage)` lets tests fail at "rank file", "model.h5" or "marker"; `log(line)` receives what
+    `log(line)` receives what
     the save did besides writing. `keep > 0` removes the oldest complete checkpoints beyond `keep`, once
     the new one is published (`prune_in_background`: renamed aside at once, deleted by a thread of rank 0
     that the next save or `wait_for_pruning` joins).
     """
-    pending = PendingSave(run_dir, step, cfg, states, adam_t, state, comm, keep, crash_hook, log, prune_in_background)
+    pending = PendingSave(run_dir, step, cfg, states, adam_t, state, comm, keep, log, prune_in_background)
     pending.write()
     return pending.finish()
 
