@@ -154,9 +154,11 @@ def test_attention_kernels_match_the_model_full(lanes, shape, dtype):
 # Each one-line change to the kernel text must fail the check above: on the harness a missing
 # barrier is a reported race or a read of unwritten shared memory, the others wrong numbers.
 
-BARRIER_AFTER_LOAD = "        __syncthreads();\n        float s[ATTN_KEY_TILE];"
+BARRIER_AFTER_LOAD = "        __syncthreads();\n        for (int c0 = 0; c0 < n; c0 += CHUNK) {"
+DQ_BARRIER_AFTER_LOAD = "        __syncthreads();\n        for (int jj = 0; jj < n; ++jj) {"
 MUTATIONS = {
-    "forward barrier after the tile load": (BARRIER_AFTER_LOAD, "        float s[ATTN_KEY_TILE];"),
+    "forward barrier after the tile load": (BARRIER_AFTER_LOAD, BARRIER_AFTER_LOAD.split("\n")[1]),
+    "dQ barrier after the tile load": (DQ_BARRIER_AFTER_LOAD, DQ_BARRIER_AFTER_LOAD.split("\n")[1]),
     "forward barrier before the next tile": (
         "        __syncthreads();  // every row is done with the previous tile\n", ""),
     "dK/dV barrier after the query tile load": (
@@ -165,7 +167,7 @@ MUTATIONS = {
         "for (int kk = 0; kk < DIMS; ++kk) acc[kk] *= rescale;", ""),
     "running sum not rescaled": ("running_sum = running_sum * rescale + tile_sum;",
                                  "running_sum = running_sum + tile_sum;"),
-    "forward mask off by one": ("(jj < n && k0 + jj <= i)", "(jj < n && k0 + jj <= i + 1)"),
+    "forward mask off by one": ("(c0 + jj < n && k0 + c0 + jj <= i)", "(c0 + jj < n && k0 + c0 + jj <= i + 1)"),
     "dQ mask off by one": ("k0 + jj <= i ? expf", "k0 + jj < i ? expf"),
     "dK/dV mask off by one": ("(live && j <= i0 + ii)", "(live && j < i0 + ii)"),
     "delta not subtracted in dK/dV": ("p * (dp - delta_tile[ii])", "p * dp"),
@@ -276,7 +278,7 @@ def check_traffic(dtype):
 def test_a_forward_reading_keys_past_the_causal_limit_fails_the_traffic_check(kernel_text):
     """Keys after a query tile's last query are masked anyway, so the results stay right: only the
     counted bytes show that K and V are read to T instead of to the tile's end."""
-    kernel_text("running_sum = 0.0f;\n\n    const int key_end = min(tokens, q0 + ATTN_QUERY_TILE);",
+    kernel_text("running_sum = 0.0f;\n\n    const int key_end = min(tokens, r.q0 + ATTN_QUERY_TILE);",
                 "running_sum = 0.0f;\n\n    const int key_end = tokens;")
     check_against_specification(1, 100, 2, 1, 64, np.float32)
     with pytest.raises(AssertionError):

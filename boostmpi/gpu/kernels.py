@@ -416,10 +416,10 @@ def softmax_xent(logits, targets, grad_scale=None, out=None):
 
 # ------------------------------------------------------------------------------ attention.cu
 # Tile shapes of kernels/attention.cu (its opening comment has the plan): the forward runs 64 query
-# rows per block, 4 lanes a row; the dQ pass 32 query rows, the dK/dV pass 32 keys, 8 lanes each.
+# rows per block, 4 lanes a row, and so does the dQ pass; the dK/dV pass 32 keys, 8 lanes each.
 ATTENTION_HEAD_DIM_MAX = 128
 ATTENTION_QUERY_TILE = 64
-ATTENTION_DQ_QUERY_TILE = 32
+ATTENTION_DQ_QUERY_TILE = 64
 ATTENTION_BWD_KEY_TILE = 32
 ATTENTION_THREADS = 256  # every attention kernel
 
