@@ -91,7 +91,7 @@ def main():
              "| entry point (sm_80) | registers | shared bytes | spills | blocks per SM (sm_80) | "
              "gfx90a: VGPRs, spills, blocks per CU |", "|---|---|---|---|---|---|"]
     for t in ("f32", "bf16"):
-        for entry in ENTRIES:
+        for entry in [f"{e}{hd}" for hd in ("", "_hd64") for e in ENTRIES]:
             name = f"{entry}_{t}"
             info = table[(name, "sm_80")]
             sm = nvidia_resident_blocks("sm_80", info["registers"], launch_shape(name, 32)[0], info["smem"])

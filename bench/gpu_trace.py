@@ -222,14 +222,14 @@ ATTENTION_TRAFFIC = {"attention_forward": "forward", "attention_backward_dq": "b
 
 def attention_kernel(name, args):
     """A fused attention launch: the bytes of its tile plan, and its causal FLOPs in float32 (the
-    kernels use FMAs, not tensor cores, and compute over all 128 dims of a tile whatever Dh is)."""
+    kernels use FMAs, not tensor cores, and compute over all the dims of a tile, 64 or 128, whatever Dh is)."""
     from boostmpi.gpu import kernels
 
-    entry = name.rsplit("_", 1)[0]
+    entry = name.rsplit("_", 1)[0].replace("_hd64", "")
     q, k = args[0], args[1]
     B, T, H, Dh = q.shape
     read, written = kernels.attention_traffic(B, T, H, k.shape[2], Dh, q.itemsize)[ATTENTION_TRAFFIC[entry]]
-    flops = ATTENTION_PRODUCTS[entry] * 2.0 * B * H * T * (T + 1) / 2 * kernels.ATTENTION_HEAD_DIM_MAX
+    flops = ATTENTION_PRODUCTS[entry] * 2.0 * B * H * T * (T + 1) / 2 * kernels.attention_head_tile(Dh)
     return dict(kind="attention", name=name, nbytes=read + written, dtype="float32", flops=flops)
 
 

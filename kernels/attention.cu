@@ -7,7 +7,8 @@
 // Layouts (token-major, what the projections produce and read; no transposes, no K/V repeat):
 //   q, o, dq, do  [B, T, H, Dh]        k, v, dk, dv  [B, T, Hkv, Dh]
 //   lse, delta    [B, H, T] fp32       query head h reads key/value head h / (H / Hkv)
-// Dh <= ATTN_HEAD_DIM_MAX (128). scale = 1/sqrt(Dh) is applied in fp32 to q . k.
+// Dh <= ATTN_HEAD_DIM_MAX (128; the hd64_ entry points take Dh <= 64). scale = 1/sqrt(Dh) is applied in
+// fp32 to q . k.
 //
 // Tile plan. A "row group" is ATTN_LANES_PER_ROW (forward, dQ) or ATTN_LANES_PER_KEY (dK/dV)
 // consecutive lanes of one warp sharing one row; lane l of a group owns the head dims
@@ -43,12 +44,16 @@
 //   delta; writes n Dh of dK and dV.
 // Every kernel: 256 threads, at most 128 registers a thread and at most 32 KiB of shared
 // memory, so two blocks fit an SM of sm_80 (64K registers) and a CU of gfx90a (64 KiB LDS).
-// Shared-memory tiles are zero past Dh and past T, so dot products run over all 128 dims
-// without bounds tests (a head dim of 64 does the work of 128: no tensor cores yet, fp32 FMAs).
+// Shared-memory tiles are zero past Dh and past T, so dot products run over all the tile's HD
+// dims without bounds tests. Each kernel is stamped for HD = 128 (<kernel>_<type>) and HD = 64
+// (<kernel>_hd64_<type>, which the wrappers launch for Dh <= 64: half the registers and FMAs, and
+// twice the staged keys in the forward and dQ). No tensor cores yet: fp32 FMAs.
 // Resources (NVRTC 12.9's ptxas report, sm_80 / sm_90; tests/test_kernel_resources.py checks them):
 // registers a thread, forward 128 / 128, dQ 128 / 128, dK/dV 122 / 128; shared memory 32768,
 // 32768, 16512 bytes; no spills. gfx90a (hipcc of ROCm 5.2): 158-172, 154-157, 120 VGPRs; 42, 46,
 // 58 SGPRs; no SGPR or VGPR spills, no scratch; 2, 2 and 3 blocks per CU (LDS-bound).
+// hd64_: registers 96-123, 92-96, 72-86; shared memory 32768, 32768, 8320 bytes; gfx90a 86-127,
+// 89, 71 VGPRs, 2, 2 and 7 blocks per CU.
 #include "common.cuh"
 
 #define ATTN_HEAD_DIM_MAX 128
@@ -57,11 +62,9 @@
 #define ATTN_QUERY_TILE 64  // forward and dQ: 64 rows x 4 lanes
 #define ATTN_KV_STAGE_BYTES 32768  // the K and V tiles staged in shared memory, in the storage type
 #define ATTN_SCORE_CHUNK 16  // forward: scores held in registers at a time (one online-softmax step)
-#define ATTN_DIMS_PER_LANE (ATTN_HEAD_DIM_MAX / ATTN_LANES_PER_ROW)  // 32
 #define ATTN_LANES_PER_KEY 8
 #define ATTN_BWD_KEY_TILE 32
 #define ATTN_BWD_QUERY_TILE 16
-#define ATTN_DIMS_PER_KEY_LANE (ATTN_HEAD_DIM_MAX / ATTN_LANES_PER_KEY)  // 16
 // at least two resident blocks per SM: at most 128 registers a thread (sm_80)
 #define ATTN_BLOCKS_PER_SM 2
 static_assert(ATTN_QUERY_TILE * ATTN_LANES_PER_ROW == ATTN_THREADS, "forward, dQ: one row group per query");
@@ -75,9 +78,9 @@ __device__ __forceinline__ long long token_offset(int b, int t, int tokens, int 
 
 // Keys of K and of V staged at a time by the forward and the dQ pass: 32 KiB of shared memory, so
 // 64 keys of bf16 and 32 of float (two blocks still fit a 64 KiB gfx90a CU).
-template <typename T>
+template <typename T, int HD>
 struct KeyTile {
-    static constexpr int KEYS = ATTN_KV_STAGE_BYTES / (2 * ATTN_HEAD_DIM_MAX * static_cast<int>(sizeof(T)));
+    static constexpr int KEYS = ATTN_KV_STAGE_BYTES / (2 * HD * static_cast<int>(sizeof(T)));
     static_assert(KEYS % ATTN_SCORE_CHUNK == 0, "whole score chunks per staged tile");
 };
 
@@ -100,17 +103,18 @@ struct Staged<T, T> {
 };
 
 // Rows t0 .. t0+ROWS-1 of one head of a [B, T, heads, Dh] tensor into tile[r][d] (S: fp32, or the
-// storage type itself); rows at or past `tokens`, and dims at or past Dh, are zeros, so the dot
+// storage type itself); rows at or past t_end (at most `tokens`: a causal tile's last key), and dims
+// at or past Dh, are zeros and never read from global memory, so the dot
 // products and accumulations over ATTN_HEAD_DIM_MAX dims need no per-element bounds test (which
 // costs registers). Every thread of the block calls it.
-template <typename T, int ROWS, typename S>
-__device__ void load_tile(S (*tile)[ATTN_HEAD_DIM_MAX], const T* src, int b, int t0, int tokens, int heads, int head,
+template <typename T, int ROWS, int HD, typename S>
+__device__ void load_tile(S (*tile)[HD], const T* src, int b, int t0, int t_end, int tokens, int heads, int head,
                           int Dh) {
-    for (int e = threadIdx.x; e < ROWS * ATTN_HEAD_DIM_MAX; e += blockDim.x) {
-        const int r = e / ATTN_HEAD_DIM_MAX;
-        const int d = e % ATTN_HEAD_DIM_MAX;
+    for (int e = threadIdx.x; e < ROWS * HD; e += blockDim.x) {
+        const int r = e / HD;
+        const int d = e % HD;
         const int t = t0 + r;
-        tile[r][d] = (t < tokens && d < Dh) ? Staged<S, T>::of(src[token_offset(b, t, tokens, heads, head, Dh) + d])
+        tile[r][d] = (t < t_end && d < Dh) ? Staged<S, T>::of(src[token_offset(b, t, tokens, heads, head, Dh) + d])
                                             : from_float<S>(0.0f);
     }
 }
@@ -202,13 +206,13 @@ __device__ __forceinline__ QueryRow query_row(int tokens, int H, int Hkv, int Dh
     return r;
 }
 
-template <typename T>
+template <typename T, int HD>
 __device__ void attention_forward(const T* q, const T* k, const T* v, T* o, float* lse, int tokens, int H, int Hkv,
                                   int Dh, float scale) {
-    const int KEYS = KeyTile<T>::KEYS, CHUNK = ATTN_SCORE_CHUNK;
-    __shared__ T k_tile[KeyTile<T>::KEYS][ATTN_HEAD_DIM_MAX];
-    __shared__ T v_tile[KeyTile<T>::KEYS][ATTN_HEAD_DIM_MAX];
-    const int LANES = ATTN_LANES_PER_ROW, DIMS = ATTN_DIMS_PER_LANE;
+    constexpr int KEYS = KeyTile<T, HD>::KEYS, CHUNK = ATTN_SCORE_CHUNK;
+    __shared__ T k_tile[KEYS][HD];
+    __shared__ T v_tile[KEYS][HD];
+    constexpr int LANES = ATTN_LANES_PER_ROW, DIMS = HD / LANES;
     const QueryRow r = query_row(tokens, H, Hkv, Dh);
     const int i = r.i, lane = r.lane;
 
@@ -222,8 +226,8 @@ __device__ void attention_forward(const T* q, const T* k, const T* v, T* o, floa
     for (int k0 = 0; k0 < key_end; k0 += KEYS) {
         const int n = min(KEYS, key_end - k0);
         __syncthreads();  // every row is done with the previous tile
-        load_tile<T, KeyTile<T>::KEYS>(k_tile, k, r.b, k0, tokens, Hkv, r.kv_head, Dh);
-        load_tile<T, KeyTile<T>::KEYS>(v_tile, v, r.b, k0, tokens, Hkv, r.kv_head, Dh);
+        load_tile<T, KEYS, HD>(k_tile, k, r.b, k0, key_end, tokens, Hkv, r.kv_head, Dh);
+        load_tile<T, KEYS, HD>(v_tile, v, r.b, k0, key_end, tokens, Hkv, r.kv_head, Dh);
         __syncthreads();
         for (int c0 = 0; c0 < n; c0 += CHUNK) {  // one online-softmax step per chunk of the staged keys
             float s[ATTN_SCORE_CHUNK];
@@ -257,13 +261,13 @@ __device__ void attention_forward(const T* q, const T* k, const T* v, T* o, floa
     }
 }
 
-template <typename T>
+template <typename T, int HD>
 __device__ void attention_backward_dq(const T* q, const T* k, const T* v, const T* o, const T* d_o, const float* lse,
                                       float* delta, T* dq, int tokens, int H, int Hkv, int Dh, float scale) {
-    const int KEYS = KeyTile<T>::KEYS;
-    __shared__ T k_tile[KeyTile<T>::KEYS][ATTN_HEAD_DIM_MAX];
-    __shared__ T v_tile[KeyTile<T>::KEYS][ATTN_HEAD_DIM_MAX];
-    const int LANES = ATTN_LANES_PER_ROW, DIMS = ATTN_DIMS_PER_LANE;
+    constexpr int KEYS = KeyTile<T, HD>::KEYS;
+    __shared__ T k_tile[KEYS][HD];
+    __shared__ T v_tile[KEYS][HD];
+    constexpr int LANES = ATTN_LANES_PER_ROW, DIMS = HD / LANES;
     const QueryRow r = query_row(tokens, H, Hkv, Dh);
     const int i = r.i, lane = r.lane;
     const long long stat = static_cast<long long>(r.slice) * tokens + (r.live ? i : 0);
@@ -286,8 +290,8 @@ __device__ void attention_backward_dq(const T* q, const T* k, const T* v, const 
     for (int k0 = 0; k0 < key_end; k0 += KEYS) {
         const int n = min(KEYS, key_end - k0);
         __syncthreads();
-        load_tile<T, KeyTile<T>::KEYS>(k_tile, k, r.b, k0, tokens, Hkv, r.kv_head, Dh);
-        load_tile<T, KeyTile<T>::KEYS>(v_tile, v, r.b, k0, tokens, Hkv, r.kv_head, Dh);
+        load_tile<T, KEYS, HD>(k_tile, k, r.b, k0, key_end, tokens, Hkv, r.kv_head, Dh);
+        load_tile<T, KEYS, HD>(v_tile, v, r.b, k0, key_end, tokens, Hkv, r.kv_head, Dh);
         __syncthreads();
         for (int jj = 0; jj < n; ++jj) {  // n is the same for the whole block: the shuffles stay uniform
             const float s = group_dot<LANES, DIMS>(q_row, k_tile[jj], lane);
@@ -300,14 +304,14 @@ __device__ void attention_backward_dq(const T* q, const T* k, const T* v, const 
     if (r.live) store_row<T, LANES, DIMS>(dq + r.row_offset, acc, lane, Dh, scale);
 }
 
-template <typename T>
+template <typename T, int HD>
 __device__ void attention_backward(const T* q, const T* k, const T* v, const T* d_o, const float* lse,
                                    const float* delta, T* dk, T* dv, int tokens, int H, int Hkv, int Dh, float scale) {
-    __shared__ float q_tile[ATTN_BWD_QUERY_TILE][ATTN_HEAD_DIM_MAX];
-    __shared__ float do_tile[ATTN_BWD_QUERY_TILE][ATTN_HEAD_DIM_MAX];
+    __shared__ float q_tile[ATTN_BWD_QUERY_TILE][HD];
+    __shared__ float do_tile[ATTN_BWD_QUERY_TILE][HD];
     __shared__ float lse_tile[ATTN_BWD_QUERY_TILE];
     __shared__ float delta_tile[ATTN_BWD_QUERY_TILE];
-    const int LANES = ATTN_LANES_PER_KEY, DIMS = ATTN_DIMS_PER_KEY_LANE;
+    constexpr int LANES = ATTN_LANES_PER_KEY, DIMS = HD / LANES;
     int tile, slice;
     tile_and_slice((tokens + ATTN_BWD_KEY_TILE - 1) / ATTN_BWD_KEY_TILE, false, &tile, &slice);
     const int b = slice / Hkv, kv_head = slice - b * Hkv, G = H / Hkv;
@@ -329,8 +333,8 @@ __device__ void attention_backward(const T* q, const T* k, const T* v, const T* 
         for (int i0 = k0; i0 < tokens; i0 += ATTN_BWD_QUERY_TILE) {
             const int n = min(ATTN_BWD_QUERY_TILE, tokens - i0);
             __syncthreads();
-            load_tile<T, ATTN_BWD_QUERY_TILE>(q_tile, q, b, i0, tokens, H, h, Dh);
-            load_tile<T, ATTN_BWD_QUERY_TILE>(do_tile, d_o, b, i0, tokens, H, h, Dh);
+            load_tile<T, ATTN_BWD_QUERY_TILE, HD>(q_tile, q, b, i0, tokens, tokens, H, h, Dh);
+            load_tile<T, ATTN_BWD_QUERY_TILE, HD>(do_tile, d_o, b, i0, tokens, tokens, H, h, Dh);
             const int r = static_cast<int>(threadIdx.x);
             if (r < n) {
                 lse_tile[r] = lse[stats + i0 + r];
@@ -375,21 +379,27 @@ __device__ void rope(const T* x, const T* cos_table, const T* sin_table, T* out,
     }
 }
 
-#define ATTENTION_ENTRY_POINTS(T, SUFFIX)                                                                          \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM) attention_forward_##SUFFIX(const T* q, const T* k, const T* v, T* o, float* lse,    \
-                                                          int tokens, int H, int Hkv, int Dh, float scale) {       \
-        attention_forward<T>(q, k, v, o, lse, tokens, H, Hkv, Dh, scale);                                          \
+// HD: the head dims a tile holds (Dh <= HD); "" for 128, "hd64_" for 64 (half the work and staging)
+#define ATTENTION_ENTRY_POINTS(T, HD, PREFIX, SUFFIX)                                                              \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM)                                 \
+        attention_forward_##PREFIX##SUFFIX(const T* q, const T* k, const T* v, T* o, float* lse, int tokens, int H, \
+                                           int Hkv, int Dh, float scale) {                                          \
+        attention_forward<T, HD>(q, k, v, o, lse, tokens, H, Hkv, Dh, scale);                                      \
     }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM) attention_backward_dq_##SUFFIX(const T* q, const T* k, const T* v, const T* o,      \
-                                                              const T* d_o, const float* lse, float* delta, T* dq, \
-                                                              int tokens, int H, int Hkv, int Dh, float scale) {   \
-        attention_backward_dq<T>(q, k, v, o, d_o, lse, delta, dq, tokens, H, Hkv, Dh, scale);                      \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM)                                 \
+        attention_backward_dq_##PREFIX##SUFFIX(const T* q, const T* k, const T* v, const T* o, const T* d_o,         \
+                                               const float* lse, float* delta, T* dq, int tokens, int H, int Hkv,  \
+                                               int Dh, float scale) {                                               \
+        attention_backward_dq<T, HD>(q, k, v, o, d_o, lse, delta, dq, tokens, H, Hkv, Dh, scale);                  \
     }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM) attention_backward_##SUFFIX(const T* q, const T* k, const T* v, const T* d_o,       \
-                                                           const float* lse, const float* delta, T* dk, T* dv,     \
-                                                           int tokens, int H, int Hkv, int Dh, float scale) {      \
-        attention_backward<T>(q, k, v, d_o, lse, delta, dk, dv, tokens, H, Hkv, Dh, scale);                        \
-    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM)                                 \
+        attention_backward_##PREFIX##SUFFIX(const T* q, const T* k, const T* v, const T* d_o, const float* lse,     \
+                                            const float* delta, T* dk, T* dv, int tokens, int H, int Hkv, int Dh,  \
+                                            float scale) {                                                          \
+        attention_backward<T, HD>(q, k, v, d_o, lse, delta, dk, dv, tokens, H, Hkv, Dh, scale);                    \
+    }
+
+#define ROPE_ENTRY_POINTS(T, SUFFIX)                                                                               \
     extern "C" __global__ void rope_forward_##SUFFIX(const T* x, const T* cos_table, const T* sin_table, T* out,   \
                                                      long long pairs, int tokens, int heads, int Dh) {             \
         rope<T, false>(x, cos_table, sin_table, out, pairs, tokens, heads, Dh);                                    \
@@ -399,5 +409,9 @@ __device__ void rope(const T* x, const T* cos_table, const T* sin_table, T* out,
         rope<T, true>(dy, cos_table, sin_table, dx, pairs, tokens, heads, Dh);                                     \
     }
 
-ATTENTION_ENTRY_POINTS(float, f32)
-ATTENTION_ENTRY_POINTS(bf16, bf16)
+ATTENTION_ENTRY_POINTS(float, ATTN_HEAD_DIM_MAX, , f32)
+ATTENTION_ENTRY_POINTS(bf16, ATTN_HEAD_DIM_MAX, , bf16)
+ATTENTION_ENTRY_POINTS(float, 64, hd64_, f32)
+ATTENTION_ENTRY_POINTS(bf16, 64, hd64_, bf16)
+ROPE_ENTRY_POINTS(float, f32)
+ROPE_ENTRY_POINTS(bf16, bf16)

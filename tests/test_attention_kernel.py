@@ -139,7 +139,8 @@ def test_attention_kernels_match_the_model(monkeypatch, lanes, shape, dtype):
     monkeypatch.setattr(kernels, "_launch", lambda kernel, *a, **k: (launched.add(kernel.name), launch(kernel, *a, **k)))
     check_against_specification(*shape, dtype)
     suffix = "f32" if dtype == np.float32 else "bf16"
-    assert {f"attention_forward_{suffix}", f"attention_backward_dq_{suffix}", f"attention_backward_{suffix}"} <= launched
+    hd = "hd64_" if shape[4] <= 64 else ""  # head dims up to 64: the entry points whose tiles hold 64 dims
+    assert {f"attention_forward_{hd}{suffix}", f"attention_backward_dq_{hd}{suffix}", f"attention_backward_{hd}{suffix}"} <= launched
 
 
 @pytest.mark.gpu
@@ -194,7 +195,8 @@ def kernel_text(monkeypatch):
 def test_each_mutation_fails_the_check(kernel_text, mutation):
     import cudaemu
 
-    check = functools.partial(check_against_specification, 1, 37, 2, 1, 64, np.float32)
+    # T = 70: the second query tile stages two K/V tiles (64 keys of float32 at head dim 64)
+    check = functools.partial(check_against_specification, 1, 70, 2, 1, 64, np.float32)
     kernel_text(*MUTATIONS[mutation])
     with pytest.raises((AssertionError, cudaemu.KernelError)):
         check()
@@ -224,7 +226,8 @@ def test_float32_training_step_through_the_fused_kernels_equals_the_cpu_path(mon
     monkeypatch.setattr(kernels, "_launch", lambda kernel, *a, **k: (launched.append(kernel.name), launch(kernel, *a, **k)))
     train = dict(recompute=recompute)
     errors = _relative_errors(step(arch, "gpu", "float32", train=train), step(arch, "cpu", "float32", train=train))
-    assert {"attention_forward_f32", "attention_backward_dq_f32", "attention_backward_f32"} <= set(launched)
+    # head dim 16: the entry points whose tiles hold 64 dims
+    assert {"attention_forward_hd64_f32", "attention_backward_dq_hd64_f32", "attention_backward_hd64_f32"} <= set(launched)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= F32_TOLERANCE, f"{worst}: relative error {errors[worst]:.3g}"
 
@@ -258,11 +261,11 @@ def check_traffic(dtype):
     dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
     scalars = kernels._attention_scalars(T, H, Hkv, Dh)
     suffix = "f32" if dtype == np.float32 else "bf16"
-    kernels._launch(kernels._kernel("attention", f"attention_backward_dq_{suffix}"),
+    kernels._launch(kernels._kernel("attention", kernels.attention_entry("attention_backward_dq", Dh, suffix)),
                     B * H * -(-T // kernels.ATTENTION_DQ_QUERY_TILE), kernels.ATTENTION_THREADS,
                     (q, k, v, o, do, lse, delta, dq, *scalars))
     counted["backward_dq"] = cudaemu.global_bytes(reset=True)
-    kernels._launch(kernels._kernel("attention", f"attention_backward_{suffix}"),
+    kernels._launch(kernels._kernel("attention", kernels.attention_entry("attention_backward", Dh, suffix)),
                     B * Hkv * -(-T // kernels.ATTENTION_BWD_KEY_TILE), kernels.ATTENTION_THREADS,
                     (q, k, v, do, lse, delta, dk, dv, *scalars))
     counted["backward_dkdv"] = cudaemu.global_bytes(reset=True)

@@ -418,6 +418,7 @@ def softmax_xent(logits, targets, grad_scale=None, out=None):
 # Tile shapes of kernels/attention.cu (its opening comment has the plan): the forward runs 64 query
 # rows per block, 4 lanes a row, and so does the dQ pass; the dK/dV pass 32 keys, 8 lanes each.
 ATTENTION_HEAD_DIM_MAX = 128
+ATTENTION_HEAD_DIM_SMALL = 64  # head dims up to 64 run entry points whose tiles hold 64 dims, not 128
 ATTENTION_QUERY_TILE = 64
 ATTENTION_DQ_QUERY_TILE = 64
 ATTENTION_BWD_KEY_TILE = 32
@@ -461,6 +462,17 @@ def _check_attention(q, k, v):
     return B, T, H, Hkv, Dh, suffix
 
 
+def attention_head_tile(Dh):
+    """The head dims the kernels' tiles hold for head dim Dh (the work is done over all of them)."""
+    return ATTENTION_HEAD_DIM_SMALL if Dh <= ATTENTION_HEAD_DIM_SMALL else ATTENTION_HEAD_DIM_MAX
+
+
+def attention_entry(kernel, Dh, suffix):
+    """The entry point of kernels/attention.cu that runs `kernel` at head dim Dh: the hd64_ variants
+    up to 64 dims."""
+    return f"{kernel}_{'hd64_' if attention_head_tile(Dh) == ATTENTION_HEAD_DIM_SMALL else ''}{suffix}"
+
+
 def _attention_scalars(T, H, Hkv, Dh):
     return np.int32(T), np.int32(H), np.int32(Hkv), np.int32(Dh), np.float32(1.0 / np.sqrt(Dh))
 
@@ -474,7 +486,7 @@ def attention_forward(q, k, v):
     lse = cupy.empty((B, H, T), dtype=np.float32)
     if B * T * H:
         grid = B * H * -(-T // ATTENTION_QUERY_TILE)
-        _launch(_kernel("attention", f"attention_forward_{suffix}"), grid, ATTENTION_THREADS,
+        _launch(_kernel("attention", attention_entry("attention_forward", Dh, suffix)), grid, ATTENTION_THREADS,
                 (q, k, v, o, lse, *_attention_scalars(T, H, Hkv, Dh)))
     return o, lse
 
@@ -493,9 +505,9 @@ def attention_backward(do, q, k, v, o, lse):
     if B * T * H:
         scalars = _attention_scalars(T, H, Hkv, Dh)
         delta = cupy.empty((B, H, T), dtype=np.float32)
-        _launch(_kernel("attention", f"attention_backward_dq_{suffix}"), B * H * -(-T // ATTENTION_DQ_QUERY_TILE),
+        _launch(_kernel("attention", attention_entry("attention_backward_dq", Dh, suffix)), B * H * -(-T // ATTENTION_DQ_QUERY_TILE),
                 ATTENTION_THREADS, (q, k, v, o, do, lse, delta, dq, *scalars))
-        _launch(_kernel("attention", f"attention_backward_{suffix}"), B * Hkv * -(-T // ATTENTION_BWD_KEY_TILE),
+        _launch(_kernel("attention", attention_entry("attention_backward", Dh, suffix)), B * Hkv * -(-T // ATTENTION_BWD_KEY_TILE),
                 ATTENTION_THREADS, (q, k, v, do, lse, delta, dk, dv, *scalars))
     return dq, dk, dv
 
