@@ -1,6 +1,8 @@
-"""The harness's warp matrix functions (tests/cudaemu/include/mma.h): CUDA's nvcuda::wmma for
-bfloat16 16x16x16 with a float accumulator, as the CUDA C++ Programming Guide ("Warp Matrix
-Functions") and CUDA 12.9's crt/mma.h declare them.
+"""The harness's matrix-core operations: CUDA's warp matrix functions (tests/cudaemu/include/mma.h:
+nvcuda::wmma for bfloat16 16x16x16 with a float accumulator, as the CUDA C++ Programming Guide
+("Warp Matrix Functions") and CUDA 12.9's crt/mma.h declare them), and AMD's
+__builtin_amdgcn_mfma_f32_32x32x8bf16_1k (tests/cudaemu/prelude.h, in the lane layout of AMD's
+Matrix Instruction Calculator for CDNA2; (e) below).
 
 (a) a product kernel over every memory layout of A, B and the accumulator, with a stride wider
     than the tile and several k steps, equals NumPy's (float32 products of bfloat16 inputs);
@@ -11,7 +13,10 @@ Functions") and CUDA 12.9's crt/mma.h declare them.
     stride of a multiple of 16 bytes; WMMA on a 64-lane wavefront is an error;
 (d) NVRTC compiles the same kernel text for sm_80 and sm_90 with CUDA's own headers: CuPy 14.2
     puts only the runtime wheel's include directory on NVRTC's path, whose mma.h includes
-    crt/mma.h from the nvcc wheel (nvidia-cuda-nvcc-cu12), so that directory must be added.
+    crt/mma.h from the nvcc wheel (nvidia-cuda-nvcc-cu12), so that directory must be added;
+(e) MFMA: a 32x32 product over three k steps, loaded and stored in AMD's documented lane layout,
+    equals NumPy's on 64 lanes; on 32 lanes it is an error; hipRTC compiles the same text for
+    gfx90a; an emulation with another layout fails the product check.
 """
 
 import functools
@@ -218,3 +223,81 @@ def test_each_mutation_of_the_emulation_fails_its_check(monkeypatch, tmp_path, m
             check()
     finally:
         _module.cache_clear()
+
+
+# ---------------------------------------------------------------------------- AMD: MFMA on gfx90a
+
+MFMA_PROBE = r"""
+typedef short bf16x4 __attribute__((vector_size(8)));
+typedef float floatx16 __attribute__((vector_size(64)));
+
+// d [32, 32] = a [32, K] b [K, 32] (row-major, bfloat16 bits) over K / 8 steps of one wavefront,
+// each lane loading and storing the elements AMD's lane layout gives it (prelude.h)
+extern "C" __global__ void mfma_product(const unsigned short* a, const unsigned short* b, float* d, int K) {
+    const int lane = static_cast<int>(threadIdx.x);
+    floatx16 acc;
+    for (int r = 0; r < 16; ++r) acc[r] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        bf16x4 av, bv;
+        for (int e = 0; e < 4; ++e) {
+            const int k = k0 + 4 * (lane / 32) + e;
+            av[e] = static_cast<short>(a[(lane % 32) * K + k]);
+            bv[e] = static_cast<short>(b[k * 32 + lane % 32]);
+        }
+        acc = __builtin_amdgcn_mfma_f32_32x32x8bf16_1k(av, bv, acc, 0, 0, 0);
+    }
+    for (int r = 0; r < 16; ++r) d[(8 * (r / 4) + 4 * (lane / 32) + r % 4) * 32 + lane % 32] = acc[r];
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _mfma_module(warp=64):
+    return cudaemu.Module(MFMA_PROBE, loader.COMPILE_OPTIONS + (f"-DWARP_SIZE={warp}",))
+
+
+def check_mfma_product():
+    rng = np.random.default_rng(9)
+    K = 24
+    a = rng.standard_normal((32, K)).astype(BF16)
+    b = rng.standard_normal((K, 32)).astype(BF16)
+    d = cudaemu.DeviceArray(shape=(32, 32), dtype=np.float32)
+    _mfma_module().get_function("mfma_product")((1,), (64,), (cudaemu.DeviceArray(a.view(np.uint16)),
+                                                               cudaemu.DeviceArray(b.view(np.uint16)), d, np.int32(K)))
+    np.testing.assert_allclose(d.get(), a.astype(np.float64) @ b.astype(np.float64), rtol=1e-5, atol=1e-5)
+
+
+def test_mfma_product_in_amds_lane_layout_equals_numpy():
+    check_mfma_product()
+
+
+def test_mfma_on_a_32_lane_warp_is_an_error():
+    args = (cudaemu.DeviceArray(np.zeros(32 * 8, np.uint16)), cudaemu.DeviceArray(np.zeros(8 * 32, np.uint16)),
+            cudaemu.DeviceArray(shape=(32, 32), dtype=np.float32), np.int32(8))
+    with pytest.raises(cudaemu.KernelError, match="64-lane wavefront"):
+        _mfma_module(32).get_function("mfma_product")((1,), (32,), args)
+
+
+def test_hiprtc_compiles_the_mfma_probe_for_gfx90a():
+    gpu_compilers.require("hipRTC")
+    report = gpu_compilers.hiprtc(MFMA_PROBE, loader.COMPILE_OPTIONS + ("-DWARP_SIZE=64",))
+    assert report["ok"] and report["code_bytes"] > 0, report["log"][-3000:]
+
+
+# the emulated builtin with its output rows in another order than AMD's: the product check fails
+@pytest.mark.parametrize("old,new", [("const int i = 8 * (r / 4) + 4 * (lane / 32) + r % 4, j = lane % 32;",
+                                      "const int i = 4 * (r / 4) + 16 * (lane / 32) + r % 4, j = lane % 32;"),
+                                     ("A[src % 32][4 * (src / 32) + e] =", "A[src % 32][e * 2 + src / 32] =")],
+                         ids=["output rows", "a's k order"])
+def test_a_mutated_mfma_emulation_fails_the_product_check(monkeypatch, tmp_path, old, new):
+    text = (cudaemu.HERE / "prelude.h").read_text()
+    assert text.count(old) == 1, old
+    (tmp_path / "prelude.h").write_text(text.replace(old, new))
+    (tmp_path / "runtime.cpp").write_text((cudaemu.HERE / "runtime.cpp").read_text())
+    monkeypatch.setattr(cudaemu, "HERE", tmp_path)
+    _mfma_module.cache_clear()
+    try:
+        with pytest.raises(AssertionError):
+            check_mfma_product()
+    finally:
+        _mfma_module.cache_clear()
