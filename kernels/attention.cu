@@ -415,3 +415,145 @@ ATTENTION_ENTRY_POINTS(float, 64, hd64_, f32)
 ATTENTION_ENTRY_POINTS(bf16, 64, hd64_, bf16)
 ROPE_ENTRY_POINTS(float, f32)
 ROPE_ENTRY_POINTS(bf16, bf16)
+
+// ------------------------------------------------------------------------------------------------
+// Tensor cores (CUDA WMMA), an option OFF by default: compiled only with -DBOOSTMPI_ATTENTION_WMMA
+// (which NVRTC accepts with CUDA's crt/mma.h on its include path: docs/GPU.md), launched by no
+// wrapper yet. attention_forward_tc_bf16: the forward of attention_forward_bf16 with QK^T and PV on
+// WMMA (bf16 16x16x16, fp32 accumulate); the backward stays attention_backward_dq / attention_backward.
+// One block per (b, h, 64-query tile), 4 warps of 32 lanes, warp w owning queries 16w .. 16w + 15;
+// 64-key tiles of K, then V, staged as bf16. Per key tile and warp: S = Q K^T (4 x 8 mma_sync) to
+// shared memory; each row's online softmax by two lanes (32 scores each); P as bf16 to shared
+// memory; O = O rescale + P V (8 x 4 mma_sync). WMMA leaves the row of an accumulator element
+// unspecified: each warp loads a 16 x 16 matrix of row numbers into an accumulator fragment once,
+// and element e of every accumulator fragment belongs to row rows.x[e] (the same fragment type has
+// one element map), which is how O is rescaled per row without assuming a layout.
+#ifdef BOOSTMPI_ATTENTION_WMMA
+#include <mma.h>
+#include <cuda_bf16.h>
+
+#define ATTN_TC_WARPS 4
+#define ATTN_TC_THREADS 128
+#define ATTN_TC_KEYS 64
+static_assert(ATTN_TC_WARPS * 16 == ATTN_QUERY_TILE, "one 16-row strip of the query tile per warp");
+static_assert(ATTN_TC_THREADS == ATTN_TC_WARPS * 32, "32-lane warps");
+
+struct __align__(32) TcTile {  // WMMA loads need 256-bit aligned rows
+    bf16 v[ATTN_TC_KEYS][ATTN_HEAD_DIM_MAX];
+};
+struct __align__(32) TcScores {
+    float s[ATTN_TC_WARPS][16][ATTN_TC_KEYS];
+};
+struct __align__(32) TcProbs {
+    bf16 p[ATTN_TC_WARPS][16][ATTN_TC_KEYS];
+};
+
+// (the signature on one line, as the harness reads entry points)
+extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM) attention_forward_tc_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int tokens, int H, int Hkv, int Dh, float scale) {
+    using namespace nvcuda;
+    typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> Acc;
+    __shared__ TcTile kv;
+    __shared__ TcScores scores;
+    __shared__ TcProbs probs;
+    __shared__ float row_factor[ATTN_TC_WARPS][16];
+    const int DIM_TILES = ATTN_HEAD_DIM_MAX / 16, KEY_TILES = ATTN_TC_KEYS / 16;
+    int tile, slice;
+    tile_and_slice((tokens + ATTN_QUERY_TILE - 1) / ATTN_QUERY_TILE, true, &tile, &slice);
+    const int b = slice / H, h = slice - b * H, kv_head = h / (H / Hkv);
+    const int q0 = tile * ATTN_QUERY_TILE, warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+    const int row = lane / 2, half = lane % 2;  // softmax: two lanes a row, 32 of the 64 keys each
+    const int i = q0 + 16 * warp + row;         // this lane's query in the softmax
+
+    // Q: staged through the K/V buffer, then 8 fragments a warp in registers
+    load_tile<bf16, ATTN_TC_KEYS, ATTN_HEAD_DIM_MAX>(kv.v, q, b, q0, tokens, tokens, H, h, Dh);
+    // the accumulator's row map: element e of a fragment holds row rows.x[e]
+    for (int e = lane; e < 256; e += 32) scores.s[warp][e / 16][e % 16] = static_cast<float>(e / 16);
+    __syncthreads();
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> q_frag[DIM_TILES];
+    for (int kk = 0; kk < DIM_TILES; ++kk)
+        wmma::load_matrix_sync(q_frag[kk], reinterpret_cast<const __nv_bfloat16*>(&kv.v[16 * warp][16 * kk]),
+                               ATTN_HEAD_DIM_MAX);
+    Acc rows;
+    wmma::load_matrix_sync(rows, &scores.s[warp][0][0], ATTN_TC_KEYS, wmma::mem_row_major);
+    Acc out[DIM_TILES];
+    for (int n = 0; n < DIM_TILES; ++n) wmma::fill_fragment(out[n], 0.0f);
+    float running_max = negative_infinity(), running_sum = 0.0f;
+
+    const int key_end = min(tokens, q0 + ATTN_QUERY_TILE);
+    for (int k0 = 0; k0 < key_end; k0 += ATTN_TC_KEYS) {
+        __syncthreads();  // Q (first tile) or the previous V tile is no longer read
+        load_tile<bf16, ATTN_TC_KEYS, ATTN_HEAD_DIM_MAX>(kv.v, k, b, k0, key_end, tokens, Hkv, kv_head, Dh);
+        __syncthreads();
+        // (loops over fragments in arrays are unrolled, the others not: hoisted fragment loads spill)
+#pragma unroll 1
+        for (int n = 0; n < KEY_TILES; ++n) {  // S = Q K^T: K row-major [key][dim] is K^T column-major
+            Acc s;
+            wmma::fill_fragment(s, 0.0f);
+#pragma unroll
+            for (int kk = 0; kk < DIM_TILES; ++kk) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> k_frag;
+                wmma::load_matrix_sync(k_frag, reinterpret_cast<const __nv_bfloat16*>(&kv.v[16 * n][16 * kk]),
+                                       ATTN_HEAD_DIM_MAX);
+                wmma::mma_sync(s, q_frag[kk], k_frag, s);
+            }
+            wmma::store_matrix_sync(&scores.s[warp][0][16 * n], s, ATTN_TC_KEYS, wmma::mem_row_major);
+        }
+        __syncthreads();  // the scores are written; K is no longer read
+        load_tile<bf16, ATTN_TC_KEYS, ATTN_HEAD_DIM_MAX>(kv.v, v, b, k0, key_end, tokens, Hkv, kv_head, Dh);
+        // online softmax of this lane's half row (keys at or past key_end, or after query i, masked)
+        float tile_max = negative_infinity();
+        for (int c = 32 * half; c < 32 * half + 32; ++c) {
+            const float s = k0 + c <= i && k0 + c < key_end ? scale * scores.s[warp][row][c] : negative_infinity();
+            tile_max = fmaxf(tile_max, s);
+        }
+        tile_max = fmaxf(tile_max, shfl_xor(tile_max, 1));
+        const float new_max = fmaxf(running_max, tile_max);  // key 0 is in the first tile: finite
+        const float rescale = expf(running_max - new_max);
+        float tile_sum = 0.0f;
+        for (int c = 32 * half; c < 32 * half + 32; ++c) {
+            const float s = k0 + c <= i && k0 + c < key_end ? scale * scores.s[warp][row][c] : negative_infinity();
+            const float p = expf(s - new_max);
+            probs.p[warp][row][c] = from_float<bf16>(p);  // P V runs on P rounded to bf16
+            tile_sum += p;  // the row sum in fp32, as the log-sum-exp needs (FlashAttention-2 does the same)
+        }
+        tile_sum += shfl_xor(tile_sum, 1);
+        running_sum = running_sum * rescale + tile_sum;
+        running_max = new_max;
+        if (half == 0) row_factor[warp][row] = rescale;
+        __syncthreads();  // V, P and the factors are written
+#pragma unroll
+        for (int n = 0; n < DIM_TILES; ++n) {  // O = O rescale + P V
+            for (int e = 0; e < out[n].num_elements; ++e) out[n].x[e] *= row_factor[warp][static_cast<int>(rows.x[e])];
+#pragma unroll 1
+            for (int kk = 0; kk < KEY_TILES; ++kk) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> p_frag;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> v_frag;
+                wmma::load_matrix_sync(p_frag, reinterpret_cast<const __nv_bfloat16*>(&probs.p[warp][0][16 * kk]),
+                                       ATTN_TC_KEYS);
+                wmma::load_matrix_sync(v_frag, reinterpret_cast<const __nv_bfloat16*>(&kv.v[16 * kk][16 * n]),
+                                       ATTN_HEAD_DIM_MAX);
+                wmma::mma_sync(out[n], p_frag, v_frag, out[n]);
+            }
+        }
+    }
+    // o = O / l, through the warp's score rows (16 x 64 floats: four 16 x 16 output tiles at a time)
+    __syncthreads();
+    if (half == 0) row_factor[warp][row] = 1.0f / running_sum;
+    if (half == 0 && i < tokens) lse[static_cast<long long>(slice) * tokens + i] = running_max + logf(running_sum);
+    __syncthreads();
+    for (int n0 = 0; n0 < DIM_TILES; n0 += KEY_TILES) {
+        for (int n = n0; n < n0 + KEY_TILES; ++n) {
+            for (int e = 0; e < out[n].num_elements; ++e) out[n].x[e] *= row_factor[warp][static_cast<int>(rows.x[e])];
+            wmma::store_matrix_sync(&scores.s[warp][0][16 * (n - n0)], out[n], ATTN_TC_KEYS, wmma::mem_row_major);
+        }
+        __syncthreads();
+        if (i < tokens) {
+            for (int c = 32 * half; c < 32 * half + 32; ++c) {
+                const int d = 16 * n0 + c;
+                if (d < Dh) o[token_offset(b, i, tokens, H, h, Dh) + d] = from_float<bf16>(scores.s[warp][row][c]);
+            }
+        }
+        __syncthreads();
+    }
+}
+#endif  // BOOSTMPI_ATTENTION_WMMA

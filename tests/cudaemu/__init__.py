@@ -530,7 +530,7 @@ def _compile(key, code, flags, prelude):
 
     def build(tmp):
         _run_compiler([CXX, *flags, *NO_HOST_HEADERS, "-fPIC", "-O1", "-g", "-fsanitize=thread,signed-integer-overflow",
-                       "-fno-tree-loop-distribute-patterns", "-ffp-contract=off", "-Wno-unknown-pragmas", "-include", str(tmp / "prelude.h"), "-x", "c++",
+                       "-fno-tree-loop-distribute-patterns", "-ffp-contract=off", "-Wno-unknown-pragmas", "-Wno-psabi", "-include", str(tmp / "prelude.h"), "-x", "c++",
                        "-c", str(tmp / "kernel.cu"), "-o", str(tmp / "kernel.o")], "compiling the kernel text")
         _run_compiler([CXX, "-shared", str(tmp / "kernel.o"), "-o", str(tmp / "module.so")], "linking the kernel module")
         # keep the compiled text beside the library (error locations are lines of it)
