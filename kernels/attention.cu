@@ -418,8 +418,8 @@ ROPE_ENTRY_POINTS(bf16, bf16)
 
 // ------------------------------------------------------------------------------------------------
 // Tensor cores (CUDA WMMA), an option OFF by default: compiled only with -DBOOSTMPI_ATTENTION_WMMA
-// (which NVRTC accepts with CUDA's crt/mma.h on its include path: docs/GPU.md), launched by no
-// wrapper yet. attention_forward_tc_bf16: the forward of attention_forward_bf16 with QK^T and PV on
+// (which NVRTC accepts with CUDA's crt/mma.h on its include path: docs/GPU.md), which the wrapper
+// adds when BOOSTMPI_ATTENTION_TENSOR_CORES=1 (bf16, 32-lane devices). attention_forward_tc_bf16: the forward of attention_forward_bf16 with QK^T and PV on
 // WMMA (bf16 16x16x16, fp32 accumulate); the backward stays attention_backward_dq / attention_backward.
 // One block per (b, h, 64-query tile), 4 warps of 32 lanes, warp w owning queries 16w .. 16w + 15;
 // 64-key tiles of K, then V, staged as bf16. Per key tile and warp: S = Q K^T (4 x 8 mma_sync) to
@@ -517,7 +517,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM
             tile_sum += p;  // the row sum in fp32, as the log-sum-exp needs (FlashAttention-2 does the same)
         }
         tile_sum += shfl_xor(tile_sum, 1);
-        running_sum = running_sum * rescale + tile_sum;
+        running_sum = rescale * running_sum + tile_sum;
         running_max = new_max;
         if (half == 0) row_factor[warp][row] = rescale;
         __syncthreads();  // V, P and the factors are written

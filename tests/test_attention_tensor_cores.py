@@ -1,5 +1,6 @@
 """The tensor-core forward of the fused attention (kernels/attention.cu, attention_forward_tc_bf16),
-an option OFF by default: compiled only with -DBOOSTMPI_ATTENTION_WMMA and launched by no wrapper.
+an option OFF by default: compiled only with -DBOOSTMPI_ATTENTION_WMMA, which the wrapper adds when
+BOOSTMPI_ATTENTION_TENSOR_CORES=1 (bfloat16 on 32-lane devices; 64-lane ones keep the FMA forward).
 
 On the execution harness (its WMMA draws the fragment element map at random per launch, so a
 kernel assuming a layout fails) against the model's NumPy attention: O within twice the error of a
@@ -83,6 +84,7 @@ MUTATIONS = {
     "output not rescaled by the new running max": (
         "for (int e = 0; e < out[n].num_elements; ++e) out[n].x[e] *= row_factor[warp][static_cast<int>(rows.x[e])];\n"
         "#pragma unroll 1", "#pragma unroll 1"),
+    "running sum not rescaled": ("running_sum = rescale * running_sum + tile_sum;", "running_sum = running_sum + tile_sum;"),
     "barrier after the scores removed": ("__syncthreads();  // the scores are written; K is no longer read", ""),
     "mask off by one": ("const float s = k0 + c <= i && k0 + c < key_end ? scale * scores.s[warp][row][c] : negative_infinity();\n"
                         "            const float p",
@@ -100,3 +102,40 @@ def test_each_mutation_fails_the_check(mutation):
     with pytest.raises((AssertionError, cudaemu.KernelError)):
         # T = 130: the second query tile's rows meet two full key tiles, and many take a new maximum in the second
         check_forward(1, 130, 2, 1, 128, code=code.replace(old, new))
+
+
+# ---------------------------------------------------------------------------- the wrapper's option
+
+
+def _wrapper_forward(monkeypatch, warp, B=1, T=70, H=4, Hkv=2, Dh=128):
+    """kernels.attention_forward with BOOSTMPI_ATTENTION_TENSOR_CORES=1 on a device of `warp` lanes:
+    (launched entry points, o, lse) and the inputs."""
+    import cupy
+
+    from gpu_setup import GPU
+
+    if not GPU.standin:
+        pytest.skip("the harness runs the option here; a GPU runs its own warp width")
+    real = loader._device_info
+    monkeypatch.setattr(loader, "_device_info", lambda device_id: real(device_id)._replace(warp_size=warp))
+    monkeypatch.setattr(loader, "_module", functools.lru_cache(maxsize=None)(loader._module.__wrapped__))
+    monkeypatch.setenv(loader.ATTENTION_TENSOR_CORES_ENV, "1")
+    launched = []
+    launch = loader._launch
+    monkeypatch.setattr(loader, "_launch", lambda kernel, *a, **k: (launched.append(kernel.name), launch(kernel, *a, **k)))
+    inputs = _inputs(B, T, H, Hkv, Dh, BF16)
+    o, lse = loader.attention_forward(*(cupy.asarray(a) for a in inputs[:3]))
+    return launched, cupy.asnumpy(o), cupy.asnumpy(lse), inputs
+
+
+def test_the_option_runs_the_tensor_core_forward_through_the_wrapper(monkeypatch):
+    launched, o, lse, (q, k, v, do) = _wrapper_forward(monkeypatch, 32)
+    assert launched == [ENTRY]
+    want_o, want_lse = specification(q, k, v, do)[:2]
+    assert max_error(lse, want_lse) <= F32_TOLERANCE * max(float(np.max(np.abs(want_lse))), 1.0)
+    assert max_error(o, want_o) <= 2 * max_error(rounded_reference(q, k, v, do)[0], want_o)
+
+
+def test_the_option_leaves_64_lane_devices_on_the_fma_forward(monkeypatch):
+    launched, *_ = _wrapper_forward(monkeypatch, 64, T=5)
+    assert launched == ["attention_forward_bf16"]

@@ -84,14 +84,14 @@ def _current_device():
 
 
 @functools.lru_cache(maxsize=None)
-def _module(name, device_id):
+def _module(name, device_id, extra_options=()):
     """kernels/<name>.cu compiled once per process and device, for that device's warp width."""
-    options = COMPILE_OPTIONS + (f"-DWARP_SIZE={_device_info(device_id).warp_size}",)
+    options = COMPILE_OPTIONS + (f"-DWARP_SIZE={_device_info(device_id).warp_size}",) + tuple(extra_options)
     return _import_cupy().RawModule(code=kernel_source(name), options=options)
 
 
-def _kernel(module_name, entry_point):
-    return _module(module_name, _current_device().id).get_function(entry_point)
+def _kernel(module_name, entry_point, extra_options=()):
+    return _module(module_name, _current_device().id, tuple(extra_options)).get_function(entry_point)
 
 
 def _launch(kernel, grid, block, args, shared_mem=0):
@@ -477,6 +477,34 @@ def _attention_scalars(T, H, Hkv, Dh):
     return np.int32(T), np.int32(H), np.int32(Hkv), np.int32(Dh), np.float32(1.0 / np.sqrt(Dh))
 
 
+# BOOSTMPI_ATTENTION_TENSOR_CORES=1 (off by default): the bfloat16 forward runs on WMMA tensor cores on
+# NVIDIA GPUs (attention_forward_tc_bf16, compiled with -DBOOSTMPI_ATTENTION_WMMA); the backward and
+# every other case keep the FMA kernels.
+ATTENTION_TENSOR_CORES_ENV = "BOOSTMPI_ATTENTION_TENSOR_CORES"
+ATTENTION_TC_THREADS = 128
+
+
+def _cuda_mma_include():
+    """-I<dir> holding CUDA's crt/mma.h, which the mma.h on CuPy's NVRTC include path (the runtime
+    wheel's) includes: the nvcc wheel's include/, else $CUDA_PATH/include."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    candidates = [Path(p) / "include" for p in (spec.submodule_search_locations or [])] if spec else []
+    if os.environ.get("CUDA_PATH"):
+        candidates.append(Path(os.environ["CUDA_PATH"]) / "include")
+    for directory in candidates:
+        if (directory / "crt" / "mma.h").is_file():
+            return f"-I{directory}"
+    raise RuntimeError(f"{ATTENTION_TENSOR_CORES_ENV}=1 needs CUDA's crt/mma.h: install nvidia-cuda-nvcc-cu12 "
+                       "or set CUDA_PATH to a CUDA toolkit")
+
+
+def _attention_tensor_cores(suffix):
+    return (os.environ.get(ATTENTION_TENSOR_CORES_ENV) == "1" and suffix == "bf16"
+            and _current_device().warp_size == 32)
+
+
 def attention_forward(q, k, v):
     """Causal attention: q [B,T,H,Dh], k, v [B,T,Hkv,Dh] -> o [B,T,H,Dh] (q's dtype), lse [B,H,T]
     (float32, the log-sum-exp of each row's scaled scores, what the backward recomputes from)."""
@@ -484,7 +512,11 @@ def attention_forward(q, k, v):
     cupy = _import_cupy()
     o = cupy.empty_like(q)
     lse = cupy.empty((B, H, T), dtype=np.float32)
-    if B * T * H:
+    if B * T * H and _attention_tensor_cores(suffix):
+        kernel = _kernel("attention", "attention_forward_tc_bf16", ("-DBOOSTMPI_ATTENTION_WMMA", _cuda_mma_include()))
+        _launch(kernel, B * H * -(-T // ATTENTION_QUERY_TILE), ATTENTION_TC_THREADS,
+                (q, k, v, o, lse, *_attention_scalars(T, H, Hkv, Dh)))
+    elif B * T * H:
         grid = B * H * -(-T // ATTENTION_QUERY_TILE)
         _launch(_kernel("attention", attention_entry("attention_forward", Dh, suffix)), grid, ATTENTION_THREADS,
                 (q, k, v, o, lse, *_attention_scalars(T, H, Hkv, Dh)))

@@ -520,7 +520,7 @@ class Module:
 
 
 def _compile(key, code, flags, prelude):
-    flags = [*flags, "-I", str(INCLUDE)]
+    flags = ["-I", str(INCLUDE), *flags]  # before any -I given: the harness's <mma.h>, never CUDA's
     pre = subprocess.run([CXX, "-E", "-P", *NO_HOST_HEADERS, "-x", "c++", *flags, "-"], input=code, capture_output=True,
                          text=True)
     if pre.returncode != 0:
