@@ -138,3 +138,24 @@ def test_the_option_runs_the_tensor_core_forward_through_the_wrapper(monkeypatch
 def test_the_option_leaves_64_lane_devices_on_the_fma_forward(monkeypatch):
     launched, *_ = _wrapper_forward(monkeypatch, 64, T=5)
     assert launched == ["attention_forward_bf16"]
+
+
+@pytest.mark.parametrize("arch", ["cola", "full"])
+def test_a_bf16_training_step_with_the_option_equals_the_cpu_path(monkeypatch, arch):
+    """One bfloat16 training step (tests/gpu_steps.py: GQA, head dim 16) with the option on: the forward
+    of every layer on the WMMA kernel (asserted from the launches), the loss and gradients within
+    the bfloat16 tolerance of the float64 CPU step (tests/test_gpu.py's)."""
+    from gpu_setup import GPU
+    from gpu_steps import step
+    from test_gpu import assert_step_close, cpu_step
+
+    if not GPU.standin:
+        pytest.skip("the harness's 32-lane device; a GPU runs its own warp width")
+    monkeypatch.setattr(loader, "_module", functools.lru_cache(maxsize=None)(loader._module.__wrapped__))
+    monkeypatch.setenv(loader.ATTENTION_TENSOR_CORES_ENV, "1")
+    launched = []
+    launch = loader._launch
+    monkeypatch.setattr(loader, "_launch", lambda kernel, *a, **k: (launched.append(kernel.name), launch(kernel, *a, **k)))
+    got = step(arch, "gpu", "bfloat16")
+    assert ENTRY in launched and "attention_forward_hd64_bf16" not in launched, sorted(set(launched))
+    assert_step_close(got, cpu_step(arch), "bfloat16", f"{arch} bfloat16 with tensor cores")
