@@ -184,23 +184,26 @@ def _gib(n):
 
 
 def model_memory(cfg):
-    """{params, grads, optimizer, activations, total}: bytes per rank the performance model estimates
-    (boostmpi/sim; the largest pipeline stage)."""
+    """{params, grads, optimizer, activations, workspace, total}: bytes per rank the performance model
+    estimates (boostmpi/sim; the largest pipeline stage), with the workspace of the path that runs
+    (boostmpi/sim/memory.py: the optimizer's scratch; on the CPU path also the step's temporaries,
+    the checkpoint's buffers and the process itself)."""
     from boostmpi.sim.machines import builtin_names, load_machine
+    from boostmpi.sim.memory import rank_memory
     from boostmpi.sim.model import predict
 
     try:
         memory = predict(cfg, load_machine(builtin_names()[0])).memory_bytes  # the bytes do not depend on the machine
+        return rank_memory(cfg, memory)
     except Exception:  # noqa: BLE001 - a layout the model does not cover: no estimate, no refusal
         return None
-    return {k: memory[k] for k in ("params", "grads", "optimizer", "activations", "total")}
 
 
 def memory_problem(memory, limit, where, device):
     """The one-line reason to refuse, or None."""
     if memory is None or limit is None or memory["total"] <= limit:
         return None
-    parts = ", ".join(f"{k} {_gib(memory[k])}" for k in ("params", "grads", "optimizer", "activations"))
+    parts = ", ".join(f"{k} {_gib(memory[k])}" for k in ("params", "grads", "optimizer", "activations", "workspace"))
     return (f"this model needs about {_gib(memory['total'])} per rank ({parts}; an estimate) but a rank may use "
             f"{_gib(limit)} of {device} memory here ({where}): shrink the model (model.vocab_size, model.d_model, "
             f"model.n_layers, train.micro_batch_size) or spread it over more ranks (parallel.tp, parallel.pp)")
