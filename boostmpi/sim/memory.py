@@ -14,8 +14,9 @@ out-of-memory killer. Every term below is read off the engine's own code and sha
   softmax dtype, while the probabilities are being made; or a layer's backward at an input
   projection: seven arrays of the residual's width (the residual's gradient, the RMSNorm
   backward's intermediates, the result and the sum) and the gradients projected (dq, dk, dv and
-  the attention's score tiles, or those of the gate and up outputs); with recompute, the probability tiles a forward run again hands
-  to the backward that follows (boostmpi/model/layers.py, ATTENTION_KEEP_BYTES).
+  the attention's score tiles, or those of the gate and up outputs); with recompute, the
+  probability tiles a forward run again hands to the backward that follows
+  (boostmpi/model/layers.py, ATTENTION_KEEP_BYTES).
 * `checkpoint` (CPU path): the writer's staging buffer (kept for the next save) or, for an
   asynchronous save, the snapshot of this rank's file; and the copy of the largest tensor piece
   a synchronous save makes between steps, when the activations are gone.
@@ -27,14 +28,16 @@ buffer), so only `optimizer_scratch` is added to its device memory; `boostmpi si
 reporting the step model's figure.
 """
 
+from boostmpi.model.layers import ATTENTION_BLOCK, ATTENTION_KEEP_BYTES, probability_tile_bytes
 from boostmpi.model.params import param_specs
 from boostmpi.precision import statistic_dtype
 from boostmpi.sim.costs import ITEMSIZE
 from boostmpi.sim.plans import Attention, layer_plan, plan_strategy, shape_of
 
-# The resident memory of a rank of `boostmpi train` that is not its NumPy arrays: measured at
-# 109-120 MiB with ru_maxrss against tracemalloc's count of the arrays (MPICH wheel, 1 and 2 ranks,
-# bench/log/memory_estimate.md); 160 MiB leaves room for a larger MPI library and fragmentation.
+# The resident memory of a rank of `boostmpi train` that is not its NumPy arrays: 109-120 MiB here
+# (ru_maxrss less the arrays tracemalloc counted at the same moments, 2-step runs on the MPICH
+# wheel; a tiny model's whole peak is 111-112 MiB on 1 and 2 ranks, bench/log/memory_estimate.md).
+# 160 MiB leaves room for a larger MPI library and for fragmentation.
 PROCESS_BYTES = 160 * 2**20
 
 
@@ -60,7 +63,7 @@ def step_temporaries(cfg):
     qkv = core.saved - core.heads * core.T  # q, k, v of this rank: their gradients dq, dk, dv
     widths = [op.elements // N for op in ops if op.name == "gate*up"]  # the MLP's local d_ff
     residual = [op.elements // N for op in ops if op.name == "residual"]  # local residual width
-    tile = s.B * heads * min(s.T, _attention_block()) * s.T * es  # scores of one query block
+    tile = s.B * heads * min(s.T, ATTENTION_BLOCK) * s.T * es  # scores of one query block
     # a layer's backward at an input projection (Block.backward): the residual's gradient dh, the
     # projection's result and the sum dh + result, the RMSNorm backward's four intermediates of the
     # residual's width (dxw in the softmax dtype, dxw * w, 2 x, 2 x * dS: layers.btp_norm_backward_post,
@@ -73,17 +76,9 @@ def step_temporaries(cfg):
     head = 2 * N * V_local * es  # logits and logits - max, besides the probabilities (saved)
     kept_tiles = 0
     if cfg.train.recompute != "none":  # a forward run again hands its probability tiles to the backward
-        from boostmpi.model.layers import ATTENTION_KEEP_BYTES, probability_tile_bytes
-
         kept = probability_tile_bytes(s.B, heads, s.T, cfg.train.dtype)
         kept_tiles = kept if kept <= ATTENTION_KEEP_BYTES else 0
     return max(layer + kept_tiles, head)
-
-
-def _attention_block():
-    from boostmpi.model.layers import ATTENTION_BLOCK
-
-    return ATTENTION_BLOCK
 
 
 def checkpoint_buffers(cfg):
