@@ -513,3 +513,19 @@ def test_the_memory_estimate_bounds_the_peak_of_a_real_run(case, tmp_path, monke
     else:
         monkeypatch.setattr(memory, term, lambda *args: 0)
     assert startup.model_memory(cfg)["total"] < peak, f"without {term} the estimate still bounds the peak"
+
+
+def test_the_gpu_path_adds_only_the_optimizers_device_scratch():
+    """On a GPU the workspace is AdamW's scratch and clipped gradient on the device (one moment each);
+    the host's temporaries stay out, and `boostmpi sim` keeps the step model's own figure."""
+    from boostmpi.config import load_config
+    from boostmpi.sim.machines import builtin_names, load_machine
+    from boostmpi.sim.model import predict
+
+    for clip, buffers in (("1.0", 2), ("0", 1)):
+        cfg = load_config(REPO / "configs" / "tiny.toml", overrides=["train.device=gpu", f"train.grad_clip={clip}"],
+                          world_size=1)
+        step_model = predict(cfg, load_machine(builtin_names()[0])).memory_bytes
+        memory = startup.model_memory(cfg)
+        assert memory["workspace"] == buffers * step_model["optimizer"] // 2
+        assert memory["total"] == step_model["total"] + memory["workspace"]
