@@ -17,6 +17,7 @@ import pytest
 
 from boostmpi.errors import UserError
 from boostmpi.parallel import startup
+from boostmpi.sim.model import memory_estimate
 from mpi_helpers import collectively, world
 
 REPO = Path(__file__).resolve().parents[1]
@@ -432,7 +433,6 @@ def test_a_model_that_cannot_fit_is_refused_naming_its_parts_and_the_limit(monke
 
     big = load_config(REPO / "configs" / "tiny.toml", overrides=["model.d_model=1048576", "model.rank=262144",
                                                                   "model.d_ff=4194304"], world_size=1)
-    from boostmpi.sim.model import memory_estimate
 
     memory = memory_estimate(big)
     problem = startup.memory_problem(memory, 64 * 2**30, "the machine's MemTotal 64.0 GiB", "host")
@@ -448,3 +448,86 @@ def test_a_model_that_cannot_fit_is_refused_naming_its_parts_and_the_limit(monke
                       world_size=1)
     with pytest.raises(UserError, match=r"of device memory here \(GPU 1's total memory\)"):
         startup.check_memory(gpu, None, 3, memory_estimate(gpu))
+
+
+# A fresh `boostmpi train` of 2 steps that reports its peak resident memory (ru_maxrss, kB on Linux):
+# what the kernel's out-of-memory killer would have counted, with no cgroup needed.
+PEAK_PROBE = '''
+import os, resource, sys
+from boostmpi.cli import main
+status = main(sys.argv[2:])
+with open(os.path.join(sys.argv[1], f"rank-{os.environ.get('PMI_RANK', '0')}"), "w") as f:
+    f.write(f"{status} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}\\n")
+'''
+
+SMALL_HEADS = ["model.n_heads=8", "model.n_kv_heads=4"]
+# (ranks, overrides of configs/tiny.toml, the term of the estimate whose removal the run must expose)
+MEASURED_RUNS = {
+    # the model the old estimate put lowest against its peak: its weights dominate, and AdamW's
+    # scratch and clipped gradient are as large as its moments
+    "large d_model": (1, ["model.d_model=32768"], "optimizer_scratch"),
+    # the LM head's logits and their exponentials over a 32k vocabulary, besides the probabilities
+    "large vocabulary": (1, SMALL_HEADS + ["model.d_model=256", "model.vocab_size=32000", "model.seq_len=128",
+                                           "model.rank=64", "model.d_ff=768", "train.micro_batch_size=4"],
+                         "step_temporaries"),
+    # a long sequence with its forward run again: the probability tiles handed to the backward
+    "long sequence, recompute = layer": (1, ["model.d_model=128", "model.seq_len=1024", "model.vocab_size=512",
+                                             "model.rank=32", "model.d_ff=256", "train.recompute=layer"], None),
+    # two ranks, tensor-parallel: the process itself outweighs a tiny model
+    "tiny, tp = 2": (2, ["parallel.tp=2"], "PROCESS_BYTES"),
+}
+
+
+def _peak_of_a_run(tmp_path, ranks, overrides):
+    from mpi_helpers import MPIEXEC
+
+    out = tmp_path / "peaks"
+    out.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    command = [sys.executable, "-c", PEAK_PROBE, str(out), *_train_args(tmp_path, *overrides)]
+    if ranks > 1:
+        command = [MPIEXEC, "-n", str(ranks), *command]
+    p = subprocess.run(["timeout", "300", *command], env=env, capture_output=True, text=True, timeout=330)
+    rows = [(tmp_path / "peaks" / name).read_text().split() for name in sorted(os.listdir(out))]
+    assert p.returncode == 0 and len(rows) == ranks and all(r[0] == "0" for r in rows), p.stdout + p.stderr
+    return max(int(r[1]) for r in rows)
+
+
+@pytest.mark.mpi_skip  # it starts processes of its own
+@pytest.mark.parametrize("case", list(MEASURED_RUNS))
+def test_the_memory_estimate_bounds_the_peak_of_a_real_run(case, tmp_path, monkeypatch):
+    """The check's estimate is an upper bound of what the run really holds at its peak, and not a
+    loose one; without the term of the estimate that the case stresses (the mutant) it is not."""
+    from boostmpi.config import load_config
+    from boostmpi.sim import memory
+
+    ranks, overrides, term = MEASURED_RUNS[case]
+    peak = _peak_of_a_run(tmp_path, ranks, overrides)
+    cfg = load_config(REPO / "configs" / "tiny.toml", overrides=overrides, world_size=ranks)
+    estimate = memory_estimate(cfg)["total"]
+    assert peak <= estimate <= max(1.5 * peak, peak + memory.PROCESS_BYTES), (peak, estimate)
+    step_model = sum(memory_estimate(cfg)[k] for k in ("params", "grads", "optimizer", "activations"))
+    assert step_model < peak  # the step model's figure alone, what the check compared before, is not a bound
+    if term is None:
+        return
+    if term == "PROCESS_BYTES":
+        monkeypatch.setattr(memory, term, 0)
+    else:
+        monkeypatch.setattr(memory, term, lambda *args: 0)
+    assert memory_estimate(cfg)["total"] < peak, f"without {term} the estimate still bounds the peak"
+
+
+def test_the_gpu_path_adds_only_the_optimizers_device_scratch():
+    """On a GPU the workspace is AdamW's scratch and clipped gradient on the device (one moment each);
+    the host's temporaries stay out, and `boostmpi sim` keeps the step model's own figure."""
+    from boostmpi.config import load_config
+    from boostmpi.sim.machines import builtin_names, load_machine
+    from boostmpi.sim.model import predict
+
+    for clip, buffers in (("1.0", 2), ("0", 1)):
+        cfg = load_config(REPO / "configs" / "tiny.toml", overrides=["train.device=gpu", f"train.grad_clip={clip}"],
+                          world_size=1)
+        step_model = predict(cfg, load_machine(builtin_names()[0])).memory_bytes
+        memory = memory_estimate(cfg)
+        assert memory["workspace"] == buffers * step_model["optimizer"] // 2
+        assert memory["total"] == step_model["total"] + memory["workspace"]

@@ -189,7 +189,7 @@ def memory_problem(memory, limit, where, device):
     """The one-line reason to refuse, or None."""
     if memory is None or limit is None or memory["total"] <= limit:
         return None
-    parts = ", ".join(f"{k} {_gib(memory[k])}" for k in ("params", "grads", "optimizer", "activations"))
+    parts = ", ".join(f"{k} {_gib(memory[k])}" for k in ("params", "grads", "optimizer", "activations", "workspace"))
     return (f"this model needs about {_gib(memory['total'])} per rank ({parts}; an estimate) but a rank may use "
             f"{_gib(limit)} of {device} memory here ({where}): shrink the model (model.vocab_size, model.d_model, "
             f"model.n_layers, train.micro_batch_size) or spread it over more ranks (parallel.tp, parallel.pp)")

@@ -399,12 +399,16 @@ def predict_step_time(cfg, machine):
 
 
 def memory_estimate(cfg):
-    """{params, grads, optimizer, activations, total}: bytes per rank this model estimates for `cfg`
-    (the largest pipeline stage), or None for a layout it does not cover."""
+    """{params, grads, optimizer, activations, workspace, total}: bytes per rank the start-up memory
+    check compares with what a rank may use: this model's figures for `cfg` (the largest pipeline
+    stage) with the workspace of the path that runs (boostmpi/sim/memory.py: the optimizer's scratch;
+    on the CPU path also the step's temporaries, the checkpoint's buffers and the process itself), or
+    None for a layout the model does not cover."""
     from boostmpi.sim.machines import builtin_names, load_machine
+    from boostmpi.sim.memory import rank_memory
 
     try:
         memory = predict(cfg, load_machine(builtin_names()[0])).memory_bytes  # the bytes do not depend on the machine
     except Exception:  # noqa: BLE001 - a layout the model does not cover: no estimate, no refusal
         return None
-    return {k: memory[k] for k in ("params", "grads", "optimizer", "activations", "total")}
+    return rank_memory(cfg, memory)
