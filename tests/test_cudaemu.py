@@ -247,6 +247,26 @@ def test_adamw_step_matches_the_update(warp):
         assert_close(P.get(), p_ref, np.float32, f"p n={n}")
 
 
+@pytest.mark.parametrize("warp", WARPS)
+def test_sum_squares_ranges_matches_the_norm(warp):
+    """The gradient norm's sum of squares over ranges of a flat slice, per block, in float64 from the
+    same inputs; ranges off vector boundaries, an empty one, one ending at the slice's end."""
+    suffix = "f32"
+    for n, grid in ((3000, 3), (1027, 1)):  # blocks striding over several ranges, and one block
+        g = random(n, np.float32, 35)
+        ranges = [(5, 700), (700, 700), (1000, 1020), (n - 7, n)]
+        P = cudaemu.DeviceArray(shape=grid, dtype=np.float32)
+        kernel("adamw", f"sum_squares_ranges_{suffix}", warp)(
+            grid, loader.ELEMENTWISE_BLOCK_THREADS,
+            (cudaemu.DeviceArray(g), cudaemu.DeviceArray(np.array(ranges, np.int64).reshape(-1)), np.int32(len(ranges)), P))
+        threads = grid * loader.ELEMENTWISE_BLOCK_THREADS
+        want = np.zeros(grid)
+        for a, b in ranges:
+            for i in range(a, b):
+                want[(i - a) % threads // loader.ELEMENTWISE_BLOCK_THREADS] += f64(g[i]) ** 2
+        assert_close(P.get(), want, np.float32, f"partials n={n}")
+
+
 def _xent_reference(logits, targets, scale):
     lf = f64(logits)
     m = lf.max(axis=1, keepdims=True)

@@ -328,6 +328,30 @@ def run_adamw(pool, small, code=None, warp=32):
         assert_close(m.flat(a, b), m_ref, np.float32, f"adamw m [{a}, {b})")
 
 
+@pytest.mark.parametrize("warp", WARPS)
+def test_sum_squares_indexes_more_than_2_32_elements(pool, small, warp):
+    run_sum_squares(pool, small, warp=warp)
+
+
+def run_sum_squares(pool, small, code=None, warp=32):
+    """The gradient norm's sum of squares over a range at the start and one ending at 2^32 + 7, by a
+    grid of two blocks (each thread's elements are range start + thread + k x 512)."""
+    n, threads = ELEMENTS, 2 * loader.ELEMENTWISE_BLOCK_THREADS
+    ranges = [(0, 5), (n - 1000, n)]
+    g = Tensor(pool[0], (n,), np.float32)
+    for k, (a, b) in enumerate(ranges):
+        g.flat(a, b)[:] = random(b - a, np.float32, 60 + k)
+    partial = small(np.zeros(2, np.float32))
+    function("adamw", "sum_squares_ranges_f32", code, warp)(
+        2, loader.ELEMENTWISE_BLOCK_THREADS, (g, small(np.array(ranges, np.int64).reshape(-1)), np.int32(2), partial),
+        blocks=[0, 1])
+    want = np.zeros(2)
+    for a, b in ranges:
+        values = g.flat(a, b).astype(np.float64) ** 2
+        np.add.at(want, np.arange(b - a) % threads // loader.ELEMENTWISE_BLOCK_THREADS, values)
+    assert_close(partial.get(), want, np.float32, "sum_squares partials")
+
+
 # ------------------------------------------------------------------------------ attention and RoPE
 
 
@@ -422,7 +446,7 @@ def test_rope_kernels_index_more_than_2_32_elements(pool, small, suffix, warp):
 # entry points the tests above run past 2^32 elements; a new kernel gets its test here
 CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "rmsnorm_projection_", "rmsnorm_backward_",
            "rescale_rows_", "silu_forward_", "silu_backward_", "gate_forward_", "gate_backward_", "btp_backward_pre_",
-           "btp_backward_post_", "btp_rescale_silu_", "adamw_step_", "attention_forward_", "attention_backward_dq_",
+           "btp_backward_post_", "btp_rescale_silu_", "adamw_step_", "sum_squares_ranges_", "attention_forward_", "attention_backward_dq_",
            "attention_backward_", "rope_forward_", "rope_backward_")
 
 
@@ -471,6 +495,15 @@ def test_an_int_dw_partial_offset_is_an_integer_overflow(pool, small):
     code = mutated("rmsnorm", "dw_partial + static_cast<long long>(chunk) * C + j;", "dw_partial + chunk * C + j;")
     with pytest.raises(cudaemu.IntegerOverflowError, match=r"16384 \* 262144 does not fit 'int'.*dw_partial \+ chunk \* C"):
         run_rmsnorm(pool, small, "f32", code)
+
+
+def test_an_int_range_end_misses_the_elements_past_2_32(pool, small):
+    """The gradient norm's range end narrowed to int (2^32 + 7 becomes 7): the range past 2^32 is
+    not summed, and the partials say so."""
+    code = mutated("adamw", "const long long hi = bounds[2 * r + 1];",
+                   "const int hi = static_cast<int>(bounds[2 * r + 1]);")
+    with pytest.raises(AssertionError, match="sum_squares partials"):
+        run_sum_squares(pool, small, code)
 
 
 def test_an_int_token_offset_is_an_integer_overflow(pool):

@@ -70,7 +70,7 @@ def launch_shape(entry, warp):
         return loader._row_block(PAPER["rank"], itemsize, warp), 0
     if entry.startswith("softmax_xent"):
         return loader._row_block(PAPER["vocab"], itemsize, warp), 0
-    if entry.startswith(("silu_", "gate_", "adamw_step")):
+    if entry.startswith(("silu_", "gate_", "adamw_step", "sum_squares_ranges")):
         return loader.ELEMENTWISE_BLOCK_THREADS, 0
     if entry.startswith(("attention_", "rope_")):  # fixed tiles, static shared memory only
         return loader.ATTENTION_THREADS, 0

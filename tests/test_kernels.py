@@ -39,7 +39,7 @@ ENTRY_POINTS = {
     "attention.cu": [f"{k}_{t}" for k in ("attention_forward", "attention_backward_dq", "attention_backward",
                                           "rope_forward", "rope_backward") for t in ("f32", "bf16")],
     "btp.cu": [f"{k}_{t}" for k in ("btp_rescale_silu", "btp_backward_pre", "btp_backward_post") for t in ("f32", "bf16")],
-    "adamw.cu": ["adamw_step_f32"],
+    "adamw.cu": ["adamw_step_f32", "sum_squares_ranges_f32"],
 }
 
 # ---------------------------------------------------------------------------- (a) offline compiles

@@ -338,6 +338,24 @@ def adamw_step(p, g, m, v, decay_bounds, lr, beta1, beta2, eps, weight_decay, gr
                  np.float32(math.sqrt(bc2))))
 
 
+def sum_squares_ranges(g, bounds):
+    """The sum of g[i]^2 over the ranges [bounds[2j], bounds[2j+1]) of the flat float32 g (bounds int64
+    on the device, each range within g): a 0-d float64 device array, from one kernel over every range
+    and the sum of its per-block partials (the engine's `_grad_sq` is the specification)."""
+    _check_contiguous("g", g)
+    if g.dtype != np.float32 or g.ndim != 1:
+        raise TypeError(f"sum_squares_ranges sums a flat float32 buffer, got {g.dtype} of shape {tuple(g.shape)}")
+    if bounds.dtype != np.int64 or bounds.ndim != 1 or bounds.size % 2:
+        raise ValueError("bounds must be a 1-D int64 array of (start, stop) pairs")
+    _check_contiguous("bounds", bounds)
+    cupy = _import_cupy()
+    grid = _elementwise_grid(max(g.size, 1), g.itemsize, _current_device().sm_count)
+    partial = cupy.empty(grid, dtype=np.float32)
+    _launch(_kernel("adamw", "sum_squares_ranges_f32"), grid, ELEMENTWISE_BLOCK_THREADS,
+            (g, bounds, np.int32(bounds.size // 2), partial))
+    return partial.sum(dtype=np.float64)
+
+
 # ------------------------------------------------------------------------------ lowrank.cu
 
 

@@ -53,6 +53,17 @@ def _nbytes(obj, seen):
     return 0
 
 
+
+def read_to_host(xp, values):
+    """`values` (floats, or on a GPU 0-d float64 device arrays) as floats: the device ones copied to
+    the host together, in one synchronisation."""
+    on_device = [i for i, v in enumerate(values) if not isinstance(v, (float, int))]
+    if not on_device:
+        return [float(v) for v in values]
+    got = iter(xp.stack([values[i] for i in on_device]).get().tolist())
+    return [next(got) if i in on_device else float(v) for i, v in enumerate(values)]
+
+
 class Engine:
     def __init__(self, cfg, world=None, local_rank=0):
         cfg.check_runnable()  # nothing only the performance model understands
@@ -114,6 +125,7 @@ class Engine:
         self._buckets = self._bucket_ranges()
         # the dp-summed gradient of the slice: its own buffer when reduce-scattered, else a view
         self.grad_shard = touched(self.xp.empty(hi - lo, dtype=self.pdtype)) if self.sharded else self.grads.data
+        self._norm_ranges_cache, self._norm_bounds = None, None  # what _grad_sq sums, found once
         self.init_params(tr.seed)
 
     # ------------------------------------------------------------------ parameters
@@ -307,14 +319,23 @@ class Engine:
             else:
                 for a, b in self._buckets.values():
                     self._reduce_bucket(a, b, blocking=True)
-        mine = float(np.sum(losses)) / M if (self.last and grid.coords.tp == 0) else 0.0
+        loss_sum = self._loss_sum(losses) if (self.last and grid.coords.tp == 0) else 0.0
         if self.sharded:  # the all-gather optimizer_step issues next belongs to this step's traffic
             grid.dp.count_allgather_pieces(self.params.data, [e - s for s, e in self.dp_ranges])
+        # on a GPU the loss and the gradient's squared norm reach the host together: the step's one
+        # synchronisation, whatever the number of micro-batches
+        loss_sum, grad_sq = read_to_host(xp, [loss_sum, self._grad_sq()])
         extra = list(also_sum()) if also_sum else []
-        totals = grid.host.sum([mine, self._grad_sq(), *extra])
+        totals = grid.host.sum([loss_sum / M, grad_sq, *extra])
         self._grad_norm = float(np.sqrt(totals[1]))
         self.summed = totals[2:]
         return float(totals[0]) / grid.dp_size
+
+    def _loss_sum(self, losses):
+        """The sum of the micro-batches' mean losses (floats, or on a GPU float64 device scalars that stay there)."""
+        if not losses or all(isinstance(v, float) for v in losses):
+            return float(np.sum(losses))
+        return self.xp.stack(losses).sum()
 
     def _reduce_bucket(self, a, b, blocking=False):
         """Sum the gradient range [a, b) over dp: all-reduced in place, or (ZeRO-1) reduce-scattered into
@@ -368,17 +389,36 @@ class Engine:
                 if j < S * v - 1:
                     grid.pp.isend(out, (self.stage + 1) % S, tag=message_tag(FORWARD, 0, j, S, v)).wait()
                 elif grid.coords.tp == 0:
-                    mine = out * B
+                    mine = read_to_host(xp, [out])[0] * B
         return float(self.grid.host.sum([mine])[0])
 
     # ------------------------------------------------------------------ the gradient's norm
     def _grad_sq(self):
         """This rank's part of the squared norm of the dp-summed gradient, each element counted once
         whatever the layout: tp-replicated parameters on tp rank 0 only; without ZeRO on dp rank 0 only
-        (every dp rank holds the whole sum), with ZeRO-1 every dp rank over its own slice."""
+        (every dp rank holds the whole sum), with ZeRO-1 every dp rank over its own slice. On a GPU
+        one kernel sums the squares of every block (kernels/adamw.cu, `sum_squares_ranges`) and the
+        result stays on the device (forward_backward reads it with the loss)."""
+        ranges = self._norm_ranges()
+        g = self.grad_shard
+        if self.xp is not np and ranges and g.dtype == np.float32:
+            from boostmpi.gpu import kernels
+
+            if self._norm_bounds is None:
+                self._norm_bounds = self.xp.asarray(np.array(ranges, dtype=np.int64).reshape(-1))
+            return kernels.sum_squares_ranges(g, self._norm_bounds)
+        parts = [(g[a:b] * g[a:b]).sum() for a, b in ranges]
+        if self.xp is np or not parts:
+            return sum((float(p) for p in parts), 0.0)
+        return self.xp.stack(parts).sum(dtype=np.float64)
+
+    def _norm_ranges(self):
+        """The ranges [a, b) of `grad_shard` whose squares `_grad_sq` sums (fixed for the engine's life)."""
+        if self._norm_ranges_cache is not None:
+            return self._norm_ranges_cache
         c = self.grid.coords
         lo, hi = self.shard
-        parts, seen = [], set()
+        ranges, seen = [], set()
         if self.sharded or c.dp == 0:
             for s in self.specs:
                 if s.tp_replicated and c.tp != 0:
@@ -389,12 +429,9 @@ class Engine:
                 seen.add(a)
                 a, b = max(a, lo), min(b, hi)
                 if a < b:
-                    g = self.grad_shard[a - lo:b - lo]
-                    parts.append((g * g).sum())
-        if self.xp is np or not parts:
-            return sum((float(p) for p in parts), 0.0)
-        # on a GPU the blocks' sums stay on the device and reach the host in one read (one synchronisation)
-        return float(self.xp.stack(parts).sum(dtype=np.float64))
+                    ranges.append((a - lo, b - lo))
+        self._norm_ranges_cache = ranges
+        return ranges
 
     def grad_norm(self):
         """Global L2 norm of the dp-summed gradient of the last forward_backward."""
