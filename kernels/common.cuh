@@ -98,6 +98,38 @@ __device__ __forceinline__ void store_vec(T* p, const float* in) {
     *reinterpret_cast<uint4*>(p) = raw;
 }
 
+// A thread's V columns of a row (the column-tile kernels: rmsnorm_backward, btp_backward_post).
+// VECTORISED: one 16-byte load or store per tensor per row; otherwise element by element (a row
+// length that is not a whole number of vectors, or a pointer off 16 bytes), `width` elements of
+// the thread's V, the rest taken as 0 and never stored. Loops over k are unrolled so that the
+// arrays stay in registers.
+template <bool VECTORISED>
+struct Columns;
+
+template <>
+struct Columns<true> {
+    template <int V, typename T>
+    static __device__ __forceinline__ void load(const T* p, float* out, int) { load_vec<V>(p, out); }
+    template <int V, typename T>
+    static __device__ __forceinline__ void store(T* p, const float* in, int) { store_vec<V>(p, in); }
+};
+
+template <>
+struct Columns<false> {
+    template <int V, typename T>
+    static __device__ __forceinline__ void load(const T* p, float* out, int width) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) out[k] = k < width ? to_float(p[k]) : 0.0f;
+    }
+    template <int V, typename T>
+    static __device__ __forceinline__ void store(T* p, const float* in, int width) {
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            if (k < width) p[k] = from_float<T>(in[k]);
+    }
+};
+
+
 // ---------------------------------------------------------------------------------------
 // Reductions. HIP has no *_sync shuffles before ROCm 6.2 (and then with a 64-bit mask),
 // so the one shuffle we use is chosen here.

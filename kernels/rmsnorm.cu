@@ -98,36 +98,7 @@ __device__ void rmsnorm_projection(const T* dy, const T* x, const T* w, const fl
 // b / n_tiles (rows_per_chunk rows, the last chunk fewer). A thread keeps w and its running dw in
 // registers while it walks its rows, and writes its dw once, to the chunk's row of dw_partial:
 // no shared memory, no atomics, every dw_partial element written by exactly one thread.
-// VECTORISED: one 16-byte load or store per tensor per row; otherwise element by element (a row
-// length that is not a whole number of vectors, or a pointer off 16 bytes), `width` elements of
-// the thread's V, the rest taken as 0 and never stored. Loops over k are unrolled so that the
-// arrays stay in registers.
-template <bool VECTORISED>
-struct Columns;
-
-template <>
-struct Columns<true> {
-    template <int V, typename T>
-    static __device__ __forceinline__ void load(const T* p, float* out, int) { load_vec<V>(p, out); }
-    template <int V, typename T>
-    static __device__ __forceinline__ void store(T* p, const float* in, int) { store_vec<V>(p, in); }
-};
-
-template <>
-struct Columns<false> {
-    template <int V, typename T>
-    static __device__ __forceinline__ void load(const T* p, float* out, int width) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) out[k] = k < width ? to_float(p[k]) : 0.0f;
-    }
-    template <int V, typename T>
-    static __device__ __forceinline__ void store(T* p, const float* in, int width) {
-#pragma unroll
-        for (int k = 0; k < V; ++k)
-            if (k < width) p[k] = from_float<T>(in[k]);
-    }
-};
-
+// (Columns<VECTORISED>, common.cuh, loads and stores a thread's columns.)
 template <typename T, bool VECTORISED>
 __device__ void rmsnorm_backward_tile(const T* dy, const T* x, const T* w, const float* rstd, const float* proj,
                                       T* dx, float* dw_partial, int N, int C, int rows_per_chunk) {

@@ -209,15 +209,16 @@ def test_btp_backward_kernels_match_layers(warp, suffix):
 
         dxw = random((N, width), np.float32, 24)
         x, w, ds = random((N, width), dtype, 25), random(width, dtype, 26), random(N, np.float32, 27, 0.1)
-        DX, P = cudaemu.DeviceArray(shape=N * width, dtype=dtype), cudaemu.DeviceArray(shape=2 * width, dtype=np.float32)
+        # column tiles over 3 chunks of 2 rows (the last one short), as rmsnorm_backward
+        DX, P = cudaemu.DeviceArray(shape=N * width, dtype=dtype), cudaemu.DeviceArray(shape=3 * width, dtype=np.float32)
+        threads, tiles, _, _ = loader.rmsnorm_backward_launch(N, width, dtype.itemsize, warp, SM_COUNT)
         kernel("btp", f"btp_backward_post_{suffix}", warp)(
-            2, row_block(width, dtype, warp), (cudaemu.DeviceArray(dxw), cudaemu.DeviceArray(x), cudaemu.DeviceArray(w),
-                                               cudaemu.DeviceArray(ds), DX, P, np.int32(N), np.int32(width)),
-            shared_mem=4 * width)
+            tiles * 3, threads, (cudaemu.DeviceArray(dxw), cudaemu.DeviceArray(x), cudaemu.DeviceArray(w),
+                                 cudaemu.DeviceArray(ds), DX, P, np.int32(N), np.int32(width), np.int32(2)))
         dw_ref = np.zeros(width)
         dx_ref = layers.btp_norm_backward_post(f64(dxw), f64(x), f64(w), f64(ds)[:, None], dw_ref)
         assert_close(DX.get().reshape(N, width), stored(dx_ref, dtype), dtype, f"dx C={width}")
-        assert_close(P.get().reshape(2, width).sum(axis=0), dw_ref, np.float32, f"dw C={width}")
+        assert_close(P.get().reshape(3, width).sum(axis=0), dw_ref, np.float32, f"dw C={width}")
 
 
 @pytest.mark.parametrize("warp", WARPS)

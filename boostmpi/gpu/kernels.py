@@ -161,19 +161,6 @@ def _elementwise_grid(n, itemsize, sm_count):
     return max(1, min(-(-n // per_block), 16 * sm_count))
 
 
-def _reserve_dynamic_shared(kernel, nbytes, device, what):
-    """Lets `kernel` launch with `nbytes` of dynamic shared memory: a block holds its static
-    shared memory plus the dynamic part, within the default per-block limit or, opted in,
-    within what the device allows; raises a clear error beyond that."""
-    total = kernel.shared_size_bytes + nbytes
-    if total > device.max_shared_bytes:
-        raise ValueError(f"{what} needs {nbytes} bytes of dynamic shared memory per block ({total} with the kernel's "
-                         f"static shared memory), the device has {device.max_shared_bytes}")
-    if total > DEFAULT_DYNAMIC_SHARED_BYTES:
-        kernel.max_dynamic_shared_size_bytes = nbytes
-
-
-
 def _launch_rows(module_name, entry_point, rows, width, itemsize, args):
     """One block per row of `width` elements."""
     if rows > 0:
@@ -196,7 +183,8 @@ def rmsnorm_forward(x, w, eps):
 
 
 def rmsnorm_backward_launch(N, C, itemsize, warp_size, sm_count):
-    """The second backward kernel's launch: (threads per block, column tiles, rows per chunk, row chunks).
+    """The launch of the column-tile kernels (rmsnorm_backward, btp_backward_post) over [N, C]:
+    (threads per block, column tiles, rows per chunk, row chunks).
 
     A block owns a tile of one 16-byte vector of columns per thread (at most 256 threads:
     1,024 float32 or 2,048 bfloat16 columns) over a chunk of rows; the rows are cut into
@@ -232,25 +220,6 @@ def rmsnorm_backward(dy, x, w, rstd):
             (dy, x, w, rstd, proj, dx, dw_partial, np.int32(N), np.int32(C), np.int32(rows_per_chunk)))
     return dx, dw_partial.sum(axis=0)
 
-
-
-def _launch_column_sums(module_name, entry_point, x, args, what):
-    """A row kernel whose blocks stride over the rows of x [N, C], each keeping its running
-    per-column sums (C floats) in shared memory and writing them once: launched with `args`, then
-    its partial sums [blocks, C] and N and C; returns the sums over all rows (float32 [C])."""
-    cupy = _import_cupy()
-    N, C = x.shape
-    if N == 0:
-        return cupy.zeros(C, dtype=np.float32)
-    device = _current_device()
-    kernel = _kernel(module_name, entry_point)
-    shared_bytes = 4 * C
-    _reserve_dynamic_shared(kernel, shared_bytes, device, what)
-    blocks = min(N, 2 * device.sm_count)
-    partial = cupy.empty((blocks, C), dtype=np.float32)
-    _launch(kernel, blocks, _row_block(C, x.itemsize, device.warp_size), args + (partial, np.int32(N), np.int32(C)),
-            shared_mem=shared_bytes)
-    return partial.sum(axis=0)
 
 
 def rmsnorm_online_stats(x, w):
@@ -305,14 +274,22 @@ def btp_backward_pre(dZs, Z, rstd, C_total, act):
 
 def btp_backward_post(dxw, x, w, dS):
     """dxw [N,Cs] float32, x [N,Cs], w [Cs], dS [N] float32 -> dx [N,Cs] = dxw * w + 2 * x * dS
-    (x's dtype), dw [Cs] = sum over rows of dxw * x (float32)."""
+    (x's dtype), dw [Cs] = sum over rows of dxw * x (float32). One kernel over rmsnorm_backward's
+    column tiles and row chunks (no shared memory, whatever Cs), then the sum of its per-chunk dw rows."""
     N, Cs, suffix = _check_matrix("x", x)
     _check("dxw", dxw, (N, Cs), np.float32)
     _check("w", w, (Cs,), x.dtype)
     _check("dS", dS, (N,), np.float32)
-    dx = _import_cupy().empty_like(x)
-    return dx, _launch_column_sums("btp", f"btp_backward_post_{suffix}", x, (dxw, x, w, dS, dx),
-                                   f"btp_backward_post: C/tp = {Cs}")
+    cupy = _import_cupy()
+    dx = cupy.empty_like(x)
+    if N == 0 or Cs == 0:
+        return dx, cupy.zeros(Cs, dtype=np.float32)
+    device = _current_device()
+    threads, tiles, rows_per_chunk, chunks = rmsnorm_backward_launch(N, Cs, x.itemsize, device.warp_size, device.sm_count)
+    dw_partial = cupy.empty((chunks, Cs), dtype=np.float32)
+    _launch(_kernel("btp", f"btp_backward_post_{suffix}"), tiles * chunks, threads,
+            (dxw, x, w, dS, dx, dw_partial, np.int32(N), np.int32(Cs), np.int32(rows_per_chunk)))
+    return dx, dw_partial.sum(axis=0)
 
 
 # ------------------------------------------------------------------------------ adamw.cu
