@@ -99,19 +99,14 @@ template <typename T, bool VECTORISED>
 __device__ void btp_backward_post_tile(const float* dxw, const T* x, const T* w, const float* dS, T* dx,
                                        float* dw_partial, int N, int Cs, int rows_per_chunk) {
     const int V = VecWidth<T>::value;
-    const int tile_columns = blockDim.x * V;
-    const int n_tiles = (Cs + tile_columns - 1) / tile_columns;
-    const int chunk = blockIdx.x / n_tiles;
-    const int j = (blockIdx.x % n_tiles) * tile_columns + threadIdx.x * V;  // this thread's first column
-    if (j >= Cs) return;  // no barrier or shuffle follows: threads past the row's end may leave
-    const int width = Cs - j < V ? Cs - j : V;
-    const long long row_begin = static_cast<long long>(chunk) * rows_per_chunk;
-    const long long row_end = row_begin + rows_per_chunk < N ? row_begin + rows_per_chunk : N;
+    const ColumnTile tile = column_tile<V>(N, Cs, rows_per_chunk);
+    if (tile.j >= Cs) return;  // no barrier or shuffle follows: threads past the row's end may leave
+    const int j = tile.j, width = tile.width;
     float wv[V], dw[V];
     Columns<VECTORISED>::template load<V>(w + j, wv, width);
 #pragma unroll
     for (int k = 0; k < V; ++k) dw[k] = 0.0f;
-    for (long long row = row_begin; row < row_end; ++row) {
+    for (long long row = tile.row_begin; row < tile.row_end; ++row) {
         const long long offset = row * Cs + j;
         const float s2 = 2.0f * dS[row];
         float gv[V], xv[V], dxv[V];
@@ -124,7 +119,7 @@ __device__ void btp_backward_post_tile(const float* dxw, const T* x, const T* w,
         }
         Columns<VECTORISED>::template store<V>(dx + offset, dxv, width);
     }
-    Columns<false>::template store<V>(dw_partial + static_cast<long long>(chunk) * Cs + j, dw, width);
+    Columns<false>::template store<V>(dw_partial + static_cast<long long>(tile.chunk) * Cs + j, dw, width);
 }
 
 template <typename T>

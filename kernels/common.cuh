@@ -130,6 +130,28 @@ struct Columns<false> {
 };
 
 
+// The share of one thread of a column-tile kernel over [N, C] (rmsnorm_backward,
+// btp_backward_post; launch shape in boostmpi.gpu.kernels.rmsnorm_backward_launch): block b owns
+// column tile b % n_tiles (V columns per thread) of the rows of chunk b / n_tiles. `width`
+// columns from `j` are this thread's (none when j >= C: it may leave, no barrier follows).
+struct ColumnTile {
+    int chunk, j, width;
+    long long row_begin, row_end;
+};
+
+template <int V>
+__device__ __forceinline__ ColumnTile column_tile(int N, int C, int rows_per_chunk) {
+    const int tile_columns = blockDim.x * V;
+    const int n_tiles = (C + tile_columns - 1) / tile_columns;
+    ColumnTile t;
+    t.chunk = blockIdx.x / n_tiles;
+    t.j = (blockIdx.x % n_tiles) * tile_columns + threadIdx.x * V;
+    t.width = C - t.j < V ? C - t.j : V;
+    t.row_begin = static_cast<long long>(t.chunk) * rows_per_chunk;
+    t.row_end = t.row_begin + rows_per_chunk < N ? t.row_begin + rows_per_chunk : N;
+    return t;
+}
+
 // ---------------------------------------------------------------------------------------
 // Reductions. HIP has no *_sync shuffles before ROCm 6.2 (and then with a 64-bit mask),
 // so the one shuffle we use is chosen here.

@@ -103,19 +103,14 @@ template <typename T, bool VECTORISED>
 __device__ void rmsnorm_backward_tile(const T* dy, const T* x, const T* w, const float* rstd, const float* proj,
                                       T* dx, float* dw_partial, int N, int C, int rows_per_chunk) {
     const int V = VecWidth<T>::value;
-    const int tile_columns = blockDim.x * V;
-    const int n_tiles = (C + tile_columns - 1) / tile_columns;
-    const int chunk = blockIdx.x / n_tiles;
-    const int j = (blockIdx.x % n_tiles) * tile_columns + threadIdx.x * V;  // this thread's first column
-    if (j >= C) return;  // no barrier or shuffle follows: threads past the row's end may leave
-    const int width = C - j < V ? C - j : V;
-    const long long row_begin = static_cast<long long>(chunk) * rows_per_chunk;
-    const long long row_end = row_begin + rows_per_chunk < N ? row_begin + rows_per_chunk : N;
+    const ColumnTile tile = column_tile<V>(N, C, rows_per_chunk);
+    if (tile.j >= C) return;  // no barrier or shuffle follows: threads past the row's end may leave
+    const int j = tile.j, width = tile.width;
     float wv[V], dw[V];
     Columns<VECTORISED>::template load<V>(w + j, wv, width);
 #pragma unroll
     for (int k = 0; k < V; ++k) dw[k] = 0.0f;
-    for (long long row = row_begin; row < row_end; ++row) {
+    for (long long row = tile.row_begin; row < tile.row_end; ++row) {
         const long long offset = row * C + j;
         const float r = rstd[row], p = proj[row];
         float dyv[V], xv[V], dxv[V];
@@ -128,7 +123,7 @@ __device__ void rmsnorm_backward_tile(const T* dy, const T* x, const T* w, const
         }
         Columns<VECTORISED>::template store<V>(dx + offset, dxv, width);
     }
-    float* chunk_dw = dw_partial + static_cast<long long>(chunk) * C + j;
+    float* chunk_dw = dw_partial + static_cast<long long>(tile.chunk) * C + j;
     Columns<false>::template store<V>(chunk_dw, dw, width);
 }
 
