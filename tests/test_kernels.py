@@ -362,3 +362,35 @@ def test_softmax_xent_kernel_gives_nan_for_a_target_outside_the_vocabulary():
     loss, grad = loss.get(), grad.get()
     assert np.isfinite(loss[0]) and np.isnan(loss[1]) and np.isnan(loss[2])
     np.testing.assert_allclose(grad[1:], 0.25)  # softmax only, no one-hot term
+
+
+@pytest.mark.gpu
+def test_compile_all_compiles_every_kernel_file(monkeypatch):
+    """`compile_all` (what the batch scripts call before the ranks start) compiles each kernels/*.cu
+    through the loader's own `_module`, for the device asked for. The mutant (a loader that skips the
+    last file) is caught."""
+    import functools
+
+    seen = []
+    real = kernels._module.__wrapped__
+
+    def module(name, device_id):
+        seen.append((name, device_id))
+        return real(name, device_id)
+
+    monkeypatch.setattr(kernels, "_module", functools.lru_cache(maxsize=None)(module))
+    names = [p.stem for p in KERNEL_FILES]
+    assert kernels.compile_all(0) == names and seen == [(n, 0) for n in names]
+    seen.clear()
+    monkeypatch.setattr(kernels, "kernels_dir", lambda real_dir=kernels.kernels_dir(): _SkipLast(real_dir))
+    assert kernels.compile_all(0) != names
+
+
+class _SkipLast:
+    """A kernels folder whose glob misses the last file: the mutant of compile_all's input."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def glob(self, pattern):
+        return sorted(self.real.glob(pattern))[:-1]

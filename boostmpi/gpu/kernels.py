@@ -90,6 +90,16 @@ def _module(name, device_id):
     return _import_cupy().RawModule(code=kernel_source(name), options=options)
 
 
+def compile_all(device_id=0):
+    """Compiles every kernels/*.cu for device `device_id` as the wrappers load them (into CuPy's
+    kernel cache, CUPY_CACHE_DIR), so that ranks started afterwards load instead of compiling.
+    Returns the module names, in order."""
+    names = [source.stem for source in sorted(kernels_dir().glob("*.cu"))]
+    for name in names:
+        _module(name, device_id).compile()
+    return names
+
+
 def _kernel(module_name, entry_point):
     return _module(module_name, _current_device().id).get_function(entry_point)
 
