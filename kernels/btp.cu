@@ -43,10 +43,13 @@ __device__ void btp_backward_pre(const T* dZs, const T* Z, const float* rstd, T*
 }
 
 // Online RMSNorm's second half with cola's SiLU, one block per row: P [N,R], ss_total [N] (fp32)
-// -> Z = P * rsqrt(ss_total / C_total + eps) and Zs = silu(Z) (of Z as stored), in one read of P.
+// -> Z = P * rsqrt(ss_total / C_total + eps), Zs = silu(Z) (of Z as stored), in one read of P, and
+// the row's statistic rstd_out [N] (fp32) that the backward reads.
 template <typename T, int V>
-__device__ void rescale_silu_row(const T* P, float ss_total, T* Z, T* Zs, int R, int C_total, float eps) {
+__device__ void rescale_silu_row(const T* P, float ss_total, T* Z, T* Zs, float* rstd_out, int R, int C_total,
+                                 float eps) {
     const float rstd = rsqrtf(ss_total / C_total + eps);
+    if (threadIdx.x == 0) *rstd_out = rstd;
     for (int j = threadIdx.x * V; j < R; j += blockDim.x * V) {
         float pv[V], zv[V], sv[V];
         load_vec<V>(P + j, pv);
@@ -61,14 +64,15 @@ __device__ void rescale_silu_row(const T* P, float ss_total, T* Z, T* Zs, int R,
 }
 
 template <typename T>
-__device__ void btp_rescale_silu(const T* P, const float* ss_total, T* Z, T* Zs, int R, int C_total, float eps) {
+__device__ void btp_rescale_silu(const T* P, const float* ss_total, T* Z, T* Zs, float* rstd, int R, int C_total,
+                                 float eps) {
     const int row = blockIdx.x;
     const long long offset = static_cast<long long>(row) * R;
     const int V = VecWidth<T>::value;
     if (R % V == 0 && aligned16(P) && aligned16(Z) && aligned16(Zs))
-        rescale_silu_row<T, V>(P + offset, ss_total[row], Z + offset, Zs + offset, R, C_total, eps);
+        rescale_silu_row<T, V>(P + offset, ss_total[row], Z + offset, Zs + offset, rstd + row, R, C_total, eps);
     else
-        rescale_silu_row<T, 1>(P + offset, ss_total[row], Z + offset, Zs + offset, R, C_total, eps);
+        rescale_silu_row<T, 1>(P + offset, ss_total[row], Z + offset, Zs + offset, rstd + row, R, C_total, eps);
 }
 
 // V consecutive floats of the float32 dxw beside V elements of T (V = 4 or 8: 16-byte loads from
@@ -133,8 +137,8 @@ __device__ void btp_backward_post(const float* dxw, const T* x, const T* w, cons
 
 #define BTP_ENTRY_POINTS(T, SUFFIX)                                                                        \
     extern "C" __global__ void btp_rescale_silu_##SUFFIX(const T* P, const float* ss_total, T* Z, T* Zs,    \
-                                                         int R, int C_total, float eps) {                  \
-        btp_rescale_silu<T>(P, ss_total, Z, Zs, R, C_total, eps);                                          \
+                                                         float* rstd, int R, int C_total, float eps) {     \
+        btp_rescale_silu<T>(P, ss_total, Z, Zs, rstd, R, C_total, eps);                                    \
     }                                                                                                      \
     extern "C" __global__ void btp_backward_pre_##SUFFIX(const T* dZs, const T* Z, const float* rstd, T* dP, \
                                                          float* dS, int R, int C_total, int act) {          \

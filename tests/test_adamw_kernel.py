@@ -189,3 +189,13 @@ def test_the_engine_takes_its_gradient_norm_from_the_kernel(monkeypatch):
     monkeypatch.setattr(engine_module.Engine, "_norm_ranges", lambda self: right(self)[:-1])
     mutant_norm, grads = _gpu_norm_and_gradients()
     assert mutant_norm != pytest.approx(float(np.sqrt((grads ** 2).sum())), rel=1e-5)
+
+
+def test_a_btp_rescale_that_writes_a_wrong_statistic_is_caught(mutated_kernels):
+    """The rescale kernel's row statistic (what the backward reads instead of an rstd computed apart)
+    is checked: the mutant writes rstd squared."""
+    from test_kernels import test_btp_backward_kernels_match_the_model
+
+    mutated_kernels("btp", "if (threadIdx.x == 0) *rstd_out = rstd;", "if (threadIdx.x == 0) *rstd_out = rstd * rstd;")
+    with pytest.raises(AssertionError, match="btp rescale rstd"):
+        test_btp_backward_kernels_match_the_model(None, "float32", 64, 64)

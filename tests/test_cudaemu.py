@@ -199,10 +199,12 @@ def test_btp_backward_kernels_match_layers(warp, suffix):
 
         ss = np.abs(random(N, np.float32, 28, 50.0))
         ZK, ZS = cudaemu.DeviceArray(shape=N * width, dtype=dtype), cudaemu.DeviceArray(shape=N * width, dtype=dtype)
+        RS = cudaemu.DeviceArray(shape=N, dtype=np.float32)
         kernel("btp", f"btp_rescale_silu_{suffix}", warp)(
-            N, row_block(width, dtype, warp), (DZS, cudaemu.DeviceArray(ss), ZK, ZS, np.int32(width),
+            N, row_block(width, dtype, warp), (DZS, cudaemu.DeviceArray(ss), ZK, ZS, RS, np.int32(width),
                                                np.int32(4 * width), np.float32(EPS)))
         z_ref = layers.rescale_rows(f64(dzs), f64(ss), 4 * width, EPS)
+        assert_close(RS.get(), layers.online_rstd(f64(ss), 4 * width, EPS), np.float32, f"rescale rstd C={width}")
         assert_close(ZK.get().reshape(N, width), stored(z_ref, dtype), dtype, f"rescale Z C={width}")
         assert_close(ZS.get().reshape(N, width), stored(layers.silu_forward(f64(ZK.get().reshape(N, width))), dtype),
                      dtype, f"silu(Z) C={width}")

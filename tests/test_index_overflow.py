@@ -209,8 +209,10 @@ def run_btp(pool, small, suffix, code=None, warp=32):
     dZs.row(N - 1)[:], Z.row(N - 1)[:], rstd.flat(N - 1, N)[:] = dzr, zr, 0.75
     rstd.flat(N - 1, N)[:] = 3.0 * D_MODEL  # first as the sum of squares the rescale reads
     function("btp", f"btp_rescale_silu_{suffix}", code, warp)(
-        N, loader._row_block(R, dtype.itemsize, warp), (dZs, rstd, Z, dP, np.int32(R), np.int32(D_MODEL), np.float32(EPS)),
-        blocks=[N - 1])
+        N, loader._row_block(R, dtype.itemsize, warp), (dZs, rstd, Z, dP, dS, np.int32(R), np.int32(D_MODEL),
+                                                        np.float32(EPS)), blocks=[N - 1])
+    assert_close(dS.flat(N - 1, N), layers.online_rstd(np.array([3.0 * D_MODEL]), D_MODEL, EPS), np.float32,
+                 "btp rescale rstd of the last row")
     z_ref = layers.rescale_rows(dzr.astype(np.float32)[None], np.array([3.0 * D_MODEL], np.float32), D_MODEL, EPS)
     assert_close(Z.row(N - 1), z_ref[0], dtype, "btp rescale Z of the last row")
     assert_close(dP.row(N - 1), layers.silu_forward(Z.row(N - 1).astype(np.float32)), dtype, "btp silu(Z), last row")

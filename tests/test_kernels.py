@@ -283,9 +283,10 @@ def test_btp_backward_kernels_match_the_model(small_grid, dtype_name, R, Cs):
     rstd = np.abs(_randn(rng, (N, 1), np.float32)) + 0.5
     dzf, zf = _widened(dZs, Z)
     ss_total = np.abs(_randn(rng, N, np.float32, 4.0 * Cs)) + Cs
-    Z_ref, Zs_ref, _ = layers.rescale_rows_silu(dzf, ss_total, 4 * Cs, EPS, keep=False)
-    Zk, Zsk = kernels.btp_rescale_silu(*_device(dZs, ss_total), 4 * Cs, EPS)
+    Z_ref, Zs_ref, _, rstd_ref = layers.rescale_rows_silu(dzf, ss_total, 4 * Cs, EPS, keep=False)
+    Zk, Zsk, rstdk = kernels.btp_rescale_silu(*_device(dZs, ss_total), 4 * Cs, EPS)
     _assert_close(Zk, _stored(Z_ref, dtype), "btp rescale Z")
+    _assert_close(rstdk, rstd_ref, "btp rescale rstd")
     _assert_close(Zsk, _stored(layers.silu_forward(to_numpy(Zk).astype(np.float32)), dtype), "btp rescale silu(Z)")
     for act in (True, False):
         dP_ref, dS_ref = layers.btp_norm_backward_pre(dzf, zf, rstd, 4 * Cs, act)

@@ -258,14 +258,16 @@ def rescale_rows(P, ss_total, C_total, eps):
 
 
 def btp_rescale_silu(P, ss_total, C_total, eps):
-    """P [N,R], ss_total [N] float32 -> Z = P * rsqrt(ss_total / C_total + eps), Zs = silu(Z) [N,R] (P's dtype)."""
+    """P [N,R], ss_total [N] float32 -> Z = P * rstd, Zs = silu(Z) [N,R] (P's dtype) and
+    rstd = rsqrt(ss_total / C_total + eps) [N] (float32), from one kernel."""
     N, R, suffix = _check_matrix("P", P)
     _check("ss_total", ss_total, (N,), np.float32)
     cupy = _import_cupy()
     Z, Zs = cupy.empty_like(P), cupy.empty_like(P)
+    rstd = cupy.empty(N, dtype=np.float32)
     _launch_rows("btp", f"btp_rescale_silu_{suffix}", N, R, P.itemsize,
-                 (P, ss_total, Z, Zs, np.int32(R), np.int32(C_total), np.float32(eps)))
-    return Z, Zs
+                 (P, ss_total, Z, Zs, rstd, np.int32(R), np.int32(C_total), np.float32(eps)))
+    return Z, Zs, rstd
 
 
 def btp_backward_pre(dZs, Z, rstd, C_total, act):

@@ -157,13 +157,15 @@ def rescale_rows(P, ss_total, C, eps):
 
 
 def rescale_rows_silu(P, ss_total, C, eps, keep):
-    """(Z = rescale_rows(P, ss_total, C, eps), silu(Z), sigmoid(Z) as `silu_and_sigmoid` keeps it):
-    online RMSNorm's second half and cola's SiLU, one kernel on a GPU."""
+    """(Z = rescale_rows(P, ss_total, C, eps), silu(Z), sigmoid(Z) as `silu_and_sigmoid` keeps it,
+    rstd = online_rstd(ss_total, C, eps) [N]): online RMSNorm's second half, cola's SiLU and the
+    row statistic the backward reads, one kernel on a GPU."""
     k, (Pc,) = kernel_inputs(P)
     if k is not None and P.ndim == 2 and ss_total.dtype == np.float32:
-        return (*k.btp_rescale_silu(Pc, get_array_module(P).ascontiguousarray(ss_total), C, eps), None)
+        Z, Zs, rstd = k.btp_rescale_silu(Pc, get_array_module(P).ascontiguousarray(ss_total), C, eps)
+        return Z, Zs, None, rstd
     Z = rescale_rows(P, ss_total, C, eps)
-    return (Z, *silu_and_sigmoid(Z, keep))
+    return (Z, *silu_and_sigmoid(Z, keep), online_rstd(ss_total, C, eps))
 
 
 # ---------------------------------------------------------------- btp's backward through a normed group

@@ -103,10 +103,10 @@ class BottleneckTP(Strategy):
             # float32 at least), then online RMSNorm's second half rescales the rows (cola: and
             # applies the SiLU in the same pass)
             prod, ss_total = self._reduce_products(xw, A, sl, ss)
+            if self.act:  # one kernel on a GPU: Z, its SiLU and the statistic
+                Z, Zs, sig, rstd = layers.rescale_rows_silu(prod, ss_total, self.C, self.eps, keep=tape.backward_follows)
+                return Z, rstd[:, None], (Zs, sig)
             rstd = layers.online_rstd(ss_total, self.C, self.eps)[:, None]
-            if self.act:
-                Z, Zs, sig = layers.rescale_rows_silu(prod, ss_total, self.C, self.eps, keep=tape.backward_follows)
-                return Z, rstd, (Zs, sig)
             return layers.rescale_rows(prod, ss_total, self.C, self.eps), rstd, None
         # sync: a separate all-reduce of the statistic first, then normalise and multiply
         reduce_from_tp_region(ss, self.tp)
