@@ -199,3 +199,36 @@ def test_a_btp_rescale_that_writes_a_wrong_statistic_is_caught(mutated_kernels):
     mutated_kernels("btp", "if (threadIdx.x == 0) *rstd_out = rstd;", "if (threadIdx.x == 0) *rstd_out = rstd * rstd;")
     with pytest.raises(AssertionError, match="btp rescale rstd"):
         test_btp_backward_kernels_match_the_model(None, "float32", 64, 64)
+
+
+def _optimizer_device_bytes(cupy, p0, tr):
+    pool = cupy.get_default_memory_pool()
+    params = SimpleNamespace(data=cupy.asarray(p0), size=N, spans=SPANS)
+    specs = [SimpleNamespace(name=name, decay=name in DECAY) for name in SPANS]
+    before = pool.used_bytes()
+    opt = AdamW(params, specs, tr, cupy)
+    return pool.used_bytes() - before, opt
+
+
+def test_the_fused_optimizer_holds_only_its_moments(monkeypatch):
+    """With the fused kernel (a GPU, float32 master weights) AdamW's device memory is its two moments:
+    no scratch buffer and no scaled-gradient buffer (two more slices, 5.6 GB per rank of the paper's
+    7B at tp 4), and clipping still reaches the update through the kernel's gradient scale. The
+    mutant (the array path's buffers made anyway) holds four slices."""
+    import cupy
+
+    clipping = SimpleNamespace(**{**vars(TR), "grad_clip": 1.0})
+    p0 = np.random.default_rng(4).standard_normal(N).astype(np.float32)
+    held, opt = _optimizer_device_bytes(cupy, p0, clipping)
+    assert opt.fused and held == opt.m.data.mem.size + opt.v.data.mem.size
+    g = np.random.default_rng(5).standard_normal(N).astype(np.float32)
+    opt.step(cupy.asarray(g), 1e-3, grad_scale=0.5)
+    ref = AdamW(SimpleNamespace(data=p0.copy(), size=N, spans=SPANS),
+                [SimpleNamespace(name=name, decay=name in DECAY) for name in SPANS], clipping, np)
+    ref.step(g, 1e-3, grad_scale=0.5)
+    np.testing.assert_allclose(opt.master.get(), ref.master, rtol=2e-6, atol=2e-6)
+    from boostmpi.train import optim
+
+    monkeypatch.setattr(optim, "fused_update", lambda xp, dtype: False)  # the mutant: the array path's buffers
+    mutant_held, _ = _optimizer_device_bytes(cupy, p0, clipping)
+    assert mutant_held != opt.m.data.mem.size + opt.v.data.mem.size
