@@ -169,6 +169,42 @@ __device__ void rmsnorm_online_stats(const T* x, const T* w, T* xw, float* ss, i
         rmsnorm_online_stats_row<T, 1>(x + offset, w, xw + offset, ss + row, Cs);
 }
 
+// The residual add before a norm with online RMSNorm's first half, one block per row. From this
+// rank's shards h, y [N,Cs] (the residual and the branch output added to it), w [Cs]:
+//   s [N,Cs] = h + y (the new residual, rounded to T),  xw [N,Cs] = s * w,  ss [N] = sum(s^2) (fp32)
+// in one read of h and y: the statistic and xw are of s as stored, as when the sum is written first.
+template <typename T, int V>
+__device__ void residual_online_stats_row(const T* h, const T* y, const T* w, T* s, T* xw, float* ss_out, int Cs) {
+    float sum_squares = 0.0f;
+    for (int j = threadIdx.x * V; j < Cs; j += blockDim.x * V) {
+        float hv[V], yv[V], wv[V], xwv[V];
+        load_vec<V>(h + j, hv);
+        load_vec<V>(y + j, yv);
+        load_vec<V>(w + j, wv);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            hv[k] = to_float(from_float<T>(hv[k] + yv[k]));  // the sum as stored
+            sum_squares += hv[k] * hv[k];
+            xwv[k] = hv[k] * wv[k];
+        }
+        store_vec<V>(s + j, hv);
+        store_vec<V>(xw + j, xwv);
+    }
+    const float total = block_sum(sum_squares);
+    if (threadIdx.x == 0) *ss_out = total;
+}
+
+template <typename T>
+__device__ void residual_online_stats(const T* h, const T* y, const T* w, T* s, T* xw, float* ss, int Cs) {
+    const int row = blockIdx.x;
+    const long long offset = static_cast<long long>(row) * Cs;
+    const int V = VecWidth<T>::value;
+    if (Cs % V == 0 && aligned16(h) && aligned16(y) && aligned16(w) && aligned16(s) && aligned16(xw))
+        residual_online_stats_row<T, V>(h + offset, y + offset, w, s + offset, xw + offset, ss + row, Cs);
+    else
+        residual_online_stats_row<T, 1>(h + offset, y + offset, w, s + offset, xw + offset, ss + row, Cs);
+}
+
 // Online RMSNorm, second half, one block per row: P [N,R], ss_total [N] summed over the whole
 // C_total -> out [N,R] = P * rsqrt(ss_total / C_total + eps). out may be P itself.
 template <typename T, int V>
@@ -212,6 +248,10 @@ __device__ void rescale_rows(const T* P, const float* ss_total, T* out, int R, i
     extern "C" __global__ void rmsnorm_online_stats_##SUFFIX(const T* x, const T* w, T* xw, float* ss,    \
                                                              int Cs) {                                    \
         rmsnorm_online_stats<T>(x, w, xw, ss, Cs);                                                        \
+    }                                                                                                     \
+    extern "C" __global__ void residual_online_stats_##SUFFIX(const T* h, const T* y, const T* w, T* s,     \
+                                                              T* xw, float* ss, int Cs) {                  \
+        residual_online_stats<T>(h, y, w, s, xw, ss, Cs);                                                  \
     }                                                                                                     \
     extern "C" __global__ void rescale_rows_##SUFFIX(const T* P, const float* ss_total, T* out, int R,    \
                                                      int C_total, float eps) {                            \

@@ -232,3 +232,13 @@ def test_the_fused_optimizer_holds_only_its_moments(monkeypatch):
     monkeypatch.setattr(optim, "fused_update", lambda xp, dtype: False)  # the mutant: the array path's buffers
     mutant_held, _ = _optimizer_device_bytes(cupy, p0, clipping)
     assert mutant_held != opt.m.data.mem.size + opt.v.data.mem.size
+
+
+def test_a_residual_norm_kernel_that_normalises_the_branch_is_caught(mutated_kernels):
+    """The fused residual add + norm statistic is checked against the add then the statistic: the
+    mutant forms x * w of the branch output instead of the new residual."""
+    from test_kernels import test_rmsnorm_kernels_match_the_model
+
+    mutated_kernels("rmsnorm", "xwv[k] = hv[k] * wv[k];", "xwv[k] = yv[k] * wv[k];")
+    with pytest.raises(AssertionError, match="residual xw"):
+        test_rmsnorm_kernels_match_the_model(None, "float32", 64)

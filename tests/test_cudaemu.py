@@ -126,6 +126,25 @@ def test_rmsnorm_forward_backward_match_layers(warp, suffix):
 
 @pytest.mark.parametrize("warp", WARPS)
 @pytest.mark.parametrize("suffix", DTYPES)
+def test_residual_online_stats_is_the_add_then_the_stats(warp, suffix):
+    """h + y stored, then x * w and the sum of squares of the stored sum (layers.residual_online_stats)."""
+    dtype = DTYPES[suffix]
+    N = 3
+    for C in (72, 37):  # vectors, and a scalar tail
+        h, y, w = random((N, C), dtype, 8), random((N, C), dtype, 9), random(C, dtype, 10)
+        S, XW = cudaemu.DeviceArray(shape=(N, C), dtype=dtype), cudaemu.DeviceArray(shape=(N, C), dtype=dtype)
+        SS = cudaemu.DeviceArray(shape=N, dtype=np.float32)
+        kernel("rmsnorm", f"residual_online_stats_{suffix}", warp)(
+            N, row_block(C, dtype, warp), (cudaemu.DeviceArray(h), cudaemu.DeviceArray(y), cudaemu.DeviceArray(w), S, XW,
+                                           SS, np.int32(C)))
+        s_ref = f64(stored(f64(h) + f64(y), dtype))
+        assert_close(S.get(), s_ref, dtype, f"s C={C}")
+        assert_close(XW.get(), stored(s_ref * f64(w), dtype), dtype, f"xw C={C}")
+        assert_close(SS.get(), (s_ref ** 2).sum(axis=1), np.float32, f"ss C={C}")
+
+
+@pytest.mark.parametrize("warp", WARPS)
+@pytest.mark.parametrize("suffix", DTYPES)
 def test_online_rmsnorm_halves_make_rmsnorm(warp, suffix):
     """stats then rescale of x*w over the whole row is rmsnorm(x, w); over two shards, the
     summed statistics give the same rescale (bottleneck-aware tensor parallelism)."""

@@ -222,3 +222,43 @@ def test_a_step_of_several_micro_batches_reads_the_device_once(cp, monkeypatch):
     mutant_syncs, mutant_loss = _step_syncs(cfg, batch)
     assert mutant_syncs == 5 and mutant_syncs > 2
     assert mutant_loss == pytest.approx(loss, rel=1e-6)
+
+
+def test_grouped_b_factors_multiply_where_they_lie(cp, monkeypatch):
+    """btp's B GEMMs: k and v (and gate and up), whose factors lie one after another in the flat
+    buffer, run as one strided-batched GEMM over their column blocks of Zs and the factors in place:
+    two GEMMs for q/k/v (grouped-query: q is wider), no stacked copies, the products of one GEMM
+    each. The mutant (the flat
+    buffer finding no stacked view) makes three."""
+    from boostmpi.config import config_from_dict
+    from boostmpi.gpu import blas
+    from boostmpi.model.params import FlatBuffer
+    from boostmpi.parallel.engine import Engine
+
+    cfg = config_from_dict({"model": {"arch": "cola", "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
+                                      "d_ff": 64, "rank": 8, "vocab_size": 64, "seq_len": 8},
+                            "parallel": {"grouped": True},
+                            "train": {"device": "gpu", "dtype": "float32", "micro_batch_size": 2}})
+    eng = Engine(cfg)
+    P, tpx = eng.cparams, eng.tpx
+    names = ["layers/0/q", "layers/0/k", "layers/0/v"]
+    widths = [P[f"{nm}/A"].shape[1] for nm in names]
+    Zs = cp.asarray(np.random.default_rng(3).standard_normal((16, sum(widths))).astype(np.float32))
+    sl = [slice(sum(widths[:j]), sum(widths[:j + 1])) for j in range(3)]
+    want = [cp.asnumpy(Zs)[:, s] @ cp.asnumpy(P[f"{nm}/B"]) for s, nm in zip(sl, names)]
+
+    def products():
+        calls = []
+        real = blas.matmul
+        with monkeypatch.context() as m:
+            m.setattr(blas, "matmul", lambda *a, **k: (calls.append(a[0].ndim), real(*a, **k))[1])
+            m.setattr(cp, "stack", None)  # no stacked copies
+            got = tpx._b_products(Zs, sl, names, P)
+        return calls, got
+
+    calls, got = products()
+    assert calls == [2, 3]  # q alone, k and v batched
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(cp.asnumpy(g), w, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(FlatBuffer, "stacked", lambda self, names: None)
+    assert products()[0] != [2, 3]

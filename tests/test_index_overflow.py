@@ -161,6 +161,17 @@ def run_rmsnorm(pool, small, suffix, code=None, warp=32):
     assert_close(y.row(N - 1), xw_ref[0], dtype, "online stats xw of the last row")
     assert_close(ss.flat(N - 1, N), ss_ref, np.float32, "online stats ss of the last row")
 
+    branch, s = Tensor(pool[3], (N, C), dtype), Tensor(pool[4], (N, C), dtype)
+    br = random(C, dtype, 11)
+    branch.row(N - 1)[:] = br
+    function("rmsnorm", f"residual_online_stats_{suffix}", code, warp)(
+        N, block, (x, branch, w_dev, s, y, ss, np.int32(C)), blocks=[N - 1])
+    sr = (xf + br.astype(np.float32)[None]).astype(dtype).astype(np.float32)
+    xw_ref, ss_ref = layers.rmsnorm_online_stats(sr, wf)
+    assert_close(s.row(N - 1), sr[0], dtype, "residual sum of the last row")
+    assert_close(y.row(N - 1), xw_ref[0], dtype, "residual xw of the last row")
+    assert_close(ss.flat(N - 1, N), ss_ref, np.float32, "residual ss of the last row")
+
     dy, dx, dw = Tensor(pool[3], (N, C), dtype), y, Tensor(pool[4], (N, C), np.float32)
     dyr = random(C, dtype, 4)
     dy.row(N - 1)[:] = dyr
@@ -447,7 +458,7 @@ def test_rope_kernels_index_more_than_2_32_elements(pool, small, suffix, warp):
 
 
 # entry points the tests above run past 2^32 elements; a new kernel gets its test here
-CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "rmsnorm_projection_", "rmsnorm_backward_",
+CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "residual_online_stats_", "rmsnorm_projection_", "rmsnorm_backward_",
            "rescale_rows_", "silu_forward_", "silu_backward_", "gate_forward_", "gate_backward_", "btp_backward_pre_",
            "btp_backward_post_", "btp_rescale_silu_", "adamw_step_", "sum_squares_ranges_", "attention_forward_", "attention_backward_dq_",
            "attention_backward_", "rope_forward_", "rope_backward_")

@@ -32,7 +32,8 @@ KERNEL_FILES = sorted(kernels.kernels_dir().glob("*.cu"))
 # every entry point a wrapper in boostmpi.gpu.kernels launches, by source file
 ENTRY_POINTS = {
     "rmsnorm.cu": [f"{k}_{t}" for k in ("rmsnorm_forward", "rmsnorm_projection", "rmsnorm_backward",
-                                        "rmsnorm_online_stats", "rescale_rows") for t in ("f32", "bf16")],
+                                        "rmsnorm_online_stats", "residual_online_stats", "rescale_rows")
+                   for t in ("f32", "bf16")],
     "lowrank.cu": [f"{k}_{t}" for k in ("silu_forward", "silu_backward", "gate_forward", "gate_backward")
                    for t in ("f32", "bf16")],
     "softmax_xent.cu": [f"softmax_xent_{t}_{i}" for t in ("f32", "bf16") for i in ("i32", "i64")],
@@ -244,6 +245,14 @@ def test_rmsnorm_kernels_match_the_model(small_grid, dtype_name, C):
     xw, ss = kernels.rmsnorm_online_stats(*_device(x, w))
     _assert_close(xw, _stored(xw_ref, dtype), "online stats xw")
     _assert_close(ss, ss_ref, "online stats ss")
+
+    # the residual add before the norm in the same pass: the statistic is of the sum as stored
+    sf = _widened(_stored(xf + dyf, dtype))[0]
+    xw_ref, ss_ref = layers.rmsnorm_online_stats(sf, wf)
+    s_dev, xw, ss = kernels.residual_online_stats(*_device(x, dy, w))
+    _assert_close(s_dev, _stored(sf, dtype), "residual sum")
+    _assert_close(xw, _stored(xw_ref, dtype), "residual xw")
+    _assert_close(ss, ss_ref, "residual ss")
 
     ss_total = np.abs(_randn(rng, N, np.float32, 50.0))
     _assert_close(kernels.rescale_rows(*_device(x, ss_total), 4 * C, EPS),

@@ -243,6 +243,19 @@ def rmsnorm_online_stats(x, w):
     return xw, ss
 
 
+def residual_online_stats(h, y, w):
+    """This rank's shards h, y [N,Cs], w [Cs] -> s = h + y [N,Cs], xw = s * w [N,Cs] (h's dtype),
+    ss [N] = sum(s^2) (float32), from one kernel."""
+    N, Cs, suffix = _check_matrix("h", h)
+    _check("y", y, (N, Cs), h.dtype)
+    _check("w", w, (Cs,), h.dtype)
+    cupy = _import_cupy()
+    s, xw = cupy.empty_like(h), cupy.empty_like(h)
+    ss = cupy.empty(N, dtype=np.float32)
+    _launch_rows("rmsnorm", f"residual_online_stats_{suffix}", N, Cs, h.itemsize, (h, y, w, s, xw, ss, np.int32(Cs)))
+    return s, xw, ss
+
+
 def rescale_rows(P, ss_total, C_total, eps):
     """P [N,R], ss_total [N] float32 -> P * rsqrt(ss_total / C_total + eps) [N,R] (P's dtype)."""
     N, R, suffix = _check_matrix("P", P)
