@@ -106,8 +106,7 @@ boostmpi_compile_kernels() {
 import time
 t0 = time.perf_counter()
 from boostmpi.gpu import kernels
-for source in sorted(kernels.kernels_dir().glob("*.cu")):
-    kernels._module(source.stem, 0).compile()  # the loader the ranks use, for GPU 0 of this node
+kernels.compile_all(0)  # the loader the ranks use, for GPU 0 of this node
 print(f"{time.perf_counter() - t0:.1f}")')" ||
     { echo "error: compiling the GPU kernels on $(hostname) failed (the message above); no rank was started" >&2; exit 1; }
   echo "job: GPU kernels compiled once into $CUPY_CACHE_DIR in $seconds s, before the ranks start"

@@ -92,9 +92,7 @@ if kernels="$(CUPY_CACHE_DIR="$WORK/kernel-cache" "$PY" -c '
 import time
 from boostmpi.gpu import kernels
 t0 = time.perf_counter()
-names = [s.stem for s in sorted(kernels.kernels_dir().glob("*.cu"))]
-for name in names:
-    kernels._module(name, 0).compile()
+names = kernels.compile_all(0)
 print("%d modules (%s) in %.1f s" % (len(names), " ".join(names), time.perf_counter() - t0))' 2>&1)"; then
   record kernels ok "$kernels"
 else

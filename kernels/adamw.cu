@@ -61,3 +61,21 @@ extern "C" __global__ void adamw_step_f32(float* p, const float* g, float* m, fl
                        grad_scale, step_size, sqrt_bc2};
     elementwise<float>(n, aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v), op);
 }
+
+// The squared L2 norm of the gradient over a set of ranges of the flat float32 buffer, every
+// parameter block at once (the clipping norm's multi-tensor reduction; boostmpi.parallel.engine's
+// NumPy `_grad_sq` is its specification): ranges [bounds[2i], bounds[2i+1]) of g, each thread
+// striding through every range with the whole grid, its sum in fp32, the block's sum (in warp
+// order, deterministic) written to partial[blockIdx.x]; the caller sums the partials.
+extern "C" __global__ void sum_squares_ranges_f32(const float* g, const long long* bounds, int n_ranges,
+                                                  float* partial) {
+    const long long thread = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long n_threads = static_cast<long long>(gridDim.x) * blockDim.x;
+    float acc = 0.0f;
+    for (int r = 0; r < n_ranges; ++r) {
+        const long long hi = bounds[2 * r + 1];
+        for (long long i = bounds[2 * r] + thread; i < hi; i += n_threads) acc += g[i] * g[i];
+    }
+    const float total = block_sum(acc);
+    if (threadIdx.x == 0) partial[blockIdx.x] = total;
+}

@@ -43,10 +43,13 @@ __device__ void btp_backward_pre(const T* dZs, const T* Z, const float* rstd, T*
 }
 
 // Online RMSNorm's second half with cola's SiLU, one block per row: P [N,R], ss_total [N] (fp32)
-// -> Z = P * rsqrt(ss_total / C_total + eps) and Zs = silu(Z) (of Z as stored), in one read of P.
+// -> Z = P * rsqrt(ss_total / C_total + eps), Zs = silu(Z) (of Z as stored), in one read of P, and
+// the row's statistic rstd_out [N] (fp32) that the backward reads.
 template <typename T, int V>
-__device__ void rescale_silu_row(const T* P, float ss_total, T* Z, T* Zs, int R, int C_total, float eps) {
+__device__ void rescale_silu_row(const T* P, float ss_total, T* Z, T* Zs, float* rstd_out, int R, int C_total,
+                                 float eps) {
     const float rstd = rsqrtf(ss_total / C_total + eps);
+    if (threadIdx.x == 0) *rstd_out = rstd;
     for (int j = threadIdx.x * V; j < R; j += blockDim.x * V) {
         float pv[V], zv[V], sv[V];
         load_vec<V>(P + j, pv);
@@ -61,78 +64,81 @@ __device__ void rescale_silu_row(const T* P, float ss_total, T* Z, T* Zs, int R,
 }
 
 template <typename T>
-__device__ void btp_rescale_silu(const T* P, const float* ss_total, T* Z, T* Zs, int R, int C_total, float eps) {
+__device__ void btp_rescale_silu(const T* P, const float* ss_total, T* Z, T* Zs, float* rstd, int R, int C_total,
+                                 float eps) {
     const int row = blockIdx.x;
     const long long offset = static_cast<long long>(row) * R;
     const int V = VecWidth<T>::value;
     if (R % V == 0 && aligned16(P) && aligned16(Z) && aligned16(Zs))
-        rescale_silu_row<T, V>(P + offset, ss_total[row], Z + offset, Zs + offset, R, C_total, eps);
+        rescale_silu_row<T, V>(P + offset, ss_total[row], Z + offset, Zs + offset, rstd + row, R, C_total, eps);
     else
-        rescale_silu_row<T, 1>(P + offset, ss_total[row], Z + offset, Zs + offset, R, C_total, eps);
+        rescale_silu_row<T, 1>(P + offset, ss_total[row], Z + offset, Zs + offset, rstd + row, R, C_total, eps);
 }
 
-// V consecutive floats (V = 4 or 8: 16-byte loads from 16-byte aligned memory; V = 1: one float).
-template <int V>
-struct FloatLoad {
-    static __device__ __forceinline__ void load(const float* p, float* out) {
+// V consecutive floats of the float32 dxw beside V elements of T (V = 4 or 8: 16-byte loads from
+// 16-byte aligned memory when VECTORISED; else element by element, `width` of them).
+template <bool VECTORISED>
+struct FloatColumns {
+    template <int V>
+    static __device__ __forceinline__ void load(const float* p, float* out, int width) {
+        Columns<false>::template load<V>(p, out, width);
+    }
+};
+
+template <>
+struct FloatColumns<true> {
+    template <int V>
+    static __device__ __forceinline__ void load(const float* p, float* out, int) {
 #pragma unroll
         for (int h = 0; h < V; h += 4) load_vec<4>(p + h, out + h);
     }
 };
 
-template <>
-struct FloatLoad<1> {
-    static __device__ __forceinline__ void load(const float* p, float* out) { out[0] = p[0]; }
-};
-
-// Blocks stride over rows: dxw [N,Cs] (fp32), x [N,Cs], w [Cs], dS [N] (fp32) -> dx [N,Cs],
-// dw_partial [gridDim.x, Cs] (fp32; summed over blocks by the caller). A thread owns the same
-// columns in every row and keeps its share of dw in shared memory (Cs floats, dynamic).
-template <typename T, int V>
-__device__ void btp_backward_post_rows(const float* dxw, const T* x, const T* w, const float* dS, T* dx,
-                                       float* dw_partial, int N, int Cs) {
-    extern __shared__ float dw_accumulator[];
-    for (int j = threadIdx.x * V; j < Cs; j += blockDim.x * V) {
+// dxw [N,Cs] (fp32), x [N,Cs], w [Cs], dS [N] (fp32) -> dx [N,Cs], dw_partial [n_chunks, Cs] (fp32,
+// summed over chunks by the caller). The column tiles of rmsnorm_backward (rmsnorm.cu): block b
+// owns column tile b % n_tiles (VecWidth<T> columns per thread) of the rows of chunk b / n_tiles;
+// a thread keeps w and its columns' running dw in registers while it walks the chunk's rows and
+// writes its dw once, to the chunk's row of dw_partial. No shared memory: any Cs fits.
+template <typename T, bool VECTORISED>
+__device__ void btp_backward_post_tile(const float* dxw, const T* x, const T* w, const float* dS, T* dx,
+                                       float* dw_partial, int N, int Cs, int rows_per_chunk) {
+    const int V = VecWidth<T>::value;
+    const ColumnTile tile = column_tile<V>(N, Cs, rows_per_chunk);
+    if (tile.j >= Cs) return;  // no barrier or shuffle follows: threads past the row's end may leave
+    const int j = tile.j, width = tile.width;
+    float wv[V], dw[V];
+    Columns<VECTORISED>::template load<V>(w + j, wv, width);
 #pragma unroll
-        for (int k = 0; k < V; ++k) dw_accumulator[j + k] = 0.0f;
-    }
-    for (int row = blockIdx.x; row < N; row += gridDim.x) {
-        const long long offset = static_cast<long long>(row) * Cs;
+    for (int k = 0; k < V; ++k) dw[k] = 0.0f;
+    for (long long row = tile.row_begin; row < tile.row_end; ++row) {
+        const long long offset = row * Cs + j;
         const float s2 = 2.0f * dS[row];
-        for (int j = threadIdx.x * V; j < Cs; j += blockDim.x * V) {
-            float gv[V], xv[V], wv[V], dxv[V];
-            FloatLoad<V>::load(dxw + offset + j, gv);
-            load_vec<V>(x + offset + j, xv);
-            load_vec<V>(w + j, wv);
+        float gv[V], xv[V], dxv[V];
+        FloatColumns<VECTORISED>::template load<V>(dxw + offset, gv, width);
+        Columns<VECTORISED>::template load<V>(x + offset, xv, width);
 #pragma unroll
-            for (int k = 0; k < V; ++k) {
-                dxv[k] = gv[k] * wv[k] + s2 * xv[k];
-                dw_accumulator[j + k] += gv[k] * xv[k];
-            }
-            store_vec<V>(dx + offset + j, dxv);
+        for (int k = 0; k < V; ++k) {
+            dxv[k] = gv[k] * wv[k] + s2 * xv[k];
+            dw[k] += gv[k] * xv[k];
         }
+        Columns<VECTORISED>::template store<V>(dx + offset, dxv, width);
     }
-    float* block_dw = dw_partial + static_cast<long long>(blockIdx.x) * Cs;
-    for (int j = threadIdx.x * V; j < Cs; j += blockDim.x * V) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) block_dw[j + k] = dw_accumulator[j + k];
-    }
+    Columns<false>::template store<V>(dw_partial + static_cast<long long>(tile.chunk) * Cs + j, dw, width);
 }
 
 template <typename T>
 __device__ void btp_backward_post(const float* dxw, const T* x, const T* w, const float* dS, T* dx,
-                                  float* dw_partial, int N, int Cs) {
-    const int V = VecWidth<T>::value;
-    if (Cs % V == 0 && aligned16(dxw) && aligned16(x) && aligned16(w) && aligned16(dx))
-        btp_backward_post_rows<T, V>(dxw, x, w, dS, dx, dw_partial, N, Cs);
+                                  float* dw_partial, int N, int Cs, int rows_per_chunk) {
+    if (Cs % VecWidth<T>::value == 0 && aligned16(dxw) && aligned16(x) && aligned16(w) && aligned16(dx))
+        btp_backward_post_tile<T, true>(dxw, x, w, dS, dx, dw_partial, N, Cs, rows_per_chunk);
     else
-        btp_backward_post_rows<T, 1>(dxw, x, w, dS, dx, dw_partial, N, Cs);
+        btp_backward_post_tile<T, false>(dxw, x, w, dS, dx, dw_partial, N, Cs, rows_per_chunk);
 }
 
 #define BTP_ENTRY_POINTS(T, SUFFIX)                                                                        \
     extern "C" __global__ void btp_rescale_silu_##SUFFIX(const T* P, const float* ss_total, T* Z, T* Zs,    \
-                                                         int R, int C_total, float eps) {                  \
-        btp_rescale_silu<T>(P, ss_total, Z, Zs, R, C_total, eps);                                          \
+                                                         float* rstd, int R, int C_total, float eps) {     \
+        btp_rescale_silu<T>(P, ss_total, Z, Zs, rstd, R, C_total, eps);                                    \
     }                                                                                                      \
     extern "C" __global__ void btp_backward_pre_##SUFFIX(const T* dZs, const T* Z, const float* rstd, T* dP, \
                                                          float* dS, int R, int C_total, int act) {          \
@@ -140,8 +146,8 @@ __device__ void btp_backward_post(const float* dxw, const T* x, const T* w, cons
     }                                                                                                      \
     extern "C" __global__ void btp_backward_post_##SUFFIX(const float* dxw, const T* x, const T* w,        \
                                                           const float* dS, T* dx, float* dw_partial, int N, \
-                                                          int Cs) {                                        \
-        btp_backward_post<T>(dxw, x, w, dS, dx, dw_partial, N, Cs);                                        \
+                                                          int Cs, int rows_per_chunk) {                    \
+        btp_backward_post<T>(dxw, x, w, dS, dx, dw_partial, N, Cs, rows_per_chunk);                        \
     }
 
 BTP_ENTRY_POINTS(float, f32)

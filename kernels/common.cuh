@@ -98,6 +98,60 @@ __device__ __forceinline__ void store_vec(T* p, const float* in) {
     *reinterpret_cast<uint4*>(p) = raw;
 }
 
+// A thread's V columns of a row (the column-tile kernels: rmsnorm_backward, btp_backward_post).
+// VECTORISED: one 16-byte load or store per tensor per row; otherwise element by element (a row
+// length that is not a whole number of vectors, or a pointer off 16 bytes), `width` elements of
+// the thread's V, the rest taken as 0 and never stored. Loops over k are unrolled so that the
+// arrays stay in registers.
+template <bool VECTORISED>
+struct Columns;
+
+template <>
+struct Columns<true> {
+    template <int V, typename T>
+    static __device__ __forceinline__ void load(const T* p, float* out, int) { load_vec<V>(p, out); }
+    template <int V, typename T>
+    static __device__ __forceinline__ void store(T* p, const float* in, int) { store_vec<V>(p, in); }
+};
+
+template <>
+struct Columns<false> {
+    template <int V, typename T>
+    static __device__ __forceinline__ void load(const T* p, float* out, int width) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) out[k] = k < width ? to_float(p[k]) : 0.0f;
+    }
+    template <int V, typename T>
+    static __device__ __forceinline__ void store(T* p, const float* in, int width) {
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            if (k < width) p[k] = from_float<T>(in[k]);
+    }
+};
+
+
+// The share of one thread of a column-tile kernel over [N, C] (rmsnorm_backward,
+// btp_backward_post; launch shape in boostmpi.gpu.kernels.rmsnorm_backward_launch): block b owns
+// column tile b % n_tiles (V columns per thread) of the rows of chunk b / n_tiles. `width`
+// columns from `j` are this thread's (none when j >= C: it may leave, no barrier follows).
+struct ColumnTile {
+    int chunk, j, width;
+    long long row_begin, row_end;
+};
+
+template <int V>
+__device__ __forceinline__ ColumnTile column_tile(int N, int C, int rows_per_chunk) {
+    const int tile_columns = blockDim.x * V;
+    const int n_tiles = (C + tile_columns - 1) / tile_columns;
+    ColumnTile t;
+    t.chunk = blockIdx.x / n_tiles;
+    t.j = (blockIdx.x % n_tiles) * tile_columns + threadIdx.x * V;
+    t.width = C - t.j < V ? C - t.j : V;
+    t.row_begin = static_cast<long long>(t.chunk) * rows_per_chunk;
+    t.row_end = t.row_begin + rows_per_chunk < N ? t.row_begin + rows_per_chunk : N;
+    return t;
+}
+
 // ---------------------------------------------------------------------------------------
 // Reductions. HIP has no *_sync shuffles before ROCm 6.2 (and then with a 64-bit mask),
 // so the one shuffle we use is chosen here.

@@ -98,53 +98,19 @@ __device__ void rmsnorm_projection(const T* dy, const T* x, const T* w, const fl
 // b / n_tiles (rows_per_chunk rows, the last chunk fewer). A thread keeps w and its running dw in
 // registers while it walks its rows, and writes its dw once, to the chunk's row of dw_partial:
 // no shared memory, no atomics, every dw_partial element written by exactly one thread.
-// VECTORISED: one 16-byte load or store per tensor per row; otherwise element by element (a row
-// length that is not a whole number of vectors, or a pointer off 16 bytes), `width` elements of
-// the thread's V, the rest taken as 0 and never stored. Loops over k are unrolled so that the
-// arrays stay in registers.
-template <bool VECTORISED>
-struct Columns;
-
-template <>
-struct Columns<true> {
-    template <int V, typename T>
-    static __device__ __forceinline__ void load(const T* p, float* out, int) { load_vec<V>(p, out); }
-    template <int V, typename T>
-    static __device__ __forceinline__ void store(T* p, const float* in, int) { store_vec<V>(p, in); }
-};
-
-template <>
-struct Columns<false> {
-    template <int V, typename T>
-    static __device__ __forceinline__ void load(const T* p, float* out, int width) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) out[k] = k < width ? to_float(p[k]) : 0.0f;
-    }
-    template <int V, typename T>
-    static __device__ __forceinline__ void store(T* p, const float* in, int width) {
-#pragma unroll
-        for (int k = 0; k < V; ++k)
-            if (k < width) p[k] = from_float<T>(in[k]);
-    }
-};
-
+// (Columns<VECTORISED>, common.cuh, loads and stores a thread's columns.)
 template <typename T, bool VECTORISED>
 __device__ void rmsnorm_backward_tile(const T* dy, const T* x, const T* w, const float* rstd, const float* proj,
                                       T* dx, float* dw_partial, int N, int C, int rows_per_chunk) {
     const int V = VecWidth<T>::value;
-    const int tile_columns = blockDim.x * V;
-    const int n_tiles = (C + tile_columns - 1) / tile_columns;
-    const int chunk = blockIdx.x / n_tiles;
-    const int j = (blockIdx.x % n_tiles) * tile_columns + threadIdx.x * V;  // this thread's first column
-    if (j >= C) return;  // no barrier or shuffle follows: threads past the row's end may leave
-    const int width = C - j < V ? C - j : V;
-    const long long row_begin = static_cast<long long>(chunk) * rows_per_chunk;
-    const long long row_end = row_begin + rows_per_chunk < N ? row_begin + rows_per_chunk : N;
+    const ColumnTile tile = column_tile<V>(N, C, rows_per_chunk);
+    if (tile.j >= C) return;  // no barrier or shuffle follows: threads past the row's end may leave
+    const int j = tile.j, width = tile.width;
     float wv[V], dw[V];
     Columns<VECTORISED>::template load<V>(w + j, wv, width);
 #pragma unroll
     for (int k = 0; k < V; ++k) dw[k] = 0.0f;
-    for (long long row = row_begin; row < row_end; ++row) {
+    for (long long row = tile.row_begin; row < tile.row_end; ++row) {
         const long long offset = row * C + j;
         const float r = rstd[row], p = proj[row];
         float dyv[V], xv[V], dxv[V];
@@ -157,7 +123,7 @@ __device__ void rmsnorm_backward_tile(const T* dy, const T* x, const T* w, const
         }
         Columns<VECTORISED>::template store<V>(dx + offset, dxv, width);
     }
-    float* chunk_dw = dw_partial + static_cast<long long>(chunk) * C + j;
+    float* chunk_dw = dw_partial + static_cast<long long>(tile.chunk) * C + j;
     Columns<false>::template store<V>(chunk_dw, dw, width);
 }
 
@@ -203,6 +169,42 @@ __device__ void rmsnorm_online_stats(const T* x, const T* w, T* xw, float* ss, i
         rmsnorm_online_stats_row<T, 1>(x + offset, w, xw + offset, ss + row, Cs);
 }
 
+// The residual add before a norm with online RMSNorm's first half, one block per row. From this
+// rank's shards h, y [N,Cs] (the residual and the branch output added to it), w [Cs]:
+//   s [N,Cs] = h + y (the new residual, rounded to T),  xw [N,Cs] = s * w,  ss [N] = sum(s^2) (fp32)
+// in one read of h and y: the statistic and xw are of s as stored, as when the sum is written first.
+template <typename T, int V>
+__device__ void residual_online_stats_row(const T* h, const T* y, const T* w, T* s, T* xw, float* ss_out, int Cs) {
+    float sum_squares = 0.0f;
+    for (int j = threadIdx.x * V; j < Cs; j += blockDim.x * V) {
+        float hv[V], yv[V], wv[V], xwv[V];
+        load_vec<V>(h + j, hv);
+        load_vec<V>(y + j, yv);
+        load_vec<V>(w + j, wv);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            hv[k] = to_float(from_float<T>(hv[k] + yv[k]));  // the sum as stored
+            sum_squares += hv[k] * hv[k];
+            xwv[k] = hv[k] * wv[k];
+        }
+        store_vec<V>(s + j, hv);
+        store_vec<V>(xw + j, xwv);
+    }
+    const float total = block_sum(sum_squares);
+    if (threadIdx.x == 0) *ss_out = total;
+}
+
+template <typename T>
+__device__ void residual_online_stats(const T* h, const T* y, const T* w, T* s, T* xw, float* ss, int Cs) {
+    const int row = blockIdx.x;
+    const long long offset = static_cast<long long>(row) * Cs;
+    const int V = VecWidth<T>::value;
+    if (Cs % V == 0 && aligned16(h) && aligned16(y) && aligned16(w) && aligned16(s) && aligned16(xw))
+        residual_online_stats_row<T, V>(h + offset, y + offset, w, s + offset, xw + offset, ss + row, Cs);
+    else
+        residual_online_stats_row<T, 1>(h + offset, y + offset, w, s + offset, xw + offset, ss + row, Cs);
+}
+
 // Online RMSNorm, second half, one block per row: P [N,R], ss_total [N] summed over the whole
 // C_total -> out [N,R] = P * rsqrt(ss_total / C_total + eps). out may be P itself.
 template <typename T, int V>
@@ -246,6 +248,10 @@ __device__ void rescale_rows(const T* P, const float* ss_total, T* out, int R, i
     extern "C" __global__ void rmsnorm_online_stats_##SUFFIX(const T* x, const T* w, T* xw, float* ss,    \
                                                              int Cs) {                                    \
         rmsnorm_online_stats<T>(x, w, xw, ss, Cs);                                                        \
+    }                                                                                                     \
+    extern "C" __global__ void residual_online_stats_##SUFFIX(const T* h, const T* y, const T* w, T* s,     \
+                                                              T* xw, float* ss, int Cs) {                  \
+        residual_online_stats<T>(h, y, w, s, xw, ss, Cs);                                                  \
     }                                                                                                     \
     extern "C" __global__ void rescale_rows_##SUFFIX(const T* P, const float* ss_total, T* out, int R,    \
                                                      int C_total, float eps) {                            \

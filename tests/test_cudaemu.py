@@ -126,6 +126,25 @@ def test_rmsnorm_forward_backward_match_layers(warp, suffix):
 
 @pytest.mark.parametrize("warp", WARPS)
 @pytest.mark.parametrize("suffix", DTYPES)
+def test_residual_online_stats_is_the_add_then_the_stats(warp, suffix):
+    """h + y stored, then x * w and the sum of squares of the stored sum (layers.residual_online_stats)."""
+    dtype = DTYPES[suffix]
+    N = 3
+    for C in (72, 37):  # vectors, and a scalar tail
+        h, y, w = random((N, C), dtype, 8), random((N, C), dtype, 9), random(C, dtype, 10)
+        S, XW = cudaemu.DeviceArray(shape=(N, C), dtype=dtype), cudaemu.DeviceArray(shape=(N, C), dtype=dtype)
+        SS = cudaemu.DeviceArray(shape=N, dtype=np.float32)
+        kernel("rmsnorm", f"residual_online_stats_{suffix}", warp)(
+            N, row_block(C, dtype, warp), (cudaemu.DeviceArray(h), cudaemu.DeviceArray(y), cudaemu.DeviceArray(w), S, XW,
+                                           SS, np.int32(C)))
+        s_ref = f64(stored(f64(h) + f64(y), dtype))
+        assert_close(S.get(), s_ref, dtype, f"s C={C}")
+        assert_close(XW.get(), stored(s_ref * f64(w), dtype), dtype, f"xw C={C}")
+        assert_close(SS.get(), (s_ref ** 2).sum(axis=1), np.float32, f"ss C={C}")
+
+
+@pytest.mark.parametrize("warp", WARPS)
+@pytest.mark.parametrize("suffix", DTYPES)
 def test_online_rmsnorm_halves_make_rmsnorm(warp, suffix):
     """stats then rescale of x*w over the whole row is rmsnorm(x, w); over two shards, the
     summed statistics give the same rescale (bottleneck-aware tensor parallelism)."""
@@ -199,25 +218,28 @@ def test_btp_backward_kernels_match_layers(warp, suffix):
 
         ss = np.abs(random(N, np.float32, 28, 50.0))
         ZK, ZS = cudaemu.DeviceArray(shape=N * width, dtype=dtype), cudaemu.DeviceArray(shape=N * width, dtype=dtype)
+        RS = cudaemu.DeviceArray(shape=N, dtype=np.float32)
         kernel("btp", f"btp_rescale_silu_{suffix}", warp)(
-            N, row_block(width, dtype, warp), (DZS, cudaemu.DeviceArray(ss), ZK, ZS, np.int32(width),
+            N, row_block(width, dtype, warp), (DZS, cudaemu.DeviceArray(ss), ZK, ZS, RS, np.int32(width),
                                                np.int32(4 * width), np.float32(EPS)))
         z_ref = layers.rescale_rows(f64(dzs), f64(ss), 4 * width, EPS)
+        assert_close(RS.get(), layers.online_rstd(f64(ss), 4 * width, EPS), np.float32, f"rescale rstd C={width}")
         assert_close(ZK.get().reshape(N, width), stored(z_ref, dtype), dtype, f"rescale Z C={width}")
         assert_close(ZS.get().reshape(N, width), stored(layers.silu_forward(f64(ZK.get().reshape(N, width))), dtype),
                      dtype, f"silu(Z) C={width}")
 
         dxw = random((N, width), np.float32, 24)
         x, w, ds = random((N, width), dtype, 25), random(width, dtype, 26), random(N, np.float32, 27, 0.1)
-        DX, P = cudaemu.DeviceArray(shape=N * width, dtype=dtype), cudaemu.DeviceArray(shape=2 * width, dtype=np.float32)
+        # column tiles over 3 chunks of 2 rows (the last one short), as rmsnorm_backward
+        DX, P = cudaemu.DeviceArray(shape=N * width, dtype=dtype), cudaemu.DeviceArray(shape=3 * width, dtype=np.float32)
+        threads, tiles, _, _ = loader.rmsnorm_backward_launch(N, width, dtype.itemsize, warp, SM_COUNT)
         kernel("btp", f"btp_backward_post_{suffix}", warp)(
-            2, row_block(width, dtype, warp), (cudaemu.DeviceArray(dxw), cudaemu.DeviceArray(x), cudaemu.DeviceArray(w),
-                                               cudaemu.DeviceArray(ds), DX, P, np.int32(N), np.int32(width)),
-            shared_mem=4 * width)
+            tiles * 3, threads, (cudaemu.DeviceArray(dxw), cudaemu.DeviceArray(x), cudaemu.DeviceArray(w),
+                                 cudaemu.DeviceArray(ds), DX, P, np.int32(N), np.int32(width), np.int32(2)))
         dw_ref = np.zeros(width)
         dx_ref = layers.btp_norm_backward_post(f64(dxw), f64(x), f64(w), f64(ds)[:, None], dw_ref)
         assert_close(DX.get().reshape(N, width), stored(dx_ref, dtype), dtype, f"dx C={width}")
-        assert_close(P.get().reshape(2, width).sum(axis=0), dw_ref, np.float32, f"dw C={width}")
+        assert_close(P.get().reshape(3, width).sum(axis=0), dw_ref, np.float32, f"dw C={width}")
 
 
 @pytest.mark.parametrize("warp", WARPS)
@@ -245,6 +267,26 @@ def test_adamw_step_matches_the_update(warp):
         assert_close(M.get(), m_ref, np.float32, f"m n={n}")
         assert_close(V.get(), v_ref, np.float32, f"v n={n}")
         assert_close(P.get(), p_ref, np.float32, f"p n={n}")
+
+
+@pytest.mark.parametrize("warp", WARPS)
+def test_sum_squares_ranges_matches_the_norm(warp):
+    """The gradient norm's sum of squares over ranges of a flat slice, per block, in float64 from the
+    same inputs; ranges off vector boundaries, an empty one, one ending at the slice's end."""
+    suffix = "f32"
+    for n, grid in ((3000, 3), (1027, 1)):  # blocks striding over several ranges, and one block
+        g = random(n, np.float32, 35)
+        ranges = [(5, 700), (700, 700), (1000, 1020), (n - 7, n)]
+        P = cudaemu.DeviceArray(shape=grid, dtype=np.float32)
+        kernel("adamw", f"sum_squares_ranges_{suffix}", warp)(
+            grid, loader.ELEMENTWISE_BLOCK_THREADS,
+            (cudaemu.DeviceArray(g), cudaemu.DeviceArray(np.array(ranges, np.int64).reshape(-1)), np.int32(len(ranges)), P))
+        threads = grid * loader.ELEMENTWISE_BLOCK_THREADS
+        want = np.zeros(grid)
+        for a, b in ranges:
+            for i in range(a, b):
+                want[(i - a) % threads // loader.ELEMENTWISE_BLOCK_THREADS] += f64(g[i]) ** 2
+        assert_close(P.get(), want, np.float32, f"partials n={n}")
 
 
 def _xent_reference(logits, targets, scale):
@@ -381,7 +423,7 @@ def _backward_args(N, C, chunks, seed):
 
 
 def test_blocks_writing_one_partial_row_is_a_global_race():
-    code = mutated("rmsnorm", "dw_partial + static_cast<long long>(chunk) * C + j;", "dw_partial + j;")
+    code = mutated("rmsnorm", "dw_partial + static_cast<long long>(tile.chunk) * C + j;", "dw_partial + j;")
     args = _backward_args(4, 64, 2, 24)
     kernel("rmsnorm", "rmsnorm_backward_f32")(2, 32, args)
     with pytest.raises(cudaemu.RaceError, match="in another block"):

@@ -118,28 +118,27 @@ def test_the_unfused_attention_is_what_the_gpu_path_runs_past_the_kernels_head_d
     assert {"attention_forward_hd64_f32", "attention_backward_dq_hd64_f32", "attention_backward_hd64_f32"} <= set(launched)
 
 
-def _grouped_matmul_with_cupys_batched_matmul():
-    """grouped_matmul as it was: the stacked operands multiplied by CuPy's own matmul."""
-    from boostmpi.model import layers
+def _b_products_with_cupys_batched_matmul():
+    """btp's B products with the batched pairs multiplied by CuPy's own matmul."""
+    import textwrap
 
-    src = inspect.getsource(layers.grouped_matmul)
-    mutant = src.replace("stacked = batched_matmul(", "stacked = xp.matmul(")
-    assert mutant != src, "grouped_matmul no longer multiplies its stacked operands through batched_matmul"
-    namespace = {}
-    exec(compile(mutant, layers.__file__, "exec"), vars(layers), namespace)  # noqa: S102 - the mutant
-    return namespace["grouped_matmul"]
-
-
-def test_cupys_batched_bf16_matmul_in_grouped_matmul_fails_a_gpu_step(monkeypatch):
-    """Mutation: with the stacked bfloat16 factors back on CuPy's matmul, a cola bfloat16 step
-    fails as it would on a GPU with CuPy 14.2 (its integer GEMM kernel and dtype 'E')."""
-    _needs_standin()
-    from boostmpi.model import layers
     from boostmpi.parallel.tensor_parallel import btp
 
-    mutant = _grouped_matmul_with_cupys_batched_matmul()
-    monkeypatch.setattr(layers, "grouped_matmul", mutant)
-    monkeypatch.setattr(btp, "grouped_matmul", mutant)
+    src = textwrap.dedent(inspect.getsource(btp.BottleneckTP._b_products))
+    mutant = src.replace("outs += list(matmul(Zb, B))", "outs += list(get_array_module(Zs).matmul(Zb, B))")
+    assert mutant != src, "_b_products no longer multiplies its batched pairs through layers.matmul"
+    namespace = {}
+    exec(compile(mutant, btp.__file__, "exec"), vars(btp), namespace)  # noqa: S102 - the mutant
+    return namespace["_b_products"]
+
+
+def test_cupys_batched_bf16_matmul_in_the_grouped_b_products_fails_a_gpu_step(monkeypatch):
+    """Mutation: with the batched bfloat16 B factors (k/v, gate/up) on CuPy's matmul, a cola bfloat16
+    step fails as it would on a GPU with CuPy 14.2 (its integer GEMM kernel and dtype 'E')."""
+    _needs_standin()
+    from boostmpi.parallel.tensor_parallel import btp
+
+    monkeypatch.setattr(btp.BottleneckTP, "_b_products", _b_products_with_cupys_batched_matmul())
     with pytest.raises(TypeError, match="data type 'E' not understood"):
         step("cola", "gpu", "bfloat16")
     monkeypatch.undo()

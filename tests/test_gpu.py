@@ -78,7 +78,8 @@ def test_gpu_steps_launch_the_fused_kernels(monkeypatch, arch, dtype):
     suffix = "f32" if dtype == "float32" else "bf16"
     expected = {"rmsnorm_forward", "rmsnorm_projection", "rmsnorm_backward", "gate_forward", "gate_backward"}
     if arch == "cola":  # btp's bottleneck: online RMSNorm, the SiLU on the rank-R activation, the fused backward
-        expected = {"rmsnorm_forward", "rmsnorm_projection", "rmsnorm_backward", "rmsnorm_online_stats", "btp_rescale_silu", "silu_forward",
+        expected = {"rmsnorm_forward", "rmsnorm_projection", "rmsnorm_backward", "rmsnorm_online_stats",
+                    "residual_online_stats", "btp_rescale_silu", "silu_forward",
                     "silu_backward", "btp_backward_pre", "btp_backward_post"}
     expected = {f"{name}_{suffix}" for name in expected} | {"softmax_xent_f32_i64"}  # the head: float32 logits
     assert expected <= launched, sorted(launched)

@@ -190,3 +190,75 @@ def test_named_ranges_nest_and_the_engine_names_its_layers(cp, monkeypatch):
 
     monkeypatch.setattr(engine_module, "named_range", lambda xp, name: nullcontext())
     assert named(engine_module.Engine(cfg)) == []
+
+
+def _step_syncs(cfg, batch):
+    from cupy.cuda import _queue
+
+    from boostmpi.parallel.engine import Engine
+
+    eng = Engine(cfg)
+    before = _queue.host_syncs
+    loss = eng.forward_backward(batch)
+    return _queue.host_syncs - before, loss
+
+
+def test_a_step_of_several_micro_batches_reads_the_device_once(cp, monkeypatch):
+    """The loss of each micro-batch stays on the device: a step of 4 micro-batches synchronises the
+    host once (loss and gradient norm together), and its loss is the mean of the four. The mutant
+    (the head reading its loss to the host per micro-batch, as it once did) synchronises 5 times."""
+    from boostmpi.config import config_from_dict
+    from boostmpi.parallel import vocab_parallel
+
+    cfg = config_from_dict({"model": {"arch": "cola", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64,
+                                      "rank": 8, "vocab_size": 64, "seq_len": 8},
+                            "train": {"device": "gpu", "dtype": "float32", "micro_batch_size": 2, "grad_accum": 4}})
+    rng = np.random.default_rng(0)
+    batch = [(rng.integers(0, 64, (2, 8)), rng.integers(0, 64, (2, 8))) for _ in range(4)]
+    syncs, loss = _step_syncs(cfg, batch)
+    assert syncs == 1
+    assert np.isfinite(loss) and abs(loss - np.log(64)) < 1.0  # about log V at initialisation
+    monkeypatch.setattr(vocab_parallel, "mean_loss", lambda losses: float(losses.mean()))
+    mutant_syncs, mutant_loss = _step_syncs(cfg, batch)
+    assert mutant_syncs == 5 and mutant_syncs > 2
+    assert mutant_loss == pytest.approx(loss, rel=1e-6)
+
+
+def test_grouped_b_factors_multiply_where_they_lie(cp, monkeypatch):
+    """btp's B GEMMs: k and v (and gate and up), whose factors lie one after another in the flat
+    buffer, run as one strided-batched GEMM over their column blocks of Zs and the factors in place:
+    two GEMMs for q/k/v (grouped-query: q is wider), no stacked copies, the products of one GEMM
+    each. The mutant (the flat
+    buffer finding no stacked view) makes three."""
+    from boostmpi.config import config_from_dict
+    from boostmpi.gpu import blas
+    from boostmpi.model.params import FlatBuffer
+    from boostmpi.parallel.engine import Engine
+
+    cfg = config_from_dict({"model": {"arch": "cola", "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
+                                      "d_ff": 64, "rank": 8, "vocab_size": 64, "seq_len": 8},
+                            "parallel": {"grouped": True},
+                            "train": {"device": "gpu", "dtype": "float32", "micro_batch_size": 2}})
+    eng = Engine(cfg)
+    P, tpx = eng.cparams, eng.tpx
+    names = ["layers/0/q", "layers/0/k", "layers/0/v"]
+    widths = [P[f"{nm}/A"].shape[1] for nm in names]
+    Zs = cp.asarray(np.random.default_rng(3).standard_normal((16, sum(widths))).astype(np.float32))
+    sl = [slice(sum(widths[:j]), sum(widths[:j + 1])) for j in range(3)]
+    want = [cp.asnumpy(Zs)[:, s] @ cp.asnumpy(P[f"{nm}/B"]) for s, nm in zip(sl, names)]
+
+    def products():
+        calls = []
+        real = blas.matmul
+        with monkeypatch.context() as m:
+            m.setattr(blas, "matmul", lambda *a, **k: (calls.append(a[0].ndim), real(*a, **k))[1])
+            m.setattr(cp, "stack", None)  # no stacked copies
+            got = tpx._b_products(Zs, sl, names, P)
+        return calls, got
+
+    calls, got = products()
+    assert calls == [2, 3]  # q alone, k and v batched
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(cp.asnumpy(g), w, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(FlatBuffer, "stacked", lambda self, names: None)
+    assert products()[0] != [2, 3]

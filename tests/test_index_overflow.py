@@ -161,6 +161,17 @@ def run_rmsnorm(pool, small, suffix, code=None, warp=32):
     assert_close(y.row(N - 1), xw_ref[0], dtype, "online stats xw of the last row")
     assert_close(ss.flat(N - 1, N), ss_ref, np.float32, "online stats ss of the last row")
 
+    branch, s = Tensor(pool[3], (N, C), dtype), Tensor(pool[4], (N, C), dtype)
+    br = random(C, dtype, 11)
+    branch.row(N - 1)[:] = br
+    function("rmsnorm", f"residual_online_stats_{suffix}", code, warp)(
+        N, block, (x, branch, w_dev, s, y, ss, np.int32(C)), blocks=[N - 1])
+    sr = (xf + br.astype(np.float32)[None]).astype(dtype).astype(np.float32)
+    xw_ref, ss_ref = layers.rmsnorm_online_stats(sr, wf)
+    assert_close(s.row(N - 1), sr[0], dtype, "residual sum of the last row")
+    assert_close(y.row(N - 1), xw_ref[0], dtype, "residual xw of the last row")
+    assert_close(ss.flat(N - 1, N), ss_ref, np.float32, "residual ss of the last row")
+
     dy, dx, dw = Tensor(pool[3], (N, C), dtype), y, Tensor(pool[4], (N, C), np.float32)
     dyr = random(C, dtype, 4)
     dy.row(N - 1)[:] = dyr
@@ -209,8 +220,10 @@ def run_btp(pool, small, suffix, code=None, warp=32):
     dZs.row(N - 1)[:], Z.row(N - 1)[:], rstd.flat(N - 1, N)[:] = dzr, zr, 0.75
     rstd.flat(N - 1, N)[:] = 3.0 * D_MODEL  # first as the sum of squares the rescale reads
     function("btp", f"btp_rescale_silu_{suffix}", code, warp)(
-        N, loader._row_block(R, dtype.itemsize, warp), (dZs, rstd, Z, dP, np.int32(R), np.int32(D_MODEL), np.float32(EPS)),
-        blocks=[N - 1])
+        N, loader._row_block(R, dtype.itemsize, warp), (dZs, rstd, Z, dP, dS, np.int32(R), np.int32(D_MODEL),
+                                                        np.float32(EPS)), blocks=[N - 1])
+    assert_close(dS.flat(N - 1, N), layers.online_rstd(np.array([3.0 * D_MODEL]), D_MODEL, EPS), np.float32,
+                 "btp rescale rstd of the last row")
     z_ref = layers.rescale_rows(dzr.astype(np.float32)[None], np.array([3.0 * D_MODEL], np.float32), D_MODEL, EPS)
     assert_close(Z.row(N - 1), z_ref[0], dtype, "btp rescale Z of the last row")
     assert_close(dP.row(N - 1), layers.silu_forward(Z.row(N - 1).astype(np.float32)), dtype, "btp silu(Z), last row")
@@ -232,13 +245,14 @@ def run_btp(pool, small, suffix, code=None, warp=32):
     gr, xr, w = random(Cs, np.float32, 8), random(Cs, dtype, 9), random(Cs, dtype, 10)
     dxw.row(N - 1)[:], x.row(N - 1)[:], dS.flat(N - 1, N)[:] = gr, xr, -0.25
     kernel = function("btp", f"btp_backward_post_{suffix}", code, warp)
-    kernel(N, loader._row_block(Cs, dtype.itemsize, warp), (dxw, x, small(w), dS, dx, dw, np.int32(N), np.int32(Cs)),
-           shared_mem=4 * Cs, blocks=[N - 1])
+    threads, tiles, _, _ = loader.rmsnorm_backward_launch(N, Cs, dtype.itemsize, warp, 108)
+    kernel(tiles * N, threads, (dxw, x, small(w), dS, dx, dw, np.int32(N), np.int32(Cs), np.int32(1)),
+           blocks=[(N - 1) * tiles + t for t in range(tiles)])  # one-row chunks: the last row's chunk
     dw_ref = np.zeros(Cs, np.float32)
     dx_ref = layers.btp_norm_backward_post(gr[None], xr.astype(np.float32)[None], w.astype(np.float32),
                                            np.array([[-0.25]], np.float32), dw_ref)
     assert_close(dx.row(N - 1), dx_ref[0], dtype, "btp dx of the last row")
-    assert_close(dw.row(N - 1), dw_ref, np.float32, "btp dw partial of the last block")
+    assert_close(dw.row(N - 1), dw_ref, np.float32, "btp dw partial of the last chunk")
 
 
 @pytest.mark.parametrize("warp", WARPS)
@@ -326,6 +340,30 @@ def run_adamw(pool, small, code=None, warp=32):
         p_ref = p0 - np.where(decay, lr * wd * p0, 0.0) - m_ref / (np.sqrt(v_ref) / np.sqrt(1 - b2) + eps) * (lr / (1 - b1))
         assert_close(p.flat(a, b), p_ref, np.float32, f"adamw p [{a}, {b})")
         assert_close(m.flat(a, b), m_ref, np.float32, f"adamw m [{a}, {b})")
+
+
+@pytest.mark.parametrize("warp", WARPS)
+def test_sum_squares_indexes_more_than_2_32_elements(pool, small, warp):
+    run_sum_squares(pool, small, warp=warp)
+
+
+def run_sum_squares(pool, small, code=None, warp=32):
+    """The gradient norm's sum of squares over a range at the start and one ending at 2^32 + 7, by a
+    grid of two blocks (each thread's elements are range start + thread + k x 512)."""
+    n, threads = ELEMENTS, 2 * loader.ELEMENTWISE_BLOCK_THREADS
+    ranges = [(0, 5), (n - 1000, n)]
+    g = Tensor(pool[0], (n,), np.float32)
+    for k, (a, b) in enumerate(ranges):
+        g.flat(a, b)[:] = random(b - a, np.float32, 60 + k)
+    partial = small(np.zeros(2, np.float32))
+    function("adamw", "sum_squares_ranges_f32", code, warp)(
+        2, loader.ELEMENTWISE_BLOCK_THREADS, (g, small(np.array(ranges, np.int64).reshape(-1)), np.int32(2), partial),
+        blocks=[0, 1])
+    want = np.zeros(2)
+    for a, b in ranges:
+        values = g.flat(a, b).astype(np.float64) ** 2
+        np.add.at(want, np.arange(b - a) % threads // loader.ELEMENTWISE_BLOCK_THREADS, values)
+    assert_close(partial.get(), want, np.float32, "sum_squares partials")
 
 
 # ------------------------------------------------------------------------------ attention and RoPE
@@ -423,9 +461,9 @@ def test_rope_kernels_index_more_than_2_32_elements(pool, small, suffix, warp):
 
 
 # entry points the tests above run past 2^32 elements; a new kernel gets its test here
-CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "rmsnorm_projection_", "rmsnorm_backward_",
+CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "residual_online_stats_", "rmsnorm_projection_", "rmsnorm_backward_",
            "rescale_rows_", "silu_forward_", "silu_backward_", "gate_forward_", "gate_backward_", "btp_backward_pre_",
-           "btp_backward_post_", "btp_rescale_silu_", "adamw_step_", "attention_forward_", "attention_backward_dq_",
+           "btp_backward_post_", "btp_rescale_silu_", "adamw_step_", "sum_squares_ranges_", "attention_forward_", "attention_backward_dq_",
            "attention_backward_", "rope_forward_", "rope_backward_")
 
 
@@ -471,9 +509,18 @@ def test_an_int_element_index_is_an_integer_overflow(pool, small):
 
 def test_an_int_dw_partial_offset_is_an_integer_overflow(pool, small):
     """rmsnorm_backward's offset of its chunk's dw partial row as int x int: 16,384 x 262,144."""
-    code = mutated("rmsnorm", "dw_partial + static_cast<long long>(chunk) * C + j;", "dw_partial + chunk * C + j;")
-    with pytest.raises(cudaemu.IntegerOverflowError, match=r"16384 \* 262144 does not fit 'int'.*dw_partial \+ chunk \* C"):
+    code = mutated("rmsnorm", "dw_partial + static_cast<long long>(tile.chunk) * C + j;", "dw_partial + tile.chunk * C + j;")
+    with pytest.raises(cudaemu.IntegerOverflowError, match=r"16384 \* 262144 does not fit 'int'.*dw_partial \+ tile.chunk \* C"):
         run_rmsnorm(pool, small, "f32", code)
+
+
+def test_an_int_range_end_misses_the_elements_past_2_32(pool, small):
+    """The gradient norm's range end narrowed to int (2^32 + 7 becomes 7): the range past 2^32 is
+    not summed, and the partials say so."""
+    code = mutated("adamw", "const long long hi = bounds[2 * r + 1];",
+                   "const int hi = static_cast<int>(bounds[2 * r + 1]);")
+    with pytest.raises(AssertionError, match="sum_squares partials"):
+        run_sum_squares(pool, small, code)
 
 
 def test_an_int_token_offset_is_an_integer_overflow(pool):

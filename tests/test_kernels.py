@@ -32,7 +32,8 @@ KERNEL_FILES = sorted(kernels.kernels_dir().glob("*.cu"))
 # every entry point a wrapper in boostmpi.gpu.kernels launches, by source file
 ENTRY_POINTS = {
     "rmsnorm.cu": [f"{k}_{t}" for k in ("rmsnorm_forward", "rmsnorm_projection", "rmsnorm_backward",
-                                        "rmsnorm_online_stats", "rescale_rows") for t in ("f32", "bf16")],
+                                        "rmsnorm_online_stats", "residual_online_stats", "rescale_rows")
+                   for t in ("f32", "bf16")],
     "lowrank.cu": [f"{k}_{t}" for k in ("silu_forward", "silu_backward", "gate_forward", "gate_backward")
                    for t in ("f32", "bf16")],
     "softmax_xent.cu": [f"softmax_xent_{t}_{i}" for t in ("f32", "bf16") for i in ("i32", "i64")],
@@ -40,7 +41,7 @@ ENTRY_POINTS = {
                      for hd in ("", "hd64_") for t in ("f32", "bf16")]
                     + [f"{k}_{t}" for k in ("rope_forward", "rope_backward") for t in ("f32", "bf16")],
     "btp.cu": [f"{k}_{t}" for k in ("btp_rescale_silu", "btp_backward_pre", "btp_backward_post") for t in ("f32", "bf16")],
-    "adamw.cu": ["adamw_step_f32"],
+    "adamw.cu": ["adamw_step_f32", "sum_squares_ranges_f32"],
 }
 
 # ---------------------------------------------------------------------------- (a) offline compiles
@@ -246,6 +247,14 @@ def test_rmsnorm_kernels_match_the_model(small_grid, dtype_name, C):
     _assert_close(xw, _stored(xw_ref, dtype), "online stats xw")
     _assert_close(ss, ss_ref, "online stats ss")
 
+    # the residual add before the norm in the same pass: the statistic is of the sum as stored
+    sf = _widened(_stored(xf + dyf, dtype))[0]
+    xw_ref, ss_ref = layers.rmsnorm_online_stats(sf, wf)
+    s_dev, xw, ss = kernels.residual_online_stats(*_device(x, dy, w))
+    _assert_close(s_dev, _stored(sf, dtype), "residual sum")
+    _assert_close(xw, _stored(xw_ref, dtype), "residual xw")
+    _assert_close(ss, ss_ref, "residual ss")
+
     ss_total = np.abs(_randn(rng, N, np.float32, 50.0))
     _assert_close(kernels.rescale_rows(*_device(x, ss_total), 4 * C, EPS),
                   _stored(layers.rescale_rows(xf, ss_total, 4 * C, EPS), dtype), "rescale_rows")
@@ -272,19 +281,22 @@ def test_lowrank_kernels_match_the_model(small_grid, dtype_name, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype_name", STORAGE)
-@pytest.mark.parametrize("R,Cs", [(64, 64), (13, 37), (24, 4100)])  # vectors; scalar tails; rows past one pass
+# vectors; scalar tails; rows past one pass; the paper's largest residual at tp = 1 (d_model 16,384: once
+# 64 KiB of shared memory per block, all of an MI250X CU's LDS; now column tiles without any)
+@pytest.mark.parametrize("R,Cs", [(64, 64), (13, 37), (24, 4100), (8, 16384)])
 def test_btp_backward_kernels_match_the_model(small_grid, dtype_name, R, Cs):
     """btp's backward around the GEMM dxw = dP . A^T (layers.btp_norm_backward_pre/post)."""
     dtype = STORAGE[dtype_name]
     rng = np.random.default_rng(9)
-    N = 5  # more rows than the post kernel's 2 x 2 blocks: blocks stride over rows
+    N = 5  # rows in chunks of several rows of the post kernel's column tiles (small_grid: 2 SMs)
     dZs, Z = _randn(rng, (N, R), dtype, 2.0), _randn(rng, (N, R), dtype, 2.0)
     rstd = np.abs(_randn(rng, (N, 1), np.float32)) + 0.5
     dzf, zf = _widened(dZs, Z)
     ss_total = np.abs(_randn(rng, N, np.float32, 4.0 * Cs)) + Cs
-    Z_ref, Zs_ref, _ = layers.rescale_rows_silu(dzf, ss_total, 4 * Cs, EPS, keep=False)
-    Zk, Zsk = kernels.btp_rescale_silu(*_device(dZs, ss_total), 4 * Cs, EPS)
+    Z_ref, Zs_ref, _, rstd_ref = layers.rescale_rows_silu(dzf, ss_total, 4 * Cs, EPS, keep=False)
+    Zk, Zsk, rstdk = kernels.btp_rescale_silu(*_device(dZs, ss_total), 4 * Cs, EPS)
     _assert_close(Zk, _stored(Z_ref, dtype), "btp rescale Z")
+    _assert_close(rstdk, rstd_ref, "btp rescale rstd")
     _assert_close(Zsk, _stored(layers.silu_forward(to_numpy(Zk).astype(np.float32)), dtype), "btp rescale silu(Z)")
     for act in (True, False):
         dP_ref, dS_ref = layers.btp_norm_backward_pre(dzf, zf, rstd, 4 * Cs, act)
@@ -361,3 +373,35 @@ def test_softmax_xent_kernel_gives_nan_for_a_target_outside_the_vocabulary():
     loss, grad = loss.get(), grad.get()
     assert np.isfinite(loss[0]) and np.isnan(loss[1]) and np.isnan(loss[2])
     np.testing.assert_allclose(grad[1:], 0.25)  # softmax only, no one-hot term
+
+
+@pytest.mark.gpu
+def test_compile_all_compiles_every_kernel_file(monkeypatch):
+    """`compile_all` (what the batch scripts call before the ranks start) compiles each kernels/*.cu
+    through the loader's own `_module`, for the device asked for. The mutant (a loader that skips the
+    last file) is caught."""
+    import functools
+
+    seen = []
+    real = kernels._module.__wrapped__
+
+    def module(name, device_id):
+        seen.append((name, device_id))
+        return real(name, device_id)
+
+    monkeypatch.setattr(kernels, "_module", functools.lru_cache(maxsize=None)(module))
+    names = [p.stem for p in KERNEL_FILES]
+    assert kernels.compile_all(0) == names and seen == [(n, 0) for n in names]
+    seen.clear()
+    monkeypatch.setattr(kernels, "kernels_dir", lambda real_dir=kernels.kernels_dir(): _SkipLast(real_dir))
+    assert kernels.compile_all(0) != names
+
+
+class _SkipLast:
+    """A kernels folder whose glob misses the last file: the mutant of compile_all's input."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def glob(self, pattern):
+        return sorted(self.real.glob(pattern))[:-1]

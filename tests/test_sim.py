@@ -484,3 +484,35 @@ def test_gpu_trace_at_tp4_records_every_collective():
                                     done.stdout).groups()
     assert float(traced) > 0 and all(float(a) == pytest.approx(float(traced), abs=2e-4) for a in analytical)
     assert "parallel.nccl" not in done.stdout  # call sites name the engine's caller, not the communicator
+
+
+def _btp_plan_names(layer_plan_fn=None):
+    from dataclasses import replace
+
+    s = plans.shape_of(tiny({"tp": 2, "tp_mode": "btp"}, {}, {"arch": "cola"}), "flash")
+    fn = layer_plan_fn or plans._btp_layer
+    return fn(s), fn(replace(s, eager=True))
+
+
+def _check_fused_rescale_silu(ops, eager_ops):
+    fused = [op for op in ops if op.name == "norm.scale+silu"]
+    assert len(fused) == 2 and not [op for op in ops if op.name == "norm.scale"]
+    assert all((op.fwd_passes, op.bwd_passes) == (3, 3) for op in fused)
+    assert [op.name for op in eager_ops].count("norm.scale") == 2  # eager PyTorch runs them apart
+
+
+def test_the_btp_plan_counts_the_engines_fused_rescale_and_silu():
+    """Under btp with cola a normed group's row rescale and SiLU are one kernel each way in the plan,
+    as the engine launches them (btp_rescale_silu, btp_backward_pre). The mutant (the plan with the
+    two kernels apart again) fails the check."""
+    import inspect
+    import textwrap
+
+    _check_fused_rescale_silu(*_btp_plan_names())
+    src = textwrap.dedent(inspect.getsource(plans._btp_layer))
+    mutant = src.replace("if with_norm_statistic and s.cola and not s.eager:", "if False:")
+    assert mutant != src
+    namespace = {}
+    exec(compile(mutant, plans.__file__, "exec"), vars(plans), namespace)  # noqa: S102 - the mutant
+    with pytest.raises(AssertionError):
+        _check_fused_rescale_silu(*_btp_plan_names(namespace["_btp_layer"]))

@@ -90,6 +90,16 @@ def _module(name, device_id, extra_options=()):
     return _import_cupy().RawModule(code=kernel_source(name), options=options)
 
 
+def compile_all(device_id=0):
+    """Compiles every kernels/*.cu for device `device_id` as the wrappers load them (into CuPy's
+    kernel cache, CUPY_CACHE_DIR), so that ranks started afterwards load instead of compiling.
+    Returns the module names, in order."""
+    names = [source.stem for source in sorted(kernels_dir().glob("*.cu"))]
+    for name in names:
+        _module(name, device_id).compile()
+    return names
+
+
 def _kernel(module_name, entry_point, extra_options=()):
     return _module(module_name, _current_device().id, tuple(extra_options)).get_function(entry_point)
 
@@ -161,19 +171,6 @@ def _elementwise_grid(n, itemsize, sm_count):
     return max(1, min(-(-n // per_block), 16 * sm_count))
 
 
-def _reserve_dynamic_shared(kernel, nbytes, device, what):
-    """Lets `kernel` launch with `nbytes` of dynamic shared memory: a block holds its static
-    shared memory plus the dynamic part, within the default per-block limit or, opted in,
-    within what the device allows; raises a clear error beyond that."""
-    total = kernel.shared_size_bytes + nbytes
-    if total > device.max_shared_bytes:
-        raise ValueError(f"{what} needs {nbytes} bytes of dynamic shared memory per block ({total} with the kernel's "
-                         f"static shared memory), the device has {device.max_shared_bytes}")
-    if total > DEFAULT_DYNAMIC_SHARED_BYTES:
-        kernel.max_dynamic_shared_size_bytes = nbytes
-
-
-
 def _launch_rows(module_name, entry_point, rows, width, itemsize, args):
     """One block per row of `width` elements."""
     if rows > 0:
@@ -196,7 +193,8 @@ def rmsnorm_forward(x, w, eps):
 
 
 def rmsnorm_backward_launch(N, C, itemsize, warp_size, sm_count):
-    """The second backward kernel's launch: (threads per block, column tiles, rows per chunk, row chunks).
+    """The launch of the column-tile kernels (rmsnorm_backward, btp_backward_post) over [N, C]:
+    (threads per block, column tiles, rows per chunk, row chunks).
 
     A block owns a tile of one 16-byte vector of columns per thread (at most 256 threads:
     1,024 float32 or 2,048 bfloat16 columns) over a chunk of rows; the rows are cut into
@@ -234,25 +232,6 @@ def rmsnorm_backward(dy, x, w, rstd):
 
 
 
-def _launch_column_sums(module_name, entry_point, x, args, what):
-    """A row kernel whose blocks stride over the rows of x [N, C], each keeping its running
-    per-column sums (C floats) in shared memory and writing them once: launched with `args`, then
-    its partial sums [blocks, C] and N and C; returns the sums over all rows (float32 [C])."""
-    cupy = _import_cupy()
-    N, C = x.shape
-    if N == 0:
-        return cupy.zeros(C, dtype=np.float32)
-    device = _current_device()
-    kernel = _kernel(module_name, entry_point)
-    shared_bytes = 4 * C
-    _reserve_dynamic_shared(kernel, shared_bytes, device, what)
-    blocks = min(N, 2 * device.sm_count)
-    partial = cupy.empty((blocks, C), dtype=np.float32)
-    _launch(kernel, blocks, _row_block(C, x.itemsize, device.warp_size), args + (partial, np.int32(N), np.int32(C)),
-            shared_mem=shared_bytes)
-    return partial.sum(axis=0)
-
-
 def rmsnorm_online_stats(x, w):
     """This rank's shard x [N,Cs], w [Cs] -> xw [N,Cs] = x * w (x's dtype), ss [N] = sum(x^2) (float32)."""
     N, Cs, suffix = _check_matrix("x", x)
@@ -262,6 +241,19 @@ def rmsnorm_online_stats(x, w):
     ss = cupy.empty(N, dtype=np.float32)
     _launch_rows("rmsnorm", f"rmsnorm_online_stats_{suffix}", N, Cs, x.itemsize, (x, w, xw, ss, np.int32(Cs)))
     return xw, ss
+
+
+def residual_online_stats(h, y, w):
+    """This rank's shards h, y [N,Cs], w [Cs] -> s = h + y [N,Cs], xw = s * w [N,Cs] (h's dtype),
+    ss [N] = sum(s^2) (float32), from one kernel."""
+    N, Cs, suffix = _check_matrix("h", h)
+    _check("y", y, (N, Cs), h.dtype)
+    _check("w", w, (Cs,), h.dtype)
+    cupy = _import_cupy()
+    s, xw = cupy.empty_like(h), cupy.empty_like(h)
+    ss = cupy.empty(N, dtype=np.float32)
+    _launch_rows("rmsnorm", f"residual_online_stats_{suffix}", N, Cs, h.itemsize, (h, y, w, s, xw, ss, np.int32(Cs)))
+    return s, xw, ss
 
 
 def rescale_rows(P, ss_total, C_total, eps):
@@ -279,14 +271,16 @@ def rescale_rows(P, ss_total, C_total, eps):
 
 
 def btp_rescale_silu(P, ss_total, C_total, eps):
-    """P [N,R], ss_total [N] float32 -> Z = P * rsqrt(ss_total / C_total + eps), Zs = silu(Z) [N,R] (P's dtype)."""
+    """P [N,R], ss_total [N] float32 -> Z = P * rstd, Zs = silu(Z) [N,R] (P's dtype) and
+    rstd = rsqrt(ss_total / C_total + eps) [N] (float32), from one kernel."""
     N, R, suffix = _check_matrix("P", P)
     _check("ss_total", ss_total, (N,), np.float32)
     cupy = _import_cupy()
     Z, Zs = cupy.empty_like(P), cupy.empty_like(P)
+    rstd = cupy.empty(N, dtype=np.float32)
     _launch_rows("btp", f"btp_rescale_silu_{suffix}", N, R, P.itemsize,
-                 (P, ss_total, Z, Zs, np.int32(R), np.int32(C_total), np.float32(eps)))
-    return Z, Zs
+                 (P, ss_total, Z, Zs, rstd, np.int32(R), np.int32(C_total), np.float32(eps)))
+    return Z, Zs, rstd
 
 
 def btp_backward_pre(dZs, Z, rstd, C_total, act):
@@ -305,14 +299,22 @@ def btp_backward_pre(dZs, Z, rstd, C_total, act):
 
 def btp_backward_post(dxw, x, w, dS):
     """dxw [N,Cs] float32, x [N,Cs], w [Cs], dS [N] float32 -> dx [N,Cs] = dxw * w + 2 * x * dS
-    (x's dtype), dw [Cs] = sum over rows of dxw * x (float32)."""
+    (x's dtype), dw [Cs] = sum over rows of dxw * x (float32). One kernel over rmsnorm_backward's
+    column tiles and row chunks (no shared memory, whatever Cs), then the sum of its per-chunk dw rows."""
     N, Cs, suffix = _check_matrix("x", x)
     _check("dxw", dxw, (N, Cs), np.float32)
     _check("w", w, (Cs,), x.dtype)
     _check("dS", dS, (N,), np.float32)
-    dx = _import_cupy().empty_like(x)
-    return dx, _launch_column_sums("btp", f"btp_backward_post_{suffix}", x, (dxw, x, w, dS, dx),
-                                   f"btp_backward_post: C/tp = {Cs}")
+    cupy = _import_cupy()
+    dx = cupy.empty_like(x)
+    if N == 0 or Cs == 0:
+        return dx, cupy.zeros(Cs, dtype=np.float32)
+    device = _current_device()
+    threads, tiles, rows_per_chunk, chunks = rmsnorm_backward_launch(N, Cs, x.itemsize, device.warp_size, device.sm_count)
+    dw_partial = cupy.empty((chunks, Cs), dtype=np.float32)
+    _launch(_kernel("btp", f"btp_backward_post_{suffix}"), tiles * chunks, threads,
+            (dxw, x, w, dS, dx, dw_partial, np.int32(N), np.int32(Cs), np.int32(rows_per_chunk)))
+    return dx, dw_partial.sum(axis=0)
 
 
 # ------------------------------------------------------------------------------ adamw.cu
@@ -336,6 +338,24 @@ def adamw_step(p, g, m, v, decay_bounds, lr, beta1, beta2, eps, weight_decay, gr
                 (p, g, m, v, np.int64(p.size), decay_bounds, np.int32(n_bounds), np.float32(beta1),
                  np.float32(1.0 - beta1), np.float32(beta2), np.float32(1.0 - beta2), np.float32(eps), np.float32(lr * weight_decay), np.float32(grad_scale), np.float32(lr / bc1),
                  np.float32(math.sqrt(bc2))))
+
+
+def sum_squares_ranges(g, bounds):
+    """The sum of g[i]^2 over the ranges [bounds[2j], bounds[2j+1]) of the flat float32 g (bounds int64
+    on the device, each range within g): a 0-d float64 device array, from one kernel over every range
+    and the sum of its per-block partials (the engine's `_grad_sq` is the specification)."""
+    _check_contiguous("g", g)
+    if g.dtype != np.float32 or g.ndim != 1:
+        raise TypeError(f"sum_squares_ranges sums a flat float32 buffer, got {g.dtype} of shape {tuple(g.shape)}")
+    if bounds.dtype != np.int64 or bounds.ndim != 1 or bounds.size % 2:
+        raise ValueError("bounds must be a 1-D int64 array of (start, stop) pairs")
+    _check_contiguous("bounds", bounds)
+    cupy = _import_cupy()
+    grid = _elementwise_grid(max(g.size, 1), g.itemsize, _current_device().sm_count)
+    partial = cupy.empty(grid, dtype=np.float32)
+    _launch(_kernel("adamw", "sum_squares_ranges_f32"), grid, ELEMENTWISE_BLOCK_THREADS,
+            (g, bounds, np.int32(bounds.size // 2), partial))
+    return partial.sum(dtype=np.float64)
 
 
 # ------------------------------------------------------------------------------ lowrank.cu

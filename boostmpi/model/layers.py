@@ -76,30 +76,15 @@ def batched_matmul(a, b):
     return matmul(a, b)
 
 
-def grouped_matmul(lefts, rights, batched=True, outs=None, accumulate=False):
-    """[l @ r for l, r in pairs]; with `batched`, pairs of equal shapes run as one batched GEMM
-    (the grouped B factors: gate/up, and k/v, whose shapes agree) on a GPU. NumPy's batched matmul
-    is a loop of the same BLAS calls, so on the CPU stacking the operands would only add copies.
-    With `outs` each product is written to its out (a column block of a wider matrix is fine), or
-    with `accumulate` added to it (weight gradients), by its own GEMM: no stacked copies of the
-    operands, no temporary, no copy into the block and no addition kernel."""
-    xp = get_array_module(lefts[0])
+def grouped_matmul(lefts, rights, outs=None, accumulate=False):
+    """[l @ r for l, r in pairs], one GEMM each. With `outs` each product is written to its out (a
+    column block of a wider matrix is fine), or with `accumulate` added to it (weight gradients):
+    no temporary, no copy into the block and no addition kernel. (Pairs whose operands lie side by
+    side, btp's k/v and gate/up B factors, run as one strided-batched GEMM in
+    `BottleneckTP._b_products`, without stacked copies.)"""
     if outs is not None:
         return [matmul(l, r, out=o, accumulate=accumulate) for l, r, o in zip(lefts, rights, outs)]
-    if xp is np:
-        return [l @ r for l, r in zip(lefts, rights)]
-    outs = [None] * len(lefts)
-    by_shape = {}
-    for j, (l, r) in enumerate(zip(lefts, rights)):
-        by_shape.setdefault((l.shape, r.shape) if batched else j, []).append(j)
-    for idx in by_shape.values():
-        if len(idx) == 1:
-            outs[idx[0]] = matmul(lefts[idx[0]], rights[idx[0]])
-            continue
-        stacked = batched_matmul(xp.stack([lefts[j] for j in idx]), xp.stack([rights[j] for j in idx]))
-        for k, j in enumerate(idx):
-            outs[j] = stacked[k]
-    return outs
+    return [matmul(l, r) for l, r in zip(lefts, rights)]
 
 
 # ---------------------------------------------------------------- RMSNorm
@@ -141,6 +126,16 @@ def rmsnorm_online_stats(x, w):
     return x * w, (x * x).sum(axis=-1, dtype=statistic_dtype(x.dtype))
 
 
+def residual_online_stats(h, y, w):
+    """The residual add before a norm and `rmsnorm_online_stats` of its result: h, y [N, Cs], w [Cs]
+    -> (s = h + y, s * w, sum of s^2 per row), one kernel on a GPU."""
+    k, (hc, yc, wc) = kernel_inputs(h, y, w)
+    if k is not None and h.ndim == 2:
+        return k.residual_online_stats(hc, yc, wc)
+    s = h + y
+    return (s, *rmsnorm_online_stats(s, w))
+
+
 def online_rstd(ss_total, C, eps):
     """rstd [N] = 1/sqrt(ss_total / C + eps) from the sum of squares over all C channels."""
     return 1.0 / get_array_module(ss_total).sqrt(ss_total / C + eps)
@@ -155,13 +150,15 @@ def rescale_rows(P, ss_total, C, eps):
 
 
 def rescale_rows_silu(P, ss_total, C, eps, keep):
-    """(Z = rescale_rows(P, ss_total, C, eps), silu(Z), sigmoid(Z) as `silu_and_sigmoid` keeps it):
-    online RMSNorm's second half and cola's SiLU, one kernel on a GPU."""
+    """(Z = rescale_rows(P, ss_total, C, eps), silu(Z), sigmoid(Z) as `silu_and_sigmoid` keeps it,
+    rstd = online_rstd(ss_total, C, eps) [N]): online RMSNorm's second half, cola's SiLU and the
+    row statistic the backward reads, one kernel on a GPU."""
     k, (Pc,) = kernel_inputs(P)
     if k is not None and P.ndim == 2 and ss_total.dtype == np.float32:
-        return (*k.btp_rescale_silu(Pc, get_array_module(P).ascontiguousarray(ss_total), C, eps), None)
+        Z, Zs, rstd = k.btp_rescale_silu(Pc, get_array_module(P).ascontiguousarray(ss_total), C, eps)
+        return Z, Zs, None, rstd
     Z = rescale_rows(P, ss_total, C, eps)
-    return (Z, *silu_and_sigmoid(Z, keep))
+    return (Z, *silu_and_sigmoid(Z, keep), online_rstd(ss_total, C, eps))
 
 
 # ---------------------------------------------------------------- btp's backward through a normed group

@@ -309,6 +309,18 @@ class FlatBuffer:
     def size(self):
         return self.data.size
 
+    def stacked(self, names):
+        """[P[n_1], P[n_2], ...] as one [len(names), *shape] view when they are parameters of one shape
+        stored one right after another, each its own block (the B factors of k and v, of gate and
+        up), else None."""
+        shape = self.views[names[0]].shape
+        spans = [self.spans[n] for n in names]
+        size = spans[0][1] - spans[0][0]
+        if any(self.views[n].shape != shape or b - a != size or self.views[n].size != size for n, (a, b) in
+               zip(names, spans)) or any(b != a2 for (_, b), (a2, _) in zip(spans, spans[1:])):
+            return None
+        return self.data[spans[0][0]:spans[-1][1]].reshape((len(names),) + tuple(shape))
+
     def columns(self, names):
         """[P[n_1] | P[n_2] | ...]: a view when these are a group stored side by side (or one
         name), else a concatenated copy."""

@@ -67,8 +67,8 @@ class Block:
         if tape.keeps_core_inputs:  # selective: the core's inputs instead of its cache (recompute.py)
             c_att = (q, k, own_buffer(v))
         y, c_o = tp_layers.out_proj_forward(o.reshape(B * T, -1), pre + "o", P, tape)
-        h = h + y
-        (g, u), c_gu = tp_layers.in_proj_forward(h, pre + "mlp_norm", [pre + "gate", pre + "up"], P, tape)
+        # the residual add and the MLP norm's first pass: one kernel under btp on a GPU
+        h, (g, u), c_gu = tp_layers.residual_in_proj_forward(h, y, pre + "mlp_norm", [pre + "gate", pre + "up"], P, tape)
         a, s_gate = layers.gate_and_sigmoid(g, u, tp_layers.cfg.model.mlp_gate_act, keep=tape.backward_follows)
         return h, a, BlockCache(c_qkv, c_att, c_o, c_gu, (g, u, s_gate))
 

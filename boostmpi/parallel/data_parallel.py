@@ -48,6 +48,7 @@ class DataParallel:
         self.grad_shard = prefaulted(xp.empty(hi - lo, dtype=dtype)) if self.sharded else None
         self._grads = None
         self._pending = []
+        self._norm_ranges_cache, self._norm_bounds = None, None  # what squared_norm_part sums, found once
 
     def attach_gradients(self, grads):
         """The flat gradient buffer (a FlatBuffer) whose buckets this object sums."""
@@ -117,9 +118,28 @@ class DataParallel:
     def squared_norm_part(self, specs, tp_rank, xp):
         """This rank's part of the squared norm of the dp-summed gradient, each element counted once
         whatever the layout: tp-replicated parameters on tp rank 0 only; without ZeRO on dp rank 0 only
-        (every dp rank holds the whole sum), with ZeRO-1 every dp rank over its own slice."""
+        (every dp rank holds the whole sum), with ZeRO-1 every dp rank over its own slice. On a GPU
+        one kernel sums the squares of every block (kernels/adamw.cu, `sum_squares_ranges`) and the
+        result stays on the device (a float64 scalar; the engine reads it with the loss)."""
+        ranges = self._norm_ranges(specs, tp_rank)
+        g = self.grad_shard
+        if xp is not np and ranges and g.dtype == np.float32:
+            from boostmpi.gpu import kernels
+
+            if self._norm_bounds is None:
+                self._norm_bounds = xp.asarray(np.array(ranges, dtype=np.int64).reshape(-1))
+            return kernels.sum_squares_ranges(g, self._norm_bounds)
+        parts = [(g[a:b] * g[a:b]).sum() for a, b in ranges]
+        if xp is np or not parts:
+            return sum((float(p) for p in parts), 0.0)
+        return xp.stack(parts).sum(dtype=np.float64)
+
+    def _norm_ranges(self, specs, tp_rank):
+        """The ranges [a, b) of `grad_shard` whose squares `squared_norm_part` sums (fixed for the run)."""
+        if self._norm_ranges_cache is not None:
+            return self._norm_ranges_cache
         lo, hi = self.shard
-        parts, seen = [], set()
+        ranges, seen = [], set()
         if self.sharded or self.rank == 0:
             for s in specs:
                 if s.tp_replicated and tp_rank != 0:
@@ -130,12 +150,9 @@ class DataParallel:
                 seen.add(a)
                 a, b = max(a, lo), min(b, hi)
                 if a < b:
-                    g = self.grad_shard[a - lo:b - lo]
-                    parts.append((g * g).sum())
-        if xp is np or not parts:
-            return sum((float(p) for p in parts), 0.0)
-        # on a GPU the blocks' sums stay on the device and reach the host in one read (one synchronisation)
-        return float(xp.stack(parts).sum(dtype=np.float64))
+                    ranges.append((a - lo, b - lo))
+        self._norm_ranges_cache = ranges
+        return ranges
 
     # ------------------------------------------------------------------ after the optimizer
     def gather_update(self, params, master, master_separate):

@@ -48,6 +48,16 @@ def _nbytes(obj, seen):
     return 0
 
 
+def read_to_host(xp, values):
+    """`values` (floats, or on a GPU 0-d float64 device arrays) as floats: the device ones copied to
+    the host together, in one synchronisation."""
+    on_device = [i for i, v in enumerate(values) if not isinstance(v, (float, int))]
+    if not on_device:
+        return [float(v) for v in values]
+    got = iter(xp.stack([values[i] for i in on_device]).get().tolist())
+    return [next(got) if i in on_device else float(v) for i, v in enumerate(values)]
+
+
 class Engine:
     """`grid`: the ProcessGrid start-up built (`startup.process_grid`); an mpi4py communicator or None
     (one process) builds it here, for tests and tools. The weights are drawn here (`init_params`)."""
@@ -263,12 +273,21 @@ class Engine:
         for req, _buf in sends:
             req.wait()
         data_parallel.finish_step(self.params)
-        mine = float(np.sum(losses)) / M if (self.last and grid.coords.tp == 0) else 0.0
+        loss_sum = self._loss_sum(losses) if (self.last and grid.coords.tp == 0) else 0.0
+        # on a GPU the loss and the gradient's squared norm reach the host together: the step's one
+        # synchronisation, whatever the number of micro-batches
+        loss_sum, grad_sq = read_to_host(xp, [loss_sum, self._grad_sq()])
         extra = list(also_sum()) if also_sum else []
-        totals = grid.host.sum([mine, self._grad_sq(), *extra])
+        totals = grid.host.sum([loss_sum / M, grad_sq, *extra])
         self._grad_norm = float(np.sqrt(totals[1]))
         self.summed = totals[2:]
         return float(totals[0]) / grid.dp_size
+
+    def _loss_sum(self, losses):
+        """The sum of the micro-batches' mean losses (floats, or on a GPU float64 device scalars that stay there)."""
+        if not losses or all(isinstance(v, float) for v in losses):
+            return float(np.sum(losses))
+        return self.xp.stack(losses).sum()
 
     def evaluate(self, x, y):
         """Forward only, through the pipeline: the sum over all data-parallel ranks of (mean loss of
@@ -290,12 +309,13 @@ class Engine:
                 if j < S * v - 1:
                     grid.pp.isend(out, (self.stage + 1) % S, tag=message_tag(FORWARD, 0, j, S, v)).wait()
                 elif grid.coords.tp == 0:
-                    mine = out * B
+                    mine = read_to_host(xp, [out])[0] * B
         return float(self.grid.host.sum([mine])[0])
 
     # ------------------------------------------------------------------ the gradient's norm
     def _grad_sq(self):
-        """This rank's part of the squared norm of the dp-summed gradient (each element counted once)."""
+        """This rank's part of the squared norm of the dp-summed gradient (each element counted once); on
+        a GPU a device scalar that forward_backward reads with the loss."""
         return self.data_parallel.squared_norm_part(self.specs, self.grid.coords.tp, self.xp)
 
     def grad_norm(self):

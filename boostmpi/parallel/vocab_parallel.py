@@ -91,6 +91,14 @@ def cross_entropy_backward(probs, local, tidx, scale):
     return probs
 
 
+def mean_loss(losses):
+    """The mean of the per-token losses: a float on the CPU; on a GPU a 0-d float64 device array, so
+    that a step of several micro-batches reads its loss in the one host synchronisation of the step
+    (`Engine.forward_backward`) instead of once per micro-batch."""
+    xp = get_array_module(losses)
+    return float(losses.mean()) if xp is np else losses.mean(dtype=np.float64)
+
+
 def _fused_xent(logits, tp):
     """The fused softmax_xent kernel (boostmpi.gpu.kernels) when the whole vocabulary is on this
     rank and the logits are on a GPU, else None. Under vocabulary parallelism the softmax needs the
@@ -101,7 +109,8 @@ def _fused_xent(logits, tp):
 
 
 def head_forward(h, targets, norm_w, lm_head, eps, v0, tp, lean=False):
-    """h [N, C] (whole on every rank), targets [N] -> (mean cross-entropy over N, HeadCache)."""
+    """h [N, C] (whole on every rank), targets [N] -> (mean cross-entropy over N, HeadCache); the mean
+    as `mean_loss` gives it (a float, or on a GPU a device scalar)."""
     n, rstd = layers.rmsnorm_forward(h, norm_w, eps)
     logits = _logits(n, lm_head)
     k = _fused_xent(logits, tp)
@@ -109,11 +118,11 @@ def head_forward(h, targets, norm_w, lm_head, eps, v0, tp, lean=False):
         targets = targets.astype(np.int64, copy=False)
         losses, _ = k.softmax_xent(logits, targets)
         keep = {} if lean else dict(n=n, logits=logits)
-        return float(losses.mean()), HeadCache(h, rstd, None, targets, **keep)
+        return mean_loss(losses), HeadCache(h, rstd, None, targets, **keep)
     losses, probs, mx, sumexp, local, tidx = cross_entropy_forward(logits, targets, v0, tp, normalise=not lean)
     if lean:
-        return float(losses.mean()), HeadCache(h, rstd, local, tidx, row_max=mx, sumexp=sumexp)
-    return float(losses.mean()), HeadCache(h, rstd, local, tidx, n=n, probs=probs)
+        return mean_loss(losses), HeadCache(h, rstd, local, tidx, row_max=mx, sumexp=sumexp)
+    return mean_loss(losses), HeadCache(h, rstd, local, tidx, n=n, probs=probs)
 
 
 def head_backward(cache, scale, norm_w, lm_head, dnorm_w, dlm_head, tp):

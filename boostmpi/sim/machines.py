@@ -29,6 +29,21 @@ ALIASES = {
 DTYPES = ("float64", "float32", "bfloat16")
 
 
+def profile_for_device(name, total_bytes):
+    """The built-in profile of a GPU by the name its driver reports (`cudaGetDeviceProperties`'s
+    `name`: "NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3", "AMD Instinct MI250X") and its memory,
+    or None for a device without one (then no MFU is reported). An A100 with more than 48 GB is the
+    80 GB part; an H100 must be the SXM part (HBM3; the PCIe card has lower peaks)."""
+    name = name.upper()
+    if "A100" in name:
+        return "a100-80gb" if total_bytes > 48 * 10 ** 9 else "a100-40gb"
+    if "H100" in name and ("SXM" in name or "HBM3" in name):
+        return "h100-sxm"
+    if "MI250X" in name:
+        return "mi250x-gcd"
+    return None
+
+
 @dataclass(frozen=True)
 class Machine:
     name: str

@@ -322,10 +322,17 @@ def _btp_layer(s):
                 ops += [Gemm(f"{name}.A", N, r, d_in_local, saved=N * d_in_local if i == 0 else 0),
                         Collective(f"{name}.z", "allreduce", N * r + (stat if i == 0 else 0), "fwd",
                                    wide=stat if i == 0 else 0)]
+        width = N * r * len(names)
+        if with_norm_statistic and s.cola and not s.eager:
+            # z arrives unnormalised: one kernel scales each token's row by 1/rms and applies the SiLU
+            # (the engine's btp_rescale_silu: reads z, writes Z and silu(Z)); its backward is one
+            # kernel too (btp_backward_pre: reads dZs and Z, writes dP)
+            ops.append(Pointwise("norm.scale+silu", width, 3, 3, saved=width))
+            return ops
         if with_norm_statistic:  # z arrives unnormalised: scale each token's row by 1/rms
-            ops.append(unary("norm.scale", N * r * len(names)))
+            ops.append(unary("norm.scale", width))
         if s.cola:
-            ops.append(unary("silu", N * r * len(names), saved=N * r * len(names)))
+            ops.append(unary("silu", width, saved=width))
         return ops
 
     def b_gemms(names, r, outs):

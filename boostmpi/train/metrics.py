@@ -52,11 +52,15 @@ def traffic(summed):
 
 # ---------------------------------------------------------------- the row
 
-def step_row(step, loss, lr, grad_norm, step_time_s, tokens_per_step, summed_counters):
+def step_row(step, loss, lr, grad_norm, step_time_s, tokens_per_step, summed_counters, mfu=None):
+    """A step's row; `mfu` (model FLOPs utilisation, on a GPU with a known profile) only when known."""
     comm_bytes, comm_calls = traffic(summed_counters)
-    return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / step_time_s,
-            "step_time_s": step_time_s, "tokens": step * tokens_per_step, "comm_bytes": comm_bytes,
-            "comm_calls": comm_calls}
+    row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / step_time_s,
+           "step_time_s": step_time_s, "tokens": step * tokens_per_step, "comm_bytes": comm_bytes,
+           "comm_calls": comm_calls}
+    if mfu is not None:
+        row["mfu"] = mfu
+    return row
 
 
 def memory_figures(mine, host):

@@ -63,9 +63,12 @@ class AdamW:
                 self.decay_ranges.append((a, b))
         self.t = 0  # updates taken (for bias correction)
         self._decay_bounds = None  # the decay ranges as device int64 bounds, for the GPU kernel
-        self._scratch = prefaulted(xp.empty_like(self.m))
-        # the clipped gradient (clipping may start at any step: made now, not inside the first one)
-        self._scaled = prefaulted(xp.empty_like(self.m)) if tr.grad_clip > 0 else None
+        # on a GPU with float32 master weights one kernel does the whole update (the gradient scale
+        # included) and needs no buffer of its own; the array operations of the other paths need a
+        # scratch buffer and, to clip, the scaled gradient (made now, not inside the first step)
+        self.fused = fused_update(xp, dtype)
+        self._scratch = None if self.fused else prefaulted(xp.empty_like(self.m))
+        self._scaled = prefaulted(xp.empty_like(self.m)) if tr.grad_clip > 0 and not self.fused else None
 
     @property
     def nbytes(self):
@@ -79,7 +82,7 @@ class AdamW:
         lo, hi = self.shard
         g = grads.data[lo:hi] if isinstance(grads, FlatBuffer) else grads
         p, m, v, tmp = self.master, self.m, self.v, self._scratch
-        if xp is not np and p.dtype == np.float32 and g.dtype == np.float32:  # the GPU: one fused kernel
+        if self.fused and g.dtype == np.float32:  # the GPU: one fused kernel
             from boostmpi.gpu import kernels
 
             if self._decay_bounds is None:
@@ -90,6 +93,8 @@ class AdamW:
         # every operation in place or into the scratch buffer: no full-size temporary per step (a large
         # one is a fresh mmap every time, whose pages fault in again); the same roundings as the
         # textbook expressions in the comments
+        if tmp is None:  # a fused optimizer handed a gradient the kernel does not take
+            tmp = self._scratch = prefaulted(xp.empty_like(m))
         if grad_scale != 1.0:  # g = g * scale
             if self._scaled is None:
                 self._scaled = prefaulted(xp.empty_like(m))
@@ -115,3 +120,9 @@ class AdamW:
         xp.divide(m, tmp, out=tmp)
         tmp *= lr / bc1
         p -= tmp
+
+
+def fused_update(xp, dtype):
+    """Whether AdamW's update of master weights of `dtype` on `xp` is the one fused kernel
+    (kernels/adamw.cu): on a GPU, float32."""
+    return xp is not np and dtype == np.float32

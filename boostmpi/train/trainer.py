@@ -61,6 +61,22 @@ def peak_memory_bytes(xp):
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def device_peak_flops(xp, dtype):
+    """Peak FLOP/s at `dtype` of this rank's GPU by its built-in machine profile
+    (`boostmpi.sim.machines.profile_for_device`), or None on the CPU or a GPU without a profile."""
+    if xp is np:
+        return None
+    from boostmpi.sim.machines import load_machine, profile_for_device
+
+    props = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    profile = profile_for_device(name, int(props["totalGlobalMem"]))
+    if profile is None:
+        return None
+    machine = load_machine(profile)
+    return machine.peak_flops.get(dtype)  # None for a dtype the profile gives no peak for
+
+
 class Trainer:
     """A training run. Everything that can refuse the run (the process grid, the run directory, the
     data, the checkpoint to resume and its fit to this configuration) is checked before the engine
@@ -98,6 +114,7 @@ class Trainer:
             self.engine = Engine(cfg, self.grid)  # the weights are drawn here, after every check
             e = self.engine
             self.optimizer = AdamW(e.params, e.specs, tr, e.xp, shard=e.shard, master=e.master)
+            self.peak_flops = device_peak_flops(e.xp, tr.dtype)  # all ranks' GPUs: the MFU's denominator
             if path is not None:
                 self._resume(path)
         except BaseException:
@@ -317,6 +334,16 @@ class Trainer:
             total += e.evaluate(self.val_x[lo:hi], self.val_y[lo:hi]) if lo < hi else e.evaluate(None, None)
         return total / n
 
+    def _mfu(self, seconds):
+        """Model FLOPs utilisation of a step of `seconds`: the model's FLOPs of the step
+        (`boostmpi.sim.model.model_flops_per_step`, the count `boostmpi sim` uses) over what every
+        rank's GPU could do in that time at its profile's peak; None without a profile (the CPU)."""
+        if self.peak_flops is None or seconds <= 0:
+            return None
+        from boostmpi.sim.model import model_flops_per_step
+
+        return model_flops_per_step(self.cfg) / (seconds * self.engine.grid.world_size * self.peak_flops)
+
     # ------------------------------------------------------------------ the loop
     def train(self):
         cfg, e, tr = self.cfg, self.engine, self.cfg.train
@@ -351,7 +378,7 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 self.step = step + 1
                 steps_done += 1
-                row = metrics.step_row(self.step, loss, lr, gnorm, dt, tokens_per_step, counters)
+                row = metrics.step_row(self.step, loss, lr, gnorm, dt, tokens_per_step, counters, mfu=self._mfu(dt))
                 if self.step == 1 or self.step % max(1, tr.log_every) == 0 or self.step == tr.steps:
                     row["memory"] = self._memory()
                     if steps_done == 1:
@@ -368,8 +395,9 @@ class Trainer:
                     elapsed = time.perf_counter() - t_start
                     eta = elapsed / steps_done * (tr.steps - self.step)
                     val = f" | val {last_val:.4f}" if want_val else ""
+                    mfu_text = f" | MFU {row['mfu']:.1%}" if "mfu" in row else ""
                     self.log(f"step {self.step:>6d}/{tr.steps} | loss {loss:.4f}{val} | lr {lr:.2e} | "
-                             f"{tokens_per_step / dt:,.0f} tok/s | elapsed {format_duration(elapsed)} | eta {format_duration(eta)}",
+                             f"{tokens_per_step / dt:,.0f} tok/s{mfu_text} | elapsed {format_duration(elapsed)} | eta {format_duration(eta)}",
                              live=not want_val and self.step != tr.steps)
                 every = cfg.checkpoint.every
                 saving = (every and self.step % every == 0) or self.step == tr.steps

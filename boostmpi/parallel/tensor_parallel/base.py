@@ -1,6 +1,7 @@
 """The interface every tensor-parallel strategy implements, and what they share.
 
   in_proj_forward(x, norm_name, names, P, tape) -> (outs, cache)   norm + the linears reading it
+  residual_in_proj_forward(h, y, norm_name, names, P, tape) -> (h + y, outs, cache)   the same on h + y
   in_proj_backward(douts, cache, P, grads) -> dx
   out_proj_forward(x, name, P, tape) -> (y, cache)                  o and down, into the residual
   out_proj_cache(x, name, P, tape) -> cache                         the same cache, y not needed
@@ -40,6 +41,12 @@ class Strategy:
         self.res_cols = (0, self.C)
         self.n_heads = m.n_heads
         self.n_kv_heads = m.n_kv_heads
+
+    def residual_in_proj_forward(self, h, y, norm_name, names, P, tape):
+        """The residual add h + y and in_proj_forward on its result: (h + y, outs, cache). A strategy
+        may fuse the add with its norm's first pass (btp)."""
+        h = h + y
+        return (h, *self.in_proj_forward(h, norm_name, names, P, tape))
 
     def out_proj_cache(self, x, name, P, tape):
         """out_proj_forward's cache, for a recompute that never reads the output."""

@@ -10,6 +10,8 @@ The embedding is sharded along C (no communication); the head gathers the residu
 
 from typing import NamedTuple
 
+import numpy as np
+
 from boostmpi.backend import get_array_module
 from boostmpi.model import layers
 from boostmpi.model.layers import col_slices, grouped_matmul, matmul
@@ -63,6 +65,11 @@ class BottleneckTP(Strategy):
     def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE):
         return self._bottleneck_forward(x, norm_name, names, P, tape)
 
+    def residual_in_proj_forward(self, h, y, norm_name, names, P, tape):
+        """h + y, its x * w and sum of squares in one pass (one kernel on a GPU), then the group."""
+        h, xw, ss = layers.residual_online_stats(h, y, P[norm_name])
+        return (h, *self._bottleneck_forward(h, norm_name, names, P, tape, stats=(xw, ss)))
+
     def in_proj_backward(self, douts, cache, P, grads):
         return self._bottleneck_backward(douts, cache, P, grads)
 
@@ -77,10 +84,14 @@ class BottleneckTP(Strategy):
     def out_proj_backward(self, dy, cache, P, grads):
         return self._bottleneck_backward([dy], cache, P, grads)
 
-    def _bottleneck_forward(self, x, norm_name, names, P, tape, output=True):
+    def _bottleneck_forward(self, x, norm_name, names, P, tape, output=True, stats=None):
         sl = col_slices([P[f"{nm}/A"].shape[1] for nm in names])
-        # online RMSNorm's first half: x * w and this shard's sum of squares, in one pass
-        xw, ss = layers.rmsnorm_online_stats(x, P[norm_name]) if norm_name else (x, None)
+        # online RMSNorm's first half: x * w and this shard's sum of squares, in one pass (`stats`:
+        # already made with the residual add that gave x)
+        if stats is not None:
+            xw, ss = stats
+        else:
+            xw, ss = layers.rmsnorm_online_stats(x, P[norm_name]) if norm_name else (x, None)
         activated = None
         if tape.replaying:
             Z, rstd = tape.take()
@@ -90,8 +101,32 @@ class BottleneckTP(Strategy):
             tape.keep((Z, rstd))
         # Z is copied to the tp region (the identity forward), then activated, unless the rescale did it
         Zs, sig = activated or activate(copy_to_tp_region(Z, self.tp), self.act, tape)
-        outs = grouped_matmul([Zs[:, s] for s in sl], [P[f"{nm}/B"] for nm in names], self.grouped) if output else None
+        outs = self._b_products(Zs, sl, names, P) if output else None
         return outs, BottleneckCache(x, xw, norm_name, Z, Zs, rstd, names, sl, sig)
+
+    def _b_products(self, Zs, sl, names, P):
+        """[Zs[:, s_j] @ B_j]: on a GPU, when grouped, factors of one shape stored one after another
+        (k and v, gate and up) as one strided-batched GEMM that reads their column blocks of Zs and
+        their B factors where they lie (no stacked copies); the rest one GEMM each."""
+        lefts, rights = [Zs[:, s] for s in sl], [P[f"{nm}/B"] for nm in names]
+        if get_array_module(Zs) is np or not self.grouped:
+            return grouped_matmul(lefts, rights)
+        outs, j = [], 0
+        while j < len(names):
+            run = 1
+            while (j + run < len(names) and rights[j + run].shape == rights[j].shape
+                   and sl[j + run].start == sl[j + run - 1].stop):
+                run += 1
+            B = P.stacked([f"{nm}/B" for nm in names[j:j + run]]) if run > 1 else None
+            if B is None:
+                outs.append(matmul(lefts[j], rights[j]))
+                j += 1
+                continue
+            width = sl[j].stop - sl[j].start
+            Zb = Zs[:, sl[j].start:sl[j + run - 1].stop].reshape(Zs.shape[0], run, width).transpose(1, 0, 2)
+            outs += list(matmul(Zb, B))
+            j += run
+        return outs
 
     def _reduce_bottleneck(self, xw, ss, A, sl, tape):
         """The only forward communication of a btp group: Z = rmsnorm(x)·A exactly, from shards.
@@ -104,10 +139,10 @@ class BottleneckTP(Strategy):
             # float32 at least), then online RMSNorm's second half rescales the rows (cola: and
             # applies the SiLU in the same pass)
             prod, ss_total = self._reduce_products(xw, A, sl, ss)
+            if self.act:  # one kernel on a GPU: Z, its SiLU and the statistic
+                Z, Zs, sig, rstd = layers.rescale_rows_silu(prod, ss_total, self.C, self.eps, keep=tape.backward_follows)
+                return Z, rstd[:, None], (Zs, sig)
             rstd = layers.online_rstd(ss_total, self.C, self.eps)[:, None]
-            if self.act:
-                Z, Zs, sig = layers.rescale_rows_silu(prod, ss_total, self.C, self.eps, keep=tape.backward_follows)
-                return Z, rstd, (Zs, sig)
             return layers.rescale_rows(prod, ss_total, self.C, self.eps), rstd, None
         # sync: a separate all-reduce of the statistic first, then normalise and multiply
         reduce_from_tp_region(ss, self.tp)
