@@ -240,7 +240,7 @@ def test_grouped_b_factors_multiply_where_they_lie(cp, monkeypatch):
                             "parallel": {"grouped": True},
                             "train": {"device": "gpu", "dtype": "float32", "micro_batch_size": 2}})
     eng = Engine(cfg)
-    P, tpx = eng.cparams, eng.tpx
+    P, tp_layers = eng.cparams, eng.tp_layers
     names = ["layers/0/q", "layers/0/k", "layers/0/v"]
     widths = [P[f"{nm}/A"].shape[1] for nm in names]
     Zs = cp.asarray(np.random.default_rng(3).standard_normal((16, sum(widths))).astype(np.float32))
@@ -253,7 +253,7 @@ def test_grouped_b_factors_multiply_where_they_lie(cp, monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(blas, "matmul", lambda *a, **k: (calls.append(a[0].ndim), real(*a, **k))[1])
             m.setattr(cp, "stack", None)  # no stacked copies
-            got = tpx._b_products(Zs, sl, names, P)
+            got = tp_layers._b_products(Zs, sl, names, P)
         return calls, got
 
     calls, got = products()
