@@ -14,8 +14,8 @@ from boostmpi.sim import model, plans, published
 from boostmpi.sim.machines import load_machine
 
 # What docs/SIM.md records for the command-line set; a change that makes either worse fails here.
-CLI_WORST_BOUND = 0.198
-CLI_MEDIAN_BOUND = 0.085
+CLI_WORST_BOUND = 0.19
+CLI_MEDIAN_BOUND = 0.08
 
 GPT = {"arch": "full", "vocab_size": 51200, "d_model": 4096, "n_layers": 8, "n_heads": 32, "d_ff": 10944,
        "seq_len": 2048}
@@ -170,6 +170,7 @@ def test_zero_mutant_is_caught(monkeypatch):
 
 # ------------------------------------------------------------------ train refuses what only sim prices
 SIM_ONLY = {
+    "attention dropout": (["model.attention_dropout=0.1"], "model.attention_dropout = 0.1"),
     "zero stage 2": (["parallel.zero_stage=2"], "parallel.zero_stage = 2"),
     "zero stage 3": (["parallel.zero_stage=3"], "parallel.zero_stage = 3"),
     "sequence parallel": (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
@@ -199,6 +200,58 @@ def test_sim_only_mutant_is_caught(monkeypatch, tmp_path, capfd):
     monkeypatch.setattr(Config, "sim_only", lambda self: None)
     with pytest.raises(AssertionError):
         test_sim_prices_and_train_refuses_in_one_line(*SIM_ONLY["zero stage 3"], tmp_path, capfd)
+
+
+# ------------------------------------------------------------------ attention dropout
+def test_attention_dropout_moves_the_materialised_probabilities_once_more_each_way():
+    cfg = gpt({"tp": 8})
+    dropped = config_from_dict({"model": {**GPT, "attention_dropout": 0.1}, "parallel": {"tp": 8, "tp_mode": "vanilla"},
+                                "train": {"micro_batch_size": 1, **BF16}})
+
+    def softmax(c, attention):
+        s = plans.with_attention(plans.shape_of(c, "flash"), attention)
+        (op,) = [o for o in plans.layer_plan(s, model.tp_strategy(c)) if o.name == "softmax"]
+        return s, op
+
+    for attention, base_passes in (("fused_softmax", plans.FUSED_SOFTMAX_PASSES), ("matmul", plans._SOFTMAX_PASSES)):
+        s, plain = softmax(cfg, attention)
+        _, drop = softmax(dropped, attention)
+        assert (plain.fwd_passes, plain.bwd_passes) == base_passes
+        assert (drop.fwd_passes, drop.bwd_passes) == tuple(a + b for a, b in zip(base_passes, (2.5, 2.5)))
+        rows = s.B * (s.H // s.p) * s.T
+        # a fused softmax keeps the probabilities, and beside them the one-byte mask
+        assert drop.saved - plain.saved == (rows * s.T // 2 if attention == "fused_softmax" else 0)
+    from dataclasses import replace
+
+    machine = load_machine("a100-80gb-dgx")
+    for attention in ("fused_softmax", "matmul"):
+        m = replace(machine, attention=attention)
+        assert model.predict(dropped, m).time_s > model.predict(cfg, m).time_s
+    # flash attention draws its mask inside the kernel: nothing moves
+    assert model.predict(dropped, machine).time_s == model.predict(cfg, machine).time_s
+
+
+def test_a_checkpoint_older_than_attention_dropout_still_resumes():
+    from boostmpi.train import checkpoint as ckpt
+
+    current = config_from_dict({"model": GPT}).to_dict()["model"]
+    older = {k: v for k, v in current.items() if k != "attention_dropout"}
+    assert ckpt.model_mismatch(older, current) is None
+    assert "model.attention_dropout is 0.1" in ckpt.model_mismatch(older, {**current, "attention_dropout": 0.1})
+
+
+def test_older_checkpoint_mutant_is_caught(monkeypatch):
+    from boostmpi.train import checkpoint as ckpt
+
+    monkeypatch.setattr(ckpt, "MODEL_KEYS_ADDED", {})
+    with pytest.raises(AssertionError):
+        test_a_checkpoint_older_than_attention_dropout_still_resumes()
+
+
+def test_attention_dropout_mutant_is_caught(monkeypatch):
+    monkeypatch.setattr(plans, "ATTENTION_DROPOUT_PASSES", (0, 0))
+    with pytest.raises(AssertionError):
+        test_attention_dropout_moves_the_materialised_probabilities_once_more_each_way()
 
 
 # ------------------------------------------------------------------ the software stack a profile states

@@ -25,12 +25,12 @@ from pathlib import Path
 
 from boostmpi.sim.machines import load_machine
 from boostmpi.sim.model import Workload, model_flops, predict_workload
-from boostmpi.sim.plans import Shape
+from boostmpi.sim.plans import ATTENTION_DROPOUT_PASSES, FUSED_SOFTMAX_PASSES, Shape
 
 # Megatron's fused scale-mask-softmax (read the scores, write the probabilities; backward reads
 # the probabilities and their gradient, writes the scores' gradient) followed by attention dropout
 # (read, write, a one-byte mask: half a 16-bit pass each way): passes over the B*h*s*s scores.
-FUSED_SOFTMAX_DROPOUT_PASSES = (2 + 2.5, 3 + 2.5)
+FUSED_SOFTMAX_DROPOUT_PASSES = tuple(a + b for a, b in zip(FUSED_SOFTMAX_PASSES, ATTENTION_DROPOUT_PASSES))
 
 
 @dataclass(frozen=True)
@@ -211,10 +211,12 @@ def _gcd(a, b):
 
 
 def cli_config(h, heads, layers, V, s, t, p, dp, B, mbs, *, d_ff=None, kv_heads=None, v=1, recompute="layer",
-               sp=False, overlap=True, zero=0):
+               sp=False, overlap=True, zero=0, dropout=0.0):
     """The TOML sections of a full-rank run (Megatron tensor parallelism: tp_mode = vanilla)."""
     model = {"arch": "full", "vocab_size": V, "d_model": h, "n_layers": layers, "n_heads": heads,
              "d_ff": d_ff or gated_d_ff(h, t), "seq_len": s}
+    if dropout:
+        model["attention_dropout"] = dropout
     if kv_heads:
         model["n_kv_heads"] = kv_heads
     parallel = {"tp": t, "pp": p, "dp": dp, "tp_mode": "vanilla", "overlap": overlap}
@@ -230,8 +232,11 @@ def cli_config(h, heads, layers, V, s, t, p, dp, B, mbs, *, d_ff=None, kv_heads=
 
 
 GPT_ASSUMED = ("GPT's 4h GELU MLP as a gated MLP of equal FLOPs (d_ff = 8h/3); LayerNorm, learned "
-               "positions, biases and dropout as boostmpi's RMSNorm, RoPE and bias-free layers; attention "
-               "scores materialised with a fused softmax (the profile's attention = fused_softmax)")
+               "positions and biases as boostmpi's RMSNorm, RoPE and bias-free layers; attention "
+               "scores materialised with a fused softmax (the profile's attention = fused_softmax); "
+               "attention dropout 0.1, Megatron's default (model.attention_dropout); hidden dropout not priced")
+# Megatron-LM's and Megatron-DeepSpeed's default --attention-dropout
+GPT_DROPOUT = 0.1
 # Runs of frameworks that predate fused (flash) attention materialise the T x T scores and run one fused
 # softmax kernel over them: their rows run with a profile that says so (compute.attention =
 # "fused_softmax"), the one thing a user changes for them.
@@ -269,7 +274,7 @@ def _sc21_cli(params_b, heads, h, l, t, p, n, B, tflops, mbs, v, overlap):
         source="Narayanan et al., SC21, Table 1; micro-batch, v and DDP from examples/sc21/run_table_1.sh",
         machine="a100-80gb-dgx",
         network=MATERIALISED + (MEGATRON_2021_TORCH_DDP if overlap else MEGATRON_2021_LOCAL_DDP),
-        config=cli_config(h, heads, l, 51200, 2048, t, p, dp, B, mbs, v=v, overlap=overlap),
+        config=cli_config(h, heads, l, 51200, 2048, t, p, dp, B, mbs, v=v, overlap=overlap, dropout=GPT_DROPOUT),
         measured_s=sc21_flops_per_iteration(B, 2048, l, h, 51200) / (n * tflops * 1e12),
         derived=f"Eq. 3 FLOPs / ({n} GPUs x {tflops} TFLOP/s)", assumed=GPT_ASSUMED)
 
@@ -293,7 +298,8 @@ def _korthikanti_cli(name, heads, h, l, t, p, B, full_s, present_s, v):
         rows.append(CliRun(
             name=f"GPT {name} {label} (t={t}, p={p})", framework="Megatron-LM", gpu="A100",
             source="Korthikanti et al. 2022, Tables 3 and 4", machine="a100-80gb-dgx", network=MATERIALISED,
-            config=cli_config(h, heads, l, 51200, 2048, t, p, 1, B, 1, v=v, recompute=recompute, sp=sp),
+            config=cli_config(h, heads, l, 51200, 2048, t, p, 1, B, 1, v=v, recompute=recompute, sp=sp,
+                              dropout=GPT_DROPOUT),
             measured_s=seconds, derived="Table 4, seconds per iteration as published",
             assumed=GPT_ASSUMED + f"; micro-batch 1; {v} model chunks per pipeline rank (SC21's script for "
                     "this model)" if v > 1 else GPT_ASSUMED + "; micro-batch 1; plain 1F1B"))
@@ -311,7 +317,7 @@ def _mtnlg_cli(dp, seconds):
         name=f"MT-NLG 530B ({280 * dp} GPUs, d={dp})",
         framework="Megatron-DeepSpeed", gpu="A100",
         source="Smith et al. 2022 (MT-NLG), Sec. 2.4", machine="a100-80gb-dgx", network=MATERIALISED + DEEPSPEED_FP16,
-        config=cli_config(20480, 128, 105, 50304, 2048, 8, 35, dp, 1920, 1, overlap=False, zero=1),
+        config=cli_config(20480, 128, 105, 50304, 2048, 8, 35, dp, 1920, 1, overlap=False, zero=1, dropout=GPT_DROPOUT),
         measured_s=seconds, derived="seconds per iteration as published",
         assumed=GPT_ASSUMED + "; micro-batch 1; DeepSpeed's pipeline (plain 1F1B, the data-parallel "
                 "reduction after the flush: overlap = false) with ZeRO-1, its blocking sends and receives; fp16 "
@@ -331,7 +337,9 @@ def _bloom_cli():
         config=cli_config(14336, 112, 70, 250880, 2048, 4, 12, 8, 2048, 2, overlap=False, zero=1),
         measured_s=sc21_flops_per_iteration(2048, 2048, 70, 14336, 250880) / (384 * 150e12),
         derived="Eq. 3 FLOPs / (384 GPUs x 150 TFLOP/s), the Megatron-DeepSpeed throughput formula",
-        assumed=GPT_ASSUMED + "; ALiBi as RoPE; 70 layers over 12 stages as 6 and 5; the network as 4 x 100 "
+        assumed=GPT_ASSUMED.replace("attention dropout 0.1, Megatron's default (model.attention_dropout)",
+                                    "no attention dropout (bigscience/bloom's config.json: attention_dropout 0.0)")
+        + "; ALiBi as RoPE; 70 layers over 12 stages as 6 and 5; the network as 4 x 100 "
                 "Gb/s per 8 GPUs (inter_node_bandwidth 6.25e9); DeepSpeed's pipeline (overlap = false, blocking "
                 "sends and receives) with its bf16 optimizer's fp32 gradient accumulation")
 
