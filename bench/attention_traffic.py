@@ -1,8 +1,9 @@
 """The fused attention kernels' global traffic and resources, against FlashAttention-2's.
 
 Prints a markdown block:
-  - registers, shared memory and spills per entry point from `ptxas -v` (sm_80), and the blocks
-    that fit an SM (sm_80) and a CU (gfx90a, 64 KiB LDS);
+  - registers, shared memory and spills per entry point from `ptxas -v` (sm_80, NVRTC) and the
+    blocks that fit an SM; VGPRs, spills and the blocks that fit a CU from hipcc's resource
+    remarks (gfx90a); the occupancy rules of tests/test_kernel_resources.py;
   - global bytes per launch, counted by the CUDA execution harness at a small shape (every
     access; tests/test_attention_kernel.py holds the count equal to the tile plan), and by the
     tile plan (boostmpi.gpu.kernels.attention_traffic) at the paper's 7B layout per rank;
@@ -74,24 +75,30 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--append", help="append the block to this markdown file")
     args = parser.parse_args()
-    import tempfile
+    import gpu_compilers
+    from test_kernel_resources import (AMD_OPTIONS, NVIDIA_OPTIONS, amd_resident_blocks, launch_shape,
+                                       nvidia_resident_blocks)
 
-    from test_attention_kernel import resident_blocks
-    from test_kernel_resources import _ptxas
-
+    source = kernels.kernel_source("attention")
+    [report] = gpu_compilers.nvrtc([(source, NVIDIA_OPTIONS, "80")])
+    assert report["ok"], report["log"]
+    table = gpu_compilers.ptxas_table(report["log"])
+    amd = gpu_compilers.amd_resources(source, AMD_OPTIONS)
     lines = [f"## attention_traffic: fused attention, bytes and resources "
              f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
              f"`python bench/attention_traffic.py` on {platform.node()} ({platform.machine()}, "
              f"{os.cpu_count()} cores); GPU: {gpu_setup.GPU.describe()}", "",
-             "| entry point (sm_80) | registers | shared bytes | spills | blocks per SM (sm_80) | per CU (gfx90a LDS) |",
-             "|---|---|---|---|---|---|"]
-    with tempfile.TemporaryDirectory() as tmp:
-        table = _ptxas("attention", Path(tmp))
+             "| entry point (sm_80) | registers | shared bytes | spills | blocks per SM (sm_80) | "
+             "gfx90a: VGPRs, spills, blocks per CU |", "|---|---|---|---|---|---|"]
     for t in ("f32", "bf16"):
-        for entry in ENTRIES:
-            info = table[(f"{entry}_{t}", "sm_80")]
-            sm, cu = resident_blocks(info["registers"], info["smem"], kernels.ATTENTION_THREADS)
-            lines.append(f"| `{entry}_{t}` | {info['registers']} | {info['smem']} | {info['spills']} | {sm} | {cu} |")
+        for entry in [f"{e}{hd}" for hd in ("", "_hd64") for e in ENTRIES]:
+            name = f"{entry}_{t}"
+            info = table[(name, "sm_80")]
+            sm = nvidia_resident_blocks("sm_80", info["registers"], launch_shape(name, 32)[0], info["smem"])
+            a = amd[name]
+            cu = amd_resident_blocks(a["Occupancy"], launch_shape(name, 64)[0], a["LDS Size"])
+            lines.append(f"| `{name}` | {info['registers']} | {info['smem']} | {info['spills']} | {sm} | "
+                         f"{a['VGPRs']}, {a['VGPRs Spill'] + a['SGPRs Spill']}, {cu} |")
     lines += ["", "| call | pass | ours: read / written (MB) | FlashAttention-2 (MB) | ratio |", "|---|---|---|---|---|"]
     import ml_dtypes
 

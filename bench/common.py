@@ -1,11 +1,11 @@
 """What every benchmark shares: one BLAS/OpenMP thread, the machine description, interleaved
 timing (warm-up rounds, then the median of timed rounds), a cProfile summary, MPI self-launch,
-and the result block for bench/RESULTS.md.
+and the result block (appended to bench/log/<benchmark>.md).
 
 Import this module before numpy: OpenBLAS reads its thread count once, when it is loaded.
 
 The result block is markdown; its tables read as plain text too, so what a script prints and
-what it appends to RESULTS.md (`--append`) are the same text.
+what it appends to its log (`--append bench/log/<benchmark>.md`) are the same text.
 """
 
 import os

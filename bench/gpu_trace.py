@@ -221,16 +221,22 @@ ATTENTION_TRAFFIC = {"attention_forward": "forward", "attention_backward_dq": "b
 
 
 def attention_kernel(name, args):
-    """A fused attention launch: the bytes of its tile plan, and its causal FLOPs in float32 (the
-    kernels use FMAs, not tensor cores, and compute over all 128 dims of a tile whatever Dh is)."""
+    """A fused attention launch: the bytes of its tile plan, and its causal FLOPs over all the dims of a
+    tile (64 or 128, whatever Dh is), priced (boostmpi.sim.trace) at the profile's attention efficiency
+    of the float32 peak (the FMA kernels) or, for the tensor-core forward (BOOSTMPI_ATTENTION_TENSOR_CORES=1:
+    bf16 WMMA, 128-dim tiles), of the bf16 tensor-core peak: the efficiency the analytical model assumes
+    for FlashAttention-2, its softmax work included in that fraction."""
     from boostmpi.gpu import kernels
 
-    entry = name.rsplit("_", 1)[0]
+    tensor_cores = "_tc_" in name
+    entry = name.rsplit("_", 1)[0].replace("_hd64", "").replace("_tc", "")
     q, k = args[0], args[1]
     B, T, H, Dh = q.shape
     read, written = kernels.attention_traffic(B, T, H, k.shape[2], Dh, q.itemsize)[ATTENTION_TRAFFIC[entry]]
-    flops = ATTENTION_PRODUCTS[entry] * 2.0 * B * H * T * (T + 1) / 2 * kernels.ATTENTION_HEAD_DIM_MAX
-    return dict(kind="attention", name=name, nbytes=read + written, dtype="float32", flops=flops)
+    dims = kernels.ATTENTION_HEAD_DIM_MAX if tensor_cores else kernels.attention_head_tile(Dh)
+    flops = ATTENTION_PRODUCTS[entry] * 2.0 * B * H * T * (T + 1) / 2 * dims
+    return dict(kind="attention", name=name, nbytes=read + written, dtype="bfloat16" if tensor_cores else "float32",
+                flops=flops)
 
 
 # ---------------------------------------------------------------- the step
@@ -274,6 +280,7 @@ def run_steps(rec, cfg, world=None, steps=1, max_norm=1.0):
     from boostmpi.parallel.comm import AXES
     from boostmpi.parallel.engine import Engine
     from boostmpi.train.optim import AdamW
+    from boostmpi.train.trainer import optimizer_step
 
     pool = cupy.get_default_memory_pool()
     gc.collect()  # what an earlier run left (engines hold reference cycles) goes back to the pool first
@@ -306,7 +313,7 @@ def run_steps(rec, cfg, world=None, steps=1, max_norm=1.0):
                 eng.forward_backward(batch)
                 if last:
                     largest = pool.standin_peaks()["largest"]
-                eng.optimizer_step(opt, 1e-4, max_norm)
+                optimizer_step(eng, opt, 1e-4, max_norm)
             finally:
                 rec.on = False
     syncs = _queue.host_syncs - syncs

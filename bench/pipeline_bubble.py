@@ -40,9 +40,11 @@ class SleepingEngine(Engine):
         self.xp, self.cdtype = np, np.float32
         self.stage, self.n_stages, self.n_chunks = self.grid.coords.pp, world.Get_size(), n_chunks
         self.first, self.last = self.grid.is_first_stage, self.grid.is_last_stage
-        self.tpx = SimpleNamespace(res_cols=(0, WIDTH))
-        self.grads = SimpleNamespace(data=np.zeros(1))
-        self._buckets, self.sharded = {}, False
+        from boostmpi.parallel.data_parallel import DataParallel
+
+        self.tp_layers = SimpleNamespace(res_cols=(0, WIDTH))
+        self.grads, self.params = SimpleNamespace(data=np.zeros(1)), None
+        self.data_parallel = DataParallel(self.grid.dp, 0, 1, 0, [], {}, 0, np, np.float32)  # no buckets, no ZeRO-1
         self.unit, self.busy = unit, 0.0
 
     def _refresh_compute_params(self):

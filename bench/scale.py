@@ -55,10 +55,12 @@ def vm_hwm():
 def worker(args):
     from mpi4py import MPI
 
+    from boostmpi import checkpoint as ckpt
     from boostmpi.config import config_from_dict
+    from boostmpi.files import write_at
     from boostmpi.parallel.engine import Engine
-    from boostmpi.train import checkpoint as ckpt
     from boostmpi.train.optim import AdamW
+    from boostmpi.train.trainer import optimizer_step
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
@@ -82,7 +84,7 @@ def worker(args):
     def step():
         tokens = rng.integers(0, MODEL["vocab_size"], (BATCH, MODEL["seq_len"] + 1))
         engine.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
-        engine.optimizer_step(optimizer, 1e-4, 1.0)
+        optimizer_step(engine, optimizer, 1e-4, 1.0)
 
     def timed(fn):
         world.Barrier()
@@ -130,7 +132,7 @@ def worker(args):
         memory (like `dd oflag=direct`), then fsync."""
         fd = os.open(os.path.join(plain_dir, f"rank{rank}.direct"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
         try:
-            ckpt.write_at(fd, aligned, 0)
+            write_at(fd, aligned, 0)
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -16,16 +16,6 @@ except Exception as exc:  # noqa: BLE001 - any import failure means "no CuPy"
     _cupy_import_error = exc
 
 
-def gpu_available():
-    """True when CuPy imports and at least one CUDA/ROCm device answers."""
-    if _cupy is None:
-        return False
-    try:
-        return _cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001
-        return False
-
-
 def gpu_unavailable_reason():
     if _cupy is None:
         return f"CuPy is not importable ({type(_cupy_import_error).__name__}: {_cupy_import_error})"
@@ -59,25 +49,6 @@ def to_numpy(x):
     if _cupy is not None and isinstance(x, _cupy.ndarray):
         return _cupy.asnumpy(x)
     return np.asarray(x)
-
-
-# dtype policy: parameters/compute dtype by name. float64 for gradient checks, float32 the
-# CPU default; bfloat16 is GPU mixed precision (bf16 compute, fp32 master weights and state).
-COMPUTE_DTYPES = {"float64": np.float64, "float32": np.float32}
-
-
-def param_dtype(dtype_name):
-    """Master-weight / optimizer-state dtype."""
-    return np.float64 if dtype_name == "float64" else np.float32
-
-
-def compute_dtype(dtype_name, xp=np):
-    if dtype_name == "bfloat16":
-        if xp is np:
-            raise UserError("train.dtype = \"bfloat16\" needs device = \"gpu\" (NumPy has no bfloat16)")
-        check_bf16_gpu()
-        return _cupy_bfloat16()
-    return COMPUTE_DTYPES[dtype_name]
 
 
 # What a bfloat16 run on the GPU needs. CuPy has bfloat16 from 14.0; the engine's routing is checked
@@ -136,15 +107,6 @@ def check_bf16_gpu():
         raise UserError(problem)
 
 
-def _cupy_bfloat16():
-    try:
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    except ImportError as exc:
-        raise UserError(f"bfloat16 needs the ml_dtypes package ({exc})") from exc
-
-
 def keep_host_memory():
     """Stop glibc from handing large freed arrays back to the kernel after every use.
 
@@ -167,3 +129,11 @@ def keep_host_memory():
         return bool(ok)
     except (OSError, AttributeError):
         return False
+
+
+def prefaulted(array):
+    """`array`, zero-filled now so that every page of it is backed by memory: the first step does not
+    pay the page faults of buffers that live for the whole run (an allocation's pages are mapped
+    only when first written)."""
+    array.fill(0)
+    return array

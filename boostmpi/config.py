@@ -22,6 +22,7 @@ import tomllib
 
 from boostmpi.errors import ConfigError
 from boostmpi.model.params import LINEAR_DIMS, RANK_OF, sizes_split_evenly, tp_strategy
+from boostmpi.precision import NAMES as PRECISIONS, device_problem
 
 ARCHS = ("full", "svd", "cola")
 LOWRANK_ARCHS = ("svd", "cola")
@@ -130,7 +131,7 @@ class TrainConfig:
     grad_clip: float = _key(1.0, "nonnegative")  # 0 = off
     seed: int = _key(1337, "nonnegative")  # numpy seeds must be >= 0
     device: str = _key("cpu", choices=("cpu", "gpu"))
-    dtype: str = _key("float32", choices=("float64", "float32", "bfloat16"))
+    dtype: str = _key("float32", choices=PRECISIONS)
     recompute: str = _key("none", choices=("none", "layer", "lowrank", "selective"))
     log_every: int = _key(1, "positive")
     val_every: int = _key(0, "nonnegative")  # 0 = only at the end
@@ -341,8 +342,8 @@ class Config:
                          f"{t.global_batch_size}, which needs grad_accum = "
                          f"{t.global_batch_size // per_accum} (micro_batch_size = "
                          f"{t.micro_batch_size}, dp = {dp}); set only one of them")
-        if t.dtype == "bfloat16" and t.device == "cpu":
-            raise _error('train.dtype = "bfloat16" needs train.device = "gpu" (NumPy has no bfloat16)')
+        if device_problem(t.dtype, t.device):
+            raise _error(device_problem(t.dtype, t.device))
         if t.recompute == "lowrank" and not m.is_lowrank:
             raise _error("train.recompute = lowrank needs a low-rank arch (svd|cola): "
                          "full-rank layers have no bottleneck (model.arch = \"full\")")

@@ -25,3 +25,29 @@ class CheckpointError(UserError):
 
 class TrainingDiverged(UserError):
     """The loss became NaN or infinite."""
+
+
+# ---------------------------------------------------------------- an error on any rank is an error on all ranks
+#
+# A rank that meets bad input while the others wait in a collective would leave them waiting. So the
+# rank turns the error into a verdict, (class name, message), the ranks share the verdicts in one
+# collective (`HostCollectives.agree`), and every rank raises the same error, marked `all_ranks`:
+# each exits 2 and rank 0 alone prints the line.
+
+def verdict_of(exc):
+    """(class name, one-line message) of a UserError, to send to the other ranks."""
+    return (type(exc).__name__, str(exc))
+
+
+def _kinds(cls=UserError):
+    yield cls
+    for sub in cls.__subclasses__():
+        yield from _kinds(sub)
+
+
+def raised_on_all_ranks(verdict):
+    """The UserError of a verdict (its own class when this process knows it), marked as raised on every rank."""
+    name, message = verdict
+    exc = next((c for c in _kinds() if c.__name__ == name), UserError)(message)
+    exc.all_ranks = True
+    return exc

@@ -180,8 +180,8 @@ import os
 import sys
 import tomllib
 
-from boostmpi.train.checkpoint import find_latest, read_state
-from boostmpi.train.trainer import STOPPED_MARKER
+from boostmpi.checkpoint import find_latest, read_state
+from boostmpi.preemption import STOPPED_MARKER
 
 run_dir = sys.argv[1]
 latest = find_latest(run_dir)

@@ -7,7 +7,8 @@
 // Layouts (token-major, what the projections produce and read; no transposes, no K/V repeat):
 //   q, o, dq, do  [B, T, H, Dh]        k, v, dk, dv  [B, T, Hkv, Dh]
 //   lse, delta    [B, H, T] fp32       query head h reads key/value head h / (H / Hkv)
-// Dh <= ATTN_HEAD_DIM_MAX (128). scale = 1/sqrt(Dh) is applied in fp32 to q . k.
+// Dh <= ATTN_HEAD_DIM_MAX (128; the hd64_ entry points take Dh <= 64). scale = 1/sqrt(Dh) is applied in
+// fp32 to q . k.
 //
 // Tile plan. A "row group" is ATTN_LANES_PER_ROW (forward, dQ) or ATTN_LANES_PER_KEY (dK/dV)
 // consecutive lanes of one warp sharing one row; lane l of a group owns the head dims
@@ -15,16 +16,18 @@
 // partial sums combined by xor shuffles inside the group (valid for 32- and 64-wide warps).
 //
 // attention_forward: one block per (b, h, 64-query tile), 256 threads = 64 rows x 4 lanes.
-//   Registers: the row's scaled q (32 floats), its output accumulator (32), the tile's 16
-//   scores. Shared: one 16-key tile of K and of V as fp32 (2 x 8 KiB).
-//   For each 16-key tile up to the tile's last query (causal: later keys are never loaded):
-//   scores, the running max m and sum l (online softmax: acc and l rescaled by exp(m - m')),
-//   acc += p V. Then o = acc / l and lse = m + log(l) per row.
+//   Registers: the row's scaled q (32 floats), its output accumulator (32), 16 scores.
+//   Shared: K and V staged in the storage type, 32 KiB together (KeyTile): 64 keys of bf16 (a
+//   64 x 64 tile), 32 keys of float. For each staged tile up to the tile's last query (causal:
+//   later keys are never loaded) and each 16-key chunk of it: scores, the running max m and
+//   sum l (online softmax: acc and l rescaled by exp(m - m')), acc += p V. Then o = acc / l and
+//   lse = m + log(l) per row.
 //   Global bytes, per (b, h, query tile of n rows ending at t1): reads n Dh of Q and t1 Dh of
 //   K and of V, writes n Dh of O and 4n of lse - FlashAttention-2's forward traffic for
 //   64-query tiles exactly (the key tile's width does not change it).
-// attention_backward_dq: one block per (b, h, 32-query tile), 256 threads = 32 rows x 8 lanes.
-//   Registers: scaled q, dO, the dQ accumulator (3 x 16 floats). Shared: 16-key tiles of K, V.
+// attention_backward_dq: one block per (b, h, 64-query tile), the forward's rows and staging.
+//   Registers: scaled q, dO, the dQ accumulator (3 x 32 floats; K is read from shared memory
+//   again for dq += ds k rather than kept from the dot product, which would spill).
 //   delta = rowsum(dO o O) first (written for the dK/dV pass), then key by key:
 //   p = exp(s - lse), ds = p (dO . v - delta), dq += ds k; dq *= scale.
 //   Global bytes per tile of n rows ending at t1: reads n Dh of Q, dO and O, 4n of lse, t1 Dh
@@ -39,31 +42,32 @@
 //   Global bytes per (b, kv head, key tile of n keys starting at t0): reads n Dh of K and V,
 //   and for each of the G query heads (T - t0) Dh of Q and of dO and 8 (T - t0) of lse and
 //   delta; writes n Dh of dK and dV.
-// Every kernel: 256 threads, at most 128 registers a thread and at most 16.5 KiB of shared
+// Every kernel: 256 threads, at most 128 registers a thread and at most 32 KiB of shared
 // memory, so two blocks fit an SM of sm_80 (64K registers) and a CU of gfx90a (64 KiB LDS).
-// Shared-memory tiles are zero past Dh and past T, so dot products run over all 128 dims
-// without bounds tests (a head dim of 64 does the work of 128: no tensor cores yet, fp32 FMAs).
+// Shared-memory tiles are zero past Dh and past T, so dot products run over all the tile's HD
+// dims without bounds tests. Each kernel is stamped for HD = 128 (<kernel>_<type>) and HD = 64
+// (<kernel>_hd64_<type>, which the wrappers launch for Dh <= 64: half the registers and FMAs, and
+// twice the staged keys in the forward and dQ). No tensor cores yet: fp32 FMAs.
 // Resources (NVRTC 12.9's ptxas report, sm_80 / sm_90; tests/test_kernel_resources.py checks them):
-// registers a thread, forward 128 / 128, dQ 94 / 96, dK/dV 121 / 124-128; shared memory 16384,
-// 16384, 16512 bytes; no spills. gfx90a (hipcc of ROCm 5.2): 31-33, 70, 69-70 SGPRs, no SGPR or
-// VGPR spills, no scratch, 3, 5 and 4 blocks per CU.
+// registers a thread, forward 128 / 128, dQ 128 / 128, dK/dV 122 / 128; shared memory 32768,
+// 32768, 16512 bytes; no spills. gfx90a (hipcc of ROCm 5.2): 158-172, 154-157, 120 VGPRs; 42, 46,
+// 58 SGPRs; no SGPR or VGPR spills, no scratch; 2, 2 and 3 blocks per CU (LDS-bound).
+// hd64_: registers 96-123, 92-96, 72-86; shared memory 32768, 32768, 8320 bytes; gfx90a 86-127,
+// 89, 71 VGPRs, 2, 2 and 7 blocks per CU.
 #include "common.cuh"
 
 #define ATTN_HEAD_DIM_MAX 128
 #define ATTN_THREADS 256  // every attention kernel's block (the wrapper launches this many)
 #define ATTN_LANES_PER_ROW 4
-#define ATTN_QUERY_TILE 64
-#define ATTN_KEY_TILE 16
-#define ATTN_DIMS_PER_LANE (ATTN_HEAD_DIM_MAX / ATTN_LANES_PER_ROW)  // 32
+#define ATTN_QUERY_TILE 64  // forward and dQ: 64 rows x 4 lanes
+#define ATTN_KV_STAGE_BYTES 32768  // the K and V tiles staged in shared memory, in the storage type
+#define ATTN_SCORE_CHUNK 16  // forward: scores held in registers at a time (one online-softmax step)
 #define ATTN_LANES_PER_KEY 8
 #define ATTN_BWD_KEY_TILE 32
 #define ATTN_BWD_QUERY_TILE 16
-#define ATTN_DQ_QUERY_TILE 32  // 32 rows x 8 lanes: q, dO and dQ (3 x 16 floats) fit 128 registers
-#define ATTN_DIMS_PER_KEY_LANE (ATTN_HEAD_DIM_MAX / ATTN_LANES_PER_KEY)  // 16
 // at least two resident blocks per SM: at most 128 registers a thread (sm_80)
 #define ATTN_BLOCKS_PER_SM 2
-static_assert(ATTN_QUERY_TILE * ATTN_LANES_PER_ROW == ATTN_THREADS, "forward: one row group per query");
-static_assert(ATTN_DQ_QUERY_TILE * ATTN_LANES_PER_KEY == ATTN_THREADS, "dQ: one row group per query");
+static_assert(ATTN_QUERY_TILE * ATTN_LANES_PER_ROW == ATTN_THREADS, "forward, dQ: one row group per query");
 static_assert(ATTN_BWD_KEY_TILE * ATTN_LANES_PER_KEY == ATTN_THREADS, "dK/dV: one row group per key");
 static_assert(ATTN_BWD_QUERY_TILE <= ATTN_THREADS, "dK/dV: one thread per staged statistic");
 
@@ -71,6 +75,14 @@ static_assert(ATTN_BWD_QUERY_TILE <= ATTN_THREADS, "dK/dV: one thread per staged
 __device__ __forceinline__ long long token_offset(int b, int t, int tokens, int heads, int head, int Dh) {
     return ((static_cast<long long>(b) * tokens + t) * heads + head) * Dh;
 }
+
+// Keys of K and of V staged at a time by the forward and the dQ pass: 32 KiB of shared memory, so
+// 64 keys of bf16 and 32 of float (two blocks still fit a 64 KiB gfx90a CU).
+template <typename T, int HD>
+struct KeyTile {
+    static constexpr int KEYS = ATTN_KV_STAGE_BYTES / (2 * HD * static_cast<int>(sizeof(T)));
+    static_assert(KEYS % ATTN_SCORE_CHUNK == 0, "whole score chunks per staged tile");
+};
 
 // Sum over the LANES consecutive lanes of a row group (every lane of the warp must call it).
 template <int LANES>
@@ -80,35 +92,49 @@ __device__ __forceinline__ float group_sum(float v) {
     return v;
 }
 
-// Rows t0 .. t0+ROWS-1 of one head of a [B, T, heads, Dh] tensor into tile[r][d] as fp32;
-// rows at or past `tokens`, and dims at or past Dh, are zeros, so the dot products and
-// accumulations over ATTN_HEAD_DIM_MAX dims need no per-element bounds test (which costs
-// registers). Every thread of the block calls it.
-template <typename T, int ROWS>
-__device__ void load_tile(float (*tile)[ATTN_HEAD_DIM_MAX], const T* src, int b, int t0, int tokens, int heads,
-                          int head, int Dh) {
-    for (int e = threadIdx.x; e < ROWS * ATTN_HEAD_DIM_MAX; e += blockDim.x) {
-        const int r = e / ATTN_HEAD_DIM_MAX;
-        const int d = e % ATTN_HEAD_DIM_MAX;
+// A value of storage type T as a shared tile of type S holds it: converted to fp32, or copied.
+template <typename S, typename T>
+struct Staged {
+    static __device__ __forceinline__ S of(T v) { return from_float<S>(to_float(v)); }
+};
+template <typename T>
+struct Staged<T, T> {
+    static __device__ __forceinline__ T of(T v) { return v; }
+};
+
+// Rows t0 .. t0+ROWS-1 of one head of a [B, T, heads, Dh] tensor into tile[r][d] (S: fp32, or the
+// storage type itself); rows at or past t_end (at most `tokens`: a causal tile's last key), and dims
+// at or past Dh, are zeros and never read from global memory, so the dot
+// products and accumulations over ATTN_HEAD_DIM_MAX dims need no per-element bounds test (which
+// costs registers). Every thread of the block calls it.
+template <typename T, int ROWS, int HD, typename S>
+__device__ void load_tile(S (*tile)[HD], const T* src, int b, int t0, int t_end, int tokens, int heads, int head,
+                          int Dh) {
+    for (int e = threadIdx.x; e < ROWS * HD; e += blockDim.x) {
+        const int r = e / HD;
+        const int d = e % HD;
         const int t = t0 + r;
-        tile[r][d] = (t < tokens && d < Dh) ? to_float(src[token_offset(b, t, tokens, heads, head, Dh) + d]) : 0.0f;
+        tile[r][d] = (t < t_end && d < Dh) ? Staged<S, T>::of(src[token_offset(b, t, tokens, heads, head, Dh) + d])
+                                            : from_float<S>(0.0f);
     }
 }
 
-// One row of a [B, T, heads, Dh] tensor into this lane's dims (zeros where d >= Dh or !live).
+// One row of a [B, T, heads, Dh] tensor into this lane's dims (zeros where d >= Dh or !live); the
+// dims below Dh are told apart as in store_row below: a lane mask per dim (d < Dh for each k)
+// spills SGPRs of the dQ pass on gfx90a (32 dims a lane, three row loads).
 template <typename T, int LANES, int DIMS>
 __device__ __forceinline__ void load_row(float* out, const T* row, bool live, int lane, int Dh, float factor) {
+    const int full = Dh / LANES;
+    const bool in_tail = lane < Dh - full * LANES;
 #pragma unroll
     for (int k = 0; k < DIMS; ++k) {
-        const int d = k * LANES + lane;
-        out[k] = (live && d < Dh) ? to_float(row[d]) * factor : 0.0f;
+        out[k] = (live && (k < full || (k == full && in_tail))) ? to_float(row[k * LANES + lane]) * factor : 0.0f;
     }
 }
 
 // The lane's dims d = k LANES + lane below Dh: every k below Dh / LANES (a test uniform over the
-// block), and at k = Dh / LANES the lanes below Dh % LANES. Testing d < Dh for each k instead
-// keeps one lane mask per k alive from the loads to the store: on gfx90a (64-bit masks) that
-// spilled SGPRs in both backward kernels.
+// block), and at k = Dh / LANES the lanes below Dh % LANES: one 64-bit lane mask on gfx90a, not
+// one per k (which stay alive from the loads to the store and spill SGPRs).
 template <typename T, int LANES, int DIMS>
 __device__ __forceinline__ void store_row(T* row, const float* in, int lane, int Dh, float factor) {
     const int full = Dh / LANES;
@@ -120,19 +146,32 @@ __device__ __forceinline__ void store_row(T* row, const float* in, int lane, int
 }
 
 // This lane's share of x . tile_row, summed over the row group (both zero past Dh).
-template <int LANES, int DIMS>
-__device__ __forceinline__ float group_dot(const float* x, const float* tile_row, int lane) {
+template <int LANES, int DIMS, typename S>
+__device__ __forceinline__ float group_dot(const float* x, const S* tile_row, int lane) {
     float partial = 0.0f;
 #pragma unroll
-    for (int k = 0; k < DIMS; ++k) partial += x[k] * tile_row[k * LANES + lane];
+    for (int k = 0; k < DIMS; ++k) partial += x[k] * to_float(tile_row[k * LANES + lane]);
     return group_sum<LANES>(partial);
 }
 
 // acc += w * tile_row over this lane's dims.
-template <int LANES, int DIMS>
-__device__ __forceinline__ void axpy_row(float* acc, float w, const float* tile_row, int lane) {
+template <int LANES, int DIMS, typename S>
+__device__ __forceinline__ void axpy_row(float* acc, float w, const S* tile_row, int lane) {
 #pragma unroll
-    for (int k = 0; k < DIMS; ++k) acc[k] += w * tile_row[k * LANES + lane];
+    for (int k = 0; k < DIMS; ++k) acc[k] += w * to_float(tile_row[k * LANES + lane]);
+}
+
+// axpy_row reading the tile row through volatile loads: the compiler may not reuse values it
+// loaded for an earlier dot product with the same row (registers it does not have).
+__device__ __forceinline__ float reread(const float* p) { return *reinterpret_cast<const volatile float*>(p); }
+__device__ __forceinline__ float reread(const bf16* p) {
+    return __uint_as_float(static_cast<unsigned int>(*reinterpret_cast<const volatile unsigned short*>(p)) << 16);
+}
+
+template <int LANES, int DIMS, typename S>
+__device__ __forceinline__ void axpy_row_reread(float* acc, float w, const S* tile_row, int lane) {
+#pragma unroll
+    for (int k = 0; k < DIMS; ++k) acc[k] += w * reread(tile_row + k * LANES + lane);
 }
 
 // A 1-D grid of n_tiles blocks per (batch, head) slice. Causal tiles differ in work; they are
@@ -144,119 +183,135 @@ __device__ __forceinline__ void tile_and_slice(int n_tiles, bool last_first, int
     *tile = last_first ? n_tiles - 1 - x : x;
 }
 
-template <typename T>
+// The thread's query row in the forward and the dQ pass: block -> (b, h, 64-query tile), longest
+// tile first; thread -> row i of the tile and lane of its row group.
+struct QueryRow {
+    int slice, b, h, kv_head, q0, i, lane;
+    bool live;              // i < tokens (rows past T compute on zeros and store nothing)
+    long long row_offset;   // (b, i, h, 0) in [B, T, H, Dh]; row 0 for a dead row
+};
+
+__device__ __forceinline__ QueryRow query_row(int tokens, int H, int Hkv, int Dh) {
+    QueryRow r;
+    int tile;
+    tile_and_slice((tokens + ATTN_QUERY_TILE - 1) / ATTN_QUERY_TILE, true, &tile, &r.slice);
+    r.b = r.slice / H;
+    r.h = r.slice - r.b * H;
+    r.kv_head = r.h / (H / Hkv);
+    r.q0 = tile * ATTN_QUERY_TILE;
+    r.lane = threadIdx.x % ATTN_LANES_PER_ROW;
+    r.i = r.q0 + static_cast<int>(threadIdx.x) / ATTN_LANES_PER_ROW;
+    r.live = r.i < tokens;
+    r.row_offset = token_offset(r.b, r.live ? r.i : 0, tokens, H, r.h, Dh);
+    return r;
+}
+
+template <typename T, int HD>
 __device__ void attention_forward(const T* q, const T* k, const T* v, T* o, float* lse, int tokens, int H, int Hkv,
                                   int Dh, float scale) {
-    __shared__ float k_tile[ATTN_KEY_TILE][ATTN_HEAD_DIM_MAX];
-    __shared__ float v_tile[ATTN_KEY_TILE][ATTN_HEAD_DIM_MAX];
-    const int LANES = ATTN_LANES_PER_ROW, DIMS = ATTN_DIMS_PER_LANE;
-    int tile, slice;
-    tile_and_slice((tokens + ATTN_QUERY_TILE - 1) / ATTN_QUERY_TILE, true, &tile, &slice);
-    const int b = slice / H, h = slice - b * H, kv_head = h / (H / Hkv);
-    const int q0 = tile * ATTN_QUERY_TILE;
-    const int lane = threadIdx.x % LANES;
-    const int i = q0 + static_cast<int>(threadIdx.x) / LANES;
-    const bool live = i < tokens;
-    const long long row_offset = token_offset(b, live ? i : 0, tokens, H, h, Dh);
+    constexpr int KEYS = KeyTile<T, HD>::KEYS, CHUNK = ATTN_SCORE_CHUNK;
+    __shared__ T k_tile[KEYS][HD];
+    __shared__ T v_tile[KEYS][HD];
+    constexpr int LANES = ATTN_LANES_PER_ROW, DIMS = HD / LANES;
+    const QueryRow r = query_row(tokens, H, Hkv, Dh);
+    const int i = r.i, lane = r.lane;
 
     float q_row[DIMS], acc[DIMS];
-    load_row<T, LANES, DIMS>(q_row, q + row_offset, live, lane, Dh, scale);
+    load_row<T, LANES, DIMS>(q_row, q + r.row_offset, r.live, lane, Dh, scale);
 #pragma unroll
     for (int kk = 0; kk < DIMS; ++kk) acc[kk] = 0.0f;
     float running_max = negative_infinity(), running_sum = 0.0f;
 
-    const int key_end = min(tokens, q0 + ATTN_QUERY_TILE);
-    for (int k0 = 0; k0 < key_end; k0 += ATTN_KEY_TILE) {
-        const int n = min(ATTN_KEY_TILE, key_end - k0);
+    const int key_end = min(tokens, r.q0 + ATTN_QUERY_TILE);
+    for (int k0 = 0; k0 < key_end; k0 += KEYS) {
+        const int n = min(KEYS, key_end - k0);
         __syncthreads();  // every row is done with the previous tile
-        load_tile<T, ATTN_KEY_TILE>(k_tile, k, b, k0, tokens, Hkv, kv_head, Dh);
-        load_tile<T, ATTN_KEY_TILE>(v_tile, v, b, k0, tokens, Hkv, kv_head, Dh);
+        load_tile<T, KEYS, HD>(k_tile, k, r.b, k0, key_end, tokens, Hkv, r.kv_head, Dh);
+        load_tile<T, KEYS, HD>(v_tile, v, r.b, k0, key_end, tokens, Hkv, r.kv_head, Dh);
         __syncthreads();
-        float s[ATTN_KEY_TILE];
-        float tile_max = negative_infinity();
+        for (int c0 = 0; c0 < n; c0 += CHUNK) {  // one online-softmax step per chunk of the staged keys
+            float s[ATTN_SCORE_CHUNK];
+            float tile_max = negative_infinity();
 #pragma unroll
-        for (int jj = 0; jj < ATTN_KEY_TILE; ++jj) {
-            const float dot = group_dot<LANES, DIMS>(q_row, k_tile[jj], lane);
-            s[jj] = (jj < n && k0 + jj <= i) ? dot : negative_infinity();
-            tile_max = fmaxf(tile_max, s[jj]);
+            for (int jj = 0; jj < CHUNK; ++jj) {
+                const float dot = group_dot<LANES, DIMS>(q_row, k_tile[c0 + jj], lane);
+                s[jj] = (c0 + jj < n && k0 + c0 + jj <= i) ? dot : negative_infinity();
+                tile_max = fmaxf(tile_max, s[jj]);
+            }
+            // key 0 is in the first chunk and visible to every row, so new_max is finite
+            const float new_max = fmaxf(running_max, tile_max);
+            const float rescale = expf(running_max - new_max);
+            float tile_sum = 0.0f;
+#pragma unroll
+            for (int jj = 0; jj < CHUNK; ++jj) {
+                s[jj] = expf(s[jj] - new_max);
+                tile_sum += s[jj];
+            }
+            running_sum = running_sum * rescale + tile_sum;
+            running_max = new_max;
+#pragma unroll
+            for (int kk = 0; kk < DIMS; ++kk) acc[kk] *= rescale;
+#pragma unroll
+            for (int jj = 0; jj < CHUNK; ++jj) axpy_row<LANES, DIMS>(acc, s[jj], v_tile[c0 + jj], lane);
         }
-        // key 0 is in the first tile and visible to every row, so new_max is finite
-        const float new_max = fmaxf(running_max, tile_max);
-        const float rescale = expf(running_max - new_max);
-        float tile_sum = 0.0f;
-#pragma unroll
-        for (int jj = 0; jj < ATTN_KEY_TILE; ++jj) {
-            s[jj] = expf(s[jj] - new_max);
-            tile_sum += s[jj];
-        }
-        running_sum = running_sum * rescale + tile_sum;
-        running_max = new_max;
-#pragma unroll
-        for (int kk = 0; kk < DIMS; ++kk) acc[kk] *= rescale;
-#pragma unroll
-        for (int jj = 0; jj < ATTN_KEY_TILE; ++jj) axpy_row<LANES, DIMS>(acc, s[jj], v_tile[jj], lane);
     }
-    if (live) {
-        store_row<T, LANES, DIMS>(o + row_offset, acc, lane, Dh, 1.0f / running_sum);
-        if (lane == 0) lse[static_cast<long long>(slice) * tokens + i] = running_max + logf(running_sum);
+    if (r.live) {
+        store_row<T, LANES, DIMS>(o + r.row_offset, acc, lane, Dh, 1.0f / running_sum);
+        if (lane == 0) lse[static_cast<long long>(r.slice) * tokens + i] = running_max + logf(running_sum);
     }
 }
 
-template <typename T>
+template <typename T, int HD>
 __device__ void attention_backward_dq(const T* q, const T* k, const T* v, const T* o, const T* d_o, const float* lse,
                                       float* delta, T* dq, int tokens, int H, int Hkv, int Dh, float scale) {
-    __shared__ float k_tile[ATTN_KEY_TILE][ATTN_HEAD_DIM_MAX];
-    __shared__ float v_tile[ATTN_KEY_TILE][ATTN_HEAD_DIM_MAX];
-    const int LANES = ATTN_LANES_PER_KEY, DIMS = ATTN_DIMS_PER_KEY_LANE;
-    int tile, slice;
-    tile_and_slice((tokens + ATTN_DQ_QUERY_TILE - 1) / ATTN_DQ_QUERY_TILE, true, &tile, &slice);
-    const int b = slice / H, h = slice - b * H, kv_head = h / (H / Hkv);
-    const int q0 = tile * ATTN_DQ_QUERY_TILE;
-    const int lane = threadIdx.x % LANES;
-    const int i = q0 + static_cast<int>(threadIdx.x) / LANES;
-    const bool live = i < tokens;
-    const long long row_offset = token_offset(b, live ? i : 0, tokens, H, h, Dh);
-    const long long stat = static_cast<long long>(slice) * tokens + (live ? i : 0);
+    constexpr int KEYS = KeyTile<T, HD>::KEYS;
+    __shared__ T k_tile[KEYS][HD];
+    __shared__ T v_tile[KEYS][HD];
+    constexpr int LANES = ATTN_LANES_PER_ROW, DIMS = HD / LANES;
+    const QueryRow r = query_row(tokens, H, Hkv, Dh);
+    const int i = r.i, lane = r.lane;
+    const long long stat = static_cast<long long>(r.slice) * tokens + (r.live ? i : 0);
 
     float q_row[DIMS], do_row[DIMS], acc[DIMS];
-    load_row<T, LANES, DIMS>(do_row, d_o + row_offset, live, lane, Dh, 1.0f);
-    load_row<T, LANES, DIMS>(acc, o + row_offset, live, lane, Dh, 1.0f);  // o, only for delta
+    load_row<T, LANES, DIMS>(do_row, d_o + r.row_offset, r.live, lane, Dh, 1.0f);
+    load_row<T, LANES, DIMS>(acc, o + r.row_offset, r.live, lane, Dh, 1.0f);  // o, only for delta
     float partial = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < DIMS; ++kk) partial += do_row[kk] * acc[kk];
     const float row_delta = group_sum<LANES>(partial);  // rowsum(dO o O) = rowsum(P o dP)
-    if (live && lane == 0) delta[stat] = row_delta;
-    load_row<T, LANES, DIMS>(q_row, q + row_offset, live, lane, Dh, scale);
+    if (r.live && lane == 0) delta[stat] = row_delta;
+    load_row<T, LANES, DIMS>(q_row, q + r.row_offset, r.live, lane, Dh, scale);
 #pragma unroll
     for (int kk = 0; kk < DIMS; ++kk) acc[kk] = 0.0f;
     // one lane reads the statistic, the xor-sum with the others' zeros hands it to the group exactly
-    const float row_lse = group_sum<LANES>(live && lane == 0 ? lse[stat] : 0.0f);
+    const float row_lse = group_sum<LANES>(r.live && lane == 0 ? lse[stat] : 0.0f);
 
-    const int key_end = min(tokens, q0 + ATTN_DQ_QUERY_TILE);
-    for (int k0 = 0; k0 < key_end; k0 += ATTN_KEY_TILE) {
-        const int n = min(ATTN_KEY_TILE, key_end - k0);
+    const int key_end = min(tokens, r.q0 + ATTN_QUERY_TILE);
+    for (int k0 = 0; k0 < key_end; k0 += KEYS) {
+        const int n = min(KEYS, key_end - k0);
         __syncthreads();
-        load_tile<T, ATTN_KEY_TILE>(k_tile, k, b, k0, tokens, Hkv, kv_head, Dh);
-        load_tile<T, ATTN_KEY_TILE>(v_tile, v, b, k0, tokens, Hkv, kv_head, Dh);
+        load_tile<T, KEYS, HD>(k_tile, k, r.b, k0, key_end, tokens, Hkv, r.kv_head, Dh);
+        load_tile<T, KEYS, HD>(v_tile, v, r.b, k0, key_end, tokens, Hkv, r.kv_head, Dh);
         __syncthreads();
         for (int jj = 0; jj < n; ++jj) {  // n is the same for the whole block: the shuffles stay uniform
             const float s = group_dot<LANES, DIMS>(q_row, k_tile[jj], lane);
             const float dp = group_dot<LANES, DIMS>(do_row, v_tile[jj], lane);
             const float p = k0 + jj <= i ? expf(s - row_lse) : 0.0f;
-            axpy_row<LANES, DIMS>(acc, p * (dp - row_delta), k_tile[jj], lane);
+            // K read again from shared memory: kept in registers from the dot product, it spills
+            axpy_row_reread<LANES, DIMS>(acc, p * (dp - row_delta), k_tile[jj], lane);
         }
     }
-    if (live) store_row<T, LANES, DIMS>(dq + row_offset, acc, lane, Dh, scale);
+    if (r.live) store_row<T, LANES, DIMS>(dq + r.row_offset, acc, lane, Dh, scale);
 }
 
-template <typename T>
+template <typename T, int HD>
 __device__ void attention_backward(const T* q, const T* k, const T* v, const T* d_o, const float* lse,
                                    const float* delta, T* dk, T* dv, int tokens, int H, int Hkv, int Dh, float scale) {
-    __shared__ float q_tile[ATTN_BWD_QUERY_TILE][ATTN_HEAD_DIM_MAX];
-    __shared__ float do_tile[ATTN_BWD_QUERY_TILE][ATTN_HEAD_DIM_MAX];
+    __shared__ float q_tile[ATTN_BWD_QUERY_TILE][HD];
+    __shared__ float do_tile[ATTN_BWD_QUERY_TILE][HD];
     __shared__ float lse_tile[ATTN_BWD_QUERY_TILE];
     __shared__ float delta_tile[ATTN_BWD_QUERY_TILE];
-    const int LANES = ATTN_LANES_PER_KEY, DIMS = ATTN_DIMS_PER_KEY_LANE;
+    constexpr int LANES = ATTN_LANES_PER_KEY, DIMS = HD / LANES;
     int tile, slice;
     tile_and_slice((tokens + ATTN_BWD_KEY_TILE - 1) / ATTN_BWD_KEY_TILE, false, &tile, &slice);
     const int b = slice / Hkv, kv_head = slice - b * Hkv, G = H / Hkv;
@@ -278,8 +333,8 @@ __device__ void attention_backward(const T* q, const T* k, const T* v, const T* 
         for (int i0 = k0; i0 < tokens; i0 += ATTN_BWD_QUERY_TILE) {
             const int n = min(ATTN_BWD_QUERY_TILE, tokens - i0);
             __syncthreads();
-            load_tile<T, ATTN_BWD_QUERY_TILE>(q_tile, q, b, i0, tokens, H, h, Dh);
-            load_tile<T, ATTN_BWD_QUERY_TILE>(do_tile, d_o, b, i0, tokens, H, h, Dh);
+            load_tile<T, ATTN_BWD_QUERY_TILE, HD>(q_tile, q, b, i0, tokens, tokens, H, h, Dh);
+            load_tile<T, ATTN_BWD_QUERY_TILE, HD>(do_tile, d_o, b, i0, tokens, tokens, H, h, Dh);
             const int r = static_cast<int>(threadIdx.x);
             if (r < n) {
                 lse_tile[r] = lse[stats + i0 + r];
@@ -324,21 +379,27 @@ __device__ void rope(const T* x, const T* cos_table, const T* sin_table, T* out,
     }
 }
 
-#define ATTENTION_ENTRY_POINTS(T, SUFFIX)                                                                          \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM) attention_forward_##SUFFIX(const T* q, const T* k, const T* v, T* o, float* lse,    \
-                                                          int tokens, int H, int Hkv, int Dh, float scale) {       \
-        attention_forward<T>(q, k, v, o, lse, tokens, H, Hkv, Dh, scale);                                          \
+// HD: the head dims a tile holds (Dh <= HD); "" for 128, "hd64_" for 64 (half the work and staging)
+#define ATTENTION_ENTRY_POINTS(T, HD, PREFIX, SUFFIX)                                                              \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM)                                 \
+        attention_forward_##PREFIX##SUFFIX(const T* q, const T* k, const T* v, T* o, float* lse, int tokens, int H, \
+                                           int Hkv, int Dh, float scale) {                                          \
+        attention_forward<T, HD>(q, k, v, o, lse, tokens, H, Hkv, Dh, scale);                                      \
     }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM) attention_backward_dq_##SUFFIX(const T* q, const T* k, const T* v, const T* o,      \
-                                                              const T* d_o, const float* lse, float* delta, T* dq, \
-                                                              int tokens, int H, int Hkv, int Dh, float scale) {   \
-        attention_backward_dq<T>(q, k, v, o, d_o, lse, delta, dq, tokens, H, Hkv, Dh, scale);                      \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM)                                 \
+        attention_backward_dq_##PREFIX##SUFFIX(const T* q, const T* k, const T* v, const T* o, const T* d_o,         \
+                                               const float* lse, float* delta, T* dq, int tokens, int H, int Hkv,  \
+                                               int Dh, float scale) {                                               \
+        attention_backward_dq<T, HD>(q, k, v, o, d_o, lse, delta, dq, tokens, H, Hkv, Dh, scale);                  \
     }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM) attention_backward_##SUFFIX(const T* q, const T* k, const T* v, const T* d_o,       \
-                                                           const float* lse, const float* delta, T* dk, T* dv,     \
-                                                           int tokens, int H, int Hkv, int Dh, float scale) {      \
-        attention_backward<T>(q, k, v, d_o, lse, delta, dk, dv, tokens, H, Hkv, Dh, scale);                        \
-    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_BLOCKS_PER_SM)                                 \
+        attention_backward_##PREFIX##SUFFIX(const T* q, const T* k, const T* v, const T* d_o, const float* lse,     \
+                                            const float* delta, T* dk, T* dv, int tokens, int H, int Hkv, int Dh,  \
+                                            float scale) {                                                          \
+        attention_backward<T, HD>(q, k, v, d_o, lse, delta, dk, dv, tokens, H, Hkv, Dh, scale);                    \
+    }
+
+#define ROPE_ENTRY_POINTS(T, SUFFIX)                                                                               \
     extern "C" __global__ void rope_forward_##SUFFIX(const T* x, const T* cos_table, const T* sin_table, T* out,   \
                                                      long long pairs, int tokens, int heads, int Dh) {             \
         rope<T, false>(x, cos_table, sin_table, out, pairs, tokens, heads, Dh);                                    \
@@ -348,5 +409,151 @@ __device__ void rope(const T* x, const T* cos_table, const T* sin_table, T* out,
         rope<T, true>(dy, cos_table, sin_table, dx, pairs, tokens, heads, Dh);                                     \
     }
 
-ATTENTION_ENTRY_POINTS(float, f32)
-ATTENTION_ENTRY_POINTS(bf16, bf16)
+ATTENTION_ENTRY_POINTS(float, ATTN_HEAD_DIM_MAX, , f32)
+ATTENTION_ENTRY_POINTS(bf16, ATTN_HEAD_DIM_MAX, , bf16)
+ATTENTION_ENTRY_POINTS(float, 64, hd64_, f32)
+ATTENTION_ENTRY_POINTS(bf16, 64, hd64_, bf16)
+ROPE_ENTRY_POINTS(float, f32)
+ROPE_ENTRY_POINTS(bf16, bf16)
+
+// ------------------------------------------------------------------------------------------------
+// Tensor cores (CUDA WMMA), an option OFF by default: compiled only with -DBOOSTMPI_ATTENTION_WMMA
+// (which NVRTC accepts with CUDA's crt/mma.h on its include path: docs/GPU.md), which the wrapper
+// adds when BOOSTMPI_ATTENTION_TENSOR_CORES=1 (bf16, 32-lane devices). attention_forward_tc_bf16: the forward of attention_forward_bf16 with QK^T and PV on
+// WMMA (bf16 16x16x16, fp32 accumulate); the backward stays attention_backward_dq / attention_backward.
+// One block per (b, h, 64-query tile), 4 warps of 32 lanes, warp w owning queries 16w .. 16w + 15;
+// 64-key tiles of K, then V, staged as bf16. Per key tile and warp: S = Q K^T (4 x 8 mma_sync) to
+// shared memory; each row's online softmax by two lanes (32 scores each); P as bf16 to shared
+// memory; O = O rescale + P V (8 x 4 mma_sync). WMMA leaves the row of an accumulator element
+// unspecified: each warp loads a 16 x 16 matrix of row numbers into an accumulator fragment once,
+// and element e of every accumulator fragment belongs to row rows.x[e] (the same fragment type has
+// one element map), which is how O is rescaled per row without assuming a layout.
+#ifdef BOOSTMPI_ATTENTION_WMMA
+#include <mma.h>
+#include <cuda_bf16.h>
+
+#define ATTN_TC_WARPS 4
+#define ATTN_TC_THREADS 128
+#define ATTN_TC_KEYS 64
+static_assert(ATTN_TC_WARPS * 16 == ATTN_QUERY_TILE, "one 16-row strip of the query tile per warp");
+static_assert(ATTN_TC_THREADS == ATTN_TC_WARPS * 32, "32-lane warps");
+
+struct __align__(32) TcTile {  // WMMA loads need 256-bit aligned rows
+    bf16 v[ATTN_TC_KEYS][ATTN_HEAD_DIM_MAX];
+};
+struct __align__(32) TcScores {
+    float s[ATTN_TC_WARPS][16][ATTN_TC_KEYS];
+};
+struct __align__(32) TcProbs {
+    bf16 p[ATTN_TC_WARPS][16][ATTN_TC_KEYS];
+};
+
+// (the signature on one line, as the harness reads entry points)
+extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM) attention_forward_tc_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int tokens, int H, int Hkv, int Dh, float scale) {
+    using namespace nvcuda;
+    typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> Acc;
+    __shared__ TcTile kv;
+    __shared__ TcScores scores;
+    __shared__ TcProbs probs;
+    __shared__ float row_factor[ATTN_TC_WARPS][16];
+    const int DIM_TILES = ATTN_HEAD_DIM_MAX / 16, KEY_TILES = ATTN_TC_KEYS / 16;
+    int tile, slice;
+    tile_and_slice((tokens + ATTN_QUERY_TILE - 1) / ATTN_QUERY_TILE, true, &tile, &slice);
+    const int b = slice / H, h = slice - b * H, kv_head = h / (H / Hkv);
+    const int q0 = tile * ATTN_QUERY_TILE, warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+    const int row = lane / 2, half = lane % 2;  // softmax: two lanes a row, 32 of the 64 keys each
+    const int i = q0 + 16 * warp + row;         // this lane's query in the softmax
+
+    // Q: staged through the K/V buffer, then 8 fragments a warp in registers
+    load_tile<bf16, ATTN_TC_KEYS, ATTN_HEAD_DIM_MAX>(kv.v, q, b, q0, tokens, tokens, H, h, Dh);
+    // the accumulator's row map: element e of a fragment holds row rows.x[e]
+    for (int e = lane; e < 256; e += 32) scores.s[warp][e / 16][e % 16] = static_cast<float>(e / 16);
+    __syncthreads();
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> q_frag[DIM_TILES];
+    for (int kk = 0; kk < DIM_TILES; ++kk)
+        wmma::load_matrix_sync(q_frag[kk], reinterpret_cast<const __nv_bfloat16*>(&kv.v[16 * warp][16 * kk]),
+                               ATTN_HEAD_DIM_MAX);
+    Acc rows;
+    wmma::load_matrix_sync(rows, &scores.s[warp][0][0], ATTN_TC_KEYS, wmma::mem_row_major);
+    Acc out[DIM_TILES];
+    for (int n = 0; n < DIM_TILES; ++n) wmma::fill_fragment(out[n], 0.0f);
+    float running_max = negative_infinity(), running_sum = 0.0f;
+
+    const int key_end = min(tokens, q0 + ATTN_QUERY_TILE);
+    for (int k0 = 0; k0 < key_end; k0 += ATTN_TC_KEYS) {
+        __syncthreads();  // Q (first tile) or the previous V tile is no longer read
+        load_tile<bf16, ATTN_TC_KEYS, ATTN_HEAD_DIM_MAX>(kv.v, k, b, k0, key_end, tokens, Hkv, kv_head, Dh);
+        __syncthreads();
+        // (loops over fragments in arrays are unrolled, the others not: hoisted fragment loads spill)
+#pragma unroll 1
+        for (int n = 0; n < KEY_TILES; ++n) {  // S = Q K^T: K row-major [key][dim] is K^T column-major
+            Acc s;
+            wmma::fill_fragment(s, 0.0f);
+#pragma unroll
+            for (int kk = 0; kk < DIM_TILES; ++kk) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> k_frag;
+                wmma::load_matrix_sync(k_frag, reinterpret_cast<const __nv_bfloat16*>(&kv.v[16 * n][16 * kk]),
+                                       ATTN_HEAD_DIM_MAX);
+                wmma::mma_sync(s, q_frag[kk], k_frag, s);
+            }
+            wmma::store_matrix_sync(&scores.s[warp][0][16 * n], s, ATTN_TC_KEYS, wmma::mem_row_major);
+        }
+        __syncthreads();  // the scores are written; K is no longer read
+        load_tile<bf16, ATTN_TC_KEYS, ATTN_HEAD_DIM_MAX>(kv.v, v, b, k0, key_end, tokens, Hkv, kv_head, Dh);
+        // online softmax of this lane's half row (keys at or past key_end, or after query i, masked)
+        float tile_max = negative_infinity();
+        for (int c = 32 * half; c < 32 * half + 32; ++c) {
+            const float s = k0 + c <= i && k0 + c < key_end ? scale * scores.s[warp][row][c] : negative_infinity();
+            tile_max = fmaxf(tile_max, s);
+        }
+        tile_max = fmaxf(tile_max, shfl_xor(tile_max, 1));
+        const float new_max = fmaxf(running_max, tile_max);  // key 0 is in the first tile: finite
+        const float rescale = expf(running_max - new_max);
+        float tile_sum = 0.0f;
+        for (int c = 32 * half; c < 32 * half + 32; ++c) {
+            const float s = k0 + c <= i && k0 + c < key_end ? scale * scores.s[warp][row][c] : negative_infinity();
+            const float p = expf(s - new_max);
+            probs.p[warp][row][c] = from_float<bf16>(p);  // P V runs on P rounded to bf16
+            tile_sum += p;  // the row sum in fp32, as the log-sum-exp needs (FlashAttention-2 does the same)
+        }
+        tile_sum += shfl_xor(tile_sum, 1);
+        running_sum = rescale * running_sum + tile_sum;
+        running_max = new_max;
+        if (half == 0) row_factor[warp][row] = rescale;
+        __syncthreads();  // V, P and the factors are written
+#pragma unroll
+        for (int n = 0; n < DIM_TILES; ++n) {  // O = O rescale + P V
+            for (int e = 0; e < out[n].num_elements; ++e) out[n].x[e] *= row_factor[warp][static_cast<int>(rows.x[e])];
+#pragma unroll 1
+            for (int kk = 0; kk < KEY_TILES; ++kk) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> p_frag;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> v_frag;
+                wmma::load_matrix_sync(p_frag, reinterpret_cast<const __nv_bfloat16*>(&probs.p[warp][0][16 * kk]),
+                                       ATTN_TC_KEYS);
+                wmma::load_matrix_sync(v_frag, reinterpret_cast<const __nv_bfloat16*>(&kv.v[16 * kk][16 * n]),
+                                       ATTN_HEAD_DIM_MAX);
+                wmma::mma_sync(out[n], p_frag, v_frag, out[n]);
+            }
+        }
+    }
+    // o = O / l, through the warp's score rows (16 x 64 floats: four 16 x 16 output tiles at a time)
+    __syncthreads();
+    if (half == 0) row_factor[warp][row] = 1.0f / running_sum;
+    if (half == 0 && i < tokens) lse[static_cast<long long>(slice) * tokens + i] = running_max + logf(running_sum);
+    __syncthreads();
+    for (int n0 = 0; n0 < DIM_TILES; n0 += KEY_TILES) {
+        for (int n = n0; n < n0 + KEY_TILES; ++n) {
+            for (int e = 0; e < out[n].num_elements; ++e) out[n].x[e] *= row_factor[warp][static_cast<int>(rows.x[e])];
+            wmma::store_matrix_sync(&scores.s[warp][0][16 * (n - n0)], out[n], ATTN_TC_KEYS, wmma::mem_row_major);
+        }
+        __syncthreads();
+        if (i < tokens) {
+            for (int c = 32 * half; c < 32 * half + 32; ++c) {
+                const int d = 16 * n0 + c;
+                if (d < Dh) o[token_offset(b, i, tokens, H, h, Dh) + d] = from_float<bf16>(scores.s[warp][row][c]);
+            }
+        }
+        __syncthreads();
+    }
+}
+#endif  // BOOSTMPI_ATTENTION_WMMA

@@ -40,8 +40,8 @@ MUTANTS = {
     "skip-p2p-wait": ("boostmpi.parallel.nccl", "boostmpi/parallel/nccl.py",
                       "        stream.wait_event(_Event(self._stream()).event)\n        return comm, stream",
                       "        return comm, stream"),
-    "no-mpi-sync": ("boostmpi.parallel.engine", "boostmpi/parallel/engine.py",
-                    "sync = lambda: self.xp.cuda.get_current_stream().synchronize()  # noqa: E731",
+    "no-mpi-sync": ("boostmpi.parallel.startup", "boostmpi/parallel/startup.py",
+                    "sync = lambda: xp.cuda.get_current_stream().synchronize()  # noqa: E731",
                     "sync = None"),
     # kernel text (every kernel's source as the loader assembles it): a warp reduction for 32 lanes
     "warp-32-reduction": ("boostmpi.gpu.kernels", "kernels/common.cuh",
@@ -140,11 +140,12 @@ def _dp4_step_matches_single_rank(world):
 
     from boostmpi.backend import to_numpy
     from boostmpi.parallel.engine import Engine
+    from global_tensors import gather_global
 
     micro = batches(n_micro=4)
     eng = Engine(config("cola", "gpu", "bfloat16", dict(dp=4)), world, local_rank=world.Get_rank())
     loss = eng.forward_backward([micro[eng.grid.coords.dp]])
-    grads = eng.gather_global(eng.grads)
+    grads = gather_global(eng, eng.grads)
     if world.Get_rank() != 0:
         return
     from mpi4py import MPI
@@ -206,6 +207,7 @@ def training_steps(world):
 
     from boostmpi.parallel.engine import Engine
     from boostmpi.train.optim import AdamW
+    from boostmpi.train.trainer import optimizer_step
 
     cfg = config("cola", "gpu", "bfloat16", dict(pp=2, dp=2, zero_stage=1), dict(lr=0.01))
     engine = Engine(cfg, world, local_rank=world.Get_rank())
@@ -214,7 +216,7 @@ def training_steps(world):
     for _ in range(3):
         tokens = rng.integers(0, MODEL["vocab_size"], (4, 2, MODEL["seq_len"] + 1))
         engine.forward_backward([(t[:, :-1], t[:, 1:]) for t in tokens])
-        engine.optimizer_step(optimizer, 0.01, 1.0)
+        optimizer_step(engine, optimizer, 0.01, 1.0)
 
 
 def main(check, mutant=None):

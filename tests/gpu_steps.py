@@ -56,6 +56,7 @@ def config(arch, device, dtype, parallel=None, train=None):
 
 def step(arch, device, dtype, parallel=None, train=None, world=None):
     from boostmpi.parallel.engine import Engine
+    from global_tensors import gather_global
 
     cfg = config(arch, device, dtype, parallel, train)
     # one node: the local rank is the world rank, so each rank has its own (emulated) GPU
@@ -72,7 +73,7 @@ def step(arch, device, dtype, parallel=None, train=None, world=None):
         from boostmpi.backend import to_numpy
 
         return loss, {s.name: to_numpy(eng.grads[s.name]).astype(np.float64) for s in eng.specs}
-    grads = eng.gather_global(eng.grads)
+    grads = gather_global(eng, eng.grads)
     return None if grads is None else (loss, {k: v.astype(np.float64) for k, v in grads.items()})
 
 

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 
+from global_tensors import gather_global
 from gpu_steps import MODEL, config, run_or_abort
 
 STEPS, LR = 3, 0.01
@@ -20,6 +21,7 @@ STEPS, LR = 3, 0.01
 def train(comm, zero, overlap=True):
     from boostmpi.parallel.engine import Engine
     from boostmpi.train.optim import AdamW
+    from boostmpi.train.trainer import optimizer_step
 
     cfg = config("cola", "gpu", "bfloat16", dict(tp=2, dp=2, zero_stage=zero, overlap=overlap), dict(lr=LR))
     engine = Engine(cfg, comm, local_rank=comm.Get_rank())
@@ -30,7 +32,7 @@ def train(comm, zero, overlap=True):
     for _ in range(STEPS):
         tokens = rng.integers(0, MODEL["vocab_size"], (2, MODEL["seq_len"] + 1))
         losses.append(engine.forward_backward([(tokens[:, :-1], tokens[:, 1:])]))
-        engine.optimizer_step(optimizer, LR, 1.0)
+        optimizer_step(engine, optimizer, LR, 1.0)
     return cfg, engine, optimizer, losses
 
 
@@ -39,14 +41,14 @@ def gathered(engine, buffer):
     from boostmpi.model.params import FlatBuffer
 
     host = FlatBuffer(engine.specs, np.float64, np, data=to_numpy(buffer.data).astype(np.float64))
-    return engine.gather_global(host)
+    return gather_global(engine, host)
 
 
 def main(run_dir):
     from mpi4py import MPI
 
+    from boostmpi import checkpoint as ckpt
     from boostmpi.model.params import FlatBuffer
-    from boostmpi.train import checkpoint as ckpt
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
@@ -81,7 +83,7 @@ def main(run_dir):
                               and np.array_equal(to_numpy(optimizer.m), to_numpy(o1.m))):
             failures.append(f"rank {rank}: zero_stage=1 did not load back exactly what it saved")
         full = FlatBuffer(engine.specs, np.float64, np, data=to_numpy(buffer.data).astype(np.float64))
-        masters[zero] = engine.gather_global(full)
+        masters[zero] = gather_global(engine, full)
     if rank == 0:
         ref_losses, ref_params = runs["zero0"][3], runs["zero0"][4]
         for name in ("zero1", "zero1-blocking"):

@@ -139,7 +139,8 @@ def test_attention_kernels_match_the_model(monkeypatch, lanes, shape, dtype):
     monkeypatch.setattr(kernels, "_launch", lambda kernel, *a, **k: (launched.add(kernel.name), launch(kernel, *a, **k)))
     check_against_specification(*shape, dtype)
     suffix = "f32" if dtype == np.float32 else "bf16"
-    assert {f"attention_forward_{suffix}", f"attention_backward_dq_{suffix}", f"attention_backward_{suffix}"} <= launched
+    hd = "hd64_" if shape[4] <= 64 else ""  # head dims up to 64: the entry points whose tiles hold 64 dims
+    assert {f"attention_forward_{hd}{suffix}", f"attention_backward_dq_{hd}{suffix}", f"attention_backward_{hd}{suffix}"} <= launched
 
 
 @pytest.mark.gpu
@@ -154,9 +155,11 @@ def test_attention_kernels_match_the_model_full(lanes, shape, dtype):
 # Each one-line change to the kernel text must fail the check above: on the harness a missing
 # barrier is a reported race or a read of unwritten shared memory, the others wrong numbers.
 
-BARRIER_AFTER_LOAD = "        __syncthreads();\n        float s[ATTN_KEY_TILE];"
+BARRIER_AFTER_LOAD = "        __syncthreads();\n        for (int c0 = 0; c0 < n; c0 += CHUNK) {"
+DQ_BARRIER_AFTER_LOAD = "        __syncthreads();\n        for (int jj = 0; jj < n; ++jj) {"
 MUTATIONS = {
-    "forward barrier after the tile load": (BARRIER_AFTER_LOAD, "        float s[ATTN_KEY_TILE];"),
+    "forward barrier after the tile load": (BARRIER_AFTER_LOAD, BARRIER_AFTER_LOAD.split("\n")[1]),
+    "dQ barrier after the tile load": (DQ_BARRIER_AFTER_LOAD, DQ_BARRIER_AFTER_LOAD.split("\n")[1]),
     "forward barrier before the next tile": (
         "        __syncthreads();  // every row is done with the previous tile\n", ""),
     "dK/dV barrier after the query tile load": (
@@ -165,7 +168,7 @@ MUTATIONS = {
         "for (int kk = 0; kk < DIMS; ++kk) acc[kk] *= rescale;", ""),
     "running sum not rescaled": ("running_sum = running_sum * rescale + tile_sum;",
                                  "running_sum = running_sum + tile_sum;"),
-    "forward mask off by one": ("(jj < n && k0 + jj <= i)", "(jj < n && k0 + jj <= i + 1)"),
+    "forward mask off by one": ("(c0 + jj < n && k0 + c0 + jj <= i)", "(c0 + jj < n && k0 + c0 + jj <= i + 1)"),
     "dQ mask off by one": ("k0 + jj <= i ? expf", "k0 + jj < i ? expf"),
     "dK/dV mask off by one": ("(live && j <= i0 + ii)", "(live && j < i0 + ii)"),
     "delta not subtracted in dK/dV": ("p * (dp - delta_tile[ii])", "p * dp"),
@@ -192,7 +195,8 @@ def kernel_text(monkeypatch):
 def test_each_mutation_fails_the_check(kernel_text, mutation):
     import cudaemu
 
-    check = functools.partial(check_against_specification, 1, 37, 2, 1, 64, np.float32)
+    # T = 70: the second query tile stages two K/V tiles (64 keys of float32 at head dim 64)
+    check = functools.partial(check_against_specification, 1, 70, 2, 1, 64, np.float32)
     kernel_text(*MUTATIONS[mutation])
     with pytest.raises((AssertionError, cudaemu.KernelError)):
         check()
@@ -222,7 +226,8 @@ def test_float32_training_step_through_the_fused_kernels_equals_the_cpu_path(mon
     monkeypatch.setattr(kernels, "_launch", lambda kernel, *a, **k: (launched.append(kernel.name), launch(kernel, *a, **k)))
     train = dict(recompute=recompute)
     errors = _relative_errors(step(arch, "gpu", "float32", train=train), step(arch, "cpu", "float32", train=train))
-    assert {"attention_forward_f32", "attention_backward_dq_f32", "attention_backward_f32"} <= set(launched)
+    # head dim 16: the entry points whose tiles hold 64 dims
+    assert {"attention_forward_hd64_f32", "attention_backward_dq_hd64_f32", "attention_backward_hd64_f32"} <= set(launched)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= F32_TOLERANCE, f"{worst}: relative error {errors[worst]:.3g}"
 
@@ -256,11 +261,11 @@ def check_traffic(dtype):
     dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
     scalars = kernels._attention_scalars(T, H, Hkv, Dh)
     suffix = "f32" if dtype == np.float32 else "bf16"
-    kernels._launch(kernels._kernel("attention", f"attention_backward_dq_{suffix}"),
+    kernels._launch(kernels._kernel("attention", kernels.attention_entry("attention_backward_dq", Dh, suffix)),
                     B * H * -(-T // kernels.ATTENTION_DQ_QUERY_TILE), kernels.ATTENTION_THREADS,
                     (q, k, v, o, do, lse, delta, dq, *scalars))
     counted["backward_dq"] = cudaemu.global_bytes(reset=True)
-    kernels._launch(kernels._kernel("attention", f"attention_backward_{suffix}"),
+    kernels._launch(kernels._kernel("attention", kernels.attention_entry("attention_backward", Dh, suffix)),
                     B * Hkv * -(-T // kernels.ATTENTION_BWD_KEY_TILE), kernels.ATTENTION_THREADS,
                     (q, k, v, do, lse, delta, dk, dv, *scalars))
     counted["backward_dkdv"] = cudaemu.global_bytes(reset=True)
@@ -276,7 +281,7 @@ def check_traffic(dtype):
 def test_a_forward_reading_keys_past_the_causal_limit_fails_the_traffic_check(kernel_text):
     """Keys after a query tile's last query are masked anyway, so the results stay right: only the
     counted bytes show that K and V are read to T instead of to the tile's end."""
-    kernel_text("running_sum = 0.0f;\n\n    const int key_end = min(tokens, q0 + ATTN_QUERY_TILE);",
+    kernel_text("running_sum = 0.0f;\n\n    const int key_end = min(tokens, r.q0 + ATTN_QUERY_TILE);",
                 "running_sum = 0.0f;\n\n    const int key_end = tokens;")
     check_against_specification(1, 100, 2, 1, 64, np.float32)
     with pytest.raises(AssertionError):

@@ -143,8 +143,9 @@ def test_a_nan_loss_stops_with_one_line_and_keeps_the_last_checkpoint(shards, tm
 
 def checkpoint_as_if_written_with(run_dir, step, **changes):
     """Rewrite checkpoint `step` of `run_dir` as if its run had been configured with `changes`."""
+    from boostmpi import checkpoint as ckpt
     from boostmpi.config import load_config
-    from boostmpi.train import checkpoint as ckpt
+    from global_tensors import save_global
     from train_helpers import h5_datasets
 
     folder = run_dir / "checkpoints" / f"step_{step:08d}"
@@ -153,7 +154,7 @@ def checkpoint_as_if_written_with(run_dir, step, **changes):
     moments = tuple({k.split("/", 1)[1]: v for k, v in optim.items() if k.startswith(f"{which}/")} for which in "mv")
     state = ckpt.read_state(folder)
     shutil.rmtree(folder)
-    ckpt.save_global(str(run_dir), step, cfg, model, moments, step, state)
+    save_global(str(run_dir), step, cfg, model, moments, step, state)
 
 
 def test_resuming_with_another_dp_that_would_change_the_global_batch_is_refused(shards, tmp_path, capfd):
@@ -305,3 +306,79 @@ def test_a_lone_copy_of_model_h5_is_refused_naming_the_missing_rank_files(traine
                  ["generate", str(lone), "--prompt", "a"]):
         assert_refused(capfd, argv, tmp_path, f"{lone} is not a checkpoint by itself", "rank-tp0-pp0-dp0.h5",
                        "--to h5")
+
+
+# ---------------------------------------------------------------- refused before any weight is drawn
+
+@pytest.fixture
+def engines_built(monkeypatch):
+    """The engines built in this test (each one draws its weights as it is built)."""
+    from boostmpi.parallel.engine import Engine
+
+    built, real = [], Engine.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(args)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "__init__", counted)
+    return built
+
+
+def refusals_after_a_run(shards, tmp_path):
+    """{case: (argv, fragments)}: a bad run directory, a bad configuration, bad data, and a checkpoint
+    the configuration or the data cannot continue; `tmp_path/done` holds a finished 2-step run to resume."""
+    done = tmp_path / "done"
+    assert run_train(done, *shards, "train.steps=2") == 0
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder\n")
+    no_checkpoint = tmp_path / "no_checkpoint"
+    no_checkpoint.mkdir()
+    (no_checkpoint / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    bad = write_bad_shard(data, "id_beyond_vocab")
+    other_train = data / "fewer_windows.bin"
+    write_shard(other_train, np.arange(3000) % 256)
+    return {
+        "run dir is a file": (train_argv(a_file, *shards), ["a_file", "is a file"]),
+        "run dir holds a run without a checkpoint": (train_argv(no_checkpoint, *shards), ["metrics.jsonl"]),
+        "bad configuration": (train_argv(tmp_path / "run", *shards, "model.d_model=30"), ["model.d_model = 30"]),
+        "bad data": (train_argv(tmp_path / "run", bad, shards[1]), [bad.name, "300"]),
+        "checkpoint of another model": (train_argv(done, *shards, "train.steps=4", "model.d_model=64"),
+                                        ["cannot resume from", "d_model"]),
+        "checkpoint of other data": (train_argv(done, other_train, shards[1], "train.steps=4"),
+                                     ["cannot resume", "windows"]),
+    }
+
+
+def test_bad_run_dir_data_or_checkpoint_is_refused_before_any_weight_is_drawn(shards, tmp_path, capfd,
+                                                                              engines_built):
+    cases = refusals_after_a_run(shards, tmp_path)
+    engines_built.clear()  # the run made to resume
+    for case, (argv, fragments) in cases.items():
+        assert_refused(capfd, argv, tmp_path, *fragments)
+        assert engines_built == [], f"{case}: an engine (its weights) was built before the refusal"
+
+
+def test_the_check_sees_weights_drawn_before_a_refusal(shards, tmp_path, capfd, engines_built, monkeypatch):
+    """Mutant: the trainer builds its engine (draws the weights) right after the process grid, before
+    the checks; the refusal is the same line, and the count of engines built shows the difference."""
+    import inspect
+    import textwrap
+
+    from boostmpi.train import trainer
+
+    source = textwrap.dedent(inspect.getsource(trainer.Trainer.__init__))
+    build = "        self.engine = Engine(cfg, self.grid)  # the weights are drawn here, after every check\n"
+    grid = "    self.grid = process_grid(cfg, world, local_rank)\n"
+    assert build in source and grid in source, "Trainer.__init__ no longer reads as this mutant expects"
+    mutant = source.replace(build, "").replace(grid, grid + build.replace("        ", "    ", 1))
+    namespace = {}
+    exec(compile(mutant, trainer.__file__, "exec"), vars(trainer), namespace)  # noqa: S102 - the mutant
+    monkeypatch.setattr(trainer.Trainer, "__init__", namespace["__init__"])
+    data = tmp_path / "data"
+    data.mkdir()
+    bad = write_bad_shard(data, "id_beyond_vocab")
+    assert_refused(capfd, train_argv(tmp_path / "run", bad, shards[1]), tmp_path, bad.name, "300")
+    assert len(engines_built) == 1

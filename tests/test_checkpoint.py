@@ -12,12 +12,14 @@ import h5py
 import numpy as np
 import pytest
 
+from boostmpi import checkpoint as ckpt
+from boostmpi.checkpoint import writer
 from boostmpi.cli import main
 from boostmpi.config import SECTIONS, load_config
-from boostmpi.errors import CheckpointError
 from boostmpi.parallel.engine import Engine
-from boostmpi.train import checkpoint as ckpt
 from boostmpi.train.trainer import Trainer
+from checkpoint_stages import at_stage
+from global_tensors import save_global
 from train_helpers import (TINY_CONFIG, assert_refused, file_digests, h5_datasets, read_metrics, reproducible,
                            run_train, stop_signals_restored, write_text_shards)
 
@@ -164,8 +166,8 @@ def test_a_failure_mid_write_leaves_the_previous_checkpoint_in_charge(stage, sha
     model = h5_datasets(previous / "model.h5")
     optim = h5_datasets(previous / "optim.h5")
     moments = tuple({k.split("/", 1)[1]: v for k, v in optim.items() if k.startswith(f"{which}/")} for which in "mv")
-    with pytest.raises(SimulatedCrash):
-        ckpt.save_global(str(run_dir), 3, cfg, model, moments, 3, ckpt.read_state(previous), crash_hook=crash_at)
+    with pytest.raises(SimulatedCrash), at_stage(crash_at):
+        save_global(str(run_dir), 3, cfg, model, moments, 3, ckpt.read_state(previous))
 
     # the failed write took its temporary folder with it; everything that was there before is untouched
     assert {p.name for p in folder.iterdir()} == names_before
@@ -292,7 +294,7 @@ def test_a_failed_async_write_stops_the_run_with_the_previous_checkpoint_intact(
     import os
 
     run_dir = tmp_path / "run"
-    write = ckpt.write_file_image  # what an asynchronous save writes its snapshot with
+    write = writer.write_file_image  # what an asynchronous save writes its snapshot with
     calls = []
 
     def fail_the_second(path, *args, **kwargs):
@@ -301,7 +303,7 @@ def test_a_failed_async_write_stops_the_run_with_the_previous_checkpoint_intact(
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
         write(path, *args, **kwargs)
 
-    monkeypatch.setattr(ckpt, "write_file_image", fail_the_second)
+    monkeypatch.setattr(writer, "write_file_image", fail_the_second)
     capfd.readouterr()
     status = run_train(run_dir, *shards, "train.steps=6", "checkpoint.every=2", "checkpoint.async=true")
     err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
@@ -334,14 +336,14 @@ def test_a_rank_file_is_hashed_while_its_fsync_waits_for_the_disk(tmp_path, monk
     import xxhash
     import threading
 
-    started, real_digest = threading.Event(), ckpt._file_digest
-    monkeypatch.setattr(ckpt, "_file_digest", lambda path: (started.set(), real_digest(path))[1])
+    started, real_digest = threading.Event(), writer.file_digest
+    monkeypatch.setattr(writer, "file_digest", lambda path: (started.set(), real_digest(path))[1])
     overlapped = []
-    monkeypatch.setattr(ckpt, "_fsync_file", lambda path: overlapped.append(started.wait(timeout=5)))
+    monkeypatch.setattr(writer, "fsync_file", lambda path: overlapped.append(started.wait(timeout=5)))
     path = tmp_path / "rank.h5"
     path.write_bytes(b"boost" * 1000)
     phases = {}
-    record = ckpt._file_record(str(path), phases)
+    record = writer.file_record(str(path), phases)
     assert overlapped == [True], "the hash did not start before the fsync returned"
     assert record == {"bytes": 5000, "xxh3_64": xxhash.xxh3_64(b"boost" * 1000).hexdigest()}
     assert set(phases) == {"fsync", "checksum"}

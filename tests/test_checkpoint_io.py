@@ -13,9 +13,10 @@ import h5py
 import numpy as np
 import pytest
 
+from boostmpi import checkpoint as ckpt
+from boostmpi.checkpoint import layout, runs, writer
 from boostmpi.config import load_config
 from boostmpi.model.params import all_global_specs
-from boostmpi.train import checkpoint as ckpt
 from train_helpers import TINY_CONFIG
 
 
@@ -43,14 +44,14 @@ def assert_rank_file_holds(path, cfg, state):
                 np.testing.assert_array_equal(ds[()], p.take(flat, lo))
 
 
-@pytest.mark.parametrize("layout", [("parallel.tp=1",), ("parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=1"),
-                                    ("parallel.pp=2", "parallel.dp=3")])
-def test_a_rank_file_is_the_same_bytes_however_it_is_written(layout, tmp_path):
-    cfg = layout_config(tmp_path, *layout)
+@pytest.mark.parametrize("settings", [("parallel.tp=1",), ("parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=1"),
+                                      ("parallel.pp=2", "parallel.dp=3")])
+def test_a_rank_file_is_the_same_bytes_however_it_is_written(settings, tmp_path):
+    cfg = layout_config(tmp_path, *settings)
     for state in random_states(cfg):
         first, kept, image_file = (tmp_path / f"{name}-{'-'.join(map(str, state.coords))}.h5"
                                    for name in ("first", "kept", "image"))
-        ckpt._STRUCTURES.clear()
+        layout._STRUCTURES.clear()
         ckpt.write_rank_file(str(first), cfg, state)  # HDF5 lays out the structure
         ckpt.write_rank_file(str(kept), cfg, state)  # the kept structure, positioned writes
         image, size = ckpt.rank_file_image(str(image_file), cfg, state)
@@ -127,7 +128,7 @@ def test_an_error_other_than_no_direct_io_is_raised(tmp_path, monkeypatch):
     def disk_full(fd, data, offset):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(ckpt, "write_at", disk_full)
+    monkeypatch.setattr(writer, "write_at", disk_full)
     with pytest.raises(OSError) as caught:
         ckpt.write_file_image(path, image, size)
     assert caught.value.errno == errno.ENOSPC
@@ -140,17 +141,17 @@ def test_the_background_writer_runs_at_the_lowest_cpu_priority_and_leaves_the_ca
     pending = ckpt.PendingSave(cfg.train.run_dir, 1, cfg, [state], 0, {"data": {}})
     pending.snapshot()
     seen = []
-    real_write = ckpt.write_file_image
+    real_write = writer.write_file_image
 
     def write_and_look(*args):
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         real_write(*args)
 
-    monkeypatch.setattr(ckpt, "write_file_image", write_and_look)
+    monkeypatch.setattr(writer, "write_file_image", write_and_look)
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    writer = threading.Thread(target=pending.write_in_background)
-    writer.start()
-    writer.join()
+    thread = threading.Thread(target=pending.write_in_background)
+    thread.start()
+    thread.join()
     assert seen == [19]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
     folder = pending.finish()
@@ -179,7 +180,7 @@ def test_pruning_in_the_background_never_shows_half_a_checkpoint(tmp_path, monke
     root = os.path.join(run_dir, "checkpoints")
     deleting = threading.Event()
     release = threading.Event()
-    real_rmtree = ckpt.shutil.rmtree
+    real_rmtree = runs.shutil.rmtree
 
     def slow_rmtree(path, *args, **kwargs):  # the deleting thread waits here until the test has looked
         if os.path.basename(path).endswith(".tmp-pruned") and threading.current_thread().name == "boostmpi-prune":
@@ -187,7 +188,7 @@ def test_pruning_in_the_background_never_shows_half_a_checkpoint(tmp_path, monke
             release.wait(timeout=30)
         return real_rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr(ckpt.shutil, "rmtree", slow_rmtree)
+    monkeypatch.setattr(runs.shutil, "rmtree", slow_rmtree)
     for step in (1, 2):
         ckpt.save(run_dir, step, cfg, random_states(cfg, step), 0, {"data": {}}, keep=1, prune_in_background=True)
     assert deleting.wait(timeout=30)
@@ -241,7 +242,7 @@ def test_a_rank_file_goes_out_in_whole_staged_chunks_and_is_cut_to_its_size(stag
     image byte for byte, with its checksum that of its bytes."""
     import xxhash
 
-    monkeypatch.setattr(ckpt.SequentialWriter, "STAGING", staging)
+    monkeypatch.setattr(writer.SequentialWriter, "STAGING", staging)
     cfg = layout_config(tmp_path, "parallel.tp=2")
     state = random_states(cfg)[1]
     path = str(tmp_path / "rank.h5")
@@ -264,7 +265,7 @@ def test_a_file_size_limit_inside_the_last_pages_padding_falls_back_to_ordinary_
     if size % 4096 == 0:
         pytest.skip("this file ends on a page: no padding")
     limit = (size // 1024 + 1) * 1024  # ulimit -f counts KiB: past the end, inside the last page
-    real_write_at, cut = ckpt.write_at, []
+    real_write_at, cut = writer.write_at, []
 
     def write_up_to_the_limit(fd, data, offset):
         n = len(memoryview(data).cast("B"))
@@ -275,7 +276,7 @@ def test_a_file_size_limit_inside_the_last_pages_padding_falls_back_to_ordinary_
             raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
         return real_write_at(fd, data, offset)
 
-    monkeypatch.setattr(ckpt, "write_at", write_up_to_the_limit)
+    monkeypatch.setattr(writer, "write_at", write_up_to_the_limit)
     ckpt.write_rank_file(path, cfg, state)
     assert cut and os.path.getsize(path) == size < limit
     assert_rank_file_holds(path, cfg, state)

@@ -11,12 +11,15 @@ import h5py
 import numpy as np
 import pytest
 
+from boostmpi import checkpoint as ckpt
 from boostmpi.config import config_from_dict
 from boostmpi.errors import CheckpointError
 from boostmpi.model.params import FlatBuffer
 from boostmpi.parallel.engine import Engine
-from boostmpi.train import checkpoint as ckpt
 from boostmpi.train.optim import AdamW
+from boostmpi.train.trainer import optimizer_step
+from checkpoint_stages import at_stage
+from global_tensors import gather_global
 from mpi_helpers import abort_on_error, assert_all_ranks, on_root, world
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -41,7 +44,7 @@ def trained_engine(run_dir, zero=1):
     for _ in range(2):
         tokens = rng.integers(0, MODEL["vocab_size"], (2, MODEL["seq_len"] + 1))
         engine.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
-        engine.optimizer_step(optimizer, 0.01, 1.0)
+        optimizer_step(engine, optimizer, 0.01, 1.0)
     return cfg, engine, optimizer
 
 
@@ -50,12 +53,12 @@ def gathered_moment(engine, optimizer, which):
     full = FlatBuffer(engine.specs, np.float64)
     lo, hi = optimizer.shard
     full.data[lo:hi] = getattr(optimizer, which)
-    if engine.sharded:
+    if engine.data_parallel.sharded:
         from mpi4py import MPI
 
-        counts = [b - a for a, b in engine.dp_ranges]
-        engine.grid.dp.comm.Allgatherv(MPI.IN_PLACE, [full.data, counts, [a for a, _ in engine.dp_ranges], MPI.DOUBLE])
-    return engine.gather_global(full)
+        counts = [b - a for a, b in engine.data_parallel.ranges]
+        engine.grid.dp.comm.Allgatherv(MPI.IN_PLACE, [full.data, counts, [a for a, _ in engine.data_parallel.ranges], MPI.DOUBLE])
+    return gather_global(engine, full)
 
 
 def save(cfg, engine, optimizer, step, **kwargs):
@@ -76,7 +79,7 @@ def test_every_rank_writes_its_file_and_the_folder_reads_as_global_tensors_where
     comm = world()
     base, cfg, engine, optimizer, folder = saved_run(tmp_path)
     with abort_on_error():
-        params = engine.gather_global(engine.params)
+        params = gather_global(engine, engine.params)
         moments = {w: gathered_moment(engine, optimizer, w) for w in "mv"}
     tp, pp, dp = layout(comm.Get_size())
 
@@ -126,7 +129,8 @@ def test_a_rank_failing_mid_save_leaves_the_previous_checkpoint_in_charge(tmp_pa
 
     failure = None
     try:
-        save(cfg, engine, optimizer, 3, crash_hook=crash)
+        with at_stage(crash):
+            save(cfg, engine, optimizer, 3)
     except CheckpointError as exc:
         failure = str(exc)
     assert_all_ranks(failure is not None and "SimulatedCrash" in failure and "unchanged" in failure,

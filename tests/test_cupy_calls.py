@@ -115,7 +115,7 @@ def test_the_unfused_attention_is_what_the_gpu_path_runs_past_the_kernels_head_d
     record_steps([("full", "float32", None)], unfused=True)
     assert launched and not [name for name in launched if name.startswith("attention_")], launched
     record_steps([("full", "float32", None)])
-    assert {"attention_forward_f32", "attention_backward_dq_f32", "attention_backward_f32"} <= set(launched)
+    assert {"attention_forward_hd64_f32", "attention_backward_dq_hd64_f32", "attention_backward_hd64_f32"} <= set(launched)
 
 
 def _grouped_matmul_with_cupys_batched_matmul():

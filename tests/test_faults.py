@@ -65,7 +65,7 @@ FAULT_LAUNCHER = textwrap.dedent('''
     elif "-while-saving-step-" in fault:
         # kill-while-saving-step-N: rank 0 gets SIGKILL between model.h5 and the rest;
         # kill-rank-1-while-saving-step-N: rank 1 gets it once its own file is written, the others still writing
-        from boostmpi.train import checkpoint
+        from boostmpi import checkpoint
 
         # stop-rank-1-while-saving-step-N: rank 1 is stopped (SIGSTOP) there instead: alive, never answering
         import time
@@ -73,18 +73,31 @@ FAULT_LAUNCHER = textwrap.dedent('''
         kill_step = int(fault.rsplit("-", 1)[1])
         victim, at = (1, "rank file") if fault.startswith(("kill-rank-1-", "stop-rank-1-")) else (0, "model.h5")
         how = signal.SIGSTOP if fault.startswith("stop-") else signal.SIGKILL
-        save = checkpoint.save
+        from boostmpi.checkpoint import writer
+
+        save, armed = checkpoint.save, [False]
+
+        def die(stage):  # a stage of the save of step N reached on the victim rank
+            if armed[0] and stage == at and rank == victim:
+                if os.environ.get("BOOSTMPI_FAULT_NOTE"):  # when it happened, for the test to measure from
+                    with open(os.environ["BOOSTMPI_FAULT_NOTE"], "w") as note:
+                        note.write(f"{how.name} {time.time():.3f}\\n")
+                os.kill(os.getpid(), how)
+
+        def then_die(function, stage):
+            def wrapped(*args, **kwargs):
+                result = function(*args, **kwargs)
+                die(stage)
+                return result
+            return wrapped
+
+        # the stages, from outside the product: this rank's file written, or rank 0's model.h5 written
+        writer.write_rank_file = then_die(writer.write_rank_file, "rank file")
+        writer.write_file_image = then_die(writer.write_file_image, "rank file")
+        writer.write_virtual_files = then_die(writer.write_virtual_files, "model.h5")
 
         def save_then_die(run_dir, step, *args, **kwargs):
-            if step == kill_step:
-                def die_after_model_h5(stage):
-                    if stage == at and rank == victim:
-                        if os.environ.get("BOOSTMPI_FAULT_NOTE"):  # when it happened, for the test to measure from
-                            with open(os.environ["BOOSTMPI_FAULT_NOTE"], "w") as note:
-                                note.write(f"{how.name} {time.time():.3f}\\n")
-                        os.kill(os.getpid(), how)
-
-                kwargs["crash_hook"] = die_after_model_h5
+            armed[0] = step == kill_step
             return save(run_dir, step, *args, **kwargs)
 
         checkpoint.save = save_then_die
@@ -114,6 +127,18 @@ FAULT_LAUNCHER = textwrap.dedent('''
             return validate(self)
 
         trainer.Trainer.validate = signalled_validate
+    elif fault.startswith("sigusr1-on-rank-1-after-the-all-reduce-of-step-"):
+        # one rank alone is signalled, after the step's merged all-reduce (while it makes the metrics row)
+        from boostmpi.train import metrics
+
+        step_row, at = metrics.step_row, int(fault.rsplit("-", 1)[1])
+
+        def signalling_step_row(step, *args, **kwargs):
+            if step == at and rank == 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return step_row(step, *args, **kwargs)
+
+        metrics.step_row = signalling_step_row
     elif fault.startswith(("EDQUOT-", "EFBIG-")) and rank == 0:
         # EDQUOT-metrics-at-N: the N-th metrics row gets half-way, then the quota is exceeded;
         # EFBIG-log-at-N: the N-th line of the log (standard output) meets the file-size limit
@@ -303,7 +328,7 @@ def test_kill_9_of_one_rank_ends_all_and_the_restart_continues_exactly(tmp_path,
     assert not any(_alive(pid) for pid in ranks.values()), "a rank outlived the job"
     assert "done: step" not in log
 
-    from boostmpi.train.checkpoint import find_latest
+    from boostmpi.checkpoint import find_latest
 
     latest = find_latest(str(run_dir))
     assert latest is not None
@@ -323,7 +348,7 @@ def test_kill_9_of_one_rank_ends_all_and_the_restart_continues_exactly(tmp_path,
                                         ("kill-rank-1-while-saving-step-", "rank-tp1-pp0-dp0.h5")])
 def test_kill_during_checkpoint_writing_keeps_the_previous_checkpoint(fault, left, tmp_path, reference):
     from boostmpi.errors import CheckpointError
-    from boostmpi.train import checkpoint
+    from boostmpi import checkpoint
 
     run_dir = tmp_path / "run"
     kill_step = 3 * EVERY
@@ -387,7 +412,7 @@ def test_a_stop_signal_writes_a_checkpoint_exits_75_and_the_rerun_resumes(how, t
     stopped = int(log.split("stopped by signal at step ")[1].split(":")[0])
     assert 15 <= stopped < STEPS
 
-    from boostmpi.train.checkpoint import find_latest
+    from boostmpi.checkpoint import find_latest
 
     latest = find_latest(str(run_dir))
     assert latest == str(run_dir / "checkpoints" / f"step_{stopped:08d}")
@@ -470,14 +495,14 @@ def _assert_disk_full_refusal(status, err, run_dir, before, *fragments):
 def test_a_write_that_hits_a_full_disk_removes_its_temporary_folder(where, text_shards, tmp_path, capfd, monkeypatch):
     import errno
 
-    from boostmpi.train import checkpoint
+    from boostmpi.checkpoint import writer as checkpoint_writer  # where the save looks its writers up
     from train_helpers import run_train, stop_signals_restored
 
     run_dir = tmp_path / "run"
     assert run_train(run_dir, *text_shards, "train.steps=2") == 0
     before = _checkpoint_folder_state(run_dir)
     writer = "write_rank_file" if where == "rank file" else "write_virtual_files"
-    write = getattr(checkpoint, writer)
+    write = getattr(checkpoint_writer, writer)
 
     def write_until_full(path, *args, **kwargs):
         target = path if where == "rank file" else os.path.join(path, "model.h5")
@@ -485,7 +510,7 @@ def test_a_write_that_hits_a_full_disk_removes_its_temporary_folder(where, text_
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), target)
 
     assert write is not None
-    monkeypatch.setattr(checkpoint, writer, write_until_full)
+    monkeypatch.setattr(checkpoint_writer, writer, write_until_full)
     capfd.readouterr()
     with stop_signals_restored():
         status = run_train(run_dir, *text_shards, "train.steps=4")
@@ -709,7 +734,7 @@ def test_a_quota_or_file_size_limit_on_rank_0_ends_every_rank_with_one_line(faul
     """Injected on rank 0 alone (the fault launcher): the job ends with one line and exit status 2 on
     every rank at the next step, no traceback; metrics.jsonl ends with its last whole row, in step
     order; the last checkpoint is intact."""
-    from boostmpi.train import checkpoint
+    from boostmpi import checkpoint
 
     run_dir = tmp_path / "run"
     status, out, seconds = _run(_train_argv(run_dir, program=("-c", FAULT_LAUNCHER), steps=60),
@@ -769,7 +794,7 @@ def test_a_rank_stopped_or_killed_during_a_checkpoint_ends_every_rank_within_the
     """Rank 1 gets SIGSTOP (alive, never answering) or SIGKILL once its own file of the step-30
     checkpoint is written, while the others wait in the checkpoint's agreement: every rank is gone
     within parallel.watchdog_s + 5 s, and the step-20 checkpoint is still the latest and intact."""
-    from boostmpi.train import checkpoint
+    from boostmpi import checkpoint
 
     run_dir = tmp_path / "run"
     argv = _train_argv(run_dir, program=("-c", FAULT_LAUNCHER), steps=40) + ["--set", f"parallel.watchdog_s={WATCHDOG_S}"]
@@ -796,6 +821,24 @@ def test_a_stop_signal_late_in_a_step_is_acted_on_at_that_step(tmp_path):
     assert status == 75, out
     assert "stopped by signal at step 15: checkpoint written" in out, out
     assert [s for s, _ in _losses(run_dir)][-1] == 15
+
+
+def test_a_stop_signal_on_one_rank_after_the_all_reduce_stops_at_that_step_boundary(tmp_path, reference):
+    """SIGUSR1 to rank 1 alone, after step 17's merged all-reduce: the other ranks learn of it from step
+    18's all-reduce, that step is dropped, and the checkpoint is of step 17; the rerun matches the
+    uninterrupted run's losses exactly (the dropped step's batches went back to the data stream)."""
+    run_dir = tmp_path / "run"
+    status, out, _ = _run(_train_argv(run_dir, program=("-c", FAULT_LAUNCHER)),
+                          BOOSTMPI_FAULT="sigusr1-on-rank-1-after-the-all-reduce-of-step-17")
+    assert status == 75, out
+    assert "stopped by signal at step 17: checkpoint written" in out, out
+    assert [s for s, _ in _losses(run_dir)][-1] == 17
+    from boostmpi.checkpoint import find_latest
+
+    assert find_latest(str(run_dir)) == str(run_dir / "checkpoints" / f"step_{17:08d}")
+    status, out, _ = _run(_train_argv(run_dir))
+    assert status == 0, out
+    assert _losses(run_dir) == reference
 
 
 def test_a_refused_metrics_row_is_cut_off_again(tmp_path, monkeypatch):
@@ -835,7 +878,7 @@ def test_a_second_ctrl_c_stops_at_once_without_claiming_a_clean_stop(tmp_path):
     status after its forced abort is Hydra's: MPICH 5.0.2 returned 255 in some runs and 0 in others
     (its proxy fails an assertion while cleaning up), so the run directory, not that status, is
     what tells a script the run did not finish."""
-    from boostmpi.train import checkpoint
+    from boostmpi import checkpoint
 
     run_dir = tmp_path / "run"
     proc = _start(_train_argv(run_dir, program=("-c", FAULT_LAUNCHER)), tmp_path / "log", BOOSTMPI_FAULT="slow-stop-save")

@@ -47,7 +47,7 @@ class DoublingGroup:
 def reduce_bottleneck(dtype, strategy_class=None):
     import cupy
 
-    from boostmpi.backend import compute_dtype
+    from boostmpi.precision import compute_dtype
     from boostmpi.model import layers
     from boostmpi.model.recompute import NO_TAPE
     from boostmpi.parallel.tensor_parallel.btp import BottleneckTP

@@ -34,6 +34,14 @@ class RecordingComm:
     def Barrier(self):
         self._note("Barrier")
 
+    def allgather(self, obj):
+        self._note("allgather")
+        return [obj]
+
+    def allreduce(self, value, op):  # what a raw mpi4py call would be: the watchdog would not see it
+        self._note("allreduce")
+        return value
+
     def Send(self, buf, dest, tag):
         self._note("Send")
 
@@ -76,3 +84,33 @@ def test_a_training_step_makes_one_world_all_reduce(tmp_path):
     validations = 1  # the last step validates
     late_stops = 1  # and agrees on a stop signal that came after its all-reduce (during validation)
     assert len(reductions) == steps + logged + validations + late_stops, comm.calls
+
+
+def start_up_calls(count_nodes):
+    """The calls the start-up checks make on a world communicator, with whether each was watched."""
+    from boostmpi.parallel import startup
+
+    comm = RecordingComm()
+    assert count_nodes(comm, 0) == 1
+    startup.check_gpu_per_rank(comm, 0, "0000:41:00.0", environ={}, out=io.StringIO())
+    return comm.calls
+
+
+def test_the_start_up_checks_collectives_are_watched():
+    """The start-up checks reduce and gather through HostCollectives, whose every call the watchdog
+    watches; the mutant count_nodes with a raw mpi4py all-reduce is seen unwatched."""
+    import inspect
+    import textwrap
+
+    from boostmpi.parallel import startup
+
+    calls = start_up_calls(startup.count_nodes)
+    assert [name for name, _ in calls] == ["Allreduce", "allgather"] and all(w for _, w in calls), calls
+
+    source = textwrap.dedent(inspect.getsource(startup.count_nodes))
+    watched = "int(HostCollectives(world).sum([int(local_rank == 0)])[0])"
+    assert source.count(watched) == 1
+    namespace = {}
+    exec(source.replace(watched, "world.allreduce(int(local_rank == 0), op=None)"), vars(startup), namespace)
+    calls = start_up_calls(namespace["count_nodes"])
+    assert not all(w for _, w in calls), calls

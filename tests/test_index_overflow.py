@@ -331,15 +331,17 @@ def run_adamw(pool, small, code=None, warp=32):
 # ------------------------------------------------------------------------------ attention and RoPE
 
 
-def run_attention(pool, suffix, code=None, warp=32):
-    """The three attention passes at q, o, dO, dQ [B, T, H, Dh] of more than 2^32 elements, over
+def run_attention(pool, suffix, code=None, warp=32, head_dim=ATTN_DH):
+    """The three attention passes at q, o, dO, dQ [B, T, H, Dh] of more than 2^32 elements (head_dim
+    64: twice the heads, so the same elements, through the entry points whose tiles hold 64 dims), over
     the blocks of the last batch's last key/value head group (the largest indices): the forward and
     dQ blocks of its G query heads, the dK/dV blocks of its key/value head, against the model's
     NumPy attention on that group."""
     from test_attention_kernel import specification
 
     dtype = DTYPES[suffix]
-    B, T, H, Hkv, Dh = ATTN_B, ATTN_T, ATTN_H, ATTN_HKV, ATTN_DH
+    B, T, Dh = ATTN_B, ATTN_T, head_dim
+    H, Hkv = ATTN_H * ATTN_DH // Dh, ATTN_HKV * ATTN_DH // Dh
     G = H // Hkv
     q, o, do, dq = (Tensor(pool[i], (B, T, H, Dh), dtype) for i in range(4))
     side = [cudaemu.alloc(B * T * Hkv * Dh * 4) for _ in range(4)] + [cudaemu.alloc(B * H * T * 4) for _ in range(2)]
@@ -362,7 +364,7 @@ def run_attention(pool, suffix, code=None, warp=32):
         def run(entry, tile, heads, first_slice, n_slices, args):
             tiles = -(-T // tile)
             blocks = [s * tiles + x for s in range(first_slice, first_slice + n_slices) for x in range(tiles)]
-            function("attention", f"{entry}_{suffix}", code, warp)(B * heads * tiles, loader.ATTENTION_THREADS, args,
+            function("attention", loader.attention_entry(entry, Dh, suffix), code, warp)(B * heads * tiles, loader.ATTENTION_THREADS, args,
                                                                    blocks=blocks)
 
         last_group = (B - 1) * H + H - G  # the slice (b, h) of the group's first query head
@@ -382,10 +384,11 @@ def run_attention(pool, suffix, code=None, warp=32):
             buf.free()
 
 
+@pytest.mark.parametrize("head_dim", [ATTN_DH, 64], ids=["hd128", "hd64"])
 @pytest.mark.parametrize("warp", WARPS)
 @pytest.mark.parametrize("suffix", DTYPES)
-def test_attention_kernels_index_more_than_2_32_elements(pool, suffix, warp):
-    run_attention(pool, suffix, warp=warp)
+def test_attention_kernels_index_more_than_2_32_elements(pool, suffix, warp, head_dim):
+    run_attention(pool, suffix, warp=warp, head_dim=head_dim)
 
 
 def run_rope(pool, small, suffix, code=None, warp=32):

@@ -11,6 +11,7 @@ import pytest
 
 from boostmpi.cli import main
 from boostmpi.config import config_from_dict
+from global_tensors import gather_global
 from mpi_helpers import abort_on_error, assert_all_ranks, on_root, world
 from train_helpers import h5_datasets, read_metrics, reproducible, train_argv, write_text_shards
 
@@ -53,14 +54,15 @@ def batches(step, grad_accum, dp=1, dp_rank=None):
 def run_steps(engine, grad_accum, dp=1, reference=False):
     """(losses, gathered global gradients per step (rank 0), in-flight activation bytes of this rank)."""
     from boostmpi.train.optim import AdamW, learning_rate
+    from boostmpi.train.trainer import optimizer_step
 
     optimizer = AdamW(engine.params, engine.specs, engine.cfg.train, shard=engine.shard)
     losses, grads = [], []
     for step in range(STEPS):
         engine.grid.counter.reset()
         losses.append(engine.forward_backward(batches(step, grad_accum, dp, None if reference else engine.grid.coords.dp)))
-        grads.append(engine.gather_global(engine.grads))
-        engine.optimizer_step(optimizer, learning_rate(step, engine.cfg.train), TRAIN["grad_clip"])
+        grads.append(gather_global(engine, engine.grads))
+        optimizer_step(engine, optimizer, learning_rate(step, engine.cfg.train), TRAIN["grad_clip"])
     pp_bytes = engine.grid.counter.bytes["pp"]
     if engine.grid.world is not None:
         pp_bytes = engine.grid.world.allreduce(pp_bytes)
@@ -370,7 +372,7 @@ def test_interleaved_on_the_gpu_path(comm):
                                               dtype=dtype)}, world_size=pp)
         engine = Engine(cfg, world_comm, local_rank=world_comm.Get_rank())
         loss = engine.forward_backward(batches(0, M))
-        return loss, engine.gather_global(engine.grads)
+        return loss, gather_global(engine, engine.grads)
 
     with abort_on_error():
         plain, inter = run(1, "gpu", "float32"), run(2, "gpu", "float32")

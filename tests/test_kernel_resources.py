@@ -256,27 +256,40 @@ def test_hiprtc_rejects_a_host_header_constant():
 
 
 # One-line changes to attention.cu that break its budget: each must fail the check above.
-# Without __launch_bounds__(256, 2) ptxas gives the forward more than 128 registers a thread.
+# Without __launch_bounds__(256, 2) ptxas gives the kernels more than 128 registers a thread.
 ATTENTION_NO_LAUNCH_BOUNDS = ("attention", "#define ATTN_BLOCKS_PER_SM 2", "#define ATTN_BLOCKS_PER_SM 1")
 # 32 staged queries in dK/dV: 33 KiB of LDS a block, one block per 64 KiB CU
 ATTENTION_LARGER_DKDV_TILE = ("attention", "#define ATTN_BWD_QUERY_TILE 16", "#define ATTN_BWD_QUERY_TILE 32")
-# store_row testing d < Dh per dim: one 64-bit lane mask per dim stays alive from the loads to
-# the store, and both backward kernels spill SGPRs on gfx90a
-ATTENTION_MASK_PER_DIM = ("attention", "if (k < full || (k == full && in_tail)) row[k * LANES + lane]",
-                          "if (k * LANES + lane < Dh) row[k * LANES + lane]")
+# the dQ pass keeping the K values of its dot product in registers for dq += ds k: it spills on sm_80
+ATTENTION_DQ_KEEPS_K = ("attention", "axpy_row_reread<LANES, DIMS>(acc, p * (dp - row_delta), k_tile[jj], lane);",
+                        "axpy_row<LANES, DIMS>(acc, p * (dp - row_delta), k_tile[jj], lane);")
+# load_row testing d < Dh per dim: the dQ pass (32 dims a lane, three row loads) spills SGPRs on gfx90a
+ATTENTION_LOAD_MASK_PER_DIM = (
+    "attention",
+    "    const int full = Dh / LANES;\n    const bool in_tail = lane < Dh - full * LANES;\n#pragma unroll\n"
+    "    for (int k = 0; k < DIMS; ++k) {\n"
+    "        out[k] = (live && (k < full || (k == full && in_tail))) ? to_float(row[k * LANES + lane]) * factor : 0.0f;",
+    "#pragma unroll\n    for (int k = 0; k < DIMS; ++k) {\n        const int d = k * LANES + lane;\n"
+    "        out[k] = (live && d < Dh) ? to_float(row[d]) * factor : 0.0f;")
+# K and V staged in 48 KiB instead of 32: one block per 64 KiB CU
+ATTENTION_LARGER_KV_STAGE = ("attention", "#define ATTN_KV_STAGE_BYTES 32768", "#define ATTN_KV_STAGE_BYTES 49152")
 
 
-def test_attention_without_its_launch_bounds_fails_the_sm80_budget():
+@pytest.mark.parametrize("mutation,message", [(ATTENTION_NO_LAUNCH_BOUNDS, "attention_.* 1 resident blocks per SM"),
+                                              (ATTENTION_DQ_KEEPS_K, "attention_backward_dq_.* spills")],
+                         ids=["no launch bounds", "dQ keeps K in registers"])
+def test_attention_mutations_fail_the_sm80_budget(mutation, message):
     require("NVRTC")
-    [report] = gpu_compilers.nvrtc([(mutated(*ATTENTION_NO_LAUNCH_BOUNDS), NVIDIA_OPTIONS, "80")])
+    [report] = gpu_compilers.nvrtc([(mutated(*mutation), NVIDIA_OPTIONS, "80")])
     assert report["ok"], report["log"]
-    with pytest.raises(AssertionError, match="attention_forward_.* 1 resident blocks per SM"):
+    with pytest.raises(AssertionError, match=message):
         check_nvidia_budget(gpu_compilers.ptxas_table(report["log"]))
 
 
 @pytest.mark.parametrize("mutation,message", [(ATTENTION_LARGER_DKDV_TILE, "attention_backward_.* 1 resident blocks per CU"),
-                                              (ATTENTION_MASK_PER_DIM, "attention_backward_.* spills")],
-                         ids=["larger dK/dV query tile", "lane mask per dim"])
+                                              (ATTENTION_LOAD_MASK_PER_DIM, "attention_backward_dq_.* spills"),
+                                              (ATTENTION_LARGER_KV_STAGE, "attention_forward_.* 1 resident blocks per CU")],
+                         ids=["larger dK/dV query tile", "load mask per dim", "larger K/V stage"])
 def test_attention_mutations_fail_the_gfx90a_budget(entries, mutation, message):
     require("hipcc")
     with pytest.raises(AssertionError, match=message):

@@ -36,8 +36,9 @@ ENTRY_POINTS = {
     "lowrank.cu": [f"{k}_{t}" for k in ("silu_forward", "silu_backward", "gate_forward", "gate_backward")
                    for t in ("f32", "bf16")],
     "softmax_xent.cu": [f"softmax_xent_{t}_{i}" for t in ("f32", "bf16") for i in ("i32", "i64")],
-    "attention.cu": [f"{k}_{t}" for k in ("attention_forward", "attention_backward_dq", "attention_backward",
-                                          "rope_forward", "rope_backward") for t in ("f32", "bf16")],
+    "attention.cu": [f"{k}_{hd}{t}" for k in ("attention_forward", "attention_backward_dq", "attention_backward")
+                     for hd in ("", "hd64_") for t in ("f32", "bf16")]
+                    + [f"{k}_{t}" for k in ("rope_forward", "rope_backward") for t in ("f32", "bf16")],
     "btp.cu": [f"{k}_{t}" for k in ("btp_rescale_silu", "btp_backward_pre", "btp_backward_post") for t in ("f32", "bf16")],
     "adamw.cu": ["adamw_step_f32"],
 }

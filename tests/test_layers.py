@@ -211,12 +211,12 @@ def strategy_at_tp1(mode, arch, extra, rng):
     cfg = config_from_dict({"model": dict(MODEL, arch=arch), "parallel": dict(extra, tp_mode=mode),
                             "train": {"dtype": "float64"}})
     specs = param_specs(cfg)
-    P, Gr = FlatBuffer(specs, np.float64), FlatBuffer(specs, np.float64)
+    P, grads = FlatBuffer(specs, np.float64), FlatBuffer(specs, np.float64)
     for s in specs:
         P[s.name][...] = init_global(s, seed=7)
         if s.init == "ones":  # norm weights of one would hide a missing weight factor
             P[s.name][...] += 0.2 * rng.standard_normal(s.global_shape)
-    return cfg, make_strategy(cfg, ProcessGrid(None)), P, Gr
+    return cfg, make_strategy(cfg, ProcessGrid(None)), P, grads
 
 
 def reference_linear(arch, P, name, x):
@@ -236,60 +236,60 @@ def weights_of(P, names):
 @pytest.mark.parametrize("mode,arch,extra,cls", STRATEGY_CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("group", ["attention", "mlp"])
 def test_in_proj_at_tp1(rng, mode, arch, extra, cls, group):
-    cfg, tpx, P, Gr = strategy_at_tp1(mode, arch, extra, rng)
-    assert type(tpx) is cls
+    cfg, tp_layers, P, grads = strategy_at_tp1(mode, arch, extra, rng)
+    assert type(tp_layers) is cls
     norm = "layers/0/attn_norm" if group == "attention" else "layers/0/mlp_norm"
     names = [f"layers/0/{lin}" for lin in (("q", "k", "v") if group == "attention" else ("gate", "up"))]
     x = rng.standard_normal((10, MODEL["d_model"]))
-    outs, cache = tpx.in_proj_forward(x, norm, names, P)
+    outs, cache = tp_layers.in_proj_forward(x, norm, names, P)
     normed = x / np.sqrt((x ** 2).mean(axis=1, keepdims=True) + cfg.model.norm_eps) * P[norm]
     for name, out in zip(names, outs):
         np.testing.assert_allclose(out, reference_linear(arch, P, name, normed), rtol=1e-12, atol=1e-14,
                                    err_msg=name)
     douts = [rng.standard_normal(o.shape) for o in outs]
-    dx = tpx.in_proj_backward(douts, cache, P, Gr)
+    dx = tp_layers.in_proj_backward(douts, cache, P, grads)
     params = [norm] + weights_of(P, names)
-    probe = probe_of(lambda: tpx.in_proj_forward(x, norm, names, P)[0], douts)
-    finite_difference_check(probe, {"x": x, **{n: P[n] for n in params}}, {"x": dx, **{n: Gr[n] for n in params}},
+    probe = probe_of(lambda: tp_layers.in_proj_forward(x, norm, names, P)[0], douts)
+    finite_difference_check(probe, {"x": x, **{n: P[n] for n in params}}, {"x": dx, **{n: grads[n] for n in params}},
                             rng, f"{cls.__name__} in_proj {group}")
 
 
 @pytest.mark.parametrize("mode,arch,extra,cls", STRATEGY_CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("lin", ["o", "down"])
 def test_out_proj_at_tp1(rng, mode, arch, extra, cls, lin):
-    cfg, tpx, P, Gr = strategy_at_tp1(mode, arch, extra, rng)
+    cfg, tp_layers, P, grads = strategy_at_tp1(mode, arch, extra, rng)
     name = f"layers/0/{lin}"
     x = rng.standard_normal((10, MODEL["d_model"] if lin == "o" else MODEL["d_ff"]))
-    y, cache = tpx.out_proj_forward(x, name, P)
+    y, cache = tp_layers.out_proj_forward(x, name, P)
     np.testing.assert_allclose(y, reference_linear(arch, P, name, x), rtol=1e-12, atol=1e-14)
     dy = rng.standard_normal(y.shape)
-    dx = tpx.out_proj_backward(dy, cache, P, Gr)
+    dx = tp_layers.out_proj_backward(dy, cache, P, grads)
     params = weights_of(P, [name])
-    probe = probe_of(lambda: tpx.out_proj_forward(x, name, P)[0], [dy])
-    finite_difference_check(probe, {"x": x, **{n: P[n] for n in params}}, {"x": dx, **{n: Gr[n] for n in params}},
+    probe = probe_of(lambda: tp_layers.out_proj_forward(x, name, P)[0], [dy])
+    finite_difference_check(probe, {"x": x, **{n: P[n] for n in params}}, {"x": dx, **{n: grads[n] for n in params}},
                             rng, f"{cls.__name__} out_proj {lin}")
 
 
 @pytest.mark.parametrize("mode,arch,extra,cls", STRATEGY_CASES[::2], ids=CASE_IDS[::2])
 def test_embedding_and_head_at_tp1(rng, mode, arch, extra, cls):
-    cfg, tpx, P, Gr = strategy_at_tp1(mode, arch, extra, rng)
+    cfg, tp_layers, P, grads = strategy_at_tp1(mode, arch, extra, rng)
     V, C, N = MODEL["vocab_size"], MODEL["d_model"], 12
     ids = rng.integers(0, V, N)
     targets = rng.integers(0, V, N)
-    h = tpx.embed_forward(ids, P)
+    h = tp_layers.embed_forward(ids, P)
     np.testing.assert_array_equal(h, P["embed"][ids])
     dh = rng.standard_normal(h.shape)
-    tpx.embed_backward(ids, dh, Gr)
-    finite_difference_check(probe_of(lambda: tpx.embed_forward(ids, P), [dh]), {"embed": P["embed"]},
-                            {"embed": Gr["embed"]}, rng, f"{cls.__name__} embedding")
+    tp_layers.embed_backward(ids, dh, grads)
+    finite_difference_check(probe_of(lambda: tp_layers.embed_forward(ids, P), [dh]), {"embed": P["embed"]},
+                            {"embed": grads["embed"]}, rng, f"{cls.__name__} embedding")
 
     x = rng.standard_normal((N, C))
-    loss, cache = tpx.head_forward(x, targets, P)
+    loss, cache = tp_layers.head_forward(x, targets, P)
     logits = (x / np.sqrt((x ** 2).mean(axis=1, keepdims=True) + cfg.model.norm_eps) * P["final_norm"]) @ P["lm_head"]
     log_z = np.log(np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1)) + logits.max(axis=1)
     assert loss == pytest.approx(np.mean(log_z - logits[np.arange(N), targets]), rel=1e-13)
-    dx = tpx.head_backward(cache, 1.0 / N, P, Gr)  # scale 1/N: the gradient of the mean loss
-    finite_difference_check(lambda: tpx.head_forward(x, targets, P)[0],
+    dx = tp_layers.head_backward(cache, 1.0 / N, P, grads)  # scale 1/N: the gradient of the mean loss
+    finite_difference_check(lambda: tp_layers.head_forward(x, targets, P)[0],
                             {"x": x, "final_norm": P["final_norm"], "lm_head": P["lm_head"]},
-                            {"x": dx, "final_norm": Gr["final_norm"], "lm_head": Gr["lm_head"]},
+                            {"x": dx, "final_norm": grads["final_norm"], "lm_head": grads["lm_head"]},
                             rng, f"{cls.__name__} head")

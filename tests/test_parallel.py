@@ -23,6 +23,8 @@ from boostmpi.errors import ConfigError
 from boostmpi.parallel.engine import Engine
 from boostmpi.model.params import FlatBuffer, param_specs
 from boostmpi.train.optim import AdamW, learning_rate
+from boostmpi.train.trainer import optimizer_step as trainer_optimizer_step
+from global_tensors import gather_global
 from mpi_helpers import MPIEXEC, abort_on_error, assert_all_ranks, collectively, on_root, running_under_mpi, world
 
 # vocab 61 is odd: the vocabulary-parallel embedding and head get uneven ranges
@@ -259,21 +261,21 @@ def replica_disagreement(engine, grads):
 
 def optimizer_step(engine, optimizer, step):
     """What the trainer does after forward_backward: global-norm clipping, then AdamW. Returns the norm."""
-    return engine.optimizer_step(optimizer, learning_rate(step, engine.cfg.train), TRAIN["grad_clip"])
+    return trainer_optimizer_step(engine, optimizer, learning_rate(step, engine.cfg.train), TRAIN["grad_clip"])
 
 
 def summed_gradient(engine):
     """The dp-summed gradient as a FlatBuffer: under ZeRO-1 each rank holds only its slice of the sum,
     so the slices are gathered here (test-side, outside the counted traffic)."""
-    if not engine.sharded:
+    if not engine.data_parallel.sharded:
         return engine.grads
     from mpi4py import MPI
 
     full = FlatBuffer(engine.specs, engine.grads.data.dtype)
-    counts = [b - a for a, b in engine.dp_ranges]
+    counts = [b - a for a, b in engine.data_parallel.ranges]
     lo, hi = engine.shard
-    full.data[lo:hi] = engine.grad_shard
-    engine.grid.dp.comm.Allgatherv(MPI.IN_PLACE, [full.data, counts, [a for a, _ in engine.dp_ranges], MPI.DOUBLE])
+    full.data[lo:hi] = engine.data_parallel.grad_shard
+    engine.grid.dp.comm.Allgatherv(MPI.IN_PLACE, [full.data, counts, [a for a, _ in engine.data_parallel.ranges], MPI.DOUBLE])
     return full
 
 
@@ -297,17 +299,17 @@ def run_and_compare(case):
     engine = Engine(case.config(), comm)
     optimizer = AdamW(engine.params, engine.specs, engine.cfg.train, shard=engine.shard)
     expected = expected_traffic(case)
-    initial = engine.gather_global(engine.params)  # each shard drawn on its own: the same under any layout
-    worst = on_root(lambda: worst_relative_error(initial, reference.gather_global(reference.params)))
+    initial = gather_global(engine, engine.params)  # each shard drawn on its own: the same under any layout
+    worst = on_root(lambda: worst_relative_error(initial, gather_global(reference, reference.params)))
     assert_all_ranks(rank != 0 or worst[1] == 0.0, lambda: f"initial parameters differ: {worst}")
     for step in range(STEPS):
         tokens = global_batch(case, step)
         ref = on_root(lambda: (reference.forward_backward(single_rank_micro_batches(tokens, case)),
-                               reference.gather_global(reference.grads)))
+                               gather_global(reference, reference.grads)))
         engine.grid.counter.reset()
         loss = engine.forward_backward(micro_batches(tokens, case, engine.grid.coords.dp))
         summed = summed_gradient(engine)
-        grads = engine.gather_global(summed)
+        grads = gather_global(engine, summed)
         disagreement = replica_disagreement(engine, summed)
         ref_loss = comm.bcast(ref[0] if rank == 0 else None)
         assert_all_ranks(abs(loss - ref_loss) <= TOLERANCE * abs(ref_loss),
@@ -323,8 +325,8 @@ def run_and_compare(case):
                          lambda: f"step {step}: counted {traffic}, docs/COMMUNICATION.md says {expected}")
         assert_all_ranks(abs(grad_norm - ref_norm) <= TOLERANCE * ref_norm,
                          lambda: f"step {step}: gradient norm {grad_norm!r}, single rank {ref_norm!r}")
-    params = engine.gather_global(engine.params)
-    worst = on_root(lambda: worst_relative_error(params, reference.gather_global(reference.params)))
+    params = gather_global(engine, engine.params)
+    worst = on_root(lambda: worst_relative_error(params, gather_global(reference, reference.params)))
     assert_all_ranks(rank != 0 or worst[1] <= TOLERANCE, lambda: f"parameters after {STEPS} steps: {worst}")
     free_communicators(engine)
 

@@ -15,6 +15,7 @@ import pytest
 
 from boostmpi.parallel import pipeline
 from boostmpi.parallel.comm import HostCollectives
+from boostmpi.parallel.data_parallel import DataParallel
 from boostmpi.parallel.engine import Engine
 from boostmpi.parallel.pipeline import one_f_one_b, schedule
 
@@ -58,10 +59,9 @@ class RecordingEngine(Engine):
         group_of_one = SimpleNamespace(size=1, overlap=True)
         self.grid = SimpleNamespace(pp=_PipelineGroup(self.calls), dp=group_of_one, dp_size=1,
                                     coords=SimpleNamespace(tp=0), host=HostCollectives(None))
-        self.tpx = SimpleNamespace(res_cols=(0, WIDTH))
-        self.grads = SimpleNamespace(data=np.zeros(1))
-        self._buckets = {}
-        self.sharded = False  # no ZeRO-1 slices
+        self.tp_layers = SimpleNamespace(res_cols=(0, WIDTH))
+        self.grads, self.params = SimpleNamespace(data=np.zeros(1)), None
+        self.data_parallel = DataParallel(group_of_one, 0, 1, 0, [], {}, 0, np, np.float32)  # no buckets, no ZeRO-1
         self.accounted = []
 
     def _refresh_compute_params(self):

@@ -2,11 +2,11 @@
 the dp bytes add the all-gather of the slices as docs/COMMUNICATION.md counts it, and the checkpoint's
 bytes are what the rank files hold."""
 
+from boostmpi.checkpoint import rank_pieces
 from boostmpi.config import config_from_dict
 from boostmpi.model.params import param_specs
 from boostmpi.sim.machines import load_machine
 from boostmpi.sim.model import checkpoint_bytes, comm_bytes, predict
-from boostmpi.train.checkpoint import rank_pieces
 
 MODEL = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, attn_rank=8, mlp_rank=12)
 

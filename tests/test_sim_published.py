@@ -232,7 +232,7 @@ def test_attention_dropout_moves_the_materialised_probabilities_once_more_each_w
 
 
 def test_a_checkpoint_older_than_attention_dropout_still_resumes():
-    from boostmpi.train import checkpoint as ckpt
+    from boostmpi import checkpoint as ckpt
 
     current = config_from_dict({"model": GPT}).to_dict()["model"]
     older = {k: v for k, v in current.items() if k != "attention_dropout"}
@@ -241,9 +241,9 @@ def test_a_checkpoint_older_than_attention_dropout_still_resumes():
 
 
 def test_older_checkpoint_mutant_is_caught(monkeypatch):
-    from boostmpi.train import checkpoint as ckpt
+    from boostmpi.checkpoint import reading
 
-    monkeypatch.setattr(ckpt, "MODEL_KEYS_ADDED", {})
+    monkeypatch.setattr(reading, "MODEL_KEYS_ADDED", {})
     with pytest.raises(AssertionError):
         test_a_checkpoint_older_than_attention_dropout_still_resumes()
 

@@ -260,8 +260,8 @@ def test_nccl_missing_on_one_rank_only_is_missing_for_all(monkeypatch):
         def Get_rank(self):
             return 0
 
-        def allreduce(self, value, op):
-            return max(value, 1)  # another rank reports NCCL missing
+        def Allreduce(self, sendbuf, recvbuf, op):  # in place, through HostCollectives
+            recvbuf[...] = 1  # another rank reports NCCL missing
 
     _fake_cupy(monkeypatch, gpus=1, nccl=_nccl_module(True))
     err = io.StringIO()
@@ -432,11 +432,13 @@ def test_a_model_that_cannot_fit_is_refused_naming_its_parts_and_the_limit(monke
 
     big = load_config(REPO / "configs" / "tiny.toml", overrides=["model.d_model=1048576", "model.rank=262144",
                                                                   "model.d_ff=4194304"], world_size=1)
-    memory = startup.model_memory(big)
+    from boostmpi.sim.model import memory_estimate
+
+    memory = memory_estimate(big)
     problem = startup.memory_problem(memory, 64 * 2**30, "the machine's MemTotal 64.0 GiB", "host")
     assert problem.startswith("this model needs about ") and "but a rank may use 64.0 GiB of host memory" in problem
     assert all(f"{k} " in problem for k in ("params", "grads", "optimizer", "activations"))
-    tiny = startup.model_memory(load_config(REPO / "configs" / "tiny.toml", world_size=1))
+    tiny = memory_estimate(load_config(REPO / "configs" / "tiny.toml", world_size=1))
     assert startup.memory_problem(tiny, 64 * 2**30, "x", "host") is None
     assert startup.memory_problem(tiny, tiny["total"] - 1, "x", "host") is not None  # the check can fail
     # the GPU path compares with the memory of the GPU the rank will use
@@ -445,4 +447,4 @@ def test_a_model_that_cannot_fit_is_refused_naming_its_parts_and_the_limit(monke
     gpu = load_config(REPO / "configs" / "tiny.toml", overrides=["train.device=gpu", "model.vocab_size=100000000"],
                       world_size=1)
     with pytest.raises(UserError, match=r"of device memory here \(GPU 1's total memory\)"):
-        startup.check_memory(gpu, None, local_rank=3)
+        startup.check_memory(gpu, None, 3, memory_estimate(gpu))

@@ -63,8 +63,8 @@ def test_float32_a_factor_weight_gradients_are_caught(monkeypatch):
     from boostmpi.parallel.tensor_parallel import btp
 
     src = inspect.getsource(btp.BottleneckTP._bottleneck_backward)
-    mutant = src.replace('matmul(xw.T, dP[:, s], out=Gr[f"{nm}/A"], accumulate=True)',
-                         'Gr[f"{nm}/A"] += xw.T @ dP[:, s].astype("float32")')
+    mutant = src.replace('matmul(xw.T, dP[:, s], out=grads[f"{nm}/A"], accumulate=True)',
+                         'grads[f"{nm}/A"] += xw.T @ dP[:, s].astype("float32")')
     assert mutant != src, "the A factors' weight gradient is no longer written as the mutant expects"
     namespace = {}
     exec(compile("if True:\n" + mutant, btp.__file__, "exec"), vars(btp), namespace)  # noqa: S102 - the mutant

@@ -20,6 +20,7 @@ import h5py
 import numpy as np
 import pytest
 
+from boostmpi import checkpoint as ckpt
 from boostmpi.cli import main
 from boostmpi.config import config_from_dict
 from boostmpi.data.shards import eval_windows, open_shard, write_shard
@@ -28,8 +29,8 @@ from boostmpi.tools.generate import Decoder, checkpoint_tokenizer, encode_prompt
 from boostmpi.tools.inspect import describe
 from boostmpi.tools.loading import load_checkpoint, load_checkpoint_engine
 from boostmpi.tools.plot import make_figure
-from boostmpi.train import checkpoint as ckpt
 from boostmpi.train.trainer import Trainer
+from global_tensors import save_global
 from mpi_helpers import MPIEXEC
 
 SENTENCE = "the quick brown fox jumps over the lazy dog. "
@@ -97,8 +98,8 @@ def test_loading_forces_one_process_layout_with_the_checkpoints_weights(trained,
                            "train.dtype": "float64", "train.run_dir": str(tmp_path / "other")})
     loaded = load_checkpoint(run_dir)
     tensors64 = {k: v.astype(np.float64) for k, v in loaded.tensors.items()}
-    ckpt.save_global(str(tmp_path / "other"), 7, other, tensors64, (tensors64, tensors64), 1,
-              {"layout": {"tp": 2, "pp": 2, "dp": 2, "tp_mode": "btp"}})
+    save_global(str(tmp_path / "other"), 7, other, tensors64, (tensors64, tensors64), 1,
+                {"layout": {"tp": 2, "pp": 2, "dp": 2, "tp_mode": "btp"}})
 
     engine, one, step = load_checkpoint_engine(tmp_path / "other")
     assert step == 7

@@ -84,14 +84,14 @@ def _current_device():
 
 
 @functools.lru_cache(maxsize=None)
-def _module(name, device_id):
+def _module(name, device_id, extra_options=()):
     """kernels/<name>.cu compiled once per process and device, for that device's warp width."""
-    options = COMPILE_OPTIONS + (f"-DWARP_SIZE={_device_info(device_id).warp_size}",)
+    options = COMPILE_OPTIONS + (f"-DWARP_SIZE={_device_info(device_id).warp_size}",) + tuple(extra_options)
     return _import_cupy().RawModule(code=kernel_source(name), options=options)
 
 
-def _kernel(module_name, entry_point):
-    return _module(module_name, _current_device().id).get_function(entry_point)
+def _kernel(module_name, entry_point, extra_options=()):
+    return _module(module_name, _current_device().id, tuple(extra_options)).get_function(entry_point)
 
 
 def _launch(kernel, grid, block, args, shared_mem=0):
@@ -416,10 +416,11 @@ def softmax_xent(logits, targets, grad_scale=None, out=None):
 
 # ------------------------------------------------------------------------------ attention.cu
 # Tile shapes of kernels/attention.cu (its opening comment has the plan): the forward runs 64 query
-# rows per block, 4 lanes a row; the dQ pass 32 query rows, the dK/dV pass 32 keys, 8 lanes each.
+# rows per block, 4 lanes a row, and so does the dQ pass; the dK/dV pass 32 keys, 8 lanes each.
 ATTENTION_HEAD_DIM_MAX = 128
+ATTENTION_HEAD_DIM_SMALL = 64  # head dims up to 64 run entry points whose tiles hold 64 dims, not 128
 ATTENTION_QUERY_TILE = 64
-ATTENTION_DQ_QUERY_TILE = 32
+ATTENTION_DQ_QUERY_TILE = 64
 ATTENTION_BWD_KEY_TILE = 32
 ATTENTION_THREADS = 256  # every attention kernel
 
@@ -461,8 +462,47 @@ def _check_attention(q, k, v):
     return B, T, H, Hkv, Dh, suffix
 
 
+def attention_head_tile(Dh):
+    """The head dims the kernels' tiles hold for head dim Dh (the work is done over all of them)."""
+    return ATTENTION_HEAD_DIM_SMALL if Dh <= ATTENTION_HEAD_DIM_SMALL else ATTENTION_HEAD_DIM_MAX
+
+
+def attention_entry(kernel, Dh, suffix):
+    """The entry point of kernels/attention.cu that runs `kernel` at head dim Dh: the hd64_ variants
+    up to 64 dims."""
+    return f"{kernel}_{'hd64_' if attention_head_tile(Dh) == ATTENTION_HEAD_DIM_SMALL else ''}{suffix}"
+
+
 def _attention_scalars(T, H, Hkv, Dh):
     return np.int32(T), np.int32(H), np.int32(Hkv), np.int32(Dh), np.float32(1.0 / np.sqrt(Dh))
+
+
+# BOOSTMPI_ATTENTION_TENSOR_CORES=1 (off by default): the bfloat16 forward runs on WMMA tensor cores on
+# NVIDIA GPUs (attention_forward_tc_bf16, compiled with -DBOOSTMPI_ATTENTION_WMMA); the backward and
+# every other case keep the FMA kernels.
+ATTENTION_TENSOR_CORES_ENV = "BOOSTMPI_ATTENTION_TENSOR_CORES"
+ATTENTION_TC_THREADS = 128
+
+
+def _cuda_mma_include():
+    """-I<dir> holding CUDA's crt/mma.h, which the mma.h on CuPy's NVRTC include path (the runtime
+    wheel's) includes: the nvcc wheel's include/, else $CUDA_PATH/include."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    candidates = [Path(p) / "include" for p in (spec.submodule_search_locations or [])] if spec else []
+    if os.environ.get("CUDA_PATH"):
+        candidates.append(Path(os.environ["CUDA_PATH"]) / "include")
+    for directory in candidates:
+        if (directory / "crt" / "mma.h").is_file():
+            return f"-I{directory}"
+    raise RuntimeError(f"{ATTENTION_TENSOR_CORES_ENV}=1 needs CUDA's crt/mma.h: install nvidia-cuda-nvcc-cu12 "
+                       "or set CUDA_PATH to a CUDA toolkit")
+
+
+def _attention_tensor_cores(suffix):
+    return (os.environ.get(ATTENTION_TENSOR_CORES_ENV) == "1" and suffix == "bf16"
+            and _current_device().warp_size == 32)
 
 
 def attention_forward(q, k, v):
@@ -472,9 +512,13 @@ def attention_forward(q, k, v):
     cupy = _import_cupy()
     o = cupy.empty_like(q)
     lse = cupy.empty((B, H, T), dtype=np.float32)
-    if B * T * H:
+    if B * T * H and _attention_tensor_cores(suffix):
+        kernel = _kernel("attention", "attention_forward_tc_bf16", ("-DBOOSTMPI_ATTENTION_WMMA", _cuda_mma_include()))
+        _launch(kernel, B * H * -(-T // ATTENTION_QUERY_TILE), ATTENTION_TC_THREADS,
+                (q, k, v, o, lse, *_attention_scalars(T, H, Hkv, Dh)))
+    elif B * T * H:
         grid = B * H * -(-T // ATTENTION_QUERY_TILE)
-        _launch(_kernel("attention", f"attention_forward_{suffix}"), grid, ATTENTION_THREADS,
+        _launch(_kernel("attention", attention_entry("attention_forward", Dh, suffix)), grid, ATTENTION_THREADS,
                 (q, k, v, o, lse, *_attention_scalars(T, H, Hkv, Dh)))
     return o, lse
 
@@ -493,9 +537,9 @@ def attention_backward(do, q, k, v, o, lse):
     if B * T * H:
         scalars = _attention_scalars(T, H, Hkv, Dh)
         delta = cupy.empty((B, H, T), dtype=np.float32)
-        _launch(_kernel("attention", f"attention_backward_dq_{suffix}"), B * H * -(-T // ATTENTION_DQ_QUERY_TILE),
+        _launch(_kernel("attention", attention_entry("attention_backward_dq", Dh, suffix)), B * H * -(-T // ATTENTION_DQ_QUERY_TILE),
                 ATTENTION_THREADS, (q, k, v, o, do, lse, delta, dq, *scalars))
-        _launch(_kernel("attention", f"attention_backward_{suffix}"), B * Hkv * -(-T // ATTENTION_BWD_KEY_TILE),
+        _launch(_kernel("attention", attention_entry("attention_backward", Dh, suffix)), B * Hkv * -(-T // ATTENTION_BWD_KEY_TILE),
                 ATTENTION_THREADS, (q, k, v, do, lse, delta, dk, dv, *scalars))
     return dq, dk, dv
 

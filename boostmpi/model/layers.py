@@ -11,6 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from boostmpi.backend import get_array_module
+from boostmpi.precision import statistic_dtype
 
 
 def kernel_inputs(*arrays):
@@ -129,9 +130,6 @@ def rmsnorm_backward(dy, x, w, rstd, dw):
 # rmsnorm(x, w) @ A from channel shards x_s, w_s, A_s: each rank computes x_s * w_s and the sum of
 # squares of its shard, multiplies x_s * w_s by A_s, and one all-reduce sums both over the shards;
 # then rescale_rows(P, ss_total, C, eps) = rsqrt(ss_total / C + eps) * P = rmsnorm(x, w) @ A.
-def accumulation_dtype(dtype):
-    """float32 for float32 and 16-bit floats (as the kernels accumulate), float64 for float64."""
-    return np.promote_types(dtype, np.float32)
 
 
 def rmsnorm_online_stats(x, w):
@@ -140,7 +138,7 @@ def rmsnorm_online_stats(x, w):
     k, (xc, wc) = kernel_inputs(x, w)
     if k is not None and x.ndim == 2:
         return k.rmsnorm_online_stats(xc, wc)
-    return x * w, (x * x).sum(axis=-1, dtype=accumulation_dtype(x.dtype))
+    return x * w, (x * x).sum(axis=-1, dtype=statistic_dtype(x.dtype))
 
 
 def online_rstd(ss_total, C, eps):
@@ -359,13 +357,9 @@ def _diagonal_tile(n, G, dtype, xp):
     return _DIAGONAL_TILES[key]
 
 
-def _softmax_dtype(dtype):
-    return np.promote_types(dtype, np.float32)  # scores and softmax in at least fp32
-
-
 def probability_tile_bytes(B, H, T, dtype):
     """Bytes of all causal probability tiles of one attention call (what `keep_probs` holds)."""
-    return B * H * sum((t1 - t0) * t1 for t0, t1 in _blocks(T)) * np.dtype(_softmax_dtype(dtype)).itemsize
+    return B * H * sum((t1 - t0) * t1 for t0, t1 in _blocks(T)) * np.dtype(statistic_dtype(dtype)).itemsize
 
 
 def _scores(qb, kb, t0, t1, G, sdtype, xp):
@@ -429,7 +423,7 @@ def attention_forward(q, k, v, keep_probs=False, stats=None):
     B, T, H, Dh = q.shape
     Hkv = k.shape[2]
     G = H // Hkv
-    sd = _softmax_dtype(q.dtype)
+    sd = statistic_dtype(q.dtype)  # scores and softmax in at least fp32
     qs = xp.empty((B, Hkv, G, T, Dh), dtype=q.dtype)  # contiguous, so a block's rows are one GEMM operand
     xp.multiply(q.reshape(B, T, Hkv, G, Dh).transpose(0, 2, 3, 1, 4), q.dtype.type(1.0 / np.sqrt(Dh)), out=qs)
     kh = xp.ascontiguousarray(k.transpose(0, 2, 1, 3))  # [B, Hkv, T, Dh]

@@ -71,9 +71,6 @@ class Tape:
         self._next += 1
         return item
 
-    def nbytes(self):
-        return sum(a.nbytes for item in self.items for a in item if a is not None)
-
 
 def own_buffer(a):
     """`a`, or a copy of it when it is a view into a larger buffer (v as a column block of a grouped

@@ -1,6 +1,6 @@
 """The transformer block, written once for every layout.
 
-Tensor parallelism enters only through `tpx` (boostmpi/parallel/tensor_parallel/), which owns how
+Tensor parallelism enters only through `tp_layers` (boostmpi/parallel/tensor_parallel/), which owns how
 each linear group is split and communicated; with a group of one it is the single-device model.
 Recompute enters only through the `Tape` a forward is handed (boostmpi/model/recompute.py).
 Shapes: h [N, Cl] where N = B*T and Cl is the local residual width (C, or C/p under btp);
@@ -34,56 +34,58 @@ class Block:
     """Decoder layer i, bound to this rank's parameters P, strategy and rope tables, for
     micro-batches of shape (B, T): h + attn(norm(h)), then + mlp(norm(.))."""
 
-    def __init__(self, i, P, tpx, rope, shape):
-        self.i, self.P, self.tpx, self.rope, self.shape = i, P, tpx, rope, shape
+    def __init__(self, i, P, tp_layers, rope, shape):
+        self.i, self.P, self.tp_layers, self.rope, self.shape = i, P, tp_layers, rope, shape
         self.pre = f"layers/{i}/"
 
     def forward(self, h, tape=NO_TAPE):
         """-> (h_out, BlockCache)."""
-        h, a, cache = self._up_to_down(h, tape)
-        y, cache.down = self.tpx.out_proj_forward(a, self.pre + "down", self.P, tape)
+        h, a, cache = self._before_down_proj(h, tape)
+        y, cache.down = self.tp_layers.out_proj_forward(a, self.pre + "down", self.P, tape)
         return h + y, cache
 
     def recompute(self, h, tape):
         """The BlockCache of the forward again, for a backward that follows at once (`tape` replays
         or reruns): the layer's output is never read, so it is not produced."""
-        h, a, cache = self._up_to_down(h, tape)
-        cache.down = self.tpx.out_proj_cache(a, self.pre + "down", self.P, tape)
+        h, a, cache = self._before_down_proj(h, tape)
+        cache.down = self.tp_layers.out_proj_cache(a, self.pre + "down", self.P, tape)
         return cache
 
-    def _up_to_down(self, h, tape):
-        P, tpx, rope, pre = self.P, self.tpx, self.rope, self.pre
+    def _before_down_proj(self, h, tape):
+        """The layer up to the down projection: (the residual after attention, the down projection's
+        input, the BlockCache without its `down` part)."""
+        P, tp_layers, rope, pre = self.P, self.tp_layers, self.rope, self.pre
         B, T = self.shape
-        Dh = tpx.C // tpx.cfg.model.n_heads
-        (q, k, v), c_qkv = tpx.in_proj_forward(h, pre + "attn_norm", [pre + "q", pre + "k", pre + "v"], P, tape)
-        q = layers.rope_forward(q.reshape(B, T, tpx.n_heads, Dh), *rope)
-        k = layers.rope_forward(k.reshape(B, T, tpx.n_kv_heads, Dh), *rope)
+        Dh = tp_layers.C // tp_layers.cfg.model.n_heads
+        (q, k, v), c_qkv = tp_layers.in_proj_forward(h, pre + "attn_norm", [pre + "q", pre + "k", pre + "v"], P, tape)
+        q = layers.rope_forward(q.reshape(B, T, tp_layers.n_heads, Dh), *rope)
+        k = layers.rope_forward(k.reshape(B, T, tp_layers.n_kv_heads, Dh), *rope)
         stats = tape.take() if tape.replaying else None  # lowrank keeps the softmax statistics
-        v = v.reshape(B, T, tpx.n_kv_heads, Dh)
+        v = v.reshape(B, T, tp_layers.n_kv_heads, Dh)
         o, c_att = layers.attention_forward(q, k, v, keep_probs=tape.backward_follows, stats=stats)
         tape.keep((c_att.row_max, c_att.row_sum))
         if tape.keeps_core_inputs:  # selective: the core's inputs instead of its cache (recompute.py)
             c_att = (q, k, own_buffer(v))
-        y, c_o = tpx.out_proj_forward(o.reshape(B * T, -1), pre + "o", P, tape)
+        y, c_o = tp_layers.out_proj_forward(o.reshape(B * T, -1), pre + "o", P, tape)
         h = h + y
-        (g, u), c_gu = tpx.in_proj_forward(h, pre + "mlp_norm", [pre + "gate", pre + "up"], P, tape)
-        a, s_gate = layers.gate_and_sigmoid(g, u, tpx.cfg.model.mlp_gate_act, keep=tape.backward_follows)
+        (g, u), c_gu = tp_layers.in_proj_forward(h, pre + "mlp_norm", [pre + "gate", pre + "up"], P, tape)
+        a, s_gate = layers.gate_and_sigmoid(g, u, tp_layers.cfg.model.mlp_gate_act, keep=tape.backward_follows)
         return h, a, BlockCache(c_qkv, c_att, c_o, c_gu, (g, u, s_gate))
 
-    def backward(self, dh, cache, Gr):
-        """Accumulates the layer's parameter gradients into Gr; returns d(input residual)."""
-        P, tpx, rope = self.P, self.tpx, self.rope
-        act = tpx.cfg.model.mlp_gate_act
-        da = tpx.out_proj_backward(dh, cache.pop("down"), P, Gr)
+    def backward(self, dh, cache, grads):
+        """Accumulates the layer's parameter gradients into grads; returns d(input residual)."""
+        P, tp_layers, rope = self.P, self.tp_layers, self.rope
+        act = tp_layers.cfg.model.mlp_gate_act
+        da = tp_layers.out_proj_backward(dh, cache.pop("down"), P, grads)
         g, u, s_gate = cache.pop("gate")
         dg, du = layers.gate_backward(da, g, u, act, s_gate)
         del da, g, u, s_gate
-        dh = dh + tpx.in_proj_backward([dg, du], cache.pop("gate_up"), P, Gr)
+        dh = dh + tp_layers.in_proj_backward([dg, du], cache.pop("gate_up"), P, grads)
         del dg, du
-        do = tpx.out_proj_backward(dh, cache.pop("o"), P, Gr)
+        do = tp_layers.out_proj_backward(dh, cache.pop("o"), P, grads)
         B, T = self.shape
         dq, dk, dv = layers.attention_backward(do.reshape(B, T, -1), cache.pop("attn"))
         del do
         dq = layers.rope_backward(dq, *rope).reshape(B * T, -1)
         dk = layers.rope_backward(dk, *rope).reshape(B * T, -1)
-        return dh + tpx.in_proj_backward([dq, dk, dv.reshape(B * T, -1)], cache.pop("qkv"), P, Gr)
+        return dh + tp_layers.in_proj_backward([dq, dk, dv.reshape(B * T, -1)], cache.pop("qkv"), P, grads)

@@ -21,6 +21,8 @@ import traceback
 
 import numpy as np
 
+from boostmpi.precision import mpi_sum_dtype
+
 AXES = ("tp", "pp", "dp")
 
 
@@ -182,14 +184,22 @@ class HostCollectives:
         every rank holds every piece (the initial weights the dp replicas drew between them)."""
         if self.comm is None:
             return buf
-        from mpi4py import MPI
-
-        mpi_type, counts = MPI._typedict.get(buf.dtype.char), [int(c) for c in counts]
-        if mpi_type is None:  # a type MPI does not know: the pieces as bytes
-            mpi_type, counts, buf = MPI.BYTE, [c * buf.itemsize for c in counts], buf.view(np.uint8)
-        displs = [int(d) for d in np.concatenate([[0], np.cumsum(counts)[:-1]])]
-        self._call("Allgatherv", lambda c: c.Allgatherv(MPI.IN_PLACE, [buf, counts, displs, mpi_type]))
+        run, _ = _allgatherv(self.comm, buf, counts)
+        self._call("Allgatherv", lambda c: run())
         return buf
+
+    def agree(self, verdict, root=None):
+        """An error on any rank is an error on all ranks: `verdict` is this rank's (class name, message) or
+        None (`errors.verdict_of`). With `root`, that rank's verdict counts (one broadcast), else the first
+        rank's that has one (one all-gather); every rank raises it, or none does."""
+        from boostmpi.errors import raised_on_all_ranks
+
+        if root is not None:
+            found = self.bcast(verdict, root=root)
+        else:
+            found = next((v for v in self.allgather(verdict) if v is not None), None)
+        if found is not None:
+            raise raised_on_all_ranks(found)
 
     def send(self, buf, dest, tag):
         self._call(f"Send to rank {dest}", lambda c: c.Send(buf, dest=dest, tag=tag))
@@ -280,12 +290,19 @@ class Group:
         return out
 
     def _blocking(self, call, nbytes, run):
-        """A blocking collective: counted, after the stream sync, watched, its wait timed."""
+        """A blocking collective: counted, after the stream sync, watched and timed."""
         self._count_collective(nbytes)
         self._sync()
+        self._watched(call, nbytes, run)
+
+    def _watched(self, call, nbytes, run, peer=None, timed=True):
+        """`run()` through the watchdog's one wrapper; with `timed` its wait is added to `wait_seconds`."""
         t0 = time.perf_counter()
-        WATCHDOG.call(self.axis, call, run, nbytes)
-        self.wait_seconds += time.perf_counter() - t0
+        try:
+            return WATCHDOG.call(self.axis, call, run, nbytes, peer)
+        finally:
+            if timed:
+                self.wait_seconds += time.perf_counter() - t0
 
     def reduce_scatter(self, buf, out, counts):
         """Sum `buf` over the group; member i receives elements [sum(counts[:i]), sum(counts[:i+1])) of
@@ -304,11 +321,9 @@ class Group:
         self._sync()
         counts = [int(c) for c in counts]
         if blocking or not self.overlap:
-            t0 = time.perf_counter()
-            WATCHDOG.call(self.axis, "Reduce_scatter", lambda: self.comm.Reduce_scatter(
-                _mpi_buf(wide), _mpi_buf(wide_out), recvcounts=counts, op=MPI.SUM), buf.nbytes)
+            self._watched("Reduce_scatter", buf.nbytes, lambda: self.comm.Reduce_scatter(
+                _mpi_buf(wide), _mpi_buf(wide_out), recvcounts=counts, op=MPI.SUM))
             put_back()
-            self.wait_seconds += time.perf_counter() - t0
             return _DONE
         req = self.comm.Ireduce_scatter(_mpi_buf(wide), _mpi_buf(wide_out), recvcounts=counts, op=MPI.SUM)
         return _WatchedRequest(req, self, "Ireduce_scatter", buf.nbytes, then=put_back, keep=(wide, wide_out))
@@ -319,20 +334,11 @@ class Group:
         unless the caller `counted` it already (`count_allgather_pieces`)."""
         if self.size == 1:
             return buf
-        from mpi4py import MPI
-
         if not counted:
             self.count_allgather_pieces(buf, counts)
-        mpi_type = MPI._typedict.get(buf.dtype.char)
-        if mpi_type is None:  # a type MPI does not know (bfloat16): the pieces as bytes
-            mpi_type, counts = MPI.BYTE, [int(c) * buf.itemsize for c in counts]
-        counts = [int(c) for c in counts]
-        displs = [int(d) for d in np.concatenate([[0], np.cumsum(counts)[:-1]])]
+        run, piece_bytes = _allgatherv(self.comm, buf, counts)
         self._sync()
-        t0 = time.perf_counter()
-        WATCHDOG.call(self.axis, "Allgatherv", lambda: self.comm.Allgatherv(
-            MPI.IN_PLACE, [_mpi_buf(buf), counts, displs, mpi_type]), counts[0] * (1 if mpi_type == MPI.BYTE else buf.itemsize))
-        self.wait_seconds += time.perf_counter() - t0
+        self._watched("Allgatherv", piece_bytes, run)
         return buf
 
     def count_allgather_pieces(self, buf, counts):
@@ -363,14 +369,10 @@ class _WatchedRequest:
         self.keep = keep  # buffers MPI works on until the wait (the float32 copies)
 
     def wait(self):
-        t0 = time.perf_counter()
-        WATCHDOG.call(self.group.axis, f"wait on {self.call}", self.req.Wait, self.nbytes, self.peer)
+        self.group._watched(f"wait on {self.call}", self.nbytes, self.req.Wait, self.peer, self.timed)
         if self.then is not None:
             then, self.then, self.keep = self.then, None, None
             then()
-        if self.timed:
-            self.group.wait_seconds += time.perf_counter() - t0
-
 
 
 def _xp(buf):
@@ -383,10 +385,40 @@ def _nothing():
     return None
 
 
+_MPI_TYPES = {}  # NumPy dtype -> MPI datatype, filled on first use (importing MPI initialises it)
+
+
+def _mpi_type(dtype):
+    """The predefined MPI datatype of a NumPy dtype, or None for one MPI does not know (bfloat16). An
+    explicit map over mpi4py's public names: the dtypes that reach MPI here, at their fixed widths."""
+    if not _MPI_TYPES:
+        from mpi4py import MPI
+
+        _MPI_TYPES.update({np.dtype(t): m for t, m in (
+            (np.float32, MPI.FLOAT), (np.float64, MPI.DOUBLE), (np.complex64, MPI.C_FLOAT_COMPLEX),
+            (np.complex128, MPI.C_DOUBLE_COMPLEX), (np.bool_, MPI.C_BOOL),
+            (np.int8, MPI.INT8_T), (np.int16, MPI.INT16_T), (np.int32, MPI.INT32_T), (np.int64, MPI.INT64_T),
+            (np.uint8, MPI.UINT8_T), (np.uint16, MPI.UINT16_T), (np.uint32, MPI.UINT32_T), (np.uint64, MPI.UINT64_T))
+            if m != MPI.DATATYPE_NULL})  # a type this MPI lacks is left out
+    return _MPI_TYPES.get(np.dtype(dtype))
+
+
 def _mpi_knows(dtype):
+    return _mpi_type(dtype) is not None
+
+
+def _allgatherv(comm, buf, counts):
+    """(the in-place Allgatherv over `comm` as a call to make, the bytes of piece 0): rank i's piece of
+    `counts[i]` elements sits at offset sum(counts[:i]) of `buf`. A dtype MPI does not know (bfloat16)
+    moves as bytes. The one Allgatherv of the host collectives and the groups."""
     from mpi4py import MPI
 
-    return np.dtype(dtype).char in MPI._typedict
+    mpi_type, counts = _mpi_type(buf.dtype), [int(c) for c in counts]
+    if mpi_type is None:
+        mpi_type, counts, buf = MPI.BYTE, [c * buf.itemsize for c in counts], buf.view(np.uint8)
+    displs = [int(d) for d in np.concatenate([[0], np.cumsum(counts)[:-1]])]
+    piece_bytes = counts[0] * (1 if mpi_type == MPI.BYTE else buf.itemsize)
+    return (lambda: comm.Allgatherv(MPI.IN_PLACE, [_mpi_buf(buf), counts, displs, mpi_type])), piece_bytes
 
 
 def _reducible(buf, keep=True):
@@ -394,10 +426,11 @@ def _reducible(buf, keep=True):
     buffer is summed as a float32 copy (twice the bytes on the wire; each sum rounded to bfloat16 once,
     at the end) and cast back; the byte counters still count `buf`, the payload. `keep=False`: `buf`
     only receives (an output), its values are not copied in."""
-    if _mpi_knows(buf.dtype):
+    dtype = mpi_sum_dtype(buf.dtype, _mpi_knows(buf.dtype))
+    if dtype == buf.dtype:
         return buf, _nothing
     xp = _xp(buf)
-    wide = buf.astype(np.float32) if keep else xp.empty(buf.shape, dtype=np.float32)
+    wide = buf.astype(dtype) if keep else xp.empty(buf.shape, dtype=dtype)
 
     def put_back():
         buf[...] = wide.astype(buf.dtype)

@@ -1,33 +1,28 @@
-"""The training engine of one rank: parameters, the pipeline schedule, recompute, data-parallel buckets.
+"""The training engine of one rank: forward and backward over the process grid.
 
 `Engine.forward_backward(micro_batches)` runs one optimizer step's forward and backward passes
-over this data-parallel rank's micro-batches and leaves the global-mean gradient in
-`engine.grads` (already summed over dp). The optimizer lives in boostmpi/train.
-
-Data parallelism (docs/COMMUNICATION.md): with `zero_stage = 0` every dp rank all-reduces the whole
-gradient and updates the whole flat buffer. With `zero_stage = 1` (ZeRO stage 1) dp rank r owns
-the contiguous slice `shard` of the flat buffer (`split_range(size, dp, r)`): each bucket's gradient
-is reduce-scattered as soon as it is final, so rank r receives the summed gradient of its slice only
-(`grad_shard`); AdamW keeps moments for that slice only and updates it; `optimizer_step` then
-all-gathers the updated slices so every rank holds the whole buffer again. Under GPU mixed precision
-the float32 master weights exist for the slice only (`master`): the updated slice is rounded into
-the bf16 compute buffer (`params`), and that buffer is what is all-gathered.
+over this data-parallel rank's micro-batches, through the pipeline schedule and the recompute
+policy, and leaves the global-mean gradient in `engine.grads` (summed over dp). What the engine
+does not own: the process grid and the start-up decisions that shape it (GPU, NCCL or MPI:
+parallel/startup.py `process_grid`), the gradient sum over dp and ZeRO-1 (parallel/data_parallel.py,
+`engine.data_parallel`), the optimizer step (the trainer, train/trainer.py `optimizer_step`).
 """
 
 import numpy as np
 
-from boostmpi.backend import compute_dtype, get_array_module, get_xp, keep_host_memory, param_dtype
+from boostmpi.backend import get_array_module, get_xp, prefaulted
 from boostmpi.gpu.ranges import named_range
 from boostmpi.model import layers
 from boostmpi.model.params import (FlatBuffer, block_pieces, chunk_layers, init_box, init_local, param_specs,
                                    split_range, stage_layers)
 from boostmpi.model.recompute import POLICIES, Saved, Tape
 from boostmpi.model.transformer import Block, BlockCache
-from boostmpi.parallel.comm import HostCollectives, configure_watchdog
-from boostmpi.parallel.grid import Coords, ProcessGrid, rank_of
+from boostmpi.parallel.comm import HostCollectives
+from boostmpi.parallel.data_parallel import DataParallel
+from boostmpi.parallel.grid import ProcessGrid
 from boostmpi.parallel.pipeline import FORWARD, message_tag, steps_with_messages
 from boostmpi.parallel.tensor_parallel import make_strategy
-from boostmpi.train.optim import clip_coefficient, touched
+from boostmpi.precision import compute_dtype, master_dtype
 
 
 def _nbytes(obj, seen):
@@ -54,24 +49,17 @@ def _nbytes(obj, seen):
 
 
 class Engine:
-    def __init__(self, cfg, world=None, local_rank=0):
-        cfg.check_runnable()  # nothing only the performance model understands
-        self.cfg = cfg
+    """`grid`: the ProcessGrid start-up built (`startup.process_grid`); an mpi4py communicator or None
+    (one process) builds it here, for tests and tools. The weights are drawn here (`init_params`)."""
+
+    def __init__(self, cfg, grid=None, local_rank=0):
+        if not isinstance(grid, ProcessGrid):
+            from boostmpi.parallel.startup import process_grid
+
+            grid = process_grid(cfg, grid, local_rank)
+        self.cfg, self.grid = cfg, grid
         m, par, tr = cfg.model, cfg.parallel, cfg.train
         self.xp = get_xp(tr.device)
-        sync, use_nccl = None, False
-        if self.xp is np:
-            keep_host_memory()
-        else:
-            from boostmpi.parallel.startup import resolve_comm, select_gpu
-
-            self.device_id = select_gpu(world, local_rank)  # and no two ranks of a node on one GPU
-            # MPI reads GPU buffers directly (CUDA-aware MPI): the producing stream must be done first
-            sync = lambda: self.xp.cuda.get_current_stream().synchronize()  # noqa: E731
-            use_nccl = resolve_comm(par.comm, world) == "nccl"  # "auto" falls back to MPI if NCCL is missing
-        configure_watchdog(par.watchdog_s)  # a collective waiting longer than this ends the job
-        self.grid = ProcessGrid(world, par.tp, par.pp, par.dp, overlap=par.overlap, sync=sync, use_nccl=use_nccl,
-                                ring=par.virtual_stages > 1)
         c = self.grid.coords
         self.stage, self.n_stages = c.pp, par.pp
         self.first, self.last = self.grid.is_first_stage, self.grid.is_last_stage
@@ -79,41 +67,24 @@ class Engine:
         self.chunks = chunk_layers(m.n_layers, par.pp, c.pp, self.n_chunks)
         self.layers = stage_layers(m.n_layers, par.pp, c.pp, self.n_chunks)
         self.specs = param_specs(cfg, c.tp, c.pp)
-        self.pdtype = param_dtype(tr.dtype)
+        self.pdtype = master_dtype(tr.dtype)
         self.cdtype = compute_dtype(tr.dtype, self.xp)
         self.grads = FlatBuffer(self.specs, self.pdtype, self.xp)
-        touched(self.grads.data)  # its pages fault in now, not in the first step's backward
-        # ZeRO-1: this dp rank's slice of the flat buffer for the optimizer (the whole buffer otherwise)
-        n, dp = self.grads.size, self.grid.dp_size
-        self.zero_stage = par.zero_stage
-        self.sharded = par.zero_stage == 1 and dp > 1
-        self.dp_ranges = [split_range(n, dp, r) for r in range(dp)] if self.sharded else [(0, n)]
-        self.shard = self.dp_ranges[c.dp] if self.sharded else (0, n)
-        lo, hi = self.shard
-        # mixed precision (bf16 on GPUs): compute on a low-precision copy; gradients accumulate in the
-        # master dtype. Without ZeRO-1 the master weights are a whole flat buffer and the compute copy
-        # is refreshed from it every step. With ZeRO-1 the master weights exist for this rank's slice
-        # only (`master`): the optimizer updates it, casts it into the compute buffer, and the compute
-        # buffer (`params`, in the compute dtype) is all-gathered.
-        same = np.dtype(self.cdtype) == np.dtype(self.pdtype)
-        self.master_separate = self.sharded and not same
-        if self.master_separate:
-            self.params = FlatBuffer(self.specs, self.cdtype, self.xp)  # compute weights, whole
-            self.cparams = self.params
-            self.master = touched(self.xp.empty(hi - lo, dtype=self.pdtype))  # master weights, the slice
-        else:
-            self.params = FlatBuffer(self.specs, self.pdtype, self.xp)  # master weights, whole
-            self.cparams = self.params if same else FlatBuffer(self.specs, self.cdtype, self.xp)
-            self.master = self.params.data[lo:hi]
-        self.tpx = make_strategy(cfg, self.grid)
+        prefaulted(self.grads.data)  # its pages fault in now, not in the first step's backward
+        self.data_parallel = DataParallel(grid.dp, c.dp, grid.dp_size, par.zero_stage, self.specs, self.grads.spans,
+                                          self.grads.size, self.xp, self.pdtype)
+        self.data_parallel.attach_gradients(self.grads)
+        # `shard`: the slice of the flat buffer this rank's optimizer updates (all of it without ZeRO-1);
+        # `master`: its master weights; `params`: the whole buffer, `cparams` its compute-dtype copy
+        self.shard = self.data_parallel.shard
+        self.params, self.cparams, self.master, self.master_separate = self.data_parallel.weight_buffers(
+            self.specs, self.pdtype, self.cdtype, self.xp)
+        self.tp_layers = make_strategy(cfg, self.grid)  # the layers as this tp mode splits them
         self.rope = layers.rope_tables(m.seq_len, m.d_model // m.n_heads, m.rope_theta, self.cdtype, self.xp)
         self.policy = POLICIES[tr.recompute]()
         self.saved_activation_bytes = 0  # per micro-batch, this stage, from the last step
         self.saved_activation_bytes_per_layer = []
         self.in_flight_activation_bytes = 0  # the most held at once by the schedule, from the last step
-        self._buckets = self._bucket_ranges()
-        # the dp-summed gradient of the slice: its own buffer when reduce-scattered, else a view
-        self.grad_shard = touched(self.xp.empty(hi - lo, dtype=self.pdtype)) if self.sharded else self.grads.data
         self.init_params(tr.seed)
 
     # ------------------------------------------------------------------ parameters
@@ -167,16 +138,6 @@ class Engine:
         extra = self.cparams.data.nbytes if self.cparams.data.dtype != self.master.dtype else 0
         return int(self.master.nbytes if self.master_separate else self.params.data.nbytes) + int(extra)
 
-    def _bucket_ranges(self):
-        """Data-parallel buckets: one per layer, one for the embedding, one for the head."""
-        buckets = {}
-        for s in self.specs:
-            key = s.layer if s.layer is not None else ("embed" if s.name == "embed" else "head")
-            a, b = self.params.spans[s.name]
-            lo, hi = buckets.get(key, (a, b))
-            buckets[key] = (min(lo, a), max(hi, b))
-        return buckets
-
     # ------------------------------------------------------------------ one stage, one micro-batch
     def _refresh_compute_params(self):
         if self.cparams is not self.params:
@@ -186,27 +147,27 @@ class Engine:
         """Returns (h_out or loss, saved) of layer chunk `chunk` (the rank's only one under plain 1F1B).
         `h` is the received activation (None on the first virtual stage). With `keep`, `saved` holds
         what the recompute policy keeps for the backward."""
-        P, tpx, B, T = self.cparams, self.tpx, x.shape[0], x.shape[1]
+        P, tp_layers, B, T = self.cparams, self.tp_layers, x.shape[0], x.shape[1]
         first, last, layers = self._chunk(chunk)
         ids = self.xp.asarray(x.reshape(-1))
         if first:
-            h = tpx.embed_forward(ids, P)
+            h = tp_layers.embed_forward(ids, P)
         saved = {"ids": ids, "layers": []}
         for i in layers:
-            block = Block(i, P, tpx, self.rope, (B, T))
+            block = Block(i, P, tp_layers, self.rope, (B, T))
             with named_range(self.xp, f"layer {i} forward"):
                 if not keep:
                     h, _ = block.forward(h)
                     continue
                 # the first layer's input is the embedding lookup: without a collective, a policy
                 # may look it up again from the token ids instead of keeping it
-                input_is_lookup = first and i == layers[0] and tpx.embedding_is_local
+                input_is_lookup = first and i == layers[0] and tp_layers.embedding_is_local
                 h, entry = self.policy.forward(block, h, input_is_lookup)
                 saved["layers"].append(entry)
         if not last:
             return h, saved
         lean = keep and self.policy.lean_head
-        loss, saved["head"] = tpx.head_forward(h, self.xp.asarray(y.reshape(-1)), P, lean=lean)
+        loss, saved["head"] = tp_layers.head_forward(h, self.xp.asarray(y.reshape(-1)), P, lean=lean)
         return loss, saved
 
     def _chunk(self, chunk):
@@ -214,24 +175,24 @@ class Engine:
         return (self.first and chunk == 0, self.last and chunk == self.n_chunks - 1, self.chunks[chunk])
 
     def _stage_backward(self, dh, saved, shape, scale, on_bucket_done, chunk=0):
-        P, Gr, tpx = self.cparams, self.grads, self.tpx
+        P, grads, tp_layers = self.cparams, self.grads, self.tp_layers
         first, last, layers = self._chunk(chunk)
         if last:
-            dh = tpx.head_backward(saved.pop("head"), scale, P, Gr)
+            dh = tp_layers.head_backward(saved.pop("head"), scale, P, grads)
             on_bucket_done("head")
         # each layer's saved entry is taken out of `saved` and the block's backward empties its
         # cache: activations leave memory layer by layer as the backward goes
-        look_up = lambda: tpx.embed_forward(saved["ids"], P)  # noqa: E731
+        look_up = lambda: tp_layers.embed_forward(saved["ids"], P)  # noqa: E731
         for i in reversed(layers):
-            block = Block(i, P, tpx, self.rope, shape)
+            block = Block(i, P, tp_layers, self.rope, shape)
             entry = saved["layers"].pop()
             with named_range(self.xp, f"layer {i} backward"):
                 cache = self.policy.cache(block, entry, look_up)
                 del entry
-                dh = block.backward(dh, cache, Gr)
+                dh = block.backward(dh, cache, grads)
             on_bucket_done(i)
         if first:
-            tpx.embed_backward(saved["ids"], dh, Gr)
+            tp_layers.embed_backward(saved["ids"], dh, grads)
             on_bucket_done("embed")
         return dh
 
@@ -255,19 +216,20 @@ class Engine:
         of the step; `also_sum()`, when given, returns more floats (counters, flags) to sum in the
         same call, read once the step's traffic is over: their sums are left in `self.summed`.
         """
-        xp, grid = self.xp, self.grid
+        xp, grid, data_parallel = self.xp, self.grid, self.data_parallel
         self._refresh_compute_params()
         self.grads.data[...] = 0
+        data_parallel.begin_step()
         M = len(micro_batches)
         B, T = micro_batches[0][0].shape
-        Cl = self.tpx.res_cols[1] - self.tpx.res_cols[0]
+        Cl = self.tp_layers.res_cols[1] - self.tp_layers.res_cols[0]
         scale = 1.0 / (B * T * M * grid.dp_size)
-        saved, losses, sends, dp_reqs = {}, [], [], []
+        saved, losses, sends = {}, [], []
         held, held_peak, first_mb = {}, 0, []  # bytes in flight (saved activations), for the accounting
 
         def bucket_done(key, mb):
-            if mb == M - 1 and grid.dp.size > 1 and key in self._buckets and grid.dp.overlap:
-                dp_reqs.append(self._reduce_bucket(*self._buckets[key]))
+            if mb == M - 1:  # the last micro-batch's backward has left this bucket: its gradient is final
+                data_parallel.bucket_final(key)
 
         # messages: activations to the next virtual stage, gradients to the previous one; the
         # receive of a step is waited for right before it, its send only at the end of the step
@@ -300,53 +262,13 @@ class Engine:
         self.in_flight_activation_bytes = held_peak
         for req, _buf in sends:
             req.wait()
-        if grid.dp.size > 1:
-            if grid.dp.overlap:
-                for r in dp_reqs:
-                    r.wait()
-            else:
-                for a, b in self._buckets.values():
-                    self._reduce_bucket(a, b, blocking=True)
+        data_parallel.finish_step(self.params)
         mine = float(np.sum(losses)) / M if (self.last and grid.coords.tp == 0) else 0.0
-        if self.sharded:  # the all-gather optimizer_step issues next belongs to this step's traffic
-            grid.dp.count_allgather_pieces(self.params.data, [e - s for s, e in self.dp_ranges])
         extra = list(also_sum()) if also_sum else []
         totals = grid.host.sum([mine, self._grad_sq(), *extra])
         self._grad_norm = float(np.sqrt(totals[1]))
         self.summed = totals[2:]
         return float(totals[0]) / grid.dp_size
-
-    def _reduce_bucket(self, a, b, blocking=False):
-        """Sum the gradient range [a, b) over dp: all-reduced in place, or (ZeRO-1) reduce-scattered into
-        the owners' `grad_shard`. Returns a request to wait on (a completed one when blocking)."""
-        dp, grads = self.grid.dp, self.grads.data
-        if not self.sharded:
-            if blocking:
-                dp.allreduce(grads[a:b])
-                return None
-            return dp.iallreduce(grads[a:b])
-        lo, hi = self.shard
-        counts = [max(0, min(b, e) - max(a, s)) for s, e in self.dp_ranges]
-        x0 = min(max(a, lo), hi)
-        x1 = max(min(b, hi), x0)
-        out = self.grad_shard[x0 - lo:x1 - lo]
-        if blocking:
-            dp.reduce_scatter(grads[a:b], out, counts)
-            return None
-        return dp.ireduce_scatter(grads[a:b], out, counts)
-
-    def optimizer_step(self, optimizer, lr, max_norm):
-        """What follows forward_backward: the exact global gradient norm, clipping to `max_norm` (0 = off),
-        the AdamW update of this rank's slice and, under ZeRO-1, the all-gather of the updated slices
-        over dp. Returns the norm."""
-        norm = self.grad_norm()
-        optimizer.step(self.grad_shard, lr, clip_coefficient(norm, max_norm))
-        if self.master_separate:  # the updated slice, rounded into the compute buffer that is all-gathered
-            lo, hi = self.shard
-            self.params.data[lo:hi] = self.master
-        if self.sharded:
-            self.grid.dp.allgather_pieces(self.params.data, [e - s for s, e in self.dp_ranges], counted=True)
-        return norm
 
     def evaluate(self, x, y):
         """Forward only, through the pipeline: the sum over all data-parallel ranks of (mean loss of
@@ -356,7 +278,7 @@ class Engine:
         mine = 0.0
         if x is not None:
             B, T = x.shape
-            Cl = self.tpx.res_cols[1] - self.tpx.res_cols[0]
+            Cl = self.tp_layers.res_cols[1] - self.tp_layers.res_cols[0]
             S, v = self.n_stages, self.n_chunks
             for chunk in range(v):  # the activation goes round the ring of ranks once per chunk
                 j = chunk * S + self.stage  # the virtual stage
@@ -373,62 +295,9 @@ class Engine:
 
     # ------------------------------------------------------------------ the gradient's norm
     def _grad_sq(self):
-        """This rank's part of the squared norm of the dp-summed gradient, each element counted once
-        whatever the layout: tp-replicated parameters on tp rank 0 only; without ZeRO on dp rank 0 only
-        (every dp rank holds the whole sum), with ZeRO-1 every dp rank over its own slice."""
-        c = self.grid.coords
-        lo, hi = self.shard
-        parts, seen = [], set()
-        if self.sharded or c.dp == 0:
-            for s in self.specs:
-                if s.tp_replicated and c.tp != 0:
-                    continue
-                a, b = self.grads.spans[s.name]  # its block (a grouped block holds no replicated tensor)
-                if a in seen:
-                    continue
-                seen.add(a)
-                a, b = max(a, lo), min(b, hi)
-                if a < b:
-                    g = self.grad_shard[a - lo:b - lo]
-                    parts.append((g * g).sum())
-        if self.xp is np or not parts:
-            return sum((float(p) for p in parts), 0.0)
-        # on a GPU the blocks' sums stay on the device and reach the host in one read (one synchronisation)
-        return float(self.xp.stack(parts).sum(dtype=np.float64))
+        """This rank's part of the squared norm of the dp-summed gradient (each element counted once)."""
+        return self.data_parallel.squared_norm_part(self.specs, self.grid.coords.tp, self.xp)
 
     def grad_norm(self):
         """Global L2 norm of the dp-summed gradient of the last forward_backward."""
         return self._grad_norm
-
-    # ------------------------------------------------------------------ global tensors (tests)
-    def gather_global(self, buffer):
-        """The global (unsharded) tensors of a FlatBuffer laid out like the parameters.
-
-        Every (tp, pp) rank of data-parallel replica 0 sends its flat buffer to world rank 0, which
-        places each shard by its spec. Returns {name: np.ndarray} on world rank 0, None elsewhere.
-        """
-        from boostmpi.backend import to_numpy
-
-        grid, cfg = self.grid, self.cfg
-        c = grid.coords
-        local = np.ascontiguousarray(to_numpy(buffer.data))
-        if grid.world_rank != 0:
-            if c.dp == 0:
-                grid.host.send(local, dest=0, tag=77)
-            return None
-        out = {}
-        for s in range(grid.pp_size):
-            for t in range(grid.tp_size):
-                specs = param_specs(cfg, t, s)
-                src = rank_of(Coords(dp=0, pp=s, tp=t), grid.tp_size, grid.pp_size)
-                if src == 0:
-                    flat = local
-                else:
-                    flat = np.empty(sum(sp.local_numel for sp in specs), dtype=local.dtype)
-                    grid.host.recv(flat, source=src, tag=77)
-                remote = FlatBuffer(specs, local.dtype, np, data=flat)
-                for sp in specs:
-                    if sp.name not in out:
-                        out[sp.name] = np.empty(sp.global_shape, dtype=local.dtype)
-                    out[sp.name][sp.local_slice()] = remote[sp.name]
-        return out

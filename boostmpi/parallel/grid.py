@@ -70,6 +70,3 @@ class ProcessGrid:
     @property
     def is_last_stage(self):
         return self.coords.pp == self.pp_size - 1
-
-    def describe(self):
-        return f"tp={self.tp_size} pp={self.pp_size} dp={self.dp_size}"

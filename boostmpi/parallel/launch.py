@@ -1,9 +1,10 @@
 """Start-up that works under any launcher (mpiexec, srun --mpi=pmi2, PALS) and abort semantics.
 
 Rank, world size and local rank come from MPI itself (a shared-memory split), never from a
-launcher's environment variables; the engine picks the GPU by local rank. An unhandled exception
-on any rank ends the whole job with MPI_Abort after printing the rank and traceback; bad input
-(UserError) is printed once. A hung collective is ended by the watchdog in parallel/comm.py.
+launcher's environment variables; start-up (`startup.process_grid`) picks the GPU by local rank.
+An unhandled exception on any rank ends the whole job with MPI_Abort after printing the rank and
+traceback; bad input (UserError) is printed once. A hung collective is ended by the watchdog in
+parallel/comm.py.
 """
 
 import faulthandler
@@ -15,34 +16,19 @@ import traceback
 
 from boostmpi.errors import UserError
 
-# Slurm's --signal and time limit, PBS's qdel / walltime, Ctrl-C on an interactive mpiexec
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-_stop_signal = None
-
-
-def _record_stop_signal(signum, frame):
-    global _stop_signal
-    _stop_signal = signum
-
-
-def stop_signal_received():
-    """The stop signal (SIGTERM/SIGUSR1/SIGINT) that arrived during start-up, before training took over, or None."""
-    return _stop_signal
-
 
 def init_mpi():
     """(world communicator or None when alone, world rank, world size, local rank).
 
-    Also: a stop signal arriving during start-up is recorded (`stop_signal_received`) instead of
-    killing the rank, a crash in native code prints the Python stack, and SIGUSR2 prints every
-    rank's stack without stopping it (`scancel --signal=USR2 JOB` shows where a job waits).
+    Also: from here on a stop signal is recorded (boostmpi.preemption) instead of killing the rank,
+    a crash in native code prints the Python stack, and SIGUSR2 prints every rank's stack without stopping it (`scancel --signal=USR2 JOB` shows where a job waits).
     """
+    from boostmpi import preemption
     from boostmpi.parallel.startup import set_host_threads
 
     set_host_threads()  # in time only if NumPy is not loaded yet: `boostmpi` itself sets them first (cli.main)
+    preemption.install()
     try:
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, _record_stop_signal)
         faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True, chain=False)
     except (ValueError, AttributeError, OSError):  # not the main thread, or no real stderr: leave it be
         pass

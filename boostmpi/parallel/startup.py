@@ -18,6 +18,8 @@ the first lines of the log instead of as a slow or silently broken run.
   per rank, device ids alone cannot show that), and so does a GPU-mapping variable that the job
   promised (`BOOSTMPI_GPU_MAP_VAR`, set by the Polaris job to `PMI_LOCAL_RANK`) but the launcher
   did not set.
+- `process_grid(cfg, world, local_rank)`: the decisions above that shape the process grid, then the
+  grid itself, before any weight exists.
 - `resolve_comm(requested, world)`: for GPU runs, "nccl" when every rank can load NCCL (RCCL on
   ROCm), else "mpi" with a warning for `parallel.comm = "auto"`, or a stop for `"nccl"`. MPI
   carrying GPU buffers on Cray MPICH needs MPICH_GPU_SUPPORT_ENABLED=1: checked here too.
@@ -183,19 +185,6 @@ def _gib(n):
     return f"{n / 2**30:,.1f} GiB"
 
 
-def model_memory(cfg):
-    """{params, grads, optimizer, activations, total}: bytes per rank the performance model estimates
-    (boostmpi/sim; the largest pipeline stage)."""
-    from boostmpi.sim.machines import builtin_names, load_machine
-    from boostmpi.sim.model import predict
-
-    try:
-        memory = predict(cfg, load_machine(builtin_names()[0])).memory_bytes  # the bytes do not depend on the machine
-    except Exception:  # noqa: BLE001 - a layout the model does not cover: no estimate, no refusal
-        return None
-    return {k: memory[k] for k in ("params", "grads", "optimizer", "activations", "total")}
-
-
 def memory_problem(memory, limit, where, device):
     """The one-line reason to refuse, or None."""
     if memory is None or limit is None or memory["total"] <= limit:
@@ -206,14 +195,14 @@ def memory_problem(memory, limit, where, device):
             f"model.n_layers, train.micro_batch_size) or spread it over more ranks (parallel.tp, parallel.pp)")
 
 
-def check_memory(cfg, world, local_rank, environ=None):
+def check_memory(cfg, world, local_rank, memory, environ=None):
     """Stop (every rank together, exit 2) a model that cannot fit in what a rank may use, before
-    anything is allocated: host memory on the CPU path, the GPU's memory on the GPU path."""
+    anything is allocated: host memory on the CPU path, the GPU's memory on the GPU path. `memory`:
+    the performance model's estimate per rank (`boostmpi.sim.model.memory_estimate`), or None."""
     environ = os.environ if environ is None else environ
     from boostmpi.parallel.comm import HostCollectives
 
     host = HostCollectives(world)
-    memory = model_memory(cfg)
     if cfg.train.device == "gpu":
         import cupy
 
@@ -227,10 +216,7 @@ def check_memory(cfg, world, local_rank, environ=None):
         local_ranks = host.allgather(name).count(name)
         limit, where = host_memory_per_rank(environ, local_ranks)
         problem = memory_problem(memory, limit, where, "host")
-    problems = host.allgather(problem)
-    first = next((p for p in problems if p), None)
-    if first:
-        raise UserError(first)
+    host.agree(("UserError", problem) if problem else None)  # the first rank's problem stops every rank
 
 
 # ---------------------------------------------------------------- MPI library and transport
@@ -307,14 +293,16 @@ def site_mpi_problem(nodes, batch_system, pypi, environ):
 
 def count_nodes(world, local_rank):
     """How many nodes the ranks span, by MPI's own account (ranks sharing memory form a node)."""
-    from mpi4py import MPI
+    from boostmpi.parallel.comm import HostCollectives
 
-    return 1 if world is None else world.allreduce(int(local_rank == 0), op=MPI.SUM)
+    return 1 if world is None else int(HostCollectives(world).sum([int(local_rank == 0)])[0])
 
 
 def check_mpi(world, rank, local_rank, environ=None, out=None):
     """Print what MPI this job runs on (rank 0) and stop a job whose MPI cannot serve it."""
     from mpi4py import MPI
+
+    from boostmpi.parallel.comm import HostCollectives
 
     environ = os.environ if environ is None else environ
     out = out or sys.stdout
@@ -328,7 +316,7 @@ def check_mpi(world, rank, local_rank, environ=None, out=None):
     library = loaded_mpi_library()
     pypi = is_pypi_mpich(library, pypi_mpich_libraries())
     nodes = count_nodes(world, local_rank)
-    any_pypi = pypi if world is None else bool(world.allreduce(int(pypi), op=MPI.MAX))
+    any_pypi = pypi if world is None else bool(HostCollectives(world).max([int(pypi)])[0])
     version = MPI.Get_library_version()
     if rank == 0:
         name = version.strip().splitlines()[0].strip()
@@ -375,11 +363,13 @@ def check_gpu_per_rank(world, rank, bus_id, environ=None, out=None):
     """Gather every rank's GPU bus id; stop (all ranks together) on a shared GPU or an unset map variable."""
     from mpi4py import MPI
 
+    from boostmpi.parallel.comm import HostCollectives
+
     environ = os.environ if environ is None else environ
     out = out or sys.stdout
     map_var = environ.get(GPU_MAP_VAR, "")
     record = (MPI.Get_processor_name(), rank, bus_id, map_var, environ.get(map_var, "") != "" if map_var else True)
-    records = [record] if world is None else world.allgather(record)
+    records = HostCollectives(world).allgather(record)
     problem = gpu_mapping_problem(records)
     if problem:
         raise UserError(problem)
@@ -429,6 +419,7 @@ def resolve_comm(requested, world, environ=None, out=None, err=None):
     """'nccl' or 'mpi' for a GPU run: what `parallel.comm` ("auto", "nccl", "mpi") becomes here."""
     from mpi4py import MPI
 
+    from boostmpi.parallel.comm import HostCollectives
     from boostmpi.parallel.nccl import nccl_unavailable_reason
 
     environ = os.environ if environ is None else environ
@@ -437,7 +428,7 @@ def resolve_comm(requested, world, environ=None, out=None, err=None):
     choice = "mpi"
     if requested in ("auto", "nccl"):
         reason = nccl_unavailable_reason()
-        missing = reason is not None if world is None else bool(world.allreduce(int(reason is not None), op=MPI.MAX))
+        missing = bool(HostCollectives(world).max([int(reason is not None)])[0])
         if not missing:
             choice = "nccl"
         elif requested == "nccl":
@@ -461,3 +452,31 @@ def resolve_comm(requested, world, environ=None, out=None, err=None):
 
 def _ranks(ranks):
     return ", ".join(str(r) for r in sorted(ranks)[:8]) + (" ..." if len(ranks) > 8 else "")
+
+
+# ---------------------------------------------------------------- the process grid
+
+def process_grid(cfg, world, local_rank=0):
+    """This rank's ProcessGrid, built after the decisions that shape it and before any weight is drawn:
+    a configuration only the performance model can run is refused; on the CPU glibc keeps freed
+    memory (`keep_host_memory`); on a GPU this rank's device is chosen and checked (`select_gpu`),
+    MPI is told to wait for the stream before reading GPU buffers (CUDA-aware MPI), and the
+    collective library is chosen (`resolve_comm`: "auto" falls back to MPI without NCCL); the
+    watchdog gets `parallel.watchdog_s`."""
+    from boostmpi.backend import get_xp, keep_host_memory
+    from boostmpi.parallel.comm import configure_watchdog
+    from boostmpi.parallel.grid import ProcessGrid
+
+    cfg.check_runnable()  # nothing only the performance model understands
+    par = cfg.parallel
+    xp = get_xp(cfg.train.device)
+    sync, use_nccl = None, False
+    if cfg.train.device == "cpu":
+        keep_host_memory()
+    else:
+        select_gpu(world, local_rank)  # and no two ranks of a node on one GPU
+        sync = lambda: xp.cuda.get_current_stream().synchronize()  # noqa: E731
+        use_nccl = resolve_comm(par.comm, world) == "nccl"
+    configure_watchdog(par.watchdog_s)  # a collective waiting longer than this ends the job
+    return ProcessGrid(world, par.tp, par.pp, par.dp, overlap=par.overlap, sync=sync, use_nccl=use_nccl,
+                       ring=par.virtual_stages > 1)

@@ -15,6 +15,7 @@ import numpy as np
 from boostmpi.backend import get_array_module
 from boostmpi.model import layers
 from boostmpi.parallel.mappings import (copy_to_tp_region_backward_async, reduce_from_tp_region)
+from boostmpi.precision import statistic_dtype
 
 
 # ---------------------------------------------------------------- embedding (rows [v0, v1) of the table)
@@ -58,7 +59,7 @@ class HeadCache(NamedTuple):
 
 def _logits(n, lm_head):
     # [N, V_local], softmax and loss in >= fp32: from bfloat16 operands the GEMM's float32 accumulator itself
-    return layers.matmul(n, lm_head, dtype=np.promote_types(n.dtype, np.float32))
+    return layers.matmul(n, lm_head, dtype=statistic_dtype(n.dtype))
 
 
 def cross_entropy_forward(logits, targets, v0, tp, normalise=True):

@@ -417,3 +417,15 @@ def predict_step_time(cfg, machine):
         from boostmpi.sim.machines import load_machine
         machine = load_machine(machine)
     return predict(cfg, machine).time_s
+
+
+def memory_estimate(cfg):
+    """{params, grads, optimizer, activations, total}: bytes per rank this model estimates for `cfg`
+    (the largest pipeline stage), or None for a layout it does not cover."""
+    from boostmpi.sim.machines import builtin_names, load_machine
+
+    try:
+        memory = predict(cfg, load_machine(builtin_names()[0])).memory_bytes  # the bytes do not depend on the machine
+    except Exception:  # noqa: BLE001 - a layout the model does not cover: no estimate, no refusal
+        return None
+    return {k: memory[k] for k in ("params", "grads", "optimizer", "activations", "total")}

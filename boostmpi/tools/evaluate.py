@@ -9,9 +9,9 @@ import glob
 import json
 import os
 
+from boostmpi.checkpoint import CHECKPOINT_ARG_HELP
 from boostmpi.data.shards import eval_windows, open_shard, resolve_shards, window_count
 from boostmpi.errors import UserError
-from boostmpi.train.checkpoint import CHECKPOINT_ARG_HELP
 from boostmpi.tools.loading import load_checkpoint_engine
 
 

@@ -27,10 +27,10 @@ import shutil
 
 import numpy as np
 
+from boostmpi import checkpoint as ckpt
+from boostmpi.checkpoint import CHECKPOINT_ARG_HELP
 from boostmpi.errors import UserError
 from boostmpi.files import atomic_file, check_writable_parent, fsync_dir
-from boostmpi.train import checkpoint as ckpt
-from boostmpi.train.checkpoint import CHECKPOINT_ARG_HELP
 from boostmpi.tools.loading import checkpoint_dir, load_checkpoint
 
 FORMATS = ("torch", "safetensors", "hf", "h5")

@@ -17,11 +17,11 @@ import sys
 
 import numpy as np
 
+from boostmpi.checkpoint import CHECKPOINT_ARG_HELP
 from boostmpi.data.shards import resolve_shards
 from boostmpi.data.tokenizer import ByteTokenizer, tokenizer_for_shards, tokenizer_from_name
 from boostmpi.errors import UserError
 from boostmpi.model import layers
-from boostmpi.train.checkpoint import CHECKPOINT_ARG_HELP
 from boostmpi.tools.loading import load_checkpoint
 
 

@@ -12,10 +12,10 @@ import os
 
 import numpy as np
 
+from boostmpi import checkpoint as ckpt
+from boostmpi.checkpoint import CHECKPOINT_ARG_HELP
 from boostmpi.config import config_from_dict
 from boostmpi.errors import CheckpointError, ConfigError
-from boostmpi.train import checkpoint as ckpt
-from boostmpi.train.checkpoint import CHECKPOINT_ARG_HELP
 from boostmpi.tools.loading import checkpoint_dir
 
 

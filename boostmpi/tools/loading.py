@@ -10,10 +10,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from boostmpi import checkpoint as ckpt
 from boostmpi.config import config_from_dict
 from boostmpi.errors import CheckpointError, ConfigError
 from boostmpi.model.params import all_global_specs
-from boostmpi.train import checkpoint as ckpt
+from boostmpi.precision import cpu_dtype_name
 
 
 def checkpoint_dir(path):
@@ -33,7 +34,7 @@ def single_process_config(saved, dtype=None):
         raise ConfigError(f"the recorded configuration is a {type(saved).__name__}, not a table of sections")
     d = {name: dict(values) if isinstance(values, dict) else values for name, values in saved.items()}
     if dtype is None:
-        dtype = "float64" if d.get("train", {}).get("dtype") == "float64" else "float32"
+        dtype = cpu_dtype_name(d.get("train", {}).get("dtype"))
     d.setdefault("parallel", {}).update(tp=1, pp=1, dp=1, virtual_stages=1)
     d.setdefault("train", {}).update(device="cpu", dtype=dtype, global_batch_size=0, grad_accum=1)
     return config_from_dict(d)
@@ -82,6 +83,6 @@ def load_checkpoint_engine(path, dtype=None):
     from boostmpi.parallel.engine import Engine
 
     loaded = load_checkpoint(path, dtype)
-    engine = Engine(loaded.cfg, world=None)
+    engine = Engine(loaded.cfg)
     ckpt.read_params(loaded.tensors, engine.specs, engine.params)
     return engine, loaded.cfg, loaded.step

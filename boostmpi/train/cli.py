@@ -1,7 +1,5 @@
 """`boostmpi train --config FILE [--set section.key=value ...] [--resume CHECKPOINT]`."""
 
-import signal
-
 import numpy as np
 
 from boostmpi.errors import UserError
@@ -28,9 +26,18 @@ def register(subparsers):
 
 
 def run(args):
-    from boostmpi.parallel.launch import STOP_SIGNALS, init_mpi, run_guarded
+    from boostmpi import preemption
 
-    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    # init_mpi and the trainer take over the stop signals; a caller in this process (a test) gets its
+    # own handlers back, or `timeout` could no longer end it
+    with preemption.handlers_restored():
+        return _run(args)
+
+
+def _run(args):
+    from boostmpi.parallel.launch import init_mpi, run_guarded
+    from boostmpi.preemption import STOPPED_EARLY_EXIT
+
     world, rank, size, local_rank = init_mpi()
 
     def body():
@@ -40,12 +47,17 @@ def run(args):
         check_mpi(world, rank, local_rank)  # prints the MPI library and transport; refuses a wrong MPI
 
         cfg = load_config(args.config, overrides=args.set, world_size=size)
-        from boostmpi.parallel.comm import HostCollectives
-        from boostmpi.train.trainer import STOPPED_EARLY_EXIT, Trainer, prepare_builtin
+        from boostmpi.parallel.comm import HostCollectives, configure_watchdog
+
+        configure_watchdog(cfg.parallel.watchdog_s)  # from here on, a collective that waits too long ends the job
+        from boostmpi.train.trainer import Trainer, prepare_builtin
 
         if rank == 0:
             print(banner(cfg, args.config, size, local_rank), flush=True)
-        check_memory(cfg, world, local_rank)  # a model too big for a rank's memory stops here, before any allocation
+        from boostmpi.sim.model import memory_estimate
+
+        # a model too big for a rank's memory stops here, before any allocation
+        check_memory(cfg, world, local_rank, memory_estimate(cfg))
         try:
             try:
                 prepare_builtin(cfg, rank == 0)
@@ -72,14 +84,7 @@ def run(args):
                   f"(metrics.jsonl, config.toml, checkpoints/)", flush=True)
         return 0
 
-    try:
-        return run_guarded(body, world, rank)
-    finally:
-        # init_mpi and the trainer take over the stop signals; a caller in this process (a test) gets
-        # its own handlers back, or `timeout` could no longer end it
-        for sig, handler in handlers.items():
-            if handler is not None:
-                signal.signal(sig, handler)
+    return run_guarded(body, world, rank)
 
 
 def banner(cfg, config_path, size, local_rank):
@@ -87,8 +92,8 @@ def banner(cfg, config_path, size, local_rank):
 
     par, tr, m = cfg.parallel, cfg.train, cfg.model
     backend = "numpy (cpu)" if tr.device == "cpu" else "cupy (gpu)"
-    # what the configuration asks for: on a GPU, "auto" (and "nccl") are settled when the engine starts,
-    # and the `comm:` line (or a warning) says what was chosen
+    # what the configuration asks for: on a GPU, "auto" (and "nccl") are settled when start-up builds the
+    # process grid, and the `comm:` line (or a warning) says what was chosen
     comm = "mpi" if tr.device == "cpu" else par.comm
     pp = f"{par.pp} ({par.virtual_stages} chunks each, interleaved)" if par.virtual_stages > 1 else par.pp
     return (f"boostmpi | {backend} | {mpi_library()} | comm {comm} | ranks {size} = tp {par.tp} x pp {pp} x dp {par.dp} "

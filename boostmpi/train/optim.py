@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from boostmpi.backend import prefaulted
 from boostmpi.model.params import FlatBuffer
 
 
@@ -43,8 +44,8 @@ class AdamW:
         # engine's own master-dtype array of that slice
         self.master = params.data[lo:hi] if master is None else master
         dtype = self.master.dtype
-        self.m = touched(xp.empty(hi - lo, dtype=dtype))
-        self.v = touched(xp.empty(hi - lo, dtype=dtype))
+        self.m = prefaulted(xp.empty(hi - lo, dtype=dtype))
+        self.v = prefaulted(xp.empty(hi - lo, dtype=dtype))
         # where weight decay applies: [a, b) ranges of the slice (neighbouring ones merged), instead of
         # a mask as large as the slice
         ranges = []
@@ -62,9 +63,9 @@ class AdamW:
                 self.decay_ranges.append((a, b))
         self.t = 0  # updates taken (for bias correction)
         self._decay_bounds = None  # the decay ranges as device int64 bounds, for the GPU kernel
-        self._scratch = touched(xp.empty_like(self.m))
+        self._scratch = prefaulted(xp.empty_like(self.m))
         # the clipped gradient (clipping may start at any step: made now, not inside the first one)
-        self._scaled = touched(xp.empty_like(self.m)) if tr.grad_clip > 0 else None
+        self._scaled = prefaulted(xp.empty_like(self.m)) if tr.grad_clip > 0 else None
 
     @property
     def nbytes(self):
@@ -91,7 +92,7 @@ class AdamW:
         # textbook expressions in the comments
         if grad_scale != 1.0:  # g = g * scale
             if self._scaled is None:
-                self._scaled = touched(xp.empty_like(m))
+                self._scaled = prefaulted(xp.empty_like(m))
             g = xp.multiply(g, g.dtype.type(grad_scale), out=self._scaled)
         b1, b2 = tr.beta1, tr.beta2
         m *= b1  # m = b1 m + (1 - b1) g
@@ -114,10 +115,3 @@ class AdamW:
         xp.divide(m, tmp, out=tmp)
         tmp *= lr / bc1
         p -= tmp
-
-
-def touched(array):
-    """`array` with every page written once: the first step does not pay the page faults of buffers
-    that live for the whole run (zeros from calloc are not yet backed by memory)."""
-    array.fill(0)
-    return array

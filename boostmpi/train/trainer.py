@@ -1,26 +1,27 @@
 """The training loop: data, engine, optimizer, validation, metrics, checkpoints, preemption."""
 
 import contextlib
-import json
 import math
 import os
 import resource
-import signal
 import sys
 import threading
 import time
 
 import numpy as np
 
+from boostmpi import checkpoint as ckpt
 from boostmpi.data.progress import format_duration
 from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
-from boostmpi.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, UserError
-from boostmpi.files import (FilesystemError, LineLog, RunDirInUse, RunLock, atomic_file, check_dir_creatable,
-                            format_bytes, fs_error, is_out_of_space, make_dirs)
-from boostmpi.parallel.comm import AXES
+from boostmpi import preemption
+from boostmpi.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, UserError, verdict_of
+from boostmpi.files import (FilesystemError, RunLock, atomic_file, check_dir_creatable, format_bytes, fs_error,
+                            is_out_of_space, make_dirs)
 from boostmpi.parallel.engine import Engine
-from boostmpi.train import checkpoint as ckpt
-from boostmpi.train.optim import AdamW, learning_rate
+from boostmpi.parallel.startup import process_grid
+from boostmpi.preemption import STOPPED_EARLY_EXIT, STOPPED_MARKER  # noqa: F401 - where job scripts look for them
+from boostmpi.train import metrics
+from boostmpi.train.optim import AdamW, clip_coefficient, learning_rate
 
 
 def resolve_data(cfg):
@@ -44,40 +45,14 @@ def prepare_builtin(cfg, is_root):
         ensure_builtin(cfg.data.builtin_dir)
 
 
-# the exit status of a run stopped early by a signal, with a checkpoint to resume from (sysexits.h's
-# EX_TEMPFAIL: "try again later"); a finished run exits 0
-STOPPED_EARLY_EXIT = 75
-# written into train.run_dir once that checkpoint is complete: how a job script knows the run stopped on a
-# signal whatever status its launcher returns (srun may report 128 + the signal instead of 75)
-STOPPED_MARKER = "STOPPED_ON_SIGNAL"
-
-
-class _Preemption:
-    """SIGTERM / SIGUSR1 / SIGINT set a flag; the loop checkpoints at the next step boundary and exits.
-    A second SIGINT (Ctrl-C pressed again) stops at once, without a checkpoint."""
-
-    def __init__(self):
-        from boostmpi.parallel.launch import STOP_SIGNALS, stop_signal_received
-
-        self.signal = stop_signal_received()  # one that arrived during start-up is not lost
-        self._since = time.monotonic()
-        for sig in STOP_SIGNALS:
-            try:
-                signal.signal(sig, self._handler)
-            except ValueError:  # not the main thread
-                pass
-
-    def _handler(self, signum, frame):
-        now = time.monotonic()
-        # the same Ctrl-C can arrive twice at once (from the terminal and forwarded by the launcher)
-        if signum == signal.SIGINT and self.signal == signal.SIGINT and now - self._since > 1.0:
-            print("interrupted again: stopping now, without a checkpoint", file=sys.stderr, flush=True)
-            os._exit(130)
-        if self.signal is None:
-            self.signal, self._since = signum, now
-
-    def name(self):
-        return signal.Signals(self.signal).name if self.signal is not None else "a signal on another rank"
+def optimizer_step(engine, optimizer, lr, max_norm):
+    """What follows `engine.forward_backward`: the exact global gradient norm, clipping to `max_norm`
+    (0 = off), the AdamW update of this rank's slice and, under ZeRO-1, the all-gather of the updated
+    slices over dp (`DataParallel.gather_update`). Returns the norm."""
+    norm = engine.grad_norm()
+    optimizer.step(engine.data_parallel.grad_shard, lr, clip_coefficient(norm, max_norm))
+    engine.data_parallel.gather_update(engine.params, engine.master, engine.master_separate)
+    return norm
 
 
 def peak_memory_bytes(xp):
@@ -87,15 +62,17 @@ def peak_memory_bytes(xp):
 
 
 class Trainer:
+    """A training run. Everything that can refuse the run (the process grid, the run directory, the
+    data, the checkpoint to resume and its fit to this configuration) is checked before the engine
+    draws a weight."""
+
     def __init__(self, cfg, world=None, resume=None, config_path=None, out=None, local_rank=0):
         self.cfg, self.world, self.out = cfg, world, out
-        self.engine = Engine(cfg, world, local_rank=local_rank)
-        e = self.engine
-        self.rank = e.grid.world_rank
+        self.grid = process_grid(cfg, world, local_rank)
+        self.rank = self.grid.world_rank
         self.is_root = self.rank == 0
         tr = cfg.train
         self.run_dir = tr.run_dir
-        self.optimizer = AdamW(e.params, e.specs, tr, e.xp, shard=e.shard, master=e.master)
         self.step = 0
         self.resumed_from = None
         self._in_flight = None  # (PendingSave, writer thread) of an asynchronous checkpoint
@@ -106,18 +83,23 @@ class Trainer:
 
         def open_data(vocab_size):
             train_paths, val_paths = resolve_data(cfg)
-            loader = TrainLoader(train_paths, T, tr.micro_batch_size, rank=e.grid.coords.dp, world=cfg.parallel.dp,
+            loader = TrainLoader(train_paths, T, tr.micro_batch_size, rank=self.grid.coords.dp, world=cfg.parallel.dp,
                                  seed=tr.seed, vocab_size=vocab_size, shuffle=cfg.data.shuffle)
             return loader, eval_windows(open_shard(val_paths[0], vocab_size), T, tr.val_windows, name=val_paths[0])
 
         # rank 0 reads every token once to check the vocabulary; the others trust its verdict
         self.loader, (self.val_x, self.val_y) = self._root_decides(lambda: open_data(V), lambda: open_data(None))
-        self.preemption = _Preemption()
+        self.preemption = preemption.watch()  # keeps a stop signal that arrived during start-up
         self.config_path = config_path
         self._lock, self._made_run_dir = None, False
         self._lock = self._root_decides(self._lock_run_dir)  # from here until close(): one run per run directory
         try:
-            self._resume(resume)
+            path = self._check_resume(resume)
+            self.engine = Engine(cfg, self.grid)  # the weights are drawn here, after every check
+            e = self.engine
+            self.optimizer = AdamW(e.params, e.specs, tr, e.xp, shard=e.shard, master=e.master)
+            if path is not None:
+                self._resume(path)
         except BaseException:
             self.close()
             raise
@@ -136,6 +118,7 @@ class Trainer:
 
     def close(self):
         """Release the run directory (also done when `train` returns or raises)."""
+        preemption.release()  # this run's stop signal (if any) is acted on; a later run starts afresh
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -187,9 +170,6 @@ class Trainer:
         error.all_ranks = True  # rank 0 prints it; every rank exits 2, none waits in a collective
         raise error
 
-    def _metrics_path(self):
-        return os.path.join(self.run_dir, "metrics.jsonl")
-
     def _root_decides(self, on_root, elsewhere=None):
         """Run `on_root()` on rank 0 and `elsewhere()` (default: nothing) on the others; bad input
         found by rank 0 is raised on every rank, so each exits 2 and the message is printed once."""
@@ -198,32 +178,27 @@ class Trainer:
             try:
                 value = on_root()
             except UserError as exc:
-                verdict = (type(exc).__name__, str(exc))
-        if self.world is not None:
-            verdict = self.engine.grid.host.bcast(verdict)
-        if verdict is not None:
-            kinds = (UserError, CheckpointError, ConfigError, DataError, FilesystemError, RunDirInUse)
-            exc = {c.__name__: c for c in kinds}.get(verdict[0], UserError)(verdict[1])
-            exc.all_ranks = True
-            raise exc
+                verdict = verdict_of(exc)
+        self.grid.host.agree(verdict, root=0)
         return value if self.is_root else (elsewhere() if elsewhere else None)
 
     def _checkpoint_to_resume(self, resume):
         """The verified checkpoint to continue from, or None for a fresh run (rank 0 only)."""
         path = resume or ckpt.find_latest(self.run_dir)
         if path is None:
-            if os.path.exists(self._metrics_path()) and os.path.getsize(self._metrics_path()) > 0:
+            if metrics.has_rows(self.run_dir):
                 raise UserError(f"{self.run_dir} already holds a run (metrics.jsonl) but no complete checkpoint to resume "
                                 f"(its first checkpoint was never written); choose another train.run_dir or remove it")
             return None
         return ckpt.resolve(path)
 
-    def _resume(self, resume):
-        """Continue from `resume` (a path), or automatically from the run's latest complete checkpoint."""
+    def _check_resume(self, resume):
+        """The checkpoint to continue from (`resume`, a path, or the run's latest complete one), verified
+        and checked against this configuration and data before any weight exists; None for a fresh run."""
         path = self._root_decides(lambda: self._checkpoint_to_resume(resume))
-        path = self.engine.grid.host.bcast(path)
+        path = self.grid.host.bcast(path)
         if path is None:
-            return
+            return None
         ckpt.verify_together(path, self.world)  # sizes and SHA-256 of every file, shared among the ranks
         f, step, saved_cfg = ckpt.open_model(path, check=False)
         f.close()
@@ -232,18 +207,22 @@ class Trainer:
             err = CheckpointError(f"cannot resume from {path}: {mismatch}")
             err.all_ranks = True
             raise err
-        e = self.engine
-        buffer = e.master_buffer()  # the parameters in the master dtype (a host buffer for a ZeRO-1 slice)
-        step, state = ckpt.load(path, e.specs, buffer, self.optimizer, e.xp)
-        e.adopt_master(buffer)
         self._check_global_batch(path, saved_cfg)
         try:
-            self.loader.load_state_dict(state["data"])
+            self.loader.load_state_dict(ckpt.read_state(path)["data"])
         except DataError as exc:  # every rank reads the same state: each raises, rank 0 prints
             err = DataError(f"cannot resume {path}: {exc}. To train on these shards, start a new run: set a new "
                             f"train.run_dir (or remove {self.run_dir} to start it afresh)")
             err.all_ranks = True
             raise err from None
+        return path
+
+    def _resume(self, path):
+        """Load the checkpoint `_check_resume` accepted into the engine and the optimizer."""
+        e = self.engine
+        buffer = e.master_buffer()  # the parameters in the master dtype (a host buffer for a ZeRO-1 slice)
+        step, _ = ckpt.load(path, e.specs, buffer, self.optimizer, e.xp)
+        e.adopt_master(buffer)
         self.step = step
         self.resumed_from = path
         self.log(f"resumed from {path} (step {step})")
@@ -343,7 +322,7 @@ class Trainer:
         cfg, e, tr = self.cfg, self.engine, self.cfg.train
         self._root_decides(self._prepare_run_dir)
         tokens_per_step = cfg.tokens_per_step
-        metrics = LineLog(self._metrics_path()) if self.is_root else None
+        log = metrics.MetricsFile(self.run_dir) if self.is_root else None
         t_start = time.perf_counter()
         steps_done = 0
         last_val = None
@@ -351,22 +330,28 @@ class Trainer:
             while self.step < tr.steps:
                 step = self.step
                 lr = learning_rate(step, tr)
+                self.preemption.step_begins()
+                position = self.loader.state_dict()
                 micro = [self.loader.next_batch() for _ in range(tr.grad_accum)]
                 e.grid.counter.reset()
                 t0 = time.perf_counter()
                 loss = e.forward_backward(micro, also_sum=self._step_sums)
-                comm, calls, stop, write_failed = self._step_totals(e.summed)
+                counters, (stop, stopped_before, write_failed) = self._step_totals(e.summed)
                 self._stop_if_a_write_failed(write_failed)
+                if stopped_before and steps_done:
+                    # a stop signal came, on some rank, after the previous step's all-reduce: the run stops at
+                    # that step's boundary. This step is dropped (no update, no row, its batches put back), so
+                    # the checkpoint is of the step the signal arrived in, at no extra collective per step.
+                    self.loader.load_state_dict(position)
+                    return self._stop_at_boundary(last_val)
                 if not math.isfinite(loss):
                     raise TrainingDiverged(f"the loss became {loss} at step {step + 1}; the last checkpoint is kept intact "
                                            f"(lower train.lr or raise train.warmup_steps)")
-                gnorm = e.optimizer_step(self.optimizer, lr, tr.grad_clip)
+                gnorm = optimizer_step(e, self.optimizer, lr, tr.grad_clip)
                 dt = time.perf_counter() - t0
                 self.step = step + 1
                 steps_done += 1
-                row = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": gnorm,
-                       "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "tokens": self.step * tokens_per_step,
-                       "comm_bytes": comm, "comm_calls": calls}
+                row = metrics.step_row(self.step, loss, lr, gnorm, dt, tokens_per_step, counters)
                 if self.step == 1 or self.step % max(1, tr.log_every) == 0 or self.step == tr.steps:
                     row["memory"] = self._memory()
                     if steps_done == 1:
@@ -375,11 +360,10 @@ class Trainer:
                 if want_val:
                     last_val = self.validate()
                     row["val_loss"] = last_val
-                if metrics and self._write_failure is None:
-                    try:
-                        metrics.append(json.dumps(row) + "\n")
-                    except FilesystemError as exc:  # rank 0 alone: every rank stops at the next agreement
-                        self._write_failed(exc)
+                if log and self._write_failure is None:
+                    failure = log.append(row)
+                    if failure is not None:  # rank 0 alone: every rank stops at the next agreement
+                        self._write_failed(failure)
                 if self.step == 1 or self.step % max(1, tr.log_every) == 0 or self.step == tr.steps or want_val:
                     elapsed = time.perf_counter() - t_start
                     eta = elapsed / steps_done * (tr.steps - self.step)
@@ -391,8 +375,8 @@ class Trainer:
                 saving = (every and self.step % every == 0) or self.step == tr.steps
                 if not stop and (want_val or saving):
                     # a stop signal (or a write failure) that came after the step's all-reduce, during the long
-                    # parts that follow it (validation), is acted on at this step: before its checkpoint. On
-                    # other steps the next step's all-reduce carries it (one all-reduce per ordinary step).
+                    # parts that follow it (validation), is agreed on here, before the step's checkpoint; on
+                    # other steps the next step's all-reduce carries it (and that step is dropped, above)
                     late = e.grid.host.max([0.0 if self.preemption.signal is None else 1.0,
                                             0.0 if self._write_failure is None else 1.0])
                     self._stop_if_a_write_failed(late[1] > 0)
@@ -402,51 +386,54 @@ class Trainer:
                     self.save_checkpoint()
                     self.poll_async_save(wait=self.step == tr.steps)
                 if stop:
-                    if not (every and self.step % every == 0) and self.step != tr.steps:
-                        self.save_checkpoint()
-                    self.poll_async_save(wait=True)
-                    self.log(f"stopped by signal at step {self.step}: checkpoint written, resume by running the same command "
-                             f"({self.preemption.name()}; exit status {STOPPED_EARLY_EXIT})")
-                    self._stop_if_a_write_failed()
-                    if self.is_root:
-                        with atomic_file(os.path.join(self.run_dir, STOPPED_MARKER)) as f:
-                            f.write(f"stopped on {self.preemption.name()} at step {self.step}\n")
-                    # no rank leaves before rank 0 has published the checkpoint and the marker: a launcher
-                    # that ends the others at the first non-zero exit (srun --kill-on-bad-exit) would cut them
-                    self.engine.grid.host.barrier()
-                    return {"step": self.step, "preempted": True, "val_loss": last_val}
+                    return self._stop_at_boundary(last_val)
         finally:
-            if metrics:
-                metrics.close()
+            if log:
+                log.close()
             ckpt.wait_for_pruning()
             self.close()
         self._stop_if_a_write_failed()
         return {"step": self.step, "preempted": False, "val_loss": last_val, "loss": loss if steps_done else None}
 
+    def _stop_at_boundary(self, last_val):
+        """A stop signal reached some rank: checkpoint the step reached (unless it was just saved), say so,
+        leave the marker for the job scripts, and return (exit status STOPPED_EARLY_EXIT)."""
+        every, steps = self.cfg.checkpoint.every, self.cfg.train.steps
+        if not (every and self.step % every == 0) and self.step != steps:
+            self.save_checkpoint()
+        self.poll_async_save(wait=True)
+        self.log(f"stopped by signal at step {self.step}: checkpoint written, resume by running the same command "
+                 f"({self.preemption.name()}; exit status {STOPPED_EARLY_EXIT})")
+        self._stop_if_a_write_failed()
+        if self.is_root:
+            with atomic_file(os.path.join(self.run_dir, STOPPED_MARKER)) as f:
+                f.write(f"stopped on {self.preemption.name()} at step {self.step}\n")
+        # no rank leaves before rank 0 has published the checkpoint and the marker: a launcher
+        # that ends the others at the first non-zero exit (srun --kill-on-bad-exit) would cut them
+        self.engine.grid.host.barrier()
+        return {"step": self.step, "preempted": True, "val_loss": last_val}
+
     def _step_sums(self):
-        """What the trainer adds to the step's one all-reduce: this rank's payload bytes and calls
-        per axis, and whether a stop signal has arrived here."""
-        counter = self.engine.grid.counter
-        return ([counter.bytes[a] for a in AXES] + [counter.calls[a] for a in AXES]
-                + [1.0 if self.preemption.signal is not None else 0.0, 1.0 if self._write_failure is not None else 0.0])
+        """What the trainer adds to the step's one all-reduce: this rank's payload bytes and calls per
+        axis, its two stop flags (a signal arrived; before this step began) and whether rank 0 failed
+        to write its metrics or log."""
+        return (metrics.counter_floats(self.engine.grid.counter) + self.preemption.flags()
+                + [1.0 if self._write_failure is not None else 0.0])
 
     @staticmethod
     def _step_totals(summed):
-        """(bytes per axis, calls per axis, some rank was signalled to stop, rank 0 failed to write its
-        metrics or log), summed over all ranks (each group's traffic counted once)."""
-        n = len(AXES)
-        return (dict(zip(AXES, map(int, summed[:n]))), dict(zip(AXES, map(int, summed[n:2 * n]))),
-                summed[2 * n] > 0, summed[2 * n + 1] > 0)
+        """(the summed traffic counters, (some rank was signalled to stop, some rank was before this step
+        began, rank 0 failed to write its metrics or log)) from the step's all-reduce."""
+        n = metrics.COUNTER_FLOATS
+        return summed[:n], tuple(bool(v > 0) for v in summed[n:n + 3])
 
     def _memory(self):
         e = self.engine
-        grads = e.grads.data.nbytes + (e.grad_shard.nbytes if e.sharded else 0)  # + the reduce-scattered slice
-        mine = np.array([e.param_bytes, grads, self.optimizer.nbytes, e.saved_activation_bytes,
-                         e.in_flight_activation_bytes, self.snapshot_bytes, peak_memory_bytes(e.xp)], dtype=np.float64)
-        mine = self.engine.grid.host.max(mine)
-        keys = ("params", "grads", "optimizer", "activations_saved", "activations_in_flight", "checkpoint_snapshot",
-                "peak")
-        return {k: int(v) for k, v in zip(keys, mine)}  # the largest rank's figure for each
+        data_parallel = e.data_parallel  # + the reduce-scattered slice of the summed gradient under ZeRO-1
+        grads = e.grads.data.nbytes + (data_parallel.grad_shard.nbytes if data_parallel.sharded else 0)
+        mine = [e.param_bytes, grads, self.optimizer.nbytes, e.saved_activation_bytes, e.in_flight_activation_bytes,
+                self.snapshot_bytes, peak_memory_bytes(e.xp)]
+        return metrics.memory_figures(mine, e.grid.host)  # the largest rank's figure for each
 
     def _memory_line(self, mem):
         mib = format_bytes
@@ -486,7 +473,7 @@ class Trainer:
             return
         start = f"step {self.step} of {resumed}" if resumed else "scratch"
         dest = ckpt.move_aside(self.run_dir, others, f"checkpoints of a timeline abandoned when a run started from {start}",
-                               {"metrics.jsonl": "".join(dropped_rows)} if dropped_rows else None)
+                               metrics.set_aside(dropped_rows))
         if own:
             ckpt.write_latest(self.run_dir, os.path.basename(resumed))
         elif os.path.exists(os.path.join(root, "latest")):
@@ -499,17 +486,7 @@ class Trainer:
     def _trim_metrics(self):
         """On resume, drop rows past the checkpoint's step (all of them when starting from another run's
         checkpoint): they will be produced again. Returns the dropped rows."""
-        path = self._metrics_path()
-        if not os.path.exists(path):
-            return []
-        foreign = self._started_from_another_run()
-        with open(path) as f:
-            rows = [line for line in f if line.strip()]
-        past = [foreign or json.loads(line).get("step", 0) > self.step for line in rows]
-        if any(past):
-            with atomic_file(path) as f:
-                f.writelines(line for line, drop in zip(rows, past) if not drop)
-        return [line for line, drop in zip(rows, past) if drop]
+        return metrics.trim(self.run_dir, None if self._started_from_another_run() else self.step)
 
     def _started_from_another_run(self):
         """True when this run continues a checkpoint outside its own run directory."""

@@ -52,6 +52,10 @@ CACHE_ENV = "BOOSTMPI_CUDAEMU_CACHE"
 CXX = os.environ.get("CXX", "g++")
 # the kernel text sees what NVRTC/hipRTC provide (prelude.h), never the host's headers
 NO_HOST_HEADERS = ("-nostdinc", "-nostdinc++")
+# CUDA's device headers the harness emulates (include/: <mma.h>'s warp matrix functions and the
+# <cuda_bf16.h> type they take), found by `#include <...>` as NVRTC finds CUDA's own
+INCLUDE = HERE / "include"
+
 
 
 class KernelError(RuntimeError):
@@ -483,7 +487,8 @@ class Module:
         self.options = tuple(str(o) for o in options)
         flags, self.warp_size = _parse_options(self.options)
         prelude = (HERE / "prelude.h").read_text()
-        key = hashlib.sha256("\0".join([code, *self.options, prelude, (HERE / "runtime.cpp").read_text(),
+        headers = [f.read_text() for f in sorted(INCLUDE.glob("*.h"))]
+        key = hashlib.sha256("\0".join([code, *self.options, prelude, *headers, (HERE / "runtime.cpp").read_text(),
                                         _compiler_id(), Path(__file__).read_text()]).encode()).hexdigest()[:24]
         with _lock:
             _lib()
@@ -515,6 +520,7 @@ class Module:
 
 
 def _compile(key, code, flags, prelude):
+    flags = ["-I", str(INCLUDE), *flags]  # before any -I given: the harness's <mma.h>, never CUDA's
     pre = subprocess.run([CXX, "-E", "-P", *NO_HOST_HEADERS, "-x", "c++", *flags, "-"], input=code, capture_output=True,
                          text=True)
     if pre.returncode != 0:
@@ -524,7 +530,7 @@ def _compile(key, code, flags, prelude):
 
     def build(tmp):
         _run_compiler([CXX, *flags, *NO_HOST_HEADERS, "-fPIC", "-O1", "-g", "-fsanitize=thread,signed-integer-overflow",
-                       "-fno-tree-loop-distribute-patterns", "-ffp-contract=off", "-Wno-unknown-pragmas", "-include", str(tmp / "prelude.h"), "-x", "c++",
+                       "-fno-tree-loop-distribute-patterns", "-ffp-contract=off", "-Wno-unknown-pragmas", "-Wno-psabi", "-include", str(tmp / "prelude.h"), "-x", "c++",
                        "-c", str(tmp / "kernel.cu"), "-o", str(tmp / "kernel.o")], "compiling the kernel text")
         _run_compiler([CXX, "-shared", str(tmp / "kernel.o"), "-o", str(tmp / "module.so")], "linking the kernel module")
         # keep the compiled text beside the library (error locations are lines of it)

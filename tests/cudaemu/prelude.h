@@ -191,4 +191,43 @@ inline long long max(long long a, long long b) { return a > b ? a : b; }
 inline float min(float a, float b) { return fminf(a, b); }
 inline float max(float a, float b) { return fmaxf(a, b); }
 
+// --------------------------------------------------------------------- AMD matrix cores (MFMA)
+// __builtin_amdgcn_mfma_f32_32x32x8bf16_1k (gfx90a, hipcc/hipRTC of ROCm 5.2 accept it): D = A B + C
+// over the 64-lane wavefront; A 32x8 and B 8x32 bfloat16 (bit patterns, 4 per lane in a vector of
+// shorts), C and D 32x32 float (16 per lane), in the lanes AMD's Matrix Instruction Calculator gives
+// for CDNA2 (https://github.com/ROCm/amd_matrix_instruction_calculator, --register-layout):
+//   A[i][k]: lane i + 32 (k / 4), element k % 4     B[k][j]: lane j + 32 (k / 4), element k % 4
+//   D[i][j]: lane l, element r, where j = l % 32 and i = 8 (r / 4) + 4 (l / 32) + r % 4
+// Every lane of the wavefront takes part (shuffles); the broadcast controls cbsz, abid, blgp must be 0
+// (others are not emulated). Products are exact in fp32, summed in k order.
+typedef short cudaemu_short4 __attribute__((vector_size(8)));
+typedef float cudaemu_float16 __attribute__((vector_size(64)));
+extern "C" void cudaemu_fragment_fail(const char* message, int line);
+namespace cudaemu {
+inline cudaemu_float16 mfma_f32_32x32x8bf16_1k(cudaemu_short4 a, cudaemu_short4 b, cudaemu_float16 c, int cbsz, int abid,
+                                               int blgp, int line) {
+    if (warpSize != 64) cudaemu_fragment_fail("MFMA needs a 64-lane wavefront", line);
+    if (cbsz || abid || blgp) cudaemu_fragment_fail("MFMA broadcast controls (cbsz, abid, blgp) other than 0", line);
+    const int lane = static_cast<int>(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) % 64;
+    float A[32][8], B[8][32];
+    for (int src = 0; src < 64; ++src) {
+        const cudaemu_short4 sa = shfl(SHFL_IDX, 0ull, a, src, 64, line), sb = shfl(SHFL_IDX, 0ull, b, src, 64, line);
+        for (int e = 0; e < 4; ++e) {
+            A[src % 32][4 * (src / 32) + e] = __uint_as_float(static_cast<unsigned int>(static_cast<unsigned short>(sa[e])) << 16);
+            B[4 * (src / 32) + e][src % 32] = __uint_as_float(static_cast<unsigned int>(static_cast<unsigned short>(sb[e])) << 16);
+        }
+    }
+    cudaemu_float16 d;
+    for (int r = 0; r < 16; ++r) {
+        const int i = 8 * (r / 4) + 4 * (lane / 32) + r % 4, j = lane % 32;
+        float sum = c[r];
+        for (int k = 0; k < 8; ++k) sum += A[i][k] * B[k][j];
+        d[r] = sum;
+    }
+    return d;
+}
+}  // namespace cudaemu
+#define __builtin_amdgcn_mfma_f32_32x32x8bf16_1k(a, b, c, cbsz, abid, blgp) \
+    cudaemu::mfma_f32_32x32x8bf16_1k(a, b, c, cbsz, abid, blgp, __LINE__)
+
 #endif  // CUDAEMU_PRELUDE_H

@@ -243,6 +243,13 @@ std::vector<unsigned long long> warp_arrived;  // per warp: lanes waiting at a s
 // deterministic generator for the randomised schedule (splitmix64)
 bool seeded = false;
 uint64_t rng_state = 0;
+constexpr int CUDAEMU_FRAGMENT_KINDS = 5;  // matrix_a row/col major, matrix_b row/col major, accumulator
+// WMMA fragments (include/mma.h): which matrix element each (lane, element) of a fragment holds is
+// unspecified by CUDA, so the harness draws the map at random, per launch and per fragment kind:
+// map[lane * 8 + e] = row * 16 + col. Code that assumes a layout reads the wrong elements.
+unsigned char fragment_maps[CUDAEMU_FRAGMENT_KINDS][256];
+uint64_t fragment_launches = 0, fragment_seed = 0;
+bool fragment_maps_drawn = false;
 uint64_t next_random() {
     uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -693,6 +700,8 @@ int cudaemu_launch(void (*entry)(void**), void** args, const unsigned* grid3, co
     warp_size = warp;
     seeded = use_seed != 0;
     rng_state = seed;
+    fragment_maps_drawn = false;  // WMMA fragment maps: drawn anew at the launch's first use
+    fragment_seed = seeded ? seed : 0;
     const uint3_ grid{grid3[0], grid3[1], grid3[2]}, block{block3[0], block3[1], block3[2]};
     nthreads = static_cast<int>(block.x * block.y * block.z);
     // a fresh shared layout per launch
@@ -780,6 +789,35 @@ void cudaemu_syncthreads(int line) {
         for (int t = 0; t < nthreads; ++t) make_runnable(fibers[t]);
     }
     yield();
+}
+
+const unsigned char* cudaemu_fragment_map(int kind, int line) {
+    Fiber& f = *current;
+    if (warp_size != 32)
+        fail(KERNEL_ERROR, format("%s: WMMA on line %d needs a 32-lane warp (this launch runs %d lanes)",
+                                  thread_name(f.tid).c_str(), line, warp_size));
+    if (kind < 0 || kind >= CUDAEMU_FRAGMENT_KINDS) fail(KERNEL_ERROR, format("fragment kind %d on line %d", kind, line));
+    if (!fragment_maps_drawn) {
+        uint64_t state = fragment_seed ^ (0x5851f42d4c957f2dull * ++fragment_launches);
+        for (int k = 0; k < CUDAEMU_FRAGMENT_KINDS; ++k) {
+            unsigned char* m = fragment_maps[k];
+            for (int i = 0; i < 256; ++i) m[i] = static_cast<unsigned char>(i);
+            do {
+                for (int i = 255; i > 0; --i) {
+                    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+                    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+                    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+                    std::swap(m[i], m[(z ^ (z >> 31)) % static_cast<uint64_t>(i + 1)]);
+                }
+            } while (m[0] == 0 && m[1] == 1);  // never the row-major order a careless kernel might assume
+        }
+        fragment_maps_drawn = true;
+    }
+    return fragment_maps[kind];
+}
+
+void cudaemu_fragment_fail(const char* message, int line) {
+    fail(KERNEL_ERROR, format("%s: %s (WMMA call on line %d)", thread_name(current->tid).c_str(), message, line));
 }
 
 unsigned long long cudaemu_shfl(int kind, unsigned long long mask, unsigned long long value, int arg, int width, int line) {

@@ -1,13 +1,13 @@
 """The interface every tensor-parallel strategy implements, and what they share.
 
   in_proj_forward(x, norm_name, names, P, tape) -> (outs, cache)   norm + the linears reading it
-  in_proj_backward(douts, cache, P, Gr) -> dx
+  in_proj_backward(douts, cache, P, grads) -> dx
   out_proj_forward(x, name, P, tape) -> (y, cache)                  o and down, into the residual
   out_proj_cache(x, name, P, tape) -> cache                         the same cache, y not needed
-  out_proj_backward(dy, cache, P, Gr) -> dx
-  embed_forward(ids, P) -> h, embed_backward(ids, dh, Gr)
-  head_forward(h, targets, P, lean) -> (loss, HeadCache), head_backward(cache, scale, P, Gr) -> dh
-`P` and `Gr` are the parameter and gradient views of this rank. The `tape`
+  out_proj_backward(dy, cache, P, grads) -> dx
+  embed_forward(ids, P) -> h, embed_backward(ids, dh, grads)
+  head_forward(h, targets, P, lean) -> (loss, HeadCache), head_backward(cache, scale, P, grads) -> dh
+`P` and `grads` are the parameter and gradient views of this rank. The `tape`
 (boostmpi/model/recompute.py) says what the forward is for: it records the post-communication
 rank-R activations so that recompute = "lowrank" replays them instead of communicating again, and
 when the backward follows at once the cache also holds the SiLU's sigmoid (NumPy path), which the
@@ -58,10 +58,10 @@ class Strategy:
         return vocab_parallel.head_forward(self._gather_residual(h), targets, P["final_norm"], P["lm_head"],
                                            self.eps, self.v0, self.tp, lean)
 
-    def head_backward(self, cache, scale, P, Gr):
+    def head_backward(self, cache, scale, P, grads):
         """d(loss)/d(h) for loss = scale * sum of per-token CE; returns dh [N, C_local]."""
-        dh = vocab_parallel.head_backward(cache, scale, P["final_norm"], P["lm_head"], Gr["final_norm"],
-                                          Gr["lm_head"], self.tp)
+        dh = vocab_parallel.head_backward(cache, scale, P["final_norm"], P["lm_head"], grads["final_norm"],
+                                          grads["lm_head"], self.tp)
         return self._gather_residual_backward(dh)
 
 
@@ -89,8 +89,8 @@ class ReplicatedResidual(Strategy):
     def embed_forward(self, ids, P):
         return vocab_parallel.embedding_forward(P["embed"], ids, self.v0, self.v1, self.tp)
 
-    def embed_backward(self, ids, dh, Gr):
-        vocab_parallel.embedding_backward(Gr["embed"], ids, dh, self.v0, self.v1)
+    def embed_backward(self, ids, dh, grads):
+        vocab_parallel.embedding_backward(grads["embed"], ids, dh, self.v0, self.v1)
 
 
 def column_parallel_input_grad(douts, P, names, grouped, tp):

@@ -19,6 +19,7 @@ from boostmpi.parallel.mappings import (copy_to_tp_region, copy_to_tp_region_bac
                                         gather_from_tp_region_backward, reduce_from_tp_region,
                                         reduce_from_tp_region_backward, reduce_from_tp_region_many)
 from boostmpi.parallel.tensor_parallel.base import Strategy, activate
+from boostmpi.precision import statistic_dtype
 
 
 class BottleneckCache(NamedTuple):
@@ -48,8 +49,8 @@ class BottleneckTP(Strategy):
     def embed_forward(self, ids, P):
         return layers.embedding_forward(P["embed"], ids)
 
-    def embed_backward(self, ids, dh, Gr):
-        layers.embedding_backward(Gr["embed"], ids, dh)
+    def embed_backward(self, ids, dh, grads):
+        layers.embedding_backward(grads["embed"], ids, dh)
 
     # -- the head reads the whole residual
     def _gather_residual(self, h):
@@ -62,8 +63,8 @@ class BottleneckTP(Strategy):
     def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE):
         return self._bottleneck_forward(x, norm_name, names, P, tape)
 
-    def in_proj_backward(self, douts, cache, P, Gr):
-        return self._bottleneck_backward(douts, cache, P, Gr)
+    def in_proj_backward(self, douts, cache, P, grads):
+        return self._bottleneck_backward(douts, cache, P, grads)
 
     def out_proj_forward(self, x, name, P, tape=NO_TAPE):
         outs, cache = self._bottleneck_forward(x, None, [name], P, tape)
@@ -73,8 +74,8 @@ class BottleneckTP(Strategy):
         """Without the output: the B GEMM is skipped (local work only, never a collective)."""
         return self._bottleneck_forward(x, None, [name], P, tape, output=False)[1]
 
-    def out_proj_backward(self, dy, cache, P, Gr):
-        return self._bottleneck_backward([dy], cache, P, Gr)
+    def out_proj_backward(self, dy, cache, P, grads):
+        return self._bottleneck_backward([dy], cache, P, grads)
 
     def _bottleneck_forward(self, x, norm_name, names, P, tape, output=True):
         sl = col_slices([P[f"{nm}/A"].shape[1] for nm in names])
@@ -150,7 +151,7 @@ class BottleneckTP(Strategy):
                     prod[:, s] = reduce(piece, j)
         return (prod, tail) if extra is not None else prod
 
-    def _bottleneck_backward(self, douts, cache, P, Gr):
+    def _bottleneck_backward(self, douts, cache, P, grads):
         x, xw, norm_name, Z, Zs, rstd, names, sl, sig = cache
         xp = get_array_module(x)
         dZs = xp.empty_like(Z)
@@ -160,7 +161,7 @@ class BottleneckTP(Strategy):
         # (one all-reduce when grouped, else one per factor)
         pieces = [dZs] if self.grouped or len(sl) == 1 else [xp.ascontiguousarray(dZs[:, s]) for s in sl]
         req = copy_to_tp_region_backward_async(pieces, self.tp)
-        grouped_matmul([Zs[:, s].T for s in sl], douts, outs=[Gr[f"{nm}/B"] for nm in names], accumulate=True)
+        grouped_matmul([Zs[:, s].T for s in sl], douts, outs=[grads[f"{nm}/B"] for nm in names], accumulate=True)
         req.wait()
         if len(pieces) > 1:
             for s, piece in zip(sl, pieces):
@@ -171,13 +172,13 @@ class BottleneckTP(Strategy):
             dZ = reduce_from_tp_region_backward(dZ, self.tp)  # Z was reduced from the region
             dx = matmul(dZ, A.T)
             for s, nm in zip(sl, names):
-                matmul(xw.T, dZ[:, s], out=Gr[f"{nm}/A"], accumulate=True)
+                matmul(xw.T, dZ[:, s], out=grads[f"{nm}/A"], accumulate=True)
             return dx
         # exact backward of Z = (sum_i xw_i·A_i) * rstd(S), S = sum of squares over all shards
         # (layers.btp_norm_backward_pre/post: one kernel each on a GPU, around the GEMM)
         dP, dS = layers.btp_norm_backward_pre(dZs, Z, rstd, self.C, self.act, sig)
         dP = reduce_from_tp_region_backward(dP, self.tp)  # the product was reduced from the region
-        dxw = matmul(dP, A.T, dtype=layers.accumulation_dtype(x.dtype))  # the float32 accumulator, not rounded
+        dxw = matmul(dP, A.T, dtype=statistic_dtype(x.dtype))  # the float32 accumulator, not rounded
         for s, nm in zip(sl, names):
-            matmul(xw.T, dP[:, s], out=Gr[f"{nm}/A"], accumulate=True)
-        return layers.btp_norm_backward_post(dxw, x, P[norm_name], dS, Gr[norm_name])
+            matmul(xw.T, dP[:, s], out=grads[f"{nm}/A"], accumulate=True)
+        return layers.btp_norm_backward_post(dxw, x, P[norm_name], dS, grads[norm_name])

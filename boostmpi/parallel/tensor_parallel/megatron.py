@@ -38,21 +38,21 @@ class MegatronTP(ReplicatedResidual):
             outs = [matmul(n, P[w]) for w in W_names]
         return outs, NormCache(x, norm_name, rstd, (n, names))
 
-    def in_proj_backward(self, douts, cache, P, Gr):
+    def in_proj_backward(self, douts, cache, P, grads):
         n, names = cache.inner
         parts, req = column_parallel_input_grad(douts, P, [f"{nm}/W" for nm in names], self.grouped, self.tp)
         for nm, dy in zip(names, douts):  # weight gradients while the input gradient travels
-            matmul(n.T, dy, out=Gr[f"{nm}/W"], accumulate=True)
+            matmul(n.T, dy, out=grads[f"{nm}/W"], accumulate=True)
         req.wait()
         dn = sum(parts[1:], parts[0])
-        return layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, Gr[cache.norm_name])
+        return layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, grads[cache.norm_name])
 
     def out_proj_forward(self, x, name, P, tape=NO_TAPE):
         y = matmul(x, P[f"{name}/W"])
         return reduce_from_tp_region(y, self.tp), LinearCache(x, name)
 
-    def out_proj_backward(self, dy, cache, P, Gr):
+    def out_proj_backward(self, dy, cache, P, grads):
         x, name = cache
         dy = reduce_from_tp_region_backward(dy, self.tp)
-        matmul(x.T, dy, out=Gr[f"{name}/W"], accumulate=True)
+        matmul(x.T, dy, out=grads[f"{name}/W"], accumulate=True)
         return matmul(dy, P[f"{name}/W"].T)

@@ -30,17 +30,17 @@ class VanillaLowRankTP(ReplicatedResidual):
         outs, cache = self._factor_forward(n, names, P, tape)
         return outs, NormCache(x, norm_name, rstd, cache)
 
-    def in_proj_backward(self, douts, cache, P, Gr):
-        dn = self._factor_backward(douts, cache.inner, P, Gr)
-        return layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, Gr[cache.norm_name])
+    def in_proj_backward(self, douts, cache, P, grads):
+        dn = self._factor_backward(douts, cache.inner, P, grads)
+        return layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, grads[cache.norm_name])
 
     def out_proj_forward(self, x, name, P, tape=NO_TAPE):
         # a recompute produces the output too: its all-reduce is part of the forward's collectives
         outs, cache = self._factor_forward(x, [name], P, tape)
         return outs[0], cache
 
-    def out_proj_backward(self, dy, cache, P, Gr):
-        return self._factor_backward([dy], cache, P, Gr)
+    def out_proj_backward(self, dy, cache, P, grads):
+        return self._factor_backward([dy], cache, P, grads)
 
     def _factor_forward(self, x, names, P, tape):
         xp = get_array_module(x)
@@ -66,18 +66,18 @@ class VanillaLowRankTP(ReplicatedResidual):
             ys = [reduce_from_tp_region(y, self.tp) for y in ys]
         return ys, FactorCache(x, Z, Zs, names, sl, sig)
 
-    def _factor_backward(self, douts, cache, P, Gr):
+    def _factor_backward(self, douts, cache, P, grads):
         x, Z, Zs, names, sl, sig = cache
         xp = get_array_module(x)
         dZs = xp.empty_like(Z)
         douts = [reduce_from_tp_region_backward(dy, self.tp) for dy in douts]
         for s, nm, dy in zip(sl, names, douts):
             matmul(dy, P[f"{nm}/B"].T, out=dZs[:, s])  # written in place, a column block of dZs
-            matmul(Zs[:, s].T, dy, out=Gr[f"{nm}/B"], accumulate=True)
+            matmul(Zs[:, s].T, dy, out=grads[f"{nm}/B"], accumulate=True)
         dZ = layers.silu_backward(dZs, Z, sig) if self.act else dZs
         parts, req = column_parallel_input_grad([dZ[:, s] for s in sl], P, [f"{nm}/A" for nm in names],
                                                 self.grouped, self.tp)
         for s, nm in zip(sl, names):  # weight gradients while the input gradient travels
-            matmul(x.T, dZ[:, s], out=Gr[f"{nm}/A"], accumulate=True)
+            matmul(x.T, dZ[:, s], out=grads[f"{nm}/A"], accumulate=True)
         req.wait()
         return sum(parts[1:], parts[0])

@@ -1,0 +1,161 @@
+"""Reading a checkpoint under any layout: verified against COMPLETE first (sizes and checksums, shared
+among the ranks), then each rank reads only the hyperslabs of its own shards and optimizer slice.
+Nothing is pickled or executed on load. Also the single-file copy of model.h5 that `export` writes."""
+
+import json
+import os
+
+import numpy as np
+
+from boostmpi.checkpoint.format import CHECKSUMS, FORMAT, MARKER, file_digest, os_error_of
+from boostmpi.checkpoint.layout import read_params
+from boostmpi.checkpoint.saving import Agreement
+from boostmpi.errors import CheckpointError
+from boostmpi.files import atomic_file, fs_error
+from boostmpi.model.params import block_pieces
+
+def recorded_files(ckpt_dir):
+    """The files the COMPLETE marker records (the three global files and every rank file), sorted."""
+    try:
+        with open(os.path.join(ckpt_dir, MARKER)) as f:
+            marker = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint marker {os.path.join(ckpt_dir, MARKER)} is unreadable: {exc}") from exc
+    if not isinstance(marker, dict):
+        raise CheckpointError(f"checkpoint marker {os.path.join(ckpt_dir, MARKER)} is not a table of files")
+    return marker
+
+
+def verify(ckpt_dir, files=None, part=(0, 1)):
+    """Check sizes and checksums against the COMPLETE marker (every recorded file, or `files`): XXH3-64,
+    or SHA-256 in a checkpoint of an earlier version. A truncated, altered or missing file is refused by
+    name. `part = (i, n)` checks every n-th file from the i-th, so n ranks verify a checkpoint together."""
+    marker = recorded_files(ckpt_dir)
+    names = sorted(marker) if files is None else list(files)
+    for name in names[part[0]::part[1]]:
+        path = os.path.join(ckpt_dir, name)
+        if name not in marker:
+            continue
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} is missing")
+        size = os.path.getsize(path)
+        if size != marker[name]["bytes"]:
+            raise CheckpointError(f"{path} is truncated or altered: {size} bytes, the checkpoint recorded {marker[name]['bytes']}")
+        record = marker[name]
+        key = next((k for k in CHECKSUMS if k in record), None)
+        if key is None:
+            raise CheckpointError(f"{os.path.join(ckpt_dir, MARKER)} records no checksum of {name}")
+        algorithm, label = CHECKSUMS[key]
+        if file_digest(path, algorithm) != record[key]:
+            raise CheckpointError(f"{path} is corrupted: its {label} does not match the one recorded when it was written")
+
+
+def verify_together(ckpt_dir, comm=None):
+    """`verify` collectively over `comm`, each rank checking its share of the files; a problem found by
+    any rank is raised on every rank."""
+    rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
+    error = None
+    try:
+        verify(ckpt_dir, part=(rank, size))
+    except CheckpointError as exc:
+        error = ("CheckpointError", str(exc))
+    Agreement(comm).check(error)
+
+
+def open_model(ckpt_dir, check=True):
+    """(h5py.File of model.h5, its step, its config dict), verified unless check=False."""
+    import h5py
+
+    path = os.path.join(ckpt_dir, "model.h5")
+    if check:  # model.h5 and the rank files its virtual datasets read
+        verify(ckpt_dir, files=[n for n in recorded_files(ckpt_dir) if n not in ("optim.h5", "state.json")])
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise CheckpointError(f"{path} is not a readable HDF5 file: {exc}") from exc
+    if f.attrs.get("format") != FORMAT:
+        f.close()
+        raise CheckpointError(f"{path} is not a boostmpi checkpoint (format attribute {f.attrs.get('format')!r})")
+    try:
+        config = json.loads(f.attrs["config"])
+    except (KeyError, ValueError) as exc:
+        f.close()
+        raise CheckpointError(f"{path} has no readable config attribute: {exc}") from exc
+    return f, int(f.attrs["step"]), config
+
+
+def read_state(ckpt_dir):
+    with open(os.path.join(ckpt_dir, "state.json")) as f:
+        return json.load(f)
+
+
+# model keys newer than some checkpoints, with the value every run before them had
+MODEL_KEYS_ADDED = {"attention_dropout": 0.0}
+
+
+def model_mismatch(saved_model, model):
+    """The first model key whose value differs, as a message, or None (a key the checkpoint predates
+    matches its value from before the key existed)."""
+    for k, v in model.items():
+        if k not in saved_model and k in MODEL_KEYS_ADDED and v == MODEL_KEYS_ADDED[k]:
+            continue
+        if saved_model.get(k) != v:
+            return f"model.{k} is {v!r} in the configuration but {saved_model.get(k)!r} in the checkpoint"
+    return None
+
+
+def read_moments(optim_h5, params, optimizer, xp=np):
+    """Fill the AdamW moments of the optimizer's slice [lo, hi) of the flat buffer (laid out like the
+    FlatBuffer `params`) from optim.h5, reading for each parameter only the boxes that fall in the
+    slice; sets the optimizer's step count."""
+    lo, hi = optimizer.shard
+    host = {"m": np.empty(hi - lo, dtype=optimizer.m.dtype), "v": np.empty(hi - lo, dtype=optimizer.v.dtype)}
+    for members, a, b in params.blocks:
+        for p in block_pieces(members, a, b, lo, hi):
+            index = tuple(slice(x, y) for x, y in p.box)
+            for which, out in host.items():
+                p.put(out, lo, optim_h5[f"{which}/{p.name}"][index])
+    optimizer.m[...] = xp.asarray(host["m"])
+    optimizer.v[...] = xp.asarray(host["v"])
+    optimizer.t = int(optim_h5.attrs["t"])
+
+
+def load(ckpt_dir, specs, params, optimizer=None, xp=np):
+    """This rank's parameters (FlatBuffer `params`) and, with `optimizer`, its moments and step count,
+    from a checkpoint written under any layout. Returns (step, state.json's content)."""
+    import h5py
+
+    f, step, _ = open_model(ckpt_dir, check=False)
+    try:  # into `params` wherever it lives (a host buffer for a rank whose master weights are a slice)
+        read_params(f, specs, params, np if isinstance(params.data, np.ndarray) else xp)
+    finally:
+        f.close()
+    if optimizer is not None:
+        with h5py.File(os.path.join(ckpt_dir, "optim.h5"), "r") as fo:
+            read_moments(fo, params, optimizer, xp)
+    return step, read_state(ckpt_dir)
+
+
+def write_consolidated(path, ckpt_dir):
+    """A single-file copy of a checkpoint's model.h5 at `path`: the same attributes, every tensor stored
+    in the file itself (no virtual datasets), for sharing one file."""
+    import h5py
+
+    src, _, _ = open_model(ckpt_dir)
+    try:
+        with atomic_file(path, "wb") as out, h5py.File(out, "w") as f:
+            for k, v in src.attrs.items():
+                f.attrs[k] = v
+
+            def copy(name, obj):
+                if isinstance(obj, h5py.Dataset):
+                    f.create_dataset(name, data=obj[()])
+
+            src.visititems(copy)
+    except (OSError, RuntimeError) as exc:  # h5py may report the disk's refusal without an errno of its own
+        os_exc = os_error_of(exc)
+        if os_exc is None or os_exc.errno is None:
+            raise
+        raise fs_error(os_exc, "cannot write", path) from exc
+    finally:
+        src.close()

@@ -1,0 +1,113 @@
+"""Stop signals: what SIGTERM, SIGUSR1 and SIGINT do to a training run (docs/OPERATIONS.md).
+
+One handler, installed at start-up (`install`, from `parallel.launch.init_mpi`) and kept by the
+trainer (`watch`), records the first stop signal in the process's `StopRequest` instead of
+killing the rank. The trainer checkpoints at a step boundary and exits with `STOPPED_EARLY_EXIT`.
+A second SIGINT (Ctrl-C pressed again, more than a second after the first) ends the process at
+once with status 130, without a checkpoint.
+
+The ranks agree on the request through the step's merged all-reduce, which carries two flags per
+rank (`StopRequest.flags`): "a signal arrived" and "it arrived before this step began", that is
+after the previous step's all-reduce, during that step's optimizer update, metrics or log. The
+second flag means the previous step's boundary is where the run stops: the trainer drops the
+step in progress (no optimizer update, no metrics row, the data position put back) and
+checkpoints the state of the previous step, so no extra collective is needed per step.
+
+This module imports nothing from the rest of boostmpi: start-up (parallel/) and the trainer
+(train/) both use it.
+"""
+
+import contextlib
+import os
+import signal
+import sys
+import time
+
+# Slurm's --signal and time limit, PBS's qdel / walltime, Ctrl-C on an interactive mpiexec
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# the exit status of a run stopped early by a signal, with a checkpoint to resume from (sysexits.h's
+# EX_TEMPFAIL: "try again later"); a finished run exits 0
+STOPPED_EARLY_EXIT = 75
+# written into train.run_dir once that checkpoint is complete: how a job script knows the run stopped on a
+# signal whatever status its launcher returns (srun may report 128 + the signal instead of 75)
+STOPPED_MARKER = "STOPPED_ON_SIGNAL"
+INTERRUPTED_TWICE_EXIT = 130
+
+
+class StopRequest:
+    """The first stop signal this process received (None: none), and where in the step it came."""
+
+    def __init__(self):
+        self.signal = None
+        self._since = time.monotonic()
+        self._before_step = False  # the signal was there when the current step began
+
+    def record(self, signum):
+        now = time.monotonic()
+        # the same Ctrl-C can arrive twice at once (from the terminal and forwarded by the launcher)
+        if signum == signal.SIGINT and self.signal == signal.SIGINT and now - self._since > 1.0:
+            print("interrupted again: stopping now, without a checkpoint", file=sys.stderr, flush=True)
+            os._exit(INTERRUPTED_TWICE_EXIT)
+        if self.signal is None:
+            self.signal, self._since = signum, now
+
+    def step_begins(self):
+        """Called at each step boundary, before the step's first micro-batch is drawn."""
+        self._before_step = self.signal is not None
+
+    def flags(self):
+        """This rank's two floats for the step's merged all-reduce: a stop signal arrived; it arrived
+        before the step began."""
+        return [1.0 if self.signal is not None else 0.0, 1.0 if self._before_step else 0.0]
+
+    def name(self):
+        return signal.Signals(self.signal).name if self.signal is not None else "a signal on another rank"
+
+
+_request = StopRequest()
+
+
+def _handler(signum, frame):
+    _request.record(signum)
+
+
+def _take_signals():
+    for sig in STOP_SIGNALS:
+        try:
+            signal.signal(sig, _handler)
+        except ValueError:  # not the main thread: the caller's handlers stay
+            pass
+
+
+def install():
+    """Start-up: from now on a stop signal is recorded (a fresh request), never fatal."""
+    global _request
+    _request = StopRequest()
+    _take_signals()
+
+
+def watch():
+    """The trainer's start: the handler (again: a test may build a trainer without start-up) and the
+    process's request, which keeps a signal that arrived during start-up."""
+    _take_signals()
+    return _request
+
+
+def release():
+    """The run that watched the request is over (its signal was acted on): later runs of this process
+    start with a fresh one."""
+    global _request
+    _request = StopRequest()
+
+
+@contextlib.contextmanager
+def handlers_restored():
+    """Around start-up and training in a process that goes on afterwards (a test calling `train`): the
+    caller's stop-signal handlers are put back, or `timeout` could no longer end it."""
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)

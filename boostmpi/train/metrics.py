@@ -1,0 +1,111 @@
+"""The run's metrics: one JSON object per optimizer step in RUN_DIR/metrics.jsonl (docs/FORMATS.md).
+
+This module owns the row (its keys and how each figure is measured), the file (appended a whole
+row at a time by rank 0; trimmed on resume; rows of an abandoned timeline handed to the folder
+they are moved to), and the per-step traffic figures that ride the step's merged all-reduce.
+
+A row: `step`, `loss` (mean over the global batch), `lr`, `grad_norm`, `tokens_per_s`,
+`step_time_s`, `tokens` (seen so far), `comm_bytes` and `comm_calls` (per axis tp/pp/dp: the
+step's payload bytes and calls, each group counted once, summed over the groups of the axis);
+on logged steps `memory` (the largest rank's bytes of each kind); on validating steps `val_loss`.
+"""
+
+import json
+import os
+
+import numpy as np
+
+from boostmpi.files import FilesystemError, LineLog, atomic_file
+from boostmpi.parallel.comm import AXES
+
+FILE = "metrics.jsonl"
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations_saved", "activations_in_flight", "checkpoint_snapshot",
+               "peak")
+
+
+def path(run_dir):
+    return os.path.join(run_dir, FILE)
+
+
+def has_rows(run_dir):
+    """True when the run directory's metrics hold at least one byte (a run has taken steps there)."""
+    p = path(run_dir)
+    return os.path.exists(p) and os.path.getsize(p) > 0
+
+
+# ---------------------------------------------------------------- traffic, summed with the step's all-reduce
+
+COUNTER_FLOATS = 2 * len(AXES)
+
+
+def counter_floats(counter):
+    """This rank's payload bytes and calls per axis (a `CommCounter`), as floats to sum over all ranks."""
+    return [float(counter.bytes[a]) for a in AXES] + [float(counter.calls[a]) for a in AXES]
+
+
+def traffic(summed):
+    """(comm_bytes, comm_calls) of a row from the sums of `counter_floats` (each group counted once,
+    by its rank 0)."""
+    n = len(AXES)
+    return dict(zip(AXES, map(int, summed[:n]))), dict(zip(AXES, map(int, summed[n:2 * n])))
+
+
+# ---------------------------------------------------------------- the row
+
+def step_row(step, loss, lr, grad_norm, step_time_s, tokens_per_step, summed_counters):
+    comm_bytes, comm_calls = traffic(summed_counters)
+    return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / step_time_s,
+            "step_time_s": step_time_s, "tokens": step * tokens_per_step, "comm_bytes": comm_bytes,
+            "comm_calls": comm_calls}
+
+
+def memory_figures(mine, host):
+    """{kind: bytes} of the largest rank for each kind, from this rank's figures in `MEMORY_KEYS` order
+    (one maximum over all ranks through `host`)."""
+    largest = host.max(np.array(mine, dtype=np.float64))
+    return {k: int(v) for k, v in zip(MEMORY_KEYS, largest)}
+
+
+# ---------------------------------------------------------------- the file
+
+class MetricsFile:
+    """Rank 0's metrics.jsonl, open for appending rows. A row the filesystem refuses (a full disk, a
+    quota) is cut off again (files.LineLog) and the failure is returned, once; later rows are dropped."""
+
+    def __init__(self, run_dir):
+        self._log = LineLog(path(run_dir))
+        self.failed = False
+
+    def append(self, row):
+        """Write `row`; returns the FilesystemError it met, or None."""
+        if self.failed:
+            return None
+        try:
+            self._log.append(json.dumps(row) + "\n")
+        except FilesystemError as exc:
+            self.failed = True
+            return exc
+        return None
+
+    def close(self):
+        self._log.close()
+
+
+def trim(run_dir, past_step=None):
+    """On resume: drop the rows past step `past_step` (None: all of them, when the run continues another
+    run's checkpoint); the rest stay in order. Returns the dropped lines."""
+    p = path(run_dir)
+    if not os.path.exists(p):
+        return []
+    with open(p) as f:
+        rows = [line for line in f if line.strip()]
+    past = [past_step is None or json.loads(line).get("step", 0) > past_step for line in rows]
+    if any(past):
+        with atomic_file(p) as f:
+            f.writelines(line for line, gone in zip(rows, past) if not gone)
+    return [line for line, gone in zip(rows, past) if gone]
+
+
+def set_aside(dropped_lines):
+    """{file name: text} of dropped rows, for the folder an abandoned timeline is moved to."""
+    return {FILE: "".join(dropped_lines)} if dropped_lines else None

@@ -1,0 +1,161 @@
+"""The tensor-core forward of the fused attention (kernels/attention.cu, attention_forward_tc_bf16),
+an option OFF by default: compiled only with -DBOOSTMPI_ATTENTION_WMMA, which the wrapper adds when
+BOOSTMPI_ATTENTION_TENSOR_CORES=1 (bfloat16 on 32-lane devices; 64-lane ones keep the FMA forward).
+
+On the execution harness (its WMMA draws the fragment element map at random per launch, so a
+kernel assuming a layout fails) against the model's NumPy attention: O within twice the error of a
+float32 reference that rounds P and O to bfloat16, the log-sum-exp within 1e-5; NVRTC compiles it for
+sm_80 and sm_90 (with CUDA's crt/ headers on the include path) without spills and with two
+resident blocks per SM; the default text has no such entry point; mutations fail the check.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+
+import cudaemu
+import gpu_compilers
+from boostmpi.gpu import kernels as loader
+from test_attention_kernel import BF16, F32_TOLERANCE, _inputs, max_error, rounded_reference, specification
+from test_cudaemu_wmma import nvcc_wheel_include
+from test_kernel_resources import MIN_RESIDENT_BLOCKS, nvidia_resident_blocks
+
+pytestmark = pytest.mark.gpu
+
+OPTION = "-DBOOSTMPI_ATTENTION_WMMA"
+THREADS = 128
+ENTRY = "attention_forward_tc_bf16"
+
+
+@functools.lru_cache(maxsize=None)
+def _module(code):
+    return cudaemu.Module(code, loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32", OPTION))
+
+
+def check_forward(B, T, H, Hkv, Dh, code=None):
+    q, k, v, do = _inputs(B, T, H, Hkv, Dh, BF16)
+    o = cudaemu.DeviceArray(shape=q.shape, dtype=BF16)
+    lse = cudaemu.DeviceArray(shape=(B, H, T), dtype=np.float32)
+    grid = B * H * -(-T // loader.ATTENTION_QUERY_TILE)
+    _module(code or loader.kernel_source("attention")).get_function(ENTRY)(
+        (grid,), (THREADS,), (cudaemu.DeviceArray(q), cudaemu.DeviceArray(k), cudaemu.DeviceArray(v), o, lse,
+                              *loader._attention_scalars(T, H, Hkv, Dh)))
+    want_o, want_lse = specification(q, k, v, do)[:2]
+    assert max_error(lse.get(), want_lse) <= F32_TOLERANCE * max(float(np.max(np.abs(want_lse))), 1.0), "lse"
+    reference = rounded_reference(q, k, v, do)[0]
+    assert max_error(o.get(), want_o) <= 2 * max_error(reference, want_o) + 1e-30, \
+        f"o: kernel error {max_error(o.get(), want_o):.3g}, rounded reference {max_error(reference, want_o):.3g}"
+
+
+# T = 1, T below and not a multiple of the tiles (a second query tile meets two key tiles), GQA, Dh 64 and 128
+@pytest.mark.parametrize("shape", [(1, 1, 2, 1, 64), (1, 70, 4, 2, 128), (2, 37, 2, 2, 96)],
+                         ids=lambda s: "B{}_T{}_H{}_Hkv{}_Dh{}".format(*s))
+def test_tensor_core_forward_matches_the_model(shape):
+    check_forward(*shape)
+
+
+def test_the_option_is_off_by_default():
+    default = cudaemu.Module(loader.kernel_source("attention"), loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",))
+    assert ENTRY not in default.entry_points and ENTRY in _module(loader.kernel_source("attention")).entry_points
+
+
+def test_nvrtc_compiles_it_within_the_budget():
+    gpu_compilers.require("NVRTC")
+    options = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32", OPTION, nvcc_wheel_include())
+    reports = gpu_compilers.nvrtc([(loader.kernel_source("attention"), options, arch) for arch in ("80", "90")])
+    for report in reports:
+        assert report["ok"], report["log"][-4000:]
+        for (entry, arch), info in gpu_compilers.ptxas_table(report["log"]).items():
+            if entry != ENTRY:
+                continue
+            assert info["spills"] == 0 and info["stack"] == 0, (arch, info)
+            blocks = nvidia_resident_blocks(arch, info["registers"], THREADS, info["smem"])
+            assert blocks >= MIN_RESIDENT_BLOCKS, (arch, info, blocks)
+
+
+MUTATIONS = {
+    # the row of a fragment element assumed (lane / 2, as the softmax's lanes hold rows) instead of read
+    "a layout assumed for the rescale": (
+        "for (int e = 0; e < out[n].num_elements; ++e) out[n].x[e] *= row_factor[warp][static_cast<int>(rows.x[e])];\n"
+        "#pragma unroll 1",
+        "for (int e = 0; e < out[n].num_elements; ++e) out[n].x[e] *= row_factor[warp][row];\n"
+        "#pragma unroll 1"),
+    "output not rescaled by the new running max": (
+        "for (int e = 0; e < out[n].num_elements; ++e) out[n].x[e] *= row_factor[warp][static_cast<int>(rows.x[e])];\n"
+        "#pragma unroll 1", "#pragma unroll 1"),
+    "running sum not rescaled": ("running_sum = rescale * running_sum + tile_sum;", "running_sum = running_sum + tile_sum;"),
+    "barrier after the scores removed": ("__syncthreads();  // the scores are written; K is no longer read", ""),
+    "mask off by one": ("const float s = k0 + c <= i && k0 + c < key_end ? scale * scores.s[warp][row][c] : negative_infinity();\n"
+                        "            const float p",
+                        "const float s = k0 + c <= i + 1 && k0 + c < key_end ? scale * scores.s[warp][row][c] : negative_infinity();\n"
+                        "            const float p"),
+}
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_each_mutation_fails_the_check(mutation):
+    old, new = MUTATIONS[mutation]
+    code = loader.kernel_source("attention")
+    assert code.count(old) == 1, f"the mutation's target is not one place in the kernel: {old!r}"
+    with pytest.raises((AssertionError, cudaemu.KernelError)):
+        # T = 130: the second query tile's rows meet two full key tiles, and many take a new maximum in the second
+        check_forward(1, 130, 2, 1, 128, code=code.replace(old, new))
+
+
+# ---------------------------------------------------------------------------- the wrapper's option
+
+
+def _wrapper_forward(monkeypatch, warp, B=1, T=70, H=4, Hkv=2, Dh=128):
+    """kernels.attention_forward with BOOSTMPI_ATTENTION_TENSOR_CORES=1 on a device of `warp` lanes:
+    (launched entry points, o, lse) and the inputs."""
+    import cupy
+
+    from gpu_setup import GPU
+
+    if not GPU.standin:
+        pytest.skip("the harness runs the option here; a GPU runs its own warp width")
+    real = loader._device_info
+    monkeypatch.setattr(loader, "_device_info", lambda device_id: real(device_id)._replace(warp_size=warp))
+    monkeypatch.setattr(loader, "_module", functools.lru_cache(maxsize=None)(loader._module.__wrapped__))
+    monkeypatch.setenv(loader.ATTENTION_TENSOR_CORES_ENV, "1")
+    launched = []
+    launch = loader._launch
+    monkeypatch.setattr(loader, "_launch", lambda kernel, *a, **k: (launched.append(kernel.name), launch(kernel, *a, **k)))
+    inputs = _inputs(B, T, H, Hkv, Dh, BF16)
+    o, lse = loader.attention_forward(*(cupy.asarray(a) for a in inputs[:3]))
+    return launched, cupy.asnumpy(o), cupy.asnumpy(lse), inputs
+
+
+def test_the_option_runs_the_tensor_core_forward_through_the_wrapper(monkeypatch):
+    launched, o, lse, (q, k, v, do) = _wrapper_forward(monkeypatch, 32)
+    assert launched == [ENTRY]
+    want_o, want_lse = specification(q, k, v, do)[:2]
+    assert max_error(lse, want_lse) <= F32_TOLERANCE * max(float(np.max(np.abs(want_lse))), 1.0)
+    assert max_error(o, want_o) <= 2 * max_error(rounded_reference(q, k, v, do)[0], want_o)
+
+
+def test_the_option_leaves_64_lane_devices_on_the_fma_forward(monkeypatch):
+    launched, *_ = _wrapper_forward(monkeypatch, 64, T=5)
+    assert launched == ["attention_forward_bf16"]
+
+
+@pytest.mark.parametrize("arch", ["cola", "full"])
+def test_a_bf16_training_step_with_the_option_equals_the_cpu_path(monkeypatch, arch):
+    """One bfloat16 training step (tests/gpu_steps.py: GQA, head dim 16) with the option on: the forward
+    of every layer on the WMMA kernel (asserted from the launches), the loss and gradients within
+    the bfloat16 tolerance of the float64 CPU step (tests/test_gpu.py's)."""
+    from gpu_setup import GPU
+    from gpu_steps import step
+    from test_gpu import assert_step_close, cpu_step
+
+    if not GPU.standin:
+        pytest.skip("the harness's 32-lane device; a GPU runs its own warp width")
+    monkeypatch.setattr(loader, "_module", functools.lru_cache(maxsize=None)(loader._module.__wrapped__))
+    monkeypatch.setenv(loader.ATTENTION_TENSOR_CORES_ENV, "1")
+    launched = []
+    launch = loader._launch
+    monkeypatch.setattr(loader, "_launch", lambda kernel, *a, **k: (launched.append(kernel.name), launch(kernel, *a, **k)))
+    got = step(arch, "gpu", "bfloat16")
+    assert ENTRY in launched and "attention_forward_hd64_bf16" not in launched, sorted(set(launched))
+    assert_step_close(got, cpu_step(arch), "bfloat16", f"{arch} bfloat16 with tensor cores")
