@@ -75,6 +75,8 @@ class ModelConfig:
     norm_eps: float = _key(1e-6, "positive")
     # cola already has a nonlinearity inside every factorised linear
     mlp_gate_act: bool = _derived(lambda m: m["arch"] != "cola", "true unless model.arch = cola")
+    # dropout on the attention probabilities, as GPT runs of Megatron use it (sim only: the engine has none)
+    attention_dropout: float = _key(0.0, "fraction")
 
     @property
     def head_dim(self):
@@ -297,9 +299,12 @@ class Config:
 
     def sim_only(self):
         """What `boostmpi sim` prices but the engine does not run, as one line naming it, or None:
-        ZeRO stages 2 and 3, sequence parallelism, and interleaving with chunks of unequal size or
+        attention dropout, ZeRO stages 2 and 3, sequence parallelism, and interleaving with chunks of unequal size or
         micro-batches in part-groups (as some published runs are laid out)."""
         m, p, t = self.model, self.parallel, self.train
+        if m.attention_dropout:
+            return (f"model.attention_dropout = {m.attention_dropout} is priced by boostmpi sim only: train has no "
+                    "dropout")
         if p.zero_stage > 1:
             return (f"parallel.zero_stage = {p.zero_stage} is priced by boostmpi sim only: train shards the "
                     "optimizer state (zero_stage = 1), not gradients or parameters")

@@ -7,6 +7,13 @@
 # module's NCCL, the one built with the Slingshot plugin, is the only NCCL the ranks load.
 # jobs/perlmutter.sbatch sources this file for perlmutter_environment only (the same modules at run time).
 
+# NERSC pages: of the pages this script follows, the stored copies read for it hold NERSC "Node Types"
+# (docs.nersc.gov/beginner-guide/nodetypesfig), "Jobs" (docs.nersc.gov/jobs/), the introduction of
+# "QOSes and Charges" (docs.nersc.gov/jobs/policy/) and "Perlmutter Readiness"
+# (docs.nersc.gov/performance/readiness/). NERSC's module pages (the cudatoolkit, nccl and python
+# modules and their current versions), "Using Python at NERSC" and the GPU-affinity page were not
+# among them: no module version is pinned below, each module loads NERSC's default, and the
+# versions the emulated site of tests/site_emu gives these defaults are placeholders, not NERSC's.
 perlmutter_environment() {
   # NERSC "Using Python at NERSC": the python module is NERSC's supported Python; cudatoolkit and
   # craype-accel-nvidia80 give the CUDA runtime and Cray MPICH's GPU transfer library (needed when

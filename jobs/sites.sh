@@ -53,8 +53,10 @@ frontier_queue_problem() {
   esac
 }
 
-# NERSC "Queues and Charges" was not readable here: only what the job script's header says is
-# checked. Production runs go to the regular QOS; debug (the default QOS) forbids job chaining.
+# NERSC "QOSes and Charges" (docs.nersc.gov/jobs/policy/): only the page's introduction was readable
+# here ("Most jobs are submitted to the 'regular' QOS"; debug is the default QOS), not its table of
+# node and walltime limits per QOS: only the QOS is checked, no node count or time. Production runs go
+# to regular; debug is for short tests and a chained job does not belong there.
 perlmutter_queue_problem() {
   local qos="$1" nodes="$2"
   case "$qos" in

@@ -89,9 +89,16 @@ def read_state(ckpt_dir):
         return json.load(f)
 
 
+# model keys newer than some checkpoints, with the value every run before them had
+MODEL_KEYS_ADDED = {"attention_dropout": 0.0}
+
+
 def model_mismatch(saved_model, model):
-    """The first model key whose value differs, as a message, or None."""
+    """The first model key whose value differs, as a message, or None (a key the checkpoint predates
+    matches its value from before the key existed)."""
     for k, v in model.items():
+        if k not in saved_model and k in MODEL_KEYS_ADDED and v == MODEL_KEYS_ADDED[k]:
+            continue
         if saved_model.get(k) != v:
             return f"model.{k} is {v!r} in the configuration but {saved_model.get(k)!r} in the checkpoint"
     return None

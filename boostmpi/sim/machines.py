@@ -75,6 +75,14 @@ class Machine:
     inter_node_latency: float
     # [compute], optional: "fused" (one kernel per elementwise step) or "eager" (eager PyTorch, op by op)
     elementwise: str = "fused"
+    # [compute], optional: bytes per parameter that a separate gradient-accumulation pass moves after
+    # every micro-batch's backward; 0 when the weight-gradient GEMMs accumulate into the master-dtype
+    # gradient themselves (boostmpi's engine, Megatron-LM's gradient-accumulation fusion)
+    grad_accumulation_bytes: float = 0.0
+    # [network], optional: how a pipeline's sends and receives are issued: "batched" (a send and the
+    # matching receive of the other direction in one call: two transfers on a step's path) or
+    # "blocking" (each send and receive its own blocking call in schedule order: four)
+    pipeline_p2p: str = "batched"
 
     def peak(self, dtype):
         if dtype not in self.peak_flops:
@@ -107,16 +115,19 @@ _LAYOUT = {
     "intra_node_latency": ("network", "intra_node_latency", float),
     "inter_node_bandwidth": ("network", "inter_node_bandwidth", float),
     "inter_node_latency": ("network", "inter_node_latency", float),
+    "grad_accumulation_bytes": ("compute", "grad_accumulation_bytes", float),
+    "pipeline_p2p": ("network", "pipeline_p2p", str),
 }
 assert set(_LAYOUT) == {f.name for f in fields(Machine)}
 
 _CHOICES = {"device": ("gpu", "cpu"), "attention": ("flash", "matmul", "fused_softmax"),
-            "elementwise": ("fused", "eager")}
+            "elementwise": ("fused", "eager"), "pipeline_p2p": ("batched", "blocking")}
 # keys a profile may leave out, and their values then (profiles written before the key existed)
-_OPTIONAL = {"elementwise": "fused"}
+_OPTIONAL = {"elementwise": "fused", "grad_accumulation_bytes": 0.0, "pipeline_p2p": "batched"}
 _POSITIVE = {"memory_capacity_bytes", "memory_bandwidth", "elementwise_efficiency", "gemm_efficiency",
              "gemm_tile_m", "gemm_tile_n", "compute_units", "attention_efficiency", "optimizer_passes",
              "gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth"}
+_NON_NEGATIVE = {"grad_accumulation_bytes"}
 
 
 def builtin_names():
@@ -159,6 +170,8 @@ def machine_from_dict(document, source="profile"):
                             f"{', '.join(_CHOICES[field_name])}, got {value!r}")
         if field_name in _POSITIVE and not values[field_name] > 0:
             raise UserError(f"machine profile {source}: {where} must be positive, got {value!r}")
+        if field_name in _NON_NEGATIVE and values[field_name] < 0:
+            raise UserError(f"machine profile {source}: {where} must be 0 or more, got {value!r}")
     return Machine(**values)
 
 

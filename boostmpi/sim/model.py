@@ -267,6 +267,9 @@ def predict_workload(w, machine, comm=None):
         bwd.add(layer_b, n_layers)
         fwd.add(pass_times(extra, False, s, machine, dtype))
         bwd.add(pass_times(extra, True, s, machine, dtype))
+        # a framework that adds each micro-batch's weight gradients into its accumulation buffer in a
+        # pass of its own (not inside the weight-gradient GEMM) streams its parameters once more
+        bwd.elementwise += grad_accumulation_seconds(w.params_per_stage[stage], machine)
         # 1F1B: stage i holds up to pp - i micro-batches; interleaved, up to its warm-up + 1 chunks of
         # 1/v of its layers, (v + 1) pp - 1 on the first rank (the head's chunk: one at a time)
         in_flight = min(M, w.pp - stage)
@@ -284,12 +287,14 @@ def predict_workload(w, machine, comm=None):
     slot = slowest["fwd"].total + slowest["bwd"].total
 
     # pipeline: M + (pp - 1)/v slots of one forward and one backward (interleaving v model chunks
-    # per rank shortens warm-up and cool-down v times); the p2p sends sit on the path, v per slot
+    # per rank shortens warm-up and cool-down v times); the p2p sends sit on the path, v per slot,
+    # two transfers each (four where every send and receive blocks on its own: pipeline_transfers)
     pp_time = 0.0
     if w.pp > 1:
         v = w.virtual_stages
         msg = w.p2p_elements * e
-        pp_time = (w.pp - 1) / v * slot + 2 * (v * M + w.pp - 1) * p2p_seconds(msg, pp_link)
+        transfers = pipeline_transfers(machine) * (v * M + w.pp - 1)
+        pp_time = (w.pp - 1) / v * slot + transfers * p2p_seconds(msg, pp_link)
 
     # data parallel, by ZeRO stage (docs/SIM.md, "Data parallelism and ZeRO stages")
     zero = zero_stage_of(w)
@@ -333,6 +338,22 @@ def predict_workload(w, machine, comm=None):
                "tokens_per_step": w.tokens_per_step,
                "forward_s": slowest["fwd"].total, "backward_s": slowest["bwd"].total}
     return Prediction(time_s, breakdown, comm, memory, mfu, w.tokens_per_step / time_s, details)
+
+
+def grad_accumulation_seconds(params, machine):
+    """The separate gradient-accumulation pass of one micro-batch over `params` parameters
+    (`grad_accumulation_bytes` per parameter; none when the GEMMs accumulate in place)."""
+    if not machine.grad_accumulation_bytes:
+        return 0.0
+    stream = machine.memory_bandwidth * machine.elementwise_efficiency
+    return params * machine.grad_accumulation_bytes / stream + machine.kernel_launch_s
+
+
+def pipeline_transfers(machine):
+    """Transfers on the critical path of one 1F1B step of an interior stage: with batched calls a
+    stage sends its output while it receives the next gradient (and the reverse): two; with each
+    send and receive a blocking call of its own, four one after the other."""
+    return 4 if machine.pipeline_p2p == "blocking" else 2
 
 
 def zero_stage_of(w):

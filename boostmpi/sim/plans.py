@@ -25,6 +25,10 @@ _SOFTMAX_REDUCTION_PASSES = 2  # max and sum: what a recompute handed the statis
 # probabilities and their gradient and writes the scores' gradient. Its backward needs the
 # probabilities, so they are kept: T values per row (Korthikanti et al. 2022's 2as^2b term).
 FUSED_SOFTMAX_PASSES = (2, 3)
+# Dropout on the materialised probabilities (model.attention_dropout > 0): forward reads them, writes
+# the dropped ones and a one-byte mask (half a 16-bit pass); backward reads the gradient and the mask
+# and writes the gradient. Where the probabilities are kept (a fused softmax), the mask is kept too.
+ATTENTION_DROPOUT_PASSES = (2.5, 2.5)
 # Cross-entropy over the local logits: max, exp-sum, target pick (forward); softmax minus one-hot (backward).
 _CROSS_ENTROPY_PASSES = (3, 3)
 
@@ -114,6 +118,7 @@ class Shape:
     softmax_saved_per_row: int = 2  # what the backward keeps of the scores per row (T: the probs)
     eager: bool = False  # elementwise work as eager PyTorch runs it (EAGER_PYTORCH_PASSES), not fused
     sp: bool = False  # Megatron's sequence parallelism: the regions outside tp hold N/p tokens per rank
+    attention_dropout: bool = False  # dropout on materialised probabilities (flash attention fuses it)
 
     @property
     def N(self):
@@ -140,7 +145,7 @@ def shape_of(cfg, attention):
                  Hkv=m.n_kv_heads, Dh=m.head_dim, V=m.vocab_size, Ra=ranks["q"][2] or 0,
                  Rm=ranks["gate"][2] or 0, p=par.tp, cola=m.arch == "cola", gate_act=m.mlp_gate_act,
                  grouped=par.grouped, sync_norm=par.norm == "sync", attention=attention,
-                 sp=par.sequence_parallel and par.tp > 1)
+                 sp=par.sequence_parallel and par.tp > 1, attention_dropout=m.attention_dropout > 0)
 
 
 # ------------------------------------------------------------------ plans
@@ -154,11 +159,15 @@ def attention_core(s, heads, kv_heads):
         return [Attention("attention", B * heads, T, Dh, saved=qkv + B * heads * T)]
     group = heads // kv_heads
     scores = B * heads * T * T
+    passes, per_row = s.softmax_passes, s.softmax_saved_per_row
+    if s.attention_dropout:
+        passes = tuple(a + b for a, b in zip(passes, ATTENTION_DROPOUT_PASSES))
+        per_row += T // 2 if per_row >= T else 0  # the mask, beside kept probabilities
     return [
         Gemm("scores", group * T, T, Dh, batch=B * kv_heads, saved=qkv),
         # the engine's CPU path (its tiled softmax) keeps two statistics per row (maximum, sum), never
         # the T x T probabilities: its backward recomputes them tile by tile (boostmpi/model/layers.py)
-        Pointwise("softmax", scores, *s.softmax_passes, saved=s.softmax_saved_per_row * B * heads * T),
+        Pointwise("softmax", scores, *passes, saved=per_row * B * heads * T),
         Gemm("probs@v", group * T, Dh, T, batch=B * kv_heads),
     ]
 

@@ -25,12 +25,12 @@ from pathlib import Path
 
 from boostmpi.sim.machines import load_machine
 from boostmpi.sim.model import Workload, model_flops, predict_workload
-from boostmpi.sim.plans import Shape
+from boostmpi.sim.plans import ATTENTION_DROPOUT_PASSES, FUSED_SOFTMAX_PASSES, Shape
 
 # Megatron's fused scale-mask-softmax (read the scores, write the probabilities; backward reads
 # the probabilities and their gradient, writes the scores' gradient) followed by attention dropout
 # (read, write, a one-byte mask: half a 16-bit pass each way): passes over the B*h*s*s scores.
-FUSED_SOFTMAX_DROPOUT_PASSES = (2 + 2.5, 3 + 2.5)
+FUSED_SOFTMAX_DROPOUT_PASSES = tuple(a + b for a, b in zip(FUSED_SOFTMAX_PASSES, ATTENTION_DROPOUT_PASSES))
 
 
 @dataclass(frozen=True)
@@ -211,10 +211,12 @@ def _gcd(a, b):
 
 
 def cli_config(h, heads, layers, V, s, t, p, dp, B, mbs, *, d_ff=None, kv_heads=None, v=1, recompute="layer",
-               sp=False, overlap=True, zero=0):
+               sp=False, overlap=True, zero=0, dropout=0.0):
     """The TOML sections of a full-rank run (Megatron tensor parallelism: tp_mode = vanilla)."""
     model = {"arch": "full", "vocab_size": V, "d_model": h, "n_layers": layers, "n_heads": heads,
              "d_ff": d_ff or gated_d_ff(h, t), "seq_len": s}
+    if dropout:
+        model["attention_dropout"] = dropout
     if kv_heads:
         model["n_kv_heads"] = kv_heads
     parallel = {"tp": t, "pp": p, "dp": dp, "tp_mode": "vanilla", "overlap": overlap}
@@ -230,12 +232,39 @@ def cli_config(h, heads, layers, V, s, t, p, dp, B, mbs, *, d_ff=None, kv_heads=
 
 
 GPT_ASSUMED = ("GPT's 4h GELU MLP as a gated MLP of equal FLOPs (d_ff = 8h/3); LayerNorm, learned "
-               "positions, biases and dropout as boostmpi's RMSNorm, RoPE and bias-free layers; attention "
-               "scores materialised with a fused softmax (the profile's attention = fused_softmax)")
+               "positions and biases as boostmpi's RMSNorm, RoPE and bias-free layers; attention "
+               "scores materialised with a fused softmax (the profile's attention = fused_softmax); "
+               "attention dropout 0.1, Megatron's default (model.attention_dropout); hidden dropout not priced")
+# Megatron-LM's and Megatron-DeepSpeed's default --attention-dropout
+GPT_DROPOUT = 0.1
 # Runs of frameworks that predate fused (flash) attention materialise the T x T scores and run one fused
 # softmax kernel over them: their rows run with a profile that says so (compute.attention =
 # "fused_softmax"), the one thing a user changes for them.
 MATERIALISED = (("attention", "fused_softmax"),)
+
+# How a stack accumulates the weight gradients of the micro-batches of a step (the profile's
+# compute.grad_accumulation_bytes; 0, boostmpi's and today's Megatron-LM's, is the weight-gradient GEMM
+# adding into the fp32 buffer itself, `--gradient-accumulation-fusion`). Each is a pass over the
+# rank's parameters after every micro-batch's backward, its bytes per parameter read off the code:
+# * Megatron-LM's local DDP of the releases that ship examples/sc21 (megatron/model/distributed.py,
+#   the backward hook `param.main_grad.add_(param.grad.data)`): read the 16-bit gradient and the fp32
+#   main gradient, write the main gradient: 2 + 4 + 4;
+# * the same with torch DDP (one micro-batch per step in those rows): the optimizer casts the 16-bit
+#   gradients into fp32 main gradients once (`_copy_model_grads_to_main_grads`): 2 + 4;
+# * DeepSpeed's bf16 ZeRO-1 (BF16_Optimizer, which its pipeline engine drives by hand:
+#   deepspeed/runtime/pipe/engine.py, `clear_lp_grads()` before and `update_hp_grads()` after every
+#   micro-batch's backward, "hardcoded for fp32 gradient accumulation"): zero the bf16 gradients (2),
+#   then read them and the fp32 accumulator and write it back (2 + 4 + 4);
+# * DeepSpeed's fp16 ZeRO-1 of 2021 (no bf16 optimizer yet): autograd adds each micro-batch's fp16
+#   gradient into .grad: 2 + 2 + 2.
+MEGATRON_2021_LOCAL_DDP = (("grad_accumulation_bytes", 10.0),)
+MEGATRON_2021_TORCH_DDP = (("grad_accumulation_bytes", 6.0),)
+# DeepSpeed's pipeline engine (deepspeed/runtime/pipe/schedule.py, TrainSchedule; p2p.py: blocking
+# send and recv) issues every send and every receive as its own blocking instruction in schedule
+# order, four transfers on an interior stage's step where Megatron pairs them: network.pipeline_p2p.
+DEEPSPEED_PIPELINE = (("pipeline_p2p", "blocking"),)
+DEEPSPEED_BF16 = DEEPSPEED_PIPELINE + (("grad_accumulation_bytes", 12.0),)
+DEEPSPEED_FP16 = DEEPSPEED_PIPELINE + (("grad_accumulation_bytes", 6.0),)
 
 
 def _sc21_cli(params_b, heads, h, l, t, p, n, B, tflops, mbs, v, overlap):
@@ -243,8 +272,9 @@ def _sc21_cli(params_b, heads, h, l, t, p, n, B, tflops, mbs, v, overlap):
     return CliRun(
         name=f"GPT {params_b}B (t={t}, p={p}, d={dp})", framework="Megatron-LM", gpu="A100",
         source="Narayanan et al., SC21, Table 1; micro-batch, v and DDP from examples/sc21/run_table_1.sh",
-        machine="a100-80gb-dgx", network=MATERIALISED,
-        config=cli_config(h, heads, l, 51200, 2048, t, p, dp, B, mbs, v=v, overlap=overlap),
+        machine="a100-80gb-dgx",
+        network=MATERIALISED + (MEGATRON_2021_TORCH_DDP if overlap else MEGATRON_2021_LOCAL_DDP),
+        config=cli_config(h, heads, l, 51200, 2048, t, p, dp, B, mbs, v=v, overlap=overlap, dropout=GPT_DROPOUT),
         measured_s=sc21_flops_per_iteration(B, 2048, l, h, 51200) / (n * tflops * 1e12),
         derived=f"Eq. 3 FLOPs / ({n} GPUs x {tflops} TFLOP/s)", assumed=GPT_ASSUMED)
 
@@ -268,7 +298,8 @@ def _korthikanti_cli(name, heads, h, l, t, p, B, full_s, present_s, v):
         rows.append(CliRun(
             name=f"GPT {name} {label} (t={t}, p={p})", framework="Megatron-LM", gpu="A100",
             source="Korthikanti et al. 2022, Tables 3 and 4", machine="a100-80gb-dgx", network=MATERIALISED,
-            config=cli_config(h, heads, l, 51200, 2048, t, p, 1, B, 1, v=v, recompute=recompute, sp=sp),
+            config=cli_config(h, heads, l, 51200, 2048, t, p, 1, B, 1, v=v, recompute=recompute, sp=sp,
+                              dropout=GPT_DROPOUT),
             measured_s=seconds, derived="Table 4, seconds per iteration as published",
             assumed=GPT_ASSUMED + f"; micro-batch 1; {v} model chunks per pipeline rank (SC21's script for "
                     "this model)" if v > 1 else GPT_ASSUMED + "; micro-batch 1; plain 1F1B"))
@@ -285,11 +316,13 @@ def _mtnlg_cli(dp, seconds):
     return CliRun(
         name=f"MT-NLG 530B ({280 * dp} GPUs, d={dp})",
         framework="Megatron-DeepSpeed", gpu="A100",
-        source="Smith et al. 2022 (MT-NLG), Sec. 2.4", machine="a100-80gb-dgx", network=MATERIALISED,
-        config=cli_config(20480, 128, 105, 50304, 2048, 8, 35, dp, 1920, 1, overlap=False, zero=1),
+        source="Smith et al. 2022 (MT-NLG), Sec. 2.4", machine="a100-80gb-dgx", network=MATERIALISED + DEEPSPEED_FP16,
+        config=cli_config(20480, 128, 105, 50304, 2048, 8, 35, dp, 1920, 1, overlap=False, zero=1, dropout=GPT_DROPOUT),
         measured_s=seconds, derived="seconds per iteration as published",
         assumed=GPT_ASSUMED + "; micro-batch 1; DeepSpeed's pipeline (plain 1F1B, the data-parallel "
-                "reduction after the flush: overlap = false) with ZeRO-1; vocabulary padded to 50304")
+                "reduction after the flush: overlap = false) with ZeRO-1, its blocking sends and receives; fp16 "
+                "(\"mixed precision\"; DeepSpeed had no bf16 optimizer in 2021) with autograd's gradient accumulation; "
+                "vocabulary padded to 50304")
 
 
 # BLOOM 176B (BigScience; arXiv 2211.05100, Sec. 3.4): 384 A100 80GB on Jean Zay, t = 4, p = 12, d = 8,
@@ -299,12 +332,16 @@ def _bloom_cli():
     return CliRun(
         name="BLOOM 176B (t=4, p=12, d=8)", framework="Megatron-DeepSpeed", gpu="A100",
         source="BLOOM (arXiv 2211.05100) Sec. 3.4; BigScience 176B model page (150 TFLOP/s)",
-        machine="a100-80gb-dgx", network=MATERIALISED + (("inter_node_bandwidth", 4 * 100e9 / 8 / 8),),
+        machine="a100-80gb-dgx",
+        network=MATERIALISED + DEEPSPEED_BF16 + (("inter_node_bandwidth", 4 * 100e9 / 8 / 8),),
         config=cli_config(14336, 112, 70, 250880, 2048, 4, 12, 8, 2048, 2, overlap=False, zero=1),
         measured_s=sc21_flops_per_iteration(2048, 2048, 70, 14336, 250880) / (384 * 150e12),
         derived="Eq. 3 FLOPs / (384 GPUs x 150 TFLOP/s), the Megatron-DeepSpeed throughput formula",
-        assumed=GPT_ASSUMED + "; ALiBi as RoPE; 70 layers over 12 stages as 6 and 5; the network as 4 x 100 "
-                "Gb/s per 8 GPUs (inter_node_bandwidth 6.25e9); DeepSpeed's pipeline (overlap = false)")
+        assumed=GPT_ASSUMED.replace("attention dropout 0.1, Megatron's default (model.attention_dropout)",
+                                    "no attention dropout (bigscience/bloom's config.json: attention_dropout 0.0)")
+        + "; ALiBi as RoPE; 70 layers over 12 stages as 6 and 5; the network as 4 x 100 "
+                "Gb/s per 8 GPUs (inter_node_bandwidth 6.25e9); DeepSpeed's pipeline (overlap = false, blocking "
+                "sends and receives) with its bf16 optimizer's fp32 gradient accumulation")
 
 
 # Llama 3 405B (Llama Team 2024, arXiv 2407.21783, Table 4): 126 layers, 16384 wide, 128 heads, 8 kv
@@ -352,14 +389,15 @@ def _frontier_cli(name, heads, h, l, seq, t, p, nodes, B, share):
     return CliRun(
         name=f"GPT {name} on Frontier (t={t}, p={p}, d={dp}, {gcds} GCDs)", framework="Megatron-DeepSpeed",
         gpu="MI250X", source="Dash et al. 2023 (arXiv 2312.12705); layout: the authors' Frontier scripts",
-        machine="mi250x-gcd",
+        machine="mi250x-gcd", network=DEEPSPEED_BF16,
         config=cli_config(h, heads, l, V, seq, t, p, dp, B, 1, overlap=False, zero=1),
         measured_s=sc21_flops_per_iteration(B, seq, l, h, V) / (gcds * tflops * 1e12),
         derived=(f"Eq. 3 FLOPs / ({gcds} GCDs x {tflops:.1f} TFLOP/s per GCD = {share:.2%} of 191.5); "
                  "Megatron-DeepSpeed's throughput_calculator counts Eq. 3 under --checkpoint-activations"),
         assumed=("the paper's per-GCD figure holds for the layout of the authors' script for this model "
                  "(the paper reports weak scaling at 100% efficiency, so the per-GCD rate does not depend on "
-                 "the data-parallel size); GPT-2 vocabulary; DeepSpeed's pipeline (overlap = false); "
+                 "the data-parallel size); GPT-2 vocabulary; DeepSpeed's pipeline (overlap = false, blocking sends "
+                 "and receives) with its bf16 optimizer's fp32 gradient accumulation (the scripts' bf16 and ZeRO-1); "
                  + GPT_ASSUMED.replace("; attention scores materialised with a fused softmax "
                                        "(the profile's attention = fused_softmax)", "; flash attention")))
 

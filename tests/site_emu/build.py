@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -80,12 +81,37 @@ def prepare_cache(cache):
         pip = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "-d", str(wheels)]
         run(pip + WHEELHOUSE_PACKAGES)
         run(pip + ["--no-binary", "mpi4py", "--no-deps", "mpi4py>=3.1"])
+        cythonize_mpi4py_sdist(wheels)
         for name, version in facts.GPU_WHEELS.items():
             stub_wheel(wheels, name, version)
         (wheels / ".complete").write_text("")
     for sub in ("mpi4py-wheels", "cudaemu", "pip"):
         (cache / sub).mkdir(exist_ok=True)
     return cache
+
+
+def cythonize_mpi4py_sdist(wheels):
+    """Put mpi4py's Cython output (src/mpi4py/MPI.c) into its sdist in the wheelhouse, generated once.
+
+    The C that Cython writes from MPI.pyx does not depend on the MPI (that is decided when the C is
+    compiled), and mpi4py's build skips Cython when the C file is newer than its sources (conf/
+    mpidistutils.py, cython_run). So every per-MPI build on the emulated sites still configures,
+    compiles and links mpi4py with the site's compiler wrapper against the site's MPI, and none
+    spends its first half running Cython again on the same sources."""
+    (sdist,) = wheels.glob("mpi4py-*.tar.gz")
+    work, cython = wheels.parent / "mpi4py-sdist", wheels.parent / "cython"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    with tarfile.open(sdist) as t:
+        t.extractall(work, filter="data")
+    (top,) = work.iterdir()
+    run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-index",
+         "--find-links", str(wheels), "--target", str(cython), "cython>=3.0.1"])
+    run([sys.executable, "conf/cythonize.py", "src/mpi4py/MPI.pyx", "--output-file", "src/mpi4py/MPI.c"],
+        cwd=top, env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(cython), str(top / "conf")])))
+    with tarfile.open(sdist, "w:gz", compresslevel=1) as t:
+        t.add(top, arcname=top.name)
+    shutil.rmtree(work)
 
 
 def stub_wheel(folder, name, version):
@@ -116,6 +142,25 @@ def _write(path, text, mode=0o644):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     path.chmod(mode)
+
+
+def real_prefix(prefix):
+    """A Python installation at `prefix` that is its own sys.prefix (not a venv): a copy of this
+    machine's base interpreter binary beside links to every entry of its standard library except
+    site-packages, so the prefix has a site-packages of its own, empty. Python finds its prefix from
+    the landmark lib/pythonX.Y/os.py next to the (copied, not linked) executable."""
+    prefix = Path(prefix)
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    stdlib = Path(sysconfig.get_path("stdlib"))
+    (prefix / "bin").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(Path(sys.base_prefix) / "bin" / version, prefix / "bin" / version)
+    for name in ("python3", "python"):
+        (prefix / "bin" / name).symlink_to(version)
+    lib = prefix / "lib" / version
+    (lib / "site-packages").mkdir(parents=True, exist_ok=True)
+    for entry in stdlib.iterdir():
+        if entry.name != "site-packages":
+            (lib / entry.name).symlink_to(entry)
 
 
 def _plugin(lib_dir, name):
@@ -287,11 +332,16 @@ case ":${{LD_LIBRARY_PATH:-}}:" in *":/opt/cray/pe/lib64:"*) ;; *) export LD_LIB
 
     def polaris_base(self):
         """ALCF's conda base on the emulated Polaris: a Python environment with numpy, h5py and
-        mpi4py built against the site's Cray MPICH (by cc under PrgEnv-gnu, once, into the wheelhouse)."""
+        mpi4py built against the site's Cray MPICH (by cc under PrgEnv-gnu, once, into the wheelhouse).
+
+        Like a conda environment it is a prefix of its own, not a venv (`real_prefix`): a venv made
+        from it with --system-site-packages, as ALCF's Python page makes one, sees its packages
+        (a venv made from a venv would see this machine's Python's instead)."""
         base = "/soft/applications/conda/2025-09-25/mconda3"
+        real_prefix(self.root / base.lstrip("/"))  # root/soft is the site's /soft
         script = f"""set -e
 module swap PrgEnv-nvidia PrgEnv-gnu
-{shlex.quote(sys.executable)} -m venv {base}
+{base}/bin/python -m ensurepip > /dev/null
 {base}/bin/python -m pip install -q numpy h5py
 export PY={base}/bin/python
 . jobs/setup_env.sh

@@ -28,6 +28,10 @@ MPICH_LIB = "libmpi_gnu_123.so.12"
 FRONTIER_DEFAULT_MPICH = "8.1.31"   # OLCF-GUIDE: default ROCm 6.2.4 with CPE 24.11 (cray-mpich 8.1.31 in the table)
 FRONTIER_CPE_MPICH = {"24.11": "8.1.31", "25.09": "9.0.1", "26.03": "9.1.0"}  # OLCF-GUIDE compatibility table
 OTHER_DEFAULT_MPICH = "8.1.30"      # Perlmutter, Polaris: not from a page read; nothing depends on it
+# Perlmutter's module versions below (PrgEnv-gnu/8.5.0, cudatoolkit/12.4, nccl/2.24.3, python/3.11) are
+# placeholders too: NERSC's module pages were not among the stored pages read (NERSC-NODES, NERSC-JOBS,
+# NERSC-SCRATCH and the introduction of docs.nersc.gov/jobs/policy/ were); jobs/setup_perlmutter.sh
+# loads every module unversioned, so it takes whatever NERSC's default is.
 
 
 def _mpich_dir(version):
