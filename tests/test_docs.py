@@ -1,7 +1,8 @@
 """The docs say what the code does: every configuration key and default (docs/FORMATS.md), the files,
 attributes and datasets a checkpoint holds (docs/FORMATS.md), the world all-reduces of a training step
 (docs/COMMUNICATION.md), the paths of docs/DESIGN.md's "where is X" table, the output of docs/SIM.md's
-sweep example; and no doc points to issue numbers or outside the repository. Each check reads the doc's own table and compares it with what the
+sweep example, every package in the folder tables of README.md and docs/DESIGN.md; and no doc points
+to issue numbers or outside the repository. Each check reads the doc's own table and compares it with what the
 code holds or does, so it finds the code by behaviour (its schema, a checkpoint it writes, the calls it
 makes), not by file; and each has a mutation test that proves it fails when either side changes."""
 
@@ -577,6 +578,31 @@ def test_where_table_check_fails_on_a_mutant():
     assert "`boostmpi/model/layers.py`" in text
     mutant = text.replace("`boostmpi/model/layers.py`", "`boostmpi/model/layer.py`")
     assert missing_paths(where_paths(mutant)) == ["boostmpi/model/layer.py"]
+
+
+def packages():
+    """boostmpi and every package in it, as folders (`boostmpi/`, `boostmpi/model/`, ...)."""
+    return {f"{init.parent.relative_to(REPO).as_posix()}/" for init in (REPO / "boostmpi").glob("*/__init__.py")} | {
+        "boostmpi/"}
+
+
+def unlisted_packages(text, heading):
+    """The packages that no row of the folder table (the first table under `heading`) names."""
+    table = next(block for block in part(text, heading).split("\n\n") if block.lstrip().startswith("|"))
+    listed = {name for first, *_ in table_rows(table) for name in code_names(first)}
+    return sorted(packages() - listed)
+
+
+@pytest.mark.parametrize("doc, heading", [("README.md", "## Layout"), ("docs/DESIGN.md", "# boostmpi design")])
+def test_every_package_is_in_the_folder_tables(doc, heading):
+    assert {"boostmpi/checkpoint/", "boostmpi/train/"} <= packages()
+    assert unlisted_packages((REPO / doc).read_text(encoding="utf-8"), heading) == []
+
+
+def test_folder_table_check_fails_on_a_mutant():
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    row = next(line for line in text.splitlines() if line.startswith("| `boostmpi/checkpoint/` |"))
+    assert unlisted_packages(text.replace(row + "\n", ""), "## Layout") == ["boostmpi/checkpoint/"]
 
 
 REPO_PATH = re.compile(r"(?<![\w./-])((?:boostmpi|tests|bench|docs|jobs|kernels|configs)/[\w./-]*[\w/])(?![\w<*])")
