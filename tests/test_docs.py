@@ -1,13 +1,15 @@
 """The docs say what the code does: every configuration key and default (docs/FORMATS.md), the files,
 attributes and datasets a checkpoint holds (docs/FORMATS.md), the world all-reduces of a training step
-(docs/COMMUNICATION.md), the paths of docs/DESIGN.md's "where is X" table; and no doc points to issue
-numbers or outside the repository. Each check reads the doc's own table and compares it with what the
+(docs/COMMUNICATION.md), the paths of docs/DESIGN.md's "where is X" table, the output of docs/SIM.md's
+sweep example, every package in the folder tables of README.md and docs/DESIGN.md; and no doc points
+to issue numbers or outside the repository. Each check reads the doc's own table and compares it with what the
 code holds or does, so it finds the code by behaviour (its schema, a checkpoint it writes, the calls it
 makes), not by file; and each has a mutation test that proves it fails when either side changes."""
 
 import io
 import json
 import re
+import shlex
 import shutil
 import tomllib
 from pathlib import Path
@@ -578,6 +580,31 @@ def test_where_table_check_fails_on_a_mutant():
     assert missing_paths(where_paths(mutant)) == ["boostmpi/model/layer.py"]
 
 
+def packages():
+    """boostmpi and every package in it, as folders (`boostmpi/`, `boostmpi/model/`, ...)."""
+    return {f"{init.parent.relative_to(REPO).as_posix()}/" for init in (REPO / "boostmpi").glob("*/__init__.py")} | {
+        "boostmpi/"}
+
+
+def unlisted_packages(text, heading):
+    """The packages that no row of the folder table (the first table under `heading`) names."""
+    table = next(block for block in part(text, heading).split("\n\n") if block.lstrip().startswith("|"))
+    listed = {name for first, *_ in table_rows(table) for name in code_names(first)}
+    return sorted(packages() - listed)
+
+
+@pytest.mark.parametrize("doc, heading", [("README.md", "## Layout"), ("docs/DESIGN.md", "# boostmpi design")])
+def test_every_package_is_in_the_folder_tables(doc, heading):
+    assert {"boostmpi/checkpoint/", "boostmpi/train/"} <= packages()
+    assert unlisted_packages((REPO / doc).read_text(encoding="utf-8"), heading) == []
+
+
+def test_folder_table_check_fails_on_a_mutant():
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    row = next(line for line in text.splitlines() if line.startswith("| `boostmpi/checkpoint/` |"))
+    assert unlisted_packages(text.replace(row + "\n", ""), "## Layout") == ["boostmpi/checkpoint/"]
+
+
 REPO_PATH = re.compile(r"(?<![\w./-])((?:boostmpi|tests|bench|docs|jobs|kernels|configs)/[\w./-]*[\w/])(?![\w<*])")
 OTHER_PROJECTS = {"docs/performance.md"}  # torchtitan's, cited in docs/SIM.md
 
@@ -594,6 +621,39 @@ def test_every_path_a_doc_names_exists():
     assert named_paths("see boostmpi/train/trainer.py, `jobs/setup_<site>.sh`, kernels/*.cu") == {
         "boostmpi/train/trainer.py"}
     assert missing_paths(named_paths("moved to boostmpi/train/trainers.py.")) == ["boostmpi/train/trainers.py"]
+
+
+# ------------------------------------------------------------------ 6. SIM.md's sweep example
+def sweep_example(text=None):
+    """The `boostmpi sim` command of docs/SIM.md's sweep example (its arguments) and the lines the doc says
+    it ends with (the fenced block after it)."""
+    text = doc_text("SIM.md") if text is None else text
+    blocks = re.findall(r"^```\n(.*?)^```", text, re.S | re.M)
+    command = next(i for i, b in enumerate(blocks) if b.startswith("boostmpi sim --config configs/"))
+    return shlex.split(blocks[command].replace("\\\n", " "))[1:], blocks[command + 1].splitlines()
+
+
+def sweep_mismatch(text, capsys):
+    """The doc's lines against the last lines the command prints, or None when they are the same."""
+    argv, shown = sweep_example(text)
+    capsys.readouterr()
+    assert main(argv) == 0
+    printed = capsys.readouterr().out.splitlines()[-len(shown):]
+    return None if printed == shown else (printed, shown)
+
+
+def test_the_sweep_example_prints_what_sim_md_shows(capsys):
+    argv, shown = sweep_example()
+    assert "--sweep" in argv and shown[0].startswith("fastest: ")
+    assert sweep_mismatch(None, capsys) is None
+
+
+def test_sweep_example_check_fails_on_a_mutant(capsys):
+    text = doc_text("SIM.md")
+    line = next(line for line in sweep_example(text)[1] if line.startswith("fastest: "))
+    seconds = re.search(r": (\d\.\d+) s ", line).group(1)
+    mutant = text.replace(line, line.replace(f": {seconds} s ", f": {float(seconds) * 1.03:.4f} s "))
+    assert sweep_mismatch(mutant, capsys) is not None
 
 
 # ------------------------------------------------------------------ 4. no issue numbers, nothing outside
