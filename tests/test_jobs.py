@@ -306,6 +306,18 @@ def test_production_scripts_refuse_to_run_outside_a_job(script, variable):
     assert f"error: {variable} is not set" in p.stdout
 
 
+@pytest.mark.parametrize("nodefile", [None, "missing"])
+def test_polaris_without_its_node_file_stops_in_one_line(nodefile, tmp_path):
+    """PBS sets PBS_NODEFILE in every job; a dry run (or a broken job) without it, or with a file that
+    is not there, gets one line and status 2, never bash's "unbound variable"."""
+    env = {"BOOSTMPI_DRY_RUN": "1", "PBS_JOBID": "123.polaris-pbs-01"}
+    if nodefile:
+        env["PBS_NODEFILE"] = str(tmp_path / nodefile)
+    p = _bash(["jobs/polaris.pbs"], env)
+    lines = [line for line in p.stdout.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: PBS_NODEFILE"), p.stdout
+
+
 def test_an_impossible_layout_is_refused():
     p = _bash(["jobs/local.sh"], {"BOOSTMPI_DRY_RUN": "1", "NPROC": "3"})
     assert p.returncode == 2
