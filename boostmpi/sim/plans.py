@@ -266,8 +266,9 @@ def _megatron_layer(s):
     enter, leave = _tp_region_edges(s)
     ops = [norm(s, "attn_norm", Ns, C)] + enter("qkv")
     widths = {"q": C // p, "k": K // p, "v": K // p}
+    split = s.engine_kernels  # the engine's weight gradients: one GEMM per linear of a grouped GEMM
     if s.grouped:
-        ops.append(Gemm("qkv", N, sum(widths.values()), C, saved=Ns * C))
+        ops.append(Gemm("qkv", N, sum(widths.values()), C, saved=Ns * C, dw_split=3 if split else 1))
         ops.append(_column_dx("qkv", s))
     else:
         for i, (lin, w) in enumerate(widths.items()):
@@ -285,7 +286,7 @@ def _megatron_layer(s):
         ops.append(_column_dx("up", s))
         ops.append(unary("gelu", N * F // p, saved=N * F // p))
     elif s.grouped:
-        ops.append(Gemm("gate_up", N, 2 * F // p, C, saved=Ns * C))
+        ops.append(Gemm("gate_up", N, 2 * F // p, C, saved=Ns * C, dw_split=2 if split else 1))
         ops.append(_column_dx("gate_up", s))
     else:
         for i, lin in enumerate(("gate", "up")):
@@ -331,8 +332,9 @@ def _vanilla_layer(s):
         """Linears sharing one input: grouped = one A GEMM and one all-reduce of the B outputs; else each
         B ends in an all-reduce of its output."""
         ops = []
-        if s.grouped:
-            ops += [Gemm("+".join(names) + ".A", N, r * len(names), d_in, saved=saved_input),
+        if s.grouped:  # the engine's weight gradient: one GEMM per factor's column block of dZ
+            ops += [Gemm("+".join(names) + ".A", N, r * len(names), d_in, saved=saved_input,
+                         dw_split=len(names) if s.engine_kernels else 1),
                     Collective("+".join(names) + ".dx", "allreduce", N * d_in, "bwd")]
         else:
             for i, name in enumerate(names):
@@ -376,7 +378,7 @@ def _btp_layer(s):
             ops.append(Collective("norm.sumsq", "allreduce", N, "fwd", min_itemsize=4))  # float32 at least
         if s.grouped:  # the engine's weight gradient: one GEMM per factor's column block of dP
             ops += [Gemm("+".join(names) + ".A", N, r * len(names), d_in_local, saved=N * d_in_local,
-                         dw_split=len(names) if s.engine else 1),
+                         dw_split=len(names) if s.engine_kernels else 1),
                     Collective("+".join(names) + ".z", "allreduce", N * r * len(names) + stat, "fwd", wide=stat)]
         else:
             for i, name in enumerate(names):
@@ -402,7 +404,7 @@ def _btp_layer(s):
         for i, (name, d_out) in enumerate(zip(names, outs)):
             # on a GPU, grouped: B factors of one shape side by side are one strided-batched GEMM forward
             # (BottleneckTP._b_products); the backward's dZ and dB stay one GEMM each
-            batched = s.engine and s.gpu and s.grouped and i > 0 and outs[i - 1] == d_out
+            batched = s.engine_kernels and s.gpu and s.grouped and i > 0 and outs[i - 1] == d_out
             ops.append(Gemm(f"{name}.B", N, d_out, r, saved=N * r, in_recompute=in_recompute, batched_fwd=batched))
             if not s.grouped:
                 ops.append(Collective(f"{name}.dz", "allreduce", N * r, "bwd"))
