@@ -240,15 +240,15 @@ def attention_kernel(name, args):
 
 
 # ---------------------------------------------------------------- the step
-def config(scale, layers, tp=1):
+def config(scale, layers, tp=1, tp_mode="btp", arch="cola"):
     from boostmpi.config import config_from_dict
 
     d = 4096 // scale
-    model = dict(arch="cola", d_model=d, n_heads=max(d // 128, tp), d_ff=16 * -(-11008 // scale // 16),
+    model = dict(arch=arch, d_model=d, n_heads=max(d // 128, tp), d_ff=16 * -(-11008 // scale // 16),
                  rank=1024 // scale, vocab_size=32000 // scale, seq_len=4096 // scale, n_layers=layers)
-    return config_from_dict({"model": model, "parallel": {"tp": tp, "tp_mode": "btp", "grouped": True},
+    return config_from_dict({"model": model, "parallel": {"tp": tp, "tp_mode": tp_mode, "grouped": True},
                              "train": {"device": "gpu", "dtype": "bfloat16", "micro_batch_size": 4,
-                                       "recompute": "lowrank"}})
+                                       "recompute": "lowrank" if tp_mode == "btp" else "none"}})
 
 
 def trace_step(rec, cfg, world=None):
@@ -470,6 +470,9 @@ def main():
     ap.add_argument("--paper", choices=sorted(PAPER), help="the paper's layout at full size (with --meta)")
     ap.add_argument("--meta", action="store_true", help="the stand-in's shapes-only mode (no values)")
     ap.add_argument("--json", help="--paper: write the result object here")
+    ap.add_argument("--tp-mode", choices=("btp", "vanilla"), default="btp",
+                    help="without --paper: the layout's tp mode (vanilla: no recompute; with --arch full, Megatron)")
+    ap.add_argument("--arch", choices=("cola", "full"), default="cola", help="without --paper: the layout's arch")
     args = ap.parse_args()
     world = None
     if args.paper:
@@ -518,12 +521,12 @@ def report(args, world):
     from boostmpi.sim.machines import load_machine
     from boostmpi.sim.model import comm_bytes, predict, tp_calls
     from boostmpi.sim.plans import plan_strategy, shape_of
-    from boostmpi.sim.trace import by_site, plan_launches_and_bytes
+    from boostmpi.sim.trace import OPTIMIZER_SITE, by_site, plan_launches_and_bytes
 
     machine, tp = load_machine(args.machine), args.tp
     rec = Recorder()
     install(rec)
-    traced = {n: trace_step(rec, config(args.scale, n, tp), world) for n in (1, 2)}
+    traced = {n: trace_step(rec, config(args.scale, n, tp, args.tp_mode, args.arch), world) for n in (1, 2)}
     if world is not None and world.Get_rank() != 0:
         return
     traces = {n: ops for n, (ops, _) in traced.items()}
@@ -531,13 +534,13 @@ def report(args, world):
     per_layer = {k: priced[2][k] - priced[1][k] for k in priced[1]}
     extrapolated = {k: priced[1][k] + (LAYERS - 1) * per_layer[k] for k in priced[1]}
 
-    cfg = config(args.scale, LAYERS, tp)
+    cfg = config(args.scale, LAYERS, tp, args.tp_mode, args.arch)
     m = cfg.model
     # the model's other attention: score matrices materialised (how the GPU path ran before its fused kernels)
     materialised = replace(machine, attention="matmul")
     analytical = {"profile": predict(cfg, machine).breakdown, "engine": predict(cfg, materialised).breakdown}
     print(f"The paper's 7B layout / {args.scale}: d={m.d_model}, heads={m.n_heads}, d_ff={m.d_ff}, r={m.rank}, "
-          f"V={m.vocab_size}, T={m.seq_len}, micro-batch 4, bf16, cola btp grouped, recompute lowrank, tp={tp}; "
+          f"V={m.vocab_size}, T={m.seq_len}, micro-batch 4, bf16, {args.arch} {args.tp_mode} grouped, recompute {cfg.train.recompute}, tp={tp}; "
           f"traced at 1 and 2 layers on the CuPy stand-in, extrapolated to {LAYERS}; priced on {machine.name}.\n")
     print("| part | trace-priced s | analytical s (profile: flash attention) | analytical s (scores "
           "materialised) |\n|---|---|---|---|")
@@ -554,14 +557,16 @@ def report(args, world):
     for n, (ops, counted) in traced.items():
         calls = [op for op in ops if op.kind == "collective"]
         kinds = ", ".join(f"{sum(op.name == k for op in calls)} {k}" for k in sorted({op.name for op in calls}))
-        small = config(args.scale, n, tp)
+        small = config(args.scale, n, tp, args.tp_mode, args.arch)
         print(f"layers={n}: NCCL {sum(op.nbytes for op in calls)} B in {len(calls)} calls ({kinds or 'none'}), "
               f"engine counters {counted['bytes']['tp']} B in {counted['calls']['tp']} calls, "
               f"model {comm_bytes(small)['tp']} B in {tp_calls(small)} calls")
     s = replace(shape_of(cfg, "flash"), attention="flash")
     launches, gemms, moved = plan_launches_and_bytes(s, plan_strategy(cfg), cfg.train.recompute, 2)
+    copies = {n: sum(op.kind == "copy" and not op.site.startswith(OPTIMIZER_SITE) for op in traces[n]) for n in (1, 2)}
+    copies = copies[2] - copies[1]
     print(f"\nper layer: {per_layer['launches']:.0f} kernel launches in the trace ({per_layer['gemm_launches']:.0f} "
-          f"GEMMs), {launches} in the analytical plan ({gemms} GEMMs; fused attention); non-GEMM bytes "
+          f"GEMMs, {copies} copies), {launches} in the analytical plan ({gemms} GEMMs; fused attention); non-GEMM bytes "
           f"{per_layer['elementwise_bytes'] / 1e6:.1f} MB in the trace, {moved / 1e6:.1f} MB in the plan")
     print(f"\nTop {args.top} call sites per layer by priced time (collectives aside; layer 2's share: "
           f"trace(2) - trace(1)):")

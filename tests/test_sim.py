@@ -453,12 +453,93 @@ def test_gpu_trace_runs_on_the_standin():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_trace.py"), "--scale", "32", "--top", "8"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    m = re.search(r"per layer: (\d+) kernel launches in the trace \((\d+) GEMMs\), (\d+) in the analytical "
-                  r"plan \((\d+) GEMMs", done.stdout)
-    assert m, done.stdout
-    traced, traced_gemms, planned, planned_gemms = map(int, m.groups())
-    assert traced_gemms > 0 and planned_gemms > 0 and traced >= planned > 0
-    assert "| step |" in done.stdout and "model.layers" in done.stdout
+    traced, traced_gemms, copies, planned, planned_gemms = _per_layer_counts(done.stdout)
+    assert copies == 0
+    assert traced_gemms > 0 and "| step |" in done.stdout and "model.layers" in done.stdout
+    assert (planned, planned_gemms) == _trace_config_plan()
+    _check_plan_states_the_trace(traced, traced_gemms, _trace_config_plan())
+    # mutants: the plan with RoPE as one kernel, btp's norm backward without its dw reduction, the
+    # attention backward as one kernel, the B factors one GEMM each forward
+    for fn, old, new in ((plans.rope, "2 if s.engine_kernels else 1", "1"),
+                         (plans.online_norm, "bwd_kernels=3", "bwd_kernels=2"),
+                         (plans.attention_core, "bwd_kernels=2 if s.engine_kernels else 1", "bwd_kernels=1"),
+                         (plans._btp_layer, "batched_fwd=batched", "batched_fwd=False")):
+        with pytest.raises(AssertionError):
+            _check_plan_states_the_trace(traced, traced_gemms, _trace_config_plan(_mutant(fn, old, new)))
+
+
+def _per_layer_counts(stdout):
+    """(launches, GEMMs, copies, plan launches, plan GEMMs) per layer from bench/gpu_trace.py's report."""
+    import re
+
+    m = re.search(r"per layer: (\d+) kernel launches in the trace \((\d+) GEMMs, (\d+) copies\), (\d+) in the "
+                  r"analytical plan \((\d+) GEMMs", stdout)
+    assert m, stdout
+    return tuple(map(int, m.groups()))
+
+
+def _trace_config_plan(mutant=None, tp=1, tp_mode="btp", arch="cola"):
+    """(kernels, GEMMs) per layer of the plan of bench/gpu_trace.py's layout (the 7B / 32)."""
+    import contextlib
+
+    from boostmpi.sim.trace import plan_launches_and_bytes
+
+    d = 4096 // 32
+    recompute = "lowrank" if tp_mode == "btp" else "none"
+    cfg = config_from_dict({"model": {"arch": arch, "d_model": d, "n_heads": tp, "d_ff": 16 * -(-11008 // 32 // 16),
+                                      "rank": 1024 // 32, "vocab_size": 1000, "seq_len": 128, "n_layers": 2},
+                            "parallel": {"tp": tp, "tp_mode": tp_mode, "grouped": True},
+                            "train": {"device": "gpu", "dtype": "bfloat16", "micro_batch_size": 4,
+                                      "recompute": recompute}})
+    with contextlib.ExitStack() as stack:
+        if mutant is not None:
+            mp = stack.enter_context(pytest.MonkeyPatch.context())
+            mp.setattr(plans, mutant.__name__, mutant)
+        return plan_launches_and_bytes(plans.shape_of(cfg, "flash"), plans.plan_strategy(cfg), recompute, 2)[:2]
+
+
+@pytest.mark.parametrize("arch", ["cola", "full"])
+def test_gpu_trace_vanilla_and_megatron_launch_what_the_plan_states(arch):
+    """At tp 2, cola vanilla and full-rank Megatron: the GEMMs per layer and the kernels other than
+    copies equal the plan's (the copies, concatenations of column blocks the plan does not price,
+    are reported apart). The mutants (the RMSNorm backward or the grouped weight gradient counted as
+    one kernel) fail the check."""
+    import subprocess
+    import sys
+
+    from boostmpi.parallel.launch import find_mpiexec
+
+    done = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, str(ROOT / "bench" / "gpu_trace.py"),
+                           "--tp", "2", "--scale", "32", "--top", "3", "--tp-mode", "vanilla", "--arch", arch],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    traced, traced_gemms, copies, planned, planned_gemms = _per_layer_counts(done.stdout)
+    plan = _trace_config_plan(tp=2, tp_mode="vanilla", arch=arch)
+    assert (planned, planned_gemms) == plan
+    _check_plan_states_the_trace(traced - copies, traced_gemms, plan)
+    for fn, old, new in ((plans.norm, "bwd_kernels=4", "bwd_kernels=1"),
+                         (plans._vanilla_layer if arch == "cola" else plans._megatron_layer,
+                          "if s.engine_kernels else 1" if arch == "cola" else "if split else 1", "if False else 1")):
+        with pytest.raises(AssertionError):
+            mutant = _trace_config_plan(_mutant(fn, old, new), tp=2, tp_mode="vanilla", arch=arch)
+            _check_plan_states_the_trace(traced - copies, traced_gemms, mutant)
+
+
+def _check_plan_states_the_trace(traced, traced_gemms, plan):
+    assert (traced, traced_gemms) == plan, ((traced, traced_gemms), plan)
+
+
+def _mutant(fn, old, new):
+    """`fn` compiled from its source with `old` replaced by `new`, in plans' namespace."""
+    import inspect
+    import textwrap
+
+    src = textwrap.dedent(inspect.getsource(fn))
+    mutated = src.replace(old, new)
+    assert mutated != src, old
+    namespace = {}
+    exec(compile(mutated, plans.__file__, "exec"), vars(plans), namespace)  # noqa: S102 - the mutant
+    return namespace[fn.__name__]
 
 
 def test_gpu_trace_at_tp4_records_every_collective():
@@ -516,3 +597,73 @@ def test_the_btp_plan_counts_the_engines_fused_rescale_and_silu():
     exec(compile(mutant, plans.__file__, "exec"), vars(plans), namespace)  # noqa: S102 - the mutant
     with pytest.raises(AssertionError):
         _check_fused_rescale_silu(*_btp_plan_names(namespace["_btp_layer"]))
+
+
+def _engine_and_reference_plans(layer_plan_fn, strategy):
+    """The plan of the engine's kernels, of eager PyTorch, and of another framework's fused kernels
+    (a published run's shape), for `strategy` on the tiny model at tp 2."""
+    from dataclasses import replace
+
+    mode = {"megatron": "vanilla"}.get(strategy, strategy)
+    arch = "full" if strategy == "megatron" else "cola"
+    s = plans.shape_of(tiny({"tp": 2, "tp_mode": mode, "grouped": True}, {"device": "gpu", "dtype": "bfloat16"},
+                            {"arch": arch}), "flash")
+    fn = layer_plan_fn or (lambda shape: plans.layer_plan(shape, strategy))
+    return fn(s), fn(replace(s, eager=True)), fn(replace(s, engine=False))
+
+
+def _by_name(ops):
+    return {op.name: op for op in ops if isinstance(op, plans.Pointwise)}
+
+
+def _check_norm_and_attention_kernels(norm_fn=plans.norm):
+    """The engine's RMSNorm (vanilla, Megatron, the final norm): forward one kernel of 2 passes;
+    backward rmsnorm_projection (dy, x) + rmsnorm_backward (dy, x, dx) = 5 passes, and the dw
+    partial sum and its accumulation: 4 kernels. Another framework's fused norm: 2 / 3 in one kernel."""
+    from dataclasses import replace
+
+    s = plans.shape_of(tiny({"tp": 2}, {"device": "gpu"}), "flash")
+    op = norm_fn(s, "mlp_norm", 8, 32)
+    assert (op.fwd_passes, op.bwd_passes, op.fwd_kernels, op.bwd_kernels) == (2, 5, 1, 4)
+    ref = norm_fn(replace(s, engine=False), "mlp_norm", 8, 32)
+    assert (ref.fwd_passes, ref.bwd_passes, ref.fwd_kernels, ref.bwd_kernels) == (2, 3, 1, 1)
+    for strategy in ("vanilla", "megatron"):
+        ops, eager_ops, ref_ops = _engine_and_reference_plans(None, strategy)
+        attention = [o for o in ops if isinstance(o, plans.Attention)]
+        assert [a.bwd_kernels for a in attention] == [2]  # the dQ pass and the dK/dV pass
+        assert [o.bwd_kernels for o in eager_ops + ref_ops if isinstance(o, plans.Attention)] == [1, 1]
+        assert _by_name(ops)["mlp_norm"].bwd_kernels == 4 and _by_name(ops)["mlp_norm"].bwd_passes == 5
+        assert _by_name(eager_ops)["mlp_norm"].bwd_passes == plans.EAGER_PYTORCH_PASSES["norm"][1]
+        assert (_by_name(ref_ops)["mlp_norm"].bwd_passes, _by_name(ref_ops)["residual"].bwd_passes) == (3, 5)
+
+
+def test_the_plans_price_the_engines_rmsnorm_backward_and_attention_kernels():
+    """The engine's plans state the RMSNorm backward's 5 passes in 4 kernels and the attention
+    backward's 2 kernels; eager PyTorch's and other frameworks' plans keep theirs. The mutant (the
+    norm priced at 3 passes in one kernel again) fails the check."""
+    _check_norm_and_attention_kernels()
+    with pytest.raises(AssertionError):
+        _check_norm_and_attention_kernels(_mutant(plans.norm, "2, 5, saved=saved, bwd_kernels=4", "2, 3, saved=saved"))
+
+
+def _check_fused_residual_norm(btp_layer=plans._btp_layer):
+    """Under btp the MLP's residual add and its norm's first pass are one kernel forward
+    (residual_online_stats: reads h, y, writes h + y and its x * w); eager PyTorch and vanilla keep
+    the add and the norm apart."""
+    ops, eager_ops, _ = _engine_and_reference_plans(btp_layer, "btp")
+    assert "residual+mlp_norm" in _by_name(ops)
+    fused = _by_name(ops)["residual+mlp_norm"]
+    assert (fused.fwd_passes, fused.fwd_kernels) == (4, 1) and "mlp_norm" not in _by_name(ops)
+    assert fused.bwd_kernels == 4  # btp_backward_post, the dw sum, its accumulation, the gradient sum
+    assert [o.name for o in ops].count("residual") == 1  # the add after the down projection
+    assert {"residual", "mlp_norm"} <= set(_by_name(eager_ops)) and "residual+mlp_norm" not in _by_name(eager_ops)
+    vanilla, _, _ = _engine_and_reference_plans(None, "vanilla")
+    assert [o.name for o in vanilla].count("residual") == 2 and "mlp_norm" in _by_name(vanilla)
+
+
+def test_the_btp_plan_counts_the_engines_fused_residual_and_norm():
+    """The btp plan counts residual_online_stats as the one kernel the engine launches, only under
+    btp. The mutant (the plan with the add and the norm apart again) fails the check."""
+    _check_fused_residual_norm()
+    with pytest.raises(AssertionError):
+        _check_fused_residual_norm(_mutant(plans._btp_layer, "if not s.engine_kernels:", "if True:"))

@@ -261,7 +261,7 @@ def test_profile_states_attention_kernel_and_elementwise_fusion(tmp_path, capsys
     from boostmpi.sim.machines import machine_to_toml
 
     base = load_machine("a100-80gb-dgx")
-    assert base.elementwise == "fused"  # built-in profiles leave the optional key out
+    assert base.elementwise == "engine"  # built-in profiles leave the optional key out: boostmpi's kernels
     cfg = gpt({"tp": 8}, {"recompute": "selective"})
     times = {}
     for attention in ("flash", "matmul", "fused_softmax"):
@@ -276,12 +276,12 @@ def test_profile_states_attention_kernel_and_elementwise_fusion(tmp_path, capsys
     path = tmp_path / "eager.toml"
     path.write_text(machine_to_toml(replace(base, elementwise="eager")))
     assert load_machine(path).elementwise == "eager"
-    path.write_text(machine_to_toml(base).replace('elementwise = "fused"', 'elementwise = "compiled"'))
+    path.write_text(machine_to_toml(base).replace('elementwise = "engine"', 'elementwise = "compiled"'))
     config = tmp_path / "c.toml"
     config.write_text(published.toml_text({"model": GPT}))
     assert main(["sim", "--config", str(config), "--machine", str(path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "compute.elementwise must be one of fused, eager" in err and "\n" not in err
+    assert "compute.elementwise must be one of engine, fused, eager" in err and "\n" not in err
 
 
 def test_sweep_keeps_sim_only_layouts_when_the_configuration_asks_for_them(tmp_path, capsys):

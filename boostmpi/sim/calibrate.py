@@ -190,7 +190,7 @@ def probe_compute():
             gemm.append((dtype, m, n, k, t))
             peak[dtype] = max(peak.get(dtype, 0.0), 2.0 * m * n * k / t)
 
-    # nominal passes of each layer kernel, as the model counts them (model.norm / unary / binary);
+    # nominal passes of each layer kernel, as the model counts them (plans.norm / unary / binary);
     # at a tiny size the same kernels give the fixed cost of one model "kernel" (Python + NumPy calls)
     rates, call_s = [], None
     for dtype, size in (("float64", ELEMENTWISE_SIZE), ("float32", ELEMENTWISE_SIZE), ("float32", (4, 8))):
@@ -200,7 +200,7 @@ def probe_compute():
         dw = np.zeros_like(w)
         y, rstd = layers.rmsnorm_forward(x, w, 1e-6)
         kernels = [(lambda: layers.rmsnorm_forward(x, w, 1e-6), 2),
-                   (lambda: layers.rmsnorm_backward(y, x, w, rstd, dw), 3),
+                   (lambda: layers.rmsnorm_backward(y, x, w, rstd, dw), 5),
                    (lambda: layers.silu_forward(x), 2), (lambda: layers.silu_backward(y, x), 3),
                    (lambda: layers.gate_forward(x, u, True), 3),
                    (lambda: layers.gate_backward(y, x, u, True), 5),

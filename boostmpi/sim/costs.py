@@ -57,15 +57,16 @@ def _gemm_seconds_with_tile(m, n, k, batch, itemsize, machine, dtype, div_m, div
     return max(flops / rate, moved / stream) + machine.kernel_launch_s
 
 
-def pointwise_seconds(elements, passes, itemsize, machine):
+def pointwise_seconds(elements, passes, itemsize, machine, kernels=1):
     stream = machine.memory_bandwidth * machine.elementwise_efficiency
-    return passes * elements * itemsize / stream + machine.kernel_launch_s
+    return passes * elements * itemsize / stream + kernels * machine.kernel_launch_s
 
 
 def flash_seconds(op, backward, machine, dtype):
     causal_flops = 4.0 * op.heads * op.T * op.T * op.Dh / 2  # QK^T and PV over the lower triangle
     flops = causal_flops * (_FLASH_BACKWARD_RATIO if backward else 1.0)
-    return flops / (machine.peak(dtype) * machine.attention_efficiency) + machine.kernel_launch_s
+    kernels = op.bwd_kernels if backward else 1
+    return flops / (machine.peak(dtype) * machine.attention_efficiency) + kernels * machine.kernel_launch_s
 
 
 @dataclass(frozen=True)
@@ -148,14 +149,14 @@ def pass_times(ops, backward, s, machine, dtype):
     e = ITEMSIZE[dtype]
     for op in ops:
         if isinstance(op, Gemm):
-            if backward:  # dx = dy @ w^T and dw = x^T @ dy
+            if backward:  # dx = dy @ w^T and dw = x^T @ dy (over dw_split column blocks)
                 t.gemm += gemm_seconds(op.m, op.k, op.n, op.batch, e, machine, dtype)
-                t.gemm += gemm_seconds(op.k, op.n, op.m, op.batch, e, machine, dtype)
-            else:
-                t.gemm += gemm_seconds(op.m, op.n, op.k, op.batch, e, machine, dtype)
+                t.gemm += op.dw_split * gemm_seconds(op.k, op.n // op.dw_split, op.m, op.batch, e, machine, dtype)
+            else:  # inside the previous GEMM's batched launch: its work without a launch of its own
+                t.gemm += gemm_seconds(op.m, op.n, op.k, op.batch, e, machine, dtype) - op.batched_fwd * machine.kernel_launch_s
         elif isinstance(op, Pointwise):
-            passes = op.bwd_passes if backward else op.fwd_passes
-            t.elementwise += pointwise_seconds(op.elements, passes, e, machine)
+            passes, kernels = (op.bwd_passes, op.bwd_kernels) if backward else (op.fwd_passes, op.fwd_kernels)
+            t.elementwise += pointwise_seconds(op.elements, passes, e, machine, kernels)
         elif isinstance(op, Attention):
             t.elementwise += flash_seconds(op, backward, machine, dtype)
         elif isinstance(op, Collective) and (op.phase == "bwd") == backward:

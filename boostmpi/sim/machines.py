@@ -73,8 +73,10 @@ class Machine:
     intra_node_latency: float  # seconds per collective step inside a node
     inter_node_bandwidth: float  # bytes/s per device across nodes
     inter_node_latency: float
-    # [compute], optional: "fused" (one kernel per elementwise step) or "eager" (eager PyTorch, op by op)
-    elementwise: str = "fused"
+    # [compute], optional: "engine" (boostmpi's own kernels, kernels/*.cu: their launches and passes,
+    # docs/SIM.md), "fused" (another framework's: one fused kernel per elementwise step each way) or
+    # "eager" (eager PyTorch, op by op)
+    elementwise: str = "engine"
     # [compute], optional: bytes per parameter that a separate gradient-accumulation pass moves after
     # every micro-batch's backward; 0 when the weight-gradient GEMMs accumulate into the master-dtype
     # gradient themselves (boostmpi's engine, Megatron-LM's gradient-accumulation fusion)
@@ -121,9 +123,9 @@ _LAYOUT = {
 assert set(_LAYOUT) == {f.name for f in fields(Machine)}
 
 _CHOICES = {"device": ("gpu", "cpu"), "attention": ("flash", "matmul", "fused_softmax"),
-            "elementwise": ("fused", "eager"), "pipeline_p2p": ("batched", "blocking")}
+            "elementwise": ("engine", "fused", "eager"), "pipeline_p2p": ("batched", "blocking")}
 # keys a profile may leave out, and their values then (profiles written before the key existed)
-_OPTIONAL = {"elementwise": "fused", "grad_accumulation_bytes": 0.0, "pipeline_p2p": "batched"}
+_OPTIONAL = {"elementwise": "engine", "grad_accumulation_bytes": 0.0, "pipeline_p2p": "batched"}
 _POSITIVE = {"memory_capacity_bytes", "memory_bandwidth", "elementwise_efficiency", "gemm_efficiency",
              "gemm_tile_m", "gemm_tile_n", "compute_units", "attention_efficiency", "optimizer_passes",
              "gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth"}

@@ -232,6 +232,8 @@ def predict_workload(w, machine, comm=None):
     s = w.shape if w.attention else with_attention(w.shape, machine.attention)
     if machine.elementwise == "eager":  # the software stack runs elementwise work op by op
         s = replace(s, eager=True)
+    elif machine.elementwise == "fused":  # another framework's fused kernels, not the engine's
+        s = replace(s, engine=False)
     strategy = w.strategy
     e, e_master = ITEMSIZE[dtype], ITEMSIZE[master_dtype(dtype)]
 

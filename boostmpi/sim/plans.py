@@ -43,16 +43,23 @@ class Gemm:
     k: int
     batch: int = 1
     saved: int = 0  # elements kept for backward (the input x, unless another op already keeps it)
+    in_recompute: bool = True  # False: a recompute of the layer never runs it (its output is not read)
+    dw_split: int = 1  # the weight gradient as this many GEMMs over column blocks of n (one per factor)
+    batched_fwd: bool = False  # its forward runs inside the previous GEMM's strided-batched launch
 
 
 @dataclass
 class Pointwise:
-    """A memory-bound kernel over `elements` values: `passes` full reads/writes forward and backward."""
+    """Memory-bound work over `elements` values: `passes` full reads/writes forward and backward,
+    in `kernels` launches each way (the engine's kernels; docs/SIM.md lists them)."""
     name: str
     elements: int
     fwd_passes: float
     bwd_passes: float
     saved: int = 0
+    fwd_kernels: int = 1
+    bwd_kernels: int = 1
+    in_recompute: bool = True  # False: a recompute of the layer never runs it (its output is not read)
 
 
 def unary(name, n, saved=0):  # y = f(x): read x, write y; backward reads x and dy, writes dx
@@ -71,6 +78,7 @@ class Attention:
     T: int
     Dh: int
     saved: int = 0
+    bwd_kernels: int = 1  # the engine's backward: a dQ pass and a dK/dV pass (kernels/attention.cu)
 
 
 @dataclass
@@ -119,6 +127,15 @@ class Shape:
     eager: bool = False  # elementwise work as eager PyTorch runs it (EAGER_PYTORCH_PASSES), not fused
     sp: bool = False  # Megatron's sequence parallelism: the regions outside tp hold N/p tokens per rank
     attention_dropout: bool = False  # dropout on materialised probabilities (flash attention fuses it)
+    half: bool = False  # a 16-bit step: a float32 accumulator read by an elementwise kernel is two passes
+    # the engine's own kernels (kernels/*.cu, as `shape_of` states a boostmpi run): their launches and
+    # passes; False: another framework's (the published runs), one fused kernel per op each way
+    engine: bool = False
+    gpu: bool = False  # the engine on GPUs (CuPy): factors of one shape side by side multiply as one batched GEMM
+
+    @property
+    def engine_kernels(self):
+        return self.engine and not self.eager
 
     @property
     def N(self):
@@ -145,7 +162,8 @@ def shape_of(cfg, attention):
                  Hkv=m.n_kv_heads, Dh=m.head_dim, V=m.vocab_size, Ra=ranks["q"][2] or 0,
                  Rm=ranks["gate"][2] or 0, p=par.tp, cola=m.arch == "cola", gate_act=m.mlp_gate_act,
                  grouped=par.grouped, sync_norm=par.norm == "sync", attention=attention,
-                 sp=par.sequence_parallel and par.tp > 1, attention_dropout=m.attention_dropout > 0)
+                 sp=par.sequence_parallel and par.tp > 1, attention_dropout=m.attention_dropout > 0,
+                 half=cfg.train.dtype == "bfloat16", engine=True, gpu=cfg.train.device == "gpu")
 
 
 # ------------------------------------------------------------------ plans
@@ -156,7 +174,9 @@ def attention_core(s, heads, kv_heads):
     qkv = N * Dh * (heads + 2 * kv_heads)
     if s.attention == "flash":  # plus the log-sum-exp of every row: what the engine's GPU path keeps
         # (kernels/attention.cu, layers.FusedAttentionCache); float32, counted at the compute dtype's size
-        return [Attention("attention", B * heads, T, Dh, saved=qkv + B * heads * T)]
+        # backward: two kernels, dQ (with delta = rowsum(dO * O)) per query tile, then dK/dV per key tile
+        return [Attention("attention", B * heads, T, Dh, saved=qkv + B * heads * T,
+                          bwd_kernels=2 if s.engine_kernels else 1)]
     group = heads // kv_heads
     scores = B * heads * T * T
     passes, per_row = s.softmax_passes, s.softmax_saved_per_row
@@ -172,8 +192,47 @@ def attention_core(s, heads, kv_heads):
     ]
 
 
-def norm(name, n_tokens, width):
-    return Pointwise(name, n_tokens * width, 2, 3, saved=n_tokens * width + n_tokens)
+def norm(s, name, n_tokens, width):
+    """RMSNorm over the whole row: one fused kernel each way, 2 / 3 passes, for another framework;
+    the engine's kernels (kernels/rmsnorm.cu) as follows. Forward: rmsnorm_forward reads x, writes y
+    (2 passes; its second read of a row comes from cache). Backward, 5 passes in 4 kernels:
+    rmsnorm_projection reads dy and x (the row statistic), rmsnorm_backward reads dy and x and writes
+    dx over column tiles (no shared memory at any C), then the sum of its per-chunk dw rows and the
+    accumulation into dw (kernels of C floats per row chunk: not counted in the bytes)."""
+    saved = n_tokens * width + n_tokens
+    if not s.engine_kernels:
+        return Pointwise(name, n_tokens * width, 2, 3, saved=saved)
+    return Pointwise(name, n_tokens * width, 2, 5, saved=saved, bwd_kernels=4)
+
+
+def online_norm(s, name, width, residual=False):
+    """btp's online RMSNorm on this rank's [N, width] shard, up to the A GEMM. Forward, one kernel:
+    rmsnorm_online_stats reads x, writes x * w (2 passes); with `residual` it is
+    residual_online_stats, which adds the branch output first (reads h and y, writes h + y and
+    (h + y) * w: 4 passes), the residual add folded in. Backward: btp_backward_post reads dxw (the
+    float32 accumulator: 2 passes in a 16-bit step) and x and writes dx, then the sum of its per-chunk
+    dw rows and the accumulation into dw (3 kernels); with `residual`, the sum of the two gradients
+    at the residual (reads 2, writes 1) is one kernel more."""
+    N = s.N
+    post = (2 if s.half else 1) + 2
+    if residual:
+        return Pointwise(name, N * width, 4, post + 3, saved=N * width + N, bwd_kernels=4)
+    return Pointwise(name, N * width, 2, post, saved=N * width + N, bwd_kernels=3)
+
+
+def residual(s, n, in_recompute=True):
+    """The residual add h + y. Forward reads h and y, writes the sum; its backward passes the gradient
+    on to both unchanged, and the kernel is the sum of the two gradients that meet at h (reads 2,
+    writes 1). Other frameworks' plans keep the generic binary op's 3 / 5 passes."""
+    if not s.engine_kernels:
+        return binary("residual", n)
+    return Pointwise("residual", n, 3, 3, in_recompute=in_recompute)
+
+
+def rope(s, n):
+    """RoPE on q and k (`n` their elements together): one kernel each (rope_forward, rope_backward)."""
+    kernels = 2 if s.engine_kernels else 1
+    return Pointwise("rope", n, 2, 3, fwd_kernels=kernels, bwd_kernels=kernels)
 
 
 def layer_plan(s, strategy):
@@ -204,7 +263,8 @@ def eager_pytorch(ops):
     for op in ops:
         kind = "norm" if op.name.endswith("norm") else op.name
         if isinstance(op, Pointwise) and kind in EAGER_PYTORCH_PASSES:
-            op = replace(op, fwd_passes=EAGER_PYTORCH_PASSES[kind][0], bwd_passes=EAGER_PYTORCH_PASSES[kind][1])
+            op = replace(op, fwd_passes=EAGER_PYTORCH_PASSES[kind][0], bwd_passes=EAGER_PYTORCH_PASSES[kind][1],
+                         fwd_kernels=1, bwd_kernels=1)
         out.append(op)
     return out
 
@@ -213,28 +273,29 @@ def _megatron_layer(s):
     N, C, F, K, p = s.N, s.C, s.F, s.K, s.p
     Ns = N // p if s.sp else N  # tokens per rank outside the tensor-parallel regions
     enter, leave = _tp_region_edges(s)
-    ops = [norm("attn_norm", Ns, C)] + enter("qkv")
+    ops = [norm(s, "attn_norm", Ns, C)] + enter("qkv")
     widths = {"q": C // p, "k": K // p, "v": K // p}
+    split = s.engine_kernels  # the engine's weight gradients: one GEMM per linear of a grouped GEMM
     if s.grouped:
-        ops.append(Gemm("qkv", N, sum(widths.values()), C, saved=Ns * C))
+        ops.append(Gemm("qkv", N, sum(widths.values()), C, saved=Ns * C, dw_split=3 if split else 1))
         ops.append(_column_dx("qkv", s))
     else:
         for i, (lin, w) in enumerate(widths.items()):
             ops.append(Gemm(lin, N, w, C, saved=Ns * C if i == 0 else 0))
             ops.append(_column_dx(lin, s))
-    ops.append(unary("rope", N * (C + K) // p))
+    ops.append(rope(s, N * (C + K) // p))
     ops += attention_core(s, s.H // p, s.Hkv // p)
     ops.append(Gemm("o", N, C, C // p, saved=N * C // p))
     ops += leave("o")
-    ops.append(binary("residual", Ns * C))
-    ops.append(norm("mlp_norm", Ns, C))
+    ops.append(residual(s, Ns * C))
+    ops.append(norm(s, "mlp_norm", Ns, C))
     ops += enter("mlp")
     if not s.gated:  # GPT: up (column-parallel), GELU, down (row-parallel)
         ops.append(Gemm("up", N, F // p, C, saved=Ns * C))
         ops.append(_column_dx("up", s))
         ops.append(unary("gelu", N * F // p, saved=N * F // p))
     elif s.grouped:
-        ops.append(Gemm("gate_up", N, 2 * F // p, C, saved=Ns * C))
+        ops.append(Gemm("gate_up", N, 2 * F // p, C, saved=Ns * C, dw_split=2 if split else 1))
         ops.append(_column_dx("gate_up", s))
     else:
         for i, lin in enumerate(("gate", "up")):
@@ -244,7 +305,7 @@ def _megatron_layer(s):
         ops.append(binary("gate*up", N * F // p, saved=2 * N * F // p))
     ops.append(Gemm("down", N, C, F // p, saved=N * F // p))
     ops += leave("down")
-    ops.append(binary("residual", Ns * C))
+    ops.append(residual(s, Ns * C, in_recompute=False))  # a recompute stops at the down projection
     return ops
 
 
@@ -280,8 +341,9 @@ def _vanilla_layer(s):
         """Linears sharing one input: grouped = one A GEMM and one all-reduce of the B outputs; else each
         B ends in an all-reduce of its output."""
         ops = []
-        if s.grouped:
-            ops += [Gemm("+".join(names) + ".A", N, r * len(names), d_in, saved=saved_input),
+        if s.grouped:  # the engine's weight gradient: one GEMM per factor's column block of dZ
+            ops += [Gemm("+".join(names) + ".A", N, r * len(names), d_in, saved=saved_input,
+                         dw_split=len(names) if s.engine_kernels else 1),
                     Collective("+".join(names) + ".dx", "allreduce", N * d_in, "bwd")]
         else:
             for i, name in enumerate(names):
@@ -297,17 +359,17 @@ def _vanilla_layer(s):
             ops.append(Collective("+".join(names) + ".y", "allreduce", N * sum(outs), "fwd", fed_by=len(names)))
         return ops
 
-    ops = [norm("attn_norm", N, C)]
+    ops = [norm(s, "attn_norm", N, C)]
     ops += factor_pairs(("q", "k", "v"), C, Ra, (C, K, K), N * C)
-    ops.append(unary("rope", N * (C + K)))
+    ops.append(rope(s, N * (C + K)))
     ops += attention_core(s, s.H, s.Hkv)  # replicated: every rank holds every head
     ops += factor_pairs(("o",), C, Ra, (C,), N * C)
-    ops.append(binary("residual", N * C))
-    ops.append(norm("mlp_norm", N, C))
+    ops.append(residual(s, N * C))
+    ops.append(norm(s, "mlp_norm", N, C))
     ops += factor_pairs(("gate", "up"), C, Rm, (F, F), N * C)
     ops.append(binary("gate*up", N * F, saved=2 * N * F))
     ops += factor_pairs(("down",), F, Rm, (C,), N * F)
-    ops.append(binary("residual", N * C))
+    ops.append(residual(s, N * C, in_recompute=False))  # a recompute stops at the down projection
     return ops
 
 
@@ -323,8 +385,9 @@ def _btp_layer(s):
         ops = []
         if with_norm_statistic and s.sync_norm:
             ops.append(Collective("norm.sumsq", "allreduce", N, "fwd", min_itemsize=4))  # float32 at least
-        if s.grouped:
-            ops += [Gemm("+".join(names) + ".A", N, r * len(names), d_in_local, saved=N * d_in_local),
+        if s.grouped:  # the engine's weight gradient: one GEMM per factor's column block of dP
+            ops += [Gemm("+".join(names) + ".A", N, r * len(names), d_in_local, saved=N * d_in_local,
+                         dw_split=len(names) if s.engine_kernels else 1),
                     Collective("+".join(names) + ".z", "allreduce", N * r * len(names) + stat, "fwd", wide=stat)]
         else:
             for i, name in enumerate(names):
@@ -344,32 +407,38 @@ def _btp_layer(s):
             ops.append(unary("silu", width, saved=width))
         return ops
 
-    def b_gemms(names, r, outs):
+    def b_gemms(names, r, outs, in_recompute=True):
         """B GEMMs and the backward all-reduce of dz: one for the group when grouped, else one each."""
         ops = []
-        for name, d_out in zip(names, outs):
-            ops.append(Gemm(f"{name}.B", N, d_out, r, saved=N * r))
+        for i, (name, d_out) in enumerate(zip(names, outs)):
+            # on a GPU, grouped: B factors of one shape side by side are one strided-batched GEMM forward
+            # (BottleneckTP._b_products); the backward's dZ and dB stay one GEMM each
+            batched = s.engine_kernels and s.gpu and s.grouped and i > 0 and outs[i - 1] == d_out
+            ops.append(Gemm(f"{name}.B", N, d_out, r, saved=N * r, in_recompute=in_recompute, batched_fwd=batched))
             if not s.grouped:
                 ops.append(Collective(f"{name}.dz", "allreduce", N * r, "bwd"))
         if s.grouped:
             ops.append(Collective("+".join(names) + ".dz", "allreduce", N * r * len(names), "bwd"))
         return ops
 
-    ops = [norm("attn_norm", N, Cl)]
+    ops = [online_norm(s, "attn_norm", Cl) if s.engine_kernels else norm(s, "attn_norm", N, Cl)]
     ops += a_group(("q", "k", "v"), Cl, Ra, True)
     ops += b_gemms(("q", "k", "v"), Ra, (Cl, Kl, Kl))
-    ops.append(unary("rope", N * (Cl + Kl)))
+    ops.append(rope(s, N * (Cl + Kl)))
     ops += attention_core(s, s.H // p, s.Hkv // p)
     ops += a_group(("o",), Cl, Ra, False)
     ops += b_gemms(("o",), Ra, (Cl,))
-    ops.append(binary("residual", N * Cl))
-    ops.append(norm("mlp_norm", N, Cl))
+    if not s.engine_kernels:  # another framework: the add and the norm apart
+        ops += [residual(s, N * Cl), norm(s, "mlp_norm", N, Cl)]
+    else:  # the engine: one kernel, residual_online_stats
+        ops.append(online_norm(s, "residual+mlp_norm", Cl, residual=True))
     ops += a_group(("gate", "up"), Cl, Rm, True)
     ops += b_gemms(("gate", "up"), Rm, (Fl, Fl))
     ops.append(binary("gate*up", N * Fl, saved=2 * N * Fl))
     ops += a_group(("down",), Fl, Rm, False)
-    ops += b_gemms(("down",), Rm, (Cl,))
-    ops.append(binary("residual", N * Cl))
+    # a recompute stops at the down projection's input: its B GEMM (out_proj_cache) and the add are skipped
+    ops += b_gemms(("down",), Rm, (Cl,), in_recompute=not s.engine_kernels)
+    ops.append(residual(s, N * Cl, in_recompute=False))
     return ops
 
 
@@ -393,7 +462,7 @@ def head_plan(s, strategy):
     if strategy == "btp":
         ops.append(Collective("final.gather", "allgather", N * C // p, "fwd"))
     Ns = N // p if s.sp else N
-    ops.append(norm("final_norm", Ns, C))
+    ops.append(norm(s, "final_norm", Ns, C))
     if s.sp:  # the head is a column-parallel GEMM: its input gathered along the sequence
         ops.append(Collective("lm_head.x", "allgather", N * C // p, "fwd"))
     ops += [Gemm("lm_head", N, V_local, C, saved=Ns * C),
@@ -426,15 +495,18 @@ def recompute_plan(ops, recompute):
     """The forward ops the backward runs again first, or None when nothing is recomputed.
 
     `selective` runs the attention core again (its inputs are kept, no collective is involved).
-    `layer` runs the whole forward again. `lowrank` keeps the output of every forward collective
-    (btp: the rank-R z after its all-reduce; vanilla: each B output after its all-reduce), so
-    neither those collectives nor the GEMMs that feed them straight in run again; it also keeps
-    the softmax statistics, so the tiled softmax runs again without its two row reductions.
+    `layer` runs the forward again up to the down projection's input (the layer's output is never
+    read: ops marked `in_recompute = False`, the last residual add and btp's down B GEMM, are
+    skipped). `lowrank` keeps the output of every forward collective (btp: the rank-R z after its
+    all-reduce, rescaled by the norm: a normed group runs only its SiLU again; vanilla: each B
+    output after its all-reduce), so neither those collectives nor the GEMMs that feed them
+    straight in run again; it also keeps the softmax statistics, so the tiled softmax runs again
+    without its two row reductions.
     """
     if recompute == "none":
         return None
     if recompute == "layer":
-        return list(ops)
+        return [op for op in ops if getattr(op, "in_recompute", True)]
     if recompute == "selective":
         return attention_core_ops(ops)
     feeds_kept = set()  # the GEMMs whose outputs go straight into a forward collective
@@ -443,8 +515,10 @@ def recompute_plan(ops, recompute):
             feeds_kept.update(j for j in range(max(0, i - op.fed_by), i) if isinstance(ops[j], Gemm))
     again = []
     for i, op in enumerate(ops):
-        if isinstance(op, Collective) or i in feeds_kept:
+        if isinstance(op, Collective) or i in feeds_kept or not getattr(op, "in_recompute", True) or op.name == "norm.scale":
             continue
+        if isinstance(op, Pointwise) and op.name == "norm.scale+silu":  # Z is kept: silu(Z) again
+            op = replace(op, name="silu", fwd_passes=2)
         if isinstance(op, Pointwise) and op.name == "softmax":
             op = replace(op, fwd_passes=op.fwd_passes - _SOFTMAX_REDUCTION_PASSES)
         again.append(op)

@@ -240,7 +240,9 @@ GPT_DROPOUT = 0.1
 # Runs of frameworks that predate fused (flash) attention materialise the T x T scores and run one fused
 # softmax kernel over them: their rows run with a profile that says so (compute.attention =
 # "fused_softmax"), the one thing a user changes for them.
-MATERIALISED = (("attention", "fused_softmax"),)
+MATERIALISED = (("attention", "fused_softmax"), ("elementwise", "fused"))
+# the other frameworks' elementwise work: one fused kernel per step, not boostmpi's kernels
+FUSED = (("elementwise", "fused"),)
 
 # How a stack accumulates the weight gradients of the micro-batches of a step (the profile's
 # compute.grad_accumulation_bytes; 0, boostmpi's and today's Megatron-LM's, is the weight-gradient GEMM
@@ -359,7 +361,7 @@ def _llama3_cli(dp, tflops):
     flops = model_flops(matmul, 126, 16384, 8192, 2048 * 8192)
     return CliRun(
         name=f"Llama 3 405B ({gpus} GPUs, d={dp})", framework="Meta (Megatron-style 4D)", gpu="H100",
-        source="Llama 3 (arXiv 2407.21783), Table 4", machine="h100-sxm", config=config,
+        source="Llama 3 (arXiv 2407.21783), Table 4", machine="h100-sxm", network=FUSED, config=config,
         measured_s=flops / (gpus * tflops * 1e12),
         derived=f"6N + 12LCT FLOPs of 16M tokens / ({gpus} GPUs x {tflops} TFLOP/s)",
         assumed=("interleaved 1F1B with 2 chunks per rank (the number is not published); sequence "
@@ -389,7 +391,7 @@ def _frontier_cli(name, heads, h, l, seq, t, p, nodes, B, share):
     return CliRun(
         name=f"GPT {name} on Frontier (t={t}, p={p}, d={dp}, {gcds} GCDs)", framework="Megatron-DeepSpeed",
         gpu="MI250X", source="Dash et al. 2023 (arXiv 2312.12705); layout: the authors' Frontier scripts",
-        machine="mi250x-gcd", network=DEEPSPEED_BF16,
+        machine="mi250x-gcd", network=DEEPSPEED_BF16 + FUSED,
         config=cli_config(h, heads, l, V, seq, t, p, dp, B, 1, overlap=False, zero=1),
         measured_s=sc21_flops_per_iteration(B, seq, l, h, V) / (gcds * tflops * 1e12),
         derived=(f"Eq. 3 FLOPs / ({gcds} GCDs x {tflops:.1f} TFLOP/s per GCD = {share:.2%} of 191.5); "

@@ -76,20 +76,22 @@ def price(ops, machine, tp=1):
 
 def plan_launches_and_bytes(s, strategy, recompute, itemsize):
     """Kernels, GEMMs and non-GEMM bytes of one layer (forward, backward, recompute) as the analytical
-    model counts them: a GEMM is one kernel forward and two backward, an elementwise op or the
-    fused attention one each way, a replayed op once more."""
+    model counts them: a GEMM is one kernel forward (none inside a batched launch) and 1 + dw_split
+    backward, an elementwise op and the
+    fused attention the kernels their plan states each way, a replayed op once more."""
     ops = layer_plan(s, strategy)
     again = recompute_plan(ops, recompute) or []
     launches, gemms, moved = 0, 0, 0.0
     for op, backward in [(o, False) for o in ops + again] + [(o, True) for o in ops]:
         if isinstance(op, Gemm):
-            launches += 2 if backward else 1
-            gemms += 2 if backward else 1
+            n = 1 + op.dw_split if backward else int(not op.batched_fwd)
+            launches += n
+            gemms += n
         elif isinstance(op, Pointwise):
-            launches += 1
+            launches += op.bwd_kernels if backward else op.fwd_kernels
             moved += (op.bwd_passes if backward else op.fwd_passes) * op.elements * itemsize
         elif isinstance(op, Attention):
-            launches += 1
+            launches += op.bwd_kernels if backward else 1
         elif isinstance(op, Collective):
             continue
     return launches, gemms, moved
