@@ -27,10 +27,12 @@ def documented():
 
 
 def written(memory_keys):
-    """(row keys, memory keys) of a row as the trainer makes it on a logged, validating step."""
+    """(row keys, memory keys) of a row as the trainer makes it on a logged, validating step of a GPU
+    whose machine profile is known (the one case with `mfu`; without it the key is left out)."""
     counter = CommCounter()
     counter.add("tp", 64)
-    row = metrics.step_row(3, 2.5, 1e-3, 0.7, 0.5, 1024, metrics.counter_floats(counter))
+    assert "mfu" not in metrics.step_row(3, 2.5, 1e-3, 0.7, 0.5, 1024, metrics.counter_floats(counter))
+    row = metrics.step_row(3, 2.5, 1e-3, 0.7, 0.5, 1024, metrics.counter_floats(counter), mfu=0.41)
     assert row["comm_bytes"] == {"tp": 64, "pp": 0, "dp": 0} and row["comm_calls"]["tp"] == 1
     assert row["tokens"] == 3 * 1024 and row["tokens_per_s"] == 2048
     figures = [float(i) for i in range(len(memory_keys))]
