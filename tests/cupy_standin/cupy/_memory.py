@@ -5,9 +5,10 @@ launch sees the same bytes the array does, and the NCCL stand-in finds an array'
 raw pointer. The pool follows CuPy 14.2.0's `SingleDeviceMemoryPool` (cupy/cuda/memory.pyx at
 tag v14.2.0; `MemoryPool` below cites it rule by rule): 512-byte rounding, one arena of free chunks
 per stream, best fit with splitting, merging of freed neighbours, new allocations only when no free
-chunk fits, `used_bytes` / `total_bytes` / `free_all_blocks` / `set_limit`. Each chunk handed out is
-still its own harness allocation (so a kernel's access outside its array is caught), while the
-pool's bookkeeping decides reuse and the byte counts. Accesses are remembered per pool allocation
+chunk fits, `used_bytes` / `total_bytes` / `free_all_blocks` / `set_limit`. When values are computed,
+each chunk handed out is still its own harness allocation (so a kernel's access outside its array is
+caught; the same chunk handed out again has the same address); in meta mode, where no kernel runs,
+a chunk is its bytes of one harness allocation per pool allocation, CuPy's layout. Accesses are remembered per pool allocation
 and offset, so the order tracking (cuda/_order.py) sees a new array written while a previous user
 of the same bytes on another stream may still be reading them.
 
@@ -91,6 +92,8 @@ class _Allocation:
 
     def __init__(self, size):
         self.size = size
+        self.raws = {}  # (offset, size) -> harness allocation of a freed chunk, kept for that chunk
+        self.base = None  # in meta mode: one harness allocation for all of it
         _Allocation._serial += 1
         self.serial = _Allocation._serial
 
@@ -187,6 +190,11 @@ class _Arena:
             self._remove(key)
             chunk.arena = None
             freed += chunk.size
+            for raw in chunk.alloc.raws.values():
+                raw.free()
+            chunk.alloc.raws.clear()
+            if chunk.alloc.base is not None:
+                chunk.alloc.base.free()
         return freed
 
 
@@ -202,6 +210,33 @@ class OutOfMemoryError(MemoryError):
         super().__init__(msg)
 
 
+def _backing(chunk):
+    """The harness allocation of a chunk handed out: the one it had when last freed if it is the same
+    chunk again (same allocation, offset and size: CuPy gives the same address), else a new one; the
+    kept allocations of freed chunks it overlaps are given back."""
+    raws, lo, hi = chunk.alloc.raws, chunk.offset, chunk.offset + chunk.size
+    raw = raws.pop((lo, chunk.size), None)
+    if raw is not None:
+        return raw
+    for offset, size in [k for k in raws if k[0] < hi and k[0] + k[1] > lo]:
+        raws.pop((offset, size)).free()
+    if META:  # no kernel runs: the chunk is its bytes of one harness allocation per pool allocation, as in CuPy
+        if chunk.alloc.base is None:
+            chunk.alloc.base = _harness().alloc(chunk.alloc.size)
+        return _Part(chunk.alloc.base, lo, chunk.size)
+    return _harness().alloc(chunk.size)
+
+
+class _Part:
+    """Bytes [offset, offset + size) of a harness allocation, as a chunk's backing in meta mode."""
+
+    def __init__(self, base, offset, size):
+        self.ptr, self.host = base.ptr + offset, base.host[offset: offset + size]
+
+    def free(self):  # the pool allocation's harness allocation goes when the pool gives it back
+        pass
+
+
 def _round_size(size):
     """memory.pyx:1042 `_round_size`: up to a multiple of ALLOCATION_UNIT_SIZE (512, memory.pyx:40)."""
     return -(-int(size) // ALLOCATION_UNIT) * ALLOCATION_UNIT
@@ -215,8 +250,8 @@ class MemoryPool:
     size; `free_all_blocks` gives back only free chunks that are whole allocations; over the limit
     (`set_limit`, CUPY_GPU_MEMORY_LIMIT) the pool gives back its free blocks and tries once more before
     raising OutOfMemoryError. `used_bytes` counts the chunks handed out, `total_bytes` the allocations
-    held. Each chunk handed out is its own harness allocation, so kernels' out-of-bounds accesses are
-    still caught per array; the pool's bookkeeping decides sizes, reuse and the byte counts."""
+    held. The harness memory behind a chunk is `_backing`'s (its own allocation when values are
+    computed, so kernels' out-of-bounds accesses are still caught per array)."""
 
     def __init__(self):
         self._arenas = {}  # stream identifier -> _Arena
@@ -248,7 +283,7 @@ class MemoryPool:
         self._peak_total = max(self._peak_total, self._total)
         self._largest = max(self._largest, size)
         self._mallocs += 1
-        mem = Memory(self, _harness().alloc(size), chunk)
+        mem = Memory(self, _backing(chunk), chunk)
         if not META:
             mem.host[...] = POISON_BYTE  # CuPy's memory is uninitialised: make unwritten reads show
         return mem
@@ -277,9 +312,10 @@ class MemoryPool:
     def _release(self, raw, ptr, chunk):
         """memory.pyx:1388 `free`: the chunk back to its arena, merged with its free neighbours."""
         _unregister(ptr)
-        raw.free()
         if chunk is None:
+            raw.free()
             return
+        chunk.alloc.raws[(chunk.offset, chunk.size)] = raw  # the same chunk again gets the same address
         self._used -= chunk.size
         chunk.arena.insert_chunk(chunk)
 
