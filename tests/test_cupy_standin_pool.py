@@ -157,7 +157,18 @@ def test_pool_follows_cupy(memory, rule):
     gc.collect()
 
 
+# the mutants: each rule switched off (or replaced by what a simpler pool does)
 def _no_split(self, size):
+    return None
+
+
+def _exact_size_only(self, size):
+    """The stand-in's former rule: a freed block serves only a request of its own rounded size."""
+    for key in self.keys:
+        if key[0] == size:
+            chunk = self.chunks[key]
+            self._remove(key)
+            return chunk
     return None
 
 
@@ -201,21 +212,9 @@ MUTANTS = {
     "merge": lambda m, mp: mp.setattr(m._Arena, "insert_chunk", _insert_unmerged(m._Arena.insert_chunk)),
     "free_all_blocks": lambda m, mp: mp.setattr(m._Arena, "free_all", _free_all_split_too),
     "arena_per_stream": lambda m, mp: mp.setattr(m.MemoryPool, "_arena", _one_arena(m.MemoryPool._arena)),
-    "high_water_marks": lambda m, mp: mp.setattr(m._Arena, "get_chunk", _exact_size_only_with_split_off(m)),
+    "high_water_marks": lambda m, mp: mp.setattr(m._Arena, "get_chunk", _exact_size_only),
     "limit": lambda m, mp: mp.setattr(m.MemoryPool, "free_all_blocks", lambda self, stream=None: None),
 }
-
-
-def _exact_size_only_with_split_off(m):
-    """The stand-in's former rule: a freed block serves only a request of its own size."""
-    def get_chunk(self, size):
-        for key in self.keys:
-            if key[0] == size:
-                chunk = self.chunks[key]
-                self._remove(key)
-                return chunk
-        return None
-    return get_chunk
 
 
 @pytest.mark.parametrize("rule", sorted(CHECKS))

@@ -1,16 +1,16 @@
 """Device memory of the stand-in: allocations of the CUDA execution harness behind CuPy's pool.
 
-Every device array lives in a harness allocation (guard regions on both sides), so a RawKernel
-launch sees the same bytes the array does, and the NCCL stand-in finds an array's memory from a
-raw pointer. The pool follows CuPy 14.2.0's `SingleDeviceMemoryPool` (cupy/cuda/memory.pyx at
-tag v14.2.0; `MemoryPool` below cites it rule by rule): 512-byte rounding, one arena of free chunks
-per stream, best fit with splitting, merging of freed neighbours, new allocations only when no free
-chunk fits, `used_bytes` / `total_bytes` / `free_all_blocks` / `set_limit`. When values are computed,
-each chunk handed out is still its own harness allocation (so a kernel's access outside its array is
-caught; the same chunk handed out again has the same address); in meta mode, where no kernel runs,
-a chunk is its bytes of one harness allocation per pool allocation, CuPy's layout. Accesses are remembered per pool allocation
-and offset, so the order tracking (cuda/_order.py) sees a new array written while a previous user
-of the same bytes on another stream may still be reading them.
+Every device array lives in harness memory, so a RawKernel launch sees the same bytes the array
+does, and the NCCL stand-in finds an array's memory from a raw pointer. The pool follows CuPy
+14.2.0's `SingleDeviceMemoryPool` (cupy/cuda/memory.pyx at tag v14.2.0; `MemoryPool` below cites it
+rule by rule): 512-byte rounding, one arena of free chunks per stream, best fit with splitting,
+merging of freed neighbours, new allocations only when no free chunk fits, `used_bytes` /
+`total_bytes` / `free_all_blocks` / `set_limit`. When values are computed, each chunk handed out is
+still its own harness allocation (so a kernel's access outside its array is caught; the same chunk
+handed out again has the same address); in meta mode, where no kernel runs, a chunk is its bytes of
+one harness allocation per pool allocation, CuPy's layout. Accesses are remembered per pool
+allocation and offset, so the order tracking (cuda/_order.py) sees a new array written while a
+previous user of the same bytes on another stream may still be reading them.
 
 **Shapes-only ("meta") mode** (`BOOSTMPI_STANDIN_META=1` at import, or `set_meta(True)`): arrays
 keep their shape, dtype, strides and a pool allocation, but no values. The allocation is a harness

@@ -153,10 +153,10 @@ def access(mem, lo, hi, write, issued, what, buffer, where=None, doing=None):
             where = where or call_site()
             doing = doing or ("writes" if write else "reads")
             raise StreamOrderError(
-                f"stream order: {what} on {_actor_name(actor)} at {where} {doing} {buffer} (bytes {lo - off}..{hi - off} of "
-                f"the {mem.size}-byte allocation made at {mem.site}), which was {rec.describe()}, and nothing "
-                f"orders the two (no event recorded after it and waited for, no stream wait, no synchronize): "
-                f"on a GPU they may run at the same time")
+                f"stream order: {what} on {_actor_name(actor)} at {where} {doing} {buffer} "
+                f"(bytes {lo - off}..{hi - off} of the {mem.size}-byte allocation made at {mem.site}), "
+                f"which was {rec.describe()}, and nothing orders the two (no event recorded after it and "
+                f"waited for, no stream wait, no synchronize): on a GPU they may run at the same time")
     if write:
         kept = []
         for rec in records:
