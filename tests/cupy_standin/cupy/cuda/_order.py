@@ -14,8 +14,9 @@ clock: the highest sequence number of every actor known to be ordered before its
 - the legacy null stream: work on it waits for the blocking streams and they wait for it (streams
   made with `non_blocking=True`, as the engine's are, do neither).
 
-Every harness allocation keeps the byte ranges of its accesses since they were last overwritten
-(across reuse by the memory pool, whose blocks stay with the stream that allocated them). A read
+Every allocation of the memory pool keeps the byte ranges of its accesses since they were last
+overwritten, across reuse of its bytes by later chunks (split from it or merged over it; the pool's
+chunks stay with the stream that allocated them). A read
 not ordered after the last write of the bytes it touches, or a write not ordered after the last
 write and every read since, raises `StreamOrderError` naming the buffer and both sides.
 `BOOSTMPI_STANDIN_TRACK=0` turns the tracking off.
@@ -139,8 +140,12 @@ def access(mem, lo, hi, write, issued, what, buffer, where=None, doing=None):
     if not ENABLED or hi <= lo or mem is None:
         return
     actor, seq, clock = issued
-    raw = mem.raw
-    records = raw.__dict__.setdefault("_accesses", [])
+    if mem.chunk is None:
+        return
+    # the bytes as the pool's allocation numbers them: a later chunk split from or merged over them sees them
+    off = mem.chunk.offset
+    lo, hi = lo + off, hi + off
+    records = mem.chunk.alloc.__dict__.setdefault("_accesses", [])
     for rec in records:
         if rec.hi <= lo or rec.lo >= hi or not (write or rec.write) or rec.actor == actor:
             continue
@@ -148,10 +153,10 @@ def access(mem, lo, hi, write, issued, what, buffer, where=None, doing=None):
             where = where or call_site()
             doing = doing or ("writes" if write else "reads")
             raise StreamOrderError(
-                f"stream order: {what} on {_actor_name(actor)} at {where} {doing} {buffer} (bytes {lo}..{hi} of "
-                f"the {mem.size}-byte allocation made at {mem.site}), which was {rec.describe()}, and nothing "
-                f"orders the two (no event recorded after it and waited for, no stream wait, no synchronize): "
-                f"on a GPU they may run at the same time")
+                f"stream order: {what} on {_actor_name(actor)} at {where} {doing} {buffer} "
+                f"(bytes {lo - off}..{hi - off} of the {mem.size}-byte allocation made at {mem.site}), "
+                f"which was {rec.describe()}, and nothing orders the two (no event recorded after it and "
+                f"waited for, no stream wait, no synchronize): on a GPU they may run at the same time")
     if write:
         kept = []
         for rec in records:
