@@ -256,9 +256,28 @@ def test_the_option_runs_the_tensor_core_forward_through_the_wrapper(monkeypatch
     assert max_error(o, want_o) <= 2 * max_error(rounded_reference(q, k, v, do)[0], want_o)
 
 
-def test_the_option_leaves_64_lane_devices_on_the_fma_forward(monkeypatch):
-    launched, *_ = _wrapper_forward(monkeypatch, 64, T=5)
-    assert launched == ["attention_forward_bf16"]
+def _wrapper_backward(o, lse, inputs):
+    import cupy
+
+    q, k, v, do = inputs
+    grads = loader.attention_backward(*(cupy.asarray(a) for a in (do, q, k, v, o)), cupy.asarray(lse))
+    return [cupy.asnumpy(g) for g in grads]
+
+
+def test_the_option_runs_the_tensor_core_backward_through_the_wrapper(monkeypatch):
+    """Forward and backward through the wrapper: the dK/dV pass reads the delta the dQ pass wrote."""
+    launched, o, lse, inputs = _wrapper_forward(monkeypatch, 32)
+    grads = _wrapper_backward(o, lse, inputs)
+    assert launched == [ENTRY, DQ, BACKWARD]
+    want, reference = specification(*inputs)[2:], rounded_reference(*inputs)[1:]
+    for name, got, w, r in zip(("dq", "dk", "dv"), grads, want, reference):
+        assert max_error(got, w) <= 2 * max_error(r, w) + ROUNDING_FLOOR, name
+
+
+def test_the_option_leaves_64_lane_devices_on_the_fma_kernels(monkeypatch):
+    launched, o, lse, inputs = _wrapper_forward(monkeypatch, 64, T=5)
+    _wrapper_backward(o, lse, inputs)
+    assert launched == ["attention_forward_bf16", "attention_backward_dq_bf16", "attention_backward_bf16"]
 
 
 @pytest.mark.parametrize("arch", ["cola", "full"])
