@@ -19,7 +19,8 @@ import pytest
 import cudaemu
 import gpu_compilers
 from boostmpi.gpu import kernels as loader
-from test_attention_kernel import BF16, F32_TOLERANCE, _inputs, max_error, rounded_reference, specification
+from test_attention_kernel import (BF16, F32_TOLERANCE, SLOW_SHAPES, _inputs, max_error, rounded_reference,
+                                   specification)
 from test_cudaemu_wmma import nvcc_wheel_include
 from test_kernel_resources import MIN_RESIDENT_BLOCKS, nvidia_resident_blocks
 
@@ -194,6 +195,14 @@ def check_dq(B, T, H, Hkv, Dh, code=None):
                          ids=lambda s: "B{}_T{}_H{}_Hkv{}_Dh{}".format(*s))
 @pytest.mark.parametrize("check", [check_backward, check_dq], ids=["dkdv", "dq"])
 def test_tensor_core_backward_matches_the_model_and_the_fma_passes(check, shape):
+    check(*shape)
+
+
+# The fuller matrix: GQA 8 query heads per KV head, T past two tiles, odd head dims
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SLOW_SHAPES, ids=lambda s: "B{}_T{}_H{}_Hkv{}_Dh{}".format(*s))
+@pytest.mark.parametrize("check", [check_backward, check_dq], ids=["dkdv", "dq"])
+def test_tensor_core_backward_matches_the_model_full(check, shape):
     check(*shape)
 
 
