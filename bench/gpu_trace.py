@@ -223,16 +223,19 @@ ATTENTION_TRAFFIC = {"attention_forward": "forward", "attention_backward_dq": "b
 def attention_kernel(name, args):
     """A fused attention launch: the bytes of its tile plan, and its causal FLOPs over all the dims of a
     tile (64 or 128, whatever Dh is), priced (boostmpi.sim.trace) at the profile's attention efficiency
-    of the float32 peak (the FMA kernels) or, for the tensor-core forward (BOOSTMPI_ATTENTION_TENSOR_CORES=1:
-    bf16 WMMA, 128-dim tiles), of the bf16 tensor-core peak: the efficiency the analytical model assumes
-    for FlashAttention-2, its softmax work included in that fraction."""
+    of the float32 peak (the FMA kernels) or, for the tensor-core forward, dQ and dK/dV passes
+    (BOOSTMPI_ATTENTION_TENSOR_CORES=1: bf16 WMMA, 128-dim tiles; the dK/dV pass's key tiles of 64),
+    of the bf16 tensor-core peak: the efficiency the analytical model assumes for FlashAttention-2,
+    its softmax work included in that fraction."""
     from boostmpi.gpu import kernels
 
     tensor_cores = "_tc_" in name
     entry = name.rsplit("_", 1)[0].replace("_hd64", "").replace("_tc", "")
     q, k = args[0], args[1]
     B, T, H, Dh = q.shape
-    read, written = kernels.attention_traffic(B, T, H, k.shape[2], Dh, q.itemsize)[ATTENTION_TRAFFIC[entry]]
+    key_tile = kernels.ATTENTION_TC_BWD_KEY_TILE if tensor_cores else kernels.ATTENTION_BWD_KEY_TILE
+    read, written = kernels.attention_traffic(B, T, H, k.shape[2], Dh, q.itemsize,
+                                              key_tile=key_tile)[ATTENTION_TRAFFIC[entry]]
     dims = kernels.ATTENTION_HEAD_DIM_MAX if tensor_cores else kernels.attention_head_tile(Dh)
     flops = ATTENTION_PRODUCTS[entry] * 2.0 * B * H * T * (T + 1) / 2 * dims
     return dict(kind="attention", name=name, nbytes=read + written, dtype="bfloat16" if tensor_cores else "float32",

@@ -1,12 +1,14 @@
-"""The tensor-core forward of the fused attention (kernels/attention.cu, attention_forward_tc_bf16),
-an option OFF by default: compiled only with -DBOOSTMPI_ATTENTION_WMMA, which the wrapper adds when
-BOOSTMPI_ATTENTION_TENSOR_CORES=1 (bfloat16 on 32-lane devices; 64-lane ones keep the FMA forward).
+"""The tensor-core forward and backward of the fused attention (kernels/attention.cu,
+attention_forward_tc_bf16, attention_backward_dq_tc_bf16, attention_backward_tc_bf16), an option OFF
+by default: compiled only with -DBOOSTMPI_ATTENTION_WMMA, which the wrapper adds when
+BOOSTMPI_ATTENTION_TENSOR_CORES=1 (bfloat16 on 32-lane devices; 64-lane ones keep the FMA kernels).
 
 On the execution harness (its WMMA draws the fragment element map at random per launch, so a
 kernel assuming a layout fails) against the model's NumPy attention: O within twice the error of a
-float32 reference that rounds P and O to bfloat16, the log-sum-exp within 1e-5; NVRTC compiles it for
-sm_80 and sm_90 (with CUDA's crt/ headers on the include path) without spills and with two
-resident blocks per SM; the default text has no such entry point; mutations fail the check.
+float32 reference that rounds P and O to bfloat16, the log-sum-exp within 1e-5; dQ, dK and dV likewise
+(and near the FMA passes'); NVRTC compiles the three for sm_80 and sm_90 (with CUDA's crt/ headers on
+the include path) without spills and with two resident blocks per SM; the default text has no such
+entry point; mutations fail the checks; a bfloat16 training step with the option equals the CPU path.
 """
 
 import functools
@@ -17,7 +19,8 @@ import pytest
 import cudaemu
 import gpu_compilers
 from boostmpi.gpu import kernels as loader
-from test_attention_kernel import BF16, F32_TOLERANCE, _inputs, max_error, rounded_reference, specification
+from test_attention_kernel import (BF16, F32_TOLERANCE, SLOW_SHAPES, _inputs, max_error, rounded_reference,
+                                   specification)
 from test_cudaemu_wmma import nvcc_wheel_include
 from test_kernel_resources import MIN_RESIDENT_BLOCKS, nvidia_resident_blocks
 
@@ -26,6 +29,9 @@ pytestmark = pytest.mark.gpu
 OPTION = "-DBOOSTMPI_ATTENTION_WMMA"
 THREADS = 128
 ENTRY = "attention_forward_tc_bf16"
+BACKWARD = "attention_backward_tc_bf16"
+DQ = "attention_backward_dq_tc_bf16"
+KEY_TILE = loader.ATTENTION_TC_BWD_KEY_TILE
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,8 +72,10 @@ def test_nvrtc_compiles_it_within_the_budget():
     reports = gpu_compilers.nvrtc([(loader.kernel_source("attention"), options, arch) for arch in ("80", "90")])
     for report in reports:
         assert report["ok"], report["log"][-4000:]
-        for (entry, arch), info in gpu_compilers.ptxas_table(report["log"]).items():
-            if entry != ENTRY:
+        table = gpu_compilers.ptxas_table(report["log"])
+        assert {ENTRY, BACKWARD, DQ} <= {entry for entry, _ in table}, sorted(table)
+        for (entry, arch), info in table.items():
+            if entry not in (ENTRY, BACKWARD, DQ):
                 continue
             assert info["spills"] == 0 and info["stack"] == 0, (arch, info)
             blocks = nvidia_resident_blocks(arch, info["registers"], THREADS, info["smem"])
@@ -103,6 +111,128 @@ def test_each_mutation_fails_the_check(mutation):
         check_forward(1, 130, 2, 1, 128, code=code.replace(old, new))
 
 
+# ---------------------------------------------------------------------------- the dK/dV pass
+
+
+# At T = 1, dS = P (dP - delta) is 0 but for float32 rounding of dP - delta (the reference's is exactly 0)
+ROUNDING_FLOOR = 1e-6
+
+
+def _backward_inputs(B, T, H, Hkv, Dh):
+    """bf16 q, k, v, dO; the exact lse and delta = rowsum(dO * O) of O rounded to bf16 (float32), which the
+    forward and the dQ pass hand the dK/dV pass; the specification's dk, dv and the rounded reference's."""
+    q, k, v, do = _inputs(B, T, H, Hkv, Dh, BF16)
+    _, want_lse, _, want_dk, want_dv = specification(q, k, v, do)
+    o, _, ref_dk, ref_dv = rounded_reference(q, k, v, do)
+    delta = np.einsum("bthd,bthd->bht", np.asarray(do, np.float32), o).astype(np.float32)
+    return (q, k, v, do, want_lse.astype(np.float32), delta), (want_dk, want_dv), (ref_dk, ref_dv)
+
+
+def run_dkdv(entry, threads, key_tile, inputs, code=None, options=(OPTION,)):
+    q, k, v, do, lse, delta = inputs
+    B, T, H, Dh = q.shape
+    Hkv = k.shape[2]
+    dk, dv = (cudaemu.DeviceArray(shape=k.shape, dtype=BF16) for _ in range(2))
+    module = _module(code or loader.kernel_source("attention")) if options else cudaemu.Module(
+        code or loader.kernel_source("attention"), loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",))
+    module.get_function(entry)((B * Hkv * -(-T // key_tile),), (threads,),
+                               (*(cudaemu.DeviceArray(a) for a in (q, k, v, do, lse, delta)), dk, dv,
+                                *loader._attention_scalars(T, H, Hkv, Dh)))
+    return dk.get(), dv.get()
+
+
+def check_backward(B, T, H, Hkv, Dh, code=None):
+    """dK, dV of the WMMA pass against the model's within twice the rounded reference's error, and
+    against the FMA pass (attention_backward_bf16, same inputs) within the sum of both bounds."""
+    inputs, want, reference = _backward_inputs(B, T, H, Hkv, Dh)
+    got = run_dkdv(BACKWARD, THREADS, KEY_TILE, inputs, code)
+    fma = run_dkdv("attention_backward_bf16", loader.ATTENTION_THREADS, loader.ATTENTION_BWD_KEY_TILE, inputs,
+                   options=())
+    for name, g, f, w, r in zip(("dk", "dv"), got, fma, want, reference):
+        bound = 2 * max_error(r, w) + ROUNDING_FLOOR
+        assert max_error(g, w) <= bound, f"{name}: kernel error {max_error(g, w):.3g}, bound {bound:.3g}"
+        apart = max_error(g, f.astype(np.float64))
+        assert apart <= 2 * bound, f"{name}: {apart:.3g} from the FMA pass, bound {2 * bound:.3g}"
+
+
+
+# ---------------------------------------------------------------------------- the dQ pass
+
+
+def run_dq(entry, threads, inputs, o, code=None, options=(OPTION,)):
+    q, k, v, do, lse, _ = inputs
+    B, T, H, Dh = q.shape
+    dq = cudaemu.DeviceArray(shape=q.shape, dtype=BF16)
+    delta = cudaemu.DeviceArray(shape=(B, H, T), dtype=np.float32)
+    source = code or loader.kernel_source("attention")
+    module = _module(source) if options else cudaemu.Module(source, loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",))
+    module.get_function(entry)((B * H * -(-T // loader.ATTENTION_DQ_QUERY_TILE),), (threads,),
+                               (*(cudaemu.DeviceArray(a) for a in (q, k, v, o, do, lse)), delta, dq,
+                                *loader._attention_scalars(T, H, k.shape[2], Dh)))
+    return dq.get(), delta.get()
+
+
+def check_dq(B, T, H, Hkv, Dh, code=None):
+    """dQ of the WMMA pass against the model's within twice the rounded reference's error and near the
+    FMA pass's (same inputs); delta = rowsum(dO * O) within 1e-5 of float32's."""
+    inputs, _, _ = _backward_inputs(B, T, H, Hkv, Dh)
+    q, k, v, do, lse, want_delta = inputs
+    want_dq = specification(q, k, v, do)[2]
+    o, reference = rounded_reference(q, k, v, do)[:2]
+    o = o.astype(BF16)
+    got, delta = run_dq(DQ, THREADS, inputs, o, code)
+    fma = run_dq("attention_backward_dq_bf16", loader.ATTENTION_THREADS, inputs, o, options=())[0]
+    assert max_error(delta, want_delta) <= F32_TOLERANCE * max(float(np.max(np.abs(want_delta))), 1.0), "delta"
+    bound = 2 * max_error(reference, want_dq) + ROUNDING_FLOOR
+    assert max_error(got, want_dq) <= bound, f"dq: kernel error {max_error(got, want_dq):.3g}, bound {bound:.3g}"
+    apart = max_error(got, fma.astype(np.float64))
+    assert apart <= 2 * bound, f"dq: {apart:.3g} from the FMA pass, bound {2 * bound:.3g}"
+
+
+# T = 1; T not a multiple of the tiles (a second key tile, partly past T); GQA 2 and 4 query heads per KV
+# head; Dh 64, 96 and 128
+@pytest.mark.parametrize("shape", [(1, 1, 2, 1, 64), (1, 70, 4, 2, 128), (2, 37, 4, 1, 96)],
+                         ids=lambda s: "B{}_T{}_H{}_Hkv{}_Dh{}".format(*s))
+@pytest.mark.parametrize("check", [check_backward, check_dq], ids=["dkdv", "dq"])
+def test_tensor_core_backward_matches_the_model_and_the_fma_passes(check, shape):
+    check(*shape)
+
+
+# The fuller matrix: GQA 8 query heads per KV head, T past two tiles, odd head dims
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SLOW_SHAPES, ids=lambda s: "B{}_T{}_H{}_Hkv{}_Dh{}".format(*s))
+@pytest.mark.parametrize("check", [check_backward, check_dq], ids=["dkdv", "dq"])
+def test_tensor_core_backward_matches_the_model_full(check, shape):
+    check(*shape)
+
+
+BACKWARD_MUTATIONS = {
+    # Q (and dO) loaded as they are, not transposed, for S^T = K Q^T and dP^T = V dO^T
+    "dkdv: a wrong transpose": (check_backward, "__nv_bfloat16, wmma::col_major> b_frag;",
+                                "__nv_bfloat16, wmma::row_major> b_frag;"),
+    "dkdv: causal mask missing": (check_backward, "p[m] = j <= i && i < tokens ?", "p[m] = i < tokens ?"),
+    "dkdv: delta not subtracted": (check_backward, "p[m] * (t.s[warp][key][c] - t.delta[c])", "p[m] * t.s[warp][key][c]"),
+    "dkdv: barrier after P^T removed": (check_backward, "__syncthreads();  // P^T is written", ""),
+    "dkdv: dK not scaled": (check_backward, "const float factor = n < DIM_TILES ? scale : 1.0f;", "const float factor = 1.0f;"),
+    # K (and V) loaded as they are, not transposed, for S = Q K^T and dP = dO V^T
+    "dq: a wrong transpose": (check_dq, "__nv_bfloat16, wmma::col_major> b;", "__nv_bfloat16, wmma::row_major> b;"),
+    "dq: causal mask missing": (check_dq, "p[r] = j <= i && i < tokens ?", "p[r] = i < tokens ?"),
+    "dq: delta not subtracted": (check_dq, "p[r] * (t.s[warp][r][lane] - t.delta[warp][r])", "p[r] * t.s[warp][r][lane]"),
+    "dq: barrier after dS removed": (check_dq, "__syncthreads();  // dS is written", ""),
+    "dq: key tile's first key ignored": (check_dq, "const int i = q0 + 16 * warp + r, j = k0 + lane;",
+                                         "const int i = q0 + 16 * warp + r, j = lane;"),
+}
+
+
+@pytest.mark.parametrize("mutation", BACKWARD_MUTATIONS)
+def test_each_backward_mutation_fails_the_check(mutation):
+    check, old, new = BACKWARD_MUTATIONS[mutation]
+    code = loader.kernel_source("attention")
+    assert code.count(old) == 1, f"the mutation's target is not one place in the kernel: {old!r}"
+    with pytest.raises((AssertionError, cudaemu.KernelError)):
+        check(1, 70, 4, 2, 128, code=code.replace(old, new))
+
+
 # ---------------------------------------------------------------------------- the wrapper's option
 
 
@@ -135,15 +265,34 @@ def test_the_option_runs_the_tensor_core_forward_through_the_wrapper(monkeypatch
     assert max_error(o, want_o) <= 2 * max_error(rounded_reference(q, k, v, do)[0], want_o)
 
 
-def test_the_option_leaves_64_lane_devices_on_the_fma_forward(monkeypatch):
-    launched, *_ = _wrapper_forward(monkeypatch, 64, T=5)
-    assert launched == ["attention_forward_bf16"]
+def _wrapper_backward(o, lse, inputs):
+    import cupy
+
+    q, k, v, do = inputs
+    grads = loader.attention_backward(*(cupy.asarray(a) for a in (do, q, k, v, o)), cupy.asarray(lse))
+    return [cupy.asnumpy(g) for g in grads]
+
+
+def test_the_option_runs_the_tensor_core_backward_through_the_wrapper(monkeypatch):
+    """Forward and backward through the wrapper: the dK/dV pass reads the delta the dQ pass wrote."""
+    launched, o, lse, inputs = _wrapper_forward(monkeypatch, 32)
+    grads = _wrapper_backward(o, lse, inputs)
+    assert launched == [ENTRY, DQ, BACKWARD]
+    want, reference = specification(*inputs)[2:], rounded_reference(*inputs)[1:]
+    for name, got, w, r in zip(("dq", "dk", "dv"), grads, want, reference):
+        assert max_error(got, w) <= 2 * max_error(r, w) + ROUNDING_FLOOR, name
+
+
+def test_the_option_leaves_64_lane_devices_on_the_fma_kernels(monkeypatch):
+    launched, o, lse, inputs = _wrapper_forward(monkeypatch, 64, T=5)
+    _wrapper_backward(o, lse, inputs)
+    assert launched == ["attention_forward_bf16", "attention_backward_dq_bf16", "attention_backward_bf16"]
 
 
 @pytest.mark.parametrize("arch", ["cola", "full"])
 def test_a_bf16_training_step_with_the_option_equals_the_cpu_path(monkeypatch, arch):
     """One bfloat16 training step (tests/gpu_steps.py: GQA, head dim 16) with the option on: the forward
-    of every layer on the WMMA kernel (asserted from the launches), the loss and gradients within
+    of every layer and both backward passes on the WMMA kernels (asserted from the launches), the loss and gradients within
     the bfloat16 tolerance of the float64 CPU step (tests/test_gpu.py's)."""
     from gpu_setup import GPU
     from gpu_steps import step
@@ -157,5 +306,7 @@ def test_a_bf16_training_step_with_the_option_equals_the_cpu_path(monkeypatch, a
     launch = loader._launch
     monkeypatch.setattr(loader, "_launch", lambda kernel, *a, **k: (launched.append(kernel.name), launch(kernel, *a, **k)))
     got = step(arch, "gpu", "bfloat16")
-    assert ENTRY in launched and "attention_forward_hd64_bf16" not in launched, sorted(set(launched))
+    assert {ENTRY, BACKWARD, DQ} <= set(launched), sorted(set(launched))
+    assert not {"attention_forward_hd64_bf16", "attention_backward_hd64_bf16", "attention_backward_dq_hd64_bf16"} \
+        & set(launched), sorted(set(launched))
     assert_step_close(got, cpu_step(arch), "bfloat16", f"{arch} bfloat16 with tensor cores")

@@ -498,10 +498,12 @@ def _attention_scalars(T, H, Hkv, Dh):
 
 
 # BOOSTMPI_ATTENTION_TENSOR_CORES=1 (off by default): the bfloat16 forward runs on WMMA tensor cores on
-# NVIDIA GPUs (attention_forward_tc_bf16, compiled with -DBOOSTMPI_ATTENTION_WMMA); the backward and
-# every other case keep the FMA kernels.
+# NVIDIA GPUs (attention_forward_tc_bf16, compiled with -DBOOSTMPI_ATTENTION_WMMA), and so do the
+# backward's passes (attention_backward_dq_tc_bf16; attention_backward_tc_bf16, 64-key tiles); every
+# other case keeps the FMA kernels.
 ATTENTION_TENSOR_CORES_ENV = "BOOSTMPI_ATTENTION_TENSOR_CORES"
 ATTENTION_TC_THREADS = 128
+ATTENTION_TC_BWD_KEY_TILE = 64
 
 
 def _cuda_mma_include():
@@ -557,10 +559,18 @@ def attention_backward(do, q, k, v, o, lse):
     if B * T * H:
         scalars = _attention_scalars(T, H, Hkv, Dh)
         delta = cupy.empty((B, H, T), dtype=np.float32)
-        _launch(_kernel("attention", attention_entry("attention_backward_dq", Dh, suffix)), B * H * -(-T // ATTENTION_DQ_QUERY_TILE),
-                ATTENTION_THREADS, (q, k, v, o, do, lse, delta, dq, *scalars))
-        _launch(_kernel("attention", attention_entry("attention_backward", Dh, suffix)), B * Hkv * -(-T // ATTENTION_BWD_KEY_TILE),
-                ATTENTION_THREADS, (q, k, v, do, lse, delta, dk, dv, *scalars))
+        dq_args, dkdv_args = (q, k, v, o, do, lse, delta, dq, *scalars), (q, k, v, do, lse, delta, dk, dv, *scalars)
+        if _attention_tensor_cores(suffix):
+            options = ("-DBOOSTMPI_ATTENTION_WMMA", _cuda_mma_include())
+            _launch(_kernel("attention", "attention_backward_dq_tc_bf16", options),
+                    B * H * -(-T // ATTENTION_DQ_QUERY_TILE), ATTENTION_TC_THREADS, dq_args)
+            _launch(_kernel("attention", "attention_backward_tc_bf16", options),
+                    B * Hkv * -(-T // ATTENTION_TC_BWD_KEY_TILE), ATTENTION_TC_THREADS, dkdv_args)
+        else:
+            _launch(_kernel("attention", attention_entry("attention_backward_dq", Dh, suffix)),
+                    B * H * -(-T // ATTENTION_DQ_QUERY_TILE), ATTENTION_THREADS, dq_args)
+            _launch(_kernel("attention", attention_entry("attention_backward", Dh, suffix)),
+                    B * Hkv * -(-T // ATTENTION_BWD_KEY_TILE), ATTENTION_THREADS, dkdv_args)
     return dq, dk, dv
 
 
