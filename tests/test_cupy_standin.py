@@ -91,8 +91,12 @@ def test_memory_pool_statistics(cupy):
     b = cupy.empty(128, dtype=np.float32)  # the same 512-byte block again
     assert pool.total_bytes() == held
     del b
+    in_use = pool.used_bytes()
     pool.free_all_blocks()
-    assert pool.total_bytes() == pool.used_bytes()
+    # CuPy 14.2's pool gives back only free chunks that are a whole allocation (a free chunk split off
+    # an allocation still partly in use stays held): the rules, each pinned with a fresh pool, are in
+    # tests/test_cupy_standin_pool.py
+    assert pool.used_bytes() == in_use and in_use <= pool.total_bytes() <= held
 
 
 @pytest.mark.parametrize("model,warp,sms", [("a100", 32, 108), ("h100", 32, 132), ("mi250x", 64, 110)])

@@ -21,6 +21,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from boostmpi.gpu.arguments import check as _check
+from boostmpi.gpu.arguments import check_contiguous as _check_contiguous
+from boostmpi.gpu.arguments import check_elementwise as _check_elementwise
+from boostmpi.gpu.arguments import check_matrix as _check_matrix
+from boostmpi.gpu.arguments import storage_suffix as _storage_suffix
+
 KERNELS_DIR_ENV = "BOOSTMPI_KERNELS_DIR"
 COMPILE_OPTIONS = ("-std=c++14",)
 MAX_BLOCK_THREADS = 1024
@@ -110,49 +116,6 @@ def _launch(kernel, grid, block, args, shared_mem=0):
         if not isinstance(arg, (cupy.ndarray, np.generic)):
             raise TypeError(f"kernel argument of type {type(arg).__name__}: arrays must be CuPy arrays, scalars NumPy scalars of the C type")
     kernel((int(grid),), (int(block),), args, shared_mem=int(shared_mem))
-
-
-# ------------------------------------------------------------------------------ argument checks
-
-
-def _storage_suffix(name, arr):
-    """The entry-point suffix for arr's dtype."""
-    if arr.dtype == np.float32:
-        return "f32"
-    if arr.dtype.name == "bfloat16":
-        return "bf16"
-    raise TypeError(f"{name} has dtype {arr.dtype}; the kernels take float32 or bfloat16")
-
-
-def _check_contiguous(name, arr):
-    if not arr.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous (make it so with xp.ascontiguousarray)")
-
-
-def _check(name, arr, shape, dtype):
-    if tuple(arr.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
-    if arr.dtype != dtype:
-        raise TypeError(f"{name} has dtype {arr.dtype}, expected {np.dtype(dtype)}")
-    _check_contiguous(name, arr)
-
-
-def _check_matrix(name, arr):
-    """Checks a [rows, cols] kernel input of a supported dtype; returns (rows, cols, suffix)."""
-    if arr.ndim != 2:
-        raise ValueError(f"{name} must be 2-D [rows, cols], got shape {tuple(arr.shape)}")
-    suffix = _storage_suffix(name, arr)
-    _check_contiguous(name, arr)
-    return arr.shape[0], arr.shape[1], suffix
-
-
-def _check_elementwise(first_name, first, **others):
-    """Checks elementwise inputs: `first` of a supported dtype, the others of its shape and dtype."""
-    suffix = _storage_suffix(first_name, first)
-    _check_contiguous(first_name, first)
-    for name, arr in others.items():
-        _check(name, arr, first.shape, first.dtype)
-    return suffix
 
 
 # ------------------------------------------------------------------------------ launch shapes
