@@ -62,6 +62,22 @@ FAULT_LAUNCHER = textwrap.dedent('''
             return next_batch(self)
 
         shards.TrainLoader.next_batch = failing_next_batch
+    elif fault.startswith("hold-before-batch-"):
+        # every rank waits before its N-th batch (no collective open) while the file BOOSTMPI_FAULT_GATE
+        # exists: the run stays alive, holding its run directory, for as long as the test needs
+        import time
+
+        from boostmpi.data import shards
+
+        next_batch, at, calls = shards.TrainLoader.next_batch, int(fault.rsplit("-", 1)[1]), [0]
+
+        def held_next_batch(self):
+            calls[0] += 1
+            while calls[0] == at and os.path.exists(os.environ["BOOSTMPI_FAULT_GATE"]):
+                time.sleep(0.02)
+            return next_batch(self)
+
+        shards.TrainLoader.next_batch = held_next_batch
     elif "-while-saving-step-" in fault:
         # kill-while-saving-step-N: rank 0 gets SIGKILL between model.h5 and the rest;
         # kill-rank-1-while-saving-step-N: rank 1 gets it once its own file is written, the others still writing
@@ -302,7 +318,11 @@ def reference(tmp_path_factory):
 
 def test_kill_9_of_one_rank_ends_all_and_the_restart_continues_exactly(tmp_path, reference):
     run_dir = tmp_path / "run"
-    proc = _start(_train_argv(run_dir), tmp_path / "first.log")
+    gate = tmp_path / "gate"
+    gate.touch()  # the first run waits before step 26 while it exists (one batch per step here), so
+    # however slow the machine, it is alive and holds the run directory while the second run is refused
+    proc = _start(_train_argv(run_dir, program=("-c", FAULT_LAUNCHER)), tmp_path / "first.log",
+                  BOOSTMPI_FAULT="hold-before-batch-26", BOOSTMPI_FAULT_GATE=str(gate))
     try:
         ranks = _wait_ranks(proc)
         _wait_for_rows(run_dir, 25, proc)
@@ -314,6 +334,7 @@ def test_kill_9_of_one_rank_ends_all_and_the_restart_continues_exactly(tmp_path,
         assert status == 2 and len(lines) == 1, out
         assert lines[0].startswith(f"error: train.run_dir {run_dir} is in use by another run (host "), lines[0]
         assert f"pid {ranks[0]}, started " in lines[0], lines[0]
+        gate.unlink()
         _wait_for_rows(run_dir, 35, proc)
         killed_at = time.monotonic()
         os.kill(ranks[1], signal.SIGKILL)
@@ -763,12 +784,14 @@ NCCL_WATCHDOG_SCRIPT = textwrap.dedent('''
     from boostmpi.parallel.comm import CommCounter, configure_watchdog
     from boostmpi.parallel.nccl import NcclGroup, select_device
 
-    configure_watchdog(float(sys.argv[1]))
     select_device(MPI.COMM_WORLD.Get_rank())
     group = NcclGroup("dp", MPI.COMM_WORLD.Dup(), CommCounter())
     buf = cupy.ones(8, dtype=cupy.float32)
     group.allreduce(buf)
     assert float(buf.get()[0]) == 2.0
+    MPI.COMM_WORLD.Barrier()
+    # armed only now: on a loaded machine a 1 s limit could otherwise fire during the set-up above
+    configure_watchdog(float(sys.argv[1]))
     if group.rank == 1:
         time.sleep(60)  # stuck outside NCCL
     group.allreduce(buf)
