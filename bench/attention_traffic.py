@@ -31,24 +31,15 @@ import gpu_setup  # noqa: E402,F401  (the CuPy stand-in when no GPU is reachable
 import numpy as np  # noqa: E402
 
 from boostmpi.gpu import kernels  # noqa: E402
+from boostmpi.sim import plans  # noqa: E402
 
 ENTRIES = ("attention_forward", "attention_backward_dq", "attention_backward")
 
 
-def flash2_traffic(B, T, H, Hkv, Dh, s, tile=64):
-    """{forward, backward}: (read, written) bytes of FlashAttention-2's kernels for this call."""
-    G = H // Hkv
-    tiles = [(t0, min(T, t0 + tile)) for t0 in range(0, T, tile)]
-    fwd_read = B * H * sum((t1 - t0) * Dh * s + 2 * t1 * Dh * s for t0, t1 in tiles)
-    fwd_written = B * H * T * (Dh * s + 4)
-    # per (b, kv head): K, V once; per key tile and query head, Q, dO, lse, delta of the queries it meets
-    # and the float32 dQ rows read and written by the atomics
-    bwd_read = B * Hkv * sum(2 * (t1 - t0) * Dh * s + G * (T - t0) * (2 * Dh * s + 8 + 4 * Dh) for t0, t1 in tiles)
-    bwd_written = B * Hkv * (T * 2 * Dh * s + sum(G * (T - t0) * 4 * Dh for t0, _ in tiles))
-    # preprocessing: O and dO read, delta written; dQ converted from float32 to the storage type
-    bwd_read += B * H * T * (2 * Dh * s + 4 * Dh)
-    bwd_written += B * H * T * (4 + Dh * s)
-    return {"forward": (fwd_read, fwd_written), "backward": (bwd_read, bwd_written)}
+def flash2_traffic(B, T, H, Hkv, Dh, s):
+    """{forward, backward}: (read, written) bytes of FlashAttention-2's kernels for this call (the
+    performance model's count, boostmpi.sim.plans.flash2_traffic)."""
+    return plans.flash2_traffic(B * H, B * Hkv, T, Dh, s)
 
 
 def ours(B, T, H, Hkv, Dh, s):

@@ -83,18 +83,19 @@ def _world_rank():
     return MPI.COMM_WORLD.Get_rank()
 
 
-def _run_layouts(out_path):
+def _run_layouts(out_path, names=None, dtypes=None):
+    """Every layout of LAYOUTS (or those named, comma-separated) in every dtype (or those named)."""
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     results = {}
     for name, ranks, parallel, train in LAYOUTS:
-        if ranks > world.Get_size():
+        if ranks > world.Get_size() or (names and name not in names.split(",")):
             continue
         color = world.Get_rank() // ranks
         comm = world.Split(color, world.Get_rank())
         for arch in layout_archs(name, train):
-            for dtype in DTYPES:
+            for dtype in (dtypes.split(",") if dtypes else DTYPES):
                 got = step(arch, "gpu", dtype, parallel, train, world=comm) if color == 0 else None
                 if got is not None:
                     loss, grads = got
@@ -120,4 +121,4 @@ def run_or_abort(main, *args):
 
 
 if __name__ == "__main__":
-    run_or_abort(_run_layouts, sys.argv[1])
+    run_or_abort(_run_layouts, *sys.argv[1:4])

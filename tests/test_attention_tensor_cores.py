@@ -1,17 +1,19 @@
 """The tensor-core forward and backward of the fused attention (kernels/attention.cu,
-attention_forward_tc_bf16, attention_backward_dq_tc_bf16, attention_backward_tc_bf16), an option OFF
-by default: compiled only with -DBOOSTMPI_ATTENTION_WMMA, which the wrapper adds when
-BOOSTMPI_ATTENTION_TENSOR_CORES=1 (bfloat16 on 32-lane devices; 64-lane ones keep the FMA kernels).
+attention_forward_tc_bf16, attention_backward_dq_tc_bf16, attention_backward_tc_bf16): compiled only
+with -DBOOSTMPI_ATTENTION_WMMA, which the wrapper adds for bfloat16 on NVIDIA devices of compute
+capability 8.0 or later (BOOSTMPI_ATTENTION_TENSOR_CORES: unset or auto = that default; 1 = the same,
+a missing CUDA header an error; 0 = the FMA kernels). 64-lane devices keep the FMA kernels.
 
 On the execution harness (its WMMA draws the fragment element map at random per launch, so a
 kernel assuming a layout fails) against the model's NumPy attention: O within twice the error of a
 float32 reference that rounds P and O to bfloat16, the log-sum-exp within 1e-5; dQ, dK and dV likewise
 (and near the FMA passes'); NVRTC compiles the three for sm_80 and sm_90 (with CUDA's crt/ headers on
-the include path) without spills and with two resident blocks per SM; the default text has no such
-entry point; mutations fail the checks; a bfloat16 training step with the option equals the CPU path.
+the include path) without spills and with two resident blocks per SM; the kernel text without the
+option has no such entry point; mutations fail the checks; a bfloat16 training step equals the CPU path.
 """
 
 import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -236,9 +238,9 @@ def test_each_backward_mutation_fails_the_check(mutation):
 # ---------------------------------------------------------------------------- the wrapper's option
 
 
-def _wrapper_forward(monkeypatch, warp, B=1, T=70, H=4, Hkv=2, Dh=128):
-    """kernels.attention_forward with BOOSTMPI_ATTENTION_TENSOR_CORES=1 on a device of `warp` lanes:
-    (launched entry points, o, lse) and the inputs."""
+def _wrapper_forward(monkeypatch, warp, B=1, T=70, H=4, Hkv=2, Dh=128, setting="1", major=8):
+    """kernels.attention_forward with BOOSTMPI_ATTENTION_TENSOR_CORES=`setting` (None: unset) on a device
+    of `warp` lanes and compute capability `major`: (launched entry points, o, lse) and the inputs."""
     import cupy
 
     from gpu_setup import GPU
@@ -246,9 +248,13 @@ def _wrapper_forward(monkeypatch, warp, B=1, T=70, H=4, Hkv=2, Dh=128):
     if not GPU.standin:
         pytest.skip("the harness runs the option here; a GPU runs its own warp width")
     real = loader._device_info
-    monkeypatch.setattr(loader, "_device_info", lambda device_id: real(device_id)._replace(warp_size=warp))
+    monkeypatch.setattr(loader, "_device_info",
+                        lambda device_id: real(device_id)._replace(warp_size=warp, nvidia_major=major))
     monkeypatch.setattr(loader, "_module", functools.lru_cache(maxsize=None)(loader._module.__wrapped__))
-    monkeypatch.setenv(loader.ATTENTION_TENSOR_CORES_ENV, "1")
+    if setting is None:
+        monkeypatch.delenv(loader.ATTENTION_TENSOR_CORES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(loader.ATTENTION_TENSOR_CORES_ENV, setting)
     launched = []
     launch = loader._launch
     monkeypatch.setattr(loader, "_launch", lambda kernel, *a, **k: (launched.append(kernel.name), launch(kernel, *a, **k)))
@@ -286,10 +292,44 @@ def test_the_option_runs_the_tensor_core_backward_through_the_wrapper(monkeypatc
 def test_the_option_leaves_64_lane_devices_on_the_fma_kernels(monkeypatch):
     launched, o, lse, inputs = _wrapper_forward(monkeypatch, 64, T=5)
     _wrapper_backward(o, lse, inputs)
-    assert launched == ["attention_forward_bf16", "attention_backward_dq_bf16", "attention_backward_bf16"]
+    assert launched == FMA_ENTRIES
 
 
-@pytest.mark.parametrize("arch", ["cola", "full"])
+FMA_ENTRIES = ["attention_forward_bf16", "attention_backward_dq_bf16", "attention_backward_bf16"]
+
+
+@pytest.mark.parametrize("setting,major,tensor_cores", [(None, 8, True), ("auto", 9, True), ("0", 8, False),
+                                                        (None, 7, False), (None, 0, False)],
+                         ids=["unset-sm80", "auto-sm90", "off-sm80", "unset-sm70", "unset-amd"])
+def test_tensor_cores_are_the_default_on_sm80_and_later(monkeypatch, setting, major, tensor_cores):
+    launched, o, lse, inputs = _wrapper_forward(monkeypatch, 32, T=5, setting=setting, major=major)
+    _wrapper_backward(o, lse, inputs)
+    assert launched == ([ENTRY, DQ, BACKWARD] if tensor_cores else FMA_ENTRIES)
+
+
+def test_without_cudas_mma_header_auto_says_so_once_and_1_is_refused(monkeypatch, capsys):
+    """No crt/mma.h: the default falls back to the FMA kernels with one line on standard error (once a
+    process); =1 is a problem start-up reports (exit 2 there), and so is a value that is not 1, 0 or auto."""
+    from boostmpi.gpu import tensor_cores
+
+    monkeypatch.setattr(tensor_cores, "mma_include", lambda: None)
+    tensor_cores._say_once.cache_clear()
+    for _ in range(2):
+        launched, o, lse, inputs = _wrapper_forward(monkeypatch, 32, T=5, setting=None)
+        _wrapper_backward(o, lse, inputs)
+        assert launched == FMA_ENTRIES
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "crt/mma.h was not found" in err[0] and "FMA kernels" in err[0], err
+    assert loader.attention_tensor_cores_problem("bf16") is None
+    monkeypatch.setenv(loader.ATTENTION_TENSOR_CORES_ENV, "1")
+    assert "crt/mma.h was not found" in loader.attention_tensor_cores_problem("bf16")
+    assert loader.attention_tensor_cores_problem("f32") is None  # float32 never asks for the header
+    monkeypatch.setenv(loader.ATTENTION_TENSOR_CORES_ENV, "yes")
+    assert loader.attention_tensor_cores_problem("f32") == \
+        "BOOSTMPI_ATTENTION_TENSOR_CORES='yes': use 1 (tensor cores), 0 (FMA kernels) or auto"
+
+
+@pytest.mark.parametrize("arch", ["cola", "svd", "full"])
 def test_a_bf16_training_step_with_the_option_equals_the_cpu_path(monkeypatch, arch):
     """One bfloat16 training step (tests/gpu_steps.py: GQA, head dim 16) with the option on: the forward
     of every layer and both backward passes on the WMMA kernels (asserted from the launches), the loss and gradients within
@@ -310,3 +350,56 @@ def test_a_bf16_training_step_with_the_option_equals_the_cpu_path(monkeypatch, a
     assert not {"attention_forward_hd64_bf16", "attention_backward_hd64_bf16", "attention_backward_dq_hd64_bf16"} \
         & set(launched), sorted(set(launched))
     assert_step_close(got, cpu_step(arch), "bfloat16", f"{arch} bfloat16 with tensor cores")
+
+
+@pytest.mark.parametrize("value,header,fragment", [
+    ("yes", True, "BOOSTMPI_ATTENTION_TENSOR_CORES='yes': use 1 (tensor cores), 0 (FMA kernels) or auto"),
+    ("1", False, "BOOSTMPI_ATTENTION_TENSOR_CORES=1: CUDA's crt/mma.h was not found"),
+])
+def test_start_up_refuses_a_setting_it_cannot_honour_in_one_line(monkeypatch, tmp_path, capfd, value, header, fragment):
+    """Before any weight is drawn: exit 2, one line, nothing written."""
+    from gpu_setup import GPU
+    from train_helpers import assert_refused, train_argv, write_text_shards
+
+    from boostmpi.gpu import tensor_cores
+
+    if not GPU.standin:
+        pytest.skip("the stand-in's A100 (compute capability 8.0); a GPU has its own")
+    if not header:
+        monkeypatch.setattr(tensor_cores, "mma_include", lambda: None)
+    monkeypatch.setenv(loader.ATTENTION_TENSOR_CORES_ENV, value)
+    shards = write_text_shards(tmp_path / "text", max_bytes=60_000)
+    assert_refused(capfd, train_argv(tmp_path / "run", *shards, "train.device=gpu", "train.dtype=bfloat16"),
+                   tmp_path, fragment)
+
+
+def test_tp2_bf16_steps_on_the_tensor_cores_equal_one_rank(tmp_path):
+    """Tensor parallelism 2 (heads split across the ranks), every arch, bfloat16, the tensor-core
+    kernels (the default on the stand-in's A100): each rank's attention on its own heads, and the
+    step equal to the one-rank step on the tensor-core kernels within the bfloat16 tolerance."""
+    import os
+    import subprocess
+    import sys
+
+    from gpu_setup import GPU
+    from gpu_steps import ARCHS, step
+    from mpi_helpers import MPIEXEC
+    from test_gpu import assert_step_close
+
+    if not GPU.standin:
+        pytest.skip("the harness's 32-lane device; a GPU runs its own warp width")
+    out = tmp_path / "tp2.npz"
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", BOOSTMPI_ATTENTION_TENSOR_CORES="1")
+    proc = subprocess.run(["timeout", "600", MPIEXEC, "-n", "2", sys.executable, str(Path(__file__).parent / "gpu_steps.py"),
+                           str(out), "tp2", "bfloat16"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with np.load(out) as data:
+        results = {k: data[k] for k in data.files}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(loader.ATTENTION_TENSOR_CORES_ENV, "1")
+        mp.setattr(loader, "_module", functools.lru_cache(maxsize=None)(loader._module.__wrapped__))
+        for arch in ARCHS:
+            prefix = f"tp2/{arch}/bfloat16/"
+            grads = {k[len(prefix) + 5:]: v for k, v in results.items() if k.startswith(prefix + "grad/")}
+            assert grads, sorted(results)[:5]
+            assert_step_close((float(results[prefix + "loss"]), grads), step(arch, "gpu", "bfloat16"), "bfloat16", prefix)

@@ -667,3 +667,25 @@ def test_the_btp_plan_counts_the_engines_fused_residual_and_norm():
     _check_fused_residual_norm()
     with pytest.raises(AssertionError):
         _check_fused_residual_norm(_mutant(plans._btp_layer, "if not s.engine_kernels:", "if True:"))
+
+
+def test_the_plan_counts_flashattention2s_traffic_for_the_fused_attention():
+    """One head, T = 64 (one tile), head dim 1, bf16, by hand: forward reads Q (128 B) and K, V up to the
+    tile's last query (256 B), writes O (128 B) and the float32 log-sum-exp (256 B); backward reads K, V
+    (256 B), Q, dO, lse, delta and float32 dQ per query met (64 x 16 B), O and dO for delta and dQ to
+    convert (64 x 8 B), writes dK, dV (256 B), dQ in float32 (256 B), delta and dQ converted (64 x 6 B).
+    The per-layer plan's non-GEMM bytes include exactly the plan's attention traffic."""
+    from boostmpi.sim.trace import plan_launches_and_bytes
+
+    t = plans.flash2_traffic(1, 1, 64, 1, 2)
+    assert t == {"forward": (384, 384), "backward": (1280 + 512, 512 + 384)}
+    cfg = config_from_dict({"model": {"arch": "cola", "d_model": 128, "n_heads": 4, "n_kv_heads": 2, "rank": 32,
+                                      "vocab_size": 1000, "seq_len": 256, "n_layers": 2},
+                            "train": {"device": "gpu", "dtype": "bfloat16", "micro_batch_size": 2}})
+    s = plans.shape_of(cfg, "flash")
+    with_attention = plan_launches_and_bytes(s, plans.plan_strategy(cfg), "none", 2)[2]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plans.Attention, "traffic", lambda self, itemsize: (0, 0))
+        without = plan_launches_and_bytes(s, plans.plan_strategy(cfg), "none", 2)[2]
+    t = plans.flash2_traffic(2 * 4, 2 * 2, 256, 32, 2)
+    assert with_attention - without == sum(t["forward"]) + sum(t["backward"])

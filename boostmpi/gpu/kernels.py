@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from boostmpi.gpu import tensor_cores
 from boostmpi.gpu.arguments import check as _check
 from boostmpi.gpu.arguments import check_contiguous as _check_contiguous
 from boostmpi.gpu.arguments import check_elementwise as _check_elementwise
@@ -76,13 +77,16 @@ class _Device(NamedTuple):
     warp_size: int  # 32 on NVIDIA, 64 on AMD CDNA
     sm_count: int
     max_shared_bytes: int  # dynamic shared memory a block may opt in to
+    nvidia_major: int  # NVIDIA's compute capability major (8: A100, 9: H100); 0 on AMD
 
 
 @functools.lru_cache(maxsize=None)
 def _device_info(device_id):
-    props = _import_cupy().cuda.runtime.getDeviceProperties(device_id)
+    runtime = _import_cupy().cuda.runtime
+    props = runtime.getDeviceProperties(device_id)
     return _Device(device_id, props["warpSize"], props["multiProcessorCount"],
-                   props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"]))
+                   props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"]),
+                   0 if runtime.is_hip else props["major"])
 
 
 def _current_device():
@@ -460,34 +464,25 @@ def _attention_scalars(T, H, Hkv, Dh):
     return np.int32(T), np.int32(H), np.int32(Hkv), np.int32(Dh), np.float32(1.0 / np.sqrt(Dh))
 
 
-# BOOSTMPI_ATTENTION_TENSOR_CORES=1 (off by default): the bfloat16 forward runs on WMMA tensor cores on
-# NVIDIA GPUs (attention_forward_tc_bf16, compiled with -DBOOSTMPI_ATTENTION_WMMA), and so do the
-# backward's passes (attention_backward_dq_tc_bf16; attention_backward_tc_bf16, 64-key tiles); every
-# other case keeps the FMA kernels.
-ATTENTION_TENSOR_CORES_ENV = "BOOSTMPI_ATTENTION_TENSOR_CORES"
+# bfloat16 attention on NVIDIA GPUs of compute capability 8.0 or later runs the WMMA kernels
+# (attention.cu with -DBOOSTMPI_ATTENTION_WMMA), everything else the FMA kernels: boostmpi/gpu/tensor_cores.py
+ATTENTION_TENSOR_CORES_ENV = tensor_cores.ENV
 ATTENTION_TC_THREADS = 128
 ATTENTION_TC_BWD_KEY_TILE = 64
 
 
-def _cuda_mma_include():
-    """-I<dir> holding CUDA's crt/mma.h, which the mma.h on CuPy's NVRTC include path (the runtime
-    wheel's) includes: the nvcc wheel's include/, else $CUDA_PATH/include."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
-    candidates = [Path(p) / "include" for p in (spec.submodule_search_locations or [])] if spec else []
-    if os.environ.get("CUDA_PATH"):
-        candidates.append(Path(os.environ["CUDA_PATH"]) / "include")
-    for directory in candidates:
-        if (directory / "crt" / "mma.h").is_file():
-            return f"-I{directory}"
-    raise RuntimeError(f"{ATTENTION_TENSOR_CORES_ENV}=1 needs CUDA's crt/mma.h: install nvidia-cuda-nvcc-cu12 "
-                       "or set CUDA_PATH to a CUDA toolkit")
-
-
 def _attention_tensor_cores(suffix):
-    return (os.environ.get(ATTENTION_TENSOR_CORES_ENV) == "1" and suffix == "bf16"
-            and _current_device().warp_size == 32)
+    return tensor_cores.use_wmma(suffix, _current_device())
+
+
+def attention_tensor_cores_problem(suffix):
+    """What stops the attention on `suffix` from running as BOOSTMPI_ATTENTION_TENSOR_CORES asks on the
+    current device, or None (start-up asks before any weight is drawn)."""
+    return tensor_cores.problem(suffix, _current_device())
+
+
+def _attention_tc_kernel(entry):
+    return _kernel("attention", entry, ("-DBOOSTMPI_ATTENTION_WMMA", tensor_cores.mma_include()))
 
 
 def attention_forward(q, k, v):
@@ -498,8 +493,7 @@ def attention_forward(q, k, v):
     o = cupy.empty_like(q)
     lse = cupy.empty((B, H, T), dtype=np.float32)
     if B * T * H and _attention_tensor_cores(suffix):
-        kernel = _kernel("attention", "attention_forward_tc_bf16", ("-DBOOSTMPI_ATTENTION_WMMA", _cuda_mma_include()))
-        _launch(kernel, B * H * -(-T // ATTENTION_QUERY_TILE), ATTENTION_TC_THREADS,
+        _launch(_attention_tc_kernel("attention_forward_tc_bf16"), B * H * -(-T // ATTENTION_QUERY_TILE), ATTENTION_TC_THREADS,
                 (q, k, v, o, lse, *_attention_scalars(T, H, Hkv, Dh)))
     elif B * T * H:
         grid = B * H * -(-T // ATTENTION_QUERY_TILE)
@@ -524,10 +518,9 @@ def attention_backward(do, q, k, v, o, lse):
         delta = cupy.empty((B, H, T), dtype=np.float32)
         dq_args, dkdv_args = (q, k, v, o, do, lse, delta, dq, *scalars), (q, k, v, do, lse, delta, dk, dv, *scalars)
         if _attention_tensor_cores(suffix):
-            options = ("-DBOOSTMPI_ATTENTION_WMMA", _cuda_mma_include())
-            _launch(_kernel("attention", "attention_backward_dq_tc_bf16", options),
+            _launch(_attention_tc_kernel("attention_backward_dq_tc_bf16"),
                     B * H * -(-T // ATTENTION_DQ_QUERY_TILE), ATTENTION_TC_THREADS, dq_args)
-            _launch(_kernel("attention", "attention_backward_tc_bf16", options),
+            _launch(_attention_tc_kernel("attention_backward_tc_bf16"),
                     B * Hkv * -(-T // ATTENTION_TC_BWD_KEY_TILE), ATTENTION_TC_THREADS, dkdv_args)
         else:
             _launch(_kernel("attention", attention_entry("attention_backward_dq", Dh, suffix)),

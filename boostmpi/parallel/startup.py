@@ -475,6 +475,11 @@ def process_grid(cfg, world, local_rank=0):
         keep_host_memory()
     else:
         select_gpu(world, local_rank)  # and no two ranks of a node on one GPU
+        from boostmpi.gpu.kernels import attention_tensor_cores_problem
+        from boostmpi.parallel.comm import HostCollectives
+
+        problem = attention_tensor_cores_problem("bf16" if cfg.train.dtype == "bfloat16" else "f32")
+        HostCollectives(world).agree(("UserError", problem) if problem else None)
         sync = lambda: xp.cuda.get_current_stream().synchronize()  # noqa: E731
         use_nccl = resolve_comm(par.comm, world) == "nccl"
     configure_watchdog(par.watchdog_s)  # a collective waiting longer than this ends the job

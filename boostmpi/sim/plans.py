@@ -79,6 +79,31 @@ class Attention:
     Dh: int
     saved: int = 0
     bwd_kernels: int = 1  # the engine's backward: a dQ pass and a dK/dV pass (kernels/attention.cu)
+    kv_heads: int = 0  # B * local kv heads (0: as many as q heads)
+
+    def traffic(self, itemsize):
+        """(forward, backward) global bytes read + written, FlashAttention-2's (`flash2_traffic`)."""
+        t = flash2_traffic(self.heads, self.kv_heads or self.heads, self.T, self.Dh, itemsize)
+        return sum(t["forward"]), sum(t["backward"])
+
+
+def flash2_traffic(heads, kv_heads, T, Dh, itemsize, tile=64):
+    """{"forward", "backward"}: (read, written) global bytes of FlashAttention-2's kernels (Dao 2023)
+    for `heads` query heads (batch x heads) over `kv_heads` key/value heads, causal, Q/K/V/O/dO of
+    `itemsize` bytes. Forward, per 64-query tile: Q once, K and V up to its last query, O and the
+    float32 log-sum-exp written once. Backward, per 64-key tile: K and V once; Q, dO, the log-sum-exp,
+    delta and the float32 dQ (atomics: read and written) for every query the tile meets; before it
+    delta = rowsum(dO o O), after it dQ converted to `itemsize`."""
+    G = heads // kv_heads
+    tiles = [(t0, min(T, t0 + tile)) for t0 in range(0, T, tile)]
+    fwd_read = heads * sum((t1 - t0) * Dh * itemsize + 2 * t1 * Dh * itemsize for t0, t1 in tiles)
+    fwd_written = heads * T * (Dh * itemsize + 4)
+    bwd_read = kv_heads * sum(2 * (t1 - t0) * Dh * itemsize + G * (T - t0) * (2 * Dh * itemsize + 8 + 4 * Dh)
+                              for t0, t1 in tiles)
+    bwd_written = kv_heads * (T * 2 * Dh * itemsize + sum(G * (T - t0) * 4 * Dh for t0, _ in tiles))
+    bwd_read += heads * T * (2 * Dh * itemsize + 4 * Dh)
+    bwd_written += heads * T * (4 + Dh * itemsize)
+    return {"forward": (fwd_read, fwd_written), "backward": (bwd_read, bwd_written)}
 
 
 @dataclass
@@ -176,7 +201,7 @@ def attention_core(s, heads, kv_heads):
         # (kernels/attention.cu, layers.FusedAttentionCache); float32, counted at the compute dtype's size
         # backward: two kernels, dQ (with delta = rowsum(dO * O)) per query tile, then dK/dV per key tile
         return [Attention("attention", B * heads, T, Dh, saved=qkv + B * heads * T,
-                          bwd_kernels=2 if s.engine_kernels else 1)]
+                          bwd_kernels=2 if s.engine_kernels else 1, kv_heads=B * kv_heads)]
     group = heads // kv_heads
     scores = B * heads * T * T
     passes, per_row = s.softmax_passes, s.softmax_saved_per_row

@@ -78,7 +78,8 @@ def plan_launches_and_bytes(s, strategy, recompute, itemsize):
     """Kernels, GEMMs and non-GEMM bytes of one layer (forward, backward, recompute) as the analytical
     model counts them: a GEMM is one kernel forward (none inside a batched launch) and 1 + dw_split
     backward, an elementwise op and the
-    fused attention the kernels their plan states each way, a replayed op once more."""
+    fused attention the kernels their plan states each way, a replayed op once more; the fused
+    attention's bytes are FlashAttention-2's traffic for its shape (`plans.flash2_traffic`)."""
     ops = layer_plan(s, strategy)
     again = recompute_plan(ops, recompute) or []
     launches, gemms, moved = 0, 0, 0.0
@@ -90,8 +91,9 @@ def plan_launches_and_bytes(s, strategy, recompute, itemsize):
         elif isinstance(op, Pointwise):
             launches += op.bwd_kernels if backward else op.fwd_kernels
             moved += (op.bwd_passes if backward else op.fwd_passes) * op.elements * itemsize
-        elif isinstance(op, Attention):
+        elif isinstance(op, Attention):  # FlashAttention-2's traffic: what a fused kernel moves at best
             launches += op.bwd_kernels if backward else 1
+            moved += op.traffic(itemsize)[int(backward)]
         elif isinstance(op, Collective):
             continue
     return launches, gemms, moved
