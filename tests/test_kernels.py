@@ -385,13 +385,20 @@ def test_compile_all_compiles_every_kernel_file(monkeypatch):
     seen = []
     real = kernels._module.__wrapped__
 
-    def module(name, device_id):
-        seen.append((name, device_id))
-        return real(name, device_id)
+    def module(name, device_id, extra_options=()):
+        seen.append((name, device_id) + ((extra_options,) if extra_options else ()))
+        return real(name, device_id, extra_options)
 
     monkeypatch.setattr(kernels, "_module", functools.lru_cache(maxsize=None)(module))
     names = [p.stem for p in KERNEL_FILES]
     assert kernels.compile_all(0) == names and seen == [(n, 0) for n in names]
+    # where a bfloat16 run takes the tensor-core attention (the default on the stand-in's A100), that too
+    device = kernels._device_info(0)
+    if device.warp_size == 32 and device.nvidia_major >= 8:
+        monkeypatch.setenv(kernels.ATTENTION_TENSOR_CORES_ENV, "1")
+        seen.clear()
+        assert kernels.compile_all(0) == names + ["attention+wmma"]
+        assert seen[-1][0] == "attention" and "-DBOOSTMPI_ATTENTION_WMMA" in seen[-1][2]
     seen.clear()
     monkeypatch.setattr(kernels, "kernels_dir", lambda real_dir=kernels.kernels_dir(): _SkipLast(real_dir))
     assert kernels.compile_all(0) != names

@@ -102,11 +102,15 @@ def _module(name, device_id, extra_options=()):
 
 def compile_all(device_id=0):
     """Compiles every kernels/*.cu for device `device_id` as the wrappers load them (into CuPy's
-    kernel cache, CUPY_CACHE_DIR), so that ranks started afterwards load instead of compiling.
-    Returns the module names, in order."""
+    kernel cache, CUPY_CACHE_DIR), so that ranks started afterwards load instead of compiling, and the
+    attention's tensor-core variant where a bfloat16 run would use it. Returns the module names, in
+    order ("attention+wmma" last for that variant)."""
     names = [source.stem for source in sorted(kernels_dir().glob("*.cu"))]
     for name in names:
         _module(name, device_id).compile()
+    if tensor_cores.use_wmma("bf16", _device_info(device_id)):
+        _module("attention", device_id, _attention_wmma_options()).compile()
+        names.append("attention+wmma")
     return names
 
 
@@ -481,8 +485,12 @@ def attention_tensor_cores_problem(suffix):
     return tensor_cores.problem(suffix, _current_device())
 
 
+def _attention_wmma_options():  # the compile options of the tensor-core variant
+    return ("-DBOOSTMPI_ATTENTION_WMMA", tensor_cores.mma_include())
+
+
 def _attention_tc_kernel(entry):
-    return _kernel("attention", entry, ("-DBOOSTMPI_ATTENTION_WMMA", tensor_cores.mma_include()))
+    return _kernel("attention", entry, _attention_wmma_options())
 
 
 def attention_forward(q, k, v):
