@@ -466,10 +466,12 @@ MEASURED_RUNS = {
     # the model the old estimate put lowest against its peak: its weights dominate, and AdamW's
     # scratch and clipped gradient are as large as its moments
     "large d_model": (1, ["model.d_model=32768"], "optimizer_scratch"),
-    # the LM head's logits and their exponentials over a 32k vocabulary, besides the probabilities
-    "large vocabulary": (1, SMALL_HEADS + ["model.d_model=256", "model.vocab_size=32000", "model.seq_len=128",
-                                           "model.rank=64", "model.d_ff=768", "train.micro_batch_size=4"],
-                         "step_temporaries"),
+    # a wide layer's backward at an input projection: the residual's gradient, the RMSNorm backward's
+    # intermediates and the projected gradients (185 MB; the LM head has no transient of its own: it
+    # makes the probabilities in the logits' buffer)
+    "wide layer": (1, SMALL_HEADS + ["model.d_model=1024", "model.seq_len=512", "model.vocab_size=512",
+                                     "model.rank=64", "model.d_ff=2048", "train.micro_batch_size=8"],
+                   "step_temporaries"),
     # a long sequence with its forward run again: the probability tiles handed to the backward
     "long sequence, recompute = layer": (1, ["model.d_model=128", "model.seq_len=1024", "model.vocab_size=512",
                                              "model.rank=32", "model.d_ff=256", "train.recompute=layer"], None),

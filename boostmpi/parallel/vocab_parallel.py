@@ -62,24 +62,35 @@ def _logits(n, lm_head):
     return layers.matmul(n, lm_head, dtype=statistic_dtype(n.dtype))
 
 
-def cross_entropy_forward(logits, targets, v0, tp, normalise=True):
+def cross_entropy_forward(logits, targets, v0, tp, normalise=True, overwrite=False):
     """logits [N, V/p] (this rank's vocabulary columns [v0, v0 + V/p)), targets [N] -> (loss per row
     [N], probs [N, V/p], row max [N], sum of exponentials [N], local [N], tidx [N]): probs is
-    exp(logits - row max), divided by the sum over the whole vocabulary when `normalise`.
-    With a group of one it is the plain cross-entropy, the softmax_xent kernel's specification."""
+    exp(logits - row max), divided by the sum over the whole vocabulary when `normalise`; with
+    `overwrite` it is computed in the logits' own buffer (no [N, V/p] temporary: the head's logits
+    are the largest arrays of a step). With a group of one it is the plain cross-entropy, the
+    softmax_xent kernel's specification."""
     xp = get_array_module(logits)
     mx = reduce_from_tp_region(logits.max(axis=-1), tp, op="max")
-    probs = xp.exp(logits - mx[:, None])
     local = (targets >= v0) & (targets < v0 + logits.shape[1])
     tidx = xp.where(local, targets - v0, 0)
     rows = xp.arange(len(targets))
-    stats = xp.stack([probs.sum(axis=-1), xp.where(local, logits[rows, tidx], 0)], axis=1)
+    target_logit = xp.where(local, logits[rows, tidx], 0)  # read before the buffer may be overwritten
+    probs = _exp_shifted(logits, mx, out=logits if overwrite else None)
+    stats = xp.stack([probs.sum(axis=-1), target_logit], axis=1)
     reduce_from_tp_region(stats, tp)
     sumexp, target_logit = stats[:, 0], stats[:, 1]
     losses = xp.log(sumexp) + mx - target_logit
     if normalise:
         probs /= sumexp[:, None]
     return losses, probs, mx, sumexp, local, tidx
+
+
+def _exp_shifted(logits, row_max, out=None):
+    """exp(logits - row_max[:, None]), element for element the same values whether into `out` (which
+    may be `logits` itself) or into a new array."""
+    xp = get_array_module(logits)
+    shifted = xp.subtract(logits, row_max[:, None], out=out)
+    return xp.exp(shifted, out=shifted)
 
 
 def cross_entropy_backward(probs, local, tidx, scale):
@@ -119,7 +130,8 @@ def head_forward(h, targets, norm_w, lm_head, eps, v0, tp, lean=False):
         losses, _ = k.softmax_xent(logits, targets)
         keep = {} if lean else dict(n=n, logits=logits)
         return mean_loss(losses), HeadCache(h, rstd, None, targets, **keep)
-    losses, probs, mx, sumexp, local, tidx = cross_entropy_forward(logits, targets, v0, tp, normalise=not lean)
+    losses, probs, mx, sumexp, local, tidx = cross_entropy_forward(logits, targets, v0, tp, normalise=not lean,
+                                                                   overwrite=True)
     if lean:
         return mean_loss(losses), HeadCache(h, rstd, local, tidx, row_max=mx, sumexp=sumexp)
     return mean_loss(losses), HeadCache(h, rstd, local, tidx, n=n, probs=probs)
@@ -128,7 +140,6 @@ def head_forward(h, targets, norm_w, lm_head, eps, v0, tp, lean=False):
 def head_backward(cache, scale, norm_w, lm_head, dnorm_w, dlm_head, tp):
     """d(loss)/d(h) for loss = scale * sum of per-token cross-entropy; accumulates into dnorm_w, dlm_head."""
     h, rstd, n = cache.h, cache.rstd, cache.n
-    xp = get_array_module(h)
     if n is None:  # lean cache: the same operations as the forward, from its saved statistics
         n = (h * rstd * norm_w).astype(h.dtype, copy=False)  # as the forward's norm stores it
     if cache.local is None:  # the fused kernel's cache: the gradient overwrites the logits
@@ -137,7 +148,8 @@ def head_backward(cache, scale, norm_w, lm_head, dnorm_w, dlm_head, tp):
     else:
         probs = cache.probs
         if probs is None:
-            probs = xp.exp(_logits(n, lm_head) - cache.row_max[:, None])
+            logits = _logits(n, lm_head)
+            probs = _exp_shifted(logits, cache.row_max, out=logits)
             probs /= cache.sumexp[:, None]
         dlogits = cross_entropy_backward(probs, cache.local, cache.tidx, scale)
     dlogits = dlogits.astype(n.dtype, copy=False)  # both GEMMs in the compute dtype (tensor cores for bf16)

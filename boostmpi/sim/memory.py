@@ -10,8 +10,8 @@ out-of-memory killer. Every term below is read off the engine's own code and sha
   (boostmpi/train/optim.py), each as large as the moments' slice, allocated once on the device
   the optimizer runs on.
 * `step_temporaries` (CPU path): the largest transient of a micro-batch beyond its saved
-  activations: the LM head's logits and their exponentials over the local vocabulary, in the
-  softmax dtype, while the probabilities are being made; or a layer's backward at an input
+  activations (the LM head makes its probabilities in the logits' own buffer, which the activations
+  count, so it has none of the vocabulary's width): a layer's backward at an input
   projection: seven arrays of the residual's width (the residual's gradient, the RMSNorm
   backward's intermediates, the result and the sum) and the gradients projected (dq, dk, dv and
   the attention's score tiles, or those of the gate and up outputs); with recompute, the
@@ -72,13 +72,14 @@ def step_temporaries(cfg):
     width = max(residual)
     incoming = max(qkv * e + 3 * tile, 2 * N * max(widths) * e)
     layer = N * width * (3 * e + 4 * es) + incoming
-    V_local = -(-s.V // s.p)
-    head = 2 * N * V_local * es  # logits and logits - max, besides the probabilities (saved)
+    # the head's logits are made into the probabilities in their own buffer (vocab_parallel.head_forward),
+    # which the activations count (the saved probabilities; under lowrank the lean head makes them again
+    # in the backward, one at a time): no transient of the vocabulary's width besides
     kept_tiles = 0
     if cfg.train.recompute != "none":  # a forward run again hands its probability tiles to the backward
         kept = probability_tile_bytes(s.B, heads, s.T, cfg.train.dtype)
         kept_tiles = kept if kept <= ATTENTION_KEEP_BYTES else 0
-    return max(layer + kept_tiles, head)
+    return layer + kept_tiles
 
 
 def checkpoint_buffers(cfg):
