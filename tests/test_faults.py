@@ -809,6 +809,40 @@ def test_the_watchdog_aborts_a_stuck_nccl_group():
     assert seconds < 20
 
 
+DEVICE_READ_SCRIPT = textwrap.dedent('''
+    """The step's device read waits for device work that never finishes (an NCCL collective a peer
+    never joined, as on a real GPU, where the NCCL call itself returned at once)."""
+    import sys
+    import time
+
+    from boostmpi.parallel.comm import WATCHDOG, configure_watchdog
+    from boostmpi.parallel.engine import read_to_host
+
+    class Stuck:  # the stack of the loss and the squared norm, whose copy to the host never completes
+        def get(self):
+            time.sleep(60)
+
+    class Device:
+        def stack(self, values):
+            return Stuck()
+
+    WATCHDOG.on_fire(lambda: print("aborted the stuck communicator", flush=True) or 1)
+    configure_watchdog(float(sys.argv[1]))
+    read_to_host(Device(), [object(), 2.0])
+''')
+
+
+def test_the_watchdog_ends_a_step_stuck_at_its_device_read():
+    """On a GPU the step's one synchronisation is where a stuck NCCL collective shows: it is watched,
+    and the watchdog aborts the registered communicators and ends the job within the limit."""
+    status, out, seconds = _run(["timeout", "60", PY, "-c", DEVICE_READ_SCRIPT, "1.0"])
+    assert status != 0 and status != 124, out
+    assert "watchdog: rank 0: the step's device read (every queued kernel and collective) on the device axis " \
+           "has waited" in out, out
+    assert "aborted the stuck communicator" in out, out
+    assert seconds < 20, out
+
+
 WATCHDOG_S = 3
 
 

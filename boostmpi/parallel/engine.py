@@ -17,7 +17,7 @@ from boostmpi.model.params import (FlatBuffer, block_pieces, chunk_layers, init_
                                    split_range, stage_layers)
 from boostmpi.model.recompute import POLICIES, Saved, Tape
 from boostmpi.model.transformer import Block, BlockCache
-from boostmpi.parallel.comm import HostCollectives
+from boostmpi.parallel.comm import WATCHDOG, HostCollectives
 from boostmpi.parallel.data_parallel import DataParallel
 from boostmpi.parallel.grid import ProcessGrid
 from boostmpi.parallel.pipeline import FORWARD, message_tag, steps_with_messages
@@ -50,11 +50,15 @@ def _nbytes(obj, seen):
 
 def read_to_host(xp, values):
     """`values` (floats, or on a GPU 0-d float64 device arrays) as floats: the device ones copied to
-    the host together, in one synchronisation."""
+    the host together, in one synchronisation. It waits for every kernel and NCCL collective queued
+    before it, so it is watched like a blocking collective: a peer that never joins an NCCL call
+    leaves the device waiting, and the watchdog then aborts the communicators and the job."""
     on_device = [i for i, v in enumerate(values) if not isinstance(v, (float, int))]
     if not on_device:
         return [float(v) for v in values]
-    got = iter(xp.stack([values[i] for i in on_device]).get().tolist())
+    stacked = xp.stack([values[i] for i in on_device])
+    got = iter(WATCHDOG.call("device", "the step's device read (every queued kernel and collective)",
+                             stacked.get).tolist())
     return [next(got) if i in on_device else float(v) for i, v in enumerate(values)]
 
 
