@@ -403,3 +403,33 @@ def test_tp2_bf16_steps_on_the_tensor_cores_equal_one_rank(tmp_path):
             grads = {k[len(prefix) + 5:]: v for k, v in results.items() if k.startswith(prefix + "grad/")}
             assert grads, sorted(results)[:5]
             assert_step_close((float(results[prefix + "loss"]), grads), step(arch, "gpu", "bfloat16"), "bfloat16", prefix)
+
+
+def test_the_header_is_found_without_any_nvidia_wheel(monkeypatch, tmp_path):
+    """A centre's venv has no nvidia.* package at all (CUDA comes from its module): the search goes
+    on to $CUDA_PATH, $CUDA_HOME and the nvcc on PATH instead of failing on the missing package."""
+    import importlib.util
+
+    from boostmpi.gpu import tensor_cores
+
+    real = importlib.util.find_spec
+
+    def no_nvidia(name, *args):
+        if name.startswith("nvidia"):
+            raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
+        return real(name, *args)
+
+    toolkit = tmp_path / "cuda"
+    (toolkit / "include" / "crt").mkdir(parents=True)
+    (toolkit / "include" / "crt" / "mma.h").write_text("")
+    monkeypatch.setattr(tensor_cores.importlib.util, "find_spec", no_nvidia)
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    for variable in ("CUDA_PATH", "CUDA_HOME"):
+        monkeypatch.delenv("CUDA_PATH", raising=False)
+        monkeypatch.delenv("CUDA_HOME", raising=False)
+        tensor_cores.mma_include.cache_clear()
+        assert tensor_cores.mma_include() is None
+        monkeypatch.setenv(variable, str(toolkit))
+        tensor_cores.mma_include.cache_clear()
+        assert tensor_cores.mma_include() == f"-I{toolkit / 'include'}"
+    tensor_cores.mma_include.cache_clear()

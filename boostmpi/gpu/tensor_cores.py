@@ -24,7 +24,10 @@ def mma_include():
     """-I<dir> holding CUDA's crt/mma.h, which the mma.h on CuPy's NVRTC include path (the runtime
     wheel's) includes: the nvcc wheel's include/, else $CUDA_PATH, $CUDA_HOME or the toolkit of the
     nvcc on PATH (what a centre's CUDA module sets); None if none has it."""
-    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    try:
+        spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    except ModuleNotFoundError:  # no nvidia.* wheel at all (a centre's venv: CUDA from its module)
+        spec = None
     candidates = [Path(p) / "include" for p in (spec.submodule_search_locations or [])] if spec else []
     candidates += [Path(os.environ[v]) / "include" for v in ("CUDA_PATH", "CUDA_HOME") if os.environ.get(v)]
     if shutil.which("nvcc"):
