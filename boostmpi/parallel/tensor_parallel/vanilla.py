@@ -7,6 +7,8 @@ The residual, the norms and the attention are replicated; embedding and head are
 
 from typing import NamedTuple
 
+import numpy as np
+
 from boostmpi.backend import get_array_module
 from boostmpi.model import layers
 from boostmpi.model.layers import col_slices, matmul
@@ -57,12 +59,18 @@ class VanillaLowRankTP(ReplicatedResidual):
                 matmul(x, P[n], out=Z[:, s])
             Z = tape.keep((Z,))[0]
         Zs, sig = activate(Z, self.act, tape)
-        ys = [matmul(Zs[:, s], P[f"{nm}/B"]) for s, nm in zip(sl, names)]
-        if self.grouped and len(ys) > 1 and self.p > 1:  # one all-reduce for the whole group
-            widths = [y.shape[1] for y in ys]
-            buf = reduce_from_tp_region(xp.concatenate(ys, axis=1), self.tp)
-            ys = [buf[:, s] for s in col_slices(widths)]
+        if self.grouped and len(names) > 1 and self.p > 1:  # one all-reduce for the whole group
+            cols = col_slices([P[f"{nm}/B"].shape[1] for nm in names])
+            if xp is np:  # the products side by side, then one buffer
+                buf = xp.concatenate([matmul(Zs[:, s], P[f"{nm}/B"]) for s, nm in zip(sl, names)], axis=1)
+            else:  # on a GPU each GEMM writes its column block of the buffer: no copy
+                buf = xp.empty((Zs.shape[0], cols[-1].stop), dtype=Zs.dtype)
+                for s, c, nm in zip(sl, cols, names):
+                    matmul(Zs[:, s], P[f"{nm}/B"], out=buf[:, c])
+            buf = reduce_from_tp_region(buf, self.tp)
+            ys = [buf[:, c] for c in cols]
         else:
+            ys = [matmul(Zs[:, s], P[f"{nm}/B"]) for s, nm in zip(sl, names)]
             ys = [reduce_from_tp_region(y, self.tp) for y in ys]
         return ys, FactorCache(x, Z, Zs, names, sl, sig)
 
