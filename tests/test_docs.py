@@ -6,8 +6,10 @@ to issue numbers or outside the repository. Each check reads the doc's own table
 code holds or does, so it finds the code by behaviour (its schema, a checkpoint it writes, the calls it
 makes), not by file; and each has a mutation test that proves it fails when either side changes."""
 
+import functools
 import io
 import json
+import os
 import re
 import shlex
 import shutil
@@ -658,16 +660,31 @@ def test_sweep_example_check_fails_on_a_mutant(capsys):
 
 # ------------------------------------------------------------------ 4. no issue numbers, nothing outside
 # What counts as a citation of the tracker or a pointer out of the repository: the word for a
-# tracker entry with a number (also "#" and a number alone), or the path of the documents kept
-# beside the repository. The patterns are assembled from parts so that this file cites nothing.
-_ENTRY, _OUTSIDE = "iss" + "ue", "sha" + "red"
+# tracker entry with a number (also "#" and a number alone); a relative path that climbs above the
+# repository's root from the file it is in; a document name in capitals (NAME.md) that no file of
+# the repository has, which can only be a document kept elsewhere. The tracker's word is assembled
+# from parts so that this file cites nothing.
+_ENTRY = "iss" + "ue"
 ISSUE_CITATION = re.compile(rf"\b{_ENTRY}\s*#?\s*\d+|\b{_ENTRY}s\s*#\d+|\b{_ENTRY}s\s+\d+(?:\s*(?:,|and)\s*#?\d+)+"
-                            rf"|(?<![\w&/])#\d+\b|(?:\.\./|/work/){_OUTSIDE}\b|\b{_OUTSIDE}/(?:CONTRACT|STYLE)", re.I)
+                            r"|(?<![\w&/])#\d+\b", re.I)
+CLIMB = re.compile(r"(?<![\w.])((?:\.\./)+)")
+CAPITAL_DOC = re.compile(r"\b[A-Z][A-Z0-9_]+\.md\b")
 
 
-def citations(text, markdown):
-    """Issue numbers and pointers outside the repository in a text; a markdown file's fenced blocks
-    (program output, where `#2` is a rank) are read for issue words and paths only."""
+@functools.lru_cache(maxsize=None)
+def repository_names():
+    """The names of the repository's files (hidden folders, virtual environments and caches aside)."""
+    names = set()
+    for folder, subfolders, files in os.walk(REPO):
+        subfolders[:] = [d for d in subfolders if not d.startswith((".", "__")) and d != "build"]
+        names.update(files)
+    return frozenset(names)
+
+
+def citations(text, markdown, depth=1):
+    """Issue numbers and pointers outside the repository in a text of a file `depth` folders below the
+    repository's root; a markdown file's fenced blocks (program output, where a hash and a number
+    name a rank) are read for issue words and paths only."""
     found = []
     in_fence = False
     for number, line in enumerate(text.splitlines(), 1):
@@ -678,6 +695,8 @@ def citations(text, markdown):
             if in_fence and m.group().startswith("#"):
                 continue
             found.append(f"{number}: {m.group()}")
+        found += [f"{number}: {m.group()}" for m in CLIMB.finditer(line) if m.group(1).count("../") > depth]
+        found += [f"{number}: {m.group()}" for m in CAPITAL_DOC.finditer(line) if m.group() not in repository_names()]
     return found
 
 
@@ -688,18 +707,19 @@ def cited_files():
 
 def test_no_doc_or_bench_file_cites_an_issue_or_points_outside_the_repository():
     hits = {str(path.relative_to(REPO)): found for path in cited_files()
-            if (found := citations(path.read_text(encoding="utf-8"), path.suffix == ".md"))}
+            if (found := citations(path.read_text(encoding="utf-8"), path.suffix == ".md",
+                                   depth=len(path.relative_to(REPO).parts) - 1))}
     assert not hits, hits
 
 
-# mutants: a tracker entry cited by word, by "#", two at once, and the documents beside the repository
-@pytest.mark.parametrize("text", [f"as {_ENTRY} 24 asks", f"({_ENTRY} " + "#3)", "fixed in #" + "24.",
-                                  f"see ../{_OUTSIDE}/" + "CONTRACT.md", f"{_ENTRY.title()}s 7 and 8",
-                                  f"STYLE: {_OUTSIDE}/" + "STYLE.md"])
+# mutants: a tracker entry cited by word, by "#", two at once, a path above the root, a document kept elsewhere
+@pytest.mark.parametrize("text", [f"as {_ENTRY} 24 asks", f"({_ENTRY} " + "#" + "3)", "fixed in #" + "24.",
+                                  "see ../../notes/plan.md", f"{_ENTRY.title()}s 7 and 8", "as PLANNING.md says"])
 def test_citation_check_fails_on_a_mutant(text):
     assert citations(f"Some prose.\n{text}\n", markdown=True)
 
 
 def test_citation_check_passes_what_is_not_a_citation():
-    assert citations("step 24, a 2-issue queue, `&#24;`, x/#3, the engine issues 2 calls\n```\nmargin over #2\n```\n",
-                     markdown=True) == []
+    h = "#"  # a hash before a number that is no tracker entry: an HTML entity, a path, a rank in program output
+    assert citations(f"step 24, a 2-issue queue, `&{h}24;`, x/{h}3, the engine issues 2 calls, ../README.md, "
+                     f"DESIGN.md\n```\nmargin over {h}2\n```\n", markdown=True) == []
