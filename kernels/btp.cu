@@ -95,23 +95,14 @@ struct FloatColumns<true> {
 };
 
 // dxw [N,Cs] (fp32), x [N,Cs], w [Cs], dS [N] (fp32) -> dx [N,Cs], dw_partial [n_chunks, Cs] (fp32,
-// summed over chunks by the caller). The column tiles of rmsnorm_backward (rmsnorm.cu): block b
-// owns column tile b % n_tiles (VecWidth<T> columns per thread) of the rows of chunk b / n_tiles;
-// a thread keeps w and its columns' running dw in registers while it walks the chunk's rows and
-// writes its dw once, to the chunk's row of dw_partial. No shared memory: any Cs fits.
+// summed over chunks by the caller). The column tiles of column_tile_walk (common.cuh), as
+// rmsnorm_backward: no shared memory, so any Cs fits.
 template <typename T, bool VECTORISED>
 __device__ void btp_backward_post_tile(const float* dxw, const T* x, const T* w, const float* dS, T* dx,
                                        float* dw_partial, int N, int Cs, int rows_per_chunk) {
-    const int V = VecWidth<T>::value;
-    const ColumnTile tile = column_tile<V>(N, Cs, rows_per_chunk);
-    if (tile.j >= Cs) return;  // no barrier or shuffle follows: threads past the row's end may leave
-    const int j = tile.j, width = tile.width;
-    float wv[V], dw[V];
-    Columns<VECTORISED>::template load<V>(w + j, wv, width);
-#pragma unroll
-    for (int k = 0; k < V; ++k) dw[k] = 0.0f;
-    for (long long row = tile.row_begin; row < tile.row_end; ++row) {
-        const long long offset = row * Cs + j;
+    column_tile_walk<T, VECTORISED>(w, dw_partial, N, Cs, rows_per_chunk,
+                                    [=](long long offset, long long row, int width, const float* wv, float* dw) {
+        constexpr int V = VecWidth<T>::value;
         const float s2 = 2.0f * dS[row];
         float gv[V], xv[V], dxv[V];
         FloatColumns<VECTORISED>::template load<V>(dxw + offset, gv, width);
@@ -122,8 +113,7 @@ __device__ void btp_backward_post_tile(const float* dxw, const T* x, const T* w,
             dw[k] += gv[k] * xv[k];
         }
         Columns<VECTORISED>::template store<V>(dx + offset, dxv, width);
-    }
-    Columns<false>::template store<V>(dw_partial + static_cast<long long>(tile.chunk) * Cs + j, dw, width);
+    });
 }
 
 template <typename T>

@@ -152,6 +152,25 @@ __device__ __forceinline__ ColumnTile column_tile(int N, int C, int rows_per_chu
     return t;
 }
 
+// The walk of such a kernel that also sums a weight's gradient: the thread keeps w's columns (wv)
+// and its running dw in registers, calls row(offset, row, width, wv, dw) for each row of its chunk
+// (offset = row * C + j, the row's first column of this thread), and writes its dw once, to the
+// chunk's row of dw_partial [n_chunks, C] (fp32, summed over chunks by the caller): no shared memory,
+// no atomics, every dw_partial element written by exactly one thread.
+template <typename T, bool VECTORISED, typename Row>
+__device__ __forceinline__ void column_tile_walk(const T* w, float* dw_partial, int N, int C, int rows_per_chunk,
+                                                 Row row) {
+    const int V = VecWidth<T>::value;
+    const ColumnTile tile = column_tile<V>(N, C, rows_per_chunk);
+    if (tile.j >= C) return;  // no barrier or shuffle follows: threads past the row's end may leave
+    float wv[V], dw[V];
+    Columns<VECTORISED>::template load<V>(w + tile.j, wv, tile.width);
+#pragma unroll
+    for (int k = 0; k < V; ++k) dw[k] = 0.0f;
+    for (long long r = tile.row_begin; r < tile.row_end; ++r) row(r * C + tile.j, r, tile.width, wv, dw);
+    Columns<false>::template store<V>(dw_partial + static_cast<long long>(tile.chunk) * C + tile.j, dw, tile.width);
+}
+
 // ---------------------------------------------------------------------------------------
 // Reductions. HIP has no *_sync shuffles before ROCm 6.2 (and then with a 64-bit mask),
 // so the one shuffle we use is chosen here.

@@ -94,24 +94,15 @@ __device__ void rmsnorm_projection(const T* dy, const T* x, const T* w, const fl
 // Backward, second kernel: dy, x [N,C], w [C], rstd, proj [N] -> dx [N,C], dw_partial [n_chunks, C].
 //   dx = rstd * (dy * w - x * proj)                          (per element)
 //   dw = sum over rows of dy * x * rstd                      (dw_partial summed by the caller)
-// Block b owns column tile b % n_tiles (VecWidth<T> columns per thread) of the rows of chunk
-// b / n_tiles (rows_per_chunk rows, the last chunk fewer). A thread keeps w and its running dw in
-// registers while it walks its rows, and writes its dw once, to the chunk's row of dw_partial:
-// no shared memory, no atomics, every dw_partial element written by exactly one thread.
-// (Columns<VECTORISED>, common.cuh, loads and stores a thread's columns.)
+// The column tiles of column_tile_walk (common.cuh): block b owns column tile b % n_tiles
+// (VecWidth<T> columns per thread) of the rows of chunk b / n_tiles (rows_per_chunk rows, the last
+// chunk fewer); each thread keeps w and its running dw in registers and writes its dw once.
 template <typename T, bool VECTORISED>
 __device__ void rmsnorm_backward_tile(const T* dy, const T* x, const T* w, const float* rstd, const float* proj,
                                       T* dx, float* dw_partial, int N, int C, int rows_per_chunk) {
-    const int V = VecWidth<T>::value;
-    const ColumnTile tile = column_tile<V>(N, C, rows_per_chunk);
-    if (tile.j >= C) return;  // no barrier or shuffle follows: threads past the row's end may leave
-    const int j = tile.j, width = tile.width;
-    float wv[V], dw[V];
-    Columns<VECTORISED>::template load<V>(w + j, wv, width);
-#pragma unroll
-    for (int k = 0; k < V; ++k) dw[k] = 0.0f;
-    for (long long row = tile.row_begin; row < tile.row_end; ++row) {
-        const long long offset = row * C + j;
+    column_tile_walk<T, VECTORISED>(w, dw_partial, N, C, rows_per_chunk,
+                                    [=](long long offset, long long row, int width, const float* wv, float* dw) {
+        constexpr int V = VecWidth<T>::value;
         const float r = rstd[row], p = proj[row];
         float dyv[V], xv[V], dxv[V];
         Columns<VECTORISED>::template load<V>(dy + offset, dyv, width);
@@ -122,9 +113,7 @@ __device__ void rmsnorm_backward_tile(const T* dy, const T* x, const T* w, const
             dw[k] += dyv[k] * xv[k] * r;
         }
         Columns<VECTORISED>::template store<V>(dx + offset, dxv, width);
-    }
-    float* chunk_dw = dw_partial + static_cast<long long>(tile.chunk) * C + j;
-    Columns<false>::template store<V>(chunk_dw, dw, width);
+    });
 }
 
 template <typename T>
