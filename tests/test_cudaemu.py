@@ -423,7 +423,7 @@ def _backward_args(N, C, chunks, seed):
 
 
 def test_blocks_writing_one_partial_row_is_a_global_race():
-    code = mutated("rmsnorm", "dw_partial + static_cast<long long>(tile.chunk) * C + j;", "dw_partial + j;")
+    code = mutated("rmsnorm", "dw_partial + static_cast<long long>(tile.chunk) * C + tile.j,", "dw_partial + tile.j,")
     args = _backward_args(4, 64, 2, 24)
     kernel("rmsnorm", "rmsnorm_backward_f32")(2, 32, args)
     with pytest.raises(cudaemu.RaceError, match="in another block"):

@@ -509,7 +509,8 @@ def test_an_int_element_index_is_an_integer_overflow(pool, small):
 
 def test_an_int_dw_partial_offset_is_an_integer_overflow(pool, small):
     """rmsnorm_backward's offset of its chunk's dw partial row as int x int: 16,384 x 262,144."""
-    code = mutated("rmsnorm", "dw_partial + static_cast<long long>(tile.chunk) * C + j;", "dw_partial + tile.chunk * C + j;")
+    code = mutated("rmsnorm", "dw_partial + static_cast<long long>(tile.chunk) * C + tile.j,",
+                   "dw_partial + tile.chunk * C + tile.j,")
     with pytest.raises(cudaemu.IntegerOverflowError, match=r"16384 \* 262144 does not fit 'int'.*dw_partial \+ tile.chunk \* C"):
         run_rmsnorm(pool, small, "f32", code)
 
