@@ -285,10 +285,14 @@ def run_steps(rec, cfg, world=None, steps=1, max_norm=1.0):
     from boostmpi.train.optim import AdamW
     from boostmpi.train.trainer import optimizer_step
 
-    pool = cupy.get_default_memory_pool()
-    gc.collect()  # what an earlier run left (engines hold reference cycles) goes back to the pool first
-    pool.free_all_blocks()
-    pool.standin_reset_peaks()
+    from boostmpi.gpu.pools import kept_pool
+
+    pools = (cupy.get_default_memory_pool(), kept_pool())
+    gc.collect()  # what an earlier run left (engines hold reference cycles) goes back to the pools first
+    for pool in pools:
+        pool.free_all_blocks()
+    device = cupy._memory  # the stand-in's marks over every pool at each moment (the device's view)
+    device.standin_reset_device_peaks()
     eng = Engine(cfg, world, local_rank=0 if world is None else world.Get_rank())
     if world is not None and world.Get_size() > 1 and not eng.grid.use_nccl:
         raise RuntimeError("a multi-rank GPU run did not choose NCCL")
@@ -305,23 +309,23 @@ def run_steps(rec, cfg, world=None, steps=1, max_norm=1.0):
             last = step == steps - 1
             if last:
                 eng.grid.counter.reset()
-                for key, value in pool.standin_peaks().items():
+                for key, value in device.standin_device_peaks().items():
                     if key in peak:
                         peak[key] = max(peak[key], value)
-                pool.standin_reset_peaks()
+                device.standin_reset_device_peaks()
                 syncs = _queue.host_syncs
                 rec.ops, rec.on = [], True
                 nvtx.events = []
             try:
                 eng.forward_backward(batch)
                 if last:
-                    largest = pool.standin_peaks()["largest"]
+                    largest = device.standin_device_peaks()["largest"]
                 optimizer_step(eng, opt, 1e-4, max_norm)
             finally:
                 rec.on = False
     syncs = _queue.host_syncs - syncs
     ranges, nvtx.events = nvtx.events, None
-    for key, value in pool.standin_peaks().items():
+    for key, value in device.standin_device_peaks().items():
         if key in peak:
             peak[key] = max(peak[key], value)
     counter = eng.grid.counter

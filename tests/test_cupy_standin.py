@@ -80,6 +80,27 @@ def test_empty_memory_is_not_zeroed(cupy):
     assert np.isnan(cupy.empty(4, dtype=np.float32).get()).all()
 
 
+def test_using_allocator_makes_arrays_from_the_given_pool(cupy):
+    """cupy/cuda/__init__.py:162 (v14.2.0): inside `using_allocator(pool.malloc)` every new array's
+    memory comes from that pool (memory.pyx:892 `alloc`, the thread-local allocator first); the
+    previous allocator is back after the block, also when it raises."""
+    default, other = cupy.get_default_memory_pool(), cupy.cuda.MemoryPool()
+    used = default.used_bytes()
+    with cupy.cuda.using_allocator(other.malloc):
+        a = cupy.empty(100, dtype=np.float32)
+        b = a + 1  # an operation's result too
+    assert other.used_bytes() == 1024 and default.used_bytes() == used
+    c = cupy.empty(100, dtype=np.float32)
+    assert other.used_bytes() == 1024 and default.used_bytes() == used + 512
+    with pytest.raises(RuntimeError), cupy.cuda.using_allocator(other.malloc):
+        raise RuntimeError
+    d = cupy.empty(100, dtype=np.float32)
+    assert other.used_bytes() == 1024 and default.used_bytes() == used + 1024
+    del a, b
+    assert other.used_bytes() == 0 and other.total_bytes() == 1024  # freed into its own pool
+    del c, d
+
+
 def test_memory_pool_statistics(cupy):
     pool = cupy.get_default_memory_pool()
     used, total = pool.used_bytes(), pool.total_bytes()

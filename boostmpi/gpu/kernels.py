@@ -202,6 +202,10 @@ def rmsnorm_backward(dy, x, w, rstd):
     return dx, dw_partial.sum(axis=0)
 
 
+def _empty(cupy):
+    """alloc(shape, dtype) -> a new array: what a kernel's output is made with when no `alloc` is given."""
+    return lambda shape, dtype: cupy.empty(shape, dtype=dtype)
+
 
 def rmsnorm_online_stats(x, w):
     """This rank's shard x [N,Cs], w [Cs] -> xw [N,Cs] = x * w (x's dtype), ss [N] = sum(x^2) (float32)."""
@@ -227,12 +231,13 @@ def residual_online_stats(h, y, w):
     return s, xw, ss
 
 
-def rescale_rows(P, ss_total, C_total, eps):
-    """P [N,R], ss_total [N] float32 -> P * rsqrt(ss_total / C_total + eps) [N,R] (P's dtype)."""
+def rescale_rows(P, ss_total, C_total, eps, alloc=None):
+    """P [N,R], ss_total [N] float32 -> P * rsqrt(ss_total / C_total + eps) [N,R] (P's dtype), made
+    by `alloc(shape, dtype)` when given."""
     N, R, suffix = _check_matrix("P", P)
     _check("ss_total", ss_total, (N,), np.float32)
     cupy = _import_cupy()
-    out = cupy.empty_like(P)
+    out = (alloc or _empty(cupy))(P.shape, P.dtype)
     _launch_rows("rmsnorm", f"rescale_rows_{suffix}", N, R, P.itemsize,
                  (P, ss_total, out, np.int32(R), np.int32(C_total), np.float32(eps)))
     return out
@@ -241,14 +246,16 @@ def rescale_rows(P, ss_total, C_total, eps):
 # ------------------------------------------------------------------------------ btp.cu
 
 
-def btp_rescale_silu(P, ss_total, C_total, eps):
+def btp_rescale_silu(P, ss_total, C_total, eps, alloc=None):
     """P [N,R], ss_total [N] float32 -> Z = P * rstd, Zs = silu(Z) [N,R] (P's dtype) and
-    rstd = rsqrt(ss_total / C_total + eps) [N] (float32), from one kernel."""
+    rstd = rsqrt(ss_total / C_total + eps) [N] (float32), from one kernel; Z and rstd made by
+    `alloc(shape, dtype)` when given (what lowrank keeps)."""
     N, R, suffix = _check_matrix("P", P)
     _check("ss_total", ss_total, (N,), np.float32)
     cupy = _import_cupy()
-    Z, Zs = cupy.empty_like(P), cupy.empty_like(P)
-    rstd = cupy.empty(N, dtype=np.float32)
+    keep = alloc or _empty(cupy)
+    Z, Zs = keep(P.shape, P.dtype), cupy.empty_like(P)
+    rstd = keep((N,), np.float32)
     _launch_rows("btp", f"btp_rescale_silu_{suffix}", N, R, P.itemsize,
                  (P, ss_total, Z, Zs, rstd, np.int32(R), np.int32(C_total), np.float32(eps)))
     return Z, Zs, rstd
@@ -493,13 +500,14 @@ def _attention_tc_kernel(entry):
     return _kernel("attention", entry, _attention_wmma_options())
 
 
-def attention_forward(q, k, v):
+def attention_forward(q, k, v, alloc=None):
     """Causal attention: q [B,T,H,Dh], k, v [B,T,Hkv,Dh] -> o [B,T,H,Dh] (q's dtype), lse [B,H,T]
-    (float32, the log-sum-exp of each row's scaled scores, what the backward recomputes from)."""
+    (float32, the log-sum-exp of each row's scaled scores, what the backward recomputes from; made by
+    `alloc(shape, dtype)` when given)."""
     B, T, H, Hkv, Dh, suffix = _check_attention(q, k, v)
     cupy = _import_cupy()
     o = cupy.empty_like(q)
-    lse = cupy.empty((B, H, T), dtype=np.float32)
+    lse = (alloc or _empty(cupy))((B, H, T), np.float32)
     if B * T * H and _attention_tensor_cores(suffix):
         _launch(_attention_tc_kernel("attention_forward_tc_bf16"), B * H * -(-T // ATTENTION_QUERY_TILE), ATTENTION_TC_THREADS,
                 (q, k, v, o, lse, *_attention_scalars(T, H, Hkv, Dh)))

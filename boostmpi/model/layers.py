@@ -141,21 +141,23 @@ def online_rstd(ss_total, C, eps):
     return 1.0 / get_array_module(ss_total).sqrt(ss_total / C + eps)
 
 
-def rescale_rows(P, ss_total, C, eps):
-    """P [N, R], ss_total [N] -> P * online_rstd(ss_total) row by row [N, R], in P's dtype."""
+def rescale_rows(P, ss_total, C, eps, alloc=None):
+    """P [N, R], ss_total [N] -> P * online_rstd(ss_total) row by row [N, R], in P's dtype. `alloc`
+    (GPU kernels): allocates the result (recompute.Tape.alloc)."""
     k, (Pc,) = kernel_inputs(P)
     if k is not None and P.ndim == 2 and ss_total.dtype == np.float32:
-        return k.rescale_rows(Pc, get_array_module(P).ascontiguousarray(ss_total), C, eps)
+        return k.rescale_rows(Pc, get_array_module(P).ascontiguousarray(ss_total), C, eps, alloc)
     return (P * online_rstd(ss_total, C, eps)[:, None]).astype(P.dtype, copy=False)
 
 
-def rescale_rows_silu(P, ss_total, C, eps, keep):
+def rescale_rows_silu(P, ss_total, C, eps, keep, alloc=None):
     """(Z = rescale_rows(P, ss_total, C, eps), silu(Z), sigmoid(Z) as `silu_and_sigmoid` keeps it,
     rstd = online_rstd(ss_total, C, eps) [N]): online RMSNorm's second half, cola's SiLU and the
-    row statistic the backward reads, one kernel on a GPU."""
+    row statistic the backward reads, one kernel on a GPU. `alloc` (GPU kernels): allocates Z and
+    rstd, what lowrank keeps (recompute.Tape.alloc)."""
     k, (Pc,) = kernel_inputs(P)
     if k is not None and P.ndim == 2 and ss_total.dtype == np.float32:
-        Z, Zs, rstd = k.btp_rescale_silu(Pc, get_array_module(P).ascontiguousarray(ss_total), C, eps)
+        Z, Zs, rstd = k.btp_rescale_silu(Pc, get_array_module(P).ascontiguousarray(ss_total), C, eps, alloc)
         return Z, Zs, None, rstd
     Z = rescale_rows(P, ss_total, C, eps)
     return (Z, *silu_and_sigmoid(Z, keep), online_rstd(ss_total, C, eps))
@@ -406,15 +408,16 @@ def _fused_attention(q, k, v):
 
 
 # q [B, T, H, Dh], k, v [B, T, Hkv, Dh] -> o [B, T, H*Dh]
-def attention_forward(q, k, v, keep_probs=False, stats=None):
+def attention_forward(q, k, v, keep_probs=False, stats=None, alloc=None):
     """`stats` = (row_max, row_sum) [B, Hkv, G, T] of an earlier forward on the same q, k: a
     recompute (recompute = "lowrank" keeps them) then skips both row reductions. The scores are the
     same bits as that forward's, so its statistics are exactly what the reductions would give.
     On a GPU the fused kernels run instead (one launch; they recompute the statistic, and their
-    backward always recomputes the probabilities, so `stats` and `keep_probs` are not needed)."""
+    backward always recomputes the probabilities, so `stats` and `keep_probs` are not needed; `alloc`
+    allocates the log-sum-exp, which lowrank keeps: recompute.Tape.alloc)."""
     kern, fused = _fused_attention(q, k, v)
     if kern is not None:
-        o, lse = kern.attention_forward(*fused)
+        o, lse = kern.attention_forward(*fused, alloc=alloc)
         return o.reshape(*o.shape[:2], -1), FusedAttentionCache(*fused, o, lse)
     xp = get_array_module(q)
     B, T, H, Dh = q.shape

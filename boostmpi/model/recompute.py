@@ -30,6 +30,9 @@ probability tiles) and the layer's output, which nothing reads, is not produced.
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from boostmpi.backend import get_array_module
 from boostmpi.model import layers
 
 
@@ -38,10 +41,17 @@ class Tape:
         self.mode = mode
         self.items = []  # tuples of arrays (None for an absent statistic), in forward order
         self._next = 0
+        self._alloc = None  # while recording on a GPU: what a kept array is allocated with
 
-    def start_recording(self):
-        self.mode, self.items, self._next = "record", [], 0
+    def start_recording(self, alloc=None):
+        self.mode, self.items, self._next, self._alloc = "record", [], 0, alloc
         return self
+
+    @property
+    def alloc(self):
+        """`alloc(shape, dtype)` for an array this forward keeps (on a GPU: from the kept pool,
+        boostmpi.gpu.pools), or None: the caller allocates as it would anyway."""
+        return self._alloc if self.mode == "record" else None
 
     def start_replaying(self):
         self.mode, self._next = "replay", 0
@@ -120,8 +130,16 @@ class LowRankRecompute:
     lean_head = True  # the head keeps the gathered residual and the softmax statistics, not the logits
 
     def forward(self, block, h, input_is_lookup):
-        tape = Tape().start_recording()
-        h_out, _ = block.forward(h, tape)
+        """On a GPU what the layer keeps (with its output, the next layer's input) is allocated from
+        the kept pool (boostmpi.gpu.pools: why)."""
+        alloc = None
+        if get_array_module(h) is not np:
+            from boostmpi.gpu.pools import kept_empty
+
+            alloc = kept_empty
+        tape = Tape().start_recording(alloc)
+        h_out, _ = block.forward(h, tape, output_kept=True)
+        tape._alloc = None
         return h_out, Saved(h=None if input_is_lookup else h, tape=tape)
 
     def cache(self, block, saved, look_up):

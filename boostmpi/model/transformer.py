@@ -9,6 +9,7 @@ Hl, Hkvl are the local heads.
 
 from dataclasses import dataclass
 
+from boostmpi.backend import get_array_module
 from boostmpi.model import layers
 from boostmpi.model.recompute import NO_TAPE, own_buffer
 
@@ -38,11 +39,15 @@ class Block:
         self.i, self.P, self.tp_layers, self.rope, self.shape = i, P, tp_layers, rope, shape
         self.pre = f"layers/{i}/"
 
-    def forward(self, h, tape=NO_TAPE):
-        """-> (h_out, BlockCache)."""
+    def forward(self, h, tape=NO_TAPE, output_kept=False):
+        """-> (h_out, BlockCache). `output_kept`: a lowrank forward keeps h_out as the next layer's
+        input, so on a GPU it is allocated as what this layer keeps is (`tape.alloc`)."""
         h, a, cache = self._before_down_proj(h, tape)
         y, cache.down = self.tp_layers.out_proj_forward(a, self.pre + "down", self.P, tape)
-        return h + y, cache
+        alloc = tape.alloc if output_kept else None
+        if alloc is None:
+            return h + y, cache
+        return get_array_module(h).add(h, y, out=alloc(h.shape, h.dtype)), cache
 
     def recompute(self, h, tape):
         """The BlockCache of the forward again, for a backward that follows at once (`tape` replays
@@ -62,7 +67,7 @@ class Block:
         k = layers.rope_forward(k.reshape(B, T, tp_layers.n_kv_heads, Dh), *rope)
         stats = tape.take() if tape.replaying else None  # lowrank keeps the softmax statistics
         v = v.reshape(B, T, tp_layers.n_kv_heads, Dh)
-        o, c_att = layers.attention_forward(q, k, v, keep_probs=tape.backward_follows, stats=stats)
+        o, c_att = layers.attention_forward(q, k, v, keep_probs=tape.backward_follows, stats=stats, alloc=tape.alloc)
         tape.keep((c_att.row_max, c_att.row_sum))
         if tape.keeps_core_inputs:  # selective: the core's inputs instead of its cache (recompute.py)
             c_att = (q, k, own_buffer(v))

@@ -56,8 +56,10 @@ def optimizer_step(engine, optimizer, lr, max_norm):
 
 
 def peak_memory_bytes(xp):
-    if xp is not np:
-        return int(xp.get_default_memory_pool().total_bytes())
+    if xp is not np:  # CuPy's pools never give memory back unasked: what they hold is their high-water mark
+        from boostmpi.gpu.pools import total_bytes
+
+        return total_bytes(xp)
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 

@@ -131,36 +131,40 @@ class BottleneckTP(Strategy):
     def _reduce_bottleneck(self, xw, ss, A, sl, tape):
         """The only forward communication of a btp group: Z = rmsnorm(x)·A exactly, from shards.
         Returns (Z, rstd [N, 1], activated); rstd is None without a norm; activated is (silu(Z),
-        its sigmoid or None) when the online rescale computed the SiLU too (cola), else None."""
+        its sigmoid or None) when the online rescale computed the SiLU too (cola), else None. Z and
+        rstd, which lowrank keeps, are made by `tape.alloc` when it has one (recompute.Stash)."""
+        alloc = tape.alloc
         if ss is None:
-            return self._reduce_products(xw, A, sl), None, None
+            return self._reduce_products(xw, A, sl, alloc=alloc), None, None
         if self.online:
             # the sum of squares travels in the same collective as the unnormalised A-product (in
             # float32 at least), then online RMSNorm's second half rescales the rows (cola: and
             # applies the SiLU in the same pass)
             prod, ss_total = self._reduce_products(xw, A, sl, ss)
             if self.act:  # one kernel on a GPU: Z, its SiLU and the statistic
-                Z, Zs, sig, rstd = layers.rescale_rows_silu(prod, ss_total, self.C, self.eps, keep=tape.backward_follows)
+                Z, Zs, sig, rstd = layers.rescale_rows_silu(prod, ss_total, self.C, self.eps, keep=tape.backward_follows,
+                                                            alloc=alloc)
                 return Z, rstd[:, None], (Zs, sig)
             rstd = layers.online_rstd(ss_total, self.C, self.eps)[:, None]
-            return layers.rescale_rows(prod, ss_total, self.C, self.eps), rstd, None
+            return layers.rescale_rows(prod, ss_total, self.C, self.eps, alloc), rstd, None
         # sync: a separate all-reduce of the statistic first, then normalise and multiply
         reduce_from_tp_region(ss, self.tp)
-        return self._reduce_products(layers.rescale_rows(xw, ss, self.C, self.eps), A, sl), \
+        return self._reduce_products(layers.rescale_rows(xw, ss, self.C, self.eps), A, sl, alloc=alloc), \
             layers.online_rstd(ss, self.C, self.eps)[:, None], None
 
-    def _reduce_products(self, x, A, sl, extra=None):
+    def _reduce_products(self, x, A, sl, extra=None, alloc=None):
         """x·[A_1 | A_2 | ...] reduced from the tp region (A = [A_1 | A_2 | ...], A_j its column
         slices `sl`): one GEMM and one all-reduce when grouped, else one of each per factor. With
         `extra` [N] (the sum of squares, in the accumulation dtype), returns (products, extra
         summed) from the same collective: riding after the products [N, R] in one buffer when x's
         dtype holds it exactly (float32, float64), else (bfloat16) in a buffer of its own dtype,
         reduced with the products in one group call, so the statistic keeps float32's 24-bit
-        mantissa instead of bfloat16's 8."""
+        mantissa instead of bfloat16's 8. `alloc(shape, dtype)`, when given, makes the products' buffer
+        (kept by lowrank when nothing rescales it)."""
         xp = get_array_module(x)
         N, R = x.shape[0], A.shape[1]
         ride = extra is not None and extra.dtype == x.dtype
-        flat = xp.empty(N * R + (N if ride else 0), dtype=x.dtype)
+        flat = (alloc or (lambda shape, dtype: xp.empty(shape, dtype=dtype)))((N * R + (N if ride else 0),), x.dtype)
         prod = flat[:N * R].reshape(N, R)
         if ride:
             tail = flat[N * R:]

@@ -160,7 +160,7 @@ class ndarray:
         if dt.kind == "V":
             _check_supported(dt)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        self._mem = _memory.get_default_memory_pool().malloc(nbytes) if nbytes else None
+        self._mem = _memory.alloc(nbytes) if nbytes else None  # core.pyx: memory.alloc, the current allocator
         self._a = _memory.empty_bytes_view(self._mem, nbytes, dt, shape) if nbytes else np.empty(shape, dt)
         self.base = None
 

@@ -27,6 +27,7 @@ taken), and the largest single allocation since `standin_reset_peaks()`.
 import bisect
 import gc
 import os
+import threading
 import weakref
 
 import numpy as np
@@ -282,6 +283,7 @@ class MemoryPool:
         self._peak_used = max(self._peak_used, self._used)
         self._peak_total = max(self._peak_total, self._total)
         self._largest = max(self._largest, size)
+        _DEVICE.count(chunk.size, 0, size)
         self._mallocs += 1
         mem = Memory(self, _backing(chunk), chunk)
         if not META:
@@ -307,6 +309,7 @@ class MemoryPool:
         if self._limit and self._total > self._limit - size:
             return False
         self._total += size
+        _DEVICE.count(0, size, 0)
         return True
 
     def _release(self, raw, ptr, chunk):
@@ -317,6 +320,7 @@ class MemoryPool:
             return
         chunk.alloc.raws[(chunk.offset, chunk.size)] = raw  # the same chunk again gets the same address
         self._used -= chunk.size
+        _DEVICE.count(-chunk.size, 0, 0)
         chunk.arena.insert_chunk(chunk)
 
     def standin_reset_peaks(self):
@@ -349,7 +353,9 @@ class MemoryPool:
             arenas = list(self._arenas.values())
         else:
             arenas = [self._arenas[stream.ptr]] if stream.ptr in self._arenas else []
-        self._total -= sum(arena.free_all() for arena in arenas)
+        freed = sum(arena.free_all() for arena in arenas)
+        self._total -= freed
+        _DEVICE.count(0, -freed, 0)
 
     def set_limit(self, size=None, fraction=None):
         """memory.pyx:1492: a limit on `total_bytes` (0: none), or a fraction of the device's memory."""
@@ -385,11 +391,63 @@ def _parse_limit_string(limit=None):
     return {"size": int(limit), "fraction": None}
 
 
+class _DeviceMemory:
+    """What the device sees of every pool together (a stand-in extra): bytes in use and held summed
+    over all MemoryPool objects, with their high-water marks and the largest single allocation since
+    `standin_reset_device_peaks()`. A process with more than one pool (boostmpi.gpu.pools) needs the
+    sum at each moment, which the pools' own marks cannot give."""
+
+    def __init__(self):
+        self.used = self.total = 0
+        self.reset()
+
+    def reset(self):
+        self.peak_used, self.peak_total, self.largest = self.used, self.total, 0
+
+    def count(self, used, total, size):
+        self.used += used
+        self.total += total
+        self.peak_used = max(self.peak_used, self.used)
+        self.peak_total = max(self.peak_total, self.total)
+        self.largest = max(self.largest, size)
+
+
+_DEVICE = _DeviceMemory()
+
+
+def standin_device_peaks():
+    """{"used", "total", "largest"} over every pool since `standin_reset_device_peaks` (a stand-in extra)."""
+    return {"used": _DEVICE.peak_used, "total": _DEVICE.peak_total, "largest": _DEVICE.largest}
+
+
+def standin_reset_device_peaks():
+    _DEVICE.reset()
+
+
 _DEFAULT_POOL = MemoryPool()
 
 
 def get_default_memory_pool():
     return _DEFAULT_POOL
+
+
+# memory.pyx:861-940: `alloc` calls the thread-local allocator that `cupy.cuda.using_allocator` sets,
+# else the current one (CuPy's is the default pool's malloc, set by cupy/__init__.py at import)
+_thread_local = threading.local()
+
+
+def _get_thread_local_allocator():
+    return getattr(_thread_local, "allocator", None)
+
+
+def _set_thread_local_allocator(allocator):
+    _thread_local.allocator = allocator
+
+
+def alloc(size):
+    """memory.pyx:892 `alloc`: what every new ndarray's memory comes from."""
+    allocator = _get_thread_local_allocator()
+    return (allocator or _DEFAULT_POOL.malloc)(size)
 
 
 class PinnedMemoryPool:

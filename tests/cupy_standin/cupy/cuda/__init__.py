@@ -1,5 +1,6 @@
 """`cupy.cuda` of the stand-in: devices, streams, events, the memory pool, NCCL (see cuda/nccl.py)."""
 
+import contextlib
 import threading
 
 from cupy._memory import MemoryPointer, MemoryPool, PinnedMemoryPool  # noqa: F401
@@ -7,6 +8,22 @@ from cupy.cuda import runtime  # noqa: F401
 from cupy.cuda._queue import Event, Stream, StandinDeadlock, get_current_stream, get_elapsed_time  # noqa: F401
 
 _local = threading.local()
+
+
+@contextlib.contextmanager
+def using_allocator(allocator=None):
+    """cupy/cuda/__init__.py:162 at v14.2.0: a thread-local allocator for the arrays made inside
+    (None: CuPy's raw allocator, which the stand-in does not have)."""
+    from cupy import _memory
+
+    if allocator is None:
+        raise NotImplementedError("the stand-in has no raw (pool-less) allocator")
+    previous = _memory._get_thread_local_allocator()
+    _memory._set_thread_local_allocator(allocator)
+    try:
+        yield
+    finally:
+        _memory._set_thread_local_allocator(previous)
 
 
 class Device:
