@@ -100,13 +100,15 @@ class ReplicatedResidual(Strategy):
         vocab_parallel.embedding_backward(grads["embed"], ids, dh, self.v0, self.v1)
 
 
-def column_parallel_input_grad(douts, P, names, grouped, tp):
+def column_parallel_input_grad(douts, P, names, grouped, tp, side_by_side=None):
     """d(input) of column-parallel matrices P[names] reading one input: sum_j d_j · M_j^T, then
     copy_to_tp_region's backward, started (one GEMM on the matrices side by side and one all-reduce
-    when grouped, else one of each per matrix). Returns (parts, request): after request.wait()
-    the gradient is sum(parts)."""
+    when grouped, else one of each per matrix). `side_by_side`: the douts already are the column
+    blocks of this one array, in order (no concatenation). Returns (parts, request): after
+    request.wait() the gradient is sum(parts)."""
     if grouped:
-        parts = [matmul(concat_cols(douts), P.columns(names).T)]
+        whole = concat_cols(douts) if side_by_side is None else side_by_side
+        parts = [matmul(whole, P.columns(names).T)]
     else:
         parts = [matmul(d, P[n].T) for d, n in zip(douts, names)]
     return parts, copy_to_tp_region_backward_async(parts, tp)

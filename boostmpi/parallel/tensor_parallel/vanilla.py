@@ -13,7 +13,8 @@ from boostmpi.backend import get_array_module
 from boostmpi.model import layers
 from boostmpi.model.layers import col_slices, matmul
 from boostmpi.model.recompute import NO_TAPE
-from boostmpi.parallel.mappings import copy_to_tp_region, reduce_from_tp_region, reduce_from_tp_region_backward
+from boostmpi.parallel.mappings import (copy_to_tp_region, reduce_from_tp_region, reduce_from_tp_region_backward,
+                                        reduce_from_tp_region_many)
 from boostmpi.parallel.tensor_parallel.base import NormCache, ReplicatedResidual, activate, column_parallel_input_grad
 
 
@@ -59,16 +60,15 @@ class VanillaLowRankTP(ReplicatedResidual):
                 matmul(x, P[n], out=Z[:, s])
             Z = tape.keep((Z,))[0]
         Zs, sig = activate(Z, self.act, tape)
-        if self.grouped and len(names) > 1 and self.p > 1:  # one all-reduce for the whole group
-            cols = col_slices([P[f"{nm}/B"].shape[1] for nm in names])
-            if xp is np:  # the products side by side, then one buffer
-                buf = xp.concatenate([matmul(Zs[:, s], P[f"{nm}/B"]) for s, nm in zip(sl, names)], axis=1)
-            else:  # on a GPU each GEMM writes its column block of the buffer: no copy
-                buf = xp.empty((Zs.shape[0], cols[-1].stop), dtype=Zs.dtype)
-                for s, c, nm in zip(sl, cols, names):
-                    matmul(Zs[:, s], P[f"{nm}/B"], out=buf[:, c])
-            buf = reduce_from_tp_region(buf, self.tp)
-            ys = [buf[:, c] for c in cols]
+        if self.grouped and len(names) > 1 and self.p > 1:  # one collective for the whole group
+            ys = [matmul(Zs[:, s], P[f"{nm}/B"]) for s, nm in zip(sl, names)]
+            if xp is np:  # the products side by side in one buffer, one all-reduce
+                cols = col_slices([y.shape[1] for y in ys])
+                buf = reduce_from_tp_region(xp.concatenate(ys, axis=1), self.tp)
+                ys = [buf[:, c] for c in cols]
+            else:  # on a GPU each product stays its own array, whole rows for the fused kernels that read
+                # it (RoPE, attention, the gate), and the all-reduces are one NCCL group
+                ys = reduce_from_tp_region_many(ys, self.tp)
         else:
             ys = [matmul(Zs[:, s], P[f"{nm}/B"]) for s, nm in zip(sl, names)]
             ys = [reduce_from_tp_region(y, self.tp) for y in ys]
@@ -84,7 +84,7 @@ class VanillaLowRankTP(ReplicatedResidual):
             matmul(Zs[:, s].T, dy, out=grads[f"{nm}/B"], accumulate=True)
         dZ = layers.silu_backward(dZs, Z, sig) if self.act else dZs
         parts, req = column_parallel_input_grad([dZ[:, s] for s in sl], P, [f"{nm}/A" for nm in names],
-                                                self.grouped, self.tp)
+                                                self.grouped, self.tp, side_by_side=dZ)
         for s, nm in zip(sl, names):  # weight gradients while the input gradient travels
             matmul(x.T, dZ[:, s], out=grads[f"{nm}/A"], accumulate=True)
         req.wait()
