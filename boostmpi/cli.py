@@ -70,6 +70,15 @@ def version():
 
 
 def main(argv=None):
+    """The command line; returns the exit status (130 after Ctrl-C, also while the command's
+    modules are still being imported)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _main(argv):
     # first, before anything imports NumPy: under mpiexec/srun, one share of the node's cores per rank
     set_host_threads()
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -186,6 +186,24 @@ def run_boostmpi(*argv, cwd=REPO):
                           capture_output=True, text=True, timeout=120)
 
 
+def test_ctrl_c_while_a_command_is_imported_exits_130_without_a_traceback(monkeypatch, capfd):
+    """Ctrl-C can come before the command runs: while its modules (NumPy, MPI, h5py) are imported."""
+    import importlib
+
+    from boostmpi import cli
+
+    real = importlib.import_module
+
+    def interrupted(name, *args, **kwargs):
+        if name == cli.COMMANDS["sim"]:
+            raise KeyboardInterrupt
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib, "import_module", interrupted)
+    assert cli.main(["sim", "--help"]) == 130
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_help_goes_to_stdout_with_a_line_per_command_and_exits_0():
     from boostmpi.cli import COMMANDS
 
