@@ -326,6 +326,34 @@ def test_separate_gradient_accumulation_mutant_is_caught(monkeypatch):
         test_separate_gradient_accumulation_pass_costs_its_bytes_every_micro_batch()
 
 
+def test_zero3_copies_cost_their_bytes_on_each_gather_and_reduce_scatter():
+    """FSDP2's copies (published.FSDP2): a gather's copy-out in the forward and again in the backward,
+    the reduce-scatter's copy-in in the backward, over the stage's parameters, every micro-batch;
+    nothing without ZeRO-3."""
+    from dataclasses import replace
+
+    base = load_machine("a100-80gb-dgx")
+    copying = replace(base, zero3_gather_copy_bytes=4.0, zero3_reduce_copy_bytes=6.0)
+    cfg = config_from_dict({"model": GPT, "parallel": {"dp": 8, "zero_stage": 3, "tp_mode": "vanilla"},
+                            "train": {"micro_batch_size": 1, "grad_accum": 2, **BF16}})
+    plain, copied = model.predict(cfg, base), model.predict(cfg, copying)
+    params = model.stage_params(cfg, 0)[0]
+    stream = base.memory_bandwidth * base.elementwise_efficiency
+    per_mb = params * (4.0 + 4.0 + 6.0) / stream
+    assert copied.breakdown["elementwise"] - plain.breakdown["elementwise"] == pytest.approx(2 * per_mb, rel=1e-9)
+    assert copied.time_s > plain.time_s
+    zero1 = config_from_dict({"model": GPT, "parallel": {"dp": 8, "zero_stage": 1, "tp_mode": "vanilla"},
+                              "train": {"micro_batch_size": 1, "grad_accum": 2, **BF16}})
+    assert model.predict(zero1, copying).time_s == model.predict(zero1, base).time_s
+
+
+def test_zero3_copies_mutant_is_caught(monkeypatch):
+    right = model.zero3_copy_seconds
+    monkeypatch.setattr(model, "zero3_copy_seconds", lambda w, params, machine: (0.0, right(w, params, machine)[1]))
+    with pytest.raises(AssertionError):
+        test_zero3_copies_cost_their_bytes_on_each_gather_and_reduce_scatter()
+
+
 def deepspeed_train_schedule(M, p, stage):
     """The instruction order of DeepSpeed's 1F1B (deepspeed/runtime/pipe/schedule.py, TrainSchedule),
     re-derived: 2 (M + p - 1) steps; even stages run forwards on even steps, odd stages on odd steps;
@@ -414,13 +442,17 @@ def test_stack_keys_in_a_profile_file(tmp_path, capsys):
     base = load_machine("a100-80gb-dgx")
     assert base.grad_accumulation_bytes == 0.0 and base.pipeline_p2p == "batched"  # built-ins leave them out
     path = tmp_path / "ds.toml"
-    path.write_text(machine_to_toml(replace(base, grad_accumulation_bytes=12.0, pipeline_p2p="blocking")))
+    path.write_text(machine_to_toml(replace(base, grad_accumulation_bytes=12.0, pipeline_p2p="blocking",
+                                            zero3_gather_copy_bytes=4.0, zero3_reduce_copy_bytes=6.0)))
     loaded = load_machine(path)
     assert loaded.grad_accumulation_bytes == 12.0 and loaded.pipeline_p2p == "blocking"
+    assert (loaded.zero3_gather_copy_bytes, loaded.zero3_reduce_copy_bytes) == (4.0, 6.0)
     config = tmp_path / "c.toml"
     config.write_text(published.toml_text({"model": GPT}))
     for old, new, message in (("grad_accumulation_bytes = 12.0", "grad_accumulation_bytes = -1.0",
                                "compute.grad_accumulation_bytes must be 0 or more"),
+                              ("zero3_reduce_copy_bytes = 6.0", "zero3_reduce_copy_bytes = -6.0",
+                               "compute.zero3_reduce_copy_bytes must be 0 or more"),
                               ('pipeline_p2p = "blocking"', 'pipeline_p2p = "async"',
                                "network.pipeline_p2p must be one of batched, blocking")):
         bad = tmp_path / "bad.toml"

@@ -81,6 +81,12 @@ class Machine:
     # every micro-batch's backward; 0 when the weight-gradient GEMMs accumulate into the master-dtype
     # gradient themselves (boostmpi's engine, Megatron-LM's gradient-accumulation fusion)
     grad_accumulation_bytes: float = 0.0
+    # [compute], optional, ZeRO-3 only: bytes per parameter that the stack's own copies move on the
+    # compute stream around each all-gather of the weights (e.g. out of the gather's buffer into the
+    # parameters) and around each reduce-scatter of the gradients (e.g. into the reduce-scatter's
+    # buffer, cast to its dtype); 0: none (the collectives read and write the tensors in place)
+    zero3_gather_copy_bytes: float = 0.0
+    zero3_reduce_copy_bytes: float = 0.0
     # [network], optional: how a pipeline's sends and receives are issued: "batched" (a send and the
     # matching receive of the other direction in one call: two transfers on a step's path) or
     # "blocking" (each send and receive its own blocking call in schedule order: four)
@@ -118,6 +124,8 @@ _LAYOUT = {
     "inter_node_bandwidth": ("network", "inter_node_bandwidth", float),
     "inter_node_latency": ("network", "inter_node_latency", float),
     "grad_accumulation_bytes": ("compute", "grad_accumulation_bytes", float),
+    "zero3_gather_copy_bytes": ("compute", "zero3_gather_copy_bytes", float),
+    "zero3_reduce_copy_bytes": ("compute", "zero3_reduce_copy_bytes", float),
     "pipeline_p2p": ("network", "pipeline_p2p", str),
 }
 assert set(_LAYOUT) == {f.name for f in fields(Machine)}
@@ -125,11 +133,12 @@ assert set(_LAYOUT) == {f.name for f in fields(Machine)}
 _CHOICES = {"device": ("gpu", "cpu"), "attention": ("flash", "matmul", "fused_softmax"),
             "elementwise": ("engine", "fused", "eager"), "pipeline_p2p": ("batched", "blocking")}
 # keys a profile may leave out, and their values then (profiles written before the key existed)
-_OPTIONAL = {"elementwise": "engine", "grad_accumulation_bytes": 0.0, "pipeline_p2p": "batched"}
+_OPTIONAL = {"elementwise": "engine", "grad_accumulation_bytes": 0.0, "pipeline_p2p": "batched",
+             "zero3_gather_copy_bytes": 0.0, "zero3_reduce_copy_bytes": 0.0}
 _POSITIVE = {"memory_capacity_bytes", "memory_bandwidth", "elementwise_efficiency", "gemm_efficiency",
              "gemm_tile_m", "gemm_tile_n", "compute_units", "attention_efficiency", "optimizer_passes",
              "gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth"}
-_NON_NEGATIVE = {"grad_accumulation_bytes"}
+_NON_NEGATIVE = {"grad_accumulation_bytes", "zero3_gather_copy_bytes", "zero3_reduce_copy_bytes"}
 
 
 def builtin_names():

@@ -272,6 +272,10 @@ def predict_workload(w, machine, comm=None):
         # a framework that adds each micro-batch's weight gradients into its accumulation buffer in a
         # pass of its own (not inside the weight-gradient GEMM) streams its parameters once more
         bwd.elementwise += grad_accumulation_seconds(w.params_per_stage[stage], machine)
+        # ZeRO-3: the stack's copies around each gather (forward and backward) and reduce-scatter
+        gather_copy, reduce_copy = zero3_copy_seconds(w, w.params_per_stage[stage], machine)
+        fwd.elementwise += gather_copy
+        bwd.elementwise += gather_copy + reduce_copy
         # 1F1B: stage i holds up to pp - i micro-batches; interleaved, up to its warm-up + 1 chunks of
         # 1/v of its layers, (v + 1) pp - 1 on the first rank (the head's chunk: one at a time)
         in_flight = min(M, w.pp - stage)
@@ -349,6 +353,17 @@ def grad_accumulation_seconds(params, machine):
         return 0.0
     stream = machine.memory_bandwidth * machine.elementwise_efficiency
     return params * machine.grad_accumulation_bytes / stream + machine.kernel_launch_s
+
+
+def zero3_copy_seconds(w, params, machine):
+    """(seconds of one gather's copies, of one reduce-scatter's copies) over a stage's `params`
+    parameters: the stack's own passes around its ZeRO-3 collectives on the compute stream
+    (`zero3_gather_copy_bytes`, `zero3_reduce_copy_bytes` per parameter); none without ZeRO-3 over
+    more than one rank."""
+    if zero_stage_of(w) != 3 or w.dp == 1:
+        return 0.0, 0.0
+    stream = machine.memory_bandwidth * machine.elementwise_efficiency
+    return (params * machine.zero3_gather_copy_bytes / stream, params * machine.zero3_reduce_copy_bytes / stream)
 
 
 def pipeline_transfers(machine):

@@ -267,6 +267,15 @@ MEGATRON_2021_TORCH_DDP = (("grad_accumulation_bytes", 6.0),)
 DEEPSPEED_PIPELINE = (("pipeline_p2p", "blocking"),)
 DEEPSPEED_BF16 = DEEPSPEED_PIPELINE + (("grad_accumulation_bytes", 12.0),)
 DEEPSPEED_FP16 = DEEPSPEED_PIPELINE + (("grad_accumulation_bytes", 6.0),)
+# PyTorch's FSDP2 of torchtitan's performance runs (torch/distributed/_composable/fsdp/ of PyTorch
+# 2.3-2.4, the releases around torchtitan commit 157a12c56; its MixedPrecisionPolicy: bf16 parameters,
+# fp32 reduction) copies on the compute stream around its collectives: every all-gather's output is
+# copied out into the unsharded parameters (_fsdp_collectives.py, `foreach_all_gather_copy_out`:
+# torch.split_with_sizes_copy, bf16 read and written: 2 + 2 bytes a parameter), and every
+# reduce-scatter's input is the unsharded bf16 gradients concatenated into an fp32 buffer
+# (`foreach_reduce`: torch._chunk_cat into the reduce_dtype buffer: 2 + 4). The cast and copy-in of
+# the rank's own shard before a gather (10 bytes per shard element, 1/64 of the parameters) is left out.
+FSDP2 = (("zero3_gather_copy_bytes", 4.0), ("zero3_reduce_copy_bytes", 6.0))
 
 
 def _sc21_cli(params_b, heads, h, l, t, p, n, B, tflops, mbs, v, overlap):
@@ -410,11 +419,13 @@ def _torchtitan_cli(name, C, layers, heads, kv_heads, F, V, T, local_batch, reco
     return CliRun(
         name=f"{name} (FSDP2, 64 GPUs, batch {local_batch})", framework="torchtitan (FSDP2)", gpu="A100",
         source="torchtitan docs/performance.md (64 A100 80GB)", machine="a100-80gb-dgx", config=config,
-        network=(("elementwise", "eager"),),
+        network=(("elementwise", "eager"),) + FSDP2,
         measured_s=local_batch * T / wps, derived=f"{local_batch} x {T} tokens / {wps} tokens/s per GPU (MFU {mfu})",
-        assumed=("FSDP2 as zero_stage = 3 (one layer prefetched); nodes of 8 A100 with one 200 Gb/s adapter per GPU; "
-                 "the elementwise work as eager PyTorch runs it (the preset does not compile: the profile's "
-                 "elementwise = eager)"))
+        assumed=("FSDP2 as zero_stage = 3 (one layer prefetched) with its copies around the collectives "
+                 "(zero3_gather_copy_bytes 4, zero3_reduce_copy_bytes 6: every unit gathered twice, where torchtitan "
+                 "keeps its last block and the root gathered after the forward); nodes of 8 A100 with one 200 Gb/s "
+                 "adapter per GPU; the elementwise work as eager PyTorch runs it (the preset does not compile: the "
+                 "profile's elementwise = eager)"))
 
 
 def cli_runs():
