@@ -255,8 +255,11 @@ FUSED = (("elementwise", "fused"),)
 #   gradients into fp32 main gradients once (`_copy_model_grads_to_main_grads`): 2 + 4;
 # * DeepSpeed's bf16 ZeRO-1 (BF16_Optimizer, which its pipeline engine drives by hand:
 #   deepspeed/runtime/pipe/engine.py, `clear_lp_grads()` before and `update_hp_grads()` after every
-#   micro-batch's backward, "hardcoded for fp32 gradient accumulation"): zero the bf16 gradients (2),
-#   then read them and the fp32 accumulator and write it back (2 + 4 + 4);
+#   micro-batch's backward, "hardcoded for fp32 gradient accumulation"; deepspeed/runtime/
+#   bf16_optimizer.py as of April 2022 and June 2023): `clear_lp_grads` sets the bf16 gradients to
+#   None (no pass), and `update_hp_grads` runs `hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype))`,
+#   whose cast makes an fp32 copy before the add: read bf16, write fp32 (2 + 4), then read it and the
+#   fp32 accumulator and write that (4 + 4 + 4);
 # * DeepSpeed's fp16 ZeRO-1 of 2021 (no bf16 optimizer yet): autograd adds each micro-batch's fp16
 #   gradient into .grad: 2 + 2 + 2.
 MEGATRON_2021_LOCAL_DDP = (("grad_accumulation_bytes", 10.0),)
@@ -265,7 +268,7 @@ MEGATRON_2021_TORCH_DDP = (("grad_accumulation_bytes", 6.0),)
 # send and recv) issues every send and every receive as its own blocking instruction in schedule
 # order, four transfers on an interior stage's step where Megatron pairs them: network.pipeline_p2p.
 DEEPSPEED_PIPELINE = (("pipeline_p2p", "blocking"),)
-DEEPSPEED_BF16 = DEEPSPEED_PIPELINE + (("grad_accumulation_bytes", 12.0),)
+DEEPSPEED_BF16 = DEEPSPEED_PIPELINE + (("grad_accumulation_bytes", 18.0),)
 DEEPSPEED_FP16 = DEEPSPEED_PIPELINE + (("grad_accumulation_bytes", 6.0),)
 # PyTorch's FSDP2 of torchtitan's performance runs (torch/distributed/_composable/fsdp/ of PyTorch
 # 2.3-2.4, the releases around torchtitan commit 157a12c56; its MixedPrecisionPolicy: bf16 parameters,
