@@ -132,7 +132,7 @@ class BottleneckTP(Strategy):
         """The only forward communication of a btp group: Z = rmsnorm(x)·A exactly, from shards.
         Returns (Z, rstd [N, 1], activated); rstd is None without a norm; activated is (silu(Z),
         its sigmoid or None) when the online rescale computed the SiLU too (cola), else None. Z and
-        rstd, which lowrank keeps, are made by `tape.alloc` when it has one (recompute.Stash)."""
+        rstd, which lowrank keeps, are made by `tape.alloc` when it has one (on a GPU: the kept pool)."""
         alloc = tape.alloc
         if ss is None:
             return self._reduce_products(xw, A, sl, alloc=alloc), None, None
