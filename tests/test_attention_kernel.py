@@ -320,6 +320,37 @@ def test_rope_kernels_match_the_model(monkeypatch, lanes, shape, dtype):
     assert {f"rope_forward_{suffix}", f"rope_backward_{suffix}"} <= launched
 
 
+def check_rope_in_place(shape, dtype):
+    """The forward written over its input (`out=x`, as the block's in-place RoPE does) equals the forward
+    into a new array, bit for bit: each thread reads its pair of elements before it writes them."""
+    import cupy
+
+    B, T, heads, Dh = shape
+    x = np.random.default_rng(6).standard_normal(shape).astype(dtype)
+    cos, sin = (cupy.asarray(a) for a in layers.rope_tables(T, Dh, 10000.0, dtype))
+    fresh = to_numpy(kernels.rope_forward(cupy.asarray(x), cos, sin))
+    inside = cupy.asarray(x)
+    assert kernels.rope_forward(inside, cos, sin, out=inside) is inside
+    np.testing.assert_array_equal(to_numpy(inside).view(np.uint8), fresh.view(np.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_rope_in_place_equals_rope_into_a_new_array(lanes, dtype):
+    check_rope_in_place((2, 5, 3, 16), dtype)
+
+
+@pytest.mark.gpu
+def test_rope_in_place_mutant_fails_the_check(kernel_text):
+    # the rotation's second element computed from the first one's new value: wrong only in place
+    kernel_text("out[at] = from_float<T>(BACKWARD ? x1 * c1 + x2 * s2 : x1 * c1 - x2 * s1);\n"
+                "        out[at + half] = from_float<T>(BACKWARD ? x2 * c2 - x1 * s1 : x2 * c2 + x1 * s2);",
+                "out[at] = from_float<T>(BACKWARD ? x1 * c1 + x2 * s2 : x1 * c1 - x2 * s1);\n"
+                "        out[at + half] = from_float<T>(BACKWARD ? x2 * c2 - x1 * s1 : x2 * c2 + to_float(x[at]) * s2);")
+    with pytest.raises(AssertionError):
+        check_rope_in_place((1, 5, 2, 8), np.float32)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("old,new", [("x2 * c2 - x1 * s1 :", "x2 * c2 + x1 * s1 :"), ("x2 * c2 + x1 * s2)", "x2 * c2 - x1 * s2)")],
                          ids=["backward sign", "forward sign"])

@@ -546,9 +546,10 @@ def attention_backward(do, q, k, v, o, lse):
     return dq, dk, dv
 
 
-def _rope(entry, x, cos, sin):
+def _rope(entry, x, cos, sin, out=None):
     """x [B,T,heads,Dh], cos, sin [T,1,Dh] or [T,Dh] of x's dtype -> the rotated x (or, backward, the
-    gradient through the rotation)."""
+    gradient through the rotation), in `out` when given (x itself included: each thread reads its
+    pair of elements before it writes them)."""
     if x.ndim != 4:
         raise ValueError(f"x must be 4-D [B, T, heads, Dh], got shape {tuple(x.shape)}")
     B, T, heads, Dh = x.shape
@@ -560,7 +561,11 @@ def _rope(entry, x, cos, sin):
         if table.size != T * Dh or table.shape[0] != T or table.shape[-1] != Dh:
             raise ValueError(f"{name} has shape {tuple(table.shape)}, expected ({T}, 1, {Dh}) for x of shape {tuple(x.shape)}")
         _check(name, table, table.shape, x.dtype)
-    out = _import_cupy().empty_like(x)
+    if out is None:
+        out = _import_cupy().empty_like(x)
+    else:
+        _check("out", out, x.shape, x.dtype)
+        _check_contiguous("out", out)
     pairs = x.size // 2
     if pairs:
         grid = max(1, min(-(-pairs // ATTENTION_THREADS), 16 * _current_device().sm_count))
@@ -569,9 +574,10 @@ def _rope(entry, x, cos, sin):
     return out
 
 
-def rope_forward(x, cos, sin):
-    """RoPE on x [B,T,heads,Dh] with the tables cos, sin [T,1,Dh]: one read and one write of x."""
-    return _rope("rope_forward", x, cos, sin)
+def rope_forward(x, cos, sin, out=None):
+    """RoPE on x [B,T,heads,Dh] with the tables cos, sin [T,1,Dh]: one read and one write of x (into
+    `out`, which may be x, when given)."""
+    return _rope("rope_forward", x, cos, sin, out)
 
 
 def rope_backward(dy, cos, sin):

@@ -302,10 +302,13 @@ def _rope_kernels(x, cos, sin):
     return kern, arrays
 
 
-def rope_forward(x, cos, sin):
+def rope_forward(x, cos, sin, in_place=False):
+    """RoPE on x [B, T, nh, Dh]. `in_place` (GPU kernels): rotate x itself when it is contiguous, for an
+    x nothing else reads (a projection's fresh output), so a cache that keeps the result keeps no
+    second array."""
     kern, fused = _rope_kernels(x, cos, sin)
     if kern is not None:
-        return kern.rope_forward(*fused)
+        return kern.rope_forward(*fused, out=fused[0] if in_place and fused[0] is x else None)
     half = x.shape[-1] // 2
     out = x * cos
     out[..., :half] -= x[..., half:] * sin[..., :half]  # + cat([-x2, x1]) * sin

@@ -63,8 +63,9 @@ class Block:
         B, T = self.shape
         Dh = tp_layers.C // tp_layers.cfg.model.n_heads
         (q, k, v), c_qkv = tp_layers.in_proj_forward(h, pre + "attn_norm", [pre + "q", pre + "k", pre + "v"], P, tape)
-        q = layers.rope_forward(q.reshape(B, T, tp_layers.n_heads, Dh), *rope)
-        k = layers.rope_forward(k.reshape(B, T, tp_layers.n_kv_heads, Dh), *rope)
+        # q and k are the projections' fresh outputs, read by nothing else: rotated in place on a GPU
+        q = layers.rope_forward(q.reshape(B, T, tp_layers.n_heads, Dh), *rope, in_place=True)
+        k = layers.rope_forward(k.reshape(B, T, tp_layers.n_kv_heads, Dh), *rope, in_place=True)
         stats = tape.take() if tape.replaying else None  # lowrank keeps the softmax statistics
         v = v.reshape(B, T, tp_layers.n_kv_heads, Dh)
         o, c_att = layers.attention_forward(q, k, v, keep_probs=tape.backward_follows, stats=stats, alloc=tape.alloc)

@@ -9,6 +9,9 @@ The residual and the norms are replicated; embedding and head are vocabulary-par
 
 from typing import NamedTuple
 
+import numpy as np
+
+from boostmpi.backend import get_array_module
 from boostmpi.model import layers
 from boostmpi.model.layers import col_slices, matmul
 from boostmpi.model.recompute import NO_TAPE
@@ -31,9 +34,16 @@ class MegatronTP(ReplicatedResidual):
         n, rstd = layers.rmsnorm_forward(x, P[norm_name], self.eps)
         n = copy_to_tp_region(n, self.tp)
         W_names = [f"{nm}/W" for nm in names]
-        if self.grouped:
+        widths = [P[w].shape[1] for w in W_names]
+        if self.grouped and get_array_module(n) is not np and len(W_names) > 1 and len(set(widths)) == 1:
+            # on a GPU matrices of one width (gate and up; q, k and v without GQA) as one strided-batched
+            # GEMM over their column blocks where they lie: each output is an array of whole rows for
+            # the kernels that read it (RoPE, attention, the gate), with no copy to make it so
+            W = P.columns(W_names)
+            outs = list(matmul(n, W.reshape(W.shape[0], len(W_names), widths[0]).transpose(1, 0, 2)))
+        elif self.grouped:
             y = matmul(n, P.columns(W_names))  # the matrices stored side by side: one GEMM
-            outs = [y[:, s] for s in col_slices([P[w].shape[1] for w in W_names])]
+            outs = [y[:, s] for s in col_slices(widths)]
         else:
             outs = [matmul(n, P[w]) for w in W_names]
         return outs, NormCache(x, norm_name, rstd, (n, names))
