@@ -164,7 +164,8 @@ class BottleneckTP(Strategy):
         xp = get_array_module(x)
         N, R = x.shape[0], A.shape[1]
         ride = extra is not None and extra.dtype == x.dtype
-        flat = (alloc or (lambda shape, dtype: xp.empty(shape, dtype=dtype)))((N * R + (N if ride else 0),), x.dtype)
+        size = N * R + (N if ride else 0)
+        flat = alloc((size,), x.dtype) if alloc else xp.empty(size, dtype=x.dtype)
         prod = flat[:N * R].reshape(N, R)
         if ride:
             tail = flat[N * R:]
