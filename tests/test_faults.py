@@ -130,7 +130,18 @@ FAULT_LAUNCHER = textwrap.dedent('''
                 time.sleep(8)
             return save_checkpoint(self)
 
+        stop_at_boundary = trainer.Trainer._stop_at_boundary
+
+        def slow_stop_at_boundary(self, last_val):
+            # a signal that came while a periodic checkpoint was written (not slowed: no signal yet) stops
+            # at that checkpoint's step without another save; the stop is as slow there too
+            every = self.cfg.checkpoint.every
+            if every and self.step % every == 0:
+                time.sleep(8)
+            return stop_at_boundary(self, last_val)
+
         trainer.Trainer.save_checkpoint = slow_save_checkpoint
+        trainer.Trainer._stop_at_boundary = slow_stop_at_boundary
     elif fault.startswith("sigterm-in-validation-at-step-"):
         # Slurm's SIGTERM to every task while validation runs, after the step's all-reduce
         from boostmpi.train import trainer
