@@ -434,6 +434,59 @@ def test_blocking_pipeline_mutant_is_caught(monkeypatch):
         test_blocking_pipeline_puts_up_to_four_transfers_on_each_step()
 
 
+VAL_TRAIN = {"micro_batch_size": 2, "grad_accum": 8, "val_every": 4, "val_windows": 36, **BF16}
+VAL_LAYOUT = {"tp": 2, "pp": 4, "dp": 2, "tp_mode": "vanilla"}
+
+
+def test_validation_inside_the_steps_is_priced_by_the_stack_s_schedule():
+    """A validation pass is forward only: boostmpi's engine runs each micro-batch through every stage in
+    turn and sums its loss over the ranks on the host ("sequential", Engine.evaluate); Megatron's and
+    DeepSpeed's forward-only schedules pipeline the micro-batches ("pipelined"). Spread over `val_every`
+    steps, it is what a training log's time per iteration shows."""
+    from dataclasses import replace
+
+    from boostmpi.sim.costs import group_allreduce_seconds, group_link, p2p_seconds
+
+    base = load_machine("a100-80gb-dgx")
+    cfg = config_from_dict({"model": GPT, "parallel": VAL_LAYOUT, "train": VAL_TRAIN})
+    w = model.workload_of(cfg)
+    assert w.val_micro_batches == 9  # 18 windows a data-parallel rank, 2 a micro-batch
+    seq, piped = model.predict(cfg, base), model.predict(cfg, replace(base, validation_schedule="pipelined"))
+    assert seq.time_s == piped.time_s  # the step itself does not change
+    forwards = seq.details["stage_forward_s"]
+    assert len(forwards) == 4 and max(forwards) == seq.details["forward_s"]
+    hop = p2p_seconds(w.p2p_elements * 2, group_link(base, 2, 2))
+    host = group_allreduce_seconds(8, 16, 1, base)
+    assert seq.details["validation_s"] == pytest.approx(9 * (sum(forwards) + 3 * hop + host), rel=1e-12)
+    assert piped.details["validation_s"] == pytest.approx((9 + 3) * (max(forwards) + 2 * hop), rel=1e-12)
+    for p in (seq, piped):
+        assert p.details["time_with_validation_s"] == pytest.approx(p.time_s + p.details["validation_s"] / 4)
+    quiet = model.predict(config_from_dict({"model": GPT, "parallel": VAL_LAYOUT,
+                                            "train": {**VAL_TRAIN, "val_every": 0}}), base)
+    assert quiet.details["time_with_validation_s"] == quiet.time_s  # 0: only at the end, outside the steps
+
+
+def test_validation_schedule_mutant_is_caught(monkeypatch):
+    from dataclasses import replace
+
+    right = model.validation_seconds
+    monkeypatch.setattr(model, "validation_seconds", lambda w, stages, machine, link, e: right(
+        w, stages, replace(machine, validation_schedule="sequential"), link, e))
+    with pytest.raises(AssertionError):
+        test_validation_inside_the_steps_is_priced_by_the_stack_s_schedule()
+
+
+def test_sim_prints_the_time_per_iteration_with_validation(tmp_path, capsys):
+    path = tmp_path / "c.toml"
+    path.write_text(published.toml_text({"model": GPT, "parallel": VAL_LAYOUT, "train": VAL_TRAIN}))
+    assert main(["sim", "--config", str(path), "--machine", "a100-80gb-dgx"]) == 0
+    out = capsys.readouterr().out
+    p = model.predict(config_from_dict({"model": GPT, "parallel": VAL_LAYOUT, "train": VAL_TRAIN}),
+                      load_machine("a100-80gb-dgx"))
+    assert f"with validation       {p.details['time_with_validation_s']:10.4f} s   per iteration on average" in out
+    assert f"(36 windows every 4 steps: {p.details['validation_s']:.4f} s a pass)" in out
+
+
 def test_stack_keys_in_a_profile_file(tmp_path, capsys):
     from dataclasses import replace
 
@@ -443,9 +496,11 @@ def test_stack_keys_in_a_profile_file(tmp_path, capsys):
     assert base.grad_accumulation_bytes == 0.0 and base.pipeline_p2p == "batched"  # built-ins leave them out
     path = tmp_path / "ds.toml"
     path.write_text(machine_to_toml(replace(base, grad_accumulation_bytes=12.0, pipeline_p2p="blocking",
-                                            zero3_gather_copy_bytes=4.0, zero3_reduce_copy_bytes=6.0)))
+                                            zero3_gather_copy_bytes=4.0, zero3_reduce_copy_bytes=6.0,
+                                            validation_schedule="pipelined")))
     loaded = load_machine(path)
     assert loaded.grad_accumulation_bytes == 12.0 and loaded.pipeline_p2p == "blocking"
+    assert loaded.validation_schedule == "pipelined" and base.validation_schedule == "sequential"
     assert (loaded.zero3_gather_copy_bytes, loaded.zero3_reduce_copy_bytes) == (4.0, 6.0)
     config = tmp_path / "c.toml"
     config.write_text(published.toml_text({"model": GPT}))
@@ -454,7 +509,9 @@ def test_stack_keys_in_a_profile_file(tmp_path, capsys):
                               ("zero3_reduce_copy_bytes = 6.0", "zero3_reduce_copy_bytes = -6.0",
                                "compute.zero3_reduce_copy_bytes must be 0 or more"),
                               ('pipeline_p2p = "blocking"', 'pipeline_p2p = "async"',
-                               "network.pipeline_p2p must be one of batched, blocking")):
+                               "network.pipeline_p2p must be one of batched, blocking"),
+                              ('validation_schedule = "pipelined"', 'validation_schedule = "overlapped"',
+                               "compute.validation_schedule must be one of sequential, pipelined")):
         bad = tmp_path / "bad.toml"
         bad.write_text(path.read_text().replace(old, new))
         assert main(["sim", "--config", str(config), "--machine", str(bad)]) == 2

@@ -100,6 +100,9 @@ def format_prediction(cfg, p, machine):
     for key in BREAKDOWN_KEYS:
         share = p.breakdown[key] / p.time_s if p.time_s else 0.0
         lines.append(f"  {key:20s} {p.breakdown[key]:10.4f} s   {share:6.1%}")
+    if t.val_every:
+        lines.append(f"with validation       {p.details['time_with_validation_s']:10.4f} s   per iteration on average "
+                     f"({t.val_windows} windows every {t.val_every} steps: {p.details['validation_s']:.4f} s a pass)")
     lines += ["", "communication per iteration (payload bytes, docs/COMMUNICATION.md)"]
     for axis in ("tp", "pp", "dp"):
         lines.append(f"  {axis:20s} {p.comm_bytes[axis]:>16,d} B")

@@ -197,6 +197,8 @@ class Workload:
     dp_sharded: bool = False  # FSDP: zero_stage 3
     zero_stage: int = 0  # 1: AdamW moments sharded over dp; 2: and gradients; 3: and parameters (dp_seconds)
     attention: str = None  # "flash" or "matmul" when the workload fixes it (shape as given), else the machine's
+    val_micro_batches: int = 0  # forward-only micro-batches of one validation pass, per data-parallel rank
+    val_every: int = 0  # steps between validation passes (0: none inside the run's steps)
 
 
 def boundary_sharded(cfg):
@@ -218,7 +220,8 @@ def workload_of(cfg):
         dtype=t.dtype, overlap=par.overlap, zero_stage=par.zero_stage,
         params_per_stage=[stage_params(cfg, st)[0] for st in range(par.pp)],
         p2p_elements=s.N * s.C // s.p if boundary_sharded(cfg) else s.N * s.C,
-        model_flops=model_flops_per_step(cfg), tokens_per_step=cfg.tokens_per_step)
+        model_flops=model_flops_per_step(cfg), tokens_per_step=cfg.tokens_per_step,
+        val_micro_batches=-(-(-(-t.val_windows // par.dp)) // t.micro_batch_size), val_every=t.val_every)
 
 
 def predict(cfg, machine):
@@ -340,10 +343,31 @@ def predict_workload(w, machine, comm=None):
 
     gpus = w.tp * w.pp * w.dp
     mfu = w.model_flops / (time_s * gpus * machine.peak(dtype))
+    # validation every val_every steps, spread over the steps: what a training log's time per step shows
+    validation = validation_seconds(w, stages, machine, pp_link, e)
     details = {"machine": machine.name, "gpus": gpus, "strategy": strategy,
                "tokens_per_step": w.tokens_per_step,
-               "forward_s": slowest["fwd"].total, "backward_s": slowest["bwd"].total}
+               "forward_s": slowest["fwd"].total, "backward_s": slowest["bwd"].total,
+               "stage_forward_s": [st["fwd"].total for st in stages],
+               "validation_s": validation,
+               "time_with_validation_s": time_s + (validation / w.val_every if w.val_every else 0.0)}
     return Prediction(time_s, breakdown, comm, memory, mfu, w.tokens_per_step / time_s, details)
+
+
+def validation_seconds(w, stages, machine, pp_link, e):
+    """One validation pass, forward only: each data-parallel rank's `val_micro_batches` micro-batches.
+    "sequential" (boostmpi's engine, `Engine.evaluate`): each micro-batch passes every stage and chunk
+    in turn, then its loss is summed over all ranks on the host. "pipelined" (Megatron's forward-only
+    schedule, DeepSpeed's InferenceSchedule): n + pp - 1 slots of the slowest stage's forward, each with
+    its receive and its send."""
+    n = w.val_micro_batches
+    if not n:
+        return 0.0
+    hop = p2p_seconds(w.p2p_elements * e, pp_link) if w.pp > 1 else 0.0
+    if machine.validation_schedule == "pipelined":
+        return (n + w.pp - 1) * (max(st["fwd"].total for st in stages) + 2 * hop)
+    host_sum = group_allreduce_seconds(8, w.tp * w.pp * w.dp, 1, machine)
+    return n * (sum(st["fwd"].total for st in stages) + (w.pp * w.virtual_stages - 1) * hop + host_sum)
 
 
 def grad_accumulation_seconds(params, machine):

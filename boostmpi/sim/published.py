@@ -211,7 +211,7 @@ def _gcd(a, b):
 
 
 def cli_config(h, heads, layers, V, s, t, p, dp, B, mbs, *, d_ff=None, kv_heads=None, v=1, recompute="layer",
-               sp=False, overlap=True, zero=0, dropout=0.0):
+               sp=False, overlap=True, zero=0, dropout=0.0, val_every=0, val_windows=None):
     """The TOML sections of a full-rank run (Megatron tensor parallelism: tp_mode = vanilla)."""
     model = {"arch": "full", "vocab_size": V, "d_model": h, "n_layers": layers, "n_heads": heads,
              "d_ff": d_ff or gated_d_ff(h, t), "seq_len": s}
@@ -228,6 +228,8 @@ def cli_config(h, heads, layers, V, s, t, p, dp, B, mbs, *, d_ff=None, kv_heads=
         parallel["zero_stage"] = zero
     train = {"micro_batch_size": mbs, "global_batch_size": B, "dtype": "bfloat16", "device": "gpu",
              "recompute": recompute}
+    if val_every:  # validation inside the timed steps (Megatron's --eval-interval, --eval-iters x batch)
+        train.update(val_every=val_every, val_windows=val_windows)
     return {"model": model, "parallel": parallel, "train": train}
 
 
@@ -267,7 +269,8 @@ MEGATRON_2021_TORCH_DDP = (("grad_accumulation_bytes", 6.0),)
 # DeepSpeed's pipeline engine (deepspeed/runtime/pipe/schedule.py, TrainSchedule; p2p.py: blocking
 # send and recv) issues every send and every receive as its own blocking instruction in schedule
 # order, four transfers on an interior stage's step where Megatron pairs them: network.pipeline_p2p.
-DEEPSPEED_PIPELINE = (("pipeline_p2p", "blocking"),)
+# Its evaluation (PipelineEngine.eval_batch) runs the forward-only InferenceSchedule: validation_schedule.
+DEEPSPEED_PIPELINE = (("pipeline_p2p", "blocking"), ("validation_schedule", "pipelined"))
 DEEPSPEED_BF16 = DEEPSPEED_PIPELINE + (("grad_accumulation_bytes", 18.0),)
 DEEPSPEED_FP16 = DEEPSPEED_PIPELINE + (("grad_accumulation_bytes", 6.0),)
 # PyTorch's FSDP2 of torchtitan's performance runs (torch/distributed/_composable/fsdp/ of PyTorch
@@ -387,15 +390,22 @@ def _llama3_cli(dp, tflops):
 # Layouts: the authors' launch scripts for these three models on Frontier (github.com/sajal-vt/
 # Megatron-DeepSpeed-ORNL, branch FA2: launch_gpt22b_bf16.slurm, launch_gpt175b_bf16.slurm,
 # launch_gpt1T_bf16.slurm): name, heads, hidden, layers, sequence, t, p, nodes, batch, per-GCD
-# share of peak. Every script: micro-batch 1, ZeRO-1, activation checkpointing, flash attention 2.
+# share of peak. Every script: micro-batch 1, ZeRO-1, activation checkpointing, flash attention 2, and
+# fp16: the DeepSpeed configuration each names (ds_config_16N_175B.json for 22B and 175B,
+# ds_config_128N_1T_fp16.json for 1T) enables "fp16", which decides the engine's precision (under
+# --deepspeed, Megatron's own --bf16 of the 1T script only sets the dtype the weights are built in).
+# The last two numbers are each script's --eval-interval and --eval-iters (22B, 175B: 3 and 3; 1T: 1 and
+# 1). Megatron's training loop (megatron/training.py of that branch) times each logged iteration with the
+# `interval-time` timer, which keeps running through `evaluate_and_print_results`: an evaluation of
+# eval-iters global batches lands in the next logged iteration's time.
 FRONTIER = [
-    ("22B", 48, 6144, 48, 2048, 1, 8, 2, 640, 0.3838),
-    ("175B", 96, 12288, 96, 4096, 4, 16, 16, 640, 0.3614),
-    ("1T", 200, 25600, 128, 2048, 4, 128, 128, 1024, 0.3196),
+    ("22B", 48, 6144, 48, 2048, 1, 8, 2, 640, 0.3838, 3, 3),
+    ("175B", 96, 12288, 96, 4096, 4, 16, 16, 640, 0.3614, 3, 3),
+    ("1T", 200, 25600, 128, 2048, 4, 128, 128, 1024, 0.3196, 1, 1),
 ]
 
 
-def _frontier_cli(name, heads, h, l, seq, t, p, nodes, B, share):
+def _frontier_cli(name, heads, h, l, seq, t, p, nodes, B, share, eval_interval, eval_iters):
     gcds = 8 * nodes
     dp = gcds // (t * p)
     V = 50688  # GPT-2's 50257 padded to a multiple of 128 x tp (Megatron's rule)
@@ -403,15 +413,19 @@ def _frontier_cli(name, heads, h, l, seq, t, p, nodes, B, share):
     return CliRun(
         name=f"GPT {name} on Frontier (t={t}, p={p}, d={dp}, {gcds} GCDs)", framework="Megatron-DeepSpeed",
         gpu="MI250X", source="Dash et al. 2023 (arXiv 2312.12705); layout: the authors' Frontier scripts",
-        machine="mi250x-gcd", network=DEEPSPEED_BF16 + FUSED,
-        config=cli_config(h, heads, l, V, seq, t, p, dp, B, 1, overlap=False, zero=1),
+        machine="mi250x-gcd", network=DEEPSPEED_FP16 + FUSED,
+        config=cli_config(h, heads, l, V, seq, t, p, dp, B, 1, overlap=False, zero=1,
+                          val_every=eval_interval, val_windows=eval_iters * B),
         measured_s=sc21_flops_per_iteration(B, seq, l, h, V) / (gcds * tflops * 1e12),
         derived=(f"Eq. 3 FLOPs / ({gcds} GCDs x {tflops:.1f} TFLOP/s per GCD = {share:.2%} of 191.5); "
                  "Megatron-DeepSpeed's throughput_calculator counts Eq. 3 under --checkpoint-activations"),
-        assumed=("the paper's per-GCD figure holds for the layout of the authors' script for this model "
+        assumed=("the paper's per-GCD figure holds for the layout of the authors' script for this model and "
+                 f"averages the iterations it logs, which hold its evaluations ({eval_iters} global batch(es) every "
+                 f"{eval_interval} iteration(s): train.val_every, train.val_windows) "
                  "(the paper reports weak scaling at 100% efficiency, so the per-GCD rate does not depend on "
                  "the data-parallel size); GPT-2 vocabulary; DeepSpeed's pipeline (overlap = false, blocking sends "
-                 "and receives) with its bf16 optimizer's fp32 gradient accumulation (the scripts' bf16 and ZeRO-1); "
+                 "and receives) with fp16 ZeRO-1 and autograd's gradient accumulation (the scripts' DeepSpeed configurations: "
+                 "fp16, stage 1); "
                  + GPT_ASSUMED.replace("; attention scores materialised with a fused softmax "
                                        "(the profile's attention = fused_softmax)", "; flash attention")))
 
@@ -488,7 +502,9 @@ def cli_validation_table():
             status, prediction = run_cli(cli_argv(run, tmp))
             if status != 0:
                 raise RuntimeError(f"boostmpi sim failed on {run.name} (exit {status})")
-            rows.append((run, prediction["time_s"], prediction["time_s"] / run.measured_s - 1, prediction))
+            # what a training log times per iteration: the step, and the validation passes spread over the steps
+            predicted = prediction["time_with_validation_s"]
+            rows.append((run, predicted, predicted / run.measured_s - 1, prediction))
     return rows
 
 
@@ -499,13 +515,13 @@ def cli_summary(rows):
 
 def format_cli_table(rows):
     lines = ["| run | framework | source | measured s/iter | predicted s/iter | error | "
-             "compute / tp / bubble+p2p / dp (s) |", "|---|---|---|---|---|---|---|"]
+             "compute / tp / bubble+p2p / dp / validation (s) |", "|---|---|---|---|---|---|---|"]
     for run, predicted, error, p in rows:
         b = p["breakdown"]
         compute = b["gemm"] + b["elementwise"] + b["optimizer"]
         lines.append(f"| {run.name} | {run.framework} | {run.source} | {run.measured_s:.2f} | {predicted:.2f} | "
                      f"{error:+.1%} | {compute:.2f} / {b['tp_comm']:.2f} / {b['pp_bubble_and_p2p']:.2f} / "
-                     f"{b['dp_comm']:.2f} |")
+                     f"{b['dp_comm']:.2f} / {p['time_with_validation_s'] - p['time_s']:.2f} |")
     s = cli_summary(rows)
     lines.append(f"\nworst {s['worst']:.1%}, median {s['median']:.1%}, best {s['best']:.1%} over {len(rows)} runs "
                  f"({len(s['frameworks'])} frameworks: {', '.join(s['frameworks'])}; GPUs: {', '.join(s['gpus'])})")
