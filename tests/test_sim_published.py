@@ -438,11 +438,12 @@ VAL_TRAIN = {"micro_batch_size": 2, "grad_accum": 8, "val_every": 4, "val_window
 VAL_LAYOUT = {"tp": 2, "pp": 4, "dp": 2, "tp_mode": "vanilla"}
 
 
-def test_validation_inside_the_steps_is_priced_by_the_stack_s_schedule():
-    """A validation pass is forward only: boostmpi's engine runs each micro-batch through every stage in
-    turn and sums its loss over the ranks on the host ("sequential", Engine.evaluate); Megatron's and
-    DeepSpeed's forward-only schedules pipeline the micro-batches ("pipelined"). Spread over `val_every`
-    steps, it is what a training log's time per iteration shows."""
+def test_validation_inside_the_steps_is_pipelined_and_spread_over_them():
+    """A validation pass is forward only, its micro-batches pipelined through the stages (boostmpi's
+    Engine.evaluate_batches, Megatron's and DeepSpeed's forward-only schedules): n + pp - 1 slots of the
+    slowest stage's forward with the receive on each slot's path (and the send, where sends block), then
+    one sum over the ranks. Spread over `val_every` steps, it is what a training log's time per
+    iteration shows."""
     from dataclasses import replace
 
     from boostmpi.sim.costs import group_allreduce_seconds, group_link, p2p_seconds
@@ -451,29 +452,32 @@ def test_validation_inside_the_steps_is_priced_by_the_stack_s_schedule():
     cfg = config_from_dict({"model": GPT, "parallel": VAL_LAYOUT, "train": VAL_TRAIN})
     w = model.workload_of(cfg)
     assert w.val_micro_batches == 9  # 18 windows a data-parallel rank, 2 a micro-batch
-    seq, piped = model.predict(cfg, base), model.predict(cfg, replace(base, validation_schedule="pipelined"))
-    assert seq.time_s == piped.time_s  # the step itself does not change
-    forwards = seq.details["stage_forward_s"]
-    assert len(forwards) == 4 and max(forwards) == seq.details["forward_s"]
+    batched, blocking = model.predict(cfg, base), model.predict(cfg, replace(base, pipeline_p2p="blocking"))
+    forwards = batched.details["stage_forward_s"]
+    assert len(forwards) == 4 and max(forwards) == batched.details["forward_s"]
     hop = p2p_seconds(w.p2p_elements * 2, group_link(base, 2, 2))
-    host = group_allreduce_seconds(8, 16, 1, base)
-    assert seq.details["validation_s"] == pytest.approx(9 * (sum(forwards) + 3 * hop + host), rel=1e-12)
-    assert piped.details["validation_s"] == pytest.approx((9 + 3) * (max(forwards) + 2 * hop), rel=1e-12)
-    for p in (seq, piped):
+    host = group_allreduce_seconds(8 * 9, 16, 1, base)
+    assert batched.details["validation_s"] == pytest.approx((9 + 3) * (max(forwards) + hop) + host, rel=1e-12)
+    assert blocking.details["validation_s"] == pytest.approx((9 + 3) * (max(forwards) + 2 * hop) + host, rel=1e-12)
+    for p in (batched, blocking):
         assert p.details["time_with_validation_s"] == pytest.approx(p.time_s + p.details["validation_s"] / 4)
     quiet = model.predict(config_from_dict({"model": GPT, "parallel": VAL_LAYOUT,
                                             "train": {**VAL_TRAIN, "val_every": 0}}), base)
     assert quiet.details["time_with_validation_s"] == quiet.time_s  # 0: only at the end, outside the steps
 
 
-def test_validation_schedule_mutant_is_caught(monkeypatch):
-    from dataclasses import replace
-
+def test_validation_mutant_is_caught(monkeypatch):
+    """The mutant sends each micro-batch through every stage before the next (boostmpi's evaluation
+    before it was pipelined)."""
     right = model.validation_seconds
-    monkeypatch.setattr(model, "validation_seconds", lambda w, stages, machine, link, e: right(
-        w, stages, replace(machine, validation_schedule="sequential"), link, e))
+
+    def one_at_a_time(w, stages, machine, link, e):
+        n = w.val_micro_batches
+        return right(w, stages, machine, link, e) + (n * (w.pp - 1) - (w.pp - 1)) * max(st["fwd"].total for st in stages)
+
+    monkeypatch.setattr(model, "validation_seconds", one_at_a_time)
     with pytest.raises(AssertionError):
-        test_validation_inside_the_steps_is_priced_by_the_stack_s_schedule()
+        test_validation_inside_the_steps_is_pipelined_and_spread_over_them()
 
 
 def test_sim_prints_the_time_per_iteration_with_validation(tmp_path, capsys):
@@ -496,11 +500,9 @@ def test_stack_keys_in_a_profile_file(tmp_path, capsys):
     assert base.grad_accumulation_bytes == 0.0 and base.pipeline_p2p == "batched"  # built-ins leave them out
     path = tmp_path / "ds.toml"
     path.write_text(machine_to_toml(replace(base, grad_accumulation_bytes=12.0, pipeline_p2p="blocking",
-                                            zero3_gather_copy_bytes=4.0, zero3_reduce_copy_bytes=6.0,
-                                            validation_schedule="pipelined")))
+                                            zero3_gather_copy_bytes=4.0, zero3_reduce_copy_bytes=6.0)))
     loaded = load_machine(path)
     assert loaded.grad_accumulation_bytes == 12.0 and loaded.pipeline_p2p == "blocking"
-    assert loaded.validation_schedule == "pipelined" and base.validation_schedule == "sequential"
     assert (loaded.zero3_gather_copy_bytes, loaded.zero3_reduce_copy_bytes) == (4.0, 6.0)
     config = tmp_path / "c.toml"
     config.write_text(published.toml_text({"model": GPT}))
@@ -509,9 +511,7 @@ def test_stack_keys_in_a_profile_file(tmp_path, capsys):
                               ("zero3_reduce_copy_bytes = 6.0", "zero3_reduce_copy_bytes = -6.0",
                                "compute.zero3_reduce_copy_bytes must be 0 or more"),
                               ('pipeline_p2p = "blocking"', 'pipeline_p2p = "async"',
-                               "network.pipeline_p2p must be one of batched, blocking"),
-                              ('validation_schedule = "pipelined"', 'validation_schedule = "overlapped"',
-                               "compute.validation_schedule must be one of sequential, pipelined")):
+                               "network.pipeline_p2p must be one of batched, blocking")):
         bad = tmp_path / "bad.toml"
         bad.write_text(path.read_text().replace(old, new))
         assert main(["sim", "--config", str(config), "--machine", str(bad)]) == 2

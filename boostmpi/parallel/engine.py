@@ -296,25 +296,50 @@ class Engine:
     def evaluate(self, x, y):
         """Forward only, through the pipeline: the sum over all data-parallel ranks of (mean loss of
         their batch x rows). Every rank must call it; a rank with nothing to evaluate passes x = None."""
+        return self.evaluate_batches([None if x is None else (x, y)])[0]
+
+    def evaluate_batches(self, batches):
+        """Forward only, the batches pipelined through the stages: for each entry, the sum over all
+        data-parallel ranks of (mean loss of their batch x rows). Every rank calls it with a list of
+        the same length (the ranks of a data-parallel replica with the same batches); an entry is
+        (x, y), or None where this replica has nothing to evaluate.
+
+        A stage takes the next batch as soon as it has sent the last one on, so n batches cost about
+        n + pp - 1 stage forwards, not n x pp; with chunks (virtual stages) each chunk's round of the
+        batches follows the previous one round the ring of ranks. Sends are waited for only when
+        more than pp are on their way (without chunks; with them, at the end, the order of the ring
+        being what the receives follow), the losses are read from the device once and summed over
+        the ranks in one call."""
         xp, grid = self.xp, self.grid
         self._refresh_compute_params()
-        mine = 0.0
-        if x is not None:
-            B, T = x.shape
-            Cl = self.tp_layers.res_cols[1] - self.tp_layers.res_cols[0]
-            S, v = self.n_stages, self.n_chunks
-            for chunk in range(v):  # the activation goes round the ring of ranks once per chunk
-                j = chunk * S + self.stage  # the virtual stage
+        Cl = self.tp_layers.res_cols[1] - self.tp_layers.res_cols[0]
+        S, v = self.n_stages, self.n_chunks
+        losses, sends = [], []
+        for chunk in range(v):  # the activations go round the ring of ranks once per chunk
+            j = chunk * S + self.stage  # the virtual stage
+            for i, batch in enumerate(batches):
+                if batch is None:
+                    continue
+                x, y = batch
+                B, T = x.shape
                 h = None
                 if j > 0:
                     h = xp.empty((B * T, Cl), dtype=self.cdtype)
-                    grid.pp.irecv(h, (self.stage - 1) % S, tag=message_tag(FORWARD, 0, j - 1, S, v)).wait()
+                    grid.pp.irecv(h, (self.stage - 1) % S, tag=message_tag(FORWARD, i, j - 1, S, v)).wait()
                 out, _ = self._stage_forward(x, y, h, keep=False, chunk=chunk)
                 if j < S * v - 1:
-                    grid.pp.isend(out, (self.stage + 1) % S, tag=message_tag(FORWARD, 0, j, S, v)).wait()
+                    out = xp.ascontiguousarray(out)
+                    sends.append((grid.pp.isend(out, (self.stage + 1) % S, tag=message_tag(FORWARD, i, j, S, v)), out))
+                    if v == 1 and len(sends) > S:  # the next stage takes them in order
+                        sends.pop(0)[0].wait()
                 elif grid.coords.tp == 0:
-                    mine = read_to_host(xp, [out])[0] * B
-        return float(self.grid.host.sum([mine])[0])
+                    losses.append((i, out, B))
+        for req, _buf in sends:
+            req.wait()
+        mine = [0.0] * len(batches)
+        for (i, _, B), value in zip(losses, read_to_host(xp, [out for _, out, _ in losses])):
+            mine[i] = value * B
+        return [float(total) for total in self.grid.host.sum(mine)] if batches else []
 
     # ------------------------------------------------------------------ the gradient's norm
     def _grad_sq(self):

@@ -91,10 +91,6 @@ class Machine:
     # matching receive of the other direction in one call: two transfers on a step's path) or
     # "blocking" (each send and receive its own blocking call in schedule order: four)
     pipeline_p2p: str = "batched"
-    # [compute], optional: how the stack runs a validation pass through a pipeline: "sequential" (each
-    # micro-batch through every stage in turn, boostmpi's engine) or "pipelined" (a forward-only
-    # pipeline schedule, Megatron's and DeepSpeed's)
-    validation_schedule: str = "sequential"
 
     def peak(self, dtype):
         if dtype not in self.peak_flops:
@@ -131,16 +127,14 @@ _LAYOUT = {
     "zero3_gather_copy_bytes": ("compute", "zero3_gather_copy_bytes", float),
     "zero3_reduce_copy_bytes": ("compute", "zero3_reduce_copy_bytes", float),
     "pipeline_p2p": ("network", "pipeline_p2p", str),
-    "validation_schedule": ("compute", "validation_schedule", str),
 }
 assert set(_LAYOUT) == {f.name for f in fields(Machine)}
 
 _CHOICES = {"device": ("gpu", "cpu"), "attention": ("flash", "matmul", "fused_softmax"),
-            "elementwise": ("engine", "fused", "eager"), "pipeline_p2p": ("batched", "blocking"),
-            "validation_schedule": ("sequential", "pipelined")}
+            "elementwise": ("engine", "fused", "eager"), "pipeline_p2p": ("batched", "blocking")}
 # keys a profile may leave out, and their values then (profiles written before the key existed)
 _OPTIONAL = {"elementwise": "engine", "grad_accumulation_bytes": 0.0, "pipeline_p2p": "batched",
-             "zero3_gather_copy_bytes": 0.0, "zero3_reduce_copy_bytes": 0.0, "validation_schedule": "sequential"}
+             "zero3_gather_copy_bytes": 0.0, "zero3_reduce_copy_bytes": 0.0}
 _POSITIVE = {"memory_capacity_bytes", "memory_bandwidth", "elementwise_efficiency", "gemm_efficiency",
              "gemm_tile_m", "gemm_tile_n", "compute_units", "attention_efficiency", "optimizer_passes",
              "gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth"}

@@ -355,19 +355,17 @@ def predict_workload(w, machine, comm=None):
 
 
 def validation_seconds(w, stages, machine, pp_link, e):
-    """One validation pass, forward only: each data-parallel rank's `val_micro_batches` micro-batches.
-    "sequential" (boostmpi's engine, `Engine.evaluate`): each micro-batch passes every stage and chunk
-    in turn, then its loss is summed over all ranks on the host. "pipelined" (Megatron's forward-only
+    """One validation pass, forward only: each data-parallel rank's `val_micro_batches` micro-batches
+    pipelined through the stages (boostmpi's `Engine.evaluate_batches`, Megatron's forward-only
     schedule, DeepSpeed's InferenceSchedule): n + pp - 1 slots of the slowest stage's forward, each with
-    its receive and its send."""
+    the transfers on its path (the receive; and the send too where each blocks on its own:
+    pipeline_transfers), then one sum of the losses over all ranks."""
     n = w.val_micro_batches
     if not n:
         return 0.0
-    hop = p2p_seconds(w.p2p_elements * e, pp_link) if w.pp > 1 else 0.0
-    if machine.validation_schedule == "pipelined":
-        return (n + w.pp - 1) * (max(st["fwd"].total for st in stages) + 2 * hop)
-    host_sum = group_allreduce_seconds(8, w.tp * w.pp * w.dp, 1, machine)
-    return n * (sum(st["fwd"].total for st in stages) + (w.pp * w.virtual_stages - 1) * hop + host_sum)
+    hops = pipeline_transfers(machine) // 2 * p2p_seconds(w.p2p_elements * e, pp_link) if w.pp > 1 else 0.0
+    host_sum = group_allreduce_seconds(8 * n, w.tp * w.pp * w.dp, 1, machine)
+    return (n + w.pp - 1) * (max(st["fwd"].total for st in stages) + hops) + host_sum
 
 
 def grad_accumulation_seconds(params, machine):

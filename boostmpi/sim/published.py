@@ -269,8 +269,7 @@ MEGATRON_2021_TORCH_DDP = (("grad_accumulation_bytes", 6.0),)
 # DeepSpeed's pipeline engine (deepspeed/runtime/pipe/schedule.py, TrainSchedule; p2p.py: blocking
 # send and recv) issues every send and every receive as its own blocking instruction in schedule
 # order, four transfers on an interior stage's step where Megatron pairs them: network.pipeline_p2p.
-# Its evaluation (PipelineEngine.eval_batch) runs the forward-only InferenceSchedule: validation_schedule.
-DEEPSPEED_PIPELINE = (("pipeline_p2p", "blocking"), ("validation_schedule", "pipelined"))
+DEEPSPEED_PIPELINE = (("pipeline_p2p", "blocking"),)
 DEEPSPEED_BF16 = DEEPSPEED_PIPELINE + (("grad_accumulation_bytes", 18.0),)
 DEEPSPEED_FP16 = DEEPSPEED_PIPELINE + (("grad_accumulation_bytes", 6.0),)
 # PyTorch's FSDP2 of torchtitan's performance runs (torch/distributed/_composable/fsdp/ of PyTorch

@@ -329,11 +329,14 @@ class Trainer:
         dp, r = self.cfg.parallel.dp, e.grid.coords.dp
         B = tr.micro_batch_size
         n = len(self.val_x)
-        total = 0.0
+        batches = []
         for start in range(0, n, B * dp):
             lo = start + r * B
             hi = min(lo + B, n)
-            total += e.evaluate(self.val_x[lo:hi], self.val_y[lo:hi]) if lo < hi else e.evaluate(None, None)
+            batches.append((self.val_x[lo:hi], self.val_y[lo:hi]) if lo < hi else None)
+        total = 0.0
+        for summed in e.evaluate_batches(batches):
+            total += summed
         return total / n
 
     def _mfu(self, seconds):
