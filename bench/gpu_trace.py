@@ -357,7 +357,7 @@ ALLOWANCE = {"cuda_context": 500_000_000,  # the CUDA context and the loaded ker
              "cublas_workspace": 4 * 1024 * 1024}  # cuBLAS's default workspace on pre-Hopper GPUs
 
 
-def paper_config(name, n_layers=None):
+def paper_config(name, n_layers=None, recompute="lowrank"):
     from boostmpi.config import config_from_dict
 
     p = PAPER[name]
@@ -367,7 +367,7 @@ def paper_config(name, n_layers=None):
     return config_from_dict({"model": model,
                              "parallel": {"tp_mode": "btp", "grouped": True, **p["parallel"]},
                              "train": {"device": "gpu", "dtype": "bfloat16", "micro_batch_size": 4,
-                                       "grad_accum": p["grad_accum"], "recompute": "lowrank"}})
+                                       "grad_accum": p["grad_accum"], "recompute": recompute}})
 
 
 def not_tensor_core(ops):
@@ -399,7 +399,7 @@ def paper_report(args, world):
     from boostmpi.sim.trace import by_site, plan_launches_and_bytes
 
     machine = load_machine(args.machine)
-    cfg = paper_config(args.paper)
+    cfg = paper_config(args.paper, recompute=args.recompute)
     tp, pp, M = cfg.parallel.tp, cfg.parallel.pp, cfg.train.grad_accum
     size = 1 if world is None else world.Get_size()
     if size != tp * pp:
@@ -410,7 +410,8 @@ def paper_report(args, world):
     rec = Recorder()
     install(rec, run_kernels=True)
     full = run_steps(rec, cfg, world, steps=2)
-    per_stage = {n: run_steps(rec, paper_config(args.paper, n * pp), world, steps=1)["ops"] for n in (1, 2)}
+    per_stage = {n: run_steps(rec, paper_config(args.paper, n * pp, args.recompute), world, steps=1)["ops"]
+                 for n in (1, 2)}
     priced = price(full["ops"], machine, tp)
     bad = not_tensor_core(full["ops"])
     mine = {"rank": rank, "priced": priced, "host_syncs": full["host_syncs"], "pool": full["pool"],
@@ -434,7 +435,7 @@ def paper_report(args, world):
     top = max(ranks, key=lambda r: r["pool"]["total"])
     m = cfg.model
     out = {
-        "layout": args.paper, "machine": machine.name, "ranks": size, "tp": tp, "pp": pp, "micro_batches": M,
+        "layout": args.paper, "recompute": args.recompute, "machine": machine.name, "ranks": size, "tp": tp, "pp": pp, "micro_batches": M,
         "launches_per_layer": round(per_layer["launches"], 2),
         "gemm_launches_per_layer": round(per_layer["gemm_launches"], 2),
         "plan_launches_per_layer": plan_launches, "plan_gemms_per_layer": plan_gemms,
@@ -477,6 +478,8 @@ def main():
     ap.add_argument("--paper", choices=sorted(PAPER), help="the paper's layout at full size (with --meta)")
     ap.add_argument("--meta", action="store_true", help="the stand-in's shapes-only mode (no values)")
     ap.add_argument("--json", help="--paper: write the result object here")
+    ap.add_argument("--recompute", choices=("lowrank", "layer", "selective", "none"), default="lowrank",
+                    help="--paper: the recompute policy (the paper's is lowrank)")
     ap.add_argument("--tp-mode", choices=("btp", "vanilla"), default="btp",
                     help="without --paper: the layout's tp mode (vanilla: no recompute; with --arch full, Megatron)")
     ap.add_argument("--arch", choices=("cola", "full"), default="cola", help="without --paper: the layout's arch")

@@ -104,6 +104,16 @@ class Saved:
     tape: Tape = None  # lowrank
 
 
+def _kept_alloc(h):
+    """What a recompute policy allocates the arrays it keeps with: on a GPU the kept pool's
+    `kept_empty`, on the CPU None (NumPy allocates as it would anyway)."""
+    if get_array_module(h) is np:
+        return None
+    from boostmpi.gpu.pools import kept_empty
+
+    return kept_empty
+
+
 class NoRecompute:
     lean_head = False
 
@@ -119,7 +129,9 @@ class LayerRecompute:
     lean_head = False
 
     def forward(self, block, h, input_is_lookup):
-        h_out, _ = block.forward(h)
+        """The layer keeps its input; on a GPU its output, the next layer's kept input, is allocated
+        from the kept pool (boostmpi.gpu.pools: why)."""
+        h_out, _ = block.forward(h, out_alloc=_kept_alloc(h))
         return h_out, Saved(h=h)
 
     def cache(self, block, saved, look_up):
@@ -132,13 +144,9 @@ class LowRankRecompute:
     def forward(self, block, h, input_is_lookup):
         """On a GPU what the layer keeps (with its output, the next layer's input) is allocated from
         the kept pool (boostmpi.gpu.pools: why)."""
-        alloc = None
-        if get_array_module(h) is not np:
-            from boostmpi.gpu.pools import kept_empty
-
-            alloc = kept_empty
+        alloc = _kept_alloc(h)
         tape = Tape().start_recording(alloc)
-        h_out, _ = block.forward(h, tape, output_kept=True)
+        h_out, _ = block.forward(h, tape, out_alloc=alloc)
         tape._alloc = None
         return h_out, Saved(h=None if input_is_lookup else h, tape=tape)
 

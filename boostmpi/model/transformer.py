@@ -39,15 +39,15 @@ class Block:
         self.i, self.P, self.tp_layers, self.rope, self.shape = i, P, tp_layers, rope, shape
         self.pre = f"layers/{i}/"
 
-    def forward(self, h, tape=NO_TAPE, output_kept=False):
-        """-> (h_out, BlockCache). `output_kept`: a lowrank forward keeps h_out as the next layer's
-        input, so on a GPU it is allocated as what this layer keeps is (`tape.alloc`)."""
+    def forward(self, h, tape=NO_TAPE, out_alloc=None):
+        """-> (h_out, BlockCache). `out_alloc(shape, dtype)`, when given, allocates h_out: a recompute
+        policy that keeps h_out as the next layer's input passes the allocator of what it keeps (on a
+        GPU, the kept pool: boostmpi.gpu.pools)."""
         h, a, cache = self._before_down_proj(h, tape)
         y, cache.down = self.tp_layers.out_proj_forward(a, self.pre + "down", self.P, tape)
-        alloc = tape.alloc if output_kept else None
-        if alloc is None:
+        if out_alloc is None:
             return h + y, cache
-        return get_array_module(h).add(h, y, out=alloc(h.shape, h.dtype)), cache
+        return get_array_module(h).add(h, y, out=out_alloc(h.shape, h.dtype)), cache
 
     def recompute(self, h, tape):
         """The BlockCache of the forward again, for a backward that follows at once (`tape` replays
