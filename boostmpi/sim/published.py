@@ -444,6 +444,42 @@ def _torchtitan_cli(name, C, layers, heads, kv_heads, F, V, T, local_batch, reco
                  "profile's elementwise = eager)"))
 
 
+# DeepSpeed ZeRO-3 on Azure (the DeepSpeed team's post "Azure empowers easy-to-use, high-performance, and
+# hyperscale model training using DeepSpeed", 2022-07-26, docs/_posts/2022-07-26-deepspeed-azure.md of
+# the DeepSpeed repository): Megatron-DeepSpeed's GPT, DeepSpeed 0.6.2, on NDm A100 v4 nodes (8 A100 80GB
+# on NVSwitch, one 200 Gb/s HDR adapter per GPU: the a100-80gb-dgx profile), the peak TFLOP/s per GPU by
+# Megatron's Eq. 3. The text states three runs with their micro-batch (the 530B's 171.37 TFLOP/s is not
+# tied to one): name, heads, hidden, layers (the post's Table 2), sequence, GPUs, micro-batch, TFLOP/s.
+# The layouts are the post's recipes (microsoft/Megatron-DeepSpeed, examples_deepspeed/azure/run-175b.sh
+# and run-1t.sh): no tensor or pipeline parallelism, ZeRO stage 3 with overlap_comm, fp16, activation
+# checkpointing, one micro-batch per step (global batch = GPUs x micro-batch), GPT-2's vocabulary; the 1T
+# recipe (and so the 2T run) offloads the optimizer to the CPU (offload_optimizer "cpu", --cpu-optimizer).
+AZURE_ZERO3 = [
+    ("175B", 96, 12288, 96, 512, 256, 32, 204.49, False),
+    ("1T", 160, 25600, 128, 1024, 1024, 8, 165.36, True),
+    ("2T", 128, 32768, 160, 1024, 1024, 8, 157.0, True),
+]
+
+
+def _azure_cli(name, heads, h, l, seq, gpus, mbs, tflops, offload):
+    V = 50304  # GPT-2's 50257 padded to a multiple of 128 (Megatron's rule at tp = 1)
+    B = gpus * mbs
+    offloaded = ("; the optimizer offloaded to the CPU (DeepSpeed's CPU Adam over each GPU's 1/N of the "
+                 "parameters, and their transfers over PCIe) is not priced: by host-memory bandwidth about 1 s "
+                 "a step; the model's memory says the run does not fit 80 GB, and the post keeps activations in "
+                 "main memory too (not priced either)") if offload else ""
+    return CliRun(
+        name=f"GPT {name} ZeRO-3 ({gpus} GPUs, micro-batch {mbs}, seq {seq})", framework="DeepSpeed ZeRO-3",
+        gpu="A100", source="DeepSpeed on Azure (deepspeed.ai, 2022-07-26); layout: its Megatron-DeepSpeed recipes",
+        machine="a100-80gb-dgx", network=MATERIALISED,
+        config=cli_config(h, heads, l, V, seq, 1, 1, gpus, B, mbs, zero=3, dropout=GPT_DROPOUT),
+        measured_s=sc21_flops_per_iteration(B, seq, l, h, V) / (gpus * tflops * 1e12),
+        derived=(f"Eq. 3 FLOPs / ({gpus} GPUs x {tflops} TFLOP/s per GPU, the post's peak); "
+                 "Megatron-DeepSpeed's throughput calculator counts Eq. 3 under --checkpoint-activations"),
+        assumed=(GPT_ASSUMED + "; DeepSpeed ZeRO-3's own copies around its collectives not counted (its code "
+                 "not read for them); the peak (fastest) iteration taken as the step" + offloaded))
+
+
 def cli_runs():
     runs = [_sc21_cli(*row) for row in SC21_TABLE_1]
     runs += [r for row in KORTHIKANTI for r in _korthikanti_cli(*row)]
@@ -452,6 +488,7 @@ def cli_runs():
     runs += [_llama3_cli(*row) for row in LLAMA3]
     runs += [_torchtitan_cli(*row) for row in TORCHTITAN]
     runs += [_frontier_cli(*row) for row in FRONTIER]
+    runs += [_azure_cli(*row) for row in AZURE_ZERO3]
     return runs
 
 
