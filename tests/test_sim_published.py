@@ -14,10 +14,10 @@ from boostmpi.sim import model, plans, published
 from boostmpi.sim.machines import load_machine
 
 # What docs/SIM.md records for the command-line set; a change that makes either worse fails here. The
-# DeepSpeed ZeRO-3 rows are not matched (18-39% fast, docs/SIM.md says what was examined); every other
+# DeepSpeed ZeRO-3 rows are not matched (16-37% fast, docs/SIM.md says what was examined); every other
 # row stays within 19%.
 CLI_WORST_BOUND = 0.19
-ZERO3_DEEPSPEED_BOUND = 0.39
+ZERO3_DEEPSPEED_BOUND = 0.37
 CLI_MEDIAN_BOUND = 0.081
 
 GPT = {"arch": "full", "vocab_size": 51200, "d_model": 4096, "n_layers": 8, "n_heads": 32, "d_ff": 10944,

@@ -461,6 +461,16 @@ AZURE_ZERO3 = [
 ]
 
 
+# DeepSpeed 0.6.2's ZeRO-3 copies on the compute path, read off its code (deepspeed/runtime/zero/
+# partition_parameters.py, comm/coalesced_collectives.py): a module of several parameters (Megatron's
+# linear layers: weight and bias) is gathered into one flat buffer, and AllGatherCoalescedHandle.wait
+# copies each parameter out of the ranks' interleaved partitions with torch.cat (2 + 2 bytes); its
+# gradients are interleaved into one buffer with torch.cat (2 + 2) and pre-divided in place (div_:
+# 2 + 2) before the reduce-scatter. The gradients of these weights exceed reduce_bucket_size (9e7), so
+# the contiguous-bucket copy is skipped.
+DEEPSPEED_ZERO3 = (("zero3_gather_copy_bytes", 4.0), ("zero3_reduce_copy_bytes", 8.0))
+
+
 def _azure_cli(name, heads, h, l, seq, gpus, mbs, tflops, offload):
     V = 50304  # GPT-2's 50257 padded to a multiple of 128 (Megatron's rule at tp = 1)
     B = gpus * mbs
@@ -471,13 +481,14 @@ def _azure_cli(name, heads, h, l, seq, gpus, mbs, tflops, offload):
     return CliRun(
         name=f"GPT {name} ZeRO-3 ({gpus} GPUs, micro-batch {mbs}, seq {seq})", framework="DeepSpeed ZeRO-3",
         gpu="A100", source="DeepSpeed on Azure (deepspeed.ai, 2022-07-26); layout: its Megatron-DeepSpeed recipes",
-        machine="a100-80gb-dgx", network=MATERIALISED,
+        machine="a100-80gb-dgx", network=MATERIALISED + DEEPSPEED_ZERO3,
         config=cli_config(h, heads, l, V, seq, 1, 1, gpus, B, mbs, zero=3, dropout=GPT_DROPOUT),
         measured_s=sc21_flops_per_iteration(B, seq, l, h, V) / (gpus * tflops * 1e12),
         derived=(f"Eq. 3 FLOPs / ({gpus} GPUs x {tflops} TFLOP/s per GPU, the post's peak); "
                  "Megatron-DeepSpeed's throughput calculator counts Eq. 3 under --checkpoint-activations"),
-        assumed=(GPT_ASSUMED + "; DeepSpeed ZeRO-3's own copies around its collectives not counted (its code "
-                 "not read for them); the peak (fastest) iteration taken as the step" + offloaded))
+        assumed=(GPT_ASSUMED + "; DeepSpeed 0.6.2's copies around its collectives as read off its code "
+                 "(4 bytes a parameter per gather, 8 per reduce-scatter); the peak (fastest) iteration taken as "
+                 "the step" + offloaded))
 
 
 def cli_runs():
