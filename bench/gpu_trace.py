@@ -224,9 +224,9 @@ def attention_kernel(name, args):
     """A fused attention launch: the bytes of its tile plan, and its causal FLOPs over all the dims of a
     tile (64 or 128, whatever Dh is), priced (boostmpi.sim.trace) at the profile's attention efficiency
     of the float32 peak (the FMA kernels) or, for the tensor-core forward, dQ and dK/dV passes
-    (BOOSTMPI_ATTENTION_TENSOR_CORES=1: bf16 WMMA, 128-dim tiles; the dK/dV pass's key tiles of 64),
-    of the bf16 tensor-core peak: the efficiency the analytical model assumes for FlashAttention-2,
-    its softmax work included in that fraction."""
+    (bf16 WMMA, 64- or 128-dim tiles as for the FMA kernels; the dK/dV pass's key tiles of 64), of the
+    bf16 tensor-core peak: the efficiency the analytical model assumes for FlashAttention-2, its softmax
+    work included in that fraction."""
     from boostmpi.gpu import kernels
 
     tensor_cores = "_tc_" in name
@@ -236,18 +236,18 @@ def attention_kernel(name, args):
     key_tile = kernels.ATTENTION_TC_BWD_KEY_TILE if tensor_cores else kernels.ATTENTION_BWD_KEY_TILE
     read, written = kernels.attention_traffic(B, T, H, k.shape[2], Dh, q.itemsize,
                                               key_tile=key_tile)[ATTENTION_TRAFFIC[entry]]
-    dims = kernels.ATTENTION_HEAD_DIM_MAX if tensor_cores else kernels.attention_head_tile(Dh)
+    dims = kernels.attention_head_tile(Dh)
     flops = ATTENTION_PRODUCTS[entry] * 2.0 * B * H * T * (T + 1) / 2 * dims
     return dict(kind="attention", name=name, nbytes=read + written, dtype="bfloat16" if tensor_cores else "float32",
                 flops=flops)
 
 
 # ---------------------------------------------------------------- the step
-def config(scale, layers, tp=1, tp_mode="btp", arch="cola"):
+def config(scale, layers, tp=1, tp_mode="btp", arch="cola", head_dim=128):
     from boostmpi.config import config_from_dict
 
     d = 4096 // scale
-    model = dict(arch=arch, d_model=d, n_heads=max(d // 128, tp), d_ff=16 * -(-11008 // scale // 16),
+    model = dict(arch=arch, d_model=d, n_heads=max(d // head_dim, tp), d_ff=16 * -(-11008 // scale // 16),
                  rank=1024 // scale, vocab_size=32000 // scale, seq_len=4096 // scale, n_layers=layers)
     return config_from_dict({"model": model, "parallel": {"tp": tp, "tp_mode": tp_mode, "grouped": True},
                              "train": {"device": "gpu", "dtype": "bfloat16", "micro_batch_size": 4,
@@ -483,6 +483,7 @@ def main():
     ap.add_argument("--tp-mode", choices=("btp", "vanilla"), default="btp",
                     help="without --paper: the layout's tp mode (vanilla: no recompute; with --arch full, Megatron)")
     ap.add_argument("--arch", choices=("cola", "full"), default="cola", help="without --paper: the layout's arch")
+    ap.add_argument("--head-dim", type=int, default=128, help="without --paper: the attention's head dim (the 7B's: 128)")
     args = ap.parse_args()
     world = None
     if args.paper:
@@ -536,7 +537,7 @@ def report(args, world):
     machine, tp = load_machine(args.machine), args.tp
     rec = Recorder()
     install(rec)
-    traced = {n: trace_step(rec, config(args.scale, n, tp, args.tp_mode, args.arch), world) for n in (1, 2)}
+    traced = {n: trace_step(rec, config(args.scale, n, tp, args.tp_mode, args.arch, args.head_dim), world) for n in (1, 2)}
     if world is not None and world.Get_rank() != 0:
         return
     traces = {n: ops for n, (ops, _) in traced.items()}
@@ -544,7 +545,7 @@ def report(args, world):
     per_layer = {k: priced[2][k] - priced[1][k] for k in priced[1]}
     extrapolated = {k: priced[1][k] + (LAYERS - 1) * per_layer[k] for k in priced[1]}
 
-    cfg = config(args.scale, LAYERS, tp, args.tp_mode, args.arch)
+    cfg = config(args.scale, LAYERS, tp, args.tp_mode, args.arch, args.head_dim)
     m = cfg.model
     # the model's other attention: score matrices materialised (how the GPU path ran before its fused kernels)
     materialised = replace(machine, attention="matmul")
@@ -567,7 +568,7 @@ def report(args, world):
     for n, (ops, counted) in traced.items():
         calls = [op for op in ops if op.kind == "collective"]
         kinds = ", ".join(f"{sum(op.name == k for op in calls)} {k}" for k in sorted({op.name for op in calls}))
-        small = config(args.scale, n, tp, args.tp_mode, args.arch)
+        small = config(args.scale, n, tp, args.tp_mode, args.arch, args.head_dim)
         print(f"layers={n}: NCCL {sum(op.nbytes for op in calls)} B in {len(calls)} calls ({kinds or 'none'}), "
               f"engine counters {counted['bytes']['tp']} B in {counted['calls']['tp']} calls, "
               f"model {comm_bytes(small)['tp']} B in {tp_calls(small)} calls")

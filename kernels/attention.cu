@@ -417,11 +417,14 @@ ROPE_ENTRY_POINTS(float, f32)
 ROPE_ENTRY_POINTS(bf16, bf16)
 
 // ------------------------------------------------------------------------------------------------
-// Tensor cores (CUDA WMMA), an option OFF by default: compiled only with -DBOOSTMPI_ATTENTION_WMMA
+// Tensor cores (CUDA WMMA), compiled only with -DBOOSTMPI_ATTENTION_WMMA
 // (which NVRTC accepts with CUDA's crt/mma.h on its include path: docs/GPU.md), which the wrapper
-// adds when BOOSTMPI_ATTENTION_TENSOR_CORES=1 (bf16, 32-lane devices). attention_forward_tc_bf16: the forward of attention_forward_bf16 with QK^T and PV on
-// WMMA (bf16 16x16x16, fp32 accumulate); attention_backward_tc_bf16 and attention_backward_dq_tc_bf16
-// (below) the backward's two passes.
+// adds for bf16 on 32-lane devices of compute capability 8.0 or later unless BOOSTMPI_ATTENTION_TENSOR_CORES=0.
+// Each kernel is a template on HD, the head dims its tiles hold (128, or 64 in the tc_hd64_ entry
+// points at the end, for Dh <= 64); the sizes below are HD = 128's.
+// attention_forward_tc_bf16: the forward of attention_forward_bf16 with QK^T and PV on WMMA (bf16
+// 16x16x16, fp32 accumulate); attention_backward_tc_bf16 and attention_backward_dq_tc_bf16 (below) the
+// backward's two passes.
 // One block per (b, h, 64-query tile), 4 warps of 32 lanes, warp w owning queries 16w .. 16w + 15;
 // 64-key tiles of K, then V, staged as bf16. Per key tile and warp: S = Q K^T (4 x 8 mma_sync) to
 // shared memory; each row's online softmax by two lanes (32 scores each); P as bf16 to shared
@@ -439,8 +442,9 @@ ROPE_ENTRY_POINTS(bf16, bf16)
 static_assert(ATTN_TC_WARPS * 16 == ATTN_QUERY_TILE, "one 16-row strip of the query tile per warp");
 static_assert(ATTN_TC_THREADS == ATTN_TC_WARPS * 32, "32-lane warps");
 
+template <int HD>
 struct __align__(32) TcTile {  // WMMA loads need 256-bit aligned rows
-    bf16 v[ATTN_TC_KEYS][ATTN_HEAD_DIM_MAX];
+    bf16 v[ATTN_TC_KEYS][HD];
 };
 struct __align__(32) TcScores {
     float s[ATTN_TC_WARPS][16][ATTN_TC_KEYS];
@@ -449,15 +453,15 @@ struct __align__(32) TcProbs {
     bf16 p[ATTN_TC_WARPS][16][ATTN_TC_KEYS];
 };
 
-// (the signature on one line, as the harness reads entry points)
-extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM) attention_forward_tc_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int tokens, int H, int Hkv, int Dh, float scale) {
+template <int HD>
+__device__ __forceinline__ void attention_forward_tc(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int tokens, int H, int Hkv, int Dh, float scale) {
     using namespace nvcuda;
     typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> Acc;
-    __shared__ TcTile kv;
+    __shared__ TcTile<HD> kv;
     __shared__ TcScores scores;
     __shared__ TcProbs probs;
     __shared__ float row_factor[ATTN_TC_WARPS][16];
-    const int DIM_TILES = ATTN_HEAD_DIM_MAX / 16, KEY_TILES = ATTN_TC_KEYS / 16;
+    const int DIM_TILES = HD / 16, KEY_TILES = ATTN_TC_KEYS / 16;
     int tile, slice;
     tile_and_slice((tokens + ATTN_QUERY_TILE - 1) / ATTN_QUERY_TILE, true, &tile, &slice);
     const int b = slice / H, h = slice - b * H, kv_head = h / (H / Hkv);
@@ -466,14 +470,13 @@ extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM
     const int i = q0 + 16 * warp + row;         // this lane's query in the softmax
 
     // Q: staged through the K/V buffer, then 8 fragments a warp in registers
-    load_tile<bf16, ATTN_TC_KEYS, ATTN_HEAD_DIM_MAX>(kv.v, q, b, q0, tokens, tokens, H, h, Dh);
+    load_tile<bf16, ATTN_TC_KEYS, HD>(kv.v, q, b, q0, tokens, tokens, H, h, Dh);
     // the accumulator's row map: element e of a fragment holds row rows.x[e]
     for (int e = lane; e < 256; e += 32) scores.s[warp][e / 16][e % 16] = static_cast<float>(e / 16);
     __syncthreads();
     wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> q_frag[DIM_TILES];
     for (int kk = 0; kk < DIM_TILES; ++kk)
-        wmma::load_matrix_sync(q_frag[kk], reinterpret_cast<const __nv_bfloat16*>(&kv.v[16 * warp][16 * kk]),
-                               ATTN_HEAD_DIM_MAX);
+        wmma::load_matrix_sync(q_frag[kk], reinterpret_cast<const __nv_bfloat16*>(&kv.v[16 * warp][16 * kk]), HD);
     Acc rows;
     wmma::load_matrix_sync(rows, &scores.s[warp][0][0], ATTN_TC_KEYS, wmma::mem_row_major);
     Acc out[DIM_TILES];
@@ -483,7 +486,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM
     const int key_end = min(tokens, q0 + ATTN_QUERY_TILE);
     for (int k0 = 0; k0 < key_end; k0 += ATTN_TC_KEYS) {
         __syncthreads();  // Q (first tile) or the previous V tile is no longer read
-        load_tile<bf16, ATTN_TC_KEYS, ATTN_HEAD_DIM_MAX>(kv.v, k, b, k0, key_end, tokens, Hkv, kv_head, Dh);
+        load_tile<bf16, ATTN_TC_KEYS, HD>(kv.v, k, b, k0, key_end, tokens, Hkv, kv_head, Dh);
         __syncthreads();
         // (loops over fragments in arrays are unrolled, the others not: hoisted fragment loads spill)
 #pragma unroll 1
@@ -493,14 +496,13 @@ extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM
 #pragma unroll
             for (int kk = 0; kk < DIM_TILES; ++kk) {
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> k_frag;
-                wmma::load_matrix_sync(k_frag, reinterpret_cast<const __nv_bfloat16*>(&kv.v[16 * n][16 * kk]),
-                                       ATTN_HEAD_DIM_MAX);
+                wmma::load_matrix_sync(k_frag, reinterpret_cast<const __nv_bfloat16*>(&kv.v[16 * n][16 * kk]), HD);
                 wmma::mma_sync(s, q_frag[kk], k_frag, s);
             }
             wmma::store_matrix_sync(&scores.s[warp][0][16 * n], s, ATTN_TC_KEYS, wmma::mem_row_major);
         }
         __syncthreads();  // the scores are written; K is no longer read
-        load_tile<bf16, ATTN_TC_KEYS, ATTN_HEAD_DIM_MAX>(kv.v, v, b, k0, key_end, tokens, Hkv, kv_head, Dh);
+        load_tile<bf16, ATTN_TC_KEYS, HD>(kv.v, v, b, k0, key_end, tokens, Hkv, kv_head, Dh);
         // online softmax of this lane's half row (keys at or past key_end, or after query i, masked)
         float tile_max = negative_infinity();
         for (int c = 32 * half; c < 32 * half + 32; ++c) {
@@ -531,8 +533,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> v_frag;
                 wmma::load_matrix_sync(p_frag, reinterpret_cast<const __nv_bfloat16*>(&probs.p[warp][0][16 * kk]),
                                        ATTN_TC_KEYS);
-                wmma::load_matrix_sync(v_frag, reinterpret_cast<const __nv_bfloat16*>(&kv.v[16 * kk][16 * n]),
-                                       ATTN_HEAD_DIM_MAX);
+                wmma::load_matrix_sync(v_frag, reinterpret_cast<const __nv_bfloat16*>(&kv.v[16 * kk][16 * n]), HD);
                 wmma::mma_sync(out[n], p_frag, v_frag, out[n]);
             }
         }
@@ -572,35 +573,38 @@ extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM
 #define ATTN_TC_BWD_QUERIES 16
 static_assert(ATTN_TC_WARPS * 16 == ATTN_TC_BWD_KEYS, "one 16-key strip of the key tile per warp");
 
+template <int HD>
 struct __align__(32) TcBackwardTiles {
-    bf16 k[ATTN_TC_BWD_KEYS][ATTN_HEAD_DIM_MAX];
-    bf16 v[ATTN_TC_BWD_KEYS][ATTN_HEAD_DIM_MAX];
-    bf16 q[ATTN_TC_BWD_QUERIES][ATTN_HEAD_DIM_MAX];
-    bf16 d_o[ATTN_TC_BWD_QUERIES][ATTN_HEAD_DIM_MAX];
+    bf16 k[ATTN_TC_BWD_KEYS][HD];
+    bf16 v[ATTN_TC_BWD_KEYS][HD];
+    bf16 q[ATTN_TC_BWD_QUERIES][HD];
+    bf16 d_o[ATTN_TC_BWD_QUERIES][HD];
     float s[ATTN_TC_WARPS][16][ATTN_TC_BWD_QUERIES];  // S^T, then dP^T, of each warp's keys
     bf16 p[ATTN_TC_WARPS][16][ATTN_TC_BWD_QUERIES];   // P^T, then dS^T
     float lse[ATTN_TC_BWD_QUERIES];
     float delta[ATTN_TC_BWD_QUERIES];
 };
 
-// out[16][16] = A B^T: A a warp's 16 staged rows, B 16 staged rows (both [row][dim], ld 128: B row-major
-// is B^T column-major), over the 128 dims.
+// out[16][16] = A B^T: A a warp's 16 staged rows, B 16 staged rows (both [row][dim], ld HD: B row-major
+// is B^T column-major), over the HD dims.
+template <int HD>
 __device__ __forceinline__ void strip_times_staged_t(float* out, const __nv_bfloat16* a, const __nv_bfloat16* b) {
     using namespace nvcuda;
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
     wmma::fill_fragment(acc, 0.0f);
 #pragma unroll 1
-    for (int kk = 0; kk < ATTN_HEAD_DIM_MAX / 16; ++kk) {
+    for (int kk = 0; kk < HD / 16; ++kk) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a_frag;
         wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b_frag;
-        wmma::load_matrix_sync(a_frag, a + 16 * kk, ATTN_HEAD_DIM_MAX);
-        wmma::load_matrix_sync(b_frag, b + 16 * kk, ATTN_HEAD_DIM_MAX);
+        wmma::load_matrix_sync(a_frag, a + 16 * kk, HD);
+        wmma::load_matrix_sync(b_frag, b + 16 * kk, HD);
         wmma::mma_sync(acc, a_frag, b_frag, acc);
     }
     wmma::store_matrix_sync(out, acc, ATTN_TC_BWD_QUERIES, wmma::mem_row_major);
 }
 
-// acc[n] += A B[:, 16n .. 16n + 15]: A the warp's staged 16 x 16 (ld 16), B 16 staged rows of 128 dims.
+// acc[n] += A B[:, 16n .. 16n + 15]: A the warp's staged 16 x 16 (ld 16), B 16 staged rows of HD dims.
+template <int HD>
 __device__ __forceinline__ void accumulate_strip_times_staged(
     nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float>* acc, const __nv_bfloat16* a,
     const __nv_bfloat16* b) {
@@ -608,26 +612,26 @@ __device__ __forceinline__ void accumulate_strip_times_staged(
     wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a_frag;
     wmma::load_matrix_sync(a_frag, a, ATTN_TC_BWD_QUERIES);
 #pragma unroll
-    for (int n = 0; n < ATTN_HEAD_DIM_MAX / 16; ++n) {
+    for (int n = 0; n < HD / 16; ++n) {
         wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> b_frag;
-        wmma::load_matrix_sync(b_frag, b + 16 * n, ATTN_HEAD_DIM_MAX);
+        wmma::load_matrix_sync(b_frag, b + 16 * n, HD);
         wmma::mma_sync(acc[n], a_frag, b_frag, acc[n]);
     }
 }
 
-// (the signature on one line, as the harness reads entry points)
-extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM) attention_backward_tc_bf16(const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* delta, bf16* dk, bf16* dv, int tokens, int H, int Hkv, int Dh, float scale) {
+template <int HD>
+__device__ __forceinline__ void attention_backward_tc(const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* delta, bf16* dk, bf16* dv, int tokens, int H, int Hkv, int Dh, float scale) {
     using namespace nvcuda;
     typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> Acc;
-    __shared__ TcBackwardTiles t;
-    const int DIM_TILES = ATTN_HEAD_DIM_MAX / 16, PER_LANE = 16 * ATTN_TC_BWD_QUERIES / 32;
+    __shared__ TcBackwardTiles<HD> t;
+    const int DIM_TILES = HD / 16, PER_LANE = 16 * ATTN_TC_BWD_QUERIES / 32;
     int tile, slice;
     tile_and_slice((tokens + ATTN_TC_BWD_KEYS - 1) / ATTN_TC_BWD_KEYS, false, &tile, &slice);
     const int b = slice / Hkv, kv_head = slice - b * Hkv, G = H / Hkv;
     const int k0 = tile * ATTN_TC_BWD_KEYS, warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
 
-    load_tile<bf16, ATTN_TC_BWD_KEYS, ATTN_HEAD_DIM_MAX>(t.k, k, b, k0, tokens, tokens, Hkv, kv_head, Dh);
-    load_tile<bf16, ATTN_TC_BWD_KEYS, ATTN_HEAD_DIM_MAX>(t.v, v, b, k0, tokens, tokens, Hkv, kv_head, Dh);
+    load_tile<bf16, ATTN_TC_BWD_KEYS, HD>(t.k, k, b, k0, tokens, tokens, Hkv, kv_head, Dh);
+    load_tile<bf16, ATTN_TC_BWD_KEYS, HD>(t.v, v, b, k0, tokens, tokens, Hkv, kv_head, Dh);
     Acc dk_acc[DIM_TILES], dv_acc[DIM_TILES];
 #pragma unroll
     for (int n = 0; n < DIM_TILES; ++n) {
@@ -647,15 +651,15 @@ extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM
         for (int i0 = k0; i0 < tokens; i0 += ATTN_TC_BWD_QUERIES) {
             const int n_rows = min(ATTN_TC_BWD_QUERIES, tokens - i0);
             __syncthreads();  // the previous query tile is no longer read
-            load_tile<bf16, ATTN_TC_BWD_QUERIES, ATTN_HEAD_DIM_MAX>(t.q, q, b, i0, tokens, tokens, H, h, Dh);
-            load_tile<bf16, ATTN_TC_BWD_QUERIES, ATTN_HEAD_DIM_MAX>(t.d_o, d_o, b, i0, tokens, tokens, H, h, Dh);
+            load_tile<bf16, ATTN_TC_BWD_QUERIES, HD>(t.q, q, b, i0, tokens, tokens, H, h, Dh);
+            load_tile<bf16, ATTN_TC_BWD_QUERIES, HD>(t.d_o, d_o, b, i0, tokens, tokens, H, h, Dh);
             const int r = static_cast<int>(threadIdx.x);
             if (r < ATTN_TC_BWD_QUERIES) {
                 t.lse[r] = r < n_rows ? lse[stats + i0 + r] : 0.0f;
                 t.delta[r] = r < n_rows ? delta[stats + i0 + r] : 0.0f;
             }
             __syncthreads();
-            strip_times_staged_t(&t.s[warp][0][0], k_strip, q_tile);  // S^T = K Q^T
+            strip_times_staged_t<HD>(&t.s[warp][0][0], k_strip, q_tile);  // S^T = K Q^T
             __syncthreads();  // S^T is written
             float p[PER_LANE];  // this lane's elements e = lane + 32 m of the warp's 16 x 16 P^T, fp32
 #pragma unroll
@@ -666,8 +670,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM
                 t.p[warp][key][c] = from_float<bf16>(p[m]);  // P^T dO runs on P rounded to bf16
             }
             __syncthreads();  // P^T is written
-            accumulate_strip_times_staged(dv_acc, p_strip, do_tile);  // dV += P^T dO
-            strip_times_staged_t(&t.s[warp][0][0], v_strip, do_tile);  // dP^T = V dO^T
+            accumulate_strip_times_staged<HD>(dv_acc, p_strip, do_tile);  // dV += P^T dO
+            strip_times_staged_t<HD>(&t.s[warp][0][0], v_strip, do_tile);  // dP^T = V dO^T
             __syncthreads();  // dP^T is written, P^T is no longer read
 #pragma unroll
             for (int m = 0; m < PER_LANE; ++m) {
@@ -675,7 +679,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM
                 t.p[warp][key][c] = from_float<bf16>(p[m] * (t.s[warp][key][c] - t.delta[c]));
             }
             __syncthreads();  // dS^T is written
-            accumulate_strip_times_staged(dk_acc, p_strip, q_tile);  // dK += dS^T Q
+            accumulate_strip_times_staged<HD>(dk_acc, p_strip, q_tile);  // dK += dS^T Q
         }
     }
     // dK (times scale) and dV through the warp's score rows, one 16 x 16 tile at a time
@@ -706,18 +710,20 @@ extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM
 // at the store. No accumulator element is read by position. Global bytes: those of the FMA dQ pass.
 #define ATTN_TC_DQ_KEYS 32
 
+template <int HD>
 struct __align__(32) TcDqTiles {
-    bf16 k[ATTN_TC_DQ_KEYS][ATTN_HEAD_DIM_MAX];  // (with v: Q, then dO, staged at the start)
-    bf16 v[ATTN_TC_DQ_KEYS][ATTN_HEAD_DIM_MAX];
+    bf16 k[ATTN_TC_DQ_KEYS][HD];  // (with v: Q, then dO, staged at the start)
+    bf16 v[ATTN_TC_DQ_KEYS][HD];
     float s[ATTN_TC_WARPS][16][ATTN_TC_DQ_KEYS];  // S, then dP, of each warp's queries
     bf16 ds[ATTN_TC_WARPS][16][ATTN_TC_DQ_KEYS];
     float lse[ATTN_TC_WARPS][16];
     float delta[ATTN_TC_WARPS][16];
 };
-static_assert(2 * ATTN_TC_DQ_KEYS * ATTN_HEAD_DIM_MAX >= 4 * 16 * ATTN_HEAD_DIM_MAX, "Q stages through K and V");
+static_assert(2 * ATTN_TC_DQ_KEYS >= 4 * 16, "Q stages through K and V");
 
 // out[16][ATTN_TC_DQ_KEYS] = A B^T for a warp's 16 rows of A held as fragments a[d] (dims 16d .. 16d + 15)
 // and B the staged [key][dim] tile (row-major, so B^T is column-major), one 16-key block at a time.
+template <int HD>
 __device__ __forceinline__ void rows_times_staged_t(
     float* out, const nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::row_major>* a,
     const __nv_bfloat16* tile) {
@@ -727,23 +733,23 @@ __device__ __forceinline__ void rows_times_staged_t(
         wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
         wmma::fill_fragment(acc, 0.0f);
 #pragma unroll
-        for (int kk = 0; kk < ATTN_HEAD_DIM_MAX / 16; ++kk) {
+        for (int kk = 0; kk < HD / 16; ++kk) {
             wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
-            wmma::load_matrix_sync(b, tile + (16 * n) * ATTN_HEAD_DIM_MAX + 16 * kk, ATTN_HEAD_DIM_MAX);
+            wmma::load_matrix_sync(b, tile + (16 * n) * HD + 16 * kk, HD);
             wmma::mma_sync(acc, a[kk], b, acc);
         }
         wmma::store_matrix_sync(out + 16 * n, acc, ATTN_TC_DQ_KEYS, wmma::mem_row_major);
     }
 }
 
-// (the signature on one line, as the harness reads entry points)
-extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM) attention_backward_dq_tc_bf16(const bf16* q, const bf16* k, const bf16* v, const bf16* o, const bf16* d_o, const float* lse, float* delta, bf16* dq, int tokens, int H, int Hkv, int Dh, float scale) {
+template <int HD>
+__device__ __forceinline__ void attention_backward_dq_tc(const bf16* q, const bf16* k, const bf16* v, const bf16* o, const bf16* d_o, const float* lse, float* delta, bf16* dq, int tokens, int H, int Hkv, int Dh, float scale) {
     using namespace nvcuda;
     typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> Acc;
     typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> RowA;
     typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> RowB;
-    __shared__ TcDqTiles t;
-    const int DIM_TILES = ATTN_HEAD_DIM_MAX / 16, KEY_TILES = ATTN_TC_DQ_KEYS / 16;
+    __shared__ TcDqTiles<HD> t;
+    const int DIM_TILES = HD / 16, KEY_TILES = ATTN_TC_DQ_KEYS / 16;
     int tile, slice;
     tile_and_slice((tokens + ATTN_QUERY_TILE - 1) / ATTN_QUERY_TILE, true, &tile, &slice);
     const int b = slice / H, h = slice - b * H, kv_head = h / (H / Hkv);
@@ -764,15 +770,15 @@ extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM
     }
     const __nv_bfloat16* staged = reinterpret_cast<const __nv_bfloat16*>(&t.k[0][0]);
     RowA q_frag[DIM_TILES], do_frag[DIM_TILES];
-    load_tile<bf16, ATTN_QUERY_TILE, ATTN_HEAD_DIM_MAX>(reinterpret_cast<bf16 (*)[ATTN_HEAD_DIM_MAX]>(&t.k[0][0]), q, b, q0, tokens, tokens, H, h, Dh);
+    load_tile<bf16, ATTN_QUERY_TILE, HD>(reinterpret_cast<bf16 (*)[HD]>(&t.k[0][0]), q, b, q0, tokens, tokens, H, h, Dh);
     __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < DIM_TILES; ++kk) wmma::load_matrix_sync(q_frag[kk], staged + (16 * warp) * ATTN_HEAD_DIM_MAX + 16 * kk, ATTN_HEAD_DIM_MAX);
+    for (int kk = 0; kk < DIM_TILES; ++kk) wmma::load_matrix_sync(q_frag[kk], staged + (16 * warp) * HD + 16 * kk, HD);
     __syncthreads();
-    load_tile<bf16, ATTN_QUERY_TILE, ATTN_HEAD_DIM_MAX>(reinterpret_cast<bf16 (*)[ATTN_HEAD_DIM_MAX]>(&t.k[0][0]), d_o, b, q0, tokens, tokens, H, h, Dh);
+    load_tile<bf16, ATTN_QUERY_TILE, HD>(reinterpret_cast<bf16 (*)[HD]>(&t.k[0][0]), d_o, b, q0, tokens, tokens, H, h, Dh);
     __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < DIM_TILES; ++kk) wmma::load_matrix_sync(do_frag[kk], staged + (16 * warp) * ATTN_HEAD_DIM_MAX + 16 * kk, ATTN_HEAD_DIM_MAX);
+    for (int kk = 0; kk < DIM_TILES; ++kk) wmma::load_matrix_sync(do_frag[kk], staged + (16 * warp) * HD + 16 * kk, HD);
     Acc dq_acc[DIM_TILES];
 #pragma unroll
     for (int n = 0; n < DIM_TILES; ++n) wmma::fill_fragment(dq_acc[n], 0.0f);
@@ -785,10 +791,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM
 #pragma unroll 1
     for (int k0 = 0; k0 < key_end; k0 += ATTN_TC_DQ_KEYS) {
         __syncthreads();  // dO (first tile) or the previous K and V are no longer read
-        load_tile<bf16, ATTN_TC_DQ_KEYS, ATTN_HEAD_DIM_MAX>(t.k, k, b, k0, key_end, tokens, Hkv, kv_head, Dh);
-        load_tile<bf16, ATTN_TC_DQ_KEYS, ATTN_HEAD_DIM_MAX>(t.v, v, b, k0, key_end, tokens, Hkv, kv_head, Dh);
+        load_tile<bf16, ATTN_TC_DQ_KEYS, HD>(t.k, k, b, k0, key_end, tokens, Hkv, kv_head, Dh);
+        load_tile<bf16, ATTN_TC_DQ_KEYS, HD>(t.v, v, b, k0, key_end, tokens, Hkv, kv_head, Dh);
         __syncthreads();
-        rows_times_staged_t(&t.s[warp][0][0], q_frag, k_tile);  // S = Q K^T
+        rows_times_staged_t<HD>(&t.s[warp][0][0], q_frag, k_tile);  // S = Q K^T
         __syncthreads();  // S is written
 #pragma unroll
         for (int r = 0; r < 16; ++r) {
@@ -796,7 +802,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM
             p[r] = j <= i && i < tokens ? expf(scale * t.s[warp][r][lane] - t.lse[warp][r]) : 0.0f;
         }
         __syncthreads();  // S is no longer read
-        rows_times_staged_t(&t.s[warp][0][0], do_frag, v_tile);  // dP = dO V^T
+        rows_times_staged_t<HD>(&t.s[warp][0][0], do_frag, v_tile);  // dP = dO V^T
         __syncthreads();  // dP is written
 #pragma unroll
         for (int r = 0; r < 16; ++r) t.ds[warp][r][lane] = from_float<bf16>(p[r] * (t.s[warp][r][lane] - t.delta[warp][r]));
@@ -808,7 +814,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM
                 RowA ds_frag;
                 RowB k_frag;
                 wmma::load_matrix_sync(ds_frag, ds_strip + 16 * kk, ATTN_TC_DQ_KEYS);
-                wmma::load_matrix_sync(k_frag, k_tile + (16 * kk) * ATTN_HEAD_DIM_MAX + 16 * n, ATTN_HEAD_DIM_MAX);
+                wmma::load_matrix_sync(k_frag, k_tile + (16 * kk) * HD + 16 * n, HD);
                 wmma::mma_sync(dq_acc[n], ds_frag, k_frag, dq_acc[n]);
             }
         }
@@ -832,4 +838,28 @@ extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM
         }
     }
 }
+
+// The entry points: HD = 128 (<kernel>_tc_bf16) and HD = 64 (<kernel>_tc_hd64_bf16, which the wrapper
+// launches for Dh <= 64: half the staging and the products, as the FMA kernels' hd64_ variants).
+#define ATTENTION_TC_ENTRY_POINTS(HD, PREFIX)                                                                      \
+    extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM)                              \
+        attention_forward_tc_##PREFIX##bf16(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,      \
+                                            int tokens, int H, int Hkv, int Dh, float scale) {                     \
+        attention_forward_tc<HD>(q, k, v, o, lse, tokens, H, Hkv, Dh, scale);                                     \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM)                              \
+        attention_backward_dq_tc_##PREFIX##bf16(const bf16* q, const bf16* k, const bf16* v, const bf16* o,       \
+                                                const bf16* d_o, const float* lse, float* delta, bf16* dq,         \
+                                                int tokens, int H, int Hkv, int Dh, float scale) {                 \
+        attention_backward_dq_tc<HD>(q, k, v, o, d_o, lse, delta, dq, tokens, H, Hkv, Dh, scale);                 \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS, ATTN_BLOCKS_PER_SM)                              \
+        attention_backward_tc_##PREFIX##bf16(const bf16* q, const bf16* k, const bf16* v, const bf16* d_o,        \
+                                             const float* lse, const float* delta, bf16* dk, bf16* dv, int tokens, \
+                                             int H, int Hkv, int Dh, float scale) {                                \
+        attention_backward_tc<HD>(q, k, v, d_o, lse, delta, dk, dv, tokens, H, Hkv, Dh, scale);                   \
+    }
+
+ATTENTION_TC_ENTRY_POINTS(ATTN_HEAD_DIM_MAX, )
+ATTENTION_TC_ENTRY_POINTS(64, hd64_)
 #endif  // BOOSTMPI_ATTENTION_WMMA

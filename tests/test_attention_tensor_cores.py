@@ -1,5 +1,6 @@
 """The tensor-core forward and backward of the fused attention (kernels/attention.cu,
-attention_forward_tc_bf16, attention_backward_dq_tc_bf16, attention_backward_tc_bf16): compiled only
+attention_forward_tc_bf16, attention_backward_dq_tc_bf16, attention_backward_tc_bf16, and their
+tc_hd64_ variants for head dims up to 64, whose tiles hold 64 dims instead of 128): compiled only
 with -DBOOSTMPI_ATTENTION_WMMA, which the wrapper adds for bfloat16 on NVIDIA devices of compute
 capability 8.0 or later (BOOSTMPI_ATTENTION_TENSOR_CORES: unset or auto = that default; 1 = the same,
 a missing CUDA header an error; 0 = the FMA kernels). 64-lane devices keep the FMA kernels.
@@ -33,7 +34,13 @@ THREADS = 128
 ENTRY = "attention_forward_tc_bf16"
 BACKWARD = "attention_backward_tc_bf16"
 DQ = "attention_backward_dq_tc_bf16"
+ENTRIES_HD64 = [name.replace("_tc_", "_tc_hd64_") for name in (ENTRY, DQ, BACKWARD)]
 KEY_TILE = loader.ATTENTION_TC_BWD_KEY_TILE
+
+
+def _entry(kernel, Dh):
+    """The tensor-core entry point the wrapper launches for `kernel` at head dim Dh."""
+    return loader.attention_entry(kernel, Dh, "bf16")
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,7 +53,7 @@ def check_forward(B, T, H, Hkv, Dh, code=None):
     o = cudaemu.DeviceArray(shape=q.shape, dtype=BF16)
     lse = cudaemu.DeviceArray(shape=(B, H, T), dtype=np.float32)
     grid = B * H * -(-T // loader.ATTENTION_QUERY_TILE)
-    _module(code or loader.kernel_source("attention")).get_function(ENTRY)(
+    _module(code or loader.kernel_source("attention")).get_function(_entry("attention_forward_tc", Dh))(
         (grid,), (THREADS,), (cudaemu.DeviceArray(q), cudaemu.DeviceArray(k), cudaemu.DeviceArray(v), o, lse,
                               *loader._attention_scalars(T, H, Hkv, Dh)))
     want_o, want_lse = specification(q, k, v, do)[:2]
@@ -56,8 +63,9 @@ def check_forward(B, T, H, Hkv, Dh, code=None):
         f"o: kernel error {max_error(o.get(), want_o):.3g}, rounded reference {max_error(reference, want_o):.3g}"
 
 
-# T = 1, T below and not a multiple of the tiles (a second query tile meets two key tiles), GQA, Dh 64 and 128
-@pytest.mark.parametrize("shape", [(1, 1, 2, 1, 64), (1, 70, 4, 2, 128), (2, 37, 2, 2, 96)],
+# T = 1, T below and not a multiple of the tiles (a second query tile meets two key tiles), GQA, Dh 64
+# and 48 (the hd64 entry points) and 96 and 128
+@pytest.mark.parametrize("shape", [(1, 1, 2, 1, 64), (1, 70, 4, 2, 128), (2, 37, 2, 2, 96), (1, 70, 4, 2, 48)],
                          ids=lambda s: "B{}_T{}_H{}_Hkv{}_Dh{}".format(*s))
 def test_tensor_core_forward_matches_the_model(shape):
     check_forward(*shape)
@@ -75,9 +83,9 @@ def test_nvrtc_compiles_it_within_the_budget():
     for report in reports:
         assert report["ok"], report["log"][-4000:]
         table = gpu_compilers.ptxas_table(report["log"])
-        assert {ENTRY, BACKWARD, DQ} <= {entry for entry, _ in table}, sorted(table)
+        assert {ENTRY, BACKWARD, DQ, *ENTRIES_HD64} <= {entry for entry, _ in table}, sorted(table)
         for (entry, arch), info in table.items():
-            if entry not in (ENTRY, BACKWARD, DQ):
+            if entry not in (ENTRY, BACKWARD, DQ, *ENTRIES_HD64):
                 continue
             assert info["spills"] == 0 and info["stack"] == 0, (arch, info)
             blocks = nvidia_resident_blocks(arch, info["registers"], THREADS, info["smem"])
@@ -147,8 +155,8 @@ def check_backward(B, T, H, Hkv, Dh, code=None):
     """dK, dV of the WMMA pass against the model's within twice the rounded reference's error, and
     against the FMA pass (attention_backward_bf16, same inputs) within the sum of both bounds."""
     inputs, want, reference = _backward_inputs(B, T, H, Hkv, Dh)
-    got = run_dkdv(BACKWARD, THREADS, KEY_TILE, inputs, code)
-    fma = run_dkdv("attention_backward_bf16", loader.ATTENTION_THREADS, loader.ATTENTION_BWD_KEY_TILE, inputs,
+    got = run_dkdv(_entry("attention_backward_tc", Dh), THREADS, KEY_TILE, inputs, code)
+    fma = run_dkdv(_entry("attention_backward", Dh), loader.ATTENTION_THREADS, loader.ATTENTION_BWD_KEY_TILE, inputs,
                    options=())
     for name, g, f, w, r in zip(("dk", "dv"), got, fma, want, reference):
         bound = 2 * max_error(r, w) + ROUNDING_FLOOR
@@ -182,8 +190,8 @@ def check_dq(B, T, H, Hkv, Dh, code=None):
     want_dq = specification(q, k, v, do)[2]
     o, reference = rounded_reference(q, k, v, do)[:2]
     o = o.astype(BF16)
-    got, delta = run_dq(DQ, THREADS, inputs, o, code)
-    fma = run_dq("attention_backward_dq_bf16", loader.ATTENTION_THREADS, inputs, o, options=())[0]
+    got, delta = run_dq(_entry("attention_backward_dq_tc", Dh), THREADS, inputs, o, code)
+    fma = run_dq(_entry("attention_backward_dq", Dh), loader.ATTENTION_THREADS, inputs, o, options=())[0]
     assert max_error(delta, want_delta) <= F32_TOLERANCE * max(float(np.max(np.abs(want_delta))), 1.0), "delta"
     bound = 2 * max_error(reference, want_dq) + ROUNDING_FLOOR
     assert max_error(got, want_dq) <= bound, f"dq: kernel error {max_error(got, want_dq):.3g}, bound {bound:.3g}"
@@ -192,8 +200,8 @@ def check_dq(B, T, H, Hkv, Dh, code=None):
 
 
 # T = 1; T not a multiple of the tiles (a second key tile, partly past T); GQA 2 and 4 query heads per KV
-# head; Dh 64, 96 and 128
-@pytest.mark.parametrize("shape", [(1, 1, 2, 1, 64), (1, 70, 4, 2, 128), (2, 37, 4, 1, 96)],
+# head; Dh 64 and 48 (the hd64 entry points), 96 and 128
+@pytest.mark.parametrize("shape", [(1, 1, 2, 1, 64), (1, 70, 4, 2, 128), (2, 37, 4, 1, 96), (1, 70, 4, 2, 48)],
                          ids=lambda s: "B{}_T{}_H{}_Hkv{}_Dh{}".format(*s))
 @pytest.mark.parametrize("check", [check_backward, check_dq], ids=["dkdv", "dq"])
 def test_tensor_core_backward_matches_the_model_and_the_fma_passes(check, shape):
@@ -289,6 +297,18 @@ def test_the_option_runs_the_tensor_core_backward_through_the_wrapper(monkeypatc
         assert max_error(got, w) <= 2 * max_error(r, w) + ROUNDING_FLOOR, name
 
 
+def test_head_dims_up_to_64_run_the_hd64_tensor_core_entry_points(monkeypatch):
+    """Dh 48 through the wrapper: the three tc_hd64_ entry points, forward and backward within the bounds."""
+    launched, o, lse, inputs = _wrapper_forward(monkeypatch, 32, Dh=48)
+    grads = _wrapper_backward(o, lse, inputs)
+    assert launched == ENTRIES_HD64
+    want_o = specification(*inputs)[0]
+    assert max_error(o, want_o) <= 2 * max_error(rounded_reference(*inputs)[0], want_o)
+    want, reference = specification(*inputs)[2:], rounded_reference(*inputs)[1:]
+    for name, got, w, r in zip(("dq", "dk", "dv"), grads, want, reference):
+        assert max_error(got, w) <= 2 * max_error(r, w) + ROUNDING_FLOOR, name
+
+
 def test_the_option_leaves_64_lane_devices_on_the_fma_kernels(monkeypatch):
     launched, o, lse, inputs = _wrapper_forward(monkeypatch, 64, T=5)
     _wrapper_backward(o, lse, inputs)
@@ -332,7 +352,7 @@ def test_without_cudas_mma_header_auto_says_so_once_and_1_is_refused(monkeypatch
 @pytest.mark.parametrize("arch", ["cola", "svd", "full"])
 def test_a_bf16_training_step_with_the_option_equals_the_cpu_path(monkeypatch, arch):
     """One bfloat16 training step (tests/gpu_steps.py: GQA, head dim 16) with the option on: the forward
-    of every layer and both backward passes on the WMMA kernels (asserted from the launches), the loss and gradients within
+    of every layer and both backward passes on the WMMA kernels of 64-dim tiles (asserted from the launches), the loss and gradients within
     the bfloat16 tolerance of the float64 CPU step (tests/test_gpu.py's)."""
     from gpu_setup import GPU
     from gpu_steps import step
@@ -346,7 +366,7 @@ def test_a_bf16_training_step_with_the_option_equals_the_cpu_path(monkeypatch, a
     launch = loader._launch
     monkeypatch.setattr(loader, "_launch", lambda kernel, *a, **k: (launched.append(kernel.name), launch(kernel, *a, **k)))
     got = step(arch, "gpu", "bfloat16")
-    assert {ENTRY, BACKWARD, DQ} <= set(launched), sorted(set(launched))
+    assert set(ENTRIES_HD64) <= set(launched), sorted(set(launched))  # head dim 16: the tiles of 64 dims
     assert not {"attention_forward_hd64_bf16", "attention_backward_hd64_bf16", "attention_backward_dq_hd64_bf16"} \
         & set(launched), sorted(set(launched))
     assert_step_close(got, cpu_step(arch), "bfloat16", f"{arch} bfloat16 with tensor cores")

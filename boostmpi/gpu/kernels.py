@@ -467,7 +467,7 @@ def attention_head_tile(Dh):
 
 def attention_entry(kernel, Dh, suffix):
     """The entry point of kernels/attention.cu that runs `kernel` at head dim Dh: the hd64_ variants
-    up to 64 dims."""
+    up to 64 dims (the FMA kernels and the tensor-core ones, `<kernel>_tc`, alike)."""
     return f"{kernel}_{'hd64_' if attention_head_tile(Dh) == ATTENTION_HEAD_DIM_SMALL else ''}{suffix}"
 
 
@@ -509,7 +509,8 @@ def attention_forward(q, k, v, alloc=None):
     o = cupy.empty_like(q)
     lse = (alloc or _empty(cupy))((B, H, T), np.float32)
     if B * T * H and _attention_tensor_cores(suffix):
-        _launch(_attention_tc_kernel("attention_forward_tc_bf16"), B * H * -(-T // ATTENTION_QUERY_TILE), ATTENTION_TC_THREADS,
+        _launch(_attention_tc_kernel(attention_entry("attention_forward_tc", Dh, suffix)),
+                B * H * -(-T // ATTENTION_QUERY_TILE), ATTENTION_TC_THREADS,
                 (q, k, v, o, lse, *_attention_scalars(T, H, Hkv, Dh)))
     elif B * T * H:
         grid = B * H * -(-T // ATTENTION_QUERY_TILE)
@@ -534,9 +535,9 @@ def attention_backward(do, q, k, v, o, lse):
         delta = cupy.empty((B, H, T), dtype=np.float32)
         dq_args, dkdv_args = (q, k, v, o, do, lse, delta, dq, *scalars), (q, k, v, do, lse, delta, dk, dv, *scalars)
         if _attention_tensor_cores(suffix):
-            _launch(_attention_tc_kernel("attention_backward_dq_tc_bf16"),
+            _launch(_attention_tc_kernel(attention_entry("attention_backward_dq_tc", Dh, suffix)),
                     B * H * -(-T // ATTENTION_DQ_QUERY_TILE), ATTENTION_TC_THREADS, dq_args)
-            _launch(_attention_tc_kernel("attention_backward_tc_bf16"),
+            _launch(_attention_tc_kernel(attention_entry("attention_backward_tc", Dh, suffix)),
                     B * Hkv * -(-T // ATTENTION_TC_BWD_KEY_TILE), ATTENTION_TC_THREADS, dkdv_args)
         else:
             _launch(_kernel("attention", attention_entry("attention_backward_dq", Dh, suffix)),
