@@ -63,3 +63,17 @@ class _Gpu:
 
 
 GPU = _Gpu()
+
+
+def use_hipblas_standin(monkeypatch):
+    """The stand-in's libhipblas (cupy/cuda/hipblas_lib.py) as the library on $ROCM_PATH for one test,
+    loaded afresh by boostmpi.gpu.hipblas; returns the stand-in module (its `calls`). The caller clears
+    `boostmpi.gpu.hipblas.library`'s cache when the test ends."""
+    from cupy.cuda import hipblas_lib
+
+    from boostmpi.gpu import hipblas
+
+    monkeypatch.setenv("ROCM_PATH", str(hipblas_lib.build()))
+    hipblas_lib.install()
+    hipblas.library.cache_clear()
+    return hipblas_lib

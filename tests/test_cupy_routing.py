@@ -240,16 +240,53 @@ def test_gpu_batched_matmul_matches_numpy(cupy, dtype, layout, shapes):
     np.testing.assert_allclose(got.get().astype(np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
 
 
-def test_gpu_batched_matmul_on_rocm_rounds_a_float32_product_once(rocm):
+@pytest.fixture
+def hipblas_standin(rocm, monkeypatch):
+    """ROCm with libhipblas beside CuPy: the stand-in's (cupy/cuda/hipblas_lib.py), on $ROCM_PATH."""
+    from boostmpi.gpu import hipblas
+    from gpu_setup import use_hipblas_standin
+
+    yield use_hipblas_standin(monkeypatch)
+    hipblas.library.cache_clear()
+
+
+def test_gpu_bfloat16_matmul_on_rocm_is_hipblas_own_gemm(hipblas_standin):
+    """bfloat16 on ROCm: hipblasGemmStridedBatchedEx / hipblasGemmEx with HIPBLAS_R_16B operands and
+    HIPBLAS_R_32F compute, through ctypes and a real C call, never CuPy's shim; the product is the float32
+    one rounded once (or kept in float32, or accumulated)."""
     from boostmpi.gpu import blas
     from cupy import _record
 
-    a, b, da, db = _operands(rocm, BF16, (3, 5, 4), (3, 4, 6))
+    import cupy
+
+    a, b, da, db = _operands(cupy, BF16, (3, 5, 4), (3, 4, 6))
     with _record.recording() as calls:
         got = blas.matmul(da, db)
     assert got.dtype == BF16
+    assert "hipblas.gemm A14 B14 C14 compute0 batched" in calls and not any(c.startswith("cublas.gemm") for c in calls)
+    np.testing.assert_array_equal(got.get(), np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(BF16))
+    assert hipblas_standin.calls[-1] == ("hipblasGemmStridedBatchedEx", 168, 168, 168, 151, 160)
+    out = cupy.ones((5, 6), np.float32)
+    blas.matmul(da[0], db[0], out=out, accumulate=True)
+    assert hipblas_standin.calls[-1] == ("hipblasGemmEx", 168, 168, 151, 151, 160)
+    np.testing.assert_allclose(out.get(), 1 + a[0].astype(np.float32) @ b[0].astype(np.float32), rtol=1e-6)
+
+
+def test_without_libhipblas_a_bfloat16_product_on_rocm_runs_on_float32_copies_and_says_so_once(rocm, monkeypatch, capsys):
+    from boostmpi.gpu import blas, hipblas
+    from cupy import _record
+
+    monkeypatch.setattr(hipblas, "library", lambda: None)
+    hipblas.say_missing.cache_clear()
+    a, b, da, db = _operands(rocm, BF16, (3, 5, 4), (3, 4, 6))
+    for _ in range(2):
+        with _record.recording() as calls:
+            got = blas.matmul(da, db)
+    assert got.dtype == BF16
     assert calls >= {"cublas.gemm A0 B0 C0 compute0 batched"} and not any("A14" in c for c in calls)
     np.testing.assert_array_equal(got.get(), np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(BF16))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "libhipblas was not found" in err[0], err
 
 
 @pytest.mark.parametrize("dtype,tf32,want", [
@@ -365,16 +402,18 @@ def test_a_bf16_gpu_run_with_an_older_stack_is_refused_in_one_line(cupy, monkeyp
                    fragment, "pip install")
 
 
-def test_a_bf16_step_runs_on_rocm_through_float32_copies(rocm, monkeypatch):
-    """bfloat16 on ROCm: CuPy 14.2's hipBLAS shim has no bfloat16 type, so every product of the step
-    goes through boostmpi.gpu.blas, which multiplies float32 copies there: no GEMM reaches hipBLAS
-    with CUDA_R_16BF. Mutant: the 2-D products back on CuPy's own matmul abort the process, as they
-    would on an MI250X."""
+def test_a_bf16_step_runs_on_rocm_through_float32_copies_without_libhipblas(rocm, monkeypatch):
+    """bfloat16 on ROCm without libhipblas: CuPy 14.2's hipBLAS shim has no bfloat16 type, so every
+    product of the step goes through boostmpi.gpu.blas, which multiplies float32 copies there: no GEMM
+    reaches the shim with CUDA_R_16BF. Mutant: the 2-D products back on CuPy's own matmul abort the
+    process, as they would on an MI250X."""
+    from boostmpi.gpu import hipblas
     from boostmpi.model import layers
     from cupy import _record
     from cupy.cuda import cublas
     from gpu_steps import step
 
+    monkeypatch.setattr(hipblas, "library", lambda: None)
     with _record.gemms() as log:
         step("cola", "gpu", "bfloat16")
     assert log and all(g.Atype == g.Btype == rocm.cuda.runtime.CUDA_R_32F for g in log), log
@@ -408,3 +447,18 @@ def test_a_cublas_gemm_reads_and_writes_on_its_stream(cupy):
     with pytest.raises(StreamOrderError, match="cuBLAS gemmEx"):
         blas.matmul(d, db)
     cupy.cuda.Device().synchronize()
+
+
+def test_a_bf16_step_on_rocm_runs_every_product_on_hipblas_bf16_gemms(hipblas_standin):
+    """bfloat16 on ROCm with libhipblas: every product of the step is one of hipBLAS's own GEMMs with
+    bfloat16 operands and float32 compute (what the MI250X's matrix cores run), none on float32 copies,
+    none through CuPy's shim; the step equals the CPU path within the bfloat16 tolerance."""
+    from cupy import _record
+    from gpu_steps import step
+    from test_gpu import assert_step_close, cpu_step
+
+    with _record.gemms() as log:
+        got = step("cola", "gpu", "bfloat16")
+    assert log and all(g.entry.startswith("hipblas") and g.Atype == g.Btype == 14 and g.computeType == 0
+                       for g in log), sorted({(g.entry, g.Atype, g.Ctype, g.computeType) for g in log})
+    assert_step_close(got, cpu_step("cola"), "bfloat16", "cola bfloat16 on hipBLAS")

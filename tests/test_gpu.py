@@ -166,23 +166,22 @@ def test_zero1_bf16_trains_reports_its_share_and_resumes_under_other_layouts(tmp
 
 
 def test_single_rank_gpu_steps_at_64_lanes():
-    """Every single-rank float32 test above again with the stand-in device an MI250X GCD
+    """Every single-rank float32 and bfloat16 test above again with the stand-in device an MI250X GCD
     (`BOOSTMPI_STANDIN_GPU=mi250x`): a 64-wide wavefront, so the kernels are built with -DWARP_SIZE=64 and
     launched at the block sizes the loader picks for it (the multi-rank steps at 64 lanes:
-    tests/test_stream_order.py). bfloat16 is refused at start-up on ROCm (boostmpi/backend.py,
-    tests/test_cupy_routing.py); the bfloat16 kernels at 64 lanes are tests/test_kernels.py's and
-    tests/test_attention_kernel.py's."""
+    tests/test_stream_order.py), and ROCm's BLAS: the bfloat16 products are hipBLAS's own GEMMs through
+    the stand-in's libhipblas (boostmpi/gpu/hipblas.py, tests/test_hipblas.py)."""
     from gpu_setup import GPU
 
     if not GPU.standin:  # a real device has the warp width it has
         return
     subset = ("(test_gpu_step_matches_cpu or test_gpu_recompute_modes_match_cpu or "
-              "test_gpu_steps_launch_the_fused_kernels) and float32")
+              "test_gpu_steps_launch_the_fused_kernels) and (float32 or bfloat16)")
     env = dict(os.environ, BOOSTMPI_STANDIN_GPU="mi250x", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(TESTS / "test_gpu.py"),
                            "-k", subset], capture_output=True, text=True, timeout=900, env=env, cwd=TESTS.parent)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
-    assert "AMD Instinct MI250X" in proc.stdout and " 10 passed" in proc.stdout, proc.stdout[-2000:]
+    assert "AMD Instinct MI250X" in proc.stdout and " 20 passed" in proc.stdout, proc.stdout[-2000:]
 
 
 @pytest.mark.parametrize("device,caught", [("a100", False), ("mi250x", True)])

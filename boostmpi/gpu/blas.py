@@ -29,13 +29,17 @@ hipBLAS shim (cupy_backends/hip/cupy_hipblas.h at v14.2.0), which takes only the
 cudaDataType compute types (CUDA_R_32F -> HIPBLAS_COMPUTE_32F; a cuBLAS compute type returns
 HIPBLAS_STATUS_NOT_SUPPORTED), only CUBLAS_GEMM_DEFAULT, and only the data types 0-9: it has no
 mapping for CUDA_R_16BF and throws out of C code (the process aborts). So on ROCm a bfloat16
-product is computed from float32 copies of the operands (HIP_R_32F throughout, float32 compute,
-as hipBLAS's own table lists) and rounded once to bfloat16: the same numbers, more memory traffic.
+product calls hipBLAS's own GEMMs through ctypes (boostmpi.gpu.hipblas: HIPBLAS_R_16B operands,
+float32 compute, on CuPy's handle and current stream); without libhipblas it is computed from float32
+copies of the operands (HIP_R_32F throughout, float32 compute) and rounded once to bfloat16: the same
+numbers, more memory traffic.
 """
 
 import math
 
 import numpy as np
+
+from boostmpi.gpu import hipblas
 
 _ONE = {np.dtype(np.float32): np.ones(1, np.float32), np.dtype(np.float64): np.ones(1, np.float64)}
 _ZERO = {np.dtype(np.float32): np.zeros(1, np.float32), np.dtype(np.float64): np.zeros(1, np.float64)}
@@ -145,7 +149,9 @@ def matmul(a, b, out=None, accumulate=False):
     if out is not None and out.dtype != dtype and not (dtype.itemsize == 2 and out.dtype == np.float32):
         raise TypeError(f"blas.matmul: out of dtype {out.dtype} for {dtype} operands (the operands' dtype, or "
                         f"float32 for 16-bit ones)")
-    if runtime.is_hip and dtype.name == "bfloat16":  # CuPy's hipBLAS shim has no bfloat16 (see above)
+    via_hipblas = runtime.is_hip and dtype.name == "bfloat16"  # CuPy's hipBLAS shim has no bfloat16 (see above)
+    if via_hipblas and hipblas.library() is None:  # no libhipblas: float32 copies
+        hipblas.say_missing()
         a, b = a.astype(np.float32), b.astype(np.float32)
         if out is None:
             return matmul(a, b).astype(dtype)
@@ -169,12 +175,22 @@ def matmul(a, b, out=None, accumulate=False):
     a, op_a, lda, stride_a = _operand(a, batch_shape)
     b, op_b, ldb, stride_b = _operand(b, batch_shape)
     scale = np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+    beta = (_ONE if accumulate else _ZERO)[scale].ctypes.data
+    if via_hipblas:  # hipBLAS's own bfloat16 GEMM on CuPy's handle, which must run on CuPy's current stream
+        handle = xp.cuda.get_cublas_handle()
+        cublas.setStream(handle, xp.cuda.get_current_stream().ptr)
+        ops, types = (hipblas.HIPBLAS_OP_N, hipblas.HIPBLAS_OP_T), {np.dtype(np.float32): hipblas.HIPBLAS_R_32F}
+        tc = types.get(out.dtype, hipblas.HIPBLAS_R_16B)
+        # row-major C [m, n] = A @ B is column-major C^T [n, m] = B^T A^T
+        hipblas.gemm(handle, ops[op_b], ops[op_a], n, m, k, _ONE[scale].ctypes.data, b.data.ptr, hipblas.HIPBLAS_R_16B,
+                     ldb, stride_b, a.data.ptr, hipblas.HIPBLAS_R_16B, lda, stride_a, beta, out.data.ptr, tc, ldc,
+                     stride_c, count)
+        return out
     if runtime.is_hip:  # the legacy cudaDataType compute type, the only kind the hipBLAS shim takes
         compute = runtime.CUDA_R_64F if dtype == np.float64 else runtime.CUDA_R_32F
     else:
         compute = cublas.CUBLAS_COMPUTE_64F if dtype == np.float64 else cublas.CUBLAS_COMPUTE_32F
     t, tc = _cuda_type(dtype), _cuda_type(out.dtype)
-    beta = (_ONE if accumulate else _ZERO)[scale].ctypes.data
     # row-major C [m, n] = A @ B is column-major C^T [n, m] = B^T A^T
     if count == 1:
         cublas.gemmEx(xp.cuda.get_cublas_handle(), op_b, op_a, n, m, k, _ONE[scale].ctypes.data, b.data.ptr, t, ldb,

@@ -249,15 +249,18 @@ def _hip_shim(Atype, Btype, Ctype, computeType, algo):
 
 
 def _gemm(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb, strideB, beta, C, Ctype,
-          ldc, strideC, batchCount, computeType, algo, entry):
+          ldc, strideC, batchCount, computeType, algo, entry, direct=False):
+    """`direct`: called by the hipBLAS stand-in (hipblas_lib.py), not through CuPy's binding: the
+    handle keeps the stream the caller set, and CuPy's hipBLAS shim is not in the way."""
     from cupy import _record
 
     state = _state(handle)
-    _set_current_stream(handle)
+    if not direct:
+        _set_current_stream(handle)
     if _record.active is not None:
-        _record.note("cublas.gemm", f"A{Atype}", f"B{Btype}", f"C{Ctype}", f"compute{computeType}",
-                     "batched" if batchCount != 1 or strideA or strideB or strideC else "single")
-    if runtime.is_hip:
+        _record.note("hipblas.gemm" if direct else "cublas.gemm", f"A{Atype}", f"B{Btype}", f"C{Ctype}",
+                     f"compute{computeType}", "batched" if batchCount != 1 or strideA or strideB or strideC else "single")
+    if runtime.is_hip and not direct:
         _hip_shim(Atype, Btype, Ctype, computeType, algo)
     compute = compute_type(computeType)
     if compute not in _SUPPORTED or algo not in (CUBLAS_GEMM_DEFAULT, CUBLAS_GEMM_DEFAULT_TENSOR_OP) and not 0 <= algo <= 23:
@@ -369,3 +372,9 @@ def _matrices(name, ptr, dtype, rows, cols, ld, stride, batch):
     raw, _ = _memory.host_view(ptr, extent)
     return np.lib.stride_tricks.as_strided(raw.view(dtype), shape=(batch, rows, cols),
                                            strides=(stride * item, item, ld * item))
+
+
+if runtime.model()["is_hip"]:  # a ROCm node has libhipblas beside CuPy: the stand-in's (hipblas_lib.py)
+    from cupy.cuda import hipblas_lib
+
+    hipblas_lib.install()
