@@ -251,9 +251,9 @@ def hipblas_standin(rocm, monkeypatch):
 
 
 def test_gpu_bfloat16_matmul_on_rocm_is_hipblas_own_gemm(hipblas_standin):
-    """bfloat16 on ROCm: hipblasGemmStridedBatchedEx / hipblasGemmEx with HIPBLAS_R_16B operands and
-    HIPBLAS_R_32F compute, through ctypes and a real C call, never CuPy's shim; the product is the float32
-    one rounded once (or kept in float32, or accumulated)."""
+    """bfloat16 on ROCm (the stand-in's default libhipblas: hipBLAS 3 of ROCm 7): hipblasGemmStridedBatchedEx /
+    hipblasGemmEx with HIP_R_16BF operands and HIPBLAS_COMPUTE_32F, through ctypes and a real C call,
+    never CuPy's shim; the product is the float32 one rounded once (or kept in float32, or accumulated)."""
     from boostmpi.gpu import blas
     from cupy import _record
 
@@ -265,10 +265,10 @@ def test_gpu_bfloat16_matmul_on_rocm_is_hipblas_own_gemm(hipblas_standin):
     assert got.dtype == BF16
     assert "hipblas.gemm A14 B14 C14 compute0 batched" in calls and not any(c.startswith("cublas.gemm") for c in calls)
     np.testing.assert_array_equal(got.get(), np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(BF16))
-    assert hipblas_standin.calls[-1] == ("hipblasGemmStridedBatchedEx", 168, 168, 168, 151, 160)
+    assert hipblas_standin.calls[-1] == ("hipblasGemmStridedBatchedEx", 14, 14, 14, 2, 160)
     out = cupy.ones((5, 6), np.float32)
     blas.matmul(da[0], db[0], out=out, accumulate=True)
-    assert hipblas_standin.calls[-1] == ("hipblasGemmEx", 168, 168, 151, 151, 160)
+    assert hipblas_standin.calls[-1] == ("hipblasGemmEx", 14, 14, 0, 2, 160)
     np.testing.assert_allclose(out.get(), 1 + a[0].astype(np.float32) @ b[0].astype(np.float32), rtol=1e-6)
 
 

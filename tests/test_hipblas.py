@@ -1,7 +1,9 @@
-"""boostmpi.gpu.hipblas: the ctypes declarations of hipBLAS's two GEMMs and its enumeration values
-against what hipblas.h says at ROCm 5.7, 6.0 and 6.2 (tests/hipblas_checked.txt records it), and a
-real C call through them into the stand-in's libhipblas (tests/cupy_standin/hipblas/); mutants: a
-declaration of the wrong width fails the comparison, a wrong enumeration value fails the call."""
+"""boostmpi.gpu.hipblas: the ctypes declarations of hipBLAS's two GEMMs, their names and enumeration
+values in each of hipBLAS's three ABIs (ROCm 5, 6, 7) against what the headers say
+(tests/hipblas_checked.txt records it), which ABI a library is taken for, and a real C call through the
+declarations into the stand-in's libhipblas (tests/cupy_standin/hipblas/) built as each release.
+Mutants: a declaration of the wrong width fails the comparison; the enumeration values of another ABI
+fail the call."""
 
 import ctypes
 from pathlib import Path
@@ -17,54 +19,49 @@ pytestmark = [pytest.mark.gpu,
 
 CHECKED = Path(__file__).with_name("hipblas_checked.txt")
 C_TYPES = {"hipblasHandle_t": ctypes.c_void_p, "void*": ctypes.c_void_p, "int": ctypes.c_int,
-           "hipblasOperation_t": ctypes.c_int, "hipblasDatatype_t": ctypes.c_int, "hipblasGemmAlgo_t": ctypes.c_int,
-           "hipblasStride": ctypes.c_int64}
+           "hipblasOperation_t": ctypes.c_int, "hipblasDatatype_t": ctypes.c_int, "hipDataType": ctypes.c_int,
+           "hipblasComputeType_t": ctypes.c_int, "hipblasGemmAlgo_t": ctypes.c_int, "hipblasStride": ctypes.c_int64}
+ABIS = ("legacy", "v2", "v3")
 
 
 def recorded():
-    prototypes, values = {}, {}
+    prototypes, values, names = {}, {}, {}
     for line in CHECKED.read_text().splitlines():
         if not line.strip() or line.startswith("#"):
             continue
-        if line.startswith("value "):
-            _, name, number = line.split()
-            values[name] = int(number)
-        else:
-            name, params = line.split(":", 1)
-            prototypes[name] = tuple(C_TYPES[p.strip()] for p in params.split(","))
-    return prototypes, values
+        words = line.split()
+        if words[0] == "prototype":
+            head, params = line.split(":", 1)
+            _, abi, role = head.split()
+            prototypes[abi, role] = tuple(C_TYPES[p.strip()] for p in params.split(","))
+        elif words[0] == "value":
+            values[tuple(words[1:-1])] = int(words[-1])
+        elif words[0] == "names":
+            names[words[1]] = tuple(words[2:])
+    return prototypes, values, names
 
 
 def check_declarations(module=hipblas):
-    prototypes, values = recorded()
-    assert set(prototypes) == set(module.PROTOTYPES)
-    for name, argtypes in prototypes.items():
-        assert module.PROTOTYPES[name] == argtypes, name
-    for name, number in values.items():
-        assert getattr(module, name) == number, name
+    prototypes, values, names = recorded()
+    for (abi, role), argtypes in prototypes.items():
+        assert module.PROTOTYPES[role] == argtypes, (abi, role)
+    for key, number in values.items():
+        got = getattr(module, key[0]) if len(key) == 1 else module.ABIS[key[0]][key[1]]
+        assert got == number, key
+    for abi in ABIS:
+        assert module.ABIS[abi]["names"] == names[abi], abi
 
 
-def test_declarations_are_hipblas_h():
+def test_declarations_are_the_headers():
     check_declarations()
 
 
 def test_a_declaration_of_the_wrong_width_fails_the_check(monkeypatch):
-    wrong = dict(hipblas.PROTOTYPES)
-    args = list(wrong["hipblasGemmStridedBatchedEx"])
+    args = list(hipblas.PROTOTYPES["strided"])
     args[10] = ctypes.c_int  # strideA as a 32-bit int, where hipblasStride is int64_t
-    wrong["hipblasGemmStridedBatchedEx"] = tuple(args)
-    monkeypatch.setattr(hipblas, "PROTOTYPES", wrong)
+    monkeypatch.setitem(hipblas.PROTOTYPES, "strided", tuple(args))
     with pytest.raises(AssertionError):
         check_declarations()
-
-
-@pytest.fixture
-def library(monkeypatch):
-    """The stand-in's libhipblas on $ROCM_PATH, loaded afresh through boostmpi.gpu.hipblas."""
-    from gpu_setup import use_hipblas_standin
-
-    yield use_hipblas_standin(monkeypatch)
-    hipblas.library.cache_clear()
 
 
 def _batched_product(cupy):
@@ -81,32 +78,44 @@ def _batched_product(cupy):
     handle = cupy.cuda.get_cublas_handle()
     cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
     # row-major C = A B is column-major C^T = B^T A^T: (n, m, k) = (6, 5, 4)
-    hipblas.gemm(handle, hipblas.HIPBLAS_OP_N, hipblas.HIPBLAS_OP_N, 6, 5, 4, one.ctypes.data, db.data.ptr,
-                 hipblas.HIPBLAS_R_16B, 6, 24, da.data.ptr, hipblas.HIPBLAS_R_16B, 4, 20, zero.ctypes.data, dc.data.ptr,
-                 hipblas.HIPBLAS_R_16B, 6, 30, 3)
+    hipblas.gemm(handle, hipblas.HIPBLAS_OP_N, hipblas.HIPBLAS_OP_N, 6, 5, 4, one.ctypes.data, db.data.ptr, 6, 24,
+                 da.data.ptr, 4, 20, zero.ctypes.data, dc.data.ptr, False, 6, 30, 3)
     return dc.get(), np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(bf16)
+
+
+@pytest.fixture(params=ABIS)
+def library(request, monkeypatch):
+    """The stand-in's libhipblas built as one release, on $ROCM_PATH, loaded afresh by boostmpi.gpu.hipblas."""
+    from gpu_setup import use_hipblas_standin
+
+    monkeypatch.setenv("BOOSTMPI_STANDIN_HIPBLAS", request.param)
+    yield request.param, use_hipblas_standin(monkeypatch)
+    hipblas.library.cache_clear()
 
 
 def test_a_real_c_call_through_the_declarations_computes_the_product(library):
     import cupy
 
+    abi, standin = library
+    assert hipblas.library()[1] == abi  # the ABI told from the symbols and the soname
     got, want = _batched_product(cupy)
     np.testing.assert_array_equal(got, want)
-    assert library.calls[-1] == ("hipblasGemmStridedBatchedEx", 168, 168, 168, 151, 160)
+    bf16, compute = hipblas.ABIS[abi]["bf16"], hipblas.ABIS[abi]["compute"]
+    assert standin.calls[-1] == (hipblas.ABIS[abi]["names"][1], bf16, bf16, bf16, compute, 160)
 
 
 def test_a_wrong_enumeration_fails_the_call(library, monkeypatch):
-    """Mutants: HIPBLAS_R_16B given as HIPBLAS_R_16F's 150 makes hipBLAS read the bfloat16 operands as
-    half floats (a product of other numbers); given as an unknown 167, the call is refused. (A declaration
-    of the wrong width is the check above: on x86-64 a 32-bit int in a 64-bit slot still arrives whole
-    for small values, so only the comparison with the header catches it.)"""
+    """Mutant: the bfloat16 value of the other kind of ABI (168, hipblasDatatype_t's, where hipDataType is
+    spoken; 14, hipDataType's, where hipblasDatatype_t is), as a library taken for the wrong release would
+    pass it: hipBLAS refuses the value or finds no such product."""
     import cupy
 
-    monkeypatch.setattr(hipblas, "HIPBLAS_R_16B", 150)
-    got, want = _batched_product(cupy)
-    assert not np.array_equal(got, want)
-    monkeypatch.setattr(hipblas, "HIPBLAS_R_16B", 167)
-    with pytest.raises(hipblas.HipblasError, match="HIPBLAS_STATUS_INVALID_ENUM"):
+    abi, _ = library
+    other = "legacy" if abi != "legacy" else "v3"
+    wrong = {name: dict(values) for name, values in hipblas.ABIS.items()}
+    wrong[abi]["bf16"] = hipblas.ABIS[other]["bf16"]
+    monkeypatch.setattr(hipblas, "ABIS", wrong)
+    with pytest.raises(hipblas.HipblasError, match="HIPBLAS_STATUS_INVALID_ENUM|HIPBLAS_STATUS_NOT_SUPPORTED"):
         _batched_product(cupy)
 
 

@@ -29,8 +29,8 @@ hipBLAS shim (cupy_backends/hip/cupy_hipblas.h at v14.2.0), which takes only the
 cudaDataType compute types (CUDA_R_32F -> HIPBLAS_COMPUTE_32F; a cuBLAS compute type returns
 HIPBLAS_STATUS_NOT_SUPPORTED), only CUBLAS_GEMM_DEFAULT, and only the data types 0-9: it has no
 mapping for CUDA_R_16BF and throws out of C code (the process aborts). So on ROCm a bfloat16
-product calls hipBLAS's own GEMMs through ctypes (boostmpi.gpu.hipblas: HIPBLAS_R_16B operands,
-float32 compute, on CuPy's handle and current stream); without libhipblas it is computed from float32
+product calls hipBLAS's own GEMMs through ctypes (boostmpi.gpu.hipblas: bfloat16 operands, float32
+compute, on CuPy's handle and current stream, in whichever of hipBLAS's ABIs the library speaks); without libhipblas it is computed from float32
 copies of the operands (HIP_R_32F throughout, float32 compute) and rounded once to bfloat16: the same
 numbers, more memory traffic.
 """
@@ -179,12 +179,10 @@ def matmul(a, b, out=None, accumulate=False):
     if via_hipblas:  # hipBLAS's own bfloat16 GEMM on CuPy's handle, which must run on CuPy's current stream
         handle = xp.cuda.get_cublas_handle()
         cublas.setStream(handle, xp.cuda.get_current_stream().ptr)
-        ops, types = (hipblas.HIPBLAS_OP_N, hipblas.HIPBLAS_OP_T), {np.dtype(np.float32): hipblas.HIPBLAS_R_32F}
-        tc = types.get(out.dtype, hipblas.HIPBLAS_R_16B)
+        ops = (hipblas.HIPBLAS_OP_N, hipblas.HIPBLAS_OP_T)
         # row-major C [m, n] = A @ B is column-major C^T [n, m] = B^T A^T
-        hipblas.gemm(handle, ops[op_b], ops[op_a], n, m, k, _ONE[scale].ctypes.data, b.data.ptr, hipblas.HIPBLAS_R_16B,
-                     ldb, stride_b, a.data.ptr, hipblas.HIPBLAS_R_16B, lda, stride_a, beta, out.data.ptr, tc, ldc,
-                     stride_c, count)
+        hipblas.gemm(handle, ops[op_b], ops[op_a], n, m, k, _ONE[scale].ctypes.data, b.data.ptr, ldb, stride_b,
+                     a.data.ptr, lda, stride_a, beta, out.data.ptr, out.dtype == np.float32, ldc, stride_c, count)
         return out
     if runtime.is_hip:  # the legacy cudaDataType compute type, the only kind the hipBLAS shim takes
         compute = runtime.CUDA_R_64F if dtype == np.float64 else runtime.CUDA_R_32F

@@ -3,17 +3,24 @@
 CuPy 14.2 reaches hipBLAS only through its shim of the cuBLAS API (cupy_backends/hip/cupy_hipblas.h at
 v14.2.0), which has no bfloat16 type: it ends the process on CUDA_R_16BF (boostmpi/gpu/blas.py says
 where). hipBLAS itself multiplies bfloat16 with float32 accumulation on the MI250X's matrix cores:
-`hipblasGemmEx` and `hipblasGemmStridedBatchedEx` with HIPBLAS_R_16B operands, a HIPBLAS_R_16B or
-HIPBLAS_R_32F output and HIPBLAS_R_32F compute (rocBLAS's gemm_ex table lists both pairs). So
+`hipblasGemmEx` and `hipblasGemmStridedBatchedEx` with bfloat16 operands, a bfloat16 or float32
+output and float32 compute (rocBLAS's gemm_ex table lists both pairs). So
 `boostmpi.gpu.blas` calls these two functions of libhipblas directly for bfloat16 products on ROCm,
 on the handle CuPy made (a hipblasHandle_t on ROCm) and CuPy's current stream.
 
-The prototypes and enumeration values are hipblas.h's (ROCm/hipBLAS, library/include/hipblas.h at the
-tags rocm-5.7.1, rocm-6.0.2 and rocm-6.2.2 and on its main branch): the exported `hipblasGemmEx` and
-`hipblasGemmStridedBatchedEx` take hipblasDatatype_t types and a hipblasDatatype_t compute type in
-every one of them (ROCm 6 adds `..._v2` entry points with hipDataType, which a program reaches by
-compiling with -DHIPBLAS_V2; the exported legacy symbols stay). tests/hipblas_checked.txt records
-the lines, and tests/test_hipblas.py compares this module's declarations with them.
+hipBLAS has had three ABIs for these two functions, with the same arguments in the same places and
+widths (tests/hipblas_checked.txt records the header lines; tests/test_hipblas.py compares the
+declarations below with them):
+- "legacy" (hipBLAS 0.x-1.x of ROCm 5, and still exported by 2.x): `hipblasGemmEx` and
+  `hipblasGemmStridedBatchedEx` with hipblasDatatype_t types (HIPBLAS_R_16B = 168, HIPBLAS_R_32F =
+  151) and a hipblasDatatype_t compute type (HIPBLAS_R_32F);
+- "v2" (hipBLAS 2.x of ROCm 6): `hipblasGemmEx_v2` and `hipblasGemmStridedBatchedEx_v2` with HIP's
+  hipDataType (HIP_R_16BF = 14, HIP_R_32F = 0) and hipblasComputeType_t (HIPBLAS_COMPUTE_32F = 2);
+- "v3" (hipBLAS 3 of ROCm 7): the v2 signature under the plain names, the only API left
+  (hipBLAS 3.0.0's changelog: hipblasDatatype_t removed, "HIPBLAS_V2 API is now the only available
+  API"; ROCm/hipBLAS pull request 982).
+A library exporting the `_v2` names is "v2"; otherwise its soname's major version (libhipblas.so.3)
+tells "v3" from "legacy". The centres' setup (jobs/setup_frontier.sh) loads ROCm 7.
 
 libhipblas is found as ROCm installs it: $ROCM_PATH/lib (ROCm's own variable, which `module load rocm`
 sets on the centres' machines), then the loader's search path. Without it a bfloat16 product falls
@@ -24,34 +31,40 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import re
 import sys
 
-# hipblas.h: hipblasOperation_t, hipblasDatatype_t, hipblasGemmAlgo_t, hipblasStatus_t
+# hipblas.h: hipblasOperation_t, hipblasGemmAlgo_t, hipblasStatus_t
 HIPBLAS_OP_N, HIPBLAS_OP_T = 111, 112
-HIPBLAS_R_32F, HIPBLAS_R_16B = 151, 168
 HIPBLAS_GEMM_DEFAULT = 160
 STATUS = {0: "HIPBLAS_STATUS_SUCCESS", 1: "HIPBLAS_STATUS_NOT_INITIALIZED", 2: "HIPBLAS_STATUS_ALLOC_FAILED",
           3: "HIPBLAS_STATUS_INVALID_VALUE", 4: "HIPBLAS_STATUS_MAPPING_ERROR", 5: "HIPBLAS_STATUS_EXECUTION_FAILED",
           6: "HIPBLAS_STATUS_INTERNAL_ERROR", 7: "HIPBLAS_STATUS_NOT_SUPPORTED", 8: "HIPBLAS_STATUS_ARCH_MISMATCH",
           9: "HIPBLAS_STATUS_HANDLE_IS_NULLPTR", 10: "HIPBLAS_STATUS_INVALID_ENUM", 11: "HIPBLAS_STATUS_UNKNOWN"}
+# per ABI: the two functions' names, the bfloat16 and float32 type values, the float32 compute type
+ABIS = {
+    "legacy": {"names": ("hipblasGemmEx", "hipblasGemmStridedBatchedEx"), "bf16": 168, "f32": 151, "compute": 151},
+    "v2": {"names": ("hipblasGemmEx_v2", "hipblasGemmStridedBatchedEx_v2"), "bf16": 14, "f32": 0, "compute": 2},
+    "v3": {"names": ("hipblasGemmEx", "hipblasGemmStridedBatchedEx"), "bf16": 14, "f32": 0, "compute": 2},
+}
 
 _c = ctypes
-# (name, argument types): the C prototypes, argument by argument (enums are C ints, hipblasStride int64_t)
+# the C prototypes, argument by argument, the same in every ABI (enums are C ints, hipblasStride int64_t)
 PROTOTYPES = {
-    "hipblasGemmEx": (
+    "gemm": (
         _c.c_void_p, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_int,  # handle, transA, transB, m, n, k
         _c.c_void_p, _c.c_void_p, _c.c_int, _c.c_int,  # alpha, A, aType, lda
         _c.c_void_p, _c.c_int, _c.c_int,  # B, bType, ldb
         _c.c_void_p, _c.c_void_p, _c.c_int, _c.c_int,  # beta, C, cType, ldc
         _c.c_int, _c.c_int),  # computeType, algo
-    "hipblasGemmStridedBatchedEx": (
+    "strided": (
         _c.c_void_p, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_int,  # handle, transA, transB, m, n, k
         _c.c_void_p, _c.c_void_p, _c.c_int, _c.c_int, _c.c_int64,  # alpha, A, aType, lda, strideA
         _c.c_void_p, _c.c_int, _c.c_int, _c.c_int64,  # B, bType, ldb, strideB
         _c.c_void_p, _c.c_void_p, _c.c_int, _c.c_int, _c.c_int64,  # beta, C, cType, ldc, strideC
         _c.c_int, _c.c_int, _c.c_int),  # batchCount, computeType, algo
 }
-LIBRARY_NAMES = ("libhipblas.so", "libhipblas.so.2", "libhipblas.so.1", "libhipblas.so.0")
+LIBRARY_NAMES = ("libhipblas.so", "libhipblas.so.3", "libhipblas.so.2", "libhipblas.so.1", "libhipblas.so.0")
 
 
 class HipblasError(RuntimeError):
@@ -69,17 +82,28 @@ def library_path():
     return ctypes.util.find_library("hipblas")
 
 
+def abi_of(lib, path):
+    """Which of ABIS a loaded libhipblas speaks (see the module docstring)."""
+    if hasattr(lib, ABIS["v2"]["names"][0]):
+        return "v2"
+    major = re.search(r"\.so\.(\d+)", os.path.basename(os.path.realpath(path)))
+    return "v3" if major and int(major.group(1)) >= 3 else "legacy"
+
+
 @functools.lru_cache(maxsize=None)
 def library():
-    """libhipblas with the two GEMMs declared, or None when it is not installed."""
+    """(libhipblas, its ABI, its two GEMMs declared) or None when it is not installed."""
     path = library_path()
     if path is None:
         return None
     lib = ctypes.CDLL(path)
-    for name, argtypes in PROTOTYPES.items():
+    abi = abi_of(lib, path)
+    functions = []
+    for name, argtypes in zip(ABIS[abi]["names"], PROTOTYPES.values()):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
-    return lib
+        functions.append(fn)
+    return lib, abi, tuple(functions)
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,20 +112,20 @@ def say_missing():
           "(looked in $ROCM_PATH/lib and the loader's path)", file=sys.stderr, flush=True)
 
 
-def gemm(handle, transa, transb, m, n, k, alpha, A, atype, lda, stride_a, B, btype, ldb, stride_b, beta, C, ctype,
-         ldc, stride_c, count):
-    """One column-major GEMM (count == 1: hipblasGemmEx) or a strided batch, float32 compute; the
-    operation codes are hipBLAS's (HIPBLAS_OP_N / _T), the types hipblasDatatype_t, alpha and beta
-    host addresses of floats. Raises HipblasError with hipBLAS's status name."""
-    lib = library()
+def gemm(handle, transa, transb, m, n, k, alpha, A, lda, stride_a, B, ldb, stride_b, beta, C, c_float32, ldc,
+         stride_c, count):
+    """One column-major GEMM of bfloat16 A and B (count == 1: GemmEx) or a strided batch, float32
+    compute, C bfloat16 or (c_float32) float32; the operation codes are hipBLAS's (HIPBLAS_OP_N / _T),
+    alpha and beta host addresses of floats. Raises HipblasError with hipBLAS's status name."""
+    _, abi, (single, strided) = library()
+    values = ABIS[abi]
+    bf16, ctype = values["bf16"], values["f32"] if c_float32 else values["bf16"]
     if count == 1:
-        status = lib.hipblasGemmEx(handle, transa, transb, m, n, k, alpha, A, atype, lda, B, btype, ldb, beta, C,
-                                   ctype, ldc, HIPBLAS_R_32F, HIPBLAS_GEMM_DEFAULT)
-        name = "hipblasGemmEx"
+        status = single(handle, transa, transb, m, n, k, alpha, A, bf16, lda, B, bf16, ldb, beta, C, ctype, ldc,
+                        values["compute"], HIPBLAS_GEMM_DEFAULT)
     else:
-        status = lib.hipblasGemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, atype, lda, stride_a, B,
-                                                 btype, ldb, stride_b, beta, C, ctype, ldc, stride_c, count,
-                                                 HIPBLAS_R_32F, HIPBLAS_GEMM_DEFAULT)
-        name = "hipblasGemmStridedBatchedEx"
+        status = strided(handle, transa, transb, m, n, k, alpha, A, bf16, lda, stride_a, B, bf16, ldb, stride_b, beta,
+                         C, ctype, ldc, stride_c, count, values["compute"], HIPBLAS_GEMM_DEFAULT)
     if status != 0:
+        name = values["names"][count != 1]
         raise HipblasError(f"{name} returned {STATUS.get(status, status)} (m={m}, n={n}, k={k}, batch {count})")
