@@ -30,9 +30,9 @@ cudaDataType compute types (CUDA_R_32F -> HIPBLAS_COMPUTE_32F; a cuBLAS compute 
 HIPBLAS_STATUS_NOT_SUPPORTED), only CUBLAS_GEMM_DEFAULT, and only the data types 0-9: it has no
 mapping for CUDA_R_16BF and throws out of C code (the process aborts). So on ROCm a bfloat16
 product calls hipBLAS's own GEMMs through ctypes (boostmpi.gpu.hipblas: bfloat16 operands, float32
-compute, on CuPy's handle and current stream, in whichever of hipBLAS's ABIs the library speaks); without libhipblas it is computed from float32
-copies of the operands (HIP_R_32F throughout, float32 compute) and rounded once to bfloat16: the same
-numbers, more memory traffic.
+compute, on CuPy's handle and current stream, in whichever of hipBLAS's ABIs the library speaks);
+without libhipblas it is computed from float32 copies of the operands (HIP_R_32F throughout, float32
+compute) and rounded once to bfloat16: the same numbers, more memory traffic.
 """
 
 import math
