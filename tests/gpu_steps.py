@@ -8,6 +8,7 @@ every rank's traceback instead of a hang.
 """
 
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -117,6 +118,9 @@ def run_or_abort(main, *args):
 
         sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()}: {traceback.format_exc()}")
         sys.stderr.flush()
+        # Hydra's proxy may end before it forwards what a rank wrote just before MPI_Abort (a test read
+        # an empty stderr once on a loaded machine): give it a moment to take the report first
+        time.sleep(1)
         MPI.COMM_WORLD.Abort(1)
 
 

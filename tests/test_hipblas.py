@@ -1,7 +1,7 @@
 """boostmpi.gpu.hipblas: the ctypes declarations of hipBLAS's two GEMMs, their names and enumeration
 values in each of hipBLAS's three ABIs (ROCm 5, 6, 7) against what the headers say
 (tests/hipblas_checked.txt records it), which ABI a library is taken for, and a real C call through the
-declarations into the stand-in's libhipblas (tests/cupy_standin/hipblas/) built as each release.
+declarations into the stand-in's libhipblas (tests/cupy_standin/cupy/cuda/hipblas_standin.c) built as each release.
 Mutants: a declaration of the wrong width fails the comparison; the enumeration values of another ABI
 fail the call."""
 

@@ -41,7 +41,7 @@ INTERNAL_ERROR, NOT_SUPPORTED, INVALID_ENUM = 6, 7, 10
 # rocBLAS's gemm_ex: compute type -> {(aType = bType, cType)}, in cudaDataType terms
 SUPPORTED = {_32F: {(_16BF, _16BF), (_16BF, _32F), (_16F, _16F), (_16F, _32F), (_32F, _32F)},
              _16F: {(_16F, _16F)}, _64F: {(_64F, _64F)}}
-SOURCE = Path(__file__).resolve().parents[2] / "hipblas" / "hipblas_standin.c"
+SOURCE = Path(__file__).with_name("hipblas_standin.c")  # in the package: the emulated sites' stub wheel ships it
 
 _SIGNATURE = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
