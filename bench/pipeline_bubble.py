@@ -71,13 +71,15 @@ class SleepingEngine(Engine):
         return np.zeros((B * T, WIDTH), dtype=self.cdtype)
 
 
-def main():
-    p = common.parser(__doc__.splitlines()[0], warmup=2, repeats=12)
+def sleeping_main(title, measure, unit, add_arguments=None):
+    """The command line of a benchmark of sleeping stages: --pp ranks under mpiexec (started by the
+    script itself), --unit seconds a stage forward, then `measure(args, world)` on every rank."""
+    p = common.parser(title, warmup=2, repeats=12)
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks (default %(default)s)")
-    p.add_argument("--micro", type=int, default=8, help="micro-batches per step (default %(default)s)")
-    p.add_argument("--chunks", type=int, default=2, help="chunks per rank of the interleaved case (default %(default)s)")
-    p.add_argument("--unit", type=float, default=0.1, help="seconds of one stage forward (default %(default)s)")
+    p.add_argument("--unit", type=float, default=unit, help="seconds of one stage forward (default %(default)s)")
     p.add_argument("--timeout", type=int, default=600, help="seconds before the mpiexec launch is killed")
+    if add_arguments:
+        add_arguments(p)
     args = p.parse_args()
     if not common.mpi_worker():
         return common.launch_under_mpiexec(args.pp, args.timeout)
@@ -86,6 +88,15 @@ def main():
     from boostmpi.parallel.launch import run_guarded  # a failing rank ends every rank, never a hang
 
     return run_guarded(lambda: measure(args, MPI.COMM_WORLD), MPI.COMM_WORLD, MPI.COMM_WORLD.Get_rank())
+
+
+def main():
+    def add_arguments(p):
+        p.add_argument("--micro", type=int, default=8, help="micro-batches per step (default %(default)s)")
+        p.add_argument("--chunks", type=int, default=2,
+                       help="chunks per rank of the interleaved case (default %(default)s)")
+
+    return sleeping_main(__doc__.splitlines()[0], measure, 0.1, add_arguments)
 
 
 def measure(args, world):
