@@ -88,7 +88,8 @@ def bf16_gpu_problem(cupy_version, numpy_version, ml_dtypes_version):
     # ROCm needs nothing more: CuPy 14.2's hipBLAS layer has no bfloat16 matrix type
     # (cupy_backends/hip/cupy_hipblas.h: convert_hipblasDatatype_t maps cudaDataType 0-9 only and
     # throws on CUDA_R_16BF, ending the process), but the engine never hands it one: every product
-    # goes through boostmpi.gpu.blas, which multiplies float32 copies there (docs/GPU.md)
+    # goes through boostmpi.gpu.blas, which calls hipBLAS's own bfloat16 GEMMs there (boostmpi.gpu.hipblas),
+    # or multiplies float32 copies when libhipblas is not found (docs/GPU.md)
     return None
 
 
