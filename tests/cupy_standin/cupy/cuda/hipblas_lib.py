@@ -18,6 +18,7 @@ INVALID_ENUM = 10. rocBLAS's gemm_ex type table (rocm.docs.amd.com, rocblas_gemm
 compute, bf16 A and B and a bf16 or f32 C/D; f16 likewise; f32 throughout; f64 with f64 compute.
 """
 
+import collections
 import ctypes
 import hashlib
 import os
@@ -48,7 +49,7 @@ _SIGNATURE = ctypes.CFUNCTYPE(
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
     ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
-calls = []  # (entry, aType, bType, cType, computeType, algo) of every call, for tests
+calls = collections.deque(maxlen=64)  # (entry, aType, bType, cType, computeType, algo) of the latest calls, for tests
 
 
 def _gemm(handle, transa, transb, m, n, k, alpha, A, atype, lda, stride_a, B, btype, ldb, stride_b, beta, C, ctype,
