@@ -326,19 +326,42 @@ def _korthikanti_cli(name, heads, h, l, t, p, B, full_s, present_s, v):
 # 350 and 420 DGX A100 nodes (t = 8, p = 35 with DeepSpeed's pipeline, data parallel 8, 10, 12),
 # 60.1, 50.2 and 44.4 s per iteration (126, 121, 113 TFLOP/s per GPU).
 MT_NLG = [(8, 60.1), (10, 50.2), (12, 44.4)]
+MT_NLG_STAGES = 35
+# The micro-batch is not published. The three runs differ only in their data-parallel size, so with M =
+# 1920 / (d * b) micro-batches per pipeline the measured times separate, T = a * M + c, into the work of
+# one micro-batch (a) and what does not depend on M (c = 12.7 s whatever b is). Under 1F1B that part is
+# the fill and drain, (p - 1) * a, plus the data-parallel step after the flush (0.4 s here): with b = 1,
+# 6.7 s + 0.4 s leave 5.6 s unaccounted; with b = 2, 13.4 s + 0.4 s is within 1.1 s of it; with b = 4 the
+# fill and drain alone (26.8 s) exceed it. mt_nlg_fixed_cost shows the arithmetic; micro-batch 2 (also
+# BLOOM's, in the same stack) is the one the runs allow.
+MT_NLG_MICRO_BATCH = 2
+
+
+def mt_nlg_fixed_cost(micro_batch):
+    """(a, c): the least-squares line T = a * M + c through the three MT-NLG runs, M = 1920 / (d * b)."""
+    ms = [1920 / (dp * micro_batch) for dp, _ in MT_NLG]
+    ts = [seconds for _, seconds in MT_NLG]
+    m_mean, t_mean = sum(ms) / len(ms), sum(ts) / len(ts)
+    a = (sum((m - m_mean) * (t - t_mean) for m, t in zip(ms, ts))
+         / sum((m - m_mean) ** 2 for m in ms))
+    return a, t_mean - a * m_mean
 
 
 def _mtnlg_cli(dp, seconds):
+    b = MT_NLG_MICRO_BATCH
     return CliRun(
         name=f"MT-NLG 530B ({280 * dp} GPUs, d={dp})",
         framework="Megatron-DeepSpeed", gpu="A100",
         source="Smith et al. 2022 (MT-NLG), Sec. 2.4", machine="a100-80gb-dgx", network=MATERIALISED + DEEPSPEED_FP16,
-        config=cli_config(20480, 128, 105, 50304, 2048, 8, 35, dp, 1920, 1, overlap=False, zero=1, dropout=GPT_DROPOUT),
+        config=cli_config(20480, 128, 105, 51200, 2048, 8, MT_NLG_STAGES, dp, 1920, b, overlap=False, zero=1,
+                          dropout=GPT_DROPOUT),
         measured_s=seconds, derived="seconds per iteration as published",
-        assumed=GPT_ASSUMED + "; micro-batch 1; DeepSpeed's pipeline (plain 1F1B, the data-parallel "
+        assumed=GPT_ASSUMED + f"; micro-batch {b} (not published: the only one for which the three runs' "
+                "step time that does not depend on the number of micro-batches is 1F1B's fill and drain plus "
+                "the data-parallel step, docs/SIM.md); DeepSpeed's pipeline (plain 1F1B, the data-parallel "
                 "reduction after the flush: overlap = false) with ZeRO-1, its blocking sends and receives; fp16 "
                 "(\"mixed precision\"; DeepSpeed had no bf16 optimizer in 2021) with autograd's gradient accumulation; "
-                "vocabulary padded to 50304")
+                "GPT-2's vocabulary padded to 51200 (Megatron's multiple of 128 x t)")
 
 
 # BLOOM 176B (BigScience; arXiv 2211.05100, Sec. 3.4): 384 A100 80GB on Jean Zay, t = 4, p = 12, d = 8,
@@ -462,13 +485,17 @@ AZURE_ZERO3 = [
 
 
 # DeepSpeed 0.6.2's ZeRO-3 copies on the compute path, read off its code (deepspeed/runtime/zero/
-# partition_parameters.py, comm/coalesced_collectives.py): a module of several parameters (Megatron's
-# linear layers: weight and bias) is gathered into one flat buffer, and AllGatherCoalescedHandle.wait
-# copies each parameter out of the ranks' interleaved partitions with torch.cat (2 + 2 bytes); its
-# gradients are interleaved into one buffer with torch.cat (2 + 2) and pre-divided in place (div_:
-# 2 + 2) before the reduce-scatter. The gradients of these weights exceed reduce_bucket_size (9e7), so
-# the contiguous-bucket copy is skipped.
-DEEPSPEED_ZERO3 = (("zero3_gather_copy_bytes", 4.0), ("zero3_reduce_copy_bytes", 8.0))
+# partition_parameters.py, stage3.py, partitioned_param_coordinator.py, comm/coalesced_collectives.py)
+# for these models. A gather of several parameters goes through one flat buffer that
+# AllGatherCoalescedHandle.wait copies out with torch.cat, but a gather of one parameter lands in place
+# (`len(params) == 1`), and here every gather is one weight: a bias below
+# stage3_param_persistence_threshold (1e5 elements: all of the 175B's, the QKV biases of 1T and 2T) stays
+# gathered for good, and a larger one (the 4h bias of 1T and 2T) is fetched on its own after its weight,
+# whose prefetch (stage3_prefetch_bucket_size 5e7, below one weight) went out alone. Every weight's
+# gradient exceeds reduce_bucket_size (9e7), so it is reduce-scattered on its own and, its size dividing by
+# the number of ranks, without the interleaving torch.cat: what remains is the pre-divide in place
+# (`div_`: 2 + 2 bytes a parameter).
+DEEPSPEED_ZERO3 = (("zero3_gather_copy_bytes", 0.0), ("zero3_reduce_copy_bytes", 4.0))
 
 
 def _azure_cli(name, heads, h, l, seq, gpus, mbs, tflops, offload):
@@ -487,7 +514,7 @@ def _azure_cli(name, heads, h, l, seq, gpus, mbs, tflops, offload):
         derived=(f"Eq. 3 FLOPs / ({gpus} GPUs x {tflops} TFLOP/s per GPU, the post's peak); "
                  "Megatron-DeepSpeed's throughput calculator counts Eq. 3 under --checkpoint-activations"),
         assumed=(GPT_ASSUMED + "; DeepSpeed 0.6.2's copies around its collectives as read off its code "
-                 "(4 bytes a parameter per gather, 8 per reduce-scatter); the peak (fastest) iteration taken as "
+                 "(none on a gather, each one parameter; 4 bytes a parameter per reduce-scatter, the pre-divide); the peak (fastest) iteration taken as "
                  "the step" + offloaded))
 
 
