@@ -327,13 +327,9 @@ def _korthikanti_cli(name, heads, h, l, t, p, B, full_s, present_s, v):
 # 60.1, 50.2 and 44.4 s per iteration (126, 121, 113 TFLOP/s per GPU).
 MT_NLG = [(8, 60.1), (10, 50.2), (12, 44.4)]
 MT_NLG_STAGES = 35
-# The micro-batch is not published. The three runs differ only in their data-parallel size, so with M =
-# 1920 / (d * b) micro-batches per pipeline the measured times separate, T = a * M + c, into the work of
-# one micro-batch (a) and what does not depend on M (c = 12.7 s whatever b is). Under 1F1B that part is
-# the fill and drain, (p - 1) * a, plus the data-parallel step after the flush (0.4 s here): with b = 1,
-# 6.7 s + 0.4 s leave 5.6 s unaccounted; with b = 2, 13.4 s + 0.4 s is within 1.1 s of it; with b = 4 the
-# fill and drain alone (26.8 s) exceed it. mt_nlg_fixed_cost shows the arithmetic; micro-batch 2 (also
-# BLOOM's, in the same stack) is the one the runs allow.
+# The micro-batch is not published; the three runs fix it (docs/SIM.md): their times split, T = a * M + c
+# with M = 1920 / (d * b), and only at b = 2 is c (12.7 s) 1F1B's fill and drain, (p - 1) * a, plus the
+# data-parallel step (0.4 s): b = 1 leaves 5.6 s unexplained, at b = 4 the fill and drain exceed c.
 MT_NLG_MICRO_BATCH = 2
 
 
@@ -484,17 +480,12 @@ AZURE_ZERO3 = [
 ]
 
 
-# DeepSpeed 0.6.2's ZeRO-3 copies on the compute path, read off its code (deepspeed/runtime/zero/
-# partition_parameters.py, stage3.py, partitioned_param_coordinator.py, comm/coalesced_collectives.py)
-# for these models. A gather of several parameters goes through one flat buffer that
-# AllGatherCoalescedHandle.wait copies out with torch.cat, but a gather of one parameter lands in place
-# (`len(params) == 1`), and here every gather is one weight: a bias below
-# stage3_param_persistence_threshold (1e5 elements: all of the 175B's, the QKV biases of 1T and 2T) stays
-# gathered for good, and a larger one (the 4h bias of 1T and 2T) is fetched on its own after its weight,
-# whose prefetch (stage3_prefetch_bucket_size 5e7, below one weight) went out alone. Every weight's
-# gradient exceeds reduce_bucket_size (9e7), so it is reduce-scattered on its own and, its size dividing by
-# the number of ranks, without the interleaving torch.cat: what remains is the pre-divide in place
-# (`div_`: 2 + 2 bytes a parameter).
+# DeepSpeed 0.6.2's ZeRO-3 copies on the compute path for these models, read off its code (zero/
+# partition_parameters.py, stage3.py, partitioned_param_coordinator.py, comm/coalesced_collectives.py;
+# docs/SIM.md): every gather is of one weight (biases under stage3_param_persistence_threshold stay
+# gathered, the larger 4h bias is fetched on its own), which lands in place without the torch.cat
+# copy-out; every weight's gradient exceeds reduce_bucket_size and is reduce-scattered alone, leaving
+# only the in-place pre-divide (div_: 2 + 2 bytes a parameter).
 DEEPSPEED_ZERO3 = (("zero3_gather_copy_bytes", 0.0), ("zero3_reduce_copy_bytes", 4.0))
 
 
