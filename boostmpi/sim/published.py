@@ -335,12 +335,7 @@ MT_NLG_MICRO_BATCH = 2
 
 def mt_nlg_fixed_cost(micro_batch):
     """(a, c): the least-squares line T = a * M + c through the three MT-NLG runs, M = 1920 / (d * b)."""
-    ms = [1920 / (dp * micro_batch) for dp, _ in MT_NLG]
-    ts = [seconds for _, seconds in MT_NLG]
-    m_mean, t_mean = sum(ms) / len(ms), sum(ts) / len(ts)
-    a = (sum((m - m_mean) * (t - t_mean) for m, t in zip(ms, ts))
-         / sum((m - m_mean) ** 2 for m in ms))
-    return a, t_mean - a * m_mean
+    return statistics.linear_regression([1920 / (dp * micro_batch) for dp, _ in MT_NLG], [t for _, t in MT_NLG])
 
 
 def _mtnlg_cli(dp, seconds):
@@ -505,8 +500,8 @@ def _azure_cli(name, heads, h, l, seq, gpus, mbs, tflops, offload):
         derived=(f"Eq. 3 FLOPs / ({gpus} GPUs x {tflops} TFLOP/s per GPU, the post's peak); "
                  "Megatron-DeepSpeed's throughput calculator counts Eq. 3 under --checkpoint-activations"),
         assumed=(GPT_ASSUMED + "; DeepSpeed 0.6.2's copies around its collectives as read off its code "
-                 "(none on a gather, each one parameter; 4 bytes a parameter per reduce-scatter, the pre-divide); the peak (fastest) iteration taken as "
-                 "the step" + offloaded))
+                 "(none on a gather, each one parameter; 4 bytes a parameter per reduce-scatter, the "
+                 "pre-divide); the peak (fastest) iteration taken as the step" + offloaded))
 
 
 def cli_runs():
