@@ -164,3 +164,23 @@ def test_batches_are_pipelined_through_the_stages(name):
             if not should_pass:
                 ok = ok and span == BATCHES * pp * v
         assert_all_ranks(ok, lambda: f"{evaluate.__name__}: timeline {result}, bound {bound}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", ["pp2-v2", "pp4-v2"])
+def test_batches_beyond_a_block_are_evaluated_a_block_at_a_time_with_the_same_sums(name, monkeypatch):
+    from boostmpi.parallel import engine as engine_module
+
+    tp, pp, v, n_layers, dp = CASES[name]
+    if tp * pp * dp != world().Get_size():
+        pytest.skip(f"{name} runs on {tp * pp * dp} ranks")
+    with abort_on_error():
+        engine = engine_module.Engine(config(tp, pp, v, n_layers, dp), world())
+        batches = batches_of(engine, dp)
+        whole = engine.evaluate_batches(batches)
+        sums, host_sum = [], engine.grid.host.sum
+        monkeypatch.setattr(engine.grid.host, "sum", lambda values: sums.append(len(values)) or host_sum(values))
+        monkeypatch.setattr(engine_module, "EVAL_BLOCK", 3)
+        blocked = engine.evaluate_batches(batches)
+    # 8 batches in blocks of 3: three pipelined passes, one host sum each, the sums bit for bit
+    assert_all_ranks(blocked == whole and sums == [3, 3, 2], lambda: f"blocked {blocked}, whole {whole}, sums {sums}")

@@ -24,6 +24,8 @@ from boostmpi.parallel.pipeline import FORWARD, message_tag, steps_with_messages
 from boostmpi.parallel.tensor_parallel import make_strategy
 from boostmpi.precision import compute_dtype, master_dtype
 
+EVAL_BLOCK = 64  # batches one pipelined evaluation takes at a time (its held outputs stay bounded)
+
 
 def _nbytes(obj, seen):
     """Bytes of the distinct arrays (by their base buffer) reachable from a cache structure."""
@@ -307,9 +309,13 @@ class Engine:
         A stage takes the next batch as soon as it has sent the last one on, so n batches cost about
         n + pp - 1 stage forwards, not n x pp; with chunks (virtual stages) each chunk's round of the
         batches follows the previous one round the ring of ranks. Sends are waited for only when
-        more than pp are on their way (without chunks; with them, at the end, the order of the ring
-        being what the receives follow), the losses are read from the device once and summed over
-        the ranks in one call."""
+        more than pp are on their way (without chunks; with them, at the end of a block of
+        EVAL_BLOCK batches, the order of the ring being what the receives follow, so the outputs
+        held stay bounded), the losses are read from the device once a block and summed over the
+        ranks in one call."""
+        if len(batches) > EVAL_BLOCK:
+            return [total for start in range(0, len(batches), EVAL_BLOCK)
+                    for total in self.evaluate_batches(batches[start:start + EVAL_BLOCK])]
         xp, grid = self.xp, self.grid
         self._refresh_compute_params()
         Cl = self.tp_layers.res_cols[1] - self.tp_layers.res_cols[0]

@@ -27,9 +27,6 @@ def register(subparsers):
     p.set_defaults(func=run)
 
 
-EVAL_BLOCK = 64  # batches per pipelined evaluation
-
-
 def evaluate_shards(engine, cfg, spec, max_windows=None, batch_size=8):
     """(mean loss over the windows, number of windows, number of shards used) of a shard path or glob.
     Of several shards, one too short for a window is passed over; a single one is an error."""
@@ -48,12 +45,9 @@ def evaluate_shards(engine, cfg, spec, max_windows=None, batch_size=8):
         if len(paths) > 1 and window_count(len(tokens), T) == 0:
             continue
         x, y = eval_windows(tokens, T, left, name=path)
-        # pipelined in blocks of batches: the sends a pipeline with chunks holds until the end stay bounded
-        starts = range(0, len(x), batch_size)
-        for block in range(0, len(starts), EVAL_BLOCK):
-            for summed in engine.evaluate_batches([(x[s:s + batch_size], y[s:s + batch_size])
-                                                   for s in starts[block:block + EVAL_BLOCK]]):
-                total += summed
+        for summed in engine.evaluate_batches([(x[s:s + batch_size], y[s:s + batch_size])
+                                               for s in range(0, len(x), batch_size)]):
+            total += summed
         windows += len(x)
         used += 1
     if windows == 0:
