@@ -21,6 +21,7 @@ from pathlib import Path
 import tomllib
 
 from boostmpi.errors import ConfigError
+from boostmpi.gpu.attention import BACKENDS as ATTENTION_BACKENDS
 from boostmpi.model.params import LINEAR_DIMS, RANK_OF, sizes_split_evenly, tp_strategy
 from boostmpi.precision import NAMES as PRECISIONS, device_problem
 
@@ -133,6 +134,8 @@ class TrainConfig:
     device: str = _key("cpu", choices=("cpu", "gpu"))
     dtype: str = _key("float32", choices=PRECISIONS)
     recompute: str = _key("none", choices=("none", "layer", "lowrank", "selective"))
+    # which implementation runs attention on a GPU (boostmpi/gpu/attention.py); the CPU path ignores it
+    attention: str = _key("auto", choices=ATTENTION_BACKENDS)
     log_every: int = _key(1, "positive")
     val_every: int = _key(0, "nonnegative")  # 0 = only at the end
     val_windows: int = _key(16, "positive")

@@ -77,3 +77,39 @@ def use_hipblas_standin(monkeypatch):
     hipblas_lib.install()
     hipblas.library.cache_clear()
     return hipblas_lib
+
+
+CUDNN_STANDIN = TESTS / "cudnn_standin"
+
+
+def use_cudnn_frontend(monkeypatch):
+    """The cuDNN frontend for one test: on the CuPy stand-in, the frontend's stand-in
+    (tests/cudnn_standin/cudnn, on sys.path and PYTHONPATH for this test only) with a library named
+    libcudnn.so.9 on $LD_LIBRARY_PATH for boostmpi to preload; on a real GPU, the installed
+    nvidia-cudnn-frontend. Returns the `cudnn` module. boostmpi.gpu.attention_cudnn's handles and graphs
+    are forgotten before and after, and the process-wide attention backend is own again afterwards
+    (monkeypatch's undo)."""
+    from boostmpi.gpu import attention, attention_cudnn
+
+    def forget():
+        attention_cudnn._handles.clear()
+        attention_cudnn._graphs.clear()
+        attention_cudnn.build_seconds.clear()
+        for name in [m for m in sys.modules if m == "cudnn" or m.startswith("cudnn.")]:
+            del sys.modules[name]
+
+    forget()
+    monkeypatch.setattr(attention, "_current", attention.OwnAttention())
+    if GPU.standin:
+        monkeypatch.syspath_prepend(str(CUDNN_STANDIN))
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(CUDNN_STANDIN), os.environ.get("PYTHONPATH", "")]))
+        import cudnn
+
+        monkeypatch.setenv("LD_LIBRARY_PATH", os.pathsep.join([str(cudnn.build_library()),
+                                                               os.environ.get("LD_LIBRARY_PATH", "")]))
+        cudnn.reset()
+    monkeypatch.setattr(attention_cudnn, "_loaded", [])
+    attention_cudnn.frontend()
+    import cudnn
+
+    return cudnn, forget

@@ -46,13 +46,15 @@ def batches(n_micro=2):
 
 
 def config(arch, device, dtype, parallel=None, train=None):
+    """The tiny model's configuration; train.attention is "own" unless `train` names another."""
     from boostmpi.config import config_from_dict
 
     parallel = dict(parallel or {})
     if arch == "full":  # full rank runs Megatron TP, which the config spells tp_mode = "vanilla"
         parallel.setdefault("tp_mode", "vanilla")
     return config_from_dict({"model": dict(MODEL, arch=arch), "parallel": parallel,
-                             "train": {"device": device, "dtype": dtype, "micro_batch_size": B, **(train or {})}})
+                             "train": {"device": device, "dtype": dtype, "micro_batch_size": B, "attention": "own",
+                                       **(train or {})}})
 
 
 def step(arch, device, dtype, parallel=None, train=None, world=None):

@@ -415,13 +415,16 @@ def attention_forward(q, k, v, keep_probs=False, stats=None, alloc=None):
     """`stats` = (row_max, row_sum) [B, Hkv, G, T] of an earlier forward on the same q, k: a
     recompute (recompute = "lowrank" keeps them) then skips both row reductions. The scores are the
     same bits as that forward's, so its statistics are exactly what the reductions would give.
-    On a GPU the fused kernels run instead (one launch; they recompute the statistic, and their
-    backward always recomputes the probabilities, so `stats` and `keep_probs` are not needed; `alloc`
-    allocates the log-sum-exp, which lowrank keeps: recompute.Tape.alloc)."""
+    On a GPU the attention backend `train.attention` chose runs instead (boostmpi.gpu.attention: the
+    fused kernels, cuDNN or PyTorch; each recomputes the statistic, and its backward recomputes the
+    probabilities, so `stats` and `keep_probs` are not needed; `alloc` allocates the float32 statistic
+    the backend's context keeps, which lowrank keeps: recompute.Tape.alloc)."""
     kern, fused = _fused_attention(q, k, v)
-    if kern is not None:
-        o, lse = kern.attention_forward(*fused, alloc=alloc)
-        return o.reshape(*o.shape[:2], -1), FusedAttentionCache(*fused, o, lse)
+    if kern is not None:  # the backend train.attention chose (boostmpi.gpu.attention; own by default)
+        from boostmpi.gpu import attention
+
+        o, ctx = attention.current().forward(*fused, alloc=alloc)
+        return o.reshape(*o.shape[:2], -1), ctx
     xp = get_array_module(q)
     B, T, H, Dh = q.shape
     Hkv = k.shape[2]
@@ -468,9 +471,11 @@ def attention_forward(q, k, v, keep_probs=False, stats=None, alloc=None):
 
 def attention_backward(do, cache):
     """do [B, T, H*Dh] -> dq [B, T, H, Dh], dk, dv [B, T, Hkv, Dh]."""
-    if isinstance(cache, FusedAttentionCache):
-        kern, (doc,) = kernel_inputs(do.reshape(cache.q.shape))
-        return kern.attention_backward(doc, cache.q, cache.k, cache.v, cache.out, cache.lse)
+    if not isinstance(cache, AttentionCache):  # a GPU backend's context: its `q` gives the shape
+        from boostmpi.gpu import attention
+
+        _, (doc,) = kernel_inputs(do.reshape(cache.q.shape))
+        return attention.current().backward(doc, cache)
     xp = get_array_module(do)
     qs, kh, vh, out, row_max, row_sum, tiles = cache
     B, Hkv, G, T, Dh = qs.shape

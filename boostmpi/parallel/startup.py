@@ -456,11 +456,45 @@ def _ranks(ranks):
 
 # ---------------------------------------------------------------- the process grid
 
+def attention_shape(cfg):
+    """(B, T, H, Hkv, Dh) of one rank's attention call: the micro-batch, the heads split by tensor parallelism."""
+    m, tp = cfg.model, cfg.parallel.tp
+    return (cfg.train.micro_batch_size, m.seq_len, m.n_heads // tp, m.n_kv_heads // tp, m.head_dim)
+
+
+def choose_attention(cfg, world):
+    """Decide `train.attention` once for all ranks, after this rank's device is set (boostmpi.gpu.attention
+    `select`): a backend that cannot run is a one-line error on every rank, and ranks whose "auto"
+    resolved differently (different GPUs or installs) are refused in one line; the choice is installed
+    as the process-wide backend. The fallback line of "auto" is printed by world rank 0 only."""
+    import io
+
+    from boostmpi.errors import UserError
+    from boostmpi.gpu import attention
+    from boostmpi.parallel.comm import HostCollectives
+
+    host = HostCollectives(world)
+    out = None if world is None or world.Get_rank() == 0 else io.StringIO()
+    choice = verdict = None
+    try:
+        choice = attention.select(cfg.train.attention, cfg.train.dtype, shape=attention_shape(cfg), out=out)
+    except attention.BackendUnavailable as e:
+        verdict = ("UserError", str(e))
+    host.agree(verdict)
+    names = host.allgather(choice.name)
+    if len(set(names)) > 1:
+        chosen = ", ".join(f"rank {r} {n}" for r, n in enumerate(names))
+        raise UserError(f"train.attention = {cfg.train.attention} chose different backends on the ranks ({chosen}): "
+                        "name one in train.attention that runs on every rank")
+    return attention.use(choice)
+
+
 def process_grid(cfg, world, local_rank=0):
     """This rank's ProcessGrid, built after the decisions that shape it and before any weight is drawn:
     a configuration only the performance model can run is refused; on the CPU glibc keeps freed
     memory (`keep_host_memory`); on a GPU this rank's device is chosen and checked (`select_gpu`),
-    MPI is told to wait for the stream before reading GPU buffers (CUDA-aware MPI), and the
+    the attention backend is chosen for all ranks (`choose_attention`), MPI is told to wait for the
+    stream before reading GPU buffers (CUDA-aware MPI), and the
     collective library is chosen (`resolve_comm`: "auto" falls back to MPI without NCCL); the
     watchdog gets `parallel.watchdog_s`."""
     from boostmpi.backend import get_xp, keep_host_memory
@@ -480,6 +514,7 @@ def process_grid(cfg, world, local_rank=0):
 
         problem = attention_tensor_cores_problem("bf16" if cfg.train.dtype == "bfloat16" else "f32")
         HostCollectives(world).agree(("UserError", problem) if problem else None)
+        choose_attention(cfg, world)
         sync = lambda: xp.cuda.get_current_stream().synchronize()  # noqa: E731
         use_nccl = resolve_comm(par.comm, world) == "nccl"
     configure_watchdog(par.watchdog_s)  # a collective waiting longer than this ends the job
