@@ -5,7 +5,7 @@ keywords, refusals, the graph's declared dims and strides read over device memor
 on a real GPU it is the installed nvidia-cudnn-frontend, and the tests that read the stand-in's records
 (graph builds, recorded operands) say so and skip. References: the NumPy attention of
 boostmpi/model/layers.py in float64. bfloat16 tolerance: 2e-2 of each output's largest magnitude
-(inputs rounded to bf16, outputs stored as bf16: measured 3e-3 to 8e-3 on these shapes).
+(inputs rounded to bf16, outputs stored as bf16: 3e-3 to 8e-3 on these shapes on the stand-in).
 """
 
 import io
