@@ -86,8 +86,9 @@ def _world_rank():
     return MPI.COMM_WORLD.Get_rank()
 
 
-def _run_layouts(out_path, names=None, dtypes=None):
-    """Every layout of LAYOUTS (or those named, comma-separated) in every dtype (or those named)."""
+def _run_layouts(out_path, names=None, dtypes=None, attention=None):
+    """Every layout of LAYOUTS (or those named, comma-separated) in every dtype (or those named), with
+    train.attention = `attention` when given."""
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
@@ -99,7 +100,8 @@ def _run_layouts(out_path, names=None, dtypes=None):
         comm = world.Split(color, world.Get_rank())
         for arch in layout_archs(name, train):
             for dtype in (dtypes.split(",") if dtypes else DTYPES):
-                got = step(arch, "gpu", dtype, parallel, train, world=comm) if color == 0 else None
+                settings = dict(train, attention=attention) if attention else train
+                got = step(arch, "gpu", dtype, parallel, settings, world=comm) if color == 0 else None
                 if got is not None:
                     loss, grads = got
                     results[f"{name}/{arch}/{dtype}/loss"] = np.float64(loss)
@@ -127,4 +129,4 @@ def run_or_abort(main, *args):
 
 
 if __name__ == "__main__":
-    run_or_abort(_run_layouts, *sys.argv[1:4])
+    run_or_abort(_run_layouts, *sys.argv[1:5])

@@ -9,8 +9,11 @@ boostmpi/model/layers.py in float64. bfloat16 tolerance: 2e-2 of each output's l
 """
 
 import io
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -226,3 +229,24 @@ def test_the_cpu_path_accepts_and_ignores_train_attention():
     before = attention.current()
     loss, _ = step("cola", "cpu", "float32", train=dict(attention="cudnn"))
     assert np.isfinite(loss) and attention.current() is before
+
+
+def test_tp2_steps_with_cudnn_attention_equal_the_single_rank_step(cudnn, tmp_path):
+    """`mpiexec -n 2`, tensor parallelism 2 (each rank's graphs of its own heads), train.attention = cudnn
+    on both ranks: cola, svd and full equal the single-rank cudnn step within test_gpu's tolerances."""
+    from gpu_steps import step
+
+    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    assert mpiexec, "mpiexec not found (pip install mpich)"
+    out = tmp_path / "tp2.npz"
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, str(Path(__file__).with_name("gpu_steps.py")), str(out),
+                           "tp2", "bfloat16", "cudnn"], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, f"mpiexec -n 2 failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    with np.load(out) as data:
+        results = {k: data[k] for k in data.files}
+    for arch in ("cola", "svd", "full"):
+        prefix = f"tp2/{arch}/bfloat16/"
+        grads = {k[len(prefix) + 5:]: v for k, v in results.items() if k.startswith(prefix + "grad/")}
+        want = step(arch, "gpu", "bfloat16", train=dict(attention="cudnn"))
+        assert_step_close((float(results[prefix + "loss"]), grads), want, "bfloat16", f"tp2 {arch} cudnn")
