@@ -37,6 +37,7 @@ from boostmpi.gpu.attention import BackendUnavailable
 
 FRONTEND = "1.28"  # the release whose signatures the tests check (tests/cudnn_calls_checked.txt)
 LIBRARY = "libcudnn.so.9"
+DETERMINISTIC = True  # sdpa_backward's use_deterministic_algorithm (docs/GPU.md: resume stays bitwise)
 INSTALL = "pip install 'boostmpi[cudnn]' (CUDA 12) or 'boostmpi[cudnn-cuda13]' (CUDA 13)"
 
 
@@ -178,7 +179,7 @@ class CudnnAttention:
     """The cuDNN backend: bfloat16, causal, scale 1/sqrt(Dh), grouped K/V heads."""
 
     name = "cudnn"
-    deterministic = True  # sdpa_backward(use_deterministic_algorithm=True)
+    deterministic = DETERMINISTIC  # sdpa_backward(use_deterministic_algorithm=True)
 
     def __init__(self):
         import cupy
@@ -222,7 +223,7 @@ class CudnnAttention:
         t["stats"] = graph.tensor(name="stats", dim=[B, H, T, 1], stride=[H * T, T, 1, 1], data_type=cudnn.data_type.FLOAT)
         dq, dk, dv = graph.sdpa_backward(q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["do"], stats=t["stats"],
                                          attn_scale=1.0 / math.sqrt(Dh), use_causal_mask=True,
-                                         use_deterministic_algorithm=True, name="attention_backward")
+                                         use_deterministic_algorithm=DETERMINISTIC, name="attention_backward")
         for name, out, heads in (("dq", dq, H), ("dk", dk, Hkv), ("dv", dv, Hkv)):
             out.set_output(True).set_dim([B, heads, T, Dh]).set_stride([T * heads * Dh, Dh, heads * Dh, 1])
             t[name] = out
