@@ -250,3 +250,14 @@ def test_tp2_steps_with_cudnn_attention_equal_the_single_rank_step(cudnn, tmp_pa
         grads = {k[len(prefix) + 5:]: v for k, v in results.items() if k.startswith(prefix + "grad/")}
         want = step(arch, "gpu", "bfloat16", train=dict(attention="cudnn"))
         assert_step_close((float(results[prefix + "loss"]), grads), want, "bfloat16", f"tp2 {arch} cudnn")
+
+
+def test_train_attention_takes_the_four_settings_and_refuses_others_in_one_line():
+    from boostmpi.config import config_from_dict
+    from boostmpi.errors import ConfigError
+
+    for name in ("auto", "cudnn", "torch", "own"):
+        assert config_from_dict({"train": {"attention": name}}).train.attention == name
+    assert config_from_dict({}).train.attention == "auto"
+    with pytest.raises(ConfigError, match=r"^train.attention must be one of auto, cudnn, torch, own, got 'flash'$"):
+        config_from_dict({"train": {"attention": "flash"}})

@@ -12,7 +12,8 @@
   lowrank   the layer's input and a `Tape` are kept: what each of the layer's collectives produced
             (the post-all-reduce rank-R activations, with the RMSNorm statistic that rode along)
             and the attention's softmax statistics per head and token (the CPU path's maximum and
-            sum; the GPU path's float32 log-sum-exp, `FusedAttentionCache`). The recompute replays
+            sum; on a GPU the attention backend's float32 log-sum-exp: `FusedAttentionCache` of the
+            own kernels, `CudnnContext.stats` of cuDNN, both as `row_max`). The recompute replays
             the tape instead of computing the A GEMMs and communicating again, and instead of
             reducing the attention scores again. The first layer of the first stage keeps no input
             when the embedding lookup is local: it is looked up again from the token ids.

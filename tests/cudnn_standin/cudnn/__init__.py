@@ -31,7 +31,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import numpy as np
 
 __version__ = "1.28.0"
 STANDIN = True
