@@ -59,13 +59,13 @@ def _rel(got, want):
     return np.abs(cupy.asnumpy(got).astype(np.float64).reshape(want.shape) - want).max() / np.abs(want).max()
 
 
-def _run(backend, shape, seed=0):
+def _run(backend, shape, seed=0, alloc=None):
     """(errors of o, dq, dk, dv against the float64 NumPy attention, the backend's context)."""
     from boostmpi.model import layers
 
     B, T, H, Hkv, Dh = shape
     q, k, v, do = _inputs(*shape, seed=seed)
-    o, ctx = backend.forward(_to_gpu(q), _to_gpu(k), _to_gpu(v))
+    o, ctx = backend.forward(_to_gpu(q), _to_gpu(k), _to_gpu(v), alloc=alloc)
     grads = backend.backward(_to_gpu(do), ctx)
     ref_o, cache = layers.attention_forward(q, k, v)
     ref = layers.attention_backward(do.reshape(B, T, -1), cache)
@@ -79,9 +79,14 @@ SHAPES = [(2, 8, 4, 2, 64), (1, 8, 2, 1, 128), (1, 5, 3, 3, 64)]
 def test_cudnn_forward_backward_equal_the_numpy_attention(cudnn, shape):
     from boostmpi.gpu import attention
 
-    errors, ctx = _run(attention.make("cudnn", "bfloat16", shape), shape)
+    import cupy
+
+    made = []  # the statistic comes from `alloc` when given (recompute = "lowrank" passes the Tape's)
+    errors, ctx = _run(attention.make("cudnn", "bfloat16", shape), shape,
+                       alloc=lambda s, dtype: made.append((s, np.dtype(dtype))) or cupy.empty(s, dtype=dtype))
     assert max(errors) <= TOL, f"o, dq, dk, dv errors {errors}"
     B, T, H, Hkv, Dh = shape
+    assert made == [((B, H, T, 1), np.dtype(np.float32))]
     assert ctx.stats.shape == (B, H, T, 1) and ctx.stats.dtype == np.float32
     assert ctx.row_max is ctx.stats and ctx.row_sum is None  # what recompute = "lowrank" keeps
 
