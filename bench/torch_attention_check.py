@@ -6,8 +6,10 @@ without a GPU cannot show. Needs CuPy and a PyTorch built for the same CUDA/ROCm
 For each shape (bfloat16, causal, on a CuPy stream of its own):
   - correct: o, dq, dk, dv against PyTorch's math SDPA in float32 on the same values (K/V repeated
     for the reference only), max |error| / max |reference| <= 2e-2;
-  - zero-copy: the leaf tensors the backend made share q, k, v's device memory;
-  - deterministic: two backward passes with the default deterministic=True give the same bits;
+  - zero-copy: the leaf tensors the backend made share q, k, v's device memory (and whether o is
+    SDPA's output itself or a copy, reported only);
+  - deterministic: two forward and backward passes with the default deterministic=True give the
+    same bits;
   - which of PyTorch's flash / memory-efficient / cuDNN kernels accept the shape (each alone);
   - time: forward and backward (CUDA events, median of --repeats) of the backend, deterministic
     and not, and of SDPA called directly on PyTorch tensors of the same shape.
@@ -89,7 +91,9 @@ def check_shape(shape, repeats):
         o, ctx = det.forward(q, k, v)
         shares = all(t.data_ptr() == a.data.ptr for t, a in zip((ctx.q, ctx.k, ctx.v), (q, k, v)))
         got = (o,) + det.backward(do, ctx)
-        again = det.backward(do, det.forward(q, k, v)[1])
+        o_shares = o.data.ptr == ctx.out.data_ptr()  # SDPA's output returned without a copy
+        o2, ctx2 = det.forward(q, k, v)
+        again = (o2,) + det.backward(do, ctx2)
         ref = reference(q, k, v, do)
         errors = []
         for name, g, r in zip(("o", "dq", "dk", "dv"), got, ref):
@@ -97,12 +101,12 @@ def check_shape(shape, repeats):
             errors.append(float(cupy.abs(g.astype(cupy.float32) - r).max() / cupy.abs(r).max()))
             if not g.flags.c_contiguous or g.dtype != q.dtype or errors[-1] > TOLERANCE:
                 row["failures"].append(f"{name}: error {errors[-1]:.2e}, contiguous {g.flags.c_contiguous}, {g.dtype}")
-        same_bits = all(bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()) for a, b in zip(got[1:], again))
-        row.update(error=max(errors), zero_copy=shares, deterministic=same_bits, kernels=accepting_kernels(q, k, v))
+        same_bits = all(bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()) for a, b in zip(got, again))
+        row.update(error=max(errors), zero_copy=f"in {'yes' if shares else 'NO'}, out {'yes' if o_shares else 'copied'}", deterministic=same_bits, kernels=accepting_kernels(q, k, v))
         if not shares:
             row["failures"].append("the leaf tensors do not share the CuPy arrays' memory")
         if not same_bits:
-            row["failures"].append("two deterministic backward passes differ")
+            row["failures"].append("two deterministic passes differ")
         if repeats:
             for label, backend in (("det", det), ("nondet", nondet)):
                 row[f"{label}_fwd"] = gpu_ms(lambda: backend.forward(q, k, v), repeats)

@@ -305,3 +305,18 @@ def test_the_module_calls_only_listed_tensor_methods(rec):
     finally:
         sys.setprofile(None)
     assert calls and calls <= methods, f"Tensor methods not in {API_LIST.name}: {sorted(calls - methods)}"
+
+
+def test_the_gpu_check_script_passes_its_own_checks_here(rec, monkeypatch):
+    """bench/torch_attention_check.py's checks (error against the float32 math kernel, zero-copy
+    inputs, bitwise-repeatable passes) on one small shape; timing needs a device clock, so its timer
+    only calls the function here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("torch_attention_check", MODULE.parents[2] / "bench" / "torch_attention_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    monkeypatch.setattr(check, "gpu_time", lambda fn, repeats: (fn(), 1e-3)[1])
+    row = check.check_shape((2, 32, 4, 2, 64), repeats=1)
+    assert row["failures"] == [] and row["error"] < check.TOLERANCE and row["deterministic"]
+    assert row["zero_copy"].startswith("in yes") and row["det_fwd"] == 1.0
