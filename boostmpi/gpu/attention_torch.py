@@ -24,13 +24,15 @@ Because nothing can run the backward from a statistic alone, the context exposes
 `row_sum` as None: under recompute = "lowrank" the tape keeps no attention statistic for this backend
 (the recompute runs the attention forward again, one SDPA forward per layer, and its graph lives
 only until that layer's backward); recompute = "selective" keeps q, k, v as with every backend and
-likewise runs the forward again; "none" and "layer" keep the graph from forward to backward, the
-same bytes as the own kernels' cache (inputs, output, one float32 statistic per row).
+likewise runs the forward again; "none" and "layer" keep the graph from forward to backward:
+about the same bytes as the own kernels' cache (inputs, output, one float32 statistic per row).
 
 Determinism. PyTorch's attention backward is deterministic only under
 `torch.use_deterministic_algorithms(True)`: the flash backward then runs its deterministic variant,
 the memory-efficient backward splits no key blocks, and the cuDNN kernel is not chosen (PyTorch
-treats it as nondeterministic). `TorchAttention(deterministic=True)`, the default, turns the flag on
+treats it as nondeterministic; PyTorch's aten/src/ATen/native/transformers/cuda/attention_backward.cu,
+`_flash_attention_backward` and `_efficient_attention_backward`, and sdp_utils.cpp,
+`check_cudnn_deterministic`). `TorchAttention(deterministic=True)`, the default, turns the flag on
 around its own calls only (restored after each, so nothing else in the process changes) and says
 `deterministic = True`: a resumed run is then bitwise the uninterrupted one on the same GPU model,
 PyTorch build and shapes. `deterministic=False` leaves the flag as the process has it (cuDNN's kernel
