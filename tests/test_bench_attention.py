@@ -1,0 +1,185 @@
+"""bench/attention.py's arithmetic, shape lists, error rows and budget, with injected timings (no GPU).
+
+The FLOP count is checked against `boostmpi sim`'s own pricing of a fused attention
+(`costs.flash_seconds` on a profile of 1 FLOP/s), and the whole command line is run on the first
+H200 measurements (bench/log/attention.md), whose kernel rates the causal count reproduces."""
+
+import importlib.util
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from boostmpi.sim import costs
+from boostmpi.sim.machines import load_machine
+from boostmpi.sim.plans import Attention
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_attention", ROOT / "bench" / "attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# the first H200 run (bench/log/attention.md), seconds: (backend, shape) -> (forward, backward)
+H200 = {("own-wmma", (4, 4096, 32, 32, 128)): (67.0e-3, 132.1e-3), ("own-fma", (4, 4096, 32, 32, 128)): (49.4e-3, 149.0e-3),
+        ("cudnn", (4, 4096, 32, 32, 128)): (0.94e-3, 2.81e-3), ("sdpa", (4, 4096, 32, 32, 128)): (0.92e-3, 2.84e-3),
+        ("own-wmma", (4, 4096, 32, 8, 128)): (57.8e-3, 125.6e-3), ("own-fma", (4, 4096, 32, 8, 128)): (48.5e-3, 152.2e-3),
+        ("cudnn", (4, 4096, 32, 8, 128)): (0.91e-3, 2.88e-3),
+        ("own-wmma", (4, 4096, 32, 8, 64)): (24.8e-3, 54.1e-3), ("own-fma", (4, 4096, 32, 8, 64)): (25.9e-3, 88.9e-3),
+        ("own-wmma", (4, 2048, 40, 40, 128)): (22.5e-3, 44.5e-3), ("own-fma", (4, 2048, 40, 40, 128)): (16.4e-3, 48.4e-3),
+        ("own-wmma", (8, 1024, 16, 16, 64)): (2.07e-3, 4.41e-3), ("own-fma", (8, 1024, 16, 16, 64)): (2.02e-3, 6.23e-3),
+        ("cudnn", (8, 1024, 16, 16, 64)): (0.067e-3, 0.199e-3), ("sdpa", (8, 1024, 16, 16, 64)): (0.09e-3, 0.28e-3)}
+
+
+def _timer(table):
+    def timer(backend, shape, repeats):
+        if (backend, shape) not in table:
+            raise RuntimeError(f"{backend} cannot run {shape}")
+        return table[(backend, shape)]
+    return timer
+
+
+@pytest.mark.parametrize("shape", [(4, 4096, 32, 32, 128), (4, 4096, 32, 8, 64), (2, 200, 3, 1, 16)])
+def test_flops_are_the_causal_count_sim_prices(bench, shape):
+    """Forward and backward FLOPs equal the seconds `boostmpi sim` gives the fused attention on a
+    profile of 1 FLOP/s at full efficiency and no launch cost (its causal count, backward 2.5x)."""
+    B, T, H, Hkv, Dh = shape
+    unit = replace(load_machine("h100-sxm"), peak_flops={"bfloat16": 1.0}, attention_efficiency=1.0, kernel_launch_s=0.0)
+    op = Attention("attention", B * H, T, Dh, kv_heads=B * Hkv)
+    fwd, bwd = bench.causal_flops(B, T, H, Dh)
+    assert fwd == pytest.approx(costs.flash_seconds(op, False, unit, "bfloat16"), rel=1e-12)
+    assert bwd == pytest.approx(costs.flash_seconds(op, True, unit, "bfloat16"), rel=1e-12)
+    assert fwd == 2 * B * H * T * T * Dh and bwd == 2.5 * fwd
+
+
+def test_shape_lists(bench):
+    assert [s for _, s in bench.SHAPES["table"]] == [(4, 4096, 32, 32, 128), (4, 4096, 32, 8, 128), (4, 4096, 32, 8, 64),
+                                                     (4, 2048, 40, 40, 128), (8, 1024, 16, 16, 64)]
+    # 1B d2048 32 heads tp 1; 3B d3072 24 heads tp 2; 7B d4096 32 heads tp 4; 13B d5120 40 heads tp 4
+    assert [s for _, s in bench.SHAPES["paper"]] == [(4, 4096, 32, 32, 64), (4, 4096, 12, 12, 128), (4, 4096, 8, 8, 128),
+                                                     (4, 4096, 10, 10, 128)]
+    both = bench.shapes_for(["table", "paper", "table"])
+    assert len(both) == 9 and len({s for _, s in both}) == 9
+    with pytest.raises(ValueError, match="unknown shape list"):
+        bench.shapes_for(["tabel"])
+
+
+def test_rates_and_ratios_of_the_first_h200_run(bench):
+    """The H200 table through the arithmetic: the own kernels at 8-11 TFLOP/s, the libraries near 480-600
+    (the full T x T square would make them 960-1200, above the H200's bf16 peak)."""
+    shapes = [s for _, s in bench.SHAPES["table"]]
+    rows = bench.run(["own-wmma", "own-fma", "cudnn", "sdpa"], shapes, 5, _timer(H200))
+    assert [r["backend"] for r in rows[:4]] == ["sdpa", "own-wmma", "own-fma", "cudnn"]  # the reference first
+    by = {(r["backend"], (r["B"], r["T"], r["H"], r["Hkv"], r["Dh"])): r for r in rows}
+    first = (4, 4096, 32, 32, 128)
+    wmma = by[("own-wmma", first)]
+    assert wmma["fwd_tflops"] == pytest.approx(2 * 4 * 32 * 4096 ** 2 * 128 / 67.0e-3 / 1e12)
+    assert wmma["bwd_tflops"] == pytest.approx(2.5 * 2 * 4 * 32 * 4096 ** 2 * 128 / 132.1e-3 / 1e12)
+    assert wmma["vs_sdpa_fwd"] == pytest.approx(67.0 / 0.92) and wmma["vs_sdpa_bwd"] == pytest.approx(132.1 / 2.84)
+    assert by[("cudnn", first)]["vs_sdpa_fwd"] == pytest.approx(0.94 / 0.92)
+    assert by[("sdpa", first)]["vs_sdpa_fwd"] == 1.0
+    own = [r for r in rows if r["backend"].startswith("own") and r["error"] is None]
+    assert len(own) == 10 and all(7.5 < r[k] < 11.5 for r in own[:2] for k in ("fwd_tflops", "bwd_tflops"))
+    library = [by[(b, first)] for b in ("cudnn", "sdpa")]
+    assert all(480 < r[k] < 600 for r in library for k in ("fwd_tflops", "bwd_tflops"))
+    # no SDPA timing on the GQA shape: its rows have rates but no ratio, and SDPA's row is an error row
+    gqa = by[("cudnn", (4, 4096, 32, 8, 128))]
+    assert gqa["fwd_tflops"] > 0 and gqa["vs_sdpa_fwd"] is None and gqa["error"] is None
+    sdpa = by[("sdpa", (4, 4096, 32, 8, 128))]
+    assert sdpa["error"].startswith("RuntimeError: sdpa cannot run") and sdpa["fwd_s"] is None
+    for r in rows:
+        assert set(r) >= {"backend", "B", "T", "H", "Hkv", "Dh", "dtype", "causal", "fwd_s", "bwd_s", "fwd_tflops",
+                          "bwd_tflops", "vs_sdpa_fwd", "vs_sdpa_bwd", "error"}
+        assert r["dtype"] == "bfloat16" and r["causal"] is True
+
+
+def test_an_error_row_does_not_stop_the_run(bench):
+    calls = []
+
+    def timer(backend, shape, repeats):
+        calls.append(backend)
+        if backend == "cudnn":
+            raise MemoryError("Out of memory allocating 1,073,741,824 bytes\nsecond line")
+        if backend == "torch":
+            return (0.0, 1.0)  # a timer that measured nothing is an error too
+        return {"fwd_s": 1e-3, "bwd_s": 2e-3, "rel_err_vs_sdpa": 3e-3}
+
+    rows = bench.run(["cudnn", "torch", "own-fma", "sdpa"], [(1, 128, 2, 2, 64), (1, 64, 2, 1, 64)], 1, timer)
+    assert calls == ["sdpa", "cudnn", "torch", "own-fma"] * 2
+    assert [r["error"] for r in rows[:4]] == [None, "MemoryError: Out of memory allocating 1,073,741,824 bytes",
+                                              "ValueError: timer gave non-positive seconds 0.0 / 1.0", None]
+    assert rows[3]["rel_err_vs_sdpa"] == 3e-3 and rows[3]["vs_sdpa_bwd"] == 1.0
+    assert rows[1]["fwd_tflops"] is None and rows[1]["vs_sdpa_fwd"] is None
+
+
+def test_the_budget_skips_what_is_left(bench):
+    now = [0.0]
+
+    def timer(backend, shape, repeats):
+        now[0] += 10.0  # each measurement takes 10 s
+        return (1e-3, 2e-3)
+
+    rows = bench.run(["sdpa", "own-fma"], [(1, 64, 1, 1, 64), (1, 128, 1, 1, 64), (1, 256, 1, 1, 64)], 1, timer,
+                     budget_s=25, clock=lambda: now[0])
+    assert [r["error"] is None for r in rows] == [True, True, True, False, False, False]
+    assert rows[3]["error"] == "skipped: the --budget-s 25 s budget was spent" and rows[5]["T"] == 256
+
+
+def test_the_command_line_writes_json_and_markdown_row_by_row(bench, tmp_path):
+    timings = tmp_path / "h200.json"
+    timings.write_text(json.dumps([{"backend": b, "B": s[0], "T": s[1], "H": s[2], "Hkv": s[3], "Dh": s[4],
+                                    "fwd_s": f, "bwd_s": w} for (b, s), (f, w) in H200.items()]))
+    out, md = tmp_path / "rows.json", tmp_path / "rows.md"
+    seen = []
+    real_write = bench._write
+
+    def write(path, text):  # every row rewrites both files
+        real_write(path, text)
+        if path == str(out):
+            seen.append(len(json.loads(Path(path).read_text())["rows"]))
+
+    bench._write = write
+    try:
+        rows = bench.main(["--timings", str(timings), "--shapes", "table", "--backends", "cudnn,own-wmma,sdpa",
+                           "--json", str(out), "--markdown", str(md)])
+    finally:
+        bench._write = real_write
+    assert seen[:15] == list(range(1, 16)) and len(rows) == 15
+    written = json.loads(out.read_text())
+    assert written["rows"] == json.loads(json.dumps(rows)) and "read from" in written["header"]["timings"]
+    table = md.read_text()
+    assert "| 4, 4096, 32, 32, 128 (7B on one GPU) | own-wmma | 67.000 | 132.100 | 8.2 | 10.4 | 72.83 | 46.51 |" in table
+    # a --json output is a timings file too: the same rows again
+    again = bench.main(["--timings", str(out), "--shapes", "table", "--backends", "cudnn,own-wmma,sdpa"])
+    assert [(r["fwd_tflops"], r["error"]) for r in again] == [(r["fwd_tflops"], r["error"]) for r in rows]
+
+
+@pytest.mark.parametrize("argv, message", [(["--backends", "cudnn,flash"], "error: --backends: unknown flash"),
+                                           (["--shapes", "tabel"], "error: --shapes: unknown shape list 'tabel'"),
+                                           (["--repeats", "0"], "error: --repeats must be >= 1"),
+                                           (["--budget-s", "-1"], "error: --budget-s must be > 0"),
+                                           (["--timings", "/nonexistent/t.json"], "error: --timings /nonexistent/t.json")])
+def test_bad_command_lines_are_one_line_and_status_2(bench, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_own_variants_set_the_tensor_core_switch_around_their_calls(bench, monkeypatch):
+    monkeypatch.setenv(bench.TENSOR_CORES_ENV, "auto")
+    seen = []
+    timer = bench.GpuTimer()
+    monkeypatch.setattr(timer, "_inputs", lambda shape: (None,) * 4)
+    monkeypatch.setattr(timer, "_backend", lambda backend, *a: seen.append((backend, os.environ[bench.TENSOR_CORES_ENV])))
+    for backend in ("own-wmma", "own-fma", "own", "cudnn"):
+        timer(backend, (1, 1, 1, 1, 64), 1)
+    assert seen == [("own-wmma", "1"), ("own-fma", "0"), ("own", "auto"), ("cudnn", "auto")]
+    assert os.environ[bench.TENSOR_CORES_ENV] == "auto"
