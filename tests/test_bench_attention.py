@@ -29,14 +29,8 @@ def bench():
 
 
 # the first H200 run (bench/log/attention.md), seconds: (backend, shape) -> (forward, backward)
-H200 = {("own-wmma", (4, 4096, 32, 32, 128)): (67.0e-3, 132.1e-3), ("own-fma", (4, 4096, 32, 32, 128)): (49.4e-3, 149.0e-3),
-        ("cudnn", (4, 4096, 32, 32, 128)): (0.94e-3, 2.81e-3), ("sdpa", (4, 4096, 32, 32, 128)): (0.92e-3, 2.84e-3),
-        ("own-wmma", (4, 4096, 32, 8, 128)): (57.8e-3, 125.6e-3), ("own-fma", (4, 4096, 32, 8, 128)): (48.5e-3, 152.2e-3),
-        ("cudnn", (4, 4096, 32, 8, 128)): (0.91e-3, 2.88e-3),
-        ("own-wmma", (4, 4096, 32, 8, 64)): (24.8e-3, 54.1e-3), ("own-fma", (4, 4096, 32, 8, 64)): (25.9e-3, 88.9e-3),
-        ("own-wmma", (4, 2048, 40, 40, 128)): (22.5e-3, 44.5e-3), ("own-fma", (4, 2048, 40, 40, 128)): (16.4e-3, 48.4e-3),
-        ("own-wmma", (8, 1024, 16, 16, 64)): (2.07e-3, 4.41e-3), ("own-fma", (8, 1024, 16, 16, 64)): (2.02e-3, 6.23e-3),
-        ("cudnn", (8, 1024, 16, 16, 64)): (0.067e-3, 0.199e-3), ("sdpa", (8, 1024, 16, 16, 64)): (0.09e-3, 0.28e-3)}
+H200 = {(r["backend"], (r["B"], r["T"], r["H"], r["Hkv"], r["Dh"])): (r["fwd_s"], r["bwd_s"])
+        for r in json.loads((ROOT / "bench" / "log" / "attention_h200_2026-11.json").read_text())}
 
 
 def _timer(table):
@@ -86,6 +80,7 @@ def test_rates_and_ratios_of_the_first_h200_run(bench):
     assert wmma["vs_sdpa_fwd"] == pytest.approx(67.0 / 0.92) and wmma["vs_sdpa_bwd"] == pytest.approx(132.1 / 2.84)
     assert by[("cudnn", first)]["vs_sdpa_fwd"] == pytest.approx(0.94 / 0.92)
     assert by[("sdpa", first)]["vs_sdpa_fwd"] == 1.0
+    assert len(H200) == 15 and H200[("own-wmma", first)] == (67.0e-3, 132.1e-3)  # the log's table
     own = [r for r in rows if r["backend"].startswith("own") and r["error"] is None]
     assert len(own) == 10 and all(7.5 < r[k] < 11.5 for r in own[:2] for k in ("fwd_tflops", "bwd_tflops"))
     library = [by[(b, first)] for b in ("cudnn", "sdpa")]
