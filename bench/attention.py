@@ -22,7 +22,8 @@ Timing: CUDA events on the current stream around each call (bench/gpu_step.py's 
 timed backward gets a fresh forward context made before its start event (a PyTorch context holds an
 autograd graph that one backward consumes). Before timing, each backend's first forward and backward
 are compared with SDPA's (`rel_err_vs_sdpa`: the largest over o, dq, dk, dv of |x - ref| / |ref|,
-Frobenius norms, in float32).
+Frobenius norms, in float32), and their wall time is `first_call_s` (kernel compilation, graph building
+and planning included).
 
 FLOPs, the convention of `boostmpi sim`'s time model (boostmpi/sim/costs.py `flash_seconds`):
 forward = 2 matmuls (QK^T, PV) x 2·B·H·T²·Dh / 2 (the causal lower triangle, the diagonal and tile
@@ -130,7 +131,7 @@ def make_row(backend, label, shape, fwd_s, bwd_s, reference=None, error=None, ex
     B, T, H, Hkv, Dh = shape
     row = {"backend": backend, "label": label, "B": B, "T": T, "H": H, "Hkv": Hkv, "Dh": Dh, "dtype": "bfloat16",
            "causal": True, "fwd_s": None, "bwd_s": None, "fwd_tflops": None, "bwd_tflops": None,
-           "vs_sdpa_fwd": None, "vs_sdpa_bwd": None, "rel_err_vs_sdpa": None, "error": error}
+           "vs_sdpa_fwd": None, "vs_sdpa_bwd": None, "rel_err_vs_sdpa": None, "first_call_s": None, "error": error}
     if error is not None:
         return row
     fwd_flops, bwd_flops = causal_flops(B, T, H, Dh)
@@ -207,8 +208,9 @@ class FileTimer:
         if row.get("error"):
             raise RecordedError(row["error"])
         out = {"fwd_s": float(row["fwd_s"]), "bwd_s": float(row["bwd_s"])}
-        if row.get("rel_err_vs_sdpa") is not None:
-            out["rel_err_vs_sdpa"] = row["rel_err_vs_sdpa"]
+        for key in ("rel_err_vs_sdpa", "first_call_s"):
+            if row.get(key) is not None:
+                out[key] = row[key]
         return out
 
 
@@ -274,10 +276,10 @@ class GpuTimer:
         if self.shape != shape:
             self.release()
             B, T, H, Hkv, Dh = shape
-            rng = cupy.random.default_rng(0)
+            cupy.random.seed(0)
 
             def draw(heads):
-                return rng.standard_normal((B, T, heads, Dh), dtype=cupy.float32).astype(ml_dtypes.bfloat16)
+                return cupy.random.standard_normal((B, T, heads, Dh), dtype=cupy.float32).astype(ml_dtypes.bfloat16)
 
             self.inputs = (draw(H), draw(Hkv), draw(Hkv), draw(H))  # q, k, v, do
             self.shape = shape
@@ -324,14 +326,19 @@ class GpuTimer:
         return made
 
     def _backend(self, backend, q, k, v, do, repeats):
+        import cupy
+
         be = self._make(backend)
+        began = time.perf_counter()
         o, ctx = be.forward(q, k, v)
         grads = be.backward(do, ctx)
+        cupy.cuda.get_current_stream().synchronize()
+        first = time.perf_counter() - began  # compiling kernels, building and planning graphs included
         err = self._error((o, *grads))
         del o, ctx, grads
         fwd = cuda_time(lambda _: be.forward(q, k, v), repeats, self.warmup)
         bwd = cuda_time(lambda ctx: be.backward(do, ctx), repeats, self.warmup, setup=lambda: be.forward(q, k, v)[1])
-        return {"fwd_s": fwd, "bwd_s": bwd, "rel_err_vs_sdpa": err}
+        return {"fwd_s": fwd, "bwd_s": bwd, "rel_err_vs_sdpa": err, "first_call_s": first}
 
     def _error(self, outputs):
         """The largest relative error of (o, dq, dk, dv) against SDPA's, or None without SDPA."""
@@ -365,13 +372,16 @@ class GpuTimer:
             return torch.autograd.grad(o, leaves, grad_out)
 
         with on_stream, sdpa_kernel(allowed):
+            began = time.perf_counter()
             o = forward()
             grads = backward(o)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - began
             self.reference = (o.detach().transpose(1, 2), *grads)
             del o, grads
             fwd = cuda_time(forward, repeats, self.warmup)
             bwd = cuda_time(backward, repeats, self.warmup, setup=forward)
-        return {"fwd_s": fwd, "bwd_s": bwd, "rel_err_vs_sdpa": 0.0}
+        return {"fwd_s": fwd, "bwd_s": bwd, "rel_err_vs_sdpa": 0.0, "first_call_s": first}
 
 
 # ---------------------------------------------------------------- what was run, on what
@@ -442,15 +452,16 @@ def markdown(info, rows, repeats, warmup):
               "TFLOP/s by the causal count (forward 2·B·H·T²·Dh, backward 2.5x); x SDPA = seconds / "
               "SDPA's seconds in the same process", "",
               "| B, T, H, Hkv, Dh | backend | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd x SDPA | "
-              "bwd x SDPA | rel. error vs SDPA | error |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "bwd x SDPA | rel. error vs SDPA | first call s | error |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shape = f"{r['B']}, {r['T']}, {r['H']}, {r['Hkv']}, {r['Dh']}" + (f" ({r['label']})" if r.get("label") else "")
         ms = [None if r[key] is None else 1e3 * r[key] for key in ("fwd_s", "bwd_s")]
         lines.append(f"| {shape} | {r['backend']} | {_cell(ms[0], '.3f')} | {_cell(ms[1], '.3f')} | "
                      f"{_cell(r['fwd_tflops'], '.1f')} | {_cell(r['bwd_tflops'], '.1f')} | "
                      f"{_cell(r['vs_sdpa_fwd'], '.2f')} | {_cell(r['vs_sdpa_bwd'], '.2f')} | "
-                     f"{_cell(r.get('rel_err_vs_sdpa'), '.1e')} | {r['error'] or ''} |")
+                     f"{_cell(r.get('rel_err_vs_sdpa'), '.1e')} | {_cell(r.get('first_call_s'), '.2f')} | "
+                     f"{r['error'] or ''} |")
     return "\n".join(lines) + "\n"
 
 

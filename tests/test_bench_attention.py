@@ -267,3 +267,62 @@ def test_gpu_step_takes_the_attention_backend():
     assert bad.returncode == 2 and "argument --attention: invalid choice: 'flash'" in bad.stderr, bad.stderr
     source = Path(script).read_text()
     assert 'train["attention"] = args.attention' in source
+
+
+def test_the_gpu_timer_drives_the_backends_through_the_seam(bench, monkeypatch):
+    """On the CuPy stand-in (kernels on the CPU harness; its clock is no device's, so the CUDA-event timer
+    is replaced by the host's): inputs made once per shape, each backend made once by
+    `boostmpi.gpu.attention.make`, its forward and backward run with the variant's switch set, a backend
+    that cannot be made an error row on every shape, memory freed between shapes."""
+    import sys
+    import time
+    import types
+
+    from gpu_setup import GPU
+
+    if not GPU.standin:
+        pytest.skip("a real GPU: bench/attention.py itself is the check")
+    from boostmpi.gpu import kernels
+
+    made, switches = [], []
+
+    class Own:
+        name, deterministic = "own", True
+
+        def forward(self, q, k, v, alloc=None):
+            switches.append(os.environ.get(bench.TENSOR_CORES_ENV))
+            o, lse = kernels.attention_forward(q, k, v, alloc)
+            return o, (q, k, v, o, lse)
+
+        def backward(self, do, ctx):
+            return kernels.attention_backward(do, *ctx)
+
+    def make(name):
+        made.append(name)
+        if name != "own":
+            raise RuntimeError(f"{name}: the package is not installed")
+        return Own()
+
+    monkeypatch.setitem(sys.modules, "boostmpi.gpu.attention", types.SimpleNamespace(make=make))
+    monkeypatch.setenv(bench.TENSOR_CORES_ENV, "0")  # the stand-in suite's FMA kernels, both variants alike
+
+    def host_time(run, repeats, warmup, setup=None):
+        times = []
+        for _ in range(repeats):
+            arg = setup() if setup else None
+            began = time.perf_counter()
+            run(arg)
+            times.append(time.perf_counter() - began)
+        return min(times)
+
+    monkeypatch.setattr(bench, "cuda_time", host_time)
+    freed = []
+    timer = bench.GpuTimer(warmup=0)
+    release = timer.release
+    monkeypatch.setattr(timer, "release", lambda: freed.append(timer.shape) or release())
+    rows = bench.run(["own-fma", "cudnn"], [(1, 32, 2, 1, 16), (1, 16, 1, 1, 16)], 1, timer)
+    assert [r["error"] for r in rows] == [None, "RuntimeError: cudnn: the package is not installed"] * 2
+    assert made == ["own", "cudnn"]  # made once, remembered
+    assert all(r["fwd_s"] > 0 and r["bwd_s"] > 0 and r["first_call_s"] > 0 for r in rows[::2])
+    assert set(switches) == {"0"} and len(switches) == 2 * (1 + 1 + 1)  # check, timed forward, backward's forward
+    assert freed == [None, (1, 32, 2, 1, 16), None, (1, 16, 1, 1, 16)] and timer.inputs is None  # after each shape
