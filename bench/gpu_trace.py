@@ -45,8 +45,8 @@ backward calls are recorded at the backend seam (`boostmpi.gpu.attention`: the b
 given), one op each, with FlashAttention-2's bytes. Each attention op is priced by the profile's measured
 rate for its backend, direction and, for own, variant and head dim (`attention_rate`), on the causal FLOP
 count of bench/attention.py and `boostmpi sim` (forward 2·B·H·T²·Dh, backward 2.5x; the own backward's
-dQ and dK/dV launches share the backward's time 3 : 4, their T x T products); a profile without rate
-tables prices them as before, at `attention_efficiency` of the peak.
+dQ and dK/dV launches share the backward's FLOPs 3 : 4, their T x T products); a profile without rate
+tables prices that count at `attention_efficiency` of the peak, as the analytical model does.
 """
 
 import common  # noqa: F401 - first: one BLAS thread before numpy loads
@@ -236,12 +236,10 @@ ATTENTION_TRAFFIC = {"attention_forward": "forward", "attention_backward_dq": "b
 
 
 def attention_kernel(name, args):
-    """A fused attention launch: the bytes of its tile plan, and its causal FLOPs over all the dims of a
-    tile (64 or 128, whatever Dh is), priced (boostmpi.sim.trace) at the profile's attention efficiency
-    of the float32 peak (the FMA kernels) or, for the tensor-core forward, dQ and dK/dV passes
-    (bf16 WMMA, 64- or 128-dim tiles as for the FMA kernels; the dK/dV pass's key tiles of 64), of the
-    bf16 tensor-core peak: the efficiency the analytical model assumes for FlashAttention-2, its softmax
-    work included in that fraction."""
+    """A fused attention launch: the bytes of its tile plan, and its share of its call's causal FLOPs (the
+    forward all of the forward's; the backward's dQ and dK/dV passes 3 : 4, their T x T products), with
+    what its rate is looked up by: backend own, variant (tensor-core WMMA or FMA, by the entry point),
+    head dim and direction."""
     from boostmpi.gpu import kernels
 
     tensor_cores = "_tc_" in name
@@ -251,28 +249,25 @@ def attention_kernel(name, args):
     key_tile = kernels.ATTENTION_TC_BWD_KEY_TILE if tensor_cores else kernels.ATTENTION_BWD_KEY_TILE
     read, written = kernels.attention_traffic(B, T, H, k.shape[2], Dh, q.itemsize,
                                               key_tile=key_tile)[ATTENTION_TRAFFIC[entry]]
-    dims = kernels.attention_head_tile(Dh)
-    flops = ATTENTION_PRODUCTS[entry] * 2.0 * B * H * T * (T + 1) / 2 * dims
     forward = entry == "attention_forward"
     backward_products = ATTENTION_PRODUCTS["attention_backward_dq"] + ATTENTION_PRODUCTS["attention_backward"]
+    share = 1.0 if forward else ATTENTION_PRODUCTS[entry] / backward_products
     return dict(kind="attention", name=name, nbytes=read + written, dtype="bfloat16" if tensor_cores else "float32",
-                flops=flops, op_class=AttentionOp, backend="own", variant="wmma" if tensor_cores else "fma",
-                head_dim=Dh, direction="forward" if forward else "backward",
-                causal_flops=causal_flops(B, T, H, Dh)[0 if forward else 1],
-                share=1.0 if forward else ATTENTION_PRODUCTS[entry] / backward_products)
+                flops=share * causal_flops(B, T, H, Dh)[not forward], op_class=AttentionOp, backend="own",
+                variant="wmma" if tensor_cores else "fma", head_dim=Dh, direction="forward" if forward else "backward")
 
 
-@dataclass
-class AttentionOp(TracedOp):
-    """An attention op with what its rate is looked up by: the backend, the own kernels' variant ("wmma",
-    "fma"; None for a library), the head dim, the direction; `causal_flops` of the whole direction (the
-    causal count, `causal_flops`) and this op's `share` of it (the own backward's two launches)."""
-    backend: str = "own"
-    variant: str = None
-    head_dim: int = 0
-    direction: str = "forward"
-    causal_flops: float = 0.0
-    share: float = 1.0
+# What an attention op's rate is looked up by. boostmpi.sim.trace.TracedOp carries these fields where the
+# performance model prices attention per backend; where it does not, an op of this class carries them.
+if {"backend", "variant", "head_dim", "direction"} <= set(TracedOp.__dataclass_fields__):
+    AttentionOp = TracedOp
+else:
+    @dataclass
+    class AttentionOp(TracedOp):
+        backend: str = "own"  # "cudnn", "torch", "own"
+        variant: str = None  # the own kernels': "wmma", "fma"; None for a library
+        head_dim: int = 0
+        direction: str = "forward"  # or "backward"
 
 
 def causal_flops(B, T, H, Dh):
@@ -293,8 +288,7 @@ def library_attention(backend, direction):
         moved = flash2_traffic(B * H, B * Hkv, T, Dh, first.itemsize)[direction]
         flops = causal_flops(B, T, H, Dh)[direction == "backward"]
         return dict(kind="attention", name=f"{backend.name}_{direction}", nbytes=sum(moved), dtype=str(first.dtype),
-                    flops=flops, op_class=AttentionOp, backend=backend.name, head_dim=Dh, direction=direction,
-                    causal_flops=flops)
+                    flops=flops, op_class=AttentionOp, backend=backend.name, head_dim=Dh, direction=direction)
     return describe
 
 
@@ -325,44 +319,47 @@ def install_attention_backends(rec):
 
 
 def attention_rate(machine, backend, variant, Dh, direction):
-    """FLOP/s (causal count) the profile measured for `backend` ("cudnn", "torch", "own"), `variant` ("wmma",
-    "fma" for own, else None), head dim `Dh` and `direction` ("forward", "backward"); None when the profile
-    has no rate tables (`machine.attention_rates` absent or empty). Reads `machine.attention_rates`:
-    {backend: {"source": ..., "forward": F, "backward": F}} for a library,
-    {"own": {"source": ..., "wmma": {Dh: {"forward": F, "backward": F}}, "fma": {...}}}, Dh keys int or str,
-    a head dim missing from the table looked up at its kernel tile (64 or 128)."""
+    """FLOP/s (the causal count) the profile states for `backend` ("cudnn", "torch", "own"), `variant`
+    ("wmma", "fma" for own; None for a library), head dim `Dh` and `direction` ("forward", "backward");
+    None when the profile rates no attention (`machine.attention_rates` absent or empty).
+
+    `machine.attention_rates` is looked up by `boostmpi.sim.attention_rates.attention_rate` where the
+    performance model has it; else it is read here in the profile's TOML layout, {backend: {"source": ...,
+    "forward": F, "backward": F} or {"source": ..., "d<Dh>": {"forward": F, "backward": F}, ...}}, own's per
+    variant ({"source": ..., "wmma": {...}, "fma": {...}}): the head dim's entry, else the table's entry
+    for every head dim, else the nearest head dim rated."""
     from boostmpi.errors import UserError
 
     tables = getattr(machine, "attention_rates", None)
     if not tables:
         return None
+    try:
+        from boostmpi.sim.attention_rates import attention_rate as profile_rate
+    except ImportError:
+        profile_rate = None
+    if profile_rate is not None:
+        return profile_rate(machine, backend, variant, Dh, direction)[0]
     table = tables.get(backend)
-    where = f"machine {machine.name}: no attention rate for {backend}"
     if table is None:
-        raise UserError(f"{where} (it has {', '.join(sorted(tables)) or 'none'})")
-    if variant is not None:
-        from boostmpi.gpu import kernels
-
-        by_dim = table.get(variant, {})
-        for key in (Dh, str(Dh), kernels.attention_head_tile(Dh), str(kernels.attention_head_tile(Dh))):
-            if key in by_dim:
-                table = by_dim[key]
-                break
-        else:
-            raise UserError(f"{where} {variant} at head dim {Dh}")
-    if direction not in table:
-        raise UserError(f"{where} {variant or ''} {direction}".replace("  ", " "))
-    return float(table[direction])
+        raise UserError(f"machine profile {machine.name} has no rate for attention backend {backend!r} "
+                        f"(it rates: {', '.join(sorted(tables))})")
+    body = table.get(variant, {}) if backend == "own" else table
+    if "forward" in body or "backward" in body:
+        return float(body[direction])
+    dims = {int(key[1:]): entry for key, entry in body.items() if key[:1] == "d" and key[1:].isdigit()}
+    if not dims:
+        raise UserError(f"machine profile {machine.name} has no rate for attention backend {backend!r} {variant or ''}")
+    return float(dims[min(dims, key=lambda dh: (abs(dh - Dh), dh))][direction])
 
 
 def attention_seconds(op, machine, tp=1):
-    """An attention op's seconds: its share of its direction's causal FLOPs at the profile's measured rate
-    (the rate was timed around whole calls: launches included), else as `boostmpi.sim.trace` prices it."""
-    rate = attention_rate(machine, op.backend, op.variant, op.head_dim, op.direction) \
-        if isinstance(op, AttentionOp) else None
-    if rate is None:
+    """An attention op's seconds: its FLOPs (its share of its call's causal count) at the profile's rate for
+    it (measured around whole calls: launches included), as `boostmpi.sim.trace` prices it where it
+    prices attention per backend; without rate tables as `boostmpi.sim.trace` prices it."""
+    if AttentionOp is TracedOp or not isinstance(op, AttentionOp):
         return sim_trace.op_seconds(op, machine, tp)
-    return op.share * op.causal_flops / rate
+    rate = attention_rate(machine, op.backend, op.variant, op.head_dim, op.direction)
+    return sim_trace.op_seconds(op, machine, tp) if rate is None else op.flops / rate
 
 
 def price(ops, machine, tp=1):
@@ -392,14 +389,16 @@ def by_site(ops, machine, tp=1):
 
 def _attention_priced_by(ops, machine):
     """One line: the attention ops traced (backend, variant) and what priced them."""
-    kinds = sorted({(op.backend, op.variant or "") for op in ops if isinstance(op, AttentionOp)})
-    if not kinds:
+    attention = [op for op in ops if op.kind == "attention"]
+    if not attention:
         return "no attention op traced"
-    rated = all(attention_rate(machine, b, v or None, op.head_dim, op.direction) is not None
-                for op in ops if isinstance(op, AttentionOp) for b, v in [(op.backend, op.variant)])
+    kinds = sorted({f"{op.backend} {op.variant or ''}".strip() for op in attention})
+    rated = all(attention_rate(machine, op.backend, op.variant, op.head_dim, op.direction) is not None
+                for op in attention)
     how = (f"the measured rates of {machine.name}'s attention tables" if rated else
-           f"{machine.name}'s attention_efficiency {machine.attention_efficiency} of the peak (no rate tables)")
-    return ", ".join(f"{b} {v}".strip() for b, v in kinds) + f"; priced by {how}"
+           f"{machine.name}'s attention_efficiency {getattr(machine, 'attention_efficiency', '?')} of the peak "
+           "(no rate tables)")
+    return ", ".join(kinds) + f"; priced by {how}"
 
 
 # ---------------------------------------------------------------- the step

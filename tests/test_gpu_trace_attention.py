@@ -34,11 +34,13 @@ from boostmpi.sim.machines import load_machine
 
 if mutant == "full-square":
     gt.causal_flops = lambda B, T, H, Dh: (4.0 * B * H * T * T * Dh, 10.0 * B * H * T * T * Dh)
-if mutant == "no-share":
+if mutant == "no-share":  # each backward launch priced as the whole backward
     right = gt.attention_kernel
     def attention_kernel(name, args):
         fields = right(name, args)
-        fields["share"] = 1.0
+        if fields["direction"] == "backward":
+            B, T, H, Dh = args[0].shape
+            fields["flops"] = gt.causal_flops(B, T, H, Dh)[1]
         return fields
     gt.attention_kernel = attention_kernel
 
@@ -64,19 +66,25 @@ class Library:
 
 
 machine = load_machine("h100-sxm")
-rated = types.SimpleNamespace(**{f: getattr(machine, f) for f in machine.__dataclass_fields__})
-rated.peak = machine.peak
-rated.attention_rates = {
-    "own": {"source": "bench/log/attention.md", "wmma": {128: {"forward": 8e12, "backward": 10e12}},
-            "fma": {"128": {"forward": 11e12, "backward": 9e12}}},
-    "cudnn": {"source": "bench/log/attention.md", "forward": 585e12, "backward": 489e12},
-}
+# rate tables in the profile's TOML layout ([attention.<backend>])
+RATES = {"own": {"source": "bench/log/attention.md", "wmma": {"d128": {"forward": 8e12, "backward": 10e12}},
+                 "fma": {"d128": {"forward": 11e12, "backward": 9e12}}},
+         "cudnn": {"source": "bench/log/attention.md", "forward": 1e12, "backward": 0.8e12}}
+try:  # the performance model's own tables, where it has them
+    from dataclasses import replace
+    from boostmpi.sim.attention_rates import parse_tables
+    rated = replace(machine, attention_rates=parse_tables(RATES, {"peak_flops": machine.peak_flops, "vendor": "nvidia"},
+                                                          "test"))
+except ImportError:
+    rated = types.SimpleNamespace(**{f: getattr(machine, f) for f in machine.__dataclass_fields__})
+    rated.peak = machine.peak
+    rated.attention_rates = RATES
 rec = gt.Recorder()
 gt.install(rec)
 ops, _ = gt.trace_step(rec, gt.config(32, 1))
 attention = [op for op in ops if op.kind == "attention"]
 out = {"names": [op.name for op in attention], "shape": [4, 128, 1, 128]}
-for name, m in (("rated", rated), ("unrated", machine)):
+for name, m in (("rated", rated), ("profile", machine)):
     p, q = gt.price(ops, m), sim_trace.price(ops, m)
     out[name] = {"ours": p, "sim": q}
 out["site_seconds"] = sum(row[4] for row in gt.by_site(ops, rated) if row[1] == "attention")
@@ -91,7 +99,7 @@ rec.ops, rec.on = [], True
 o, ctx = seam.current().forward(q, kv, kv)
 grads = seam.current().backward(o, ctx)
 rec.on = False
-out["library"] = [[op.kind, op.name, op.nbytes, op.flops, op.causal_flops, op.direction, op.backend] for op in rec.ops]
+out["library"] = [[op.kind, op.name, op.nbytes, op.flops, op.direction, op.backend] for op in rec.ops]
 out["library_seconds"] = gt.price(rec.ops, rated)["attention"]
 try:
     gt.attention_rate(rated, "torch", None, 64, "forward")
@@ -123,23 +131,23 @@ def _check(out):
     expected = n_fwd * forward / rate[0] + n_bwd * 2.5 * forward / rate[1]
     assert rated["ours"]["attention"] == pytest.approx(expected, rel=1e-9)
     assert out["site_seconds"] == pytest.approx(expected, rel=1e-9)
-    for name in ("rated", "unrated"):  # the trace's counts, as before; the attention moved out of elementwise
+    for name in ("rated", "profile"):  # the trace's counts, as before; the attention moved out of elementwise
         ours, sim = out[name]["ours"], out[name]["sim"]
         assert {k: ours[k] for k in sim if k != "elementwise"} == {k: sim[k] for k in sim if k != "elementwise"}
-    unrated = out["unrated"]
-    assert unrated["ours"]["elementwise"] + unrated["ours"]["attention"] == pytest.approx(unrated["sim"]["elementwise"])
+    plain = out["profile"]  # the built-in profile priced as the performance model prices a trace
+    assert plain["ours"]["elementwise"] + plain["ours"]["attention"] == pytest.approx(plain["sim"]["elementwise"])
     assert "priced by the measured rates" in out["priced_by"]
     # the library: one op per call (its own CuPy copies not apart), FlashAttention-2's bytes, causal FLOPs
     lib_fwd = 2.0 * 2 * 4 * 64 * 64 * 64
-    assert [(k, n, f, d, b) for k, n, _, f, _, d, b in out["library"]] == [
+    assert [(k, n, f, d, b) for k, n, _, f, d, b in out["library"]] == [
         ("attention", "cudnn_forward", lib_fwd, "forward", "cudnn"),
         ("attention", "cudnn_backward", 2.5 * lib_fwd, "backward", "cudnn")]
     from boostmpi.sim.plans import flash2_traffic
 
     traffic = flash2_traffic(2 * 4, 2 * 2, 64, 64, 2)
     assert [op[2] for op in out["library"]] == [sum(traffic["forward"]), sum(traffic["backward"])]
-    assert out["library_seconds"] == pytest.approx(lib_fwd / 585e12 + 2.5 * lib_fwd / 489e12)
-    assert out["missing"].startswith("UserError: machine h100-sxm: no attention rate for torch")
+    assert out["library_seconds"] == pytest.approx(lib_fwd / 1e12 + 2.5 * lib_fwd / 0.8e12)
+    assert out["missing"].startswith("UserError: machine profile h100-sxm has no rate for attention backend 'torch'")
 
 
 def test_attention_is_priced_by_measured_rates(tmp_path):
