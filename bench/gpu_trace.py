@@ -387,6 +387,21 @@ def by_site(ops, machine, tp=1):
     return sorted(rows, key=lambda row: -row[4])
 
 
+def traced_config(make, ops, attention):
+    """`make(attention)`: the configuration the analytical model predicts beside a trace, with the attention
+    backend the trace ran (`attention` when given; else the one backend its attention ops name, where the
+    configuration has `train.attention`)."""
+    from boostmpi.errors import UserError
+
+    backends = {op.backend for op in ops if op.kind == "attention"}
+    if attention is not None or len(backends) != 1:
+        return make(attention)
+    try:
+        return make(backends.pop())
+    except UserError:  # a configuration without train.attention: its one attention
+        return make(None)
+
+
 def _attention_priced_by(ops, machine):
     """One line: the attention ops traced (backend, variant) and what priced them."""
     attention = [op for op in ops if op.kind == "attention"]
@@ -595,7 +610,9 @@ def paper_report(args, world):
     optimizer = max(r["priced"]["optimizer"] for r in ranks)
     # 1F1B: M slots of every stage's busiest rank plus (pp - 1) slots of warm-up and cool-down
     priced_step = compute * (M + pp - 1) / M + p2p * (M + pp - 1) / M + optimizer
-    prediction = predict(cfg, machine)
+    prediction = predict(traced_config(lambda attention: paper_config(args.paper, recompute=args.recompute,
+                                                                      attention=attention), full["ops"], args.attention),
+                         machine)
     s = shape_of(cfg, "flash")  # the engine's attention: fused kernels (boostmpi/gpu/kernels.py)
     plan_launches, plan_gemms, plan_bytes = plan_launches_and_bytes(s, plan_strategy(cfg), cfg.train.recompute, 2)
     allowance = sum(ALLOWANCE.values())
@@ -716,7 +733,7 @@ def report(args, world):
     per_layer = {k: priced[2][k] - priced[1][k] for k in priced[1]}
     extrapolated = {k: priced[1][k] + (LAYERS - 1) * per_layer[k] for k in priced[1]}
 
-    cfg = config(args.scale, LAYERS, *layout)
+    cfg = traced_config(lambda attention: config(args.scale, LAYERS, *layout[:-1], attention), traces[2], args.attention)
     m = cfg.model
     # the model's other attention: score matrices materialised (how the GPU path ran before its fused kernels)
     materialised = replace(machine, attention="matmul")
