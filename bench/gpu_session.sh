@@ -3,8 +3,9 @@
 #
 #   OUT=/some/folder bash bench/gpu_session.sh        # GPU_SESSION_DRY=1: print the commands, run nothing
 #
-# Steps, each under its own `timeout`, going on past a failure, the whole session within
-# SESSION_S seconds (a step gets what is left when its own limit would pass it):
+# Steps (STEPS, default "0 1 2 3 4 5", in that order), each under its own `timeout` (T_* below), going on
+# past a failure, the whole session within SESSION_S seconds (a step gets what is left when its own
+# limit would pass it; the limits add up to more than 7 minutes, so a slow session cuts the last steps):
 #   0. carried wheels: with a .whl/ folder, `pip install --target /tmp/site` of its wheels (no
 #      network, no dependencies) and PYTHONPATH=/tmp/site:$PWD; the versions (nvidia-smi, packages);
 #   1. bench/attention.py: every backend, the table's and the paper's shapes (--budget-s ATTENTION_BUDGET_S);
@@ -33,6 +34,7 @@ T_STEP="${T_STEP:-30}"                        # 4: per backend
 T_TESTS="${T_TESTS:-90}"                      # 5
 GPU_CALIBRATE_ARGS="${GPU_CALIBRATE_ARGS:-}"  # extra words for steps 2 and 3 (split on spaces)
 GPU_VS_MODEL_ARGS="${GPU_VS_MODEL_ARGS:-}"
+STEPS="${STEPS:-0 1 2 3 4 5}"                 # which steps, in this order (e.g. "0 5 4" to run those again)
 
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -88,18 +90,22 @@ have() {
 say "gpu_session: $(hostname), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), OUT=$OUT, dry=$DRY"
 
 # ---- 0. carried wheels, versions
-shopt -s nullglob
-wheels=(.whl/*.whl)
-shopt -u nullglob
-if (( ${#wheels[@]} )); then
-  step "0. wheels" "$T_SETUP" "$LOG" "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --upgrade --target /tmp/site "${wheels[@]}"
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
-else
-  say "0. wheels: no .whl/ folder, nothing to install"
-fi
-step "0. nvidia-smi" 20 "$LOG" nvidia-smi
-step "0. versions" "$T_SETUP" "$LOG" "$PY" -c '
+step_0() {
+  local wheels
+  shopt -s nullglob
+  wheels=(.whl/*.whl)
+  shopt -u nullglob
+  if (( ${#wheels[@]} )); then
+    step "0. wheels" "$T_SETUP" "$LOG" "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/site "${wheels[@]}"
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  else
+    say "0. wheels: no .whl/ folder, nothing to install"
+  fi
+  step "0. nvidia-smi" 20 "$LOG" nvidia-smi
+  step "0. versions" "$T_SETUP" "$LOG" "$PY" -c "$VERSIONS_PY"
+}
+VERSIONS_PY='
 import importlib.metadata as md, platform, sys
 print("python", platform.python_version(), sys.executable)
 names = ("torch", "cupy-cuda13x", "cupy-cuda12x", "nvidia-cudnn-frontend", "nvidia-cudnn-cu13", "nvidia-cudnn-cu12",
@@ -125,32 +131,51 @@ except Exception as exc:
 '
 
 # ---- 1. attention, every backend
-step "1. bench/attention.py" "$T_ATTENTION" "$LOG" "$PY" bench/attention.py \
-  --backends cudnn,torch,own-wmma,own-fma,sdpa --shapes table,paper --budget-s "$ATTENTION_BUDGET_S" \
-  --json "$OUT/attention.json" --markdown "$OUT/attention.md"
+step_1() {
+  step "1. bench/attention.py" "$T_ATTENTION" "$LOG" "$PY" bench/attention.py \
+    --backends cudnn,torch,own-wmma,own-fma,sdpa --shapes table,paper --budget-s "$ATTENTION_BUDGET_S" \
+    --json "$OUT/attention.json" --markdown "$OUT/attention.md"
+}
 
 # ---- 2. calibration, 3. the GPU against the model
-# shellcheck disable=SC2086 # the extra words are meant to be split
-if have bench/gpu_calibrate.py; then
-  step "2. bench/gpu_calibrate.py" "$T_CALIBRATE" "$OUT/calibrate.log" "$PY" bench/gpu_calibrate.py \
-    --out "$OUT/calibrate.toml" $GPU_CALIBRATE_ARGS
-fi
-# shellcheck disable=SC2086
-if have bench/gpu_vs_model.py; then
-  step "3. bench/gpu_vs_model.py" "$T_VS_MODEL" "$OUT/gpu_vs_model.log" "$PY" bench/gpu_vs_model.py $GPU_VS_MODEL_ARGS
-fi
+step_2() {
+  # shellcheck disable=SC2086 # the extra words are meant to be split
+  have bench/gpu_calibrate.py && step "2. bench/gpu_calibrate.py" "$T_CALIBRATE" "$OUT/calibrate.log" "$PY" \
+    bench/gpu_calibrate.py --out "$OUT/calibrate.toml" $GPU_CALIBRATE_ARGS
+}
+step_3() {
+  # shellcheck disable=SC2086
+  have bench/gpu_vs_model.py && step "3. bench/gpu_vs_model.py" "$T_VS_MODEL" "$OUT/gpu_vs_model.log" "$PY" \
+    bench/gpu_vs_model.py $GPU_VS_MODEL_ARGS
+}
 
 # ---- 4. the training step, once per attention backend (PyTorch eager measured on the first only)
-eager=()
-for backend in cudnn torch own; do
-  step "4. bench/gpu_step.py --attention $backend" "$T_STEP" "$OUT/gpu_step.log" "$PY" bench/gpu_step.py \
-    --attention "$backend" ${eager[@]+"${eager[@]}"}
-  eager=(--no-eager)
-done
+step_4() {
+  local backend eager=()
+  for backend in cudnn torch own; do
+    step "4. bench/gpu_step.py --attention $backend" "$T_STEP" "$OUT/gpu_step.log" "$PY" bench/gpu_step.py \
+      --attention "$backend" ${eager[@]+"${eager[@]}"}
+    eager=(--no-eager)
+  done
+}
 
 # ---- 5. the real-GPU kernel tests
-step "5. kernel tests" "$T_TESTS" "$OUT/tests.log" env BOOSTMPI_CUPY_STANDIN=0 "$PY" -m pytest -q -x -p no:cacheprovider \
-  tests/test_kernels.py::test_compile_all_compiles_every_kernel_file tests/test_attention_kernel.py
+step_5() {
+  step "5. kernel tests" "$T_TESTS" "$OUT/tests.log" env BOOSTMPI_CUPY_STANDIN=0 "$PY" -m pytest -q -x -p no:cacheprovider \
+    tests/test_kernels.py::test_compile_all_compiles_every_kernel_file tests/test_attention_kernel.py
+}
+
+for s in $STEPS; do
+  case "$s" in
+    0) step_0 ;;
+    1) step_1 ;;
+    2) step_2 ;;
+    3) step_3 ;;
+    4) step_4 ;;
+    5) step_5 ;;
+    *) say "STEPS: unknown step $s (0-5): skipped" ;;
+  esac
+done
 
 say "gpu_session: finished in $(( $(date +%s) - START )) s; files in $OUT: $(find "$OUT" -maxdepth 1 -type f -printf '%f ')"
 [ "$DRY" = 1 ] && exit 0

@@ -239,6 +239,9 @@ def test_gpu_session_dry_run_names_every_step_under_a_timeout(tmp_path):
     limits = [int(s.split("(timeout ", 1)[1].split(" s", 1)[0]) for s in steps]
     assert limits[-7:] == [180, 120, 60, 30, 30, 30, 90]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["session.log"]  # nothing ran
+    again = _session(tmp_path, GPU_SESSION_DRY="1", STEPS="5 1 7")  # some steps again, in another order
+    shown = [line.split("] ", 1)[1].split(" ", 2)[:2] for line in again.stdout.splitlines() if "(timeout " in line]
+    assert shown == [["5.", "kernel"], ["1.", "bench/attention.py"]] and "unknown step 7" in again.stdout
     named = set(re.findall(r'\$OUT/([a-z_.]+)', SESSION.read_text()))
     assert named <= OUT_FILES and len(OUT_FILES) <= 8, named
 
