@@ -8,7 +8,11 @@ with CUDA for the eager comparison):
      24 layers, 16 heads, r=256, T=1024, bf16): its model-FLOPs utilisation against (2)
      (target >= 35%), and its time against PyTorch eager on the same model and GPU (target <= 1.0).
 
-    python bench/gpu_step.py [--batch 8] [--steps 5]
+    python bench/gpu_step.py [--batch 8] [--steps 5] [--attention auto|cudnn|torch|own] [--no-eager]
+
+`--attention` sets the configuration's `train.attention` (the attention backend the engine runs; left
+out, the configuration's default); `--no-eager` leaves out the PyTorch eager step (3), e.g. when
+another run of this script on the same GPU measured it.
 
 Written and compiled-checked without a GPU (none was lent when it was written): its first run on a
 device is also its test. Model FLOPs are the performance model's (`boostmpi.sim.model.model_flops_per_step`):
@@ -72,10 +76,31 @@ def gemm_rate(n=8192):
     return 2 * n ** 3 / gpu_time(lambda: a @ b, 10)
 
 
+def attention_backend_name():
+    """The name of the attention backend the engine dispatches to (boostmpi.gpu.attention.current())."""
+    try:
+        from boostmpi.gpu import attention
+    except ImportError:  # before the attention backends: the own kernels
+        return "own (no boostmpi.gpu.attention)"
+    try:
+        backend = attention.current()
+        variant = ""
+        if backend.name == "own":
+            from boostmpi.gpu import tensor_cores
+
+            variant = f", {tensor_cores.ENV}={tensor_cores.setting()}"
+        return f"{backend.name} (deterministic: {getattr(backend, 'deterministic', '?')}{variant})"
+    except Exception as exc:  # noqa: BLE001 - a name for the record; the step was measured
+        return f"unknown ({type(exc).__name__}: {exc})"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--attention", choices=("auto", "cudnn", "torch", "own"),
+                    help="train.attention: the attention backend (default: the configuration's)")
+    ap.add_argument("--no-eager", action="store_true", help="leave out the PyTorch eager step")
     args = ap.parse_args()
     import cupy
 
@@ -98,7 +123,10 @@ def main():
     print(f"bf16 GEMM 8192^3: {peak / 1e12:.0f} TFLOP/s")
 
     model = dict(arch="cola", vocab_size=32000, d_model=1024, n_layers=24, n_heads=16, rank=256, seq_len=1024)
-    cfg = config_from_dict({"model": model, "train": {"device": "gpu", "dtype": "bfloat16", "micro_batch_size": args.batch}})
+    train = {"device": "gpu", "dtype": "bfloat16", "micro_batch_size": args.batch}
+    if args.attention is not None:
+        train["attention"] = args.attention
+    cfg = config_from_dict({"model": model, "train": train})
     eng = Engine(cfg)
     opt = AdamW(eng.params, eng.specs, cfg.train, eng.xp)
     x = np.random.default_rng(0).integers(0, model["vocab_size"], (args.batch, model["seq_len"] + 1))
@@ -109,9 +137,12 @@ def main():
         opt.step(eng.grads, 1e-4)
 
     t_ours = gpu_time(ours, args.steps)
+    print(f"attention: {attention_backend_name()} (train.attention = {args.attention or 'default'})", flush=True)
     flops = model_flops_per_step(cfg)  # one micro-batch of args.batch sequences per step
     print(f"boostmpi step {t_ours * 1e3:.1f} ms | {flops / t_ours / 1e12:.0f} TFLOP/s | MFU vs measured GEMM rate "
           f"{flops / t_ours / peak:.0%} (target >= 35%)")
+    if args.no_eager:
+        return
 
     import torch
 

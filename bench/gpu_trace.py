@@ -37,6 +37,16 @@ trace at 2 layers per stage minus 1 layer per stage, per micro-batch. Rank 0 wri
 
     mpiexec -n 4 python bench/gpu_trace.py --paper 7b --meta --json 7b.json
     mpiexec -n 8 python bench/gpu_trace.py --paper 13b --meta --json 13b.json
+
+Attention has its own entry in the priced breakdown. `--attention BACKEND` sets `train.attention`
+(cudnn, torch, own or auto; left out, the configuration's default). The own kernels are recorded launch by
+launch (RawKernels); a library backend (cuDNN, PyTorch) launches no RawKernel, so its forward and
+backward calls are recorded at the backend seam (`boostmpi.gpu.attention`: the backend the engine is
+given), one op each, with FlashAttention-2's bytes. Each attention op is priced by the profile's measured
+rate for its backend, direction and, for own, variant and head dim (`attention_rate`), on the causal FLOP
+count of bench/attention.py and `boostmpi sim` (forward 2·B·H·T²·Dh, backward 2.5x; the own backward's
+dQ and dK/dV launches share the backward's FLOPs 3 : 4, their T x T products); a profile without rate
+tables prices that count at `attention_efficiency` of the peak, as the analytical model does.
 """
 
 import common  # noqa: F401 - first: one BLAS thread before numpy loads
@@ -59,7 +69,10 @@ import gpu_setup  # noqa: E402,F401 - puts the stand-in first on sys.path
 
 import numpy as np  # noqa: E402
 
-from boostmpi.sim.trace import TracedOp, price  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+from boostmpi.sim import trace as sim_trace  # noqa: E402
+from boostmpi.sim.trace import TracedOp  # noqa: E402
 
 LAYERS = 32
 # modules whose frames are skipped when naming the call site: the array module, the communicators
@@ -101,7 +114,8 @@ class Recorder:
                 recorder.depth -= 1
             fields = describe(result, *args, **kwargs)
             if fields is not None:
-                recorder.ops.append(TracedOp(site=recorder.site(), **fields))
+                op_class = fields.pop("op_class", TracedOp)
+                recorder.ops.append(op_class(site=recorder.site(), **fields))
                 if recorder.group is not None and recorder.group.kind == "group":
                     recorder.group = recorder.ops[-1]
             return result
@@ -211,6 +225,7 @@ def install(rec, run_kernels=False):
     rec.wrap(_kernel.RawKernel, "__call__", kernel)
     for name in ("allReduce", "allGather", "broadcast", "send", "recv"):
         rec.wrap(nccl.NcclCommunicator, name, collective(name))
+    install_attention_backends(rec)
 
 
 # T x T x Dh products each attention kernel computes: the forward QK^T and PV; the dQ pass QK^T,
@@ -221,12 +236,10 @@ ATTENTION_TRAFFIC = {"attention_forward": "forward", "attention_backward_dq": "b
 
 
 def attention_kernel(name, args):
-    """A fused attention launch: the bytes of its tile plan, and its causal FLOPs over all the dims of a
-    tile (64 or 128, whatever Dh is), priced (boostmpi.sim.trace) at the profile's attention efficiency
-    of the float32 peak (the FMA kernels) or, for the tensor-core forward, dQ and dK/dV passes
-    (bf16 WMMA, 64- or 128-dim tiles as for the FMA kernels; the dK/dV pass's key tiles of 64), of the
-    bf16 tensor-core peak: the efficiency the analytical model assumes for FlashAttention-2, its softmax
-    work included in that fraction."""
+    """A fused attention launch: the bytes of its tile plan, and its share of its call's causal FLOPs (the
+    forward all of the forward's; the backward's dQ and dK/dV passes 3 : 4, their T x T products), with
+    what its rate is looked up by: backend own, variant (tensor-core WMMA or FMA, by the entry point),
+    head dim and direction."""
     from boostmpi.gpu import kernels
 
     tensor_cores = "_tc_" in name
@@ -236,14 +249,180 @@ def attention_kernel(name, args):
     key_tile = kernels.ATTENTION_TC_BWD_KEY_TILE if tensor_cores else kernels.ATTENTION_BWD_KEY_TILE
     read, written = kernels.attention_traffic(B, T, H, k.shape[2], Dh, q.itemsize,
                                               key_tile=key_tile)[ATTENTION_TRAFFIC[entry]]
-    dims = kernels.attention_head_tile(Dh)
-    flops = ATTENTION_PRODUCTS[entry] * 2.0 * B * H * T * (T + 1) / 2 * dims
+    forward = entry == "attention_forward"
+    backward_products = ATTENTION_PRODUCTS["attention_backward_dq"] + ATTENTION_PRODUCTS["attention_backward"]
+    share = 1.0 if forward else ATTENTION_PRODUCTS[entry] / backward_products
     return dict(kind="attention", name=name, nbytes=read + written, dtype="bfloat16" if tensor_cores else "float32",
-                flops=flops)
+                flops=share * causal_flops(B, T, H, Dh)[not forward], op_class=AttentionOp, backend="own",
+                variant="wmma" if tensor_cores else "fma", head_dim=Dh, direction="forward" if forward else "backward")
+
+
+# What an attention op's rate is looked up by. boostmpi.sim.trace.TracedOp carries these fields where the
+# performance model prices attention per backend; where it does not, an op of this class carries them.
+if {"backend", "variant", "head_dim", "direction"} <= set(TracedOp.__dataclass_fields__):
+    AttentionOp = TracedOp
+else:
+    @dataclass
+    class AttentionOp(TracedOp):
+        backend: str = "own"  # "cudnn", "torch", "own"
+        variant: str = None  # the own kernels': "wmma", "fma"; None for a library
+        head_dim: int = 0
+        direction: str = "forward"  # or "backward"
+
+
+def causal_flops(B, T, H, Dh):
+    """(forward, backward) FLOPs of a causal attention: `boostmpi sim`'s count (costs.flash_seconds) and
+    bench/attention.py's: QK^T and PV over the lower triangle, the backward 2.5x."""
+    forward = 2.0 * B * H * T * T * Dh
+    return forward, 2.5 * forward
+
+
+def library_attention(backend, direction):
+    """describe() of a library backend's forward(q, k, v, alloc=None) -> (o, ctx) or backward(do, ctx) ->
+    (dq, dk, dv): one op, FlashAttention-2's bytes (`plans.flash2_traffic`), the causal FLOPs."""
+    from boostmpi.sim.plans import flash2_traffic
+
+    def describe(result, first, *args, **kwargs):
+        B, T, H, Dh = first.shape
+        Hkv = (args[0] if direction == "forward" else result[1]).shape[2]
+        moved = flash2_traffic(B * H, B * Hkv, T, Dh, first.itemsize)[direction]
+        flops = causal_flops(B, T, H, Dh)[direction == "backward"]
+        return dict(kind="attention", name=f"{backend.name}_{direction}", nbytes=sum(moved), dtype=str(first.dtype),
+                    flops=flops, op_class=AttentionOp, backend=backend.name, head_dim=Dh, direction=direction)
+    return describe
+
+
+def install_attention_backends(rec):
+    """Record the calls of every library attention backend the engine is given (`attention.use`) or already
+    has (`attention.current()`): their forward and backward, one op each. The own backend is left alone:
+    its RawKernel launches are recorded one by one. Without boostmpi.gpu.attention: nothing to do."""
+    try:
+        from boostmpi.gpu import attention
+    except ImportError:
+        return
+
+    def instrument(backend):
+        if backend is None or getattr(backend, "name", "own") == "own" or getattr(backend, "_traced", False):
+            return
+        for direction in ("forward", "backward"):
+            rec.wrap(backend, direction, library_attention(backend, direction))
+        backend._traced = True
+
+    use = attention.use
+
+    def recording_use(backend):
+        instrument(backend)
+        return use(backend)
+
+    attention.use = recording_use
+    instrument(attention.current())
+
+
+def attention_rate(machine, backend, variant, Dh, direction):
+    """FLOP/s (the causal count) the profile states for `backend` ("cudnn", "torch", "own"), `variant`
+    ("wmma", "fma" for own; None for a library), head dim `Dh` and `direction` ("forward", "backward");
+    None when the profile rates no attention (`machine.attention_rates` absent or empty).
+
+    `machine.attention_rates` is looked up by `boostmpi.sim.attention_rates.attention_rate` where the
+    performance model has it; else it is read here in the profile's TOML layout, {backend: {"source": ...,
+    "forward": F, "backward": F} or {"source": ..., "d<Dh>": {"forward": F, "backward": F}, ...}}, own's per
+    variant ({"source": ..., "wmma": {...}, "fma": {...}}): the head dim's entry, else the table's entry
+    for every head dim, else the nearest head dim rated."""
+    from boostmpi.errors import UserError
+
+    tables = getattr(machine, "attention_rates", None)
+    if not tables:
+        return None
+    try:
+        from boostmpi.sim.attention_rates import attention_rate as profile_rate
+    except ImportError:
+        profile_rate = None
+    if profile_rate is not None:
+        return profile_rate(machine, backend, variant, Dh, direction)[0]
+    table = tables.get(backend)
+    if table is None:
+        raise UserError(f"machine profile {machine.name} has no rate for attention backend {backend!r} "
+                        f"(it rates: {', '.join(sorted(tables))})")
+    body = table.get(variant, {}) if backend == "own" else table
+    if "forward" in body or "backward" in body:
+        return float(body[direction])
+    dims = {int(key[1:]): entry for key, entry in body.items() if key[:1] == "d" and key[1:].isdigit()}
+    if not dims:
+        raise UserError(f"machine profile {machine.name} has no rate for attention backend {backend!r} {variant or ''}")
+    return float(dims[min(dims, key=lambda dh: (abs(dh - Dh), dh))][direction])
+
+
+def attention_seconds(op, machine, tp=1):
+    """An attention op's seconds: its FLOPs (its share of its call's causal count) at the profile's rate for
+    it (measured around whole calls: launches included), as `boostmpi.sim.trace` prices it where it
+    prices attention per backend; without rate tables as `boostmpi.sim.trace` prices it."""
+    if AttentionOp is TracedOp or not isinstance(op, AttentionOp):
+        return sim_trace.op_seconds(op, machine, tp)
+    rate = attention_rate(machine, op.backend, op.variant, op.head_dim, op.direction)
+    return sim_trace.op_seconds(op, machine, tp) if rate is None else op.flops / rate
+
+
+def price(ops, machine, tp=1):
+    """`boostmpi.sim.trace.price` with attention apart: {"attention": seconds, ...}; the kernel launches and
+    the non-GEMM bytes still count the attention ops."""
+    attention = [op for op in ops if op.kind == "attention"]
+    out = sim_trace.price([op for op in ops if op.kind != "attention"], machine, tp)
+    out["attention"] = sum(attention_seconds(op, machine, tp) for op in attention)
+    out["launches"] += len(attention)
+    out["elementwise_bytes"] += sum(op.nbytes for op in attention)
+    return out
+
+
+def by_site(ops, machine, tp=1):
+    """`boostmpi.sim.trace.by_site` with the attention ops priced by `attention_seconds`."""
+    rows = sim_trace.by_site([op for op in ops if op.kind != "attention"], machine, tp)
+    groups = {}
+    for op in ops:
+        if op.kind == "attention":
+            g = groups.setdefault((op.site, op.kind), [0, 0, 0.0])
+            g[0] += 1
+            g[1] += op.nbytes
+            g[2] += attention_seconds(op, machine, tp)
+    rows += [(site, kind, n, b, sec) for (site, kind), (n, b, sec) in groups.items()]
+    return sorted(rows, key=lambda row: -row[4])
+
+
+def traced_config(make, ops, attention):
+    """`make(attention)`: the configuration the analytical model predicts beside a trace, with the attention
+    backend the trace ran (`attention` when given; else the one backend its attention ops name, where the
+    configuration has `train.attention`)."""
+    from boostmpi.errors import UserError
+
+    backends = {op.backend for op in ops if op.kind == "attention"}
+    if attention is not None or len(backends) != 1:
+        return make(attention)
+    try:
+        return make(backends.pop())
+    except UserError:  # a configuration without train.attention: its one attention
+        return make(None)
+
+
+def _attention_priced_by(ops, machine):
+    """One line: the attention ops traced (backend, variant) and what priced them."""
+    attention = [op for op in ops if op.kind == "attention"]
+    if not attention:
+        return "no attention op traced"
+    kinds = sorted({f"{op.backend} {op.variant or ''}".strip() for op in attention})
+    rated = all(attention_rate(machine, op.backend, op.variant, op.head_dim, op.direction) is not None
+                for op in attention)
+    how = (f"the measured rates of {machine.name}'s attention tables" if rated else
+           f"{machine.name}'s attention_efficiency {getattr(machine, 'attention_efficiency', '?')} of the peak "
+           "(no rate tables)")
+    return ", ".join(kinds) + f"; priced by {how}"
 
 
 # ---------------------------------------------------------------- the step
-def config(scale, layers, tp=1, tp_mode="btp", arch="cola", head_dim=128):
+def _attention_setting(attention):
+    """{"attention": attention} for the train section, or {} (the configuration's default)."""
+    return {} if attention is None else {"attention": attention}
+
+
+def config(scale, layers, tp=1, tp_mode="btp", arch="cola", head_dim=128, attention=None):
     from boostmpi.config import config_from_dict
 
     d = 4096 // scale
@@ -251,7 +430,8 @@ def config(scale, layers, tp=1, tp_mode="btp", arch="cola", head_dim=128):
                  rank=1024 // scale, vocab_size=32000 // scale, seq_len=4096 // scale, n_layers=layers)
     return config_from_dict({"model": model, "parallel": {"tp": tp, "tp_mode": tp_mode, "grouped": True},
                              "train": {"device": "gpu", "dtype": "bfloat16", "micro_batch_size": 4,
-                                       "recompute": "lowrank" if tp_mode == "btp" else "none"}})
+                                       "recompute": "lowrank" if tp_mode == "btp" else "none",
+                                       **_attention_setting(attention)}})
 
 
 def trace_step(rec, cfg, world=None):
@@ -357,7 +537,7 @@ ALLOWANCE = {"cuda_context": 500_000_000,  # the CUDA context and the loaded ker
              "cublas_workspace": 4 * 1024 * 1024}  # cuBLAS's default workspace on pre-Hopper GPUs
 
 
-def paper_config(name, n_layers=None, recompute="lowrank"):
+def paper_config(name, n_layers=None, recompute="lowrank", attention=None):
     from boostmpi.config import config_from_dict
 
     p = PAPER[name]
@@ -367,7 +547,8 @@ def paper_config(name, n_layers=None, recompute="lowrank"):
     return config_from_dict({"model": model,
                              "parallel": {"tp_mode": "btp", "grouped": True, **p["parallel"]},
                              "train": {"device": "gpu", "dtype": "bfloat16", "micro_batch_size": 4,
-                                       "grad_accum": p["grad_accum"], "recompute": recompute}})
+                                       "grad_accum": p["grad_accum"], "recompute": recompute,
+                                       **_attention_setting(attention)}})
 
 
 def not_tensor_core(ops):
@@ -396,10 +577,10 @@ def paper_report(args, world):
     from boostmpi.sim.machines import load_machine
     from boostmpi.sim.model import predict
     from boostmpi.sim.plans import plan_strategy, shape_of
-    from boostmpi.sim.trace import by_site, plan_launches_and_bytes
+    from boostmpi.sim.trace import plan_launches_and_bytes
 
     machine = load_machine(args.machine)
-    cfg = paper_config(args.paper, recompute=args.recompute)
+    cfg = paper_config(args.paper, recompute=args.recompute, attention=args.attention)
     tp, pp, M = cfg.parallel.tp, cfg.parallel.pp, cfg.train.grad_accum
     size = 1 if world is None else world.Get_size()
     if size != tp * pp:
@@ -410,7 +591,7 @@ def paper_report(args, world):
     rec = Recorder()
     install(rec, run_kernels=True)
     full = run_steps(rec, cfg, world, steps=2)
-    per_stage = {n: run_steps(rec, paper_config(args.paper, n * pp, args.recompute), world, steps=1)["ops"]
+    per_stage = {n: run_steps(rec, paper_config(args.paper, n * pp, args.recompute, args.attention), world, steps=1)["ops"]
                  for n in (1, 2)}
     priced = price(full["ops"], machine, tp)
     bad = not_tensor_core(full["ops"])
@@ -423,12 +604,15 @@ def paper_report(args, world):
         return
     one, two = (price(per_stage[n], machine, tp) for n in (1, 2))
     per_layer = {k: (two[k] - one[k]) / M for k in one}
-    compute = max(r["priced"]["gemm"] + r["priced"]["elementwise"] + r["priced"]["tp_comm"] for r in ranks)
+    compute = max(r["priced"]["gemm"] + r["priced"]["elementwise"] + r["priced"]["attention"] + r["priced"]["tp_comm"]
+                  for r in ranks)
     p2p = max(r["priced"]["pp_p2p"] for r in ranks)
     optimizer = max(r["priced"]["optimizer"] for r in ranks)
     # 1F1B: M slots of every stage's busiest rank plus (pp - 1) slots of warm-up and cool-down
     priced_step = compute * (M + pp - 1) / M + p2p * (M + pp - 1) / M + optimizer
-    prediction = predict(cfg, machine)
+    prediction = predict(traced_config(lambda attention: paper_config(args.paper, recompute=args.recompute,
+                                                                      attention=attention), full["ops"], args.attention),
+                         machine)
     s = shape_of(cfg, "flash")  # the engine's attention: fused kernels (boostmpi/gpu/kernels.py)
     plan_launches, plan_gemms, plan_bytes = plan_launches_and_bytes(s, plan_strategy(cfg), cfg.train.recompute, 2)
     allowance = sum(ALLOWANCE.values())
@@ -446,7 +630,8 @@ def paper_report(args, world):
         "plan_non_gemm_bytes_per_layer": int(plan_bytes),
         "priced_step_s": round(priced_step, 4),
         "priced_breakdown_s": {k: round(max(r["priced"][k] for r in ranks), 4)
-                               for k in ("gemm", "elementwise", "tp_comm", "pp_p2p", "optimizer")},
+                               for k in ("gemm", "elementwise", "attention", "tp_comm", "pp_p2p", "optimizer")},
+        "attention_backend": _attention_priced_by(full["ops"], machine),
         "analytical_step_s": round(prediction.time_s, 4),
         "analytical_breakdown_s": {k: round(v, 4) for k, v in prediction.breakdown.items()},
         "host_syncs_per_step": max(r["host_syncs"] for r in ranks),
@@ -484,6 +669,8 @@ def main():
                     help="without --paper: the layout's tp mode (vanilla: no recompute; with --arch full, Megatron)")
     ap.add_argument("--arch", choices=("cola", "full"), default="cola", help="without --paper: the layout's arch")
     ap.add_argument("--head-dim", type=int, default=128, help="without --paper: the attention's head dim (the 7B's: 128)")
+    ap.add_argument("--attention", choices=("auto", "cudnn", "torch", "own"),
+                    help="train.attention: the attention backend traced (default: the configuration's)")
     args = ap.parse_args()
     world = None
     if args.paper:
@@ -532,12 +719,13 @@ def report(args, world):
     from boostmpi.sim.machines import load_machine
     from boostmpi.sim.model import comm_bytes, predict, tp_calls
     from boostmpi.sim.plans import plan_strategy, shape_of
-    from boostmpi.sim.trace import OPTIMIZER_SITE, by_site, plan_launches_and_bytes
+    from boostmpi.sim.trace import OPTIMIZER_SITE, plan_launches_and_bytes
 
     machine, tp = load_machine(args.machine), args.tp
     rec = Recorder()
     install(rec)
-    traced = {n: trace_step(rec, config(args.scale, n, tp, args.tp_mode, args.arch, args.head_dim), world) for n in (1, 2)}
+    layout = (tp, args.tp_mode, args.arch, args.head_dim, args.attention)
+    traced = {n: trace_step(rec, config(args.scale, n, *layout), world) for n in (1, 2)}
     if world is not None and world.Get_rank() != 0:
         return
     traces = {n: ops for n, (ops, _) in traced.items()}
@@ -545,7 +733,7 @@ def report(args, world):
     per_layer = {k: priced[2][k] - priced[1][k] for k in priced[1]}
     extrapolated = {k: priced[1][k] + (LAYERS - 1) * per_layer[k] for k in priced[1]}
 
-    cfg = config(args.scale, LAYERS, tp, args.tp_mode, args.arch, args.head_dim)
+    cfg = traced_config(lambda attention: config(args.scale, LAYERS, *layout[:-1], attention), traces[2], args.attention)
     m = cfg.model
     # the model's other attention: score matrices materialised (how the GPU path ran before its fused kernels)
     materialised = replace(machine, attention="matmul")
@@ -553,22 +741,29 @@ def report(args, world):
     print(f"The paper's 7B layout / {args.scale}: d={m.d_model}, heads={m.n_heads}, d_ff={m.d_ff}, r={m.rank}, "
           f"V={m.vocab_size}, T={m.seq_len}, micro-batch 4, bf16, {args.arch} {args.tp_mode} grouped, recompute {cfg.train.recompute}, tp={tp}; "
           f"traced at 1 and 2 layers on the CuPy stand-in, extrapolated to {LAYERS}; priced on {machine.name}.\n")
+    print(f"attention: {_attention_priced_by(traces[2], machine)}\n")
     print("| part | trace-priced s | analytical s (profile: flash attention) | analytical s (scores "
           "materialised) |\n|---|---|---|---|")
-    for key, name in (("gemm", "GEMMs"), ("elementwise", "elementwise, attention core, copies"),
-                      ("tp_comm", "tensor-parallel collectives"), ("optimizer", "optimizer")):
-        print(f"| {name} | {extrapolated[key]:.4f} | {analytical['profile'][key]:.4f} | "
-              f"{analytical['engine'][key]:.4f} |")
-    keys = ("gemm", "elementwise", "optimizer", "tp_comm")
-    print(f"| step | {sum(extrapolated[k] for k in keys):.4f} | {sum(analytical['profile'][k] for k in keys):.4f} | "
-          f"{sum(analytical['engine'][k] for k in keys):.4f} |")
+    keys = ("gemm", "elementwise", "attention", "tp_comm", "optimizer")
+    names = {"gemm": "GEMMs", "elementwise": "elementwise, copies", "attention": "attention core",
+             "tp_comm": "tensor-parallel collectives", "optimizer": "optimizer"}
+
+    def cell(breakdown, key):  # a model without an attention entry prices it in its elementwise one
+        return f"{breakdown[key]:.4f}" if key in breakdown else "(in elementwise)"
+
+    for key in keys:
+        print(f"| {names[key]} | {extrapolated[key]:.4f} | {cell(analytical['profile'], key)} | "
+              f"{cell(analytical['engine'], key)} |")
+    print(f"| step | {sum(extrapolated[k] for k in keys):.4f} | "
+          f"{sum(analytical['profile'].get(k, 0.0) for k in keys):.4f} | "
+          f"{sum(analytical['engine'].get(k, 0.0) for k in keys):.4f} |")
 
     print("\ntensor-parallel payload bytes and calls of one step (rank 0's NCCL calls; the engine's counters "
           "summed over the ranks; sim.model.comm_bytes and tp_calls):")
     for n, (ops, counted) in traced.items():
         calls = [op for op in ops if op.kind == "collective"]
         kinds = ", ".join(f"{sum(op.name == k for op in calls)} {k}" for k in sorted({op.name for op in calls}))
-        small = config(args.scale, n, tp, args.tp_mode, args.arch, args.head_dim)
+        small = config(args.scale, n, *layout)
         print(f"layers={n}: NCCL {sum(op.nbytes for op in calls)} B in {len(calls)} calls ({kinds or 'none'}), "
               f"engine counters {counted['bytes']['tp']} B in {counted['calls']['tp']} calls, "
               f"model {comm_bytes(small)['tp']} B in {tp_calls(small)} calls")
