@@ -317,7 +317,11 @@ def test_the_gpu_timer_drives_the_backends_through_the_seam(bench, monkeypatch):
             raise RuntimeError(f"{name}: the package is not installed")
         return Own()
 
-    monkeypatch.setitem(sys.modules, "boostmpi.gpu.attention", types.SimpleNamespace(make=make))
+    fake = types.SimpleNamespace(make=make)
+    monkeypatch.setitem(sys.modules, "boostmpi.gpu.attention", fake)
+    import boostmpi.gpu
+
+    monkeypatch.setattr(boostmpi.gpu, "attention", fake, raising=False)  # once imported, the package's attribute wins
     monkeypatch.setenv(bench.TENSOR_CORES_ENV, "0")  # the stand-in suite's FMA kernels, both variants alike
 
     def host_time(run, repeats, warmup, setup=None):
