@@ -58,19 +58,28 @@ __device__ void rmsnorm_forward_row(const T* x, const T* w, T* y, float* rstd_ou
 }
 
 // The row held in registers: thread t owns vectors t, t + blockDim.x, ... (at most R of them, C <=
-// R * blockDim.x * V, C % V == 0, 16-byte aligned); x is read from memory once.
+// R * blockDim.x * V, C % V == 0, 16-byte aligned). x is read from memory once; its vectors and w's
+// are all loaded before the row's sum (w's L2 round trip overlaps x's) and kept as they are stored
+// (4 registers a vector whatever T), converted where used.
 #define RMSNORM_ROW_VECTORS 4
 template <typename T, int V, int R>
 __device__ void rmsnorm_forward_held(const T* x, const T* w, T* y, float* rstd_out, int C, float eps) {
-    float xv[R][V];
-    float sum_squares = 0.0f;
+    uint4 xr[R], wr[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int j = (threadIdx.x + r * blockDim.x) * V;
         if (j < C) {
-            load_vec<V>(x + j, xv[r]);
+            xr[r] = *reinterpret_cast<const uint4*>(x + j);
+            wr[r] = *reinterpret_cast<const uint4*>(w + j);
+        }
+    }
+    float sum_squares = 0.0f;
 #pragma unroll
-            for (int k = 0; k < V; ++k) sum_squares += xv[r][k] * xv[r][k];
+    for (int r = 0; r < R; ++r) {
+        if ((threadIdx.x + r * blockDim.x) * V < C) {
+            const T* xe = reinterpret_cast<const T*>(&xr[r]);
+#pragma unroll
+            for (int k = 0; k < V; ++k) sum_squares += to_float(xe[k]) * to_float(xe[k]);
         }
     }
     const float rstd = rsqrtf(block_sum(sum_squares) / C + eps);
@@ -79,10 +88,11 @@ __device__ void rmsnorm_forward_held(const T* x, const T* w, T* y, float* rstd_o
     for (int r = 0; r < R; ++r) {
         const int j = (threadIdx.x + r * blockDim.x) * V;
         if (j < C) {
-            float wv[V], yv[V];
-            load_vec<V>(w + j, wv);
+            const T* xe = reinterpret_cast<const T*>(&xr[r]);
+            const T* we = reinterpret_cast<const T*>(&wr[r]);
+            float yv[V];
 #pragma unroll
-            for (int k = 0; k < V; ++k) yv[k] = xv[r][k] * rstd * wv[k];
+            for (int k = 0; k < V; ++k) yv[k] = to_float(xe[k]) * rstd * to_float(we[k]);
             store_vec<V>(y + j, yv);
         }
     }

@@ -71,9 +71,10 @@ def test_bf16_forward_moves_x_in_16_byte_vectors():
 
 
 def test_forward_launch_covers_the_row_with_whole_warps():
-    assert kernels.rmsnorm_forward_threads(4096, 2, 32) == 256  # 7B width, bf16: 512 vectors, 2 per thread
-    assert kernels.rmsnorm_forward_threads(4096, 4, 32) == 512
-    assert kernels.rmsnorm_forward_threads(16384, 2, 32) == 512  # 4 vectors per thread: held
+    assert kernels.rmsnorm_forward_threads(4096, 2, 32) == 128  # 7B width, bf16: 512 vectors, 4 per thread
+    assert kernels.rmsnorm_forward_threads(4096, 4, 32) == 256
+    assert kernels.rmsnorm_forward_threads(16384, 2, 32) == 512  # held, 4 vectors per thread
+    assert kernels.rmsnorm_forward_threads(16384, 4, 32) == 512  # wider than held: the two-pass loop
     assert kernels.rmsnorm_forward_threads(37, 2, 64) == 64
     for C in (8, 1000, 4096, 5120, 16384):
         for itemsize in (2, 4):

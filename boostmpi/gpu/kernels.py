@@ -32,7 +32,7 @@ KERNELS_DIR_ENV = "BOOSTMPI_KERNELS_DIR"
 COMPILE_OPTIONS = ("-std=c++14",)
 MAX_BLOCK_THREADS = 1024
 ELEMENTWISE_BLOCK_THREADS = 256
-RMSNORM_FORWARD_VECTORS = 2  # 16-byte vectors of a row per thread of rmsnorm_forward (at most RMSNORM_ROW_VECTORS, 4)
+RMSNORM_FORWARD_VECTORS = 4  # 16-byte vectors of a row per thread of rmsnorm_forward (at most RMSNORM_ROW_VECTORS, 4)
 RMSNORM_FORWARD_MAX_THREADS = 512  # its row held in registers: 2 blocks per SM at up to 64 registers
 RMSNORM_BACKWARD_BLOCK_THREADS = 256  # rmsnorm_backward's column tiles
 RMSNORM_BACKWARD_BLOCKS_PER_SM = 8  # 2,048 threads, the most an SM (CU: 4 SIMDs x 8 waves of 64) holds
