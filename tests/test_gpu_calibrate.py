@@ -160,3 +160,14 @@ def test_bad_timings_file_is_one_line(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "p.toml").exists()
+
+
+def test_a_run_where_no_attention_backend_ran_says_so(calibrate):
+    """Every backend an error row: the profile keeps the base's attention efficiency and its source says why."""
+    base = load_machine("h100-sxm")
+    raw = _raw(calibrate, base)
+    for row in raw["attention"]:
+        row.update(fwd_s=None, bwd_s=None, error="BackendUnavailable: not here")
+    machine, sources, tables, _ = calibrate.build_profile(raw, base, "x", "test")
+    assert machine.attention_efficiency == base.attention_efficiency and tables == {}
+    assert sources["attention_efficiency"] == "not measured (no attention backend ran): from the h100-sxm profile"
