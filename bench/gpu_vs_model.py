@@ -205,12 +205,17 @@ rec = gpu_trace.Recorder()
 gpu_trace.install(rec, run_kernels=True)
 gpu_trace._meta_init()
 ops = gpu_trace.run_steps(rec, cfg, None, steps=2)["ops"]
-print(json.dumps(gpu_trace.price(ops, load_machine(sys.argv[3]), 1)))
+kernels = {}
+for op in ops:
+    if op.kind == "kernel":
+        kernels.setdefault(op.name, []).append(op.nbytes)
+print(json.dumps({"priced": gpu_trace.price(ops, load_machine(sys.argv[3]), 1), "kernels": kernels}))
 """
 
 
-def trace_priced(cfg, profile_path):
-    """bench/gpu_trace.py's priced breakdown of this step (stand-in, shapes-only), from a child."""
+def trace(cfg, profile_path):
+    """bench/gpu_trace.py's record of this step (stand-in, shapes-only), from a child: {"priced": its
+    breakdown on the profile, "kernels": {fused kernel: [bytes read + written of each launch]}}."""
     env = dict(os.environ, BOOSTMPI_CUPY_STANDIN="1", BOOSTMPI_STANDIN_META="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     done = subprocess.run([sys.executable, "-c", _TRACE_CHILD, str(REPO / "bench"), json.dumps(cfg.to_dict()),
@@ -323,7 +328,7 @@ def main(argv=None):
         flush_print("calls per step: " + ", ".join(f"{p} {n}" for p, n in calls.items()))
     breakdown = dict(predict(cfg, machine).breakdown)
     flush_print("tracing the same step on the CuPy stand-in (shapes only)...")
-    traced = trace_priced(cfg, profile_path)
+    traced = trace(cfg, profile_path)["priced"]
     rows = comparison(measured, breakdown, traced)
     flush_print(table(rows))
     if args.json:

@@ -15,6 +15,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -133,3 +134,20 @@ def test_the_model_prices_the_forward_as_one_read_and_one_write():
 
     op = plans.norm(SimpleNamespace(engine_kernels=True), "attn_norm", 16384, 4096)
     assert (op.fwd_passes, op.elements) == (2, 16384 * 4096)
+
+
+def test_the_trace_counts_one_read_and_one_write_of_x():
+    """bench/gpu_trace.py's bytes of the final norm's rmsnorm_forward (the 7B width, shapes only):
+    x read and y written once, w and rstd beside them."""
+    from boostmpi.config import config_from_dict
+    from test_gpu_calibrate import load_script
+
+    B, T, C = 2, 64, 4096
+    model = {"arch": "cola", "d_model": C, "n_heads": 32, "d_ff": 11008, "rank": 1024, "n_layers": 1,
+             "vocab_size": 512, "seq_len": T}
+    cfg = config_from_dict({"model": model, "train": {"device": "gpu", "dtype": "bfloat16", "micro_batch_size": B}})
+    vs_model = load_script(Path(__file__).resolve().parents[1] / "bench" / "gpu_vs_model.py")
+    recorded = vs_model.trace(cfg, "h100-sxm")["kernels"]
+    N = B * T
+    assert "rmsnorm_forward_f32" not in recorded
+    assert set(recorded["rmsnorm_forward_bf16"]) == {2 * N * C * 2 + C * 2 + 4 * N}
