@@ -3,9 +3,14 @@
 // Entry points per storage type T: <kernel>_f32 (float) and <kernel>_bf16 (bfloat16 bits).
 //
 // Tile plan (launch shapes in boostmpi/gpu/kernels.py; N rows, b bytes per element):
-//   row kernels (rmsnorm_forward, rmsnorm_online_stats, rescale_rows, rmsnorm_projection): one
-//     block per row, one 16-byte vector per thread per pass (whole warps, at most 1,024 threads);
-//     the row's sum goes from registers through one shared float per warp (block_sum).
+//   row kernels (rmsnorm_online_stats, rescale_rows, rmsnorm_projection): one block per row, one
+//     16-byte vector per thread per pass (whole warps, at most 1,024 threads); the row's sum goes
+//     from registers through one shared float per warp (block_sum).
+//   rmsnorm_forward: one block per row of whole warps, each thread holding up to
+//     RMSNORM_ROW_VECTORS 16-byte vectors of the row in registers between the sum and the scaling
+//     (rmsnorm_forward_threads in the loader: RMSNORM_FORWARD_VECTORS per thread, at most 512
+//     threads), so x is read once, all of a thread's loads in flight together; a row wider than
+//     the block holds, or not 16-byte aligned, takes the two-pass loop (its second read from cache).
 //   rmsnorm_backward: a block owns a column tile (one 16-byte vector per thread, at most 256
 //     threads: 1,024 f32 or 2,048 bf16 columns) over a chunk of rows. Its threads keep w and
 //     their columns' running dw in registers while they walk the chunk's rows, and write dw once
@@ -16,7 +21,8 @@
 // (at 40 registers, one block per SM); over column tiles, dw is 16 / b floats per thread.
 // Bytes from DRAM per row (w, rstd and proj stay in cache; a second pass over a row of a row
 // kernel is read from cache):
-//   forward: x in, y out, 2Cb + 4;  online stats: x in, xw out, 2Cb + 4;  rescale: 2Rb + 4
+//   forward: x in, y out, 2Cb + 4 (the row held in registers; the two-pass loop reads it twice,
+//     the second time from cache);  online stats: x in, xw out, 2Cb + 4;  rescale: 2Rb + 4
 //   backward: projection reads dy, x (2Cb + 8); rmsnorm_backward reads dy, x and writes dx
 //   (3Cb); 5Cb per row in all, against 3Cb for a one-pass kernel. Plus 4C bytes of workspace
 //   per chunk, written once and read by the caller's sum (about 8 blocks per SM: at d_model
@@ -51,12 +57,56 @@ __device__ void rmsnorm_forward_row(const T* x, const T* w, T* y, float* rstd_ou
     }
 }
 
+// The row held in registers: thread t owns vectors t, t + blockDim.x, ... (at most R of them, C <=
+// R * blockDim.x * V, C % V == 0, 16-byte aligned). x is read from memory once; its vectors and w's
+// are all loaded before the row's sum (w's L2 round trip overlaps x's) and kept as they are stored
+// (4 registers a vector whatever T), converted where used.
+#define RMSNORM_ROW_VECTORS 4
+template <typename T, int V, int R>
+__device__ void rmsnorm_forward_held(const T* x, const T* w, T* y, float* rstd_out, int C, float eps) {
+    uint4 xr[R], wr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int j = (threadIdx.x + r * blockDim.x) * V;
+        if (j < C) {
+            xr[r] = *reinterpret_cast<const uint4*>(x + j);
+            wr[r] = *reinterpret_cast<const uint4*>(w + j);
+        }
+    }
+    float sum_squares = 0.0f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        if ((threadIdx.x + r * blockDim.x) * V < C) {
+            const T* xe = reinterpret_cast<const T*>(&xr[r]);
+#pragma unroll
+            for (int k = 0; k < V; ++k) sum_squares += to_float(xe[k]) * to_float(xe[k]);
+        }
+    }
+    const float rstd = rsqrtf(block_sum(sum_squares) / C + eps);
+    if (threadIdx.x == 0) *rstd_out = rstd;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int j = (threadIdx.x + r * blockDim.x) * V;
+        if (j < C) {
+            const T* xe = reinterpret_cast<const T*>(&xr[r]);
+            const T* we = reinterpret_cast<const T*>(&wr[r]);
+            float yv[V];
+#pragma unroll
+            for (int k = 0; k < V; ++k) yv[k] = to_float(xe[k]) * rstd * to_float(we[k]);
+            store_vec<V>(y + j, yv);
+        }
+    }
+}
+
 template <typename T>
 __device__ void rmsnorm_forward(const T* x, const T* w, T* y, float* rstd, int C, float eps) {
     const int row = blockIdx.x;
     const long long offset = static_cast<long long>(row) * C;
     const int V = VecWidth<T>::value;
-    if (C % V == 0 && aligned16(x) && aligned16(w) && aligned16(y))
+    const bool vectorised = C % V == 0 && aligned16(x) && aligned16(w) && aligned16(y);
+    if (vectorised && C <= RMSNORM_ROW_VECTORS * V * static_cast<int>(blockDim.x))
+        rmsnorm_forward_held<T, V, RMSNORM_ROW_VECTORS>(x + offset, w, y + offset, rstd + row, C, eps);
+    else if (vectorised)
         rmsnorm_forward_row<T, V>(x + offset, w, y + offset, rstd + row, C, eps);
     else
         rmsnorm_forward_row<T, 1>(x + offset, w, y + offset, rstd + row, C, eps);

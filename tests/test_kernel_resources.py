@@ -61,7 +61,9 @@ def launch_shape(entry, warp):
     """(threads per block, dynamic shared bytes) the loader launches `entry` with at the paper's
     shapes (the largest block it launches a row kernel with is 1024 threads)."""
     itemsize = 2 if "_bf16" in entry else 4
-    if entry.startswith(("rmsnorm_forward", "rmsnorm_online_stats", "residual_online_stats", "rmsnorm_projection")):
+    if entry.startswith("rmsnorm_forward"):
+        return loader.rmsnorm_forward_threads(PAPER["d_model"], itemsize, warp), 0
+    if entry.startswith(("rmsnorm_online_stats", "residual_online_stats", "rmsnorm_projection")):
         return loader._row_block(PAPER["d_model"], itemsize, warp), 0
     if entry.startswith("rmsnorm_backward"):
         threads, _, _, _ = loader.rmsnorm_backward_launch(PAPER["tokens"], PAPER["d_model"], itemsize, warp, 108)

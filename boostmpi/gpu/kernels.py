@@ -32,6 +32,8 @@ KERNELS_DIR_ENV = "BOOSTMPI_KERNELS_DIR"
 COMPILE_OPTIONS = ("-std=c++14",)
 MAX_BLOCK_THREADS = 1024
 ELEMENTWISE_BLOCK_THREADS = 256
+RMSNORM_FORWARD_VECTORS = 4  # 16-byte vectors of a row per thread of rmsnorm_forward (at most RMSNORM_ROW_VECTORS, 4)
+RMSNORM_FORWARD_MAX_THREADS = 512  # its row held in registers: 2 blocks per SM at up to 64 registers
 RMSNORM_BACKWARD_BLOCK_THREADS = 256  # rmsnorm_backward's column tiles
 RMSNORM_BACKWARD_BLOCKS_PER_SM = 8  # 2,048 threads, the most an SM (CU: 4 SIMDs x 8 waves of 64) holds
 DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024  # static + dynamic shared memory per block; above it a kernel must opt in
@@ -159,8 +161,19 @@ def rmsnorm_forward(x, w, eps):
     cupy = _import_cupy()
     y = cupy.empty_like(x)
     rstd = cupy.empty(N, dtype=np.float32)
-    _launch_rows("rmsnorm", f"rmsnorm_forward_{suffix}", N, C, x.itemsize, (x, w, y, rstd, np.int32(C), np.float32(eps)))
+    if N > 0:
+        threads = rmsnorm_forward_threads(C, x.itemsize, _current_device().warp_size)
+        _launch(_kernel("rmsnorm", f"rmsnorm_forward_{suffix}"), N, threads, (x, w, y, rstd, np.int32(C), np.float32(eps)))
     return y, rstd
+
+
+def rmsnorm_forward_threads(C, itemsize, warp_size):
+    """Threads of rmsnorm_forward's one block per row: whole warps covering the row's 16-byte
+    vectors RMSNORM_FORWARD_VECTORS per thread, at most RMSNORM_FORWARD_MAX_THREADS (the kernel
+    holds up to 4 vectors per thread in registers; a wider row takes its two-pass loop)."""
+    vectors = -(-C // (16 // itemsize))
+    warps = -(-vectors // (RMSNORM_FORWARD_VECTORS * warp_size))
+    return warp_size * min(max(warps, 1), RMSNORM_FORWARD_MAX_THREADS // warp_size)
 
 
 def rmsnorm_backward_launch(N, C, itemsize, warp_size, sm_count):

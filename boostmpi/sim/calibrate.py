@@ -121,18 +121,19 @@ def build_profile(name, compute, network, ranks):
 
 
 def fit_gemm_overheads(machine, measured):
-    """Grid search of (k0, c0) minimising the squared log error of the model's GEMM times."""
+    """Grid search of (k0, c0) minimising the squared log error of the model's GEMM times.
+    `measured`: (dtype, m, n, k, seconds) or (dtype, m, n, k, seconds, batch) entries."""
     from dataclasses import replace
 
     from boostmpi.sim.costs import ITEMSIZE, gemm_seconds
 
     grid = [0.0] + [2.0 ** i for i in range(0, 11)]
     best = None
-    for k0 in grid:
+    for k0 in grid[machine.device == "gpu":]:  # a GPU's split-K choice divides by k0
         for c0 in grid:
             trial = replace(machine, gemm_k_overhead=k0, gemm_mn_overhead=c0)
-            err = sum((math.log(gemm_seconds(m, n, k, 1, ITEMSIZE[dt], trial, dt)) - math.log(t)) ** 2
-                      for dt, m, n, k, t in measured)
+            err = sum((math.log(gemm_seconds(m, n, k, (batch or [1])[0], ITEMSIZE[dt], trial, dt)) - math.log(t)) ** 2
+                      for dt, m, n, k, t, *batch in measured)
             if best is None or err < best[0]:
                 best = (err, k0, c0)
     return best[1], best[2]

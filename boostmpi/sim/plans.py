@@ -220,7 +220,7 @@ def attention_core(s, heads, kv_heads):
 def norm(s, name, n_tokens, width):
     """RMSNorm over the whole row: one fused kernel each way, 2 / 3 passes, for another framework;
     the engine's kernels (kernels/rmsnorm.cu) as follows. Forward: rmsnorm_forward reads x, writes y
-    (2 passes; its second read of a row comes from cache). Backward, 5 passes in 4 kernels:
+    (2 passes: the row is held in registers between its sum and its scaling). Backward, 5 passes in 4 kernels:
     rmsnorm_projection reads dy and x (the row statistic), rmsnorm_backward reads dy and x and writes
     dx over column tiles (no shared memory at any C), then the sum of its per-chunk dw rows and the
     accumulation into dw (kernels of C floats per row chunk: not counted in the bytes)."""
