@@ -17,8 +17,9 @@ from boostmpi.sim.plans import (Collective, Shape, attention_core_ops, core_stat
                                 kept_by_lowrank, layer_plan, plan_strategy, recompute_plan, saved_elements, shape_of,
                                 with_attention)
 
-BREAKDOWN_KEYS = ("gemm", "elementwise", "tp_comm", "pp_bubble_and_p2p", "dp_comm", "optimizer")
-
+# "attention": the fused attention core (forward, backward and any recompute of it) at its backend's
+# rate; materialised scores (attention = matmul / fused_softmax) count under gemm and elementwise
+BREAKDOWN_KEYS = ("gemm", "elementwise", "attention", "tp_comm", "pp_bubble_and_p2p", "dp_comm", "optimizer")
 
 
 @dataclass
@@ -320,7 +321,7 @@ def predict_workload(w, machine, comm=None):
     per_mb = PassTimes()
     per_mb.add(slowest["fwd"])
     per_mb.add(slowest["bwd"])
-    breakdown = {"gemm": M * per_mb.gemm, "elementwise": M * per_mb.elementwise,
+    breakdown = {"gemm": M * per_mb.gemm, "elementwise": M * per_mb.elementwise, "attention": M * per_mb.attention,
                  "tp_comm": M * per_mb.tp_comm, "pp_bubble_and_p2p": pp_time,
                  "dp_comm": dp_time, "optimizer": optimizer}
     time_s = sum(breakdown.values())
