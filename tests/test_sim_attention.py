@@ -192,3 +192,35 @@ def test_sim_imports_no_cupy_torch_or_cudnn():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_memory_estimate_does_not_depend_on_the_attention_backend():
+    """The start-up memory check reads the model's bytes off a built-in profile that may not rate the
+    configured backend (own on an A100): the estimate is made all the same."""
+    cfg = _gpu_step_cfg(n_layers=2)
+    w = model.workload_of(cfg)
+    with pytest.raises(Exception, match="no rate for attention backend 'own'"):
+        model.predict_workload(replace(w, shape=replace(w.shape, attention_backend="own")),
+                               load_machine(builtin_names()[0]))
+    original = model.workload_of
+
+    def own(c):
+        got = original(c)
+        return replace(got, shape=replace(got.shape, attention_backend="own"))
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(model, "workload_of", own):
+        assert model.memory_estimate(cfg)["total"] == model.memory_estimate(cfg)["total"] > 0
+
+
+def test_a_traced_attention_launch_is_priced_at_its_backends_rate():
+    from boostmpi.sim.trace import TracedOp, op_seconds
+
+    machine = load_machine("h200")
+    flops = causal_flops(4, 32, 4096, 128, "backward")
+    op = TracedOp(kind="attention", name="attention_backward_tc_bf16", site="model.layers.attention_backward",
+                  nbytes=1, dtype="bfloat16", flops=flops)
+    assert op_seconds(op, machine, 1) == pytest.approx(0.1321, rel=1e-3)  # the WMMA backward's 132.1 ms
+    fma = replace(op, dtype="float32", name="attention_forward_hd64_f32", flops=causal_flops(8, 16, 1024, 64))
+    assert op_seconds(fma, machine, 1) == pytest.approx(0.00202, rel=1e-3)  # FMA forward at d64: 2.02 ms

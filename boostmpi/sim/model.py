@@ -499,8 +499,10 @@ def memory_estimate(cfg):
     from boostmpi.sim.machines import builtin_names, load_machine
     from boostmpi.sim.memory import rank_memory
 
-    try:
-        memory = predict(cfg, load_machine(builtin_names()[0])).memory_bytes  # the bytes do not depend on the machine
+    try:  # the bytes depend on neither the machine nor the attention backend (priced as the profile's auto)
+        w = workload_of(cfg)
+        w = replace(w, shape=replace(w.shape, attention_backend="auto"))
+        memory = predict_workload(w, load_machine(builtin_names()[0]), comm_bytes(cfg)).memory_bytes
     except Exception:  # noqa: BLE001 - a layout the model does not cover: no estimate, no refusal
         return None
     return rank_memory(cfg, memory)

@@ -59,8 +59,8 @@ def op_seconds(op, machine, tp):
         size = op.nbytes * (tp if op.name == "allGather" else 1)
         return group_allreduce_seconds(size, tp, 1, machine, fraction=fraction)
     if op.kind == "attention":  # its FLOPs at its backend's rate in the profile, or its bytes if slower
-        compute = op.flops / attention_op_rate(op, machine)[0]
-        return max(compute, pointwise_seconds(op.nbytes, 1, 1, machine) - machine.kernel_launch_s) + machine.kernel_launch_s
+        compute = op.flops / attention_op_rate(op, machine)[0]  # a measured call's rate: its launches included
+        return max(compute, pointwise_seconds(op.nbytes, 1, 1, machine) - machine.kernel_launch_s)
     return pointwise_seconds(op.nbytes, 1, 1, machine)  # nbytes already counts every pass
 
 
