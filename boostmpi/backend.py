@@ -3,40 +3,20 @@
 Everywhere else: `xp = get_array_module(x)`.
 """
 
-import sys
-
 import numpy as np
 
 from boostmpi.errors import UserError
 
-# CuPy is imported on first need, not with this module: what never touches a GPU (`boostmpi sim`, the
-# CPU path) neither pays for it nor prints its warnings. An array is a CuPy array only once CuPy is
-# imported, so get_array_module and to_numpy need it only then.
-_cupy = None
-_cupy_import_error = None
-_cupy_tried = False
+try:  # guarded: CuPy is an optional extra and may be installed without a usable device
+    import cupy as _cupy
 
-
-def _load_cupy():
-    """CuPy, imported once (guarded: an optional extra that may be installed without a usable device)."""
-    global _cupy, _cupy_import_error, _cupy_tried
-    if not _cupy_tried:
-        try:
-            import cupy
-
-            _cupy = cupy
-        except Exception as exc:  # noqa: BLE001 - any import failure means "no CuPy"
-            _cupy_import_error = exc
-        _cupy_tried = True
-    return _cupy
-
-
-def _cupy_if_imported():
-    return _cupy if _cupy_tried else (_load_cupy() if "cupy" in sys.modules else None)
+    _cupy_import_error = None
+except Exception as exc:  # noqa: BLE001 - any import failure means "no CuPy"
+    _cupy = None
+    _cupy_import_error = exc
 
 
 def gpu_unavailable_reason():
-    _load_cupy()
     if _cupy is None:
         return f"CuPy is not importable ({type(_cupy_import_error).__name__}: {_cupy_import_error})"
     try:
@@ -59,17 +39,15 @@ def get_xp(device):
 
 
 def get_array_module(x):
-    cupy = _cupy_if_imported()
-    if cupy is not None:
-        return cupy.get_array_module(x)
+    if _cupy is not None:
+        return _cupy.get_array_module(x)
     return np
 
 
 def to_numpy(x):
     """A NumPy array from a NumPy or CuPy array (a copy only when it lives on a GPU)."""
-    cupy = _cupy_if_imported()
-    if cupy is not None and isinstance(x, cupy.ndarray):
-        return cupy.asnumpy(x)
+    if _cupy is not None and isinstance(x, _cupy.ndarray):
+        return _cupy.asnumpy(x)
     return np.asarray(x)
 
 
