@@ -11,7 +11,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from boostmpi.backend import get_array_module
 
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 ATTN_IN = ("q", "k", "v")
@@ -329,6 +328,8 @@ class FlatBuffer:
         group = self._groups.get(tuple(names))
         if group is not None:
             return group
+        from boostmpi.backend import get_array_module  # here: importing params (as sim does) needs no CuPy
+
         xp = get_array_module(self.data)
         return xp.concatenate([self.views[n] for n in names], axis=1)
 

@@ -112,7 +112,7 @@ def build_profile(name, compute, network, ranks):
                 memory_bandwidth=compute["bandwidth"], elementwise_efficiency=1.0,
                 peak_flops={"float64": compute["peak"]["float64"], "float32": compute["peak"]["float32"]},
                 gemm_efficiency=1.0, gemm_tile_m=1, gemm_tile_n=1, gemm_k_overhead=0.0,
-                gemm_mn_overhead=0.0, compute_units=1, attention="matmul", attention_efficiency=1.0,
+                gemm_mn_overhead=0.0, compute_units=1, attention="matmul",
                 kernel_launch_s=compute["call_s"], optimizer_passes=compute["optimizer_passes"],
                 gpus_per_node=cores, intra_node_bandwidth=bandwidth, intra_node_latency=latency,
                 inter_node_bandwidth=bandwidth, inter_node_latency=latency)

@@ -21,10 +21,10 @@ def register(subparsers):
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a configuration key (repeatable)")
     p.add_argument("--machine", required=True,
-                   help="built-in profile (a100-80gb, a100-40gb, h100-sxm, mi250x-gcd, perlmutter, "
+                   help="built-in profile (a100-80gb, a100-40gb, h100-sxm, h200, mi250x-gcd, perlmutter, "
                         "polaris, frontier) or a profile .toml")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", metavar="PNG", help="write a bar chart of the time breakdown")
+    p.add_argument("--plot", metavar="FILE", help="write a bar chart of the time breakdown (.png, .pdf or .svg)")
     p.add_argument("--sweep", action="store_true", help="rank every feasible layout and arch")
     p.add_argument("--gpus", type=int, help="number of devices for --sweep")
     p.add_argument("--top", type=int, default=20, help="rows of the --sweep table")
@@ -35,9 +35,17 @@ def register(subparsers):
     p.set_defaults(func=run)
 
 
+PLOT_FORMATS = ("png", "pdf", "svg")
+
+
 def run(args):
     from boostmpi.config import load_config
 
+    if args.plot is not None:
+        ext = os.path.splitext(args.plot)[1].lstrip(".").lower()
+        if ext not in PLOT_FORMATS:
+            raise UserError(f"--plot {args.plot}: the file name must end in .{', .'.join(PLOT_FORMATS)} "
+                            "(the chart's format)")
     machine = load_machine(args.machine)
     cfg = load_config(args.config, args.set, world_size=None)
     if args.sweep:
@@ -136,7 +144,7 @@ def plot_breakdowns(labelled, path, title):
     fig.tight_layout()
     try:
         with atomic_file(path, "wb") as f:
-            fig.savefig(f, format=os.path.splitext(path)[1].lstrip(".").lower() or "png", dpi=120)
+            fig.savefig(f, format=os.path.splitext(path)[1].lstrip(".").lower(), dpi=120)
     except OSError as exc:
         raise UserError(f"cannot write plot {path}: {exc.strerror or exc}") from None
     finally:

@@ -2,18 +2,18 @@
 
 GEMMs are a roofline with shape-dependent efficiency (tile and wave quantisation, split-K, the
 fixed cost of a tile), elementwise kernels stream their passes at a fraction of the memory
-bandwidth, the fused attention runs at a fraction of peak, and collectives are ring algorithms
-over the link their group runs on. docs/SIM.md gives every formula and constant.
+bandwidth, the fused attention runs at its backend's rate from the profile
+(`attention_rates.py`), and collectives are ring algorithms over the link their group runs on.
+docs/SIM.md gives every formula and constant.
 """
 
 import math
 from dataclasses import dataclass
 
+from boostmpi.sim.attention_rates import attention_seconds, own_variant, resolve_backend
 from boostmpi.sim.plans import Attention, Collective, Gemm, Pointwise
 
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2}
-# A flash-attention backward does 5 T x T matmuls to the forward's 2 (FlashAttention-2, Dao 2023).
-_FLASH_BACKWARD_RATIO = 2.5
 
 
 # GPU BLAS libraries pick their tile per problem: smaller output tiles for small outputs, at a
@@ -62,11 +62,14 @@ def pointwise_seconds(elements, passes, itemsize, machine, kernels=1):
     return passes * elements * itemsize / stream + kernels * machine.kernel_launch_s
 
 
-def flash_seconds(op, backward, machine, dtype):
-    causal_flops = 4.0 * op.heads * op.T * op.T * op.Dh / 2  # QK^T and PV over the lower triangle
-    flops = causal_flops * (_FLASH_BACKWARD_RATIO if backward else 1.0)
-    kernels = op.bwd_kernels if backward else 1
-    return flops / (machine.peak(dtype) * machine.attention_efficiency) + kernels * machine.kernel_launch_s
+def flash_seconds(op, backward, machine, dtype, backend="auto"):
+    """The fused attention core of `op` (B x local heads of T x Dh, causal) run by `backend`
+    (train.attention's value; "auto" resolved for the machine) at the profile's rate: a whole call,
+    its launches included in the measured rate."""
+    backend = resolve_backend(backend, machine)
+    variant = own_variant(machine, dtype) if backend == "own" else None
+    return attention_seconds(machine, backend, variant, 1, op.heads, op.T, op.Dh,
+                             "backward" if backward else "forward")
 
 
 @dataclass(frozen=True)
@@ -131,15 +134,17 @@ class PassTimes:
     gemm: float = 0.0
     elementwise: float = 0.0
     tp_comm: float = 0.0
+    attention: float = 0.0  # the fused attention core (flash); materialised scores are GEMMs and elementwise
 
     def add(self, other, times=1.0):
         self.gemm += other.gemm * times
         self.elementwise += other.elementwise * times
         self.tp_comm += other.tp_comm * times
+        self.attention += other.attention * times
 
     @property
     def total(self):
-        return self.gemm + self.elementwise + self.tp_comm
+        return self.gemm + self.elementwise + self.tp_comm + self.attention
 
 
 def pass_times(ops, backward, s, machine, dtype):
@@ -158,7 +163,7 @@ def pass_times(ops, backward, s, machine, dtype):
             passes, kernels = (op.bwd_passes, op.bwd_kernels) if backward else (op.fwd_passes, op.fwd_kernels)
             t.elementwise += pointwise_seconds(op.elements, passes, e, machine, kernels)
         elif isinstance(op, Attention):
-            t.elementwise += flash_seconds(op, backward, machine, dtype)
+            t.attention += flash_seconds(op, backward, machine, dtype, s.attention_backend)
         elif isinstance(op, Collective) and (op.phase == "bwd") == backward:
             if op.kind == "allreduce":
                 t.tp_comm += group_allreduce_seconds(op.nbytes(e), s.p, 1, machine)

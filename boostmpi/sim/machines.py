@@ -3,14 +3,20 @@
 A profile is a TOML file (the built-in ones live in `boostmpi/sim/profiles/`; docs/SIM.md says
 where each number comes from). `load_machine(name_or_path)` takes a built-in name, an alias such
 as `perlmutter`, or a path to a user's TOML file, and returns a validated `Machine`. A missing
-key, a wrong type or an unknown machine name is a `UserError` naming the problem.
+key, a wrong type, a number out of its range (a rate or size not positive, a latency negative, an
+efficiency outside (0, 1]) or an unknown machine name is a `UserError` naming the problem.
+
+Attention is priced per backend from the profile's `[attention.<backend>]` rate tables
+(`boostmpi/sim/attention_rates.py`); `attention_rate(machine, backend, variant, Dh, direction)`
+looks one rate up.
 """
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from boostmpi.errors import UserError
+from boostmpi.sim.attention_rates import attention_rate, parse_tables, tables_to_toml  # noqa: F401 (attention_rate: the lookup bench/gpu_trace.py uses)
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 
@@ -23,6 +29,7 @@ ALIASES = {
     "dgx-a100": "a100-80gb-dgx",
     "a100": "a100-80gb",
     "h100": "h100-sxm",
+    "h200": "h200",
     "mi250x": "mi250x-gcd",
 }
 
@@ -37,6 +44,8 @@ def profile_for_device(name, total_bytes):
     name = name.upper()
     if "A100" in name:
         return "a100-80gb" if total_bytes > 48 * 10 ** 9 else "a100-40gb"
+    if "H200" in name:
+        return "h200"
     if "H100" in name and ("SXM" in name or "HBM3" in name):
         return "h100-sxm"
     if "MI250X" in name:
@@ -63,7 +72,6 @@ class Machine:
     compute_units: int  # SMs / CUs / cores that run tiles concurrently
     attention: str  # "flash" (fused kernel, no T x T tensor), "matmul" (scores materialised, boostmpi's
     # tiled softmax) or "fused_softmax" (scores materialised, a fused softmax kernel: pre-flash frameworks)
-    attention_efficiency: float  # fraction of peak of the fused attention kernel (flash only)
     kernel_launch_s: float  # fixed cost of one kernel (or one NumPy call)
     optimizer_passes: float  # full passes over a master-dtype buffer of one AdamW step
     # [node]
@@ -91,6 +99,11 @@ class Machine:
     # matching receive of the other direction in one call: two transfers on a step's path) or
     # "blocking" (each send and receive its own blocking call in schedule order: four)
     pipeline_p2p: str = "batched"
+    # optional: "nvidia", "amd" or "other"; which attention backend `train.attention = "auto"` runs
+    # (cudnn on NVIDIA, torch elsewhere) and which backends a profile may rate (cudnn: NVIDIA only)
+    vendor: str = "other"
+    # [attention.<backend>]: backend -> attention_rates.RateTable (FLOP/s by direction, variant, head dim)
+    attention_rates: dict = field(default_factory=dict)
 
     def peak(self, dtype):
         if dtype not in self.peak_flops:
@@ -114,7 +127,6 @@ _LAYOUT = {
     "gemm_mn_overhead": ("compute", "gemm_mn_overhead", float),
     "compute_units": ("compute", "compute_units", int),
     "attention": ("compute", "attention", str),
-    "attention_efficiency": ("compute", "attention_efficiency", float),
     "kernel_launch_s": ("compute", "kernel_launch_s", float),
     "elementwise": ("compute", "elementwise", str),
     "optimizer_passes": ("compute", "optimizer_passes", float),
@@ -127,18 +139,25 @@ _LAYOUT = {
     "zero3_gather_copy_bytes": ("compute", "zero3_gather_copy_bytes", float),
     "zero3_reduce_copy_bytes": ("compute", "zero3_reduce_copy_bytes", float),
     "pipeline_p2p": ("network", "pipeline_p2p", str),
+    "vendor": (None, "vendor", str),
 }
-assert set(_LAYOUT) == {f.name for f in fields(Machine)}
+assert set(_LAYOUT) | {"attention_rates"} == {f.name for f in fields(Machine)}
 
 _CHOICES = {"device": ("gpu", "cpu"), "attention": ("flash", "matmul", "fused_softmax"),
-            "elementwise": ("engine", "fused", "eager"), "pipeline_p2p": ("batched", "blocking")}
+            "elementwise": ("engine", "fused", "eager"), "pipeline_p2p": ("batched", "blocking"),
+            "vendor": ("nvidia", "amd", "other")}
 # keys a profile may leave out, and their values then (profiles written before the key existed)
 _OPTIONAL = {"elementwise": "engine", "grad_accumulation_bytes": 0.0, "pipeline_p2p": "batched",
-             "zero3_gather_copy_bytes": 0.0, "zero3_reduce_copy_bytes": 0.0}
-_POSITIVE = {"memory_capacity_bytes", "memory_bandwidth", "elementwise_efficiency", "gemm_efficiency",
-             "gemm_tile_m", "gemm_tile_n", "compute_units", "attention_efficiency", "optimizer_passes",
-             "gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth"}
-_NON_NEGATIVE = {"grad_accumulation_bytes", "zero3_gather_copy_bytes", "zero3_reduce_copy_bytes"}
+             "zero3_gather_copy_bytes": 0.0, "zero3_reduce_copy_bytes": 0.0, "vendor": "other"}
+# the range of every number a profile holds (peak_flops' rates: positive; attention rates:
+# attention_rates.parse_tables)
+_POSITIVE = {"memory_capacity_bytes", "memory_bandwidth", "gemm_tile_m", "gemm_tile_n", "compute_units",
+             "optimizer_passes", "gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth"}
+_NON_NEGATIVE = {"grad_accumulation_bytes", "zero3_gather_copy_bytes", "zero3_reduce_copy_bytes", "kernel_launch_s",
+                 "intra_node_latency", "inter_node_latency", "gemm_k_overhead", "gemm_mn_overhead"}
+_FRACTION = {"elementwise_efficiency", "gemm_efficiency"}  # in (0, 1]
+assert not (_POSITIVE | _NON_NEGATIVE | _FRACTION) - set(_LAYOUT)
+assert {k for k, (_, _, kind) in _LAYOUT.items() if kind in (int, float)} == _POSITIVE | _NON_NEGATIVE | _FRACTION
 
 
 def builtin_names():
@@ -183,6 +202,10 @@ def machine_from_dict(document, source="profile"):
             raise UserError(f"machine profile {source}: {where} must be positive, got {value!r}")
         if field_name in _NON_NEGATIVE and values[field_name] < 0:
             raise UserError(f"machine profile {source}: {where} must be 0 or more, got {value!r}")
+        if field_name in _FRACTION and not 0 < values[field_name] <= 1:
+            raise UserError(f"machine profile {source}: {where} is a fraction of a peak: it must be in (0, 1], "
+                            f"got {value!r}")
+    values["attention_rates"] = parse_tables(document.get("attention", {}), values, source)
     return Machine(**values)
 
 
@@ -196,6 +219,8 @@ def _checked(value, kind, where, source):
                 raise UserError(f"machine profile {source}: {where}.{dtype} is not a dtype "
                                 f"({', '.join(DTYPES)})")
             rates[dtype] = _checked(rate, float, f"{where}.{dtype}", source)
+            if not rates[dtype] > 0:
+                raise UserError(f"machine profile {source}: {where}.{dtype} must be positive, got {rate!r}")
         return rates
     if kind is str:
         ok = isinstance(value, str)
@@ -214,6 +239,7 @@ def machine_to_toml(machine, comments=None):
     sections = {}
     for field_name, (section, key, kind) in _LAYOUT.items():
         sections.setdefault(section, []).append((field_name, key, getattr(machine, field_name)))
+    sections[None].sort(key=lambda entry: entry[0] == "vendor")  # name, description, device, vendor
     lines = []
     for section, entries in sections.items():
         if section is not None:
@@ -227,6 +253,7 @@ def machine_to_toml(machine, comments=None):
                 text = _number(value)
             note = comments.get(field_name)
             lines.append(f"{key} = {text}" + (f"  # {note}" if note else ""))
+    lines += tables_to_toml(machine.attention_rates, _number)
     return "\n".join(lines).lstrip("\n") + "\n"
 
 

@@ -9,7 +9,7 @@ docs/SIM.md explains every term.
 import math
 from dataclasses import dataclass, field, replace
 
-from boostmpi.model.params import all_global_specs, param_specs, split_range, stage_layers, tp_strategy
+from boostmpi.model.params import chunk_layers, param_specs, split_range, tp_strategy
 from boostmpi.parallel.pipeline import warmup_units
 from boostmpi.sim.costs import (ITEMSIZE, PassTimes, group_allreduce_seconds, group_link, p2p_seconds,
                                 pass_times)
@@ -17,8 +17,9 @@ from boostmpi.sim.plans import (Collective, Shape, attention_core_ops, core_stat
                                 kept_by_lowrank, layer_plan, plan_strategy, recompute_plan, saved_elements, shape_of,
                                 with_attention)
 
-BREAKDOWN_KEYS = ("gemm", "elementwise", "tp_comm", "pp_bubble_and_p2p", "dp_comm", "optimizer")
-
+# "attention": the fused attention core (forward, backward and any recompute of it) at its backend's
+# rate; materialised scores (attention = matmul / fused_softmax) count under gemm and elementwise
+BREAKDOWN_KEYS = ("gemm", "elementwise", "attention", "tp_comm", "pp_bubble_and_p2p", "dp_comm", "optimizer")
 
 
 @dataclass
@@ -84,22 +85,45 @@ def comm_bytes(cfg):
     return {"tp": int(tp), "pp": int(pp), "dp": int(dp)}
 
 
+# ------------------------------------------------------------------ parameter counts in closed form
+def stage_layer_count(cfg, stage):
+    """How many layers pipeline stage `stage` runs (its chunks' lengths; no list of them is made)."""
+    par = cfg.parallel
+    return sum(len(c) for c in chunk_layers(cfg.model.n_layers, par.pp, stage, par.virtual_stages))
+
+
+def _layer_and_rest(cfg, stage):
+    """(the specs of one layer, the specs outside the layers) of stage `stage`: every layer holds the
+    same shapes, so a stage's counts are the rest plus its layer count times one layer's, computed on
+    a copy of the configuration with one layer per model chunk (cost independent of n_layers)."""
+    from dataclasses import replace as _replace
+
+    par = cfg.parallel
+    chunks = par.pp * par.virtual_stages
+    small = _replace(cfg, model=_replace(cfg.model, n_layers=chunks))
+    specs = param_specs(small, 0, stage)
+    first = next((s.layer for s in specs if s.layer is not None), None)
+    return [s for s in specs if s.layer is not None and s.layer == first], [s for s in specs if s.layer is None]
+
+
+def _rank_numel(spec, tp, t):
+    numel = math.prod(spec.global_shape)
+    if spec.shard_dim is None:
+        return numel
+    size = spec.global_shape[spec.shard_dim]
+    a, b = split_range(size, tp, t)
+    return numel // size * (b - a)
+
+
 # ------------------------------------------------------------------ ZeRO-1 (parallel.zero_stage = 1)
 def rank_params(cfg, stage):
     """Local parameter count of every tensor-parallel rank of pipeline stage `stage` (split ranges
     give the first ranks one more row or column where a dim does not divide)."""
     tp = cfg.parallel.tp
-    counts = [0] * tp
-    for spec in param_specs(cfg, 0, stage):
-        numel = math.prod(spec.global_shape)
-        for t in range(tp):
-            if spec.shard_dim is None:
-                counts[t] += numel
-            else:
-                size = spec.global_shape[spec.shard_dim]
-                a, b = split_range(size, tp, t)
-                counts[t] += numel // size * (b - a)
-    return counts
+    layer, rest = _layer_and_rest(cfg, stage)
+    n = stage_layer_count(cfg, stage)
+    return [sum(_rank_numel(s, tp, t) for s in rest) + n * sum(_rank_numel(s, tp, t) for s in layer)
+            for t in range(tp)]
 
 
 def zero_slice(n_params, dp, zero_stage):
@@ -113,7 +137,11 @@ def checkpoint_bytes(cfg):
     and both AdamW moments (master dtype) of its dp share of its tp/pp shard (docs/CHECKPOINTS.md)."""
     par, e = cfg.parallel, ITEMSIZE[master_dtype(cfg.train.dtype)]
     shares = [-(-n // par.dp) for st in range(par.pp) for n in rank_params(cfg, st)]
-    total = sum(math.prod(s.global_shape) for s in all_global_specs(cfg))  # each element once
+    # each element once: every layer's, and the embedding, final norm and head (on the first and last stage)
+    layer, _ = _layer_and_rest(cfg, 0)
+    outside = {s.name: s for st in {0, par.pp - 1} for s in _layer_and_rest(cfg, st)[1]}
+    total = cfg.model.n_layers * sum(math.prod(s.global_shape) for s in layer) + \
+        sum(math.prod(s.global_shape) for s in outside.values())
     return 3 * e * max(shares), 3 * e * total
 
 
@@ -141,13 +169,17 @@ def stage_params(cfg, stage):
     par = cfg.parallel
     # what the counts depend on: the layout, and which kind of stage this is (its number of
     # identical layers, whether it holds the embedding, the head)
-    kind = (len(stage_layers(cfg.model.n_layers, par.pp, stage, par.virtual_stages)), stage == 0, stage == par.pp - 1)
-    key = (cfg.model, par.tp, par.pp, par.tp_mode, kind)
+    n = stage_layer_count(cfg, stage)
+    key = (cfg.model, par.tp, par.pp, par.tp_mode, n, stage == 0, stage == par.pp - 1)
     if key not in _PARAM_COUNTS:
-        specs = param_specs(cfg, 0, stage)
-        largest = sum(spec.local_numel for spec in specs)
-        total = sum(math.prod(spec.global_shape) * (par.tp if spec.tp_replicated else 1) for spec in specs)
-        _PARAM_COUNTS[key] = (largest, total)
+        layer, rest = _layer_and_rest(cfg, stage)
+
+        def counts(specs):
+            return (sum(spec.local_numel for spec in specs),
+                    sum(math.prod(spec.global_shape) * (par.tp if spec.tp_replicated else 1) for spec in specs))
+
+        (layer_largest, layer_total), (rest_largest, rest_total) = counts(layer), counts(rest)
+        _PARAM_COUNTS[key] = (rest_largest + n * layer_largest, rest_total + n * layer_total)
     return _PARAM_COUNTS[key]
 
 
@@ -214,7 +246,7 @@ def workload_of(cfg):
     s = shape_of(cfg, "flash")
     return Workload(
         shape=s, strategy=strategy,
-        layers_per_stage=[len(stage_layers(m.n_layers, par.pp, st, par.virtual_stages)) for st in range(par.pp)],
+        layers_per_stage=[stage_layer_count(cfg, st) for st in range(par.pp)],
         tp=par.tp, pp=par.pp, dp=par.dp, micro_batches=t.grad_accum, recompute=t.recompute,
         virtual_stages=par.virtual_stages,
         dtype=t.dtype, overlap=par.overlap, zero_stage=par.zero_stage,
@@ -320,7 +352,7 @@ def predict_workload(w, machine, comm=None):
     per_mb = PassTimes()
     per_mb.add(slowest["fwd"])
     per_mb.add(slowest["bwd"])
-    breakdown = {"gemm": M * per_mb.gemm, "elementwise": M * per_mb.elementwise,
+    breakdown = {"gemm": M * per_mb.gemm, "elementwise": M * per_mb.elementwise, "attention": M * per_mb.attention,
                  "tp_comm": M * per_mb.tp_comm, "pp_bubble_and_p2p": pp_time,
                  "dp_comm": dp_time, "optimizer": optimizer}
     time_s = sum(breakdown.values())
@@ -467,8 +499,10 @@ def memory_estimate(cfg):
     from boostmpi.sim.machines import builtin_names, load_machine
     from boostmpi.sim.memory import rank_memory
 
-    try:
-        memory = predict(cfg, load_machine(builtin_names()[0])).memory_bytes  # the bytes do not depend on the machine
+    try:  # the bytes depend on neither the machine nor the attention backend (priced as the profile's auto)
+        w = workload_of(cfg)
+        w = replace(w, shape=replace(w.shape, attention_backend="auto"))
+        memory = predict_workload(w, load_machine(builtin_names()[0]), comm_bytes(cfg)).memory_bytes
     except Exception:  # noqa: BLE001 - a layout the model does not cover: no estimate, no refusal
         return None
     return rank_memory(cfg, memory)

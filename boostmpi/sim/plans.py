@@ -157,6 +157,9 @@ class Shape:
     # passes; False: another framework's (the published runs), one fused kernel per op each way
     engine: bool = False
     gpu: bool = False  # the engine on GPUs (CuPy): factors of one shape side by side multiply as one batched GEMM
+    # the backend that runs a fused (flash) attention core: train.attention's value ("auto", "cudnn",
+    # "torch", "own"), priced at the profile's rate table for it (attention_rates.py)
+    attention_backend: str = "auto"
 
     @property
     def engine_kernels(self):
@@ -188,7 +191,8 @@ def shape_of(cfg, attention):
                  Rm=ranks["gate"][2] or 0, p=par.tp, cola=m.arch == "cola", gate_act=m.mlp_gate_act,
                  grouped=par.grouped, sync_norm=par.norm == "sync", attention=attention,
                  sp=par.sequence_parallel and par.tp > 1, attention_dropout=m.attention_dropout > 0,
-                 half=cfg.train.dtype == "bfloat16", engine=True, gpu=cfg.train.device == "gpu")
+                 half=cfg.train.dtype == "bfloat16", engine=True, gpu=cfg.train.device == "gpu",
+                 attention_backend=getattr(cfg.train, "attention", "auto"))
 
 
 # ------------------------------------------------------------------ plans

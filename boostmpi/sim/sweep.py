@@ -72,7 +72,7 @@ def sweep(cfg, machine, gpus, archs=None, keep_infeasible=False):
 
 
 # what a step's time is made of, for explaining the winner's margin
-PARTS = {"compute": ("gemm", "elementwise", "optimizer"), "tp comm": ("tp_comm",),
+PARTS = {"compute": ("gemm", "elementwise", "attention", "optimizer"), "tp comm": ("tp_comm",),
          "pipeline bubble + p2p": ("pp_bubble_and_p2p",), "dp comm": ("dp_comm",)}
 
 

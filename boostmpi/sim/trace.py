@@ -14,6 +14,7 @@ extra passes, unfused elementwise chains, copies, more launches.
 from collections import defaultdict
 from dataclasses import dataclass
 
+from boostmpi.sim.attention_rates import attention_rate
 from boostmpi.sim.costs import (ITEMSIZE, gemm_seconds, group_allreduce_seconds, group_link, p2p_seconds,
                                 pointwise_seconds)
 from boostmpi.sim.plans import Attention, Collective, Gemm, Pointwise, layer_plan, recompute_plan
@@ -27,8 +28,23 @@ class TracedOp:
     nbytes: int  # bytes read + written (collectives: the payload each rank contributes)
     dtype: str = "float32"
     gemm: tuple = None  # (batch, m, n, k) for GEMMs
-    flops: float = 0.0  # "attention" (a fused attention kernel): the multiply-adds x 2 it computes
+    flops: float = 0.0  # "attention": its share of the call's causal FLOPs (attention_rates.causal_flops)
     cublas: tuple = None  # GEMMs: (Atype, Btype, Ctype, compute type) of the cuBLAS call
+    # "attention": the backend that ran it, the own kernels' variant ("wmma", "fma"; None: by dtype, WMMA
+    # for bfloat16), the head dim (0: the kernel's head tile, 64 for a "_hd64" entry, else 128) and the
+    # direction ("forward", "backward"; None: by the kernel's name)
+    backend: str = "own"
+    variant: str = None
+    head_dim: int = 0
+    direction: str = None
+
+
+def attention_op_rate(op, machine):
+    """(FLOP/s, source) the profile gives the attention launch `op` (attention_rates.attention_rate)."""
+    variant = op.variant or ("wmma" if op.dtype == "bfloat16" else "fma")
+    head_dim = op.head_dim or (64 if "_hd64" in op.name else 128)
+    direction = op.direction or ("forward" if "forward" in op.name else "backward")
+    return attention_rate(machine, op.backend, variant, head_dim, direction)
 
 
 def op_seconds(op, machine, tp):
@@ -42,9 +58,9 @@ def op_seconds(op, machine, tp):
         fraction = 0.5 if op.name == "allGather" else 1.0
         size = op.nbytes * (tp if op.name == "allGather" else 1)
         return group_allreduce_seconds(size, tp, 1, machine, fraction=fraction)
-    if op.kind == "attention":  # its FLOPs at the profile's attention efficiency, or its bytes if slower
-        compute = op.flops / (machine.peak(op.dtype) * machine.attention_efficiency)
-        return max(compute, pointwise_seconds(op.nbytes, 1, 1, machine) - machine.kernel_launch_s) + machine.kernel_launch_s
+    if op.kind == "attention":  # its FLOPs at its backend's rate in the profile, or its bytes if slower
+        compute = op.flops / attention_op_rate(op, machine)[0]  # a measured call's rate: its launches included
+        return max(compute, pointwise_seconds(op.nbytes, 1, 1, machine) - machine.kernel_launch_s)
     return pointwise_seconds(op.nbytes, 1, 1, machine)  # nbytes already counts every pass
 
 
