@@ -22,10 +22,10 @@ every measured shape with `boostmpi.sim.calibrate.fit_gemm_overheads` and gemm_e
 (`fit_gemm`; each shape's residual, log(model / measured), is printed and kept in the raw JSON),
 memory bandwidth =
 the copy's, elementwise_efficiency = the fused kernels' mean bandwidth over the copy's,
-optimizer_passes from the AdamW time, kernel_launch_s measured, attention_efficiency from the
-auto-chosen backend's (cudnn, else torch, else own) rate over the bf16 peak, and one
-`[attention.<backend>]` table per backend that ran (`[attention.own.<variant>.hd<Dh>]` for the own
-kernels) with `source`, `forward` and `backward` in FLOP/s (causal count, bench/attention.py's).
+optimizer_passes from the AdamW time, kernel_launch_s measured, and one `[attention.<backend>]`
+rate table per backend that ran, in the layout of boostmpi/sim/attention_rates.py (`d<Dh>` entries,
+own's per variant, each with the shape it was measured at), FLOP/s by bench/attention.py's causal
+count.
 What one GPU cannot measure (tile sizes, links, GPUs per node) comes from the --base profile and
 says so. A `[sources]` table names the source of every key; the header names the device, driver,
 CUDA runtime, CuPy, cuDNN and PyTorch versions and the date.
@@ -248,20 +248,26 @@ def gemm_residuals(machine, gemms):
     return out
 
 
-def attention_rates(rows):
-    """{(backend, Dh): (forward FLOP/s, backward FLOP/s)} over the shapes that ran: total FLOPs / total seconds."""
-    sums = {}
+def attention_rates(rows, source):
+    """{backend: RateTable} in the profile layout (boostmpi/sim/attention_rates.py): per backend (own per
+    variant) and head dim, the rates of the largest shape that ran (the causal count; `shape` records it
+    so the model carries the rate to other sequence lengths)."""
+    from boostmpi.sim.attention_rates import Rate, RateTable
+
+    best = {}
     for row in rows:
         if row.get("error") or row["backend"] == "sdpa":
             continue
-        fwd_flops = row["fwd_tflops"] * 1e12 * row["fwd_s"]
-        bwd_flops = row["bwd_tflops"] * 1e12 * row["bwd_s"]
-        acc = sums.setdefault((row["backend"], row["Dh"]), [0.0, 0.0, 0.0, 0.0])
-        acc[0] += fwd_flops
-        acc[1] += row["fwd_s"]
-        acc[2] += bwd_flops
-        acc[3] += row["bwd_s"]
-    return {key: (a[0] / a[1], a[2] / a[3]) for key, a in sums.items()}
+        backend, variant = (("own", row["backend"][4:]) if row["backend"].startswith("own-") else (row["backend"], None))
+        shape = (row["B"], row["T"], row["H"], row["Hkv"], row["Dh"])
+        flops = row["fwd_tflops"] * 1e12 * row["fwd_s"]
+        key = (backend, variant, row["Dh"])
+        if key not in best or flops > best[key][0]:
+            best[key] = (flops, Rate(row["fwd_tflops"] * 1e12, row["bwd_tflops"] * 1e12, shape))
+    tables = {}
+    for (backend, variant, dh), (_, rate) in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1] or "", kv[0][2])):
+        tables.setdefault(backend, {})[(variant, dh)] = rate
+    return {backend: RateTable(f"{source}: bench/attention.py's rows", rates) for backend, rates in tables.items()}
 
 
 def attention_rows(raw, repeats):
@@ -297,11 +303,14 @@ def fit_gemm(machine, gemms, rounds=3):
         machine = replace(machine, gemm_k_overhead=k0, gemm_mn_overhead=c0)
         mean = sum(r[-1] for r in gemm_residuals(machine, gemms)) / len(gemms)
         machine = replace(machine, gemm_efficiency=machine.gemm_efficiency * math.exp(mean))
+    if machine.gemm_efficiency > 1:  # the fit's overhead-free rate is above the best measured GEMM: that rate is the peak
+        peak = dict(machine.peak_flops, bfloat16=machine.peak_flops["bfloat16"] * machine.gemm_efficiency)
+        machine = replace(machine, peak_flops=peak, gemm_efficiency=1.0)
     return machine
 
 
 def build_profile(raw, base, name, source):
-    """(Machine, {field: source}, {table name: {source, forward, backward}}, residuals) from `raw`."""
+    """(Machine, {field: source}, residuals) from `raw`."""
     from dataclasses import replace
 
     dev = raw["device"]
@@ -312,54 +321,42 @@ def build_profile(raw, base, name, source):
     fused = raw["fused"]
     efficiency = (fused["rmsnorm_forward"] + fused["rmsnorm_backward"]) / 2 / fused["copy_same_bytes"]
     stream = copy * efficiency
-    rates = attention_rates(attention_rows(raw, 1))
-    auto = next(((b, d) for b in AUTO_ORDER for d in (128, 64) if (b, d) in rates), None)
-    if auto is not None:
-        fwd, bwd = rates[auto]
-        combined = 3.5 / (1 / fwd + 2.5 / bwd)  # forward + backward FLOPs over their seconds (backward = 2.5 x forward)
+    rates = attention_rates(attention_rows(raw, 1), source)
     measured = dict(
         name=name, device="gpu", attention="flash",
+        vendor="amd" if any(w in dev["name"] for w in ("AMD", "Instinct", "gfx")) else "nvidia",
         description=f"{dev['name']}, measured by bench/gpu_calibrate.py on {dev['host']} ({raw.get('date', '?')})",
         memory_capacity_bytes=float(dev["memory_bytes"]), memory_bandwidth=copy, elementwise_efficiency=efficiency,
         peak_flops=peak, gemm_efficiency=1.0, compute_units=dev["sm_count"],
-        attention_efficiency=combined / peak["bfloat16"] if auto else base.attention_efficiency,
+        attention_rates=rates or base.attention_rates,
         kernel_launch_s=raw["launch"]["seconds"] / raw["launch"]["launches"],
         optimizer_passes=raw["adamw"]["seconds"] * stream / (raw["adamw"]["params"] * 4),
         gpus_per_node=max(dev["gpus"], 1))
     machine = fit_gemm(replace(base, **measured), raw["gemm"])
-    sources = {f: source for f in measured if f not in ("name", "device", "attention", "description")}
+    sources = {f: source for f in measured if f not in ("name", "device", "attention", "description", "attention_rates")}
     fitted = f"{source}: fitted to {len(raw['gemm'])} GEMM shapes"
-    sources.update(gemm_k_overhead=fitted, gemm_mn_overhead=fitted, gemm_efficiency=fitted,
-                   attention_efficiency=f"{source}: {auto[0]} at Dh {auto[1]}" if auto else
-                   f"not measured (no attention backend ran): from the {base.name} profile")
+    sources.update(gemm_k_overhead=fitted, gemm_mn_overhead=fitted, gemm_efficiency=fitted)
+    if not rates:
+        sources["attention_rates"] = f"not measured (no attention backend ran): from the {base.name} profile"
     for field in ("gemm_tile_m", "gemm_tile_n", "intra_node_bandwidth", "intra_node_latency", "inter_node_bandwidth",
                   "inter_node_latency", "elementwise", "grad_accumulation_bytes", "zero3_gather_copy_bytes",
                   "zero3_reduce_copy_bytes", "pipeline_p2p"):
         sources[field] = f"not measured (one GPU): from the {base.name} profile"
-    tables = {}
-    for (backend, dh), (f, b) in sorted(rates.items()):
-        key = f"own.{backend[4:]}.hd{dh}" if backend.startswith("own-") else backend
-        if not backend.startswith("own-") and key in tables and dh != 128:
-            continue  # cudnn / torch: one table, at the 7B and 13B head dim where both ran
-        tables[key] = {"source": f"{source}: Dh {dh}", "forward": f, "backward": b}
-    return machine, sources, tables, gemm_residuals(machine, raw["gemm"])
+    return machine, sources, gemm_residuals(machine, raw["gemm"])
 
 
 def _toml_string(text):
     return '"' + str(text).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def profile_text(machine, sources, tables, raw):
-    from boostmpi.sim.machines import _number, machine_to_toml
+def profile_text(machine, sources, raw):
+    from boostmpi.sim.machines import machine_to_toml
 
     dev = raw["device"]
     header = [f"# {dev['name']}: measured by bench/gpu_calibrate.py on {dev['host']}, {raw.get('date', '?')}",
               f"# driver {dev['driver']}, CUDA runtime {dev['runtime']}, CuPy {dev['cupy']}, cuDNN {dev['cudnn']}, "
               f"PyTorch {dev['torch']}; {len(raw['gemm'])} GEMM shapes; raw measurements: {raw.get('raw_path', '?')}"]
     lines = ["", "[sources]"] + [f"{key} = {_toml_string(text)}" for key, text in sorted(sources.items())]
-    for key, table in tables.items():
-        lines += ["", f"[attention.{key}]", f"source = {_toml_string(table['source'])}",
-                  f"forward = {_number(float(table['forward']))}", f"backward = {_number(float(table['backward']))}"]
     return "\n".join(header) + "\n" + machine_to_toml(machine) + "\n".join(lines) + "\n"
 
 
@@ -405,7 +402,7 @@ def main(argv=None):
     name = args.name or "-".join(dev["name"].lower().replace("nvidia", "").split()) + "-measured"
     source = f"measured by bench/gpu_calibrate.py on {dev['name']} {raw.get('date', '?')} ({raw.get('raw_path', '?')})"
     try:
-        machine, sources, tables, residuals = build_profile(raw, base, name, source)
+        machine, sources, residuals = build_profile(raw, base, name, source)
     except (ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
         return refuse(f"cannot make a profile from these measurements: {exc}")
     flush_print(f"GEMM fit: k0 = {machine.gemm_k_overhead:g}, c0 = {machine.gemm_mn_overhead:g}, bf16 peak "
@@ -420,7 +417,7 @@ def main(argv=None):
 
     if raw_path is not None:
         write_file_atomically(raw_path, json.dumps(raw, indent=1))
-    write_file_atomically(out, profile_text(machine, sources, tables, raw))
+    write_file_atomically(out, profile_text(machine, sources, raw))
     machine_from_file(out)  # what was written reads back
     flush_print(f"wrote {out}" + (f" and {raw_path}" if raw_path else ""))
     return 0

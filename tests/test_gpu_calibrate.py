@@ -100,9 +100,9 @@ def test_timings_give_the_profile_by_the_stated_arithmetic(calibrate, tmp_path, 
 
     m = machine_from_file(out)
     assert m.gemm_k_overhead == TRUTH_K0 and m.gemm_mn_overhead == 0.0
-    # the best planned shape's rate, and the fraction of it the truth's overhead-free rate is
+    # the best planned shape's rate, or the fit's overhead-free rate when that is higher (an efficiency is at most 1)
     best = max(2 * g[0] * g[1] * g[2] * g[3] / g[4] for g in _raw(calibrate, base)["gemm"])
-    assert m.peak_flops["bfloat16"] == pytest.approx(best, rel=1e-5)
+    assert m.peak_flops["bfloat16"] >= best * (1 - 1e-5) and 0 < m.gemm_efficiency <= 1
     assert m.peak_flops["bfloat16"] * m.gemm_efficiency == pytest.approx(800e12, rel=0.002)
     assert m.peak_flops["float32"] == pytest.approx(50e12)
     assert m.memory_bandwidth == pytest.approx(4.0e12) and m.elementwise_efficiency == pytest.approx(0.8)
@@ -110,20 +110,19 @@ def test_timings_give_the_profile_by_the_stated_arithmetic(calibrate, tmp_path, 
     assert m.kernel_launch_s == pytest.approx(2.5e-6)
     assert m.compute_units == 132 and m.gpus_per_node == 1 and m.memory_capacity_bytes == 150e9
     assert (m.gemm_tile_m, m.intra_node_bandwidth) == (base.gemm_tile_m, base.intra_node_bandwidth)
-    # cudnn, the auto choice: forward + backward FLOPs over their seconds at Dh 128, over the bf16 peak
-    assert m.attention_efficiency * m.peak_flops["bfloat16"] == pytest.approx(3.5 / (1 / 520e12 + 2.5 / 410e12))
+    # one rate table per backend that ran (own per variant), each at the largest shape measured
+    rates = m.attention_rates
+    assert set(rates) == {"cudnn", "torch", "own"}
+    assert set(rates["own"].rates) == {("wmma", 64), ("wmma", 128), ("fma", 64), ("fma", 128)}
+    cudnn = rates["cudnn"].rates[(None, 128)]
+    assert (cudnn.forward, cudnn.backward) == (pytest.approx(520e12), pytest.approx(410e12)) and cudnn.shape[4] == 128
+    assert rates["own"].rates[("wmma", 128)].backward == pytest.approx(150e12)
+    assert all(str(raw_file) in table.source for table in rates.values())
 
     doc = tomllib.loads(out.read_text())
     assert set(doc["sources"]) | {"name", "description", "device", "attention"} == set(_LAYOUT)
     assert "measured by bench/gpu_calibrate.py on NVIDIA H200" in doc["sources"]["memory_bandwidth"]
     assert "from the h100-sxm profile" in doc["sources"]["intra_node_bandwidth"]
-    att = doc["attention"]
-    assert set(att) == {"cudnn", "torch", "own"} and set(att["own"]) == {"wmma", "fma"}
-    assert set(att["own"]["wmma"]) == {"hd64", "hd128"}
-    for table in (att["cudnn"], att["torch"], att["own"]["fma"]["hd64"]):
-        assert set(table) == {"source", "forward", "backward"} and str(raw_file) in table["source"]
-    assert att["cudnn"]["forward"] == pytest.approx(520e12) and att["cudnn"]["backward"] == pytest.approx(410e12)
-    assert att["own"]["wmma"]["hd128"]["backward"] == pytest.approx(150e12)
     assert "NVIDIA H200" in out.read_text().splitlines()[0] and "driver 13000" in out.read_text()
 
 
@@ -131,7 +130,7 @@ def test_the_fit_sees_a_wrong_overhead(calibrate):
     """The residuals are the model's against the measurement: times made with another overhead show."""
     base = load_machine("h100-sxm")
     raw = _raw(calibrate, base)
-    machine, _, _, residuals = calibrate.build_profile(raw, base, "x", "test")
+    machine, _, residuals = calibrate.build_profile(raw, base, "x", "test")
     worse = calibrate.gemm_residuals(replace(machine, gemm_k_overhead=1024.0), raw["gemm"])
     assert max(abs(r[-1]) for r in residuals) < 0.01 < min(abs(r[-1]) for r in worse)
     assert math.isclose(residuals[0][5], 2.0 * 16384 * 3072 * 4096 / raw["gemm"][0][4])
@@ -163,11 +162,11 @@ def test_bad_timings_file_is_one_line(tmp_path):
 
 
 def test_a_run_where_no_attention_backend_ran_says_so(calibrate):
-    """Every backend an error row: the profile keeps the base's attention efficiency and its source says why."""
+    """Every backend an error row: the profile keeps the base's attention rates and its source says why."""
     base = load_machine("h100-sxm")
     raw = _raw(calibrate, base)
     for row in raw["attention"]:
         row.update(fwd_s=None, bwd_s=None, error="BackendUnavailable: not here")
-    machine, sources, tables, _ = calibrate.build_profile(raw, base, "x", "test")
-    assert machine.attention_efficiency == base.attention_efficiency and tables == {}
-    assert sources["attention_efficiency"] == "not measured (no attention backend ran): from the h100-sxm profile"
+    machine, sources, _ = calibrate.build_profile(raw, base, "x", "test")
+    assert machine.attention_rates == base.attention_rates
+    assert sources["attention_rates"] == "not measured (no attention backend ran): from the h100-sxm profile"

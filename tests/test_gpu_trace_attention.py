@@ -44,12 +44,8 @@ if mutant == "no-share":  # each backward launch priced as the whole backward
         return fields
     gt.attention_kernel = attention_kernel
 
-# a stand-in attention seam: use/current, and a library backend that allocates and copies on its own
-seam = types.ModuleType("boostmpi.gpu.attention")
-seam.backend = None
-seam.use = lambda backend: setattr(seam, "backend", backend)
-seam.current = lambda: seam.backend
-sys.modules["boostmpi.gpu.attention"] = seam
+# the attention seam (use/current), and below a library backend that allocates and copies on its own
+from boostmpi.gpu import attention as seam
 
 
 class Library:
