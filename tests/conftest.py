@@ -64,3 +64,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _attention_backend_reset():
+    """A GPU step chooses its attention backend for the whole process (`boostmpi.gpu.attention.use`);
+    after each test the next one starts from the own kernels again, whatever the test chose."""
+    yield
+    seam = sys.modules.get("boostmpi.gpu.attention")
+    if seam is not None and hasattr(seam, "OwnAttention") and getattr(seam.current(), "name", "own") != "own":
+        seam.use(seam.OwnAttention())

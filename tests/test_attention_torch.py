@@ -320,3 +320,22 @@ def test_the_gpu_check_script_passes_its_own_checks_here(rec, monkeypatch):
     row = check.check_shape((2, 32, 4, 2, 64), repeats=1)
     assert row["failures"] == [] and row["error"] < check.TOLERANCE and row["deterministic"]
     assert row["zero_copy"].startswith("in yes") and row["det_fwd"] == 1.0
+
+
+@pytest.mark.parametrize("arch, recompute", [("cola", "none"), ("svd", "lowrank"), ("full", "selective")])
+def test_gpu_step_with_torch_attention_equals_the_cpu_path(rec, monkeypatch, arch, recompute):
+    """A whole bf16 training step with train.attention = torch (chosen at start-up like any backend)
+    equals the CPU path within test_gpu's tolerances; lowrank's recompute runs SDPA's forward again."""
+    import cupy
+    from gpu_steps import step
+    from test_gpu import assert_step_close, cpu_step
+
+    from boostmpi.gpu import attention
+
+    if GPU.standin:  # the CPU wheel names no CUDA: it is taken as built for the stand-in's CUDA
+        version = cupy.cuda.runtime.runtimeGetVersion()
+        monkeypatch.setattr(torch.version, "cuda", f"{version // 1000}.{version % 1000 // 10}")
+    got = step(arch, "gpu", "bfloat16", train=dict(recompute=recompute, attention="torch"))
+    assert attention.current().name == "torch" and rec.sdpa and rec.grads
+    assert all(not call["math"] for call in rec.sdpa)
+    assert_step_close(got, cpu_step(arch), "bfloat16", f"{arch} recompute={recompute} train.attention=torch")
