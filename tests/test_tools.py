@@ -420,6 +420,18 @@ def test_generation_stops_at_end_of_text():
     assert generate_ids(Scripted(), [1, 2], 10, np.argmax, stop_id=0) == [5, 6, 0]
 
 
+def test_a_temperature_near_zero_samples_the_greedy_token(trained, capsys):
+    """1e-320 made logits / temperature overflow to inf and the probabilities NaN (a ValueError traceback)."""
+    rng = np.random.default_rng(0)
+    logits = np.array([0.5, 3.0, -1.0, 2.9])
+    assert [sample_token(logits, rng, temperature=t) for t in (1e-320, 5e-324, 1e-300)] == [1, 1, 1]
+    run_dir = trained[0]
+    outputs = [run_cli(capsys, "generate", run_dir, "--prompt", "the quick", "--max-new-tokens", 12,
+                       "--temperature", t) for t in (0, 1e-320)]
+    assert outputs[0][0] == outputs[1][0] == 0, outputs
+    assert outputs[0][1] == outputs[1][1]
+
+
 def test_generate_bad_input(trained, tmp_path, capsys):
     run_dir, _, _ = trained
     assert_bad_input(capsys, ["'é'", "position 3", "128"], "generate", run_dir, "--prompt", "cafés")

@@ -203,6 +203,7 @@ class Trainer:
 
     def _checkpoint_to_resume(self, resume):
         """The verified checkpoint to continue from, or None for a fresh run (rank 0 only)."""
+        metrics.cut_off_row(self.run_dir)  # damaged metrics are refused before anything is changed
         path = resume or ckpt.find_latest(self.run_dir)
         if path is None:
             if metrics.has_rows(self.run_dir):
@@ -487,6 +488,10 @@ class Trainer:
         try:
             for path in ckpt.remove_stale_temporaries(self.run_dir):
                 self.log(f"removed {path}, left by a writer that stopped before finishing it")
+            cut = metrics.drop_cut_off_row(self.run_dir)
+            if cut is not None:
+                self.log(f"dropped the last row of {metrics.path(self.run_dir)}: it was cut off ({cut[:60]!r}...), "
+                         f"a crash while it was written; its step is trained again")
             dropped = self._trim_metrics()
             self._abandon_other_timelines(dropped)
             with atomic_file(os.path.join(self.run_dir, "config.toml")) as f:
