@@ -19,7 +19,7 @@ from boostmpi.files import (FilesystemError, RunLock, atomic_file, check_dir_cre
                             is_out_of_space, make_dirs)
 from boostmpi.parallel.engine import Engine
 from boostmpi.parallel.startup import process_grid
-from boostmpi.preemption import STOPPED_EARLY_EXIT, STOPPED_MARKER  # noqa: F401 - where job scripts look for them
+from boostmpi.preemption import FINAL_RECORD, STOPPED_EARLY_EXIT, STOPPED_MARKER  # noqa: F401 - job scripts read them
 from boostmpi.train import metrics
 from boostmpi.train.optim import AdamW, clip_coefficient, learning_rate
 
@@ -130,9 +130,10 @@ class Trainer:
         lock = RunLock(self.run_dir).acquire()
         if lock.stale:
             self.log(f"the lock of {self.run_dir} was stale ({lock.stale}: that run is gone); this run takes it over")
-        # a stop marker left by an earlier run says nothing about this one (written again if this one stops)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(self.run_dir, STOPPED_MARKER))
+        # the markers of an earlier run say nothing about this one (written again if this one stops or ends)
+        for name in (STOPPED_MARKER, FINAL_RECORD):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.run_dir, name))
         return lock
 
     def close(self):
@@ -421,13 +422,28 @@ class Trainer:
                     self.poll_async_save(wait=self.step == tr.steps)
                 if stop:
                     return self._stop_at_boundary(last_val)
+            self._stop_if_a_write_failed()
+            self._root_decides(self._write_final_record)
         finally:
             if log:
                 log.close()
             ckpt.wait_for_pruning()
             self.close()
-        self._stop_if_a_write_failed()
         return {"step": self.step, "preempted": False, "val_loss": last_val, "loss": loss if steps_done else None}
+
+    def _write_final_record(self):
+        """Rank 0, once the last step is trained and its checkpoint published: the run's own record that it
+        is finished (FINAL_RECORD), from which alone the job scripts write DONE."""
+        import json
+
+        record = {"step": self.step, "steps": self.cfg.train.steps, "checkpoint": ckpt.find_latest(self.run_dir),
+                  "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        try:
+            with atomic_file(os.path.join(self.run_dir, FINAL_RECORD)) as f:
+                json.dump(record, f)
+                f.write("\n")
+        except OSError as exc:
+            raise fs_error(exc, "cannot write the run's final record", os.path.join(self.run_dir, FINAL_RECORD)) from exc
 
     def _stop_at_boundary(self, last_val):
         """A stop signal reached some rank: checkpoint the step reached (unless it was just saved), say so,
