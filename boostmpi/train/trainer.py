@@ -14,7 +14,7 @@ from boostmpi import checkpoint as ckpt
 from boostmpi.data.progress import format_duration
 from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
 from boostmpi import preemption
-from boostmpi.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, UserError, verdict_of
+from boostmpi.errors import CheckpointError, DataError, TrainingDiverged, UserError, verdict_of
 from boostmpi.files import (FilesystemError, RunLock, atomic_file, check_dir_creatable, format_bytes, fs_error,
                             is_out_of_space, make_dirs)
 from boostmpi.parallel.engine import Engine
@@ -22,6 +22,7 @@ from boostmpi.parallel.startup import process_grid
 from boostmpi.preemption import FINAL_RECORD, STOPPED_EARLY_EXIT, STOPPED_MARKER  # noqa: F401 - job scripts read them
 from boostmpi.train import metrics
 from boostmpi.train.optim import AdamW, clip_coefficient, learning_rate
+from boostmpi.train.resume import check_resume
 
 
 def resolve_data(cfg):
@@ -130,10 +131,9 @@ class Trainer:
         lock = RunLock(self.run_dir).acquire()
         if lock.stale:
             self.log(f"the lock of {self.run_dir} was stale ({lock.stale}: that run is gone); this run takes it over")
-        # the markers of an earlier run say nothing about this one (written again if this one stops or ends)
-        for name in (STOPPED_MARKER, FINAL_RECORD):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(self.run_dir, name))
+        # a stop marker left by an earlier run says nothing about this one (written again if this one stops)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(self.run_dir, STOPPED_MARKER))
         return lock
 
     def close(self):
@@ -228,7 +228,8 @@ class Trainer:
             err = CheckpointError(f"cannot resume from {path}: {mismatch}")
             err.all_ranks = True
             raise err
-        self._check_global_batch(path, saved_cfg)
+        for line in check_resume(self.cfg, saved_cfg, step, path):  # or refused, before anything is changed
+            self.log(line)
         try:
             self.loader.load_state_dict(ckpt.read_state(path)["data"])
         except DataError as exc:  # every rank reads the same state: each raises, rank 0 prints
@@ -247,38 +248,6 @@ class Trainer:
         self.step = step
         self.resumed_from = path
         self.log(f"resumed from {path} (step {step})")
-
-    def _check_global_batch(self, path, saved_cfg):
-        """A different dp would silently change the global batch (micro_batch_size x grad_accum x dp):
-        refused unless train.global_batch_size is set, which says what the batch is to be."""
-        cfg = self.cfg
-        saved_train, saved_dp = saved_cfg.get("train", {}), saved_cfg.get("parallel", {}).get("dp")
-        before, now = saved_train.get("global_batch_size"), cfg.train.global_batch_size
-        if before is None or saved_dp is None or saved_dp == cfg.parallel.dp or before == now:
-            return
-        if cfg._explicit is None or "global_batch_size" in cfg._explicit.get("train", {}):
-            self.log(f"the global batch changes from {before} to {now} sequences at step {self.step} "
-                     f"(train.global_batch_size; dp {saved_dp} -> {cfg.parallel.dp})")
-            return
-        err = ConfigError(f"resuming {path} with parallel.dp = {cfg.parallel.dp} instead of {saved_dp} would change the "
-                          f"global batch from {before} to {now} sequences (micro_batch_size x grad_accum x dp); "
-                          f"{self._keep_batch_hint(before)}, or set train.global_batch_size={now} to change it")
-        err.all_ranks = True
-        raise err
-
-    def _keep_batch_hint(self, before):
-        """How to keep a global batch of `before` sequences on this run's dp: grad_accum follows the global
-        batch, but micro_batch_size x dp must divide it."""
-        dp, micro = self.cfg.parallel.dp, self.cfg.train.micro_batch_size
-        keep = f"set train.global_batch_size={before} to keep it (grad_accum follows)"
-        if before % (micro * dp) == 0:
-            return keep
-        fitting = [m for m in range(micro, 0, -1) if before % (m * dp) == 0]
-        if not fitting:
-            return (f"a global batch of {before} sequences cannot be split over dp = {dp} ranks (it is not a multiple "
-                    f"of {dp}); resume on a dp that divides it")
-        return (f"{keep}, and train.micro_batch_size={fitting[0]}: micro_batch_size x dp = {micro} x {dp} does not "
-                f"divide {before}")
 
     # ------------------------------------------------------------------ checkpoint
     def save_checkpoint(self):
@@ -502,6 +471,8 @@ class Trainer:
         move another timeline's checkpoints aside, record the configuration, trim the metrics."""
         make_dirs(self.run_dir, "train.run_dir")
         try:
+            with contextlib.suppress(FileNotFoundError):  # written again when this run reaches train.steps
+                os.remove(os.path.join(self.run_dir, FINAL_RECORD))
             for path in ckpt.remove_stale_temporaries(self.run_dir):
                 self.log(f"removed {path}, left by a writer that stopped before finishing it")
             cut = metrics.drop_cut_off_row(self.run_dir)
