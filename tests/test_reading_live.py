@@ -3,6 +3,7 @@ values or stops with one line, never NaN. The race is made deterministic by the 
 (BOOSTMPI_TEST_READER_PAUSE): the reader stops at a named stage while the test prunes or deletes the
 folder, then goes on. Also the pins' staleness rules."""
 
+import contextlib
 import io
 import json
 import os
@@ -16,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from boostmpi.checkpoint import pins
+from boostmpi.checkpoint import held, pins
 from boostmpi.checkpoint.runs import prune
+from boostmpi.cli import main
 from boostmpi.config import config_from_dict
 from boostmpi.data.shards import write_shard
 from boostmpi.errors import CheckpointError
@@ -39,18 +41,14 @@ def run(tmp_path_factory):
         "data": {"train": str(shard), "val": str(shard)}, "checkpoint": {"every": 2}})
     Trainer(cfg, out=io.StringIO()).train()
     step2 = root / "run" / "checkpoints" / "step_00000002"
-    reference = _boostmpi("eval", step2, "--data", shard)
-    assert reference.returncode == 0, reference.stderr
-    return root / "run", shard, json.loads(reference.stdout)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["eval", str(step2), "--data", str(shard)]) == 0
+    return root / "run", shard, json.loads(out.getvalue())
 
 
 def _env(**extra):
     return dict(os.environ, PYTHONPATH=str(REPO), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", **extra)
-
-
-def _boostmpi(*argv, **env):
-    return subprocess.run([sys.executable, "-m", "boostmpi", *map(str, argv)], env=_env(**env), cwd=REPO,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
 
 
 def _paused(tmp_path, stage, action, *argv):
@@ -110,6 +108,23 @@ def test_a_checkpoint_deleted_before_its_files_are_opened_is_one_line(run, tmp_p
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "step_00000002" in lines[0], err
     assert not out_file.exists()
+
+
+def test_a_run_directory_whose_newest_checkpoint_was_pruned_before_the_pin_is_resolved_again(run, tmp_path,
+                                                                                           monkeypatch):
+    """Between `resolve` naming the newest checkpoint and the reader pinning it, a save published a newer
+    one and pruned it: the reader takes the newest again. A step folder named by itself is one line."""
+    run_dir, _, _ = run
+    mine, step2 = _copy_run(run_dir, tmp_path / "run")
+    step4 = mine / "checkpoints" / "step_00000004"
+    answers = [str(step2)]  # what resolve saw a moment before step_00000002 was pruned
+    real = held.resolve
+    monkeypatch.setattr(held, "resolve", lambda path: answers.pop() if answers else real(path))
+    prune([str(step2)], False)
+    with held.hold(mine) as reader:
+        assert reader.dir == str(step4) and reader.step == 4
+    with pytest.raises(CheckpointError, match="does not exist"):
+        held.hold(step2)
 
 
 def _pin_file(folder, host, pid, age_s):
