@@ -123,8 +123,9 @@ class Pin:
                 time.sleep(0.02)
             if not os.path.isdir(self.folder):
                 raise self._gone()
-            with contextlib.suppress(OSError):
-                os.remove(claim)  # if still there: left by a pruner that died before renaming the folder
+            if os.path.exists(claim) and not _live(claim, CLAIM_S):
+                with contextlib.suppress(OSError):
+                    os.remove(claim)  # left by a pruner that died before renaming the folder
         self._stop = renew_lease(self.path, "boostmpi-reader-pin")
         return self
 
