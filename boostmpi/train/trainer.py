@@ -427,6 +427,8 @@ class Trainer:
         if self.is_root:
             with atomic_file(os.path.join(self.run_dir, STOPPED_MARKER)) as f:
                 f.write(f"stopped on {self.preemption.name()} at step {self.step}\n")
+        if self.step >= steps:  # stopped at the last step: the run is finished all the same
+            self._root_decides(self._write_final_record)
         # no rank leaves before rank 0 has published the checkpoint and the marker: a launcher
         # that ends the others at the first non-zero exit (srun --kill-on-bad-exit) would cut them
         self.engine.grid.host.barrier()
