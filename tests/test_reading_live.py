@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A tiny run with checkpoints at steps 2 and 4: (run dir, shard, the eval JSON of step 2 untouched)."""
+    """A tiny run with checkpoints at steps 2 and 4: (run dir, shard, the eval JSON of step 2 untouched, its config)."""
     root = tmp_path_factory.mktemp("live")
     shard = root / "text.bin"
     write_shard(shard, np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 60, dtype=np.uint8))
@@ -44,7 +44,7 @@ def run(tmp_path_factory):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["eval", str(step2), "--data", str(shard)]) == 0
-    return root / "run", shard, json.loads(out.getvalue())
+    return root / "run", shard, json.loads(out.getvalue()), cfg
 
 
 def _env(**extra):
@@ -76,7 +76,7 @@ def _copy_run(run_dir, dest):
 
 
 def test_pruning_keeps_a_checkpoint_a_reader_holds_and_the_reader_gets_its_values(run, tmp_path):
-    run_dir, shard, reference = run
+    run_dir, shard, reference, _ = run
     _, folder = _copy_run(run_dir, tmp_path / "run")
     said = []
     status, out, err = _paused(tmp_path, "verified", lambda: prune([str(folder)], False, said.append),
@@ -91,7 +91,7 @@ def test_pruning_keeps_a_checkpoint_a_reader_holds_and_the_reader_gets_its_value
 
 def test_a_checkpoint_deleted_while_read_is_read_whole_from_its_open_files(run, tmp_path):
     """A folder removed by hand (no pin respected) after the reader opened its files."""
-    run_dir, shard, reference = run
+    run_dir, shard, reference, _ = run
     _, folder = _copy_run(run_dir, tmp_path / "run")
     status, out, err = _paused(tmp_path, "verified", lambda: shutil.rmtree(folder), "eval", folder, "--data", shard)
     assert status == 0, err
@@ -99,7 +99,7 @@ def test_a_checkpoint_deleted_while_read_is_read_whole_from_its_open_files(run, 
 
 
 def test_a_checkpoint_deleted_before_its_files_are_opened_is_one_line(run, tmp_path):
-    run_dir, _, _ = run
+    run_dir = run[0]
     _, folder = _copy_run(run_dir, tmp_path / "run")
     out_file = tmp_path / "model.safetensors"
     status, out, err = _paused(tmp_path, "pinned", lambda: shutil.rmtree(folder),
@@ -114,7 +114,7 @@ def test_a_run_directory_whose_newest_checkpoint_was_pruned_before_the_pin_is_re
                                                                                            monkeypatch):
     """Between `resolve` naming the newest checkpoint and the reader pinning it, a save published a newer
     one and pruned it: the reader takes the newest again. A step folder named by itself is one line."""
-    run_dir, _, _ = run
+    run_dir = run[0]
     mine, step2 = _copy_run(run_dir, tmp_path / "run")
     step4 = mine / "checkpoints" / "step_00000004"
     answers = [str(step2)]  # what resolve saw a moment before step_00000002 was pruned
@@ -125,6 +125,25 @@ def test_a_run_directory_whose_newest_checkpoint_was_pruned_before_the_pin_is_re
         assert reader.dir == str(step4) and reader.step == 4
     with pytest.raises(CheckpointError, match="does not exist"):
         held.hold(step2)
+
+
+def test_a_run_resuming_from_another_runs_checkpoint_holds_it_while_its_ranks_read_it(run, tmp_path, monkeypatch):
+    from boostmpi.train import trainer
+
+    run_dir = run[0]
+    _, step2 = _copy_run(run_dir, tmp_path / "other")
+    said, real_load = [], trainer.ckpt.load
+
+    def load_while_the_other_run_prunes(path, *args, **kwargs):
+        prune([path], False, said.append)  # the other run's save, at this moment
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.ckpt, "load", load_while_the_other_run_prunes)
+    cfg = run[3].replace(**{"train.run_dir": str(tmp_path / "mine"), "train.steps": 3})
+    result = Trainer(cfg, resume=str(step2), out=io.StringIO()).train()
+    assert result["step"] == 3 and np.isfinite(result["loss"])
+    assert step2.is_dir() and "a reader holds it" in said[0], said
+    assert not pins.live_pins(step2)
 
 
 def _pin_file(folder, host, pid, age_s):

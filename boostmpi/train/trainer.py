@@ -110,7 +110,7 @@ class Trainer:
         self.loader, (self.val_x, self.val_y) = self._root_decides(lambda: open_data(V), lambda: open_data(None))
         self.preemption = preemption.watch()  # keeps a stop signal that arrived during start-up
         self.config_path = config_path
-        self._lock, self._made_run_dir = None, False
+        self._lock, self._made_run_dir, self._resume_pin = None, False, None
         self._lock = self._root_decides(self._lock_run_dir)  # from here until close(): one run per run directory
         try:
             path = self._check_resume(resume)
@@ -120,6 +120,8 @@ class Trainer:
             self.peak_flops = device_peak_flops(e.xp, tr.dtype)  # all ranks' GPUs: the MFU's denominator
             if path is not None:
                 self._resume(path)
+                self.grid.host.barrier()  # every rank has read it: another run may prune it again
+                self._release_resume_pin()
         except BaseException:
             self.close()
             raise
@@ -139,6 +141,7 @@ class Trainer:
     def close(self):
         """Release the run directory (also done when `train` returns or raises)."""
         preemption.release()  # this run's stop signal (if any) is acted on; a later run starts afresh
+        self._release_resume_pin()
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -211,7 +214,16 @@ class Trainer:
                 raise UserError(f"{self.run_dir} already holds a run (metrics.jsonl) but no complete checkpoint to resume "
                                 f"(its first checkpoint was never written); choose another train.run_dir or remove it")
             return None
-        return ckpt.resolve(path)
+        path = ckpt.resolve(path)
+        if os.path.realpath(os.path.dirname(path)) != os.path.realpath(ckpt.checkpoints_dir(self.run_dir)):
+            # another run's checkpoint, which that run may prune while the ranks read it: pinned until they have
+            self._resume_pin = ckpt.Pin(path).acquire()
+        return path
+
+    def _release_resume_pin(self):
+        if self._resume_pin is not None:
+            self._resume_pin.release()
+            self._resume_pin = None
 
     def _check_resume(self, resume):
         """The checkpoint to continue from (`resume`, a path, or the run's latest complete one), verified
