@@ -265,7 +265,7 @@ def _describe_holder(text):
         return "a holder that left no record" if not text else f"a holder recorded as {text[:80]!r}"
 
 
-def _pid_alive(pid):
+def pid_alive(pid):
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
@@ -273,6 +273,22 @@ def _pid_alive(pid):
     except (PermissionError, ValueError, TypeError, OverflowError):
         return True  # someone else's live process, or a record we cannot read: assume alive
     return True
+
+
+def renew_lease(path, thread_name):
+    """Touch `path` every LEASE_S / 4 seconds from a daemon thread, so that other hosts see its holder
+    alive; returns the Event that stops it."""
+    import threading
+
+    stop = threading.Event()
+
+    def renew():
+        while not stop.wait(LEASE_S / 4):
+            with contextlib.suppress(OSError):
+                os.utime(path)
+
+    threading.Thread(target=renew, name=thread_name, daemon=True).start()
+    return stop
 
 
 class RunLock:
@@ -342,7 +358,6 @@ class RunLock:
 
     def _acquire_lease(self):
         import json
-        import threading
         import time
 
         text = _holder_text(self.path)
@@ -350,7 +365,7 @@ class RunLock:
             try:
                 holder = json.loads(text)
                 same_host = holder.get("host") == self.host
-                alive = _pid_alive(holder.get("pid")) if same_host else \
+                alive = pid_alive(holder.get("pid")) if same_host else \
                     time.time() - os.stat(self.path).st_mtime < LEASE_S
             except (ValueError, AttributeError, OSError):
                 alive = False
@@ -358,15 +373,7 @@ class RunLock:
                 self._refuse(text)
             self.stale = _describe_holder(text)
         write_file_atomically(self.path, self.record + "\n")
-        stop = threading.Event()
-
-        def renew():
-            while not stop.wait(LEASE_S / 4):
-                with contextlib.suppress(OSError):
-                    os.utime(self.path)
-
-        threading.Thread(target=renew, name="boostmpi-run-lease", daemon=True).start()
-        self._lease = stop
+        self._lease = renew_lease(self.path, "boostmpi-run-lease")
 
     def release(self):
         """Remove the record and drop the lock (the record is removed while the lock is still held)."""

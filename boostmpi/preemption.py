@@ -31,6 +31,9 @@ STOPPED_EARLY_EXIT = 75
 # written into train.run_dir once that checkpoint is complete: how a job script knows the run stopped on a
 # signal whatever status its launcher returns (srun may report 128 + the signal instead of 75)
 STOPPED_MARKER = "STOPPED_ON_SIGNAL"
+# written into train.run_dir by rank 0 once the last step (train.steps) is trained and checkpointed: the
+# run's own record that it is finished, from which alone a job script writes DONE
+FINAL_RECORD = "final.json"
 INTERRUPTED_TWICE_EXIT = 130
 
 

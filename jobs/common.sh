@@ -22,8 +22,9 @@
 # One attempt: exit at once if RUN_DIR/DONE exists; otherwise train (resuming from the latest
 # complete checkpoint, which `boostmpi train` does by itself). SIGTERM, SIGUSR1 or SIGINT to this
 # shell is forwarded to the launcher as STOP_SIGNAL: the ranks checkpoint at the next step boundary
-# and exit. Afterwards the run is finished when its newest complete checkpoint is at train.steps:
-# then DONE is written. It stopped on a signal when the trainer left its marker file
+# and exit. Afterwards the run is finished only when this attempt's trainer wrote the run's final record
+# (RUN_DIR/final.json, after the last step and its checkpoint; removed before the launch, so an earlier
+# attempt's never counts): then DONE is written. It stopped on a signal when the trainer left its marker file
 # (RUN_DIR/STOPPED_ON_SIGNAL, written once that checkpoint is complete), whatever status the
 # launcher returned (srun --kill-on-bad-exit may give 128 + the signal): if it made progress,
 # RESUBMIT queues the next attempt. Anything else (a failure, an attempt without progress) ends the chain.
@@ -171,25 +172,34 @@ boostmpi_quote() {
   printf '%s\n' "${line% }"
 }
 
-# boostmpi_progress: prints "<step of the newest complete checkpoint, 0 if none> <train.steps, 0 if never
-# started> <the trainer's stopped-on-a-signal marker file>".
+# boostmpi_progress: prints "<step of the newest complete checkpoint, 0 if none> <train.steps of the last
+# attempt's config.toml, 0 if none (for messages only)> <the trainer's stopped-on-a-signal marker file>
+# <the step of the run's final record when it says the run is finished, else -> <the final record file>".
 boostmpi_progress() {
   "$PY" - "$RUN_DIR" <<'EOF'
+import json
 import os
 import sys
 import tomllib
 
 from boostmpi.checkpoint import find_latest, read_state
-from boostmpi.preemption import STOPPED_MARKER
+from boostmpi.preemption import FINAL_RECORD, STOPPED_MARKER
 
 run_dir = sys.argv[1]
 latest = find_latest(run_dir)
-try:  # the resolved configuration of the last attempt, written by the trainer
+try:  # the resolved configuration of the last attempt: named in messages, never what decides DONE
     with open(os.path.join(run_dir, "config.toml"), "rb") as f:
-        steps = tomllib.load(f)["train"]["steps"]
-except OSError:
+        steps = int(tomllib.load(f)["train"]["steps"])
+except (OSError, ValueError, KeyError, TypeError):
     steps = 0
-print(read_state(latest)["step"] if latest else 0, steps, os.path.join(run_dir, STOPPED_MARKER))
+final = os.path.join(run_dir, FINAL_RECORD)
+try:  # written by the trainer after the last step: the only sign that the run is finished
+    with open(final) as f:
+        record = json.load(f)
+    finished = int(record["step"]) if int(record["step"]) >= int(record["steps"]) > 0 else "-"
+except (OSError, ValueError, KeyError, TypeError):
+    finished = "-"
+print(read_state(latest)["step"] if latest else 0, steps, os.path.join(run_dir, STOPPED_MARKER), finished, final)
 EOF
 }
 
@@ -211,9 +221,10 @@ boostmpi_job() {
     echo "job: $RUN_DIR/DONE exists: this run is finished, nothing to do (remove DONE or raise train.steps to go on)"
     return 0
   fi
-  local before after steps status marker
-  read -r before steps marker < <(boostmpi_progress) || { echo "error: cannot read the progress of $RUN_DIR with $PY" >&2; return 1; }
-  rm -f "$marker"   # a marker left by an earlier attempt says nothing about this one
+  local before after steps status marker finished final
+  read -r before steps marker finished final < <(boostmpi_progress) ||
+    { echo "error: cannot read the progress of $RUN_DIR with $PY" >&2; return 1; }
+  rm -f "$marker" "$final"   # what an earlier attempt left says nothing about this one
   echo "job: $(date '+%F %T') starting at checkpoint step $before: $(boostmpi_quote "${LAUNCH[@]}" "${TRAIN[@]}")"
   echo "job: environment: $(boostmpi_env_summary)"
 
@@ -238,11 +249,12 @@ boostmpi_job() {
   trap - TERM USR1 INT
   [ -n "$timer" ] && kill "$timer" 2>/dev/null
 
-  read -r after steps marker < <(boostmpi_progress) || { echo "error: cannot read the progress of $RUN_DIR" >&2; return 1; }
-  if [ "$steps" -gt 0 ] && [ "$after" -ge "$steps" ]; then
-    printf 'finished step %s of %s on %s (job %s)\n' "$after" "$steps" "$(date '+%F %T')" \
+  read -r after steps marker finished final < <(boostmpi_progress) ||
+    { echo "error: cannot read the progress of $RUN_DIR" >&2; return 1; }
+  if [ "$finished" != - ]; then   # this attempt's trainer recorded the last step as done (never an older record)
+    printf 'finished step %s of %s on %s (job %s)\n' "$finished" "$finished" "$(date '+%F %T')" \
       "${SLURM_JOB_ID:-${PBS_JOBID:-local}}" > "$RUN_DIR/DONE"
-    echo "job: finished all $steps steps; wrote $RUN_DIR/DONE"
+    echo "job: finished all $finished steps (the run's final record $final); wrote $RUN_DIR/DONE"
     return 0
   fi
   if [ ! -f "$marker" ]; then

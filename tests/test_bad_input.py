@@ -171,6 +171,36 @@ def test_resuming_with_another_dp_that_would_change_the_global_batch_is_refused(
     assert read_metrics(run_dir)[-1]["step"] == 4
 
 
+def test_a_resume_over_a_cut_off_last_metrics_row_drops_it_and_says_so(shards, tmp_path, capfd):
+    """A crash while step 3's row was written left half of it; every retry failed with a JSONDecodeError."""
+    run_dir = tmp_path / "run"
+    assert run_train(run_dir, *shards, "train.steps=2") == 0
+    metrics_file = run_dir / "metrics.jsonl"
+    whole = metrics_file.read_text()
+    metrics_file.write_text(whole + '{"step": 3, "loss": 5.4')
+    capfd.readouterr()
+    assert run_train(run_dir, *shards, "train.steps=3") == 0
+    out = capfd.readouterr().out
+    assert f"dropped the last row of {metrics_file}: it was cut off" in out, out
+    assert [row["step"] for row in read_metrics(run_dir)] == [1, 2, 3]
+    # a damaged row that is not the last one is not guessed at: one line naming it
+    lines = metrics_file.read_text().splitlines(keepends=True)
+    metrics_file.write_text(lines[0] + "{not json\n" + "".join(lines[1:]))
+    assert_refused(capfd, train_argv(run_dir, *shards, "train.steps=4"), run_dir, f"{metrics_file} line 2")
+
+
+def test_a_gpu_run_without_cupy_is_one_line(shards, tmp_path, capfd, monkeypatch):
+    """The memory check at start-up imported CuPy itself: a traceback where the device is checked."""
+    from boostmpi import backend
+
+    monkeypatch.setattr(backend, "_cupy", None)
+    monkeypatch.setattr(backend, "_cupy_import_error", ImportError("No module named 'cupy'"))
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` fails, as where it is not installed
+    assert_refused(capfd, train_argv(tmp_path / "run", *shards, "train.device=gpu"), tmp_path,
+                   'train.device = "gpu" but CuPy is not importable', 'device = "cpu"')
+    assert not (tmp_path / "run").exists()
+
+
 def test_resuming_on_other_shards_says_to_start_a_new_run(shards, tmp_path, capfd):
     run_dir = tmp_path / "run"
     assert run_train(run_dir, *shards, "train.steps=2") == 0

@@ -3,6 +3,7 @@ renders (BOOSTMPI_DRY_RUN=1 with a fake job environment), the in-a-job guard, an
 body (jobs/common.sh) run for real on this machine: DONE, stop-and-resubmit, failure.
 The same body under a real Slurm is tests/slurm/run_slurm_test.sh."""
 
+import json
 import os
 import shlex
 import shutil
@@ -393,6 +394,48 @@ def test_body_deciding_from_exit_status_75_would_end_the_chain(tmp_path):
     mutant.write_text(text.replace(old, '  if [ "$status" -ne 0 ] && [ "$status" -ne 75 ]; then'))
     p = _body(tmp_path, steps=5000, launch=KILLED_LAUNCHER, common=mutant, STOP_AFTER_S="4")
     assert p.returncode != 0 and not (tmp_path / "resubmitted").exists(), p.stdout
+
+
+# ---- jobs/local.sh for real: DONE only from the run's own final record
+
+def _local(tmp_path, config, run_dir):
+    """`jobs/local.sh` on one rank with `config`, through a venv that is this interpreter (a wrapper, with
+    the install stamp setup_venv looks for, so nothing is installed)."""
+    venv = tmp_path / "venv"
+    if not venv.exists():
+        (venv / "bin").mkdir(parents=True)
+        wrapper = venv / "bin" / "python"
+        wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={shlex.quote(str(REPO))} exec {shlex.quote(PY)} "$@"\n')
+        wrapper.chmod(0o755)
+        stamp = _bash(["-c", f'source jobs/setup_env.sh && PY={shlex.quote(PY)} && '
+                             f'_boostmpi_hash "$(cat pyproject.toml)|plot,mpich"']).stdout.strip()
+        (venv / f".boostmpi-installed-{stamp}").touch()
+    return _bash(["jobs/local.sh"], {"BOOSTMPI_VENV": str(venv), "BOOSTMPI_MPIEXEC": MPIEXEC, "NPROC": "1",
+                                     "CONFIG": str(config), "RUN_DIR": str(run_dir), "TIMEOUT_S": "120",
+                                     "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}, timeout=180)
+
+
+def test_local_writes_done_only_from_the_runs_own_final_record(tmp_path):
+    """A failed attempt over a run directory that holds a finished run (DONE removed to go on) used to
+    write DONE from the previous attempt's config.toml: with an unknown key, and with another model size."""
+    from train_helpers import run_train, write_text_shards
+
+    train, val = write_text_shards(tmp_path / "data", max_bytes=60_000)
+    base = (REPO / "configs" / "tiny.toml").read_text() + f'\n[data]\ntrain = "{train}"\nval = "{val}"\n'
+    run_dir = tmp_path / "run"
+    assert run_train(run_dir, train, val, "train.steps=2") == 0  # finished: its checkpoint is at train.steps
+    assert json.loads((run_dir / "final.json").read_text())["step"] == 2
+    (run_dir / "DONE").touch()
+    for name, text, refusal in (("unknown key", base.replace("steps = 4", "steps = 3\nstepz = 4"), "train.stepz"),
+                                ("another model size", base.replace("d_model = 32", "d_model = 64"), "model.d_model")):
+        (run_dir / "DONE").unlink()
+        config = tmp_path / "bad.toml"
+        config.write_text(text)
+        p = _local(tmp_path, config, run_dir)
+        assert p.returncode == 2, (name, p.stdout)
+        assert refusal in p.stdout and "the chain stops here" in p.stdout, (name, p.stdout)
+        assert not (run_dir / "DONE").exists() and not (run_dir / "final.json").exists(), name
+        (run_dir / "DONE").touch()
 
 
 # ---- jobs/gpu_numa.py: the Perlmutter rank -> GPU order from the node's NUMA layout

@@ -5,6 +5,7 @@ run had never stopped. Each check is also run against a mutant of the trainer's 
 catch. (tests/test_faults.py holds the same under mpiexec, with the signal on one rank only.)"""
 
 import inspect
+import json
 import os
 import signal
 import textwrap
@@ -116,3 +117,13 @@ def test_a_signal_during_start_up_runs_one_step_first(shards, tmp_path, capfd):
         result = trainer.Trainer(cfg).train()
     assert result["preempted"] and result["step"] == 1
     assert checkpoint.find_latest(str(run_dir)) == str(run_dir / "checkpoints" / "step_00000001")
+
+
+def test_a_signal_in_the_last_step_still_leaves_the_final_record(shards, tmp_path, monkeypatch):
+    """The run stops on the signal (exit 75) at train.steps, which it has trained and checkpointed: it is
+    finished, and says so in final.json, from which the job scripts write DONE without another attempt."""
+    run_dir = tmp_path / "run"
+    signal_after_the_all_reduce_of(STEPS, monkeypatch)
+    assert run_train(run_dir, *shards, *SETTINGS) == preemption.STOPPED_EARLY_EXIT
+    assert (run_dir / preemption.STOPPED_MARKER).exists()
+    assert json.loads((run_dir / preemption.FINAL_RECORD).read_text())["step"] == STEPS

@@ -323,6 +323,23 @@ def test_inspect_reports_failed_checksums_and_bad_paths(trained, tmp_path, capsy
     assert_bad_input(capsys, ["incomplete"], "inspect", ckpt_dir)
 
 
+def test_inspect_of_a_bit_flipped_model_h5_is_the_checksum_line(trained, tmp_path, capsys):
+    """Wherever the flipped bit lands in model.h5's metadata (some places made HDF5 raise a KeyError while
+    the objects were visited), inspect says what eval and export say: the checksum line, exit 2."""
+    ckpt_dir = copy_checkpoint(trained[0], tmp_path / "step")
+    model = ckpt_dir / "model.h5"
+    original = model.read_bytes()
+    for position in range(0, min(len(original), 2048), 32):
+        flipped = bytearray(original)
+        flipped[position] ^= 0x10
+        model.write_bytes(bytes(flipped))
+        status, _, err = run_cli(capsys, "inspect", ckpt_dir)
+        lines = err.strip().splitlines()
+        assert status == 2 and len(lines) == 1, (position, err)
+        assert lines[0] == f"error: {model} is corrupted: its XXH3-64 does not match the one recorded when it was written"
+    model.write_bytes(original)
+
+
 # ---------------------------------------------------------------- generate
 
 def test_kv_cache_logits_equal_the_full_forward_the_engine_and_torch(trained):
@@ -401,6 +418,18 @@ def test_generation_stops_at_end_of_text():
             return logits
 
     assert generate_ids(Scripted(), [1, 2], 10, np.argmax, stop_id=0) == [5, 6, 0]
+
+
+def test_a_temperature_near_zero_samples_the_greedy_token(trained, capsys):
+    """1e-320 made logits / temperature overflow to inf and the probabilities NaN (a ValueError traceback)."""
+    rng = np.random.default_rng(0)
+    logits = np.array([0.5, 3.0, -1.0, 2.9])
+    assert [sample_token(logits, rng, temperature=t) for t in (1e-320, 5e-324, 1e-300)] == [1, 1, 1]
+    run_dir = trained[0]
+    outputs = [run_cli(capsys, "generate", run_dir, "--prompt", "the quick", "--max-new-tokens", 12,
+                       "--temperature", t) for t in (0, 1e-320)]
+    assert outputs[0][0] == outputs[1][0] == 0, outputs
+    assert outputs[0][1] == outputs[1][1]
 
 
 def test_generate_bad_input(trained, tmp_path, capsys):

@@ -7,6 +7,8 @@
   saving.py    `save` and `PendingSave`: collective, all-or-nothing, synchronous or in the background
   runs.py      a run's checkpoints folder: complete ones, `latest`, `resolve`, timelines, pruning
   reading.py   `verify` and `load` under any layout
+  pins.py      a reader's pin on a checkpoint folder, which pruning respects
+  held.py      a whole checkpoint read on one process, held against pruning (the user tools)
 
 Callers use the names below (`from boostmpi import checkpoint as ckpt`; `ckpt.save`, `ckpt.load`); a
 test that replaces a function replaces it in the module that calls it (`writer.write_at`).
@@ -23,6 +25,8 @@ from boostmpi.checkpoint.runs import (complete_checkpoints, find_latest, is_comp
                                       move_aside, remove_stale_temporaries, resolve, stale_temporaries,
                                       wait_for_pruning, write_latest)
 from boostmpi.checkpoint.saving import PendingSave, save
+from boostmpi.checkpoint.held import HeldCheckpoint, hold
+from boostmpi.checkpoint.pins import Pin, live_pins
 from boostmpi.checkpoint.writer import (SPARE_IMAGES, SequentialWriter, file_record, rank_file_image,
                                         write_file_image, write_rank_file, write_virtual_files)
 
@@ -34,7 +38,7 @@ __all__ = [
     "verify_together", "write_consolidated",
     "complete_checkpoints", "find_latest", "is_complete", "is_stale_temporary", "move_aside",
     "remove_stale_temporaries", "resolve", "stale_temporaries", "wait_for_pruning", "write_latest",
-    "PendingSave", "save",
+    "PendingSave", "save", "HeldCheckpoint", "hold", "Pin", "live_pins",
     "SPARE_IMAGES", "SequentialWriter", "file_record", "rank_file_image", "write_file_image", "write_rank_file",
     "write_virtual_files",
 ]

@@ -11,6 +11,7 @@ allowance for HDF5's own bytes.
   <run_dir>/checkpoints/abandoned-<time>/   checkpoints of a timeline a run did not continue
 """
 
+import contextlib
 import hashlib
 import os
 import re
@@ -60,10 +61,12 @@ class Checksum:
 CHECKSUMS = {Checksum.name: (Checksum, "XXH3-64"), "sha256": (hashlib.sha256, "SHA-256")}
 
 
-def file_digest(path, algorithm=Checksum):
-    """`algorithm`'s hexdigest of a file's bytes (Checksum, or hashlib.sha256 for an older checkpoint)."""
+def file_digest(path, algorithm=Checksum, opened=None):
+    """`algorithm`'s hexdigest of a file's bytes (Checksum, or hashlib.sha256 for an older checkpoint);
+    `opened`: the file already open (binary), read from its start."""
     h = algorithm()
-    with open(path, "rb") as f:
+    with contextlib.nullcontext(opened) if opened is not None else open(path, "rb") as f:
+        f.seek(0)
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()

@@ -38,16 +38,22 @@ def verify(ckpt_dir, files=None, part=(0, 1)):
             continue
         if not os.path.isfile(path):
             raise CheckpointError(f"{path} is missing")
-        size = os.path.getsize(path)
-        if size != marker[name]["bytes"]:
-            raise CheckpointError(f"{path} is truncated or altered: {size} bytes, the checkpoint recorded {marker[name]['bytes']}")
-        record = marker[name]
-        key = next((k for k in CHECKSUMS if k in record), None)
-        if key is None:
-            raise CheckpointError(f"{os.path.join(ckpt_dir, MARKER)} records no checksum of {name}")
-        algorithm, label = CHECKSUMS[key]
-        if file_digest(path, algorithm) != record[key]:
-            raise CheckpointError(f"{path} is corrupted: its {label} does not match the one recorded when it was written")
+        check_file(ckpt_dir, name, marker[name])
+
+
+def check_file(ckpt_dir, name, record, opened=None):
+    """One file's size and checksum against its COMPLETE record; `opened`: the file already open
+    (binary), checked through that open file rather than its path."""
+    path = os.path.join(ckpt_dir, name)
+    size = os.fstat(opened.fileno()).st_size if opened is not None else os.path.getsize(path)
+    if size != record["bytes"]:
+        raise CheckpointError(f"{path} is truncated or altered: {size} bytes, the checkpoint recorded {record['bytes']}")
+    key = next((k for k in CHECKSUMS if k in record), None)
+    if key is None:
+        raise CheckpointError(f"{os.path.join(ckpt_dir, MARKER)} records no checksum of {name}")
+    algorithm, label = CHECKSUMS[key]
+    if file_digest(path, algorithm, opened) != record[key]:
+        raise CheckpointError(f"{path} is corrupted: its {label} does not match the one recorded when it was written")
 
 
 def verify_together(ckpt_dir, comm=None):
@@ -136,26 +142,20 @@ def load(ckpt_dir, specs, params, optimizer=None, xp=np):
     return step, read_state(ckpt_dir)
 
 
-def write_consolidated(path, ckpt_dir):
-    """A single-file copy of a checkpoint's model.h5 at `path`: the same attributes, every tensor stored
-    in the file itself (no virtual datasets), for sharing one file."""
+def write_consolidated(path, held):
+    """A single-file copy of a held checkpoint's model.h5 (held.HeldCheckpoint) at `path`: the same
+    attributes, every tensor stored in the file itself (no virtual datasets), for sharing one file."""
     import h5py
 
-    src, _, _ = open_model(ckpt_dir)
+    tensors = held.tensors()
     try:
         with atomic_file(path, "wb") as out, h5py.File(out, "w") as f:
-            for k, v in src.attrs.items():
+            for k, v in held.model.attrs.items():
                 f.attrs[k] = v
-
-            def copy(name, obj):
-                if isinstance(obj, h5py.Dataset):
-                    f.create_dataset(name, data=obj[()])
-
-            src.visititems(copy)
+            for name, value in tensors.items():
+                f.create_dataset(name, data=value)
     except (OSError, RuntimeError) as exc:  # h5py may report the disk's refusal without an errno of its own
         os_exc = os_error_of(exc)
         if os_exc is None or os_exc.errno is None:
             raise
         raise fs_error(os_exc, "cannot write", path) from exc
-    finally:
-        src.close()

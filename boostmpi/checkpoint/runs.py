@@ -8,6 +8,7 @@ import shutil
 import time
 
 from boostmpi.checkpoint.format import MARKER, checkpoints_dir
+from boostmpi.checkpoint.pins import CLAIM, claim_for_pruning, live_pins
 from boostmpi.errors import CheckpointError
 from boostmpi.files import fsync_dir, write_file_atomically
 
@@ -172,7 +173,7 @@ def wait_for_pruning():
 
 
 def prune(folders, in_background, log=None):
-    """Delete checkpoint folders. Each is first renamed to a hidden temporary name in one step, so no
+    """Delete checkpoint folders, but none that a reader has pinned (pins.py). Each is first renamed to a hidden temporary name in one step, so no
     reader ever finds half of a complete checkpoint (a killed deleter's leftover is removed as a stale
     temporary when the next run starts); `in_background`: the deleting (unlinking gigabytes takes the
     filesystem a while) is left to a thread."""
@@ -184,8 +185,14 @@ def prune(folders, in_background, log=None):
         hidden = os.path.join(os.path.dirname(folder), f".{os.path.basename(folder)}.tmp-pruned")
         shutil.rmtree(hidden, ignore_errors=True)
         try:
+            if not claim_for_pruning(folder):  # a reader holds it: kept, and pruned by a later save
+                if log:
+                    log(f"kept the older checkpoint {folder} for now: a reader holds it ({', '.join(live_pins(folder))})")
+                continue
             os.rename(folder, hidden)
         except OSError as exc:  # pruning is housekeeping: the new checkpoint is published either way
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, CLAIM))
             if log:
                 log(f"warning: could not remove the older checkpoint {folder} ({exc.strerror or exc}); it stays")
             continue

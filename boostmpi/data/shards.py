@@ -205,13 +205,32 @@ class TrainLoader:
             self._order = (epoch, rng.permutation(self.windows_per_epoch))
         return self._order[1]
 
+    FINGERPRINT_TOKENS = 4096
+
+    @property
+    def fingerprint(self):
+        """What tells these shards from others with as many windows, cheaply at any size: SHA-256 of each
+        shard's token count and its first and last FINGERPRINT_TOKENS tokens, in order (not its path, so
+        shards may move)."""
+        if getattr(self, "_fingerprint", None) is None:
+            import hashlib
+
+            h, n = hashlib.sha256(), self.FINGERPRINT_TOKENS
+            for shard in self.shards:
+                h.update(np.int64(len(shard)).tobytes())
+                h.update(np.ascontiguousarray(shard[:n], dtype=np.uint32).tobytes())
+                h.update(np.ascontiguousarray(shard[-n:], dtype=np.uint32).tobytes())
+            self._fingerprint = int(h.hexdigest()[:15], 16)  # a plain int, like the rest of the position
+        return self._fingerprint
+
     def state_dict(self):
-        """The position, as plain ints (store it beside a checkpoint)."""
+        """The position and the shards' fingerprint, as plain ints (store it beside a checkpoint)."""
         return {
             "next_window": int(self.next_window),
             "epoch": int(self.epoch),
             "windows_per_epoch": self.windows_per_epoch,
             "seq_len": self.T,
+            "fingerprint": self.fingerprint,
         }
 
     def load_state_dict(self, state):
@@ -221,5 +240,11 @@ class TrainLoader:
                 f"the saved data position is for {state['windows_per_epoch']} windows of seq_len {state['seq_len']}, "
                 f"but the training shards now hold {self.windows_per_epoch} windows of seq_len {self.T}: "
                 f"resuming would not continue the same stream"
+            )
+        if "fingerprint" in state and state["fingerprint"] != self.fingerprint:  # older checkpoints have none
+            raise DataError(
+                f"the saved data position is for other training shards (as many windows, {self.windows_per_epoch}, "
+                f"but other tokens: fingerprint {state['fingerprint']}, these shards {self.fingerprint}): resuming "
+                f"would not continue the same stream"
             )
         self.next_window = int(state["next_window"])

@@ -204,6 +204,12 @@ def check_memory(cfg, world, local_rank, memory, environ=None):
 
     host = HostCollectives(world)
     if cfg.train.device == "gpu":
+        from boostmpi.backend import get_xp
+
+        try:  # no CuPy, or no GPU it can reach: one line, every rank together
+            get_xp("gpu")
+        except UserError as exc:
+            host.agree(("UserError", str(exc)))
         import cupy
 
         device = local_rank % cupy.cuda.runtime.getDeviceCount()  # the GPU select_device will choose

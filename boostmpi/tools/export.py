@@ -31,7 +31,7 @@ from boostmpi import checkpoint as ckpt
 from boostmpi.checkpoint import CHECKPOINT_ARG_HELP
 from boostmpi.errors import UserError
 from boostmpi.files import atomic_file, check_writable_parent, fsync_dir
-from boostmpi.tools.loading import checkpoint_dir, load_checkpoint
+from boostmpi.tools.loading import load_checkpoint
 
 FORMATS = ("torch", "safetensors", "hf", "h5")
 INSTALL_HINT = "install the export extra (pip install -e '.[export]' in a checkout)"
@@ -164,7 +164,8 @@ def run(args):
     if args.to != "hf":
         check_writable_parent(args.out, "--out")
     if args.to == "h5":
-        ckpt.write_consolidated(args.out, checkpoint_dir(args.checkpoint))
+        with ckpt.hold(args.checkpoint) as held:
+            ckpt.write_consolidated(args.out, held)
         print(f"wrote a single-file copy of model.h5 to {args.out}")
         return 0
     loaded = load_checkpoint(args.checkpoint)

@@ -144,8 +144,11 @@ def sample_token(logits, rng, temperature=0.8, top_k=0, top_p=1.0):
     order = np.argsort(-logits, kind="stable")  # most likely first
     if top_k > 0:
         order = order[:top_k]
-    scaled = logits[order] / temperature
-    probs = np.exp(scaled - scaled.max())
+    # shifted before dividing: a temperature near zero (1e-320) sends every other logit to -inf, the most
+    # likely to 0, the greedy limit, where logits / temperature would be inf - inf = NaN
+    with np.errstate(over="ignore"):
+        scaled = (logits[order] - logits[order].max()) / temperature
+    probs = np.exp(scaled)
     probs /= probs.sum()
     if top_p < 1.0:
         # keep the most likely ids until their mass reaches top_p (at least one)

@@ -47,34 +47,41 @@ def parameter_counts(shapes):
 
 
 def describe(path, stats=False):
-    """Everything `inspect` reports, as a JSON-ready dict (never raises for failed checksums)."""
+    """Everything `inspect` reports, as a JSON-ready dict (never raises for failed checksums).
+
+    The checkpoint is held for the whole read (checkpoint.hold). When the checksum of a rank file fails it
+    is described from model.h5's metadata alone (no tensor is read, so no statistics); a damaged model.h5
+    is never opened (HDF5 may crash on one) and is refused with the checksum's line."""
     directory = checkpoint_dir(path)
     try:
-        ckpt.verify(directory)
+        held = ckpt.hold(directory)
         checksums = {"ok": True, "problem": None}
     except CheckpointError as exc:
         checksums = {"ok": False, "problem": str(exc)}
-    h5, step, saved = ckpt.open_model(directory, check=False)
-    try:
-        tensors = {}
-
-        def visit(name, obj):
-            if hasattr(obj, "shape"):
-                tensors[name] = {"shape": list(obj.shape), "dtype": str(obj.dtype)}
-                if stats:
-                    tensors[name].update(tensor_stats(obj[()]))
-
-        h5.visititems(visit)
+        try:  # described from model.h5's metadata, if model.h5 itself is intact: HDF5 may crash on a damaged file
+            ckpt.verify(directory, files=["model.h5"])
+            held = ckpt.hold(directory, check=False)
+        except CheckpointError:  # the checksum's line says why
+            raise exc from None
+    with held:
+        try:
+            datasets = held.datasets()
+        except (OSError, RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointError(checksums["problem"] or f"{held.path('model.h5')} cannot be described: {exc}") from exc
+        tensors = {name: {"shape": list(d.shape), "dtype": str(d.dtype)} for name, d in datasets.items()}
+        if stats and checksums["ok"]:
+            for name, values in held.tensors().items():
+                tensors[name].update(tensor_stats(values))
         tensors = {name: tensors[name] for name in sorted(tensors, key=_natural_key)}
-    finally:
-        h5.close()
+        step, saved = held.step, held.config
     try:
         state = ckpt.read_state(directory)
     except (OSError, ValueError):
         state = {}
     actual, dense = parameter_counts({name: t["shape"] for name, t in tensors.items()})
     files = {name: os.path.getsize(os.path.join(directory, name))
-             for name in sorted(os.listdir(directory)) if os.path.isfile(os.path.join(directory, name))}
+             for name in sorted(os.listdir(directory))
+             if not name.startswith(".") and os.path.isfile(os.path.join(directory, name))}
     return {"checkpoint": directory, "step": step, "layout": state.get("layout"), "config": saved,
             "parameters": {"actual": actual, "dense_equivalent": dense}, "files": files,
             "checksums": checksums, "tensors": tensors}

@@ -5,7 +5,6 @@ The tools read it back with the parallel layout forced to one process (tp = pp =
 the CPU, in float32 unless the run trained in float64.
 """
 
-import os
 from typing import NamedTuple
 
 import numpy as np
@@ -40,20 +39,6 @@ def single_process_config(saved, dtype=None):
     return config_from_dict(d)
 
 
-def read_global_tensors(h5, cfg, dtype, where):
-    """name -> global NumPy tensor of every parameter `cfg` has, each checked for presence and shape."""
-    tensors = {}
-    for spec in all_global_specs(cfg):
-        if spec.name not in h5:
-            raise CheckpointError(f"{where} has no tensor {spec.name}, which its configuration ({cfg.model.arch}) needs")
-        dataset = h5[spec.name]
-        if tuple(dataset.shape) != tuple(spec.global_shape):
-            raise CheckpointError(f"{where}: tensor {spec.name} has shape {tuple(dataset.shape)}, "
-                                  f"its configuration says {tuple(spec.global_shape)}")
-        tensors[spec.name] = np.asarray(dataset, dtype=dtype)
-    return tensors
-
-
 class LoadedCheckpoint(NamedTuple):
     tensors: dict  # name -> global np.ndarray
     cfg: object  # the one-process Config
@@ -63,19 +48,24 @@ class LoadedCheckpoint(NamedTuple):
 
 
 def load_checkpoint(path, dtype=None):
-    """A LoadedCheckpoint; model.h5 is verified against the checksums recorded when it was written."""
-    directory = checkpoint_dir(path)
-    where = os.path.join(directory, "model.h5")
-    h5, step, saved = ckpt.open_model(directory)
-    try:
+    """A LoadedCheckpoint, read whole or refused in one line: held against pruning for the whole read, its
+    files verified against the checksums recorded when they were written (checkpoint.hold)."""
+    with ckpt.hold(path) as held:
+        where = held.path("model.h5")
         try:
-            cfg = single_process_config(saved, dtype)
+            cfg = single_process_config(held.config, dtype)
         except ConfigError as exc:
             raise CheckpointError(f"{where}: its recorded configuration is not usable ({exc})") from exc
-        tensors = read_global_tensors(h5, cfg, np.dtype(cfg.train.dtype), where)
-    finally:
-        h5.close()
-    return LoadedCheckpoint(tensors, cfg, step, directory, saved)
+        datasets = held.datasets()
+        for spec in all_global_specs(cfg):  # presence and shape from the metadata, before any tensor is read
+            if spec.name not in datasets:
+                raise CheckpointError(f"{where} has no tensor {spec.name}, which its configuration ({cfg.model.arch}) needs")
+            if tuple(datasets[spec.name].shape) != tuple(spec.global_shape):
+                raise CheckpointError(f"{where}: tensor {spec.name} has shape {tuple(datasets[spec.name].shape)}, "
+                                      f"its configuration says {tuple(spec.global_shape)}")
+        stored = held.tensors([spec.name for spec in all_global_specs(cfg)])
+        tensors = {name: np.asarray(value, dtype=np.dtype(cfg.train.dtype)) for name, value in stored.items()}
+        return LoadedCheckpoint(tensors, cfg, held.step, held.dir, held.config)
 
 
 def load_checkpoint_engine(path, dtype=None):

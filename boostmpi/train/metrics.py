@@ -15,6 +15,7 @@ import os
 
 import numpy as np
 
+from boostmpi.errors import UserError
 from boostmpi.files import FilesystemError, LineLog, atomic_file
 from boostmpi.parallel.comm import AXES
 
@@ -93,6 +94,50 @@ class MetricsFile:
 
     def close(self):
         self._log.close()
+
+
+def cut_off_row(run_dir):
+    """A last row that is not whole JSON was cut off by a crash while it was written: (the file's bytes
+    without it, the row) or None when the file ends whole. A row before the last that does not parse is
+    damage this does not guess at: one line naming it (UserError). Nothing is written."""
+    p = path(run_dir)
+    try:
+        with open(p, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    lines = data.split(b"\n")
+    whole, last = lines[:-1], lines[-1]  # `last` is b"" when the file ends with a newline
+    if not last.strip() and whole and not _parses(whole[-1]):
+        whole, last = whole[:-1], whole[-1]
+    for number, line in enumerate(whole, 1):
+        if line.strip() and not _parses(line):
+            raise UserError(f"{p} line {number} is not a JSON object; the metrics are damaged: repair or remove "
+                            f"that line, then resume")
+    if not last.strip():
+        return None
+    kept = b"".join(line + b"\n" for line in whole)
+    if _parses(last):  # whole, only its newline is missing
+        return kept + last + b"\n", None
+    return kept, last.decode("utf-8", "replace")
+
+
+def drop_cut_off_row(run_dir):
+    """Before a resume: drop the row `cut_off_row` finds (its step is trained again) and return it, so the
+    run can say so; a whole last row without its newline gets one."""
+    found = cut_off_row(run_dir)
+    if found is None:
+        return None
+    with atomic_file(path(run_dir), "wb") as f:
+        f.write(found[0])
+    return found[1]
+
+
+def _parses(line):
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:  # not JSON, or not UTF-8
+        return False
 
 
 def trim(run_dir, past_step=None):

@@ -14,14 +14,15 @@ from boostmpi import checkpoint as ckpt
 from boostmpi.data.progress import format_duration
 from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
 from boostmpi import preemption
-from boostmpi.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, UserError, verdict_of
+from boostmpi.errors import CheckpointError, DataError, TrainingDiverged, UserError, verdict_of
 from boostmpi.files import (FilesystemError, RunLock, atomic_file, check_dir_creatable, format_bytes, fs_error,
                             is_out_of_space, make_dirs)
 from boostmpi.parallel.engine import Engine
 from boostmpi.parallel.startup import process_grid
-from boostmpi.preemption import STOPPED_EARLY_EXIT, STOPPED_MARKER  # noqa: F401 - where job scripts look for them
+from boostmpi.preemption import FINAL_RECORD, STOPPED_EARLY_EXIT, STOPPED_MARKER  # noqa: F401 - job scripts read them
 from boostmpi.train import metrics
 from boostmpi.train.optim import AdamW, clip_coefficient, learning_rate
+from boostmpi.train.resume import check_resume
 
 
 def resolve_data(cfg):
@@ -109,7 +110,7 @@ class Trainer:
         self.loader, (self.val_x, self.val_y) = self._root_decides(lambda: open_data(V), lambda: open_data(None))
         self.preemption = preemption.watch()  # keeps a stop signal that arrived during start-up
         self.config_path = config_path
-        self._lock, self._made_run_dir = None, False
+        self._lock, self._made_run_dir, self._resume_pin = None, False, None
         self._lock = self._root_decides(self._lock_run_dir)  # from here until close(): one run per run directory
         try:
             path = self._check_resume(resume)
@@ -119,6 +120,8 @@ class Trainer:
             self.peak_flops = device_peak_flops(e.xp, tr.dtype)  # all ranks' GPUs: the MFU's denominator
             if path is not None:
                 self._resume(path)
+                self.grid.host.barrier()  # every rank has read it: another run may prune it again
+                self._release_resume_pin()
         except BaseException:
             self.close()
             raise
@@ -138,6 +141,7 @@ class Trainer:
     def close(self):
         """Release the run directory (also done when `train` returns or raises)."""
         preemption.release()  # this run's stop signal (if any) is acted on; a later run starts afresh
+        self._release_resume_pin()
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -203,13 +207,23 @@ class Trainer:
 
     def _checkpoint_to_resume(self, resume):
         """The verified checkpoint to continue from, or None for a fresh run (rank 0 only)."""
+        metrics.cut_off_row(self.run_dir)  # damaged metrics are refused before anything is changed
         path = resume or ckpt.find_latest(self.run_dir)
         if path is None:
             if metrics.has_rows(self.run_dir):
                 raise UserError(f"{self.run_dir} already holds a run (metrics.jsonl) but no complete checkpoint to resume "
                                 f"(its first checkpoint was never written); choose another train.run_dir or remove it")
             return None
-        return ckpt.resolve(path)
+        path = ckpt.resolve(path)
+        if os.path.realpath(os.path.dirname(path)) != os.path.realpath(ckpt.checkpoints_dir(self.run_dir)):
+            # another run's checkpoint, which that run may prune while the ranks read it: pinned until they have
+            self._resume_pin = ckpt.Pin(path).acquire()
+        return path
+
+    def _release_resume_pin(self):
+        if self._resume_pin is not None:
+            self._resume_pin.release()
+            self._resume_pin = None
 
     def _check_resume(self, resume):
         """The checkpoint to continue from (`resume`, a path, or the run's latest complete one), verified
@@ -226,7 +240,8 @@ class Trainer:
             err = CheckpointError(f"cannot resume from {path}: {mismatch}")
             err.all_ranks = True
             raise err
-        self._check_global_batch(path, saved_cfg)
+        for line in check_resume(self.cfg, saved_cfg, step, path):  # or refused, before anything is changed
+            self.log(line)
         try:
             self.loader.load_state_dict(ckpt.read_state(path)["data"])
         except DataError as exc:  # every rank reads the same state: each raises, rank 0 prints
@@ -245,38 +260,6 @@ class Trainer:
         self.step = step
         self.resumed_from = path
         self.log(f"resumed from {path} (step {step})")
-
-    def _check_global_batch(self, path, saved_cfg):
-        """A different dp would silently change the global batch (micro_batch_size x grad_accum x dp):
-        refused unless train.global_batch_size is set, which says what the batch is to be."""
-        cfg = self.cfg
-        saved_train, saved_dp = saved_cfg.get("train", {}), saved_cfg.get("parallel", {}).get("dp")
-        before, now = saved_train.get("global_batch_size"), cfg.train.global_batch_size
-        if before is None or saved_dp is None or saved_dp == cfg.parallel.dp or before == now:
-            return
-        if cfg._explicit is None or "global_batch_size" in cfg._explicit.get("train", {}):
-            self.log(f"the global batch changes from {before} to {now} sequences at step {self.step} "
-                     f"(train.global_batch_size; dp {saved_dp} -> {cfg.parallel.dp})")
-            return
-        err = ConfigError(f"resuming {path} with parallel.dp = {cfg.parallel.dp} instead of {saved_dp} would change the "
-                          f"global batch from {before} to {now} sequences (micro_batch_size x grad_accum x dp); "
-                          f"{self._keep_batch_hint(before)}, or set train.global_batch_size={now} to change it")
-        err.all_ranks = True
-        raise err
-
-    def _keep_batch_hint(self, before):
-        """How to keep a global batch of `before` sequences on this run's dp: grad_accum follows the global
-        batch, but micro_batch_size x dp must divide it."""
-        dp, micro = self.cfg.parallel.dp, self.cfg.train.micro_batch_size
-        keep = f"set train.global_batch_size={before} to keep it (grad_accum follows)"
-        if before % (micro * dp) == 0:
-            return keep
-        fitting = [m for m in range(micro, 0, -1) if before % (m * dp) == 0]
-        if not fitting:
-            return (f"a global batch of {before} sequences cannot be split over dp = {dp} ranks (it is not a multiple "
-                    f"of {dp}); resume on a dp that divides it")
-        return (f"{keep}, and train.micro_batch_size={fitting[0]}: micro_batch_size x dp = {micro} x {dp} does not "
-                f"divide {before}")
 
     # ------------------------------------------------------------------ checkpoint
     def save_checkpoint(self):
@@ -420,13 +403,28 @@ class Trainer:
                     self.poll_async_save(wait=self.step == tr.steps)
                 if stop:
                     return self._stop_at_boundary(last_val)
+            self._stop_if_a_write_failed()
+            self._root_decides(self._write_final_record)
         finally:
             if log:
                 log.close()
             ckpt.wait_for_pruning()
             self.close()
-        self._stop_if_a_write_failed()
         return {"step": self.step, "preempted": False, "val_loss": last_val, "loss": loss if steps_done else None}
+
+    def _write_final_record(self):
+        """Rank 0, once the last step is trained and its checkpoint published: the run's own record that it
+        is finished (FINAL_RECORD), from which alone the job scripts write DONE."""
+        import json
+
+        record = {"step": self.step, "steps": self.cfg.train.steps, "checkpoint": ckpt.find_latest(self.run_dir),
+                  "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        try:
+            with atomic_file(os.path.join(self.run_dir, FINAL_RECORD)) as f:
+                json.dump(record, f)
+                f.write("\n")
+        except OSError as exc:
+            raise fs_error(exc, "cannot write the run's final record", os.path.join(self.run_dir, FINAL_RECORD)) from exc
 
     def _stop_at_boundary(self, last_val):
         """A stop signal reached some rank: checkpoint the step reached (unless it was just saved), say so,
@@ -441,6 +439,8 @@ class Trainer:
         if self.is_root:
             with atomic_file(os.path.join(self.run_dir, STOPPED_MARKER)) as f:
                 f.write(f"stopped on {self.preemption.name()} at step {self.step}\n")
+        if self.step >= steps:  # stopped at the last step: the run is finished all the same
+            self._root_decides(self._write_final_record)
         # no rank leaves before rank 0 has published the checkpoint and the marker: a launcher
         # that ends the others at the first non-zero exit (srun --kill-on-bad-exit) would cut them
         self.engine.grid.host.barrier()
@@ -485,8 +485,14 @@ class Trainer:
         move another timeline's checkpoints aside, record the configuration, trim the metrics."""
         make_dirs(self.run_dir, "train.run_dir")
         try:
+            with contextlib.suppress(FileNotFoundError):  # written again when this run reaches train.steps
+                os.remove(os.path.join(self.run_dir, FINAL_RECORD))
             for path in ckpt.remove_stale_temporaries(self.run_dir):
                 self.log(f"removed {path}, left by a writer that stopped before finishing it")
+            cut = metrics.drop_cut_off_row(self.run_dir)
+            if cut is not None:
+                self.log(f"dropped the last row of {metrics.path(self.run_dir)}: it was cut off ({cut[:60]!r}...), "
+                         f"a crash while it was written; its step is trained again")
             dropped = self._trim_metrics()
             self._abandon_other_timelines(dropped)
             with atomic_file(os.path.join(self.run_dir, "config.toml")) as f:
