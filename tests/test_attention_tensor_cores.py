@@ -79,7 +79,7 @@ def test_the_option_is_off_by_default():
 def test_nvrtc_compiles_it_within_the_budget():
     gpu_compilers.require("NVRTC")
     options = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32", OPTION, crt_wheel_include())
-    reports = gpu_compilers.nvrtc([(loader.kernel_source("attention"), options, arch) for arch in ("80", "90")])
+    reports = gpu_compilers.nvrtc([(loader.kernel_source("attention"), options, arch) for arch in ("80", "90", "100")])
     for report in reports:
         assert report["ok"], report["log"][-4000:]
         table = gpu_compilers.ptxas_table(report["log"])
