@@ -81,7 +81,7 @@ def to_numpy(x):
 # takes the type itself from ml_dtypes.
 BF16_NEEDS = {"CuPy": (14, 2), "NumPy": (2, 1, 2), "ml_dtypes": (0, 5)}
 BF16_INSTALL = ("pip install 'cupy-cuda12x[ctk]>=14.2,<14.3' 'numpy>=2.1.2' 'ml_dtypes>=0.5' "
-                "(or: pip install 'boostmpi[gpu]')")
+                "(CUDA 13: 'cupy-cuda13x[ctk]>=14.2,<14.3'; or: pip install 'boostmpi[gpu]', CUDA 13 'boostmpi[gpu-cuda13]')")
 
 
 def version_tuple(text):

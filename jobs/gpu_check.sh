@@ -42,7 +42,7 @@ if [ -z "$PY" ]; then
     [ -x "$candidate/bin/python" ] && { PY="$PWD/$candidate/bin/python"; break; }
   done
 fi
-PY="${PY:-$(command -v python3)}"
+PY="$(command -v "${PY:-python3}")"  # a command name (BOOSTMPI_PYTHON=python3) or a path
 [ -n "$PY" ] && [ -x "$PY" ] ||
   { echo "error: no Python: set BOOSTMPI_PYTHON (or BOOSTMPI_VENV), run jobs/setup_<site>.sh or jobs/local.sh, or put python3 on PATH" >&2; exit 2; }
 if ! (cd / && "$PY" -c 'import boostmpi' 2>/dev/null); then  # from /: not this checkout as the current folder

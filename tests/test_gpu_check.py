@@ -80,12 +80,12 @@ def _fixed_environment(root):
     return prefix
 
 
-def _gpu_check(root, prefix, gpus, timeout, tests=f"{SINGLE} {MULTI}"):
+def _gpu_check(root, prefix, gpus, timeout, tests=f"{SINGLE} {MULTI}", **more):
     # the FMA attention: the harness runs the emulated tensor-core kernels 3.5x slower (tests/conftest.py);
     # where the header was found is in the kernels line all the same
     env = {"PATH": f"{prefix / 'bin'}:/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
            "TMPDIR": str(root), "BOOSTMPI_STANDIN_GPUS": str(gpus), "BOOSTMPI_GPU_CHECK_TESTS": tests,
-           "BOOSTMPI_ATTENTION_TENSOR_CORES": "0", "LANG": "C.UTF-8"}
+           "BOOSTMPI_ATTENTION_TENSOR_CORES": "0", "LANG": "C.UTF-8", **more}
     for keep in ("XDG_CACHE_HOME", "BOOSTMPI_CUDAEMU_CACHE", "CI"):  # the harness's compile cache
         if keep in os.environ:
             env[keep] = os.environ[keep]
@@ -149,12 +149,13 @@ def test_without_a_loadable_mpi_the_steps_that_need_one_say_so(fixed):
     for lib in libraries:
         lib.rename(lib.with_name(f"hidden-{lib.name}"))
     try:
-        done, lines = _gpu_check(root, prefix, 4, 600, tests=EMPTY)
+        done, lines = _gpu_check(root, prefix, 4, 600, tests=EMPTY, BOOSTMPI_PYTHON="python3")  # as OPERATIONS.md shows
     finally:
         for lib in libraries:
             lib.with_name(f"hidden-{lib.name}").rename(lib)
     report = f"{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
     assert done.returncode == 1, report
+    assert f"({prefix / 'bin' / 'python3'})" in lines["environment"], report
     assert lines["mpi"].startswith("FAIL mpi4py loads no MPI library (one GPU needs one too): "), report
     for step in ("gpu tests, 4 ranks", "bf16 steps, 1 GPU", "2 ranks, nccl"):
         assert lines[step] == "skip needs a loadable MPI library (see the mpi line)", (step, report)
