@@ -91,9 +91,8 @@ def launch_shape(entry, warp):
 KNOWN_SHORTFALLS = {}
 
 # Local-memory spills on sm_100 (B200), {(entry, arch, CUDA major of NVRTC): (stack bytes, spill bytes)},
-# measured here with NVRTC 12.9 and 13.0 (bench/log/cuda13.md); NVRTC 13.0's are what the first
-# real-GPU run's sm_100 compile reported (8 bytes at 128 registers). Reported, not budgeted: sm_80 and sm_90
-# (the GPUs the paper runs) must not spill at all; each entry must still spill exactly that much.
+# measured here with NVRTC 12.9 and 13.0 (bench/log/cuda13.md). Reported, not budgeted: sm_80 (A100) and
+# sm_90 (H100) must not spill at all; each entry must still spill exactly that much.
 KNOWN_SPILLS = {("attention_backward_f32", "sm_100", 12): (8, 8), ("attention_backward_f32", "sm_100", 13): (8, 8),
                 ("attention_backward_bf16", "sm_100", 13): (8, 8)}
 SPILLS_REPORTED_ON = ("sm_100",)
