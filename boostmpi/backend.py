@@ -31,11 +31,35 @@ def get_xp(device):
     if device == "cpu":
         return np
     if device == "gpu":
-        reason = gpu_unavailable_reason()
+        reason = cupy_wheels_problem() or gpu_unavailable_reason()
         if reason is not None:
             raise UserError(f"train.device = \"gpu\" but {reason}; install boostmpi[gpu] on a GPU node or use device = \"cpu\"")
         return _cupy
     raise UserError(f"unknown device {device!r} (expected cpu or gpu)")
+
+
+# CuPy's wheels all install the one `cupy` package: with two, the files of whichever came last overwrite
+# the other's, and the CUDA libraries each loads no longer match (pyproject.toml: [gpu] is CUDA 12,
+# [gpu-cuda13] CUDA 13, never both)
+CUPY_WHEELS = ("cupy-cuda12x", "cupy-cuda13x", "cupy-rocm-7-0")
+
+
+def cupy_wheels_problem():
+    """One line when more than one CuPy wheel is installed here, else None."""
+    import importlib.metadata
+
+    found = []
+    for dist in CUPY_WHEELS:
+        try:
+            importlib.metadata.version(dist)
+            found.append(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if len(found) < 2:
+        return None
+    return (f"{' and '.join(found)} are installed in one environment (they overwrite each other's files): keep "
+            "the one of this node's CUDA (pip uninstall the others, then reinstall it): boostmpi[gpu] is CUDA 12, "
+            "boostmpi[gpu-cuda13] CUDA 13")
 
 
 def get_array_module(x):
@@ -57,7 +81,7 @@ def to_numpy(x):
 # takes the type itself from ml_dtypes.
 BF16_NEEDS = {"CuPy": (14, 2), "NumPy": (2, 1, 2), "ml_dtypes": (0, 5)}
 BF16_INSTALL = ("pip install 'cupy-cuda12x[ctk]>=14.2,<14.3' 'numpy>=2.1.2' 'ml_dtypes>=0.5' "
-                "(or: pip install 'boostmpi[gpu]')")
+                "(CUDA 13: 'cupy-cuda13x[ctk]>=14.2,<14.3'; or: pip install 'boostmpi[gpu]', CUDA 13 'boostmpi[gpu-cuda13]')")
 
 
 def version_tuple(text):

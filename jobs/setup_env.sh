@@ -1,8 +1,9 @@
 # shellcheck shell=bash
 # Sourced by jobs/local.sh, tests/run.sh, the system-MPI test and jobs/setup_<site>.sh.
 #
-#   setup_venv EXTRAS        create $BOOSTMPI_VENV (default .venv) if missing and install boostmpi[EXTRAS]
-#                            into it (again only when pyproject.toml or EXTRAS changed). Sets VENV and PY.
+#   setup_venv EXTRAS        create $BOOSTMPI_VENV (default .venv) if missing, with $BOOSTMPI_VENV_PYTHON
+#                            (default python3), and install boostmpi[EXTRAS] into it (again only when
+#                            pyproject.toml or EXTRAS changed). Sets VENV and PY.
 #                            With BOOSTMPI_MPICC set, mpi4py is first built from source with that MPI
 #                            compiler wrapper, so the venv uses the machine's MPI, not a wheel's.
 #   install_mpi4py_from_source MPICC
@@ -52,8 +53,8 @@ setup_venv() {
   if [ ! -x "$PY" ]; then
     echo "creating $VENV"
     # shellcheck disable=SC2086  # BOOSTMPI_VENV_OPTIONS: options, one word each (--system-site-packages)
-    python3 -m venv ${BOOSTMPI_VENV_OPTIONS:-} "$VENV" ||
-      { echo "error: python3 -m venv failed (install python3-venv)" >&2; exit 1; }
+    "${BOOSTMPI_VENV_PYTHON:-python3}" -m venv ${BOOSTMPI_VENV_OPTIONS:-} "$VENV" ||
+      { echo "error: ${BOOSTMPI_VENV_PYTHON:-python3} -m venv failed (install python3-venv)" >&2; exit 1; }
   fi
   local spec="." stamp
   [ -n "$extras" ] && spec=".[$extras]"

@@ -20,9 +20,17 @@ _FINISH_COMM = pytest.StashKey()
 # tensor-core ones: the emulated WMMA kernels pad the tests' head dim of 16 to 128 and made the GPU
 # suite 3.5x slower (5.5 to 19 minutes on 2 cores). The default itself (tensor cores for bfloat16 on
 # compute capability 8.0 and later) and whole bfloat16 steps on the tensor-core kernels (1 and 2 ranks)
-# are tested in test_attention_tensor_cores.py; on a real GPU the suite runs the default.
+# are tested in test_attention_tensor_cores.py, and the tests that take the fixture attention_gpu_default
+# run the default here too; on a real GPU the suite runs the default.
 if GPU.standin:
     os.environ.setdefault("BOOSTMPI_ATTENTION_TENSOR_CORES", "0")
+
+
+@pytest.fixture
+def attention_gpu_default(monkeypatch):
+    """BOOSTMPI_ATTENTION_TENSOR_CORES unset for one test: the attention kernels a real GPU runs by
+    default (tensor cores where tensor_cores.use_wmma chooses them), not the FMA pin above."""
+    monkeypatch.delenv("BOOSTMPI_ATTENTION_TENSOR_CORES", raising=False)
 
 
 def pytest_report_header(config):

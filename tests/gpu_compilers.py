@@ -1,6 +1,8 @@
 """The GPU compilers the suite runs the kernels through, without a GPU.
 
-  nvrtc(jobs)            NVRTC (pip's nvidia-cuda-nvrtc-cu12) through CuPy's own compile path:
+  nvrtc(jobs)            NVRTC of the CUDA wheels installed here, CUDA 12 (cupy-cuda12x with
+                         nvidia-cuda-nvrtc-cu12) or CUDA 13 (cupy-cuda13x with nvidia-cuda-nvrtc;
+                         NVRTC_PACKAGES), through CuPy's own compile path:
                          `cupy._core.core.assemble_cupy_compiler_options` (what RawModule's
                          compile_with_cache adds: the default -std, CuPy's and the CUDA include
                          paths) and `cupy.cuda.compiler._compile_module_with_cache` (what
@@ -36,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -93,11 +96,28 @@ def _real_cupy_env():
     return env
 
 
+# per CUDA major: the real CuPy, NVRTC, the runtime (its headers) and the wheel holding crt/mma.h; the
+# [test] extra brings CUDA 12's, [test-cuda13] CUDA 13's (tests/run.sh's second environment)
+NVRTC_PACKAGES = {12: ("cupy-cuda12x", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-runtime-cu12", "nvidia-cuda-nvcc-cu12"),
+                  13: ("cupy-cuda13x", "nvidia-cuda-nvrtc", "nvidia-cuda-runtime", "nvidia-cuda-crt")}
+EXTRA = {12: "[test]", 13: "[test-cuda13]"}
+NVRTC_JOBS_PER_CHILD = 4
+
+
+def cuda_major():
+    """12 or 13: the CUDA major of the CuPy wheel installed here (None for neither; both is an error)."""
+    majors = [major for major, packages in NVRTC_PACKAGES.items() if _version(packages[0])]
+    assert len(majors) <= 1, "cupy-cuda12x and cupy-cuda13x are both installed: CuPy loads only one"
+    return majors[0] if majors else None
+
+
 def _nvrtc_missing():
-    if _version("cupy-cuda12x") is None:
-        return "the real CuPy (cupy-cuda12x) is not installed (the [test] extra brings it)"
-    if _version("nvidia-cuda-nvrtc-cu12") is None:
-        return "NVRTC (nvidia-cuda-nvrtc-cu12) is not installed (the [test] extra brings it)"
+    major = cuda_major()
+    if major is None:
+        return "the real CuPy (cupy-cuda12x or cupy-cuda13x) is not installed (the [test] extra brings it)"
+    for package in NVRTC_PACKAGES[major][1:]:
+        if _version(package) is None:
+            return f"{package} is not installed beside {NVRTC_PACKAGES[major][0]} (the {EXTRA[major]} extra brings it)"
     return None
 
 
@@ -105,7 +125,8 @@ def nvrtc(jobs):
     """[(source, options, arch)] -> [{"ok", "log", "options", "cubin_bytes"}]: each source
     compiled as CuPy's RawModule(code=source, options=options) compiles it on a device of compute
     capability `arch` ("80", "90"), the log with ptxas's report."""
-    versions = tuple(_version(p) for p in ("cupy-cuda12x", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-runtime-cu12"))
+    major = cuda_major()
+    versions = (major, *(f"{p}=={_version(p)}" for p in NVRTC_PACKAGES.get(major, ())))
     results, todo = [None] * len(jobs), []
     for i, job in enumerate(jobs):
         key = ("nvrtc", *versions, *job[:2], *job[2], Path(__file__).read_text())
@@ -114,16 +135,23 @@ def nvrtc(jobs):
             results[i] = json.loads(path.read_text())
         else:
             todo.append((i, path))
-    if todo:
-        payload = json.dumps([[jobs[i][0], list(jobs[i][1]), jobs[i][2]] for i, _ in todo])
+    # children of a few jobs each, two at a time (NVRTC is single-threaded; each child's results are
+    # cached as it ends, so an interrupted run keeps what it compiled)
+    chunks = [todo[k:k + NVRTC_JOBS_PER_CHILD] for k in range(0, len(todo), NVRTC_JOBS_PER_CHILD)]
+
+    def compile_chunk(chunk):
+        payload = json.dumps([[jobs[i][0], list(jobs[i][1]), jobs[i][2]] for i, _ in chunk])
         child = subprocess.run([sys.executable, __file__, "nvrtc"], input=payload, capture_output=True, text=True,
                                env=_real_cupy_env(), timeout=600)
         assert child.returncode == 0, f"the NVRTC child failed:\n{child.stderr[-6000:]}"
-        for (i, path), result in zip(todo, json.loads(child.stdout)):
+        for (i, path), result in zip(chunk, json.loads(child.stdout)):
             results[i] = result
-            partial = path.with_suffix(f".{os.getpid()}")
+            partial = path.with_suffix(f".{os.getpid()}.{i}")
             partial.write_text(json.dumps(result))
             os.replace(partial, path)
+
+    with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+        list(pool.map(compile_chunk, chunks))
     return results
 
 

@@ -65,6 +65,19 @@ class _Gpu:
 GPU = _Gpu()
 
 
+def need_gpus(ranks):
+    """Skips a test that starts `ranks` ranks, one GPU each, on a real node with fewer GPUs (the
+    start-up check refuses two ranks on one GPU); the stand-in has as many as asked."""
+    if GPU.standin:
+        return
+    import cupy
+    import pytest
+
+    count = cupy.cuda.runtime.getDeviceCount()
+    if count < ranks:
+        pytest.skip(f"{ranks} ranks need {ranks} GPUs, one each; this node has {count}")
+
+
 def use_hipblas_standin(monkeypatch):
     """The stand-in's libhipblas (cupy/cuda/hipblas_lib.py) as the library on $ROCM_PATH for one test,
     loaded afresh by boostmpi.gpu.hipblas; returns the stand-in module (its `calls`). The caller clears

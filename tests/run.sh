@@ -9,6 +9,11 @@
 #   4. the real-Slurm test on that same system MPI,
 #   5. the emulated centres: jobs/setup_<site>.sh and the job scripts end to end on emulated Frontier,
 #      Perlmutter and Polaris (tests/test_site_emu.py, tests/site_emu; root, a mount namespace, apt),
+#   6. jobs/gpu_check.sh as written in an emulated fixed environment (python3 only, no .venv, no network,
+#      CuPy for CUDA 13 in CUDA 13's wheel layout; tests/test_gpu_check.py) at one GPU, four, and no MPI,
+#   7. CUDA 13: a second environment, .venv-cuda13 (Python 3.12 where one is installed, cupy-cuda13x and
+#      CUDA 13.0's NVRTC, runtime and crt wheels: the [test-cuda13] extra), running the header tests and
+#      every NVRTC compile and resource test there (step 1 ran them on CUDA 12's wheels),
 #   3 and 4 when this machine allows them (root and apt), otherwise each says why it skipped; 5 fails
 #   under CI=true when it cannot run.
 # Exit status is non-zero when anything failed.
@@ -59,6 +64,29 @@ fi
 
 step "emulated centres"
 BOOSTMPI_SITE_EMU=1 timeout 1200 "$PY" -m pytest -q -p no:cacheprovider tests/test_site_emu.py || status=1
+
+step "gpu_check in a fixed environment"
+BOOSTMPI_GPU_CHECK_EMU=1 timeout 1800 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_check.py || status=1
+
+step "CUDA 13 compile tests"
+# Python 3.12 (what CUDA 13 nodes and PyTorch's CUDA 13 wheels run): on PATH, else pyenv's; else python3
+cuda13_python() {
+  local py
+  for py in python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+    "$py" -c 'import venv' 2>/dev/null && { command -v "$py"; return; }
+  done
+  echo python3
+}
+(
+  started=$SECONDS
+  BOOSTMPI_VENV="$PWD/.venv-cuda13" BOOSTMPI_VENV_PYTHON="$(cuda13_python)" setup_venv test-cuda13,mpich
+  echo "$("$PY" -c 'import platform, numpy; print("Python", platform.python_version(), "NumPy", numpy.__version__)') in $VENV"
+  # hipRTC's and hipcc's tests are step 1's: the CUDA major changes nothing there
+  timeout 900 "$PY" -m pytest -q -p no:cacheprovider tests/test_tensor_core_headers.py tests/test_cudaemu_wmma.py \
+    tests/test_kernel_resources.py tests/test_attention_tensor_cores.py::test_nvrtc_compiles_it_within_the_budget \
+    -k "not gfx90a and not hiprtc" &&
+    echo "CUDA 13 step: $((SECONDS - started)) s"
+) || status=1
 
 echo
 if [ "$status" -eq 0 ]; then echo "ALL TESTS PASSED"; else echo "SOME TESTS FAILED"; fi

@@ -24,7 +24,7 @@ import gpu_compilers
 from boostmpi.gpu import kernels as loader
 from test_attention_kernel import (BF16, F32_TOLERANCE, SLOW_SHAPES, _inputs, max_error, rounded_reference,
                                    specification)
-from test_cudaemu_wmma import nvcc_wheel_include
+from test_cudaemu_wmma import crt_wheel_include
 from test_kernel_resources import MIN_RESIDENT_BLOCKS, nvidia_resident_blocks
 
 pytestmark = pytest.mark.gpu
@@ -78,8 +78,8 @@ def test_the_option_is_off_by_default():
 
 def test_nvrtc_compiles_it_within_the_budget():
     gpu_compilers.require("NVRTC")
-    options = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32", OPTION, nvcc_wheel_include())
-    reports = gpu_compilers.nvrtc([(loader.kernel_source("attention"), options, arch) for arch in ("80", "90")])
+    options = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32", OPTION, crt_wheel_include())
+    reports = gpu_compilers.nvrtc([(loader.kernel_source("attention"), options, arch) for arch in ("80", "90", "100")])
     for report in reports:
         assert report["ok"], report["log"][-4000:]
         table = gpu_compilers.ptxas_table(report["log"])

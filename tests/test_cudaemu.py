@@ -345,8 +345,9 @@ def test_every_entry_point_is_exercised():
     """Every extern "C" entry point of kernels/*.cu is launched by a test above."""
     source = open(__file__).read()
     source += (Path(__file__).parent / "test_attention_kernel.py").read_text()  # attention: at warp 32 and 64 there
-    # attention's names carry {hd}: "hd64_" for the entry points of head dims up to 64, launched there too
-    launched = set(re.findall(r'"(\w+)_(?:\{hd\})?\{suffix\}', source)) | {"softmax_xent"}
+    # attention's names carry {hd}: "hd64_" for the entry points of head dims up to 64, launched there too,
+    # and {tc}: "tc_" where the tensor-core variant runs instead (test_attention_tensor_cores.py checks those)
+    launched = set(re.findall(r'"(\w+)_(?:\{tc\})?(?:\{hd\})?\{suffix\}', source)) | {"softmax_xent"}
     for path in sorted(loader.kernels_dir().glob("*.cu")):
         for name in _module(loader.kernel_source(path.stem), 32).entry_points:
             base = re.sub(r"(_hd64)?_(f32|bf16)(_i32|_i64)?$", "", name)

@@ -11,9 +11,10 @@ Matrix Instruction Calculator for CDNA2; (e) below).
     same for every element) is right;
 (c) what CUDA requires is checked: all lanes of the warp call, a 256-bit aligned pointer, a
     stride of a multiple of 16 bytes; WMMA on a 64-lane wavefront is an error;
-(d) NVRTC compiles the same kernel text for sm_80 and sm_90 with CUDA's own headers: CuPy 14.2
-    puts only the runtime wheel's include directory on NVRTC's path, whose mma.h includes
-    crt/mma.h from the nvcc wheel (nvidia-cuda-nvcc-cu12), so that directory must be added;
+(d) NVRTC compiles the same kernel text for sm_80, sm_90 and sm_100 with CUDA's own headers, CUDA 12's
+    or 13's: with CUDA 12's wheels CuPy 14.2 puts only the runtime wheel's include directory on
+    NVRTC's path, whose mma.h includes crt/mma.h from the nvcc wheel (nvidia-cuda-nvcc-cu12), so that
+    directory must be added; CUDA 13's wheels share one include directory, crt/ from nvidia-cuda-crt;
 (e) MFMA: a 32x32 product over three k steps, loaded and stored in AMD's documented lane layout,
     equals NumPy's on 64 lanes; on 32 lanes it is an error; hipRTC compiles the same text for
     gfx90a; an emulation with another layout fails the product check.
@@ -171,22 +172,30 @@ def test_wmma_on_a_64_lane_wavefront_is_an_error():
                                                           cudaemu.DeviceArray(shape=64, dtype=np.float32)))
 
 
-def nvcc_wheel_include():
-    """CUDA's crt/ headers (mma.h's implementation) from the nvcc wheel, for NVRTC's include path."""
+def crt_wheel_include():
+    """-I<folder> holding CUDA's crt/mma.h in this environment's CUDA wheels, for NVRTC's include path:
+    CUDA 12's nvcc wheel (nvidia/cuda_nvcc/include), CUDA 13's shared nvidia/cu13/include."""
     import importlib.util
 
-    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    from boostmpi.gpu import tensor_cores
+
+    major = gpu_compilers.cuda_major()
+    spec = importlib.util.find_spec(tensor_cores.WHEEL_HEADERS[major][0])
+    header_wheel = gpu_compilers.NVRTC_PACKAGES[major][3]
     assert spec is not None and spec.submodule_search_locations, \
-        "nvidia-cuda-nvcc-cu12 is not installed (the [test] extra brings it)"
+        f"{header_wheel} is not installed (the {gpu_compilers.EXTRA[major]} extra brings it)"
     return f"-I{list(spec.submodule_search_locations)[0]}/include"
 
 
-@pytest.mark.parametrize("arch", ["80", "90"])
+@pytest.mark.parametrize("arch", ["80", "90", "100"])
 def test_nvrtc_compiles_the_probe_with_cudas_headers(arch):
     gpu_compilers.require("NVRTC")
     options = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",)
-    [without, with_crt] = gpu_compilers.nvrtc([(PROBE, options, arch), (PROBE, options + (nvcc_wheel_include(),), arch)])
-    assert not without["ok"] and 'cannot open source file "crt/mma.h"' in without["log"], without["log"][-2000:]
+    [without, with_crt] = gpu_compilers.nvrtc([(PROBE, options, arch), (PROBE, options + (crt_wheel_include(),), arch)])
+    if gpu_compilers.cuda_major() == 12:  # one folder per wheel: crt/ is not on CuPy's path
+        assert not without["ok"] and 'cannot open source file "crt/mma.h"' in without["log"], without["log"][-2000:]
+    else:  # CUDA 13: CuPy's path already holds nvidia/cu13/include, crt/ with it
+        assert without["ok"], without["log"][-4000:]
     assert with_crt["ok"], with_crt["log"][-4000:]
     compiled = {entry for entry, _ in gpu_compilers.ptxas_table(with_crt["log"])}
     assert {"product_rr", "product_cc", "assumed_layout"} <= compiled

@@ -376,7 +376,7 @@ def test_bf16_gpu_problem_names_what_to_install():
     line = bf16_gpu_problem("13.6.0", "2.0.2", None)
     assert "\n" not in line
     for fragment in ("CuPy >= 14.2 (found 13.6.0)", "NumPy >= 2.1.2 (found 2.0.2)", "ml_dtypes >= 0.5 (found none)",
-                     "pip install 'cupy-cuda12x[ctk]>=14.2,<14.3' 'numpy>=2.1.2'"):
+                     "pip install 'cupy-cuda12x[ctk]>=14.2,<14.3' 'numpy>=2.1.2'", "CUDA 13: 'cupy-cuda13x[ctk]>=14.2,<14.3'"):
         assert fragment in line, line
 
 

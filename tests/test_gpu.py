@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gpu_setup import need_gpus
 from gpu_steps import ARCHS, DTYPES, LAYOUTS, layout_archs, step
 
 pytestmark = pytest.mark.gpu
@@ -88,6 +89,7 @@ def test_gpu_steps_launch_the_fused_kernels(monkeypatch, arch, dtype):
 @pytest.fixture(scope="module")
 def multi_rank_results(tmp_path_factory):
     """Every layout of gpu_steps.LAYOUTS, run once under `mpiexec -n 4` (through the NCCL stand-in)."""
+    need_gpus(4)
     mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
     assert mpiexec, "mpiexec not found (pip install mpich)"
     out = tmp_path_factory.mktemp("gpu_ranks") / "results.npz"
@@ -108,6 +110,7 @@ def _layout_cases():
             yield name, arch, train.get("recompute", "none")
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout,arch,recompute", list(_layout_cases()))
 def test_multi_rank_gpu_equals_single_rank(multi_rank_results, layout, arch, recompute, dtype):
@@ -115,8 +118,7 @@ def test_multi_rank_gpu_equals_single_rank(multi_rank_results, layout, arch, rec
     loss = float(multi_rank_results[prefix + "loss"])
     grads = {k[len(prefix) + 5:]: v for k, v in multi_rank_results.items() if k.startswith(prefix + "grad/")}
     assert_step_close((loss, grads), gpu_step(arch, dtype, recompute), dtype, prefix)
-
-
+@pytest.mark.multirank
 def test_multi_rank_gpu_steps_make_only_checked_cupy_calls(multi_rank_results):
     """Every layout's CuPy calls are in the table read against CuPy's source (test_cupy_calls.py)."""
     from gpu_setup import GPU
@@ -142,13 +144,13 @@ def test_the_gpu_benchmark_refuses_the_standin_clearly():
 
 def run_four_ranks(script, folder):
     """`mpiexec -n 4 python tests/SCRIPT FOLDER`, which prints `ok` on rank 0 or one line per failed check."""
+    need_gpus(4)
     mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([mpiexec, "-n", "4", sys.executable, str(TESTS / script), str(folder)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-
-
+@pytest.mark.multirank
 def test_zero1_bf16_keeps_master_slices_and_equals_zero0_through_nccl(tmp_path):
     """tp=2 x dp=2 bf16 (tests/gpu_zero_steps.py): with zero_stage = 1 each rank holds float32 master weights
     for its dp slice only (memory asserted) and all-gathers the bf16 compute buffer; losses and weights
@@ -156,8 +158,7 @@ def test_zero1_bf16_keeps_master_slices_and_equals_zero0_through_nccl(tmp_path):
     is elementwise), with the NCCL reduce-scatter on the side stream and blocking; its checkpoint loads
     back exactly under zero_stage 1 and as the same master weights under 0."""
     run_four_ranks("gpu_zero_steps.py", tmp_path)
-
-
+@pytest.mark.multirank
 def test_zero1_bf16_trains_reports_its_share_and_resumes_under_other_layouts(tmp_path):
     """`boostmpi train` at tp=2 x dp=2, zero_stage = 1, bf16 (tests/gpu_zero_resume.py): memory.params is the
     float32 slice plus the whole bf16 copy; its checkpoint resumes under zero_stage = 0 with the same

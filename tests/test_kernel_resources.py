@@ -1,11 +1,13 @@
 """The kernels as the GPU compilers see them: NVRTC and hipRTC acceptance, and resource budgets.
 
 Every kernel file, as the loader assembles it (kernel_source) with the loader's options:
-  NVRTC      compiled through CuPy 14.2's own RawModule compile path for sm_80 (A100) and sm_90
-             (H100), ptxas's report from that same compile (tests/gpu_compilers.py);
+  NVRTC      compiled through CuPy 14.2's own RawModule compile path for sm_80 (A100), sm_90
+             (H100) and sm_100 (B200), ptxas's report from that same compile (tests/gpu_compilers.py),
+             with the NVRTC of the CUDA wheels installed (12.9 in .venv, 13.0 in .venv-cuda13);
   hipRTC     compiled for gfx90a (MI250X) with -DWARP_SIZE=64 and CuPy's HIP options, by Debian's
              hipRTC (ROCm 5.2; Frontier runs ROCm 6 and 7);
-  budgets    per kernel: no register spills (NVIDIA: no stack frame or spill bytes; AMD: no VGPR or
+  budgets    per kernel: no register spills (NVIDIA: no stack frame or spill bytes on sm_80 and sm_90,
+             sm_100's listed in KNOWN_SPILLS; AMD: no VGPR or
              SGPR spills and no scratch but where listed), and at least 2 resident blocks per SM (sm_80, sm_90) or CU
              (gfx90a) at the launch shapes the loader uses for the paper's largest model
              (registers x block threads, static + dynamic shared memory, from the occupancy rules
@@ -30,7 +32,7 @@ from gpu_compilers import require
 pytestmark = pytest.mark.gpu
 
 FILES = tuple(sorted(p.stem for p in loader.kernels_dir().glob("*.cu")))
-NVIDIA_ARCHS = ("sm_80", "sm_90")
+NVIDIA_ARCHS = ("sm_80", "sm_90", "sm_100")
 NVIDIA_OPTIONS = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",)
 AMD_OPTIONS = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=64",)
 
@@ -39,13 +41,14 @@ AMD_OPTIONS = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=64",)
 #  https://rocm.docs.amd.com/en/latest/reference/gpu-arch-specs.html):
 #   NVIDIA (CUDA C++ Programming Guide, "Compute Capabilities" table): 65536 32-bit registers,
 #   allocated per warp in units of 256; 2048 threads; 32 blocks; shared memory 164 KiB (sm_80) and
-#   228 KiB (sm_90) per SM, 1 KiB of it reserved per block.
+#   228 KiB (sm_90, sm_100) per SM, 1 KiB of it reserved per block.
 #   AMD CDNA2 (gfx90a): 4 SIMDs of up to 8 waves of 64 lanes (the `Occupancy [waves/SIMD]` remark
 #   is that limit for the kernel's registers); 64 KiB of LDS per CU.
 REGISTER_FILE = 65536
 REGISTER_UNIT_PER_WARP = 256
 MAX_REGISTERS = 255
-NVIDIA = {"sm_80": {"smem_per_sm": 164 * 1024}, "sm_90": {"smem_per_sm": 228 * 1024}}
+NVIDIA = {"sm_80": {"smem_per_sm": 164 * 1024}, "sm_90": {"smem_per_sm": 228 * 1024},
+          "sm_100": {"smem_per_sm": 228 * 1024}}
 ARCHS = NVIDIA_ARCHS
 SMEM_RESERVED_PER_BLOCK = 1024
 MAX_THREADS_PER_SM, MAX_BLOCKS_PER_SM = 2048, 32
@@ -88,6 +91,13 @@ def launch_shape(entry, warp):
 # with NVRTC 12.9 / ROCm 5.2. Each entry must still fall short (the test fails when it no longer does,
 # so the entry goes). None at present.
 KNOWN_SHORTFALLS = {}
+
+# Local-memory spills on sm_100 (B200), {(entry, arch, CUDA major of NVRTC): (stack bytes, spill bytes)},
+# measured here with NVRTC 12.9 and 13.0 (bench/log/cuda13.md). Reported, not budgeted: sm_80 (A100) and
+# sm_90 (H100) must not spill at all; each entry must still spill exactly that much.
+KNOWN_SPILLS = {("attention_backward_f32", "sm_100", 12): (8, 8), ("attention_backward_f32", "sm_100", 13): (8, 8),
+                ("attention_backward_bf16", "sm_100", 13): (8, 8)}
+SPILLS_REPORTED_ON = ("sm_100",)
 
 # Kernels that keep a private array in scratch memory on gfx90a (no spill: an array the compiler
 # could not keep in registers), {entry: how much}. Each must still do so (the test fails when it no longer does).
@@ -177,7 +187,10 @@ def check_nvidia_budget(table):
     for (entry, arch), info in table.items():
         threads, dynamic = launch_shape(entry, 32)
         assert info["registers"] <= MAX_REGISTERS
-        assert info["spills"] == 0 and info["stack"] == 0, f"{entry} on {arch} spills to local memory: {info}"
+        known = KNOWN_SPILLS.get((entry, arch, gpu_compilers.cuda_major()), (0, 0))
+        assert (info["stack"], info["spills"]) == known, (
+            f"{entry} on {arch} spills to local memory: {info}" if known == (0, 0) else
+            f"{entry} on {arch}: KNOWN_SPILLS says {known} (stack, spill bytes), ptxas reports {info}")
         blocks = nvidia_resident_blocks(arch, info["registers"], threads, info["smem"] + dynamic)
         short = blocks < MIN_RESIDENT_BLOCKS
         assert short == ((entry, arch) in KNOWN_SHORTFALLS), (
@@ -212,6 +225,16 @@ def test_the_budget_sees_rmsnorm_backward_at_1024_threads_fall_short(ptxas, monk
 @pytest.mark.parametrize("name", FILES)
 def test_no_spills_and_two_resident_blocks_per_sm_at_the_launch_shapes(ptxas, name):
     check_nvidia_budget(ptxas[name])
+
+
+def test_only_sm_100_may_spill():
+    assert {arch for _, arch, _ in KNOWN_SPILLS} <= set(SPILLS_REPORTED_ON)
+
+
+def test_a_spill_on_sm_80_fails_the_budget():
+    table = {("attention_backward_f32", "sm_80"): {"registers": 128, "smem": 16512, "stack": 8, "spills": 8}}
+    with pytest.raises(AssertionError, match="attention_backward_f32 on sm_80 spills to local memory"):
+        check_nvidia_budget(table)
 
 
 @pytest.mark.parametrize("name", FILES)

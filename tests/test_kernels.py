@@ -23,7 +23,7 @@ import pytest
 
 from boostmpi.backend import to_numpy
 from gpu_compilers import require
-from boostmpi.gpu import kernels
+from boostmpi.gpu import kernels, tensor_cores
 from boostmpi.model import layers
 
 EPS = 1e-6
@@ -376,7 +376,7 @@ def test_softmax_xent_kernel_gives_nan_for_a_target_outside_the_vocabulary():
 
 
 @pytest.mark.gpu
-def test_compile_all_compiles_every_kernel_file(monkeypatch):
+def test_compile_all_compiles_every_kernel_file(monkeypatch, attention_gpu_default):
     """`compile_all` (what the batch scripts call before the ranks start) compiles each kernels/*.cu
     through the loader's own `_module`, for the device asked for. The mutant (a loader that skips the
     last file) is caught."""
@@ -391,10 +391,13 @@ def test_compile_all_compiles_every_kernel_file(monkeypatch):
 
     monkeypatch.setattr(kernels, "_module", functools.lru_cache(maxsize=None)(module))
     names = [p.stem for p in KERNEL_FILES]
-    assert kernels.compile_all(0) == names and seen == [(n, 0) for n in names]
-    # where a bfloat16 run takes the tensor-core attention (the default on the stand-in's A100), that too
+    # with the real-GPU default (attention_gpu_default), where a bfloat16 run takes the tensor-core
+    # attention (tensor_cores.use_wmma: an A100 or later, the stand-in's A100 included), that too
     device = kernels._device_info(0)
-    if device.warp_size == 32 and device.nvidia_major >= 8:
+    wmma = ["attention+wmma"] if tensor_cores.use_wmma("bf16", device) else []
+    assert kernels.compile_all(0) == names + wmma and seen[:len(names)] == [(n, 0) for n in names]
+    assert [s[0] for s in seen[len(names):]] == (["attention"] if wmma else [])
+    if not wmma and device.warp_size == 32 and device.nvidia_major >= 8:  # the FMA default of a missing header
         monkeypatch.setenv(kernels.ATTENTION_TENSOR_CORES_ENV, "1")
         seen.clear()
         assert kernels.compile_all(0) == names + ["attention+wmma"]
