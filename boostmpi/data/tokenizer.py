@@ -8,7 +8,8 @@ text itself therefore reads as a document boundary; text files practically never
 Optional: `TiktokenTokenizer("gpt2")` (package `tiktoken`, its encoding cached offline) and
 `HFTokenizer(path)` (package `tokenizers`, a tokenizer.json file).
 
-Shards are uint16, so a vocabulary over 65536 ids is refused. `save_tokenizer` writes
+Shards hold uint16 ids for a vocabulary of up to 65,536, uint32 above (boostmpi.data.shards);
+a vocabulary beyond uint32 is refused. `save_tokenizer` writes
 `tokenizer.json` next to the shards ({kind, name, vocab_size, eot}, plus `path` for a
 Hugging Face file, which is copied beside it as `hf_tokenizer.json`);
 `tokenizer_for_shards` reads it back, or gives the byte tokenizer where there is none.
@@ -20,7 +21,7 @@ import shutil
 
 import numpy as np
 
-from boostmpi.data.shards import MAX_TOKEN_ID, resolve_shards
+from boostmpi.data.shards import MAX_TOKEN_ID, WIDE, resolve_shards, token_dtype
 from boostmpi.errors import DataError, UserError
 from boostmpi.files import atomic_file
 
@@ -63,14 +64,14 @@ class Tokenizer:
         raise NotImplementedError
 
     def encode_array(self, text):
-        """`encode` as a uint16 array, the form shards store."""
-        return np.asarray(self.encode(text), dtype=np.uint16)
+        """`encode` as a uint16 or uint32 array, the form this vocabulary's shards store."""
+        return np.asarray(self.encode(text), dtype=token_dtype(self.vocab_size))
 
     def _check_vocab(self):
-        if self.vocab_size > MAX_TOKEN_ID + 1:
+        if self.vocab_size > MAX_TOKEN_ID[WIDE] + 1:
             raise UserError(
-                f"tokenizer {self.name} has {self.vocab_size} ids, more than the {MAX_TOKEN_ID + 1} "
-                f"that uint16 token shards can hold"
+                f"tokenizer {self.name} has {self.vocab_size} ids, more than the {MAX_TOKEN_ID[WIDE] + 1} "
+                f"that uint32 token shards can hold"
             )
 
 
