@@ -279,6 +279,14 @@ class Trainer:
                 f"divide {before}")
 
     # ------------------------------------------------------------------ checkpoint
+    def _kept_checkpoint(self):
+        """What a stopped run leaves to resume from, in words: its newest complete checkpoint, or none."""
+        self.poll_async_save(wait=True)
+        latest = ckpt.find_latest(self.run_dir)
+        if latest is None:
+            return "no checkpoint was written yet, so there is none to resume from"
+        return f"the last checkpoint, {os.path.basename(latest)}, is kept intact"
+
     def save_checkpoint(self):
         """Every rank writes its own pieces at once (checkpoint.save); a failure on any rank (a full
         disk) ends every rank with the same one-line error, the previous checkpoint untouched.
@@ -377,7 +385,7 @@ class Trainer:
                     self.loader.load_state_dict(position)
                     return self._stop_at_boundary(last_val)
                 if not math.isfinite(loss):
-                    raise TrainingDiverged(f"the loss became {loss} at step {step + 1}; the last checkpoint is kept intact "
+                    raise TrainingDiverged(f"the loss became {loss} at step {step + 1}; {self._kept_checkpoint()} "
                                            f"(lower train.lr or raise train.warmup_steps)")
                 gnorm = optimizer_step(e, self.optimizer, lr, tr.grad_clip)
                 dt = time.perf_counter() - t0
