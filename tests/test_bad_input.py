@@ -108,6 +108,22 @@ def test_bad_data_is_refused_by_name(split, kind, fragments, shards, tmp_path, c
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("left", [["train_000000.bin", "train_000001.bin"], ["train_000000.bin", "val_000000.bin"]])
+def test_an_unfinished_data_set_is_refused(shards, tmp_path, capfd, left):
+    """What an interrupted `boostmpi data` left behind before it wrote all at once: shards without the
+    tokenizer record it writes last (and perhaps without a val shard)."""
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    tokens = np.fromfile(shards[0], dtype="<u2")[256 * 2:]
+    for name in left:
+        write_shard(partial / name, tokens[:5000])
+    run_dir = tmp_path / "run"
+    val = partial / "val_*.bin" if "val_000000.bin" in left else shards[1]
+    missing = "no tokenizer.json" + ("" if "val_000000.bin" in left else ", no val shard")
+    assert_refused(capfd, train_argv(run_dir, partial / "train_*.bin", val), tmp_path, partial, missing, "--force")
+    assert not run_dir.exists()
+
+
 def test_a_run_without_a_checkpoint_is_not_overwritten(shards, tmp_path, capfd):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

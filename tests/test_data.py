@@ -420,6 +420,43 @@ def test_data_command_writes_shards_and_tokenizer(tmp_path, capsys):
     assert tok.decode(read_stream(str(out / "train_*.bin"))).startswith("\0second document\n")
 
 
+def folder_digest(folder):
+    return {p.name: p.read_bytes() for p in Path(folder).iterdir()} if Path(folder).exists() else None
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_an_interrupted_data_command_leaves_out_as_it_was(tmp_path, capsys, monkeypatch, existing):
+    make_text_folder(tmp_path / "in")
+    out = tmp_path / "out"
+    if existing:  # a complete older set, replaced with --force by the run that is interrupted
+        assert main(["data", str(tmp_path / "in" / "sub"), "--out", str(out)]) == 0
+    before = folder_digest(out)
+    written = []
+
+    def interrupted(self):  # after the train shards are written, before val and the tokenizer record
+        written.extend(glob_names(self.out_dir))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(corpus.ShardStream, "close", interrupted)
+    assert main(["data", str(tmp_path / "in"), "--out", str(out), "--shard-tokens", "300", "--force"]) == 130
+    assert any(n.startswith("train_") for n in written)  # the interruption came mid-way, shards were on disk
+    assert folder_digest(out) == before
+    assert sorted(os.listdir(tmp_path)) == (["in", "out"] if existing else ["in"])  # no temporary folder left
+    monkeypatch.undo()
+
+    # a temporary folder that a killed run left behind goes with the next run into the same --out
+    stale = tmp_path / ".out.killed.data-tmp"
+    stale.mkdir()
+    (stale / "train_000000.bin").write_bytes(b"partial")
+    assert main(["data", str(tmp_path / "in"), "--out", str(out), "--force"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["in", "out"]
+    assert sorted(os.listdir(out)) == ["tokenizer.json", "train_000000.bin", "val_000000.bin"]
+
+
+def glob_names(folder):
+    return sorted(os.listdir(folder))
+
+
 def test_data_command_bad_input_is_exit_status_2(tmp_path, capsys):
     assert main(["data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]) == 2
     assert "nowhere" in capsys.readouterr().err

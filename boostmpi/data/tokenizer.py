@@ -17,6 +17,7 @@ Hugging Face file, which is copied beside it as `hf_tokenizer.json`);
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -265,3 +266,20 @@ def tokenizer_for_shards(shard_path):
     if not isinstance(spec, dict):
         raise DataError(f"tokenizer record {record} is not a JSON object")
     return load_tokenizer(spec, base_dir=directory)
+
+
+DATA_SHARD_NAME = re.compile(r"(train|val)_\d{6}\.bin")  # the names `boostmpi data` gives its shards
+
+
+def check_complete_set(paths):
+    """Refuse shards named as `boostmpi data` names them whose folder lacks what a finished run of it
+    leaves there: its tokenizer record, written last, and a val shard (the trace of a run that failed
+    or was interrupted, from before `data` wrote its output all at once)."""
+    for folder in sorted({os.path.dirname(p) for p in paths if DATA_SHARD_NAME.fullmatch(os.path.basename(p))}):
+        names = os.listdir(folder or ".")
+        missing = [] if TOKENIZER_FILE in names else [f"no {TOKENIZER_FILE}"]
+        if not any(n.startswith("val_") and DATA_SHARD_NAME.fullmatch(n) for n in names):
+            missing.append("no val shard")
+        if missing:
+            raise DataError(f"{folder or '.'} holds an incomplete shard set ({', '.join(missing)}): the `boostmpi data` "
+                            f"run that wrote it did not finish; run it again with --force")

@@ -13,6 +13,7 @@ import numpy as np
 from boostmpi import checkpoint as ckpt
 from boostmpi.data.progress import format_duration
 from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
+from boostmpi.data.tokenizer import check_complete_set
 from boostmpi import preemption
 from boostmpi.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, UserError, verdict_of
 from boostmpi.files import (FilesystemError, RunLock, atomic_file, check_dir_creatable, format_bytes, fs_error,
@@ -35,7 +36,9 @@ def resolve_data(cfg):
             return resolve_shards(shard_globs(d.builtin_dir)[which])
         return resolve_shards(spec)
 
-    return paths(d.train, 0), paths(d.val, 1)
+    train, val = paths(d.train, 0), paths(d.val, 1)
+    check_complete_set(train + val)
+    return train, val
 
 
 def prepare_builtin(cfg, is_root):
