@@ -110,6 +110,7 @@ class Trainer:
 
         # rank 0 reads every token once to check the vocabulary; the others trust its verdict
         self.loader, (self.val_x, self.val_y) = self._root_decides(lambda: open_data(V), lambda: open_data(None))
+        preemption.stage("data")
         self.preemption = preemption.watch()  # keeps a stop signal that arrived during start-up
         self.config_path = config_path
         self._lock, self._made_run_dir = None, False
@@ -119,6 +120,7 @@ class Trainer:
             self.engine = Engine(cfg, self.grid)  # the weights are drawn here, after every check
             e = self.engine
             self.optimizer = AdamW(e.params, e.specs, tr, e.xp, shard=e.shard, master=e.master)
+            preemption.stage("engine")
             self.peak_flops = device_peak_flops(e.xp, tr.dtype)  # all ranks' GPUs: the MFU's denominator
             if path is not None:
                 self._resume(path)
@@ -363,6 +365,8 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def train(self):
         cfg, e, tr = self.cfg, self.engine, self.cfg.train
+        preemption.started()  # from here a stop signal is acted on at a step boundary, with a checkpoint
+        preemption.stage("first-step")
         self._root_decides(self._prepare_run_dir)
         tokens_per_step = cfg.tokens_per_step
         log = metrics.MetricsFile(self.run_dir) if self.is_root else None
