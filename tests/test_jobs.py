@@ -489,3 +489,25 @@ def test_polaris_setup_every_branch_checks_mpi4py_against_the_mpich_it_was_built
     else:  # the fallback: built under PrgEnv-gnu, and checked against PrgEnv-gnu's MPICH, which it linked
         assert built == ["build cc -shared under GNU"], log.read_text()
         assert "on /opt/cray/pe/mpich/8.1.30/ofi/gnu/12.3/lib/libmpi*.so*" in p.stdout, p.stdout
+
+
+def test_jobs_run_a_paper_config_with_its_own_layout(tmp_path):
+    """TP and PP unset: the config's [parallel] tp and pp (configs/paper_13b.toml: tp 4 x pp 2), not the
+    site's default; set, they win."""
+    site = _site_bin(tmp_path, "usr/bin", "srun")
+    venv = str(REPO / ".venv")
+    env = dict(SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_SUBMIT_DIR=str(REPO), BOOSTMPI_VENV=venv,
+               PATH=f"{venv}/bin:{site}:{os.environ['PATH']}", CONFIG="configs/paper_13b.toml", RUN_DIR="runs/p13")
+    out = _render("jobs/frontier.sbatch", **env)
+    assert out["launch"][11:] == _train("configs/paper_13b.toml", "runs/p13", 4, 2, 2, "train.device=gpu",
+                                        "parallel.comm=nccl", py=f"{venv}/bin/python")
+    out = _render("jobs/frontier.sbatch", **env, TP="8", PP="1")
+    assert out["launch"][11:] == _train("configs/paper_13b.toml", "runs/p13", 8, 1, 2, "train.device=gpu",
+                                        "parallel.comm=nccl", py=f"{venv}/bin/python")
+    out = _render("jobs/frontier.sbatch", **dict(env, CONFIG="configs/cola_d1024.toml"))  # no [parallel]: the site's
+    assert out["launch"][11:14] == [f"{venv}/bin/python", "-m", "boostmpi"] and "parallel.tp=8" in out["launch"]
+    p, _, _, _ = _polaris(tmp_path / "polaris", CONFIG="configs/paper_13b.toml", RUN_DIR="runs/p13")
+    out = _parsed(p)  # 2 nodes x 4 GPUs = the 13B's 8 ranks: dp 1; the successor keeps the layout
+    assert out["launch"][14:] == ["gpu-bind", *_train("configs/paper_13b.toml", "runs/p13", 4, 2, 1, "train.device=gpu",
+                                                      "parallel.comm=nccl", py=f"{venv}/bin/python")]
+    assert any(word.startswith("TP=4,PP=2,CONFIG=configs/paper_13b.toml,") for word in out["resubmit"])
