@@ -15,6 +15,7 @@ rest again, exactly as if they had been given on the command line.
 import difflib
 import math
 import numbers
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -51,6 +52,7 @@ _RANGE_CHECKS = {
     "fraction": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     "beta": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "nonempty": (lambda v: v != "", "must not be empty"),
+    "path": (lambda v: v != "" and not v.startswith("~"), "must not be empty, and a leading ~ must name an existing user"),
     "zero_stage": (lambda v: v in (0, 1, 2, 3), "must be 0 (optimizer state replicated over dp), 1 (sharded over dp), "
                    "2 (and gradients) or 3 (and parameters)"),
 }
@@ -117,7 +119,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    run_dir: str = _key("runs/default", "nonempty")
+    run_dir: str = _key("runs/default", "path")
     steps: int = _key(100, "positive")
     micro_batch_size: int = _key(8, "positive")
     grad_accum: int = _key(1, "positive")
@@ -144,9 +146,9 @@ class TrainConfig:
 @dataclass(frozen=True)
 class DataConfig:
     # a shard path or glob, or the word "builtin" for the built-in corpus
-    train: str = _key("builtin", "nonempty")
-    val: str = _key("builtin", "nonempty")
-    builtin_dir: str = _key("data/builtin", "nonempty")  # where the built-in shards are prepared
+    train: str = _key("builtin", "path")
+    val: str = _key("builtin", "path")
+    builtin_dir: str = _key("data/builtin", "path")  # where the built-in shards are prepared
     shuffle: bool = _key(True)  # windows in a new seeded order every epoch (false: in file order)
 
 
@@ -426,6 +428,8 @@ def _build(explicit, world_size):
                 section[key] = f.metadata["derive"](section)
             else:
                 section[key] = f.default
+            if f.metadata["check"] == "path" and isinstance(section[key], str):  # ~ and ~user, as a shell would
+                section[key] = os.path.expanduser(section[key])
     _resolve_batch(values["train"], values["parallel"]["dp"], explicit.get("train", {}))
     cfg = Config(**{name: cls(**{_FIELDS[name][k].name: v for k, v in values[name].items()})
                     for name, cls in SECTIONS.items()}, _explicit=explicit)

@@ -13,6 +13,13 @@ second flag means the previous step's boundary is where the run stops: the train
 step in progress (no optimizer update, no metrics row, the data position put back) and
 checkpoints the state of the previous step, so no extra collective is needed per step.
 
+During start-up (from `install` until the trainer's loop begins, `started`) there is nothing to
+checkpoint yet, so a stop signal ends the process at once: the handler raises `StoppedDuringStartup`
+in the main thread, which interrupts even a long Python loop within a second; the command prints
+one line and exits 128 + the signal's number. Start-up marks its stages (`stage`); the environment
+variable BOOSTMPI_SIGNAL_AT=STAGE[:SIGNAL] makes the process send itself SIGNAL (default SIGTERM)
+when it reaches STAGE, so that a signal at any point of start-up can be tested deterministically.
+
 This module imports nothing from the rest of boostmpi: start-up (parallel/) and the trainer
 (train/) both use it.
 """
@@ -35,6 +42,23 @@ STOPPED_MARKER = "STOPPED_ON_SIGNAL"
 # run's own record that it is finished, from which alone a job script writes DONE
 FINAL_RECORD = "final.json"
 INTERRUPTED_TWICE_EXIT = 130
+SIGNAL_AT = "BOOSTMPI_SIGNAL_AT"
+# the start-up stages, in order: `stage(name)` is called as each is reached
+STAGES = ("launch", "handlers", "mpi", "config", "memory", "data", "engine", "first-step")
+
+
+class StoppedDuringStartup(KeyboardInterrupt):
+    """A stop signal before the first step: nothing to checkpoint, the process ends at once."""
+
+    def __init__(self, signum, stage):
+        self.signum, self.stage = signum, stage
+        self.exit_code = 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name} during start-up (at {stage}): no step was taken, "
+                         f"nothing to checkpoint; run the same command again to start")
+
+
+_starting = False
+_stage = "launch"
 
 
 class StopRequest:
@@ -72,6 +96,8 @@ _request = StopRequest()
 
 def _handler(signum, frame):
     _request.record(signum)
+    if _starting:
+        raise StoppedDuringStartup(signum, _stage)
 
 
 def _take_signals():
@@ -83,10 +109,27 @@ def _take_signals():
 
 
 def install():
-    """Start-up: from now on a stop signal is recorded (a fresh request), never fatal."""
-    global _request
+    """Start-up: from now on a stop signal ends start-up at once (StoppedDuringStartup), and after
+    `started` it is recorded (a fresh request) for the trainer to act on, never fatal."""
+    global _request, _starting
     _request = StopRequest()
+    _starting = True
     _take_signals()
+
+
+def started():
+    """Start-up is over: the trainer's loop begins and stop signals are recorded from now on."""
+    global _starting
+    _starting = False
+
+
+def stage(name):
+    """Start-up reached `name` (one of STAGES); with BOOSTMPI_SIGNAL_AT naming it, send the signal it names."""
+    global _stage
+    _stage = name
+    wanted, _, sig = os.environ.get(SIGNAL_AT, "").partition(":")
+    if wanted == name:
+        os.kill(os.getpid(), getattr(signal, sig or "SIGTERM"))
 
 
 def watch():
@@ -111,6 +154,7 @@ def handlers_restored():
     try:
         yield
     finally:
+        started()
         for sig, handler in saved.items():
             if handler is not None:
                 signal.signal(sig, handler)

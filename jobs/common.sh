@@ -5,7 +5,9 @@
 # A script sets these, sources this file and calls `boostmpi_job`:
 #   CONFIG        the TOML configuration
 #   RUN_DIR       the run directory (passed as --set train.run_dir, so the checkpoints and DONE are found)
-#   TP PP NRANKS  the layout: tensor and pipeline sizes and the number of ranks; dp = NRANKS / (TP * PP)
+#   TP PP NRANKS  the layout: tensor and pipeline sizes and the number of ranks; dp = NRANKS / (TP * PP).
+#                 An empty TP or PP takes the config's [parallel] tp / pp (so configs/paper_*.toml run
+#                 with their own layouts), else SITE_TP (the site's choice) / 1
 #   PY            the Python in which boostmpi is installed
 #   LAUNCH        array: the launcher and its options, up to the program (srun ..., mpiexec ...)
 #   EXTRA_SETS    array (optional): more section.key=value overrides
@@ -144,8 +146,22 @@ boostmpi_env_summary() {
   boostmpi_quote ${words[@]+"${words[@]}"}
 }
 
-# boostmpi_layout: sets DP from NRANKS, TP and PP, or stops with status 2.
+# boostmpi_config_int FILE SECTION KEY DEFAULT: the integer `KEY = N` of [SECTION] in the TOML file
+# FILE (a plain line, as configs/ write it), else DEFAULT.
+boostmpi_config_int() {
+  local value
+  value="$(awk -v want="[$2]" -v key="$3" '
+    { line = $0; sub(/#.*/, "", line); gsub(/[[:space:]]/, "", line) }
+    line ~ /^\[/ { section = line; next }
+    section == want && index(line, key "=") == 1 { print substr(line, length(key) + 2) }' "$1" 2>/dev/null | tail -1)"
+  if [[ "$value" =~ ^[0-9]+$ ]]; then echo "$value"; else echo "$4"; fi
+}
+
+# boostmpi_layout: sets TP and PP where empty (the config's, else SITE_TP and 1), then DP from NRANKS,
+# TP and PP, or stops with status 2.
 boostmpi_layout() {
+  TP="${TP:-$(boostmpi_config_int "$CONFIG" parallel tp "${SITE_TP:-1}")}"
+  PP="${PP:-$(boostmpi_config_int "$CONFIG" parallel pp 1)}"
   if [ "$NRANKS" -lt 1 ] || [ $((NRANKS % (TP * PP))) -ne 0 ]; then
     echo "error: $NRANKS ranks cannot be split into tp=$TP x pp=$PP x dp (tp * pp must divide the ranks)" >&2
     exit 2

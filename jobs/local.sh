@@ -10,8 +10,9 @@ set -uo pipefail
 
 # ---- layout and configuration
 NPROC="${NPROC:-2}"                           # MPI ranks
-TP="${TP:-$((NPROC >= 2 ? 2 : 1))}"           # tensor-parallel size (dp = NPROC / (TP * PP))
-PP="${PP:-1}"                                 # pipeline stages
+TP="${TP:-}"                                  # tensor-parallel size (dp = NPROC / (TP * PP)); unset: the config's
+SITE_TP=$((NPROC >= 2 ? 2 : 1))               # [parallel] tp, else this
+PP="${PP:-}"                                  # pipeline stages; unset: the config's [parallel] pp, else 1
 TP_MODE="${TP_MODE:-btp}"                     # btp (bottleneck-aware) or vanilla
 CONFIG="${CONFIG:-configs/local.toml}"
 RUN_DIR="${RUN_DIR:-runs/local}"

@@ -5,9 +5,13 @@
 # --system-site-packages, whose mpi4py (ALCF's build, against Cray MPICH) the venv uses as it is;
 # CuPy for CUDA 12 and ml_dtypes; no NCCL wheel (the conda module's NCCL is the one ALCF tuned with
 # the aws-ofi-nccl plugin) and never the [mpich] extra (PyPI's MPICH brings a Hydra mpiexec that
-# shadows PALS). Only if the base's mpi4py is not on the loaded Cray MPICH, mpi4py is built into the
-# venv under PrgEnv-gnu: Polaris's default PrgEnv-nvidia makes `cc` the NVIDIA compiler, which
-# rejects the GCC flags of Python's build configuration.
+# shadows PALS). ALCF's current conda module loads PrgEnv-gnu itself (argonne-lcf/conda_install_scripts,
+# alcf_polaris/modulefiles/conda/2025-09-25.lua: depends_on("PrgEnv-gnu")), so the base's mpi4py
+# normally is on the loaded Cray MPICH. Only if it is not, mpi4py is built into the venv under
+# PrgEnv-gnu (loaded first if another PrgEnv is: PrgEnv-nvidia's `cc` is the NVIDIA compiler, which
+# rejects the GCC flags of Python's build configuration), and the build is checked against the
+# MPICH of that same PrgEnv, the one it linked (each PrgEnv's MPICH_DIR is its own libmpi), with no
+# swap back: the jobs run under the conda module, that is under PrgEnv-gnu, too.
 # jobs/polaris.pbs sources this file for polaris_environment and POLARIS_NCCL_PLUGIN_DIR.
 
 # ALCF "NCCL" page (Polaris libraries): the aws-ofi-nccl plugin build ALCF tested, and hwloc
@@ -28,6 +32,11 @@ polaris_environment() {
   return "$status"
 }
 
+# polaris_site_mpi: the glob of the loaded Cray MPICH's libraries (MPICH_DIR follows the PrgEnv).
+polaris_site_mpi() {
+  echo "${MPICH_DIR:?the cray-mpich module did not set MPICH_DIR}/lib/libmpi*.so*"
+}
+
 main() {
   set -eo pipefail
   cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -36,15 +45,16 @@ main() {
   export BOOSTMPI_VENV="${BOOSTMPI_VENV:-$PWD/.venv-polaris}"
   # shellcheck source=jobs/setup_env.sh
   source jobs/setup_env.sh
+  : "${MPICH_DIR:?the cray-mpich module did not set MPICH_DIR}"
   setup_venv ""                                          # mpi4py: the conda base's, if it is on the site MPI
-  local site_mpi="${MPICH_DIR:?the cray-mpich module did not set MPICH_DIR}/lib/libmpi*.so*"
-  if ! (boostmpi_check_site_venv "$site_mpi"); then
+  if ! (boostmpi_check_site_venv "$(polaris_site_mpi)"); then
     echo "the conda base's mpi4py is not on $MPICH_DIR: building mpi4py into $VENV under PrgEnv-gnu"
-    module swap PrgEnv-nvidia PrgEnv-gnu
+    if [ "${PE_ENV:-}" != GNU ]; then
+      module load PrgEnv-gnu || { echo "error: module load PrgEnv-gnu failed" >&2; exit 2; }
+    fi
     install_mpi4py_from_source "cc -shared"
-    module swap PrgEnv-gnu PrgEnv-nvidia
   fi
-  boostmpi_check_site_venv "$site_mpi"
+  boostmpi_check_site_venv "$(polaris_site_mpi)"         # the MPICH of the PrgEnv loaded now, the one built with
   "$PY" -m pip install -q --disable-pip-version-check cupy-cuda12x ml_dtypes
   boostmpi_check_one_nccl
   [ -d "$POLARIS_NCCL_PLUGIN_DIR" ] ||

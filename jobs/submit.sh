@@ -76,7 +76,7 @@ venv="${BOOSTMPI_VENV:-$PWD/.venv-$site}"
 [ -x "$venv/bin/python" ] || fail "no environment at $venv: run bash jobs/setup_$site.sh on a login node first"
 
 if [ "$site" = polaris ]; then
-  passed="TP=${TP:-4},PP=${PP:-1},CONFIG=${CONFIG:-configs/cola_d1024.toml},RUN_DIR=${RUN_DIR:-runs/polaris-cola_d1024},COMM=${COMM:-nccl},RANKS_PER_NODE=${RANKS_PER_NODE:-4},BOOSTMPI_VENV=$venv"
+  passed="TP=${TP:-},PP=${PP:-},CONFIG=${CONFIG:-configs/cola_d1024.toml},RUN_DIR=${RUN_DIR:-runs/polaris-cola_d1024},COMM=${COMM:-nccl},RANKS_PER_NODE=${RANKS_PER_NODE:-4},BOOSTMPI_VENV=$venv"
   command=(qsub -A "$account" -q "$queue" -l "select=$nodes:system=polaris" -l "walltime=$walltime" -v "$passed" "$script")
 else
   command=(sbatch -A "$account" -N "$nodes" -t "$walltime" ${partition:+-p "$partition"} ${queue:+-q "$queue"} "$script")

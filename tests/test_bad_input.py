@@ -108,6 +108,22 @@ def test_bad_data_is_refused_by_name(split, kind, fragments, shards, tmp_path, c
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("left", [["train_000000.bin", "train_000001.bin"], ["train_000000.bin", "val_000000.bin"]])
+def test_an_unfinished_data_set_is_refused(shards, tmp_path, capfd, left):
+    """What an interrupted `boostmpi data` left behind before it wrote all at once: shards without the
+    tokenizer record it writes last (and perhaps without a val shard)."""
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    tokens = np.fromfile(shards[0], dtype="<u2")[256 * 2:]
+    for name in left:
+        write_shard(partial / name, tokens[:5000])
+    run_dir = tmp_path / "run"
+    val = partial / "val_*.bin" if "val_000000.bin" in left else shards[1]
+    missing = "no tokenizer.json" + ("" if "val_000000.bin" in left else ", no val shard")
+    assert_refused(capfd, train_argv(run_dir, partial / "train_*.bin", val), tmp_path, partial, missing, "--force")
+    assert not run_dir.exists()
+
+
 def test_a_run_without_a_checkpoint_is_not_overwritten(shards, tmp_path, capfd):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -132,6 +148,7 @@ def test_a_nan_loss_stops_with_one_line_and_keeps_the_last_checkpoint(shards, tm
     assert lines[0].startswith("error: the loss became nan at step "), lines[0]
     diverged_at = int(lines[0].split("at step ")[1].split(";")[0])
     assert 3 < diverged_at <= 8
+    assert "the last checkpoint, step_00000002, is kept intact" in lines[0], lines[0]
 
     # the checkpoint of step 2 is untouched and still the one to resume from; the steps that did
     # run before the divergence were logged after the existing rows
@@ -139,6 +156,18 @@ def test_a_nan_loss_stops_with_one_line_and_keeps_the_last_checkpoint(shards, tm
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     assert [r["step"] for r in read_metrics(run_dir)] == [r["step"] for r in rows] + list(range(3, diverged_at))
     assert read_metrics(run_dir)[: len(rows)] == rows
+
+
+def test_a_nan_loss_before_any_checkpoint_says_there_is_none(shards, tmp_path):
+    run_dir = tmp_path / "run"
+    argv = train_argv(run_dir, *shards, "train.steps=6", "train.lr=1e30", "train.warmup_steps=0")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "boostmpi", *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "no checkpoint was written yet" in lines[0] and "kept intact" not in lines[0], lines[0]
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").glob("step_*"))
 
 
 def checkpoint_as_if_written_with(run_dir, step, **changes):

@@ -442,3 +442,17 @@ def test_example_config_values():
     big = load_config(CONFIGS / "cola_d1024.toml").model
     assert (big.d_model, big.n_layers, big.n_heads, big.rank, big.d_ff) == (1024, 4, 16, 256, 2736)
     assert big.seq_len == 256
+
+
+def test_tilde_is_expanded_in_every_path_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    sets = ["train.run_dir=~/runs/x", "data.train=~/shards/train_*.bin", "data.val=~/shards/val_*.bin",
+            "data.builtin_dir=~/builtin"]
+    cfg = load_config(CONFIGS / "tiny.toml", sets)
+    assert cfg.train.run_dir == str(tmp_path / "runs" / "x")
+    assert (cfg.data.train, cfg.data.val) == (str(tmp_path / "shards" / "train_*.bin"), str(tmp_path / "shards" / "val_*.bin"))
+    assert cfg.data.builtin_dir == str(tmp_path / "builtin")
+    assert load_config(CONFIGS / "tiny.toml").data.train == "builtin"  # the word, not a path
+    with pytest.raises(ConfigError) as exc:
+        load_config(CONFIGS / "tiny.toml", ["train.run_dir=~no-such-user-boostmpi/x"])
+    assert "train.run_dir" in str(exc.value) and "\n" not in str(exc.value)

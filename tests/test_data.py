@@ -45,10 +45,51 @@ def test_shard_round_trip_in_llm_c_layout(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p != "s.bin"]  # no temporary file left behind
 
 
-@pytest.mark.parametrize("bad_id", [65536, -1])
-def test_write_shard_refuses_ids_outside_uint16(tmp_path, bad_id):
+LLAMA3_VOCAB = 128_256
+
+
+def test_wide_vocabulary_shard_in_llm_c_llama_3_layout(tmp_path):
+    tokens = np.array([0, 1, 65535, 65536, 100_000, LLAMA3_VOCAB - 1, 7], dtype=np.int64)
+    path = tmp_path / "s.bin"
+    write_shard(path, tokens, vocab_size=LLAMA3_VOCAB)
+    raw = path.read_bytes()  # read back by hand, as llm.c's write_datafile(..., "llama-3") lays it out
+    assert len(raw) == 256 * 4 + 4 * len(tokens)
+    header = np.frombuffer(raw[:1024], dtype="<i4")
+    assert list(header[:3]) == [20240801, 7, len(tokens)] and not header[3:].any()
+    assert np.array_equal(np.frombuffer(raw[1024:], dtype="<u4"), tokens)
+    opened = open_shard(path, vocab_size=LLAMA3_VOCAB)
+    assert isinstance(opened, np.memmap) and opened.dtype == np.uint32
+    assert np.array_equal(opened, tokens)
     with pytest.raises(DataError) as exc:
-        write_shard(tmp_path / "s.bin", [1, bad_id, 2])
+        open_shard(path, vocab_size=100_000)
+    one_line_error(exc, "s.bin", "token id 128255", "100000 ids")
+    x, y = eval_windows(opened, 2)
+    assert x[2].tolist() == [100_000, LLAMA3_VOCAB - 1] and y[1].tolist() == [65536, 100_000]
+
+    # the format follows the vocabulary, not the ids: a vocabulary of 65,536 stays uint16 byte for byte
+    write_shard(tmp_path / "narrow.bin", [1, 2, 3], vocab_size=65536)
+    write_shard(tmp_path / "plain.bin", [1, 2, 3])
+    assert (tmp_path / "narrow.bin").read_bytes() == (tmp_path / "plain.bin").read_bytes()
+    write_shard(tmp_path / "wide.bin", [1, 2, 3], vocab_size=65537)
+    assert list(np.fromfile(tmp_path / "wide.bin", dtype="<i4", count=2)) == [20240801, 7]
+    assert open_shard(tmp_path / "wide.bin").tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize("magic, version", [(20240520, 7), (20240801, 1), (20240522, 1), (20240801, 8)])
+def test_open_shard_refuses_any_other_magic_or_version(tmp_path, magic, version):
+    path = tmp_path / "odd.bin"
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = magic, version, 4
+    path.write_bytes(header.tobytes() + np.arange(4, dtype="<u4").tobytes())
+    with pytest.raises(DataError) as exc:
+        open_shard(path)
+    one_line_error(exc, "odd.bin", magic, "20240520 version 1", "20240801 version 7")
+
+
+@pytest.mark.parametrize("bad_id, vocab", [(65536, 65536), (-1, None), (2**32, None), (-5, LLAMA3_VOCAB)])
+def test_write_shard_refuses_ids_outside_its_format(tmp_path, bad_id, vocab):
+    with pytest.raises(DataError) as exc:
+        write_shard(tmp_path / "s.bin", [1, bad_id, 2], vocab_size=vocab)
     one_line_error(exc, bad_id)
     assert not os.listdir(tmp_path)
 
@@ -231,13 +272,36 @@ def test_tokenizer_record_next_to_shards(tmp_path):
         load_tokenizer({"kind": "sentencepiece", "vocab_size": 300})
 
 
-def test_vocabulary_over_uint16_is_refused():
+def test_vocabulary_over_uint32_is_refused():
     class Huge(Tokenizer):
-        name, vocab_size = "huge", 100_277
+        name, vocab_size = "huge", 2**32 + 1
 
     with pytest.raises(UserError) as exc:
         Huge()._check_vocab()
-    one_line_error(exc, "huge", "100277", "65536")
+    one_line_error(exc, "huge", 2**32 + 1, 2**32)
+
+
+class Llama3Sized(Tokenizer):
+    """A stand-in with Llama 3's vocabulary: character c becomes id 65,000 + ord(c), eot the last id."""
+
+    kind, name, vocab_size, eot = "byte", "llama3-sized", LLAMA3_VOCAB, LLAMA3_VOCAB - 1
+
+    def encode(self, text):
+        return [65_000 + ord(c) for c in text]
+
+
+def test_dataset_of_a_128256_vocabulary_is_written_in_uint32_and_read_back(tmp_path):
+    tok = Llama3Sized()
+    docs = [f"document number {i}\n" for i in range(50)]
+    summary = write_dataset(iter(docs), str(tmp_path), tok, val_fraction=0.1, shard_tokens=300)
+    for path, n in summary["train"] + summary["val"]:
+        assert list(np.fromfile(path, dtype="<i4", count=3)) == [20240801, 7, n]
+        assert os.path.getsize(path) == 1024 + 4 * n
+    train = read_stream(str(tmp_path / "train_*.bin"))
+    assert train.max() > 65535 and train[0] == tok.eot and train[1:4].tolist() == tok.encode("doc")
+    loader = TrainLoader(str(tmp_path / "train_*.bin"), 8, batch_size=2, vocab_size=LLAMA3_VOCAB)
+    x, y = loader.next_batch()
+    assert x[0].tolist() == train[:8].tolist() and y[0].tolist() == train[1:9].tolist()
 
 
 def test_hf_tokenizer_names_a_character_it_cannot_represent(tmp_path):
@@ -354,6 +418,43 @@ def test_data_command_writes_shards_and_tokenizer(tmp_path, capsys):
     assert main(["data", str(tmp_path / "in" / "sub"), "--out", str(out), "--force", "--glob", "*.txt"]) == 0
     assert len(resolve_shards(str(out / "train_*.bin"))) == 1  # old shards removed, not mixed in
     assert tok.decode(read_stream(str(out / "train_*.bin"))).startswith("\0second document\n")
+
+
+def folder_digest(folder):
+    return {p.name: p.read_bytes() for p in Path(folder).iterdir()} if Path(folder).exists() else None
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_an_interrupted_data_command_leaves_out_as_it_was(tmp_path, capsys, monkeypatch, existing):
+    make_text_folder(tmp_path / "in")
+    out = tmp_path / "out"
+    if existing:  # a complete older set, replaced with --force by the run that is interrupted
+        assert main(["data", str(tmp_path / "in" / "sub"), "--out", str(out)]) == 0
+    before = folder_digest(out)
+    written = []
+
+    def interrupted(self):  # after the train shards are written, before val and the tokenizer record
+        written.extend(glob_names(self.out_dir))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(corpus.ShardStream, "close", interrupted)
+    assert main(["data", str(tmp_path / "in"), "--out", str(out), "--shard-tokens", "300", "--force"]) == 130
+    assert any(n.startswith("train_") for n in written)  # the interruption came mid-way, shards were on disk
+    assert folder_digest(out) == before
+    assert sorted(os.listdir(tmp_path)) == (["in", "out"] if existing else ["in"])  # no temporary folder left
+    monkeypatch.undo()
+
+    # a temporary folder that a killed run left behind goes with the next run into the same --out
+    stale = tmp_path / ".out.killed.data-tmp"
+    stale.mkdir()
+    (stale / "train_000000.bin").write_bytes(b"partial")
+    assert main(["data", str(tmp_path / "in"), "--out", str(out), "--force"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["in", "out"]
+    assert sorted(os.listdir(out)) == ["tokenizer.json", "train_000000.bin", "val_000000.bin"]
+
+
+def glob_names(folder):
+    return sorted(os.listdir(folder))
 
 
 def test_data_command_bad_input_is_exit_status_2(tmp_path, capsys):

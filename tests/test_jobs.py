@@ -472,3 +472,85 @@ def test_gpu_numa_stops_a_rank_whose_cores_are_elsewhere():
     assert problem == ("local rank 0 would take the GPU at 00000000:C7:00.0 on NUMA node 0, but its cores 16-31 are "
                        "on NUMA node(s) 1: the ranks' CPU binding does not follow the node's GPU layout (check -c and --cpu-bind)")
     assert g.parse_cpulist("0-2,64,70-71\n") == {0, 1, 2, 64, 70, 71}
+
+
+# ---------------------------------------------------------------- jobs/setup_polaris.sh, every branch
+# A stand-in Cray PE: each PrgEnv's cray-mpich has its own MPICH_DIR (the compiler folder of its
+# libmpi, as on a real Cray). The conda module either loads PrgEnv-gnu itself (ALCF's 2025-09-25
+# modulefile: depends_on("PrgEnv-gnu")) or leaves the login's PrgEnv-nvidia. setup_env.sh's
+# functions are replaced by ones that record which MPICH an mpi4py was built on and check it the
+# way boostmpi_check_site_venv does: the mpi4py's libmpi must be one the given glob names.
+POLARIS_STUBS = r'''
+mpich_dir() { echo "/opt/cray/pe/mpich/8.1.30/ofi/$1"; }
+prgenv() { export PE_ENV="$1"; export MPICH_DIR; MPICH_DIR="$(mpich_dir "$([ "$1" = GNU ] && echo gnu/12.3 || echo nvidia/23.3)")"; }
+module() {
+  echo "module $*" >> "$LOG"
+  case "$1 ${2:-}" in
+    "use "*) ;;
+    "load conda") [ "$CONDA_LOADS_GNU" = 1 ] && prgenv GNU; return 0 ;;
+    "load PrgEnv-gnu") prgenv GNU ;;
+    "swap PrgEnv-nvidia") [ "$PE_ENV" = NVIDIA ] || { echo "module: PrgEnv-nvidia is not loaded" >&2; return 1; }; prgenv GNU ;;
+    "swap PrgEnv-gnu") [ "$PE_ENV" = GNU ] || { echo "module: PrgEnv-gnu is not loaded" >&2; return 1; }; prgenv NVIDIA ;;
+    *) echo "module: unexpected: $*" >&2; return 1 ;;
+  esac
+}
+conda() { return 0; }
+prgenv NVIDIA
+'''
+POLARIS_SETUP_ENV = r'''
+setup_venv() { VENV="$BOOSTMPI_VENV"; PY=/bin/true; echo "$BASE_MPI4PY_ON" > "$MPI4PY"; }
+install_mpi4py_from_source() { echo "build $1 under $PE_ENV" >> "$LOG"; echo "$MPICH_DIR" > "$MPI4PY"; }
+boostmpi_check_site_venv() {
+  case "$(cat "$MPI4PY")/lib/libmpi.so.12" in
+    $1) echo "mpi4py in $VENV: on $1" ;;
+    *) echo "error: mpi4py in $VENV runs on $(cat "$MPI4PY"), not on the site MPI ($1)" >&2; exit 1 ;;
+  esac
+}
+boostmpi_check_one_nccl() { :; }
+'''
+
+
+@pytest.mark.parametrize("conda_loads_gnu, base_on_site_mpi", [(True, True), (True, False), (False, True), (False, False)])
+def test_polaris_setup_every_branch_checks_mpi4py_against_the_mpich_it_was_built_on(tmp_path, conda_loads_gnu,
+                                                                                   base_on_site_mpi):
+    jobs = tmp_path / "repo" / "jobs"
+    jobs.mkdir(parents=True)
+    shutil.copy(REPO / "jobs" / "setup_polaris.sh", jobs / "setup_polaris.sh")
+    (jobs / "setup_env.sh").write_text(POLARIS_SETUP_ENV)
+    log, mpi4py = tmp_path / "log", tmp_path / "mpi4py"
+    # the conda base's mpi4py: on the MPICH of the PrgEnv the conda module leaves loaded, or on another one
+    loaded_after_conda = "gnu/12.3" if conda_loads_gnu else "nvidia/23.3"
+    base = f"/opt/cray/pe/mpich/8.1.30/ofi/{loaded_after_conda if base_on_site_mpi else 'cray/17.0'}"
+    script = POLARIS_STUBS + f'\nsource "{jobs / "setup_polaris.sh"}"\nmain\n'
+    p = _bash(["-c", script], {"LOG": str(log), "MPI4PY": str(mpi4py), "BASE_MPI4PY_ON": base,
+                               "CONDA_LOADS_GNU": "1" if conda_loads_gnu else "0", "BOOSTMPI_VENV": str(tmp_path / "venv"),
+                               "BOOSTMPI_NCCL_PLUGIN_DIR": str(tmp_path)})
+    assert p.returncode == 0 and "venv ready" in p.stdout, p.stdout
+    built = [line for line in log.read_text().splitlines() if line.startswith("build ")]
+    if base_on_site_mpi:
+        assert built == [] and "is not on" not in p.stdout
+    else:  # the fallback: built under PrgEnv-gnu, and checked against PrgEnv-gnu's MPICH, which it linked
+        assert built == ["build cc -shared under GNU"], log.read_text()
+        assert "on /opt/cray/pe/mpich/8.1.30/ofi/gnu/12.3/lib/libmpi*.so*" in p.stdout, p.stdout
+
+
+def test_jobs_run_a_paper_config_with_its_own_layout(tmp_path):
+    """TP and PP unset: the config's [parallel] tp and pp (configs/paper_13b.toml: tp 4 x pp 2), not the
+    site's default; set, they win."""
+    site = _site_bin(tmp_path, "usr/bin", "srun")
+    venv = str(REPO / ".venv")
+    env = dict(SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_SUBMIT_DIR=str(REPO), BOOSTMPI_VENV=venv,
+               PATH=f"{venv}/bin:{site}:{os.environ['PATH']}", CONFIG="configs/paper_13b.toml", RUN_DIR="runs/p13")
+    out = _render("jobs/frontier.sbatch", **env)
+    assert out["launch"][11:] == _train("configs/paper_13b.toml", "runs/p13", 4, 2, 2, "train.device=gpu",
+                                        "parallel.comm=nccl", py=f"{venv}/bin/python")
+    out = _render("jobs/frontier.sbatch", **env, TP="8", PP="1")
+    assert out["launch"][11:] == _train("configs/paper_13b.toml", "runs/p13", 8, 1, 2, "train.device=gpu",
+                                        "parallel.comm=nccl", py=f"{venv}/bin/python")
+    out = _render("jobs/frontier.sbatch", **dict(env, CONFIG="configs/cola_d1024.toml"))  # no [parallel]: the site's
+    assert out["launch"][11:14] == [f"{venv}/bin/python", "-m", "boostmpi"] and "parallel.tp=8" in out["launch"]
+    p, _, _, _ = _polaris(tmp_path / "polaris", CONFIG="configs/paper_13b.toml", RUN_DIR="runs/p13")
+    out = _parsed(p)  # 2 nodes x 4 GPUs = the 13B's 8 ranks: dp 1; the successor keeps the layout
+    assert out["launch"][14:] == ["gpu-bind", *_train("configs/paper_13b.toml", "runs/p13", 4, 2, 1, "train.device=gpu",
+                                                      "parallel.comm=nccl", py=f"{venv}/bin/python")]
+    assert any(word.startswith("TP=4,PP=2,CONFIG=configs/paper_13b.toml,") for word in out["resubmit"])

@@ -102,9 +102,10 @@ def test_the_mutant_that_keeps_the_dropped_steps_batches_resumes_elsewhere(shard
     assert not same_run((rows, model), uninterrupted)
 
 
-def test_a_signal_during_start_up_runs_one_step_first(shards, tmp_path, capfd):
-    """A signal recorded before the first step of a run is not "after the previous step": that run has
-    none. The first step runs and is checkpointed (there is nothing else to resume from)."""
+def test_a_signal_just_before_the_first_step_runs_one_step_first(shards, tmp_path, capfd):
+    """A signal recorded after start-up but before the first step of a run is not "after the previous
+    step": that run has none. The first step runs and is checkpointed (there is nothing else to resume
+    from). A signal during start-up itself ends the process at once (tests/test_startup_signals.py)."""
     from boostmpi.config import load_config
     from train_helpers import TINY_CONFIG, train_settings
 
@@ -112,6 +113,7 @@ def test_a_signal_during_start_up_runs_one_step_first(shards, tmp_path, capfd):
     cfg = load_config(str(TINY_CONFIG), overrides=train_settings(run_dir, *shards, *SETTINGS))
     with preemption.handlers_restored():
         preemption.install()
+        preemption.started()
         os.kill(os.getpid(), signal.SIGUSR1)
         assert preemption.watch().signal == signal.SIGUSR1
         result = trainer.Trainer(cfg).train()

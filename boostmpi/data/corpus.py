@@ -28,7 +28,7 @@ import tempfile
 
 import numpy as np
 
-from boostmpi.data.shards import open_shard, write_shard
+from boostmpi.data.shards import open_shard, token_dtype, write_shard
 from boostmpi.files import atomic_file
 from boostmpi.data.tokenizer import ByteTokenizer, save_tokenizer
 from boostmpi.errors import DataError
@@ -124,15 +124,16 @@ class InputReader:
 class ShardStream:
     """Cuts a stream of tokens into `<prefix>_000000.bin`, ... of `shard_tokens` tokens (the last shorter)."""
 
-    def __init__(self, out_dir, prefix, shard_tokens):
+    def __init__(self, out_dir, prefix, shard_tokens, vocab_size):
         self.out_dir, self.prefix, self.shard_tokens = out_dir, prefix, shard_tokens
+        self.vocab_size, self.dtype = vocab_size, token_dtype(vocab_size)
         self.pieces = []
         self.buffered = 0
         self.total = 0
         self.written = []  # (path, token count)
 
     def add(self, tokens):
-        self.pieces.append(np.asarray(tokens, dtype=np.uint16))
+        self.pieces.append(np.asarray(tokens, dtype=self.dtype))
         self.buffered += len(tokens)
         self.total += len(tokens)
         while self.buffered >= self.shard_tokens:
@@ -145,7 +146,7 @@ class ShardStream:
             self.pieces.insert(0, np.array(open_shard(path)))  # a copy: the file goes next
             os.remove(path)
             self.buffered += count
-        stream = np.concatenate(self.pieces) if self.pieces else np.zeros(0, dtype=np.uint16)
+        stream = np.concatenate(self.pieces) if self.pieces else np.zeros(0, dtype=self.dtype)
         keep = len(stream) - n_tokens
         self.pieces = [stream[:keep]] if keep else []
         self.buffered = keep
@@ -160,7 +161,7 @@ class ShardStream:
     def _write(self, n_tokens):
         stream = np.concatenate(self.pieces)
         path = os.path.join(self.out_dir, f"{self.prefix}_{len(self.written):06d}.bin")
-        write_shard(path, stream[:n_tokens])
+        write_shard(path, stream[:n_tokens], self.vocab_size)
         self.written.append((path, n_tokens))
         rest = stream[n_tokens:]
         self.pieces = [rest] if len(rest) else []
@@ -179,9 +180,9 @@ def write_dataset(documents, out_dir, tokenizer, val_fraction=DEFAULT_VAL_FRACTI
     if shard_tokens < 1:
         raise DataError(f"shard size must be at least 1 token, got {shard_tokens}")
     os.makedirs(out_dir, exist_ok=True)
-    eot = np.array([tokenizer.eot], dtype=np.uint16)
-    train = ShardStream(out_dir, "train", shard_tokens)
-    val = ShardStream(out_dir, "val", shard_tokens)
+    eot = np.array([tokenizer.eot], dtype=token_dtype(tokenizer.vocab_size))
+    train = ShardStream(out_dir, "train", shard_tokens, tokenizer.vocab_size)
+    val = ShardStream(out_dir, "val", shard_tokens, tokenizer.vocab_size)
 
     n_documents = 0
     for document in documents:

@@ -1,6 +1,11 @@
 """`boostmpi data`: tokenize text files, folders or the built-in corpus into llm.c token shards.
 
-Writes `<out>/train_000000.bin ...`, `<out>/val_000000.bin ...` and `<out>/tokenizer.json`.
+Writes `<out>/train_000000.bin ...`, `<out>/val_000000.bin ...` and `<out>/tokenizer.json`, all
+at once: everything is made in a hidden temporary folder beside `<out>` and moved into place only
+when complete (a rename of the folder when `<out>` is new or empty; otherwise the files move in one
+by one after the old shards are removed, `tokenizer.json` last, the set's completion mark). A failed
+or interrupted run leaves `<out>` as it was, and at most its temporary folder, which the next run
+into `<out>` removes.
 Folders are read recursively in sorted order, hidden files and folders left out; each file
 is one document. Files found in folders that are not UTF-8 text are skipped (and counted);
 a file named on the command line that is not UTF-8 is an error.
@@ -9,7 +14,9 @@ a file named on the command line that is not UTF-8 is an error.
 import fnmatch
 import glob
 import os
+import shutil
 import sys
+import tempfile
 
 from boostmpi.data.corpus import (
     DEFAULT_BUILTIN_BYTES,
@@ -23,7 +30,9 @@ from boostmpi.data.corpus import (
 from boostmpi.data.progress import Progress
 from boostmpi.data.tokenizer import HF_COPY_FILE, TOKENIZER_FILE, tokenizer_from_name
 from boostmpi.errors import DataError, UserError
-from boostmpi.files import check_dir_creatable, make_dirs
+from boostmpi.files import check_dir_creatable, fs_error, make_dirs
+
+DATA_TMP_SUFFIX = ".data-tmp"  # the temporary folders a run builds its shard set in
 
 
 def register(subparsers):
@@ -75,17 +84,52 @@ def find_input_files(inputs, pattern=None, exclude_dir=None):
     return files
 
 
-def clear_out_dir(out_dir, force):
-    """Make `out_dir` ready for new shards: refuse to overwrite old ones unless `force`, then remove them."""
-    check_dir_creatable(out_dir, "--out")
+def shard_set_files(out_dir):
+    """The files of a shard set in `out_dir`: shards, then the tokenizer files, completion mark last."""
     train_glob, val_glob = shard_globs(out_dir)
-    old = glob.glob(train_glob) + glob.glob(val_glob)
-    old += [p for p in (os.path.join(out_dir, TOKENIZER_FILE), os.path.join(out_dir, HF_COPY_FILE)) if os.path.exists(p)]
-    if old and not force:
+    found = sorted(glob.glob(train_glob)) + sorted(glob.glob(val_glob))
+    return found + [p for p in (os.path.join(out_dir, HF_COPY_FILE), os.path.join(out_dir, TOKENIZER_FILE)) if os.path.exists(p)]
+
+
+def check_out_dir(out_dir, force):
+    """Refuse an --out that cannot be written, or that holds shards unless `force`."""
+    check_dir_creatable(out_dir, "--out")
+    if shard_set_files(out_dir) and not force:
         raise DataError(f"--out {out_dir} already holds shards; pass --force to replace them")
-    for path in old:  # stale shards beyond the new last one would otherwise join the glob
-        os.remove(path)
-    make_dirs(out_dir, "--out")
+
+
+def temporary_out_dir(out_dir):
+    """A new hidden folder beside `out_dir` to build the shards in; stale ones of killed runs go first."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    make_dirs(parent, "--out")
+    prefix = f".{os.path.basename(os.path.abspath(out_dir))}."
+    for stale in glob.glob(os.path.join(parent, glob.escape(prefix) + "*" + DATA_TMP_SUFFIX)):
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        return tempfile.mkdtemp(dir=parent, prefix=prefix, suffix=DATA_TMP_SUFFIX)
+    except OSError as exc:
+        raise fs_error(exc, "cannot create a temporary folder for --out", parent) from exc
+
+
+def move_into_place(tmp_dir, out_dir):
+    """Put the complete shard set of `tmp_dir` at `out_dir`, replacing the shards there."""
+    os.chmod(tmp_dir, 0o777 & ~_umask())  # mkdtemp makes the folder private; shards are shared data
+    try:
+        if not os.path.isdir(out_dir) or not os.listdir(out_dir):
+            os.replace(tmp_dir, out_dir)  # atomic; replaces a missing or empty folder
+            return
+        for path in shard_set_files(out_dir):  # old shards beyond the new last one would join the glob
+            os.remove(path)
+        for path in shard_set_files(tmp_dir):  # tokenizer.json last: the set is complete once it is there
+            os.replace(path, os.path.join(out_dir, os.path.basename(path)))
+    except OSError as exc:
+        raise fs_error(exc, "cannot move the new shards into --out", out_dir) from exc
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def run(args):
@@ -114,11 +158,16 @@ def run(args):
         total_bytes = min(total_bytes, max_bytes)
     if total_bytes == 0:
         raise DataError(f"the input is empty ({len(files)} file(s), 0 bytes)")
-    clear_out_dir(args.out, args.force)
+    check_out_dir(args.out, args.force)
 
-    with Progress(total=total_bytes, desc="tokenizing", unit="B") as progress:
-        reader = InputReader(files, max_bytes, progress)
-        summary = write_dataset(reader.documents(), args.out, tokenizer, args.val_fraction, args.shard_tokens)
+    tmp_dir = temporary_out_dir(args.out)
+    try:
+        with Progress(total=total_bytes, desc="tokenizing", unit="B") as progress:
+            reader = InputReader(files, max_bytes, progress)
+            summary = write_dataset(reader.documents(), tmp_dir, tokenizer, args.val_fraction, args.shard_tokens)
+        move_into_place(tmp_dir, args.out)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
     if reader.skipped:
         print(f"warning: skipped {len(reader.skipped)} file(s) that are not UTF-8 text, e.g. {reader.skipped[0]}", file=sys.stderr)
 

@@ -1,8 +1,11 @@
 """llm.c token shards: write, open, evaluation windows, the training stream.
 
-A shard is a header of 256 little-endian int32 (magic 20240520, version 1, token count,
-then zeros) followed by the tokens as little-endian uint16. Shards are memory-mapped:
-nothing here loads a whole shard into RAM.
+A shard is a header of 256 little-endian int32 (magic, version, token count, then zeros)
+followed by the tokens. llm.c has two such formats (its dev/data/data_common.py, HEADERS_INFO):
+"gpt-2", magic 20240520 version 1, little-endian uint16 tokens; and "llama-3", magic 20240801
+version 7, little-endian uint32 tokens. A vocabulary of up to 65,536 ids is written in the
+first, a larger one in the second; readers take either. Shards are memory-mapped: nothing here
+loads a whole shard into RAM.
 
 Letters: T sequence length, B sequences per micro-batch (per data-parallel rank).
 """
@@ -15,18 +18,31 @@ import numpy as np
 from boostmpi.errors import DataError
 from boostmpi.files import atomic_file
 
-MAGIC = 20240520
-VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 HEADER_DTYPE = np.dtype("<i4")
-TOKEN_DTYPE = np.dtype("<u2")
-MAX_TOKEN_ID = 65535
+# (magic, version) -> token dtype: llm.c's "gpt-2" and "llama-3" headers
+FORMATS = {(20240520, 1): np.dtype("<u2"), (20240801, 7): np.dtype("<u4")}
+NARROW, WIDE = (20240520, 1), (20240801, 7)
+MAX_TOKEN_ID = {NARROW: 2**16 - 1, WIDE: 2**32 - 1}
 MAX_SHARD_TOKENS = 2**31 - 1  # the count is an int32 in the header
 
 
-def write_shard(path, tokens):
-    """Write `tokens` (ids 0..65535) as one shard, atomically: a reader sees the old file or the new one."""
+def shard_format(vocab_size):
+    """The (magic, version) of the shards for a vocabulary: uint16 up to 65,536 ids, uint32 above."""
+    return NARROW if vocab_size <= MAX_TOKEN_ID[NARROW] + 1 else WIDE
+
+
+def token_dtype(vocab_size):
+    """The dtype that shards of a vocabulary store their ids in."""
+    return FORMATS[shard_format(vocab_size)]
+
+
+def write_shard(path, tokens, vocab_size=None):
+    """Write `tokens` as one shard, atomically: a reader sees the old file or the new one.
+
+    The format follows `vocab_size` (see `shard_format`); without it, the ids themselves decide.
+    """
     path = os.fspath(path)
     tokens = np.asarray(tokens)
     if tokens.ndim != 1:
@@ -35,22 +51,23 @@ def write_shard(path, tokens):
         raise DataError(f"cannot write {path}: token ids must be integers, got {tokens.dtype}")
     if tokens.size > MAX_SHARD_TOKENS:
         raise DataError(f"cannot write {path}: {tokens.size} tokens exceed the {MAX_SHARD_TOKENS} a shard header can count")
-    if tokens.size:
-        low, high = int(tokens.min()), int(tokens.max())
-        if low < 0 or high > MAX_TOKEN_ID:
-            bad = low if low < 0 else high
-            raise DataError(f"cannot write {path}: token id {bad} does not fit a uint16 shard (0..{MAX_TOKEN_ID})")
+    low, high = (int(tokens.min()), int(tokens.max())) if tokens.size else (0, 0)
+    fmt = shard_format(high + 1 if vocab_size is None else vocab_size)
+    dtype = FORMATS[fmt]
+    if low < 0 or high > MAX_TOKEN_ID[fmt]:
+        bad = low if low < 0 else high
+        raise DataError(f"cannot write {path}: token id {bad} does not fit a {dtype.name} shard (0..{MAX_TOKEN_ID[fmt]})")
     header = np.zeros(HEADER_INTS, dtype=HEADER_DTYPE)
-    header[0], header[1], header[2] = MAGIC, VERSION, tokens.size
+    header[0], header[1], header[2] = fmt[0], fmt[1], tokens.size
 
     with atomic_file(path, "wb") as f:
         # file.write, not ndarray.tofile: tofile reports a full disk without its errno
         f.write(memoryview(header).cast("B"))
-        f.write(memoryview(np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE)).cast("B"))
+        f.write(memoryview(np.ascontiguousarray(tokens, dtype=dtype)).cast("B"))
 
 
 def open_shard(path, vocab_size=None):
-    """The tokens of a shard as a read-only uint16 memmap (an empty array for an empty shard).
+    """The tokens of a shard as a read-only uint16 or uint32 memmap (an empty array for an empty shard).
 
     Checks the header against the file size, and with `vocab_size` that every id is below it.
     """
@@ -67,11 +84,13 @@ def open_shard(path, vocab_size=None):
     except OSError as exc:
         raise DataError(f"cannot read token shard {path}: {exc.strerror or exc}") from exc
     magic, version, n_tokens = (int(v) for v in header[:3])
-    if magic != MAGIC:
-        raise DataError(f"{path} is not an llm.c token shard (magic number {magic}, expected {MAGIC})")
-    if version != VERSION:
-        raise DataError(f"{path}: unsupported token shard version {version} (expected {VERSION})")
-    expected_bytes = HEADER_BYTES + TOKEN_DTYPE.itemsize * n_tokens
+    dtype = FORMATS.get((magic, version))
+    if dtype is None:
+        known = " or ".join(f"magic {m} version {v}" for m, v in FORMATS)
+        if magic not in {m for m, _ in FORMATS}:
+            raise DataError(f"{path} is not an llm.c token shard (magic number {magic}, expected {known})")
+        raise DataError(f"{path}: unsupported token shard version {version} with magic {magic} (expected {known})")
+    expected_bytes = HEADER_BYTES + dtype.itemsize * n_tokens
     if n_tokens < 0 or file_bytes < expected_bytes:
         raise DataError(
             f"{path} is truncated: its header announces {n_tokens} tokens ({expected_bytes} bytes) "
@@ -82,8 +101,8 @@ def open_shard(path, vocab_size=None):
             f"{path} is corrupted: {file_bytes - expected_bytes} bytes follow the {n_tokens} tokens its header announces"
         )
     if n_tokens == 0:  # mmap cannot map zero bytes
-        return np.zeros(0, dtype=TOKEN_DTYPE)
-    tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(n_tokens,))
+        return np.zeros(0, dtype=dtype)
+    tokens = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(n_tokens,))
     if vocab_size is not None:
         top = int(tokens.max())
         if top >= vocab_size:

@@ -8,7 +8,8 @@ text itself therefore reads as a document boundary; text files practically never
 Optional: `TiktokenTokenizer("gpt2")` (package `tiktoken`, its encoding cached offline) and
 `HFTokenizer(path)` (package `tokenizers`, a tokenizer.json file).
 
-Shards are uint16, so a vocabulary over 65536 ids is refused. `save_tokenizer` writes
+Shards hold uint16 ids for a vocabulary of up to 65,536, uint32 above (boostmpi.data.shards);
+a vocabulary beyond uint32 is refused. `save_tokenizer` writes
 `tokenizer.json` next to the shards ({kind, name, vocab_size, eot}, plus `path` for a
 Hugging Face file, which is copied beside it as `hf_tokenizer.json`);
 `tokenizer_for_shards` reads it back, or gives the byte tokenizer where there is none.
@@ -16,11 +17,12 @@ Hugging Face file, which is copied beside it as `hf_tokenizer.json`);
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
 
-from boostmpi.data.shards import MAX_TOKEN_ID, resolve_shards
+from boostmpi.data.shards import MAX_TOKEN_ID, WIDE, resolve_shards, token_dtype
 from boostmpi.errors import DataError, UserError
 from boostmpi.files import atomic_file
 
@@ -63,14 +65,14 @@ class Tokenizer:
         raise NotImplementedError
 
     def encode_array(self, text):
-        """`encode` as a uint16 array, the form shards store."""
-        return np.asarray(self.encode(text), dtype=np.uint16)
+        """`encode` as a uint16 or uint32 array, the form this vocabulary's shards store."""
+        return np.asarray(self.encode(text), dtype=token_dtype(self.vocab_size))
 
     def _check_vocab(self):
-        if self.vocab_size > MAX_TOKEN_ID + 1:
+        if self.vocab_size > MAX_TOKEN_ID[WIDE] + 1:
             raise UserError(
-                f"tokenizer {self.name} has {self.vocab_size} ids, more than the {MAX_TOKEN_ID + 1} "
-                f"that uint16 token shards can hold"
+                f"tokenizer {self.name} has {self.vocab_size} ids, more than the {MAX_TOKEN_ID[WIDE] + 1} "
+                f"that uint32 token shards can hold"
             )
 
 
@@ -264,3 +266,20 @@ def tokenizer_for_shards(shard_path):
     if not isinstance(spec, dict):
         raise DataError(f"tokenizer record {record} is not a JSON object")
     return load_tokenizer(spec, base_dir=directory)
+
+
+DATA_SHARD_NAME = re.compile(r"(train|val)_\d{6}\.bin")  # the names `boostmpi data` gives its shards
+
+
+def check_complete_set(paths):
+    """Refuse shards named as `boostmpi data` names them whose folder lacks what a finished run of it
+    leaves there: its tokenizer record, written last, and a val shard (the trace of a run that failed
+    or was interrupted, from before `data` wrote its output all at once)."""
+    for folder in sorted({os.path.dirname(p) for p in paths if DATA_SHARD_NAME.fullmatch(os.path.basename(p))}):
+        names = os.listdir(folder or ".")
+        missing = [] if TOKENIZER_FILE in names else [f"no {TOKENIZER_FILE}"]
+        if not any(n.startswith("val_") and DATA_SHARD_NAME.fullmatch(n) for n in names):
+            missing.append("no val shard")
+        if missing:
+            raise DataError(f"{folder or '.'} holds an incomplete shard set ({', '.join(missing)}): the `boostmpi data` "
+                            f"run that wrote it did not finish; run it again with --force")

@@ -27,7 +27,9 @@ def init_mpi():
     from boostmpi.parallel.startup import set_host_threads
 
     set_host_threads()  # in time only if NumPy is not loaded yet: `boostmpi` itself sets them first (cli.main)
+    preemption.stage("launch")  # a signal here meets its default action (SIGTERM ends the process)
     preemption.install()
+    preemption.stage("handlers")
     try:
         faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True, chain=False)
     except (ValueError, AttributeError, OSError):  # not the main thread, or no real stderr: leave it be
@@ -43,6 +45,7 @@ def init_mpi():
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank = local.Get_rank()
     local.Free()
+    preemption.stage("mpi")
     return (world if size > 1 else None), rank, size, local_rank
 
 
@@ -100,6 +103,10 @@ def run_guarded(body, world, rank):
             abort_job(world, exc.exit_code)
         return exc.exit_code
     except BaseException as exc:  # noqa: BLE001 - any other failure ends the whole job, never a hang
+        from boostmpi.preemption import StoppedDuringStartup
+
+        if isinstance(exc, StoppedDuringStartup):  # a stop signal before the first step: the caller ends at once
+            raise
         if isinstance(exc, SystemExit) and not exc.code:
             return 0
         print(f"rank {rank}: unhandled {type(exc).__name__}: {exc}\n{traceback.format_exc()}", file=sys.stderr, flush=True)

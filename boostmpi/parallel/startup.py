@@ -195,10 +195,38 @@ def memory_problem(memory, limit, where, device):
             f"model.n_layers, train.micro_batch_size) or spread it over more ranks (parallel.tp, parallel.pp)")
 
 
+def weights_lower_bound(cfg):
+    """Bytes per rank that the layers' weights, gradients and AdamW moments need at the least, in
+    closed form (no walk over the layers): the largest stage's ceil(L / pp) layers over tp ranks, at
+    the dtype's size for weights and gradients, a float32 master copy for bfloat16, and two float32
+    moments (divided over dp under ZeRO-1). The embedding, the head and activations come on top."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
+    per_layer = 2 * m.d_model  # the two norms
+    for d_in, d_out, r in m.linear_shapes().values():
+        per_layer += d_in * d_out if r is None else r * (d_in + d_out)
+    layers = -(-m.n_layers // par.pp)
+    itemsize = {"float64": 8, "float32": 4, "bfloat16": 2}.get(tr.dtype, 2)
+    moments = 8 / (par.dp if par.zero_stage >= 1 else 1)
+    per_param = 2 * itemsize + (4 if tr.dtype == "bfloat16" else 0) + moments
+    return int(layers * per_layer / par.tp * per_param)
+
+
+def size_problem(cfg, limit, where, device):
+    """The one-line reason to refuse a model whose weights alone exceed `limit`, or None."""
+    need = weights_lower_bound(cfg)
+    if limit is None or need <= limit:
+        return None
+    return (f"this model's {cfg.model.n_layers:,} layers need at least {_gib(need)} per rank for their weights, "
+            f"gradients and optimizer state alone but a rank may use {_gib(limit)} of {device} memory here ({where}): "
+            f"shrink the model (model.n_layers, model.d_model) or spread it over more ranks (parallel.tp, parallel.pp)")
+
+
 def check_memory(cfg, world, local_rank, memory, environ=None):
     """Stop (every rank together, exit 2) a model that cannot fit in what a rank may use, before
     anything is allocated: host memory on the CPU path, the GPU's memory on the GPU path. `memory`:
-    the performance model's estimate per rank (`boostmpi.sim.model.memory_estimate`), or None."""
+    the performance model's estimate per rank (`boostmpi.sim.model.memory_estimate`), or None, or a
+    function giving it: then a model whose weights alone cannot fit (`weights_lower_bound`, closed
+    form) is refused first, without the estimate's walk over every layer."""
     environ = os.environ if environ is None else environ
     from boostmpi.parallel.comm import HostCollectives
 
@@ -214,14 +242,19 @@ def check_memory(cfg, world, local_rank, memory, environ=None):
 
         device = local_rank % cupy.cuda.runtime.getDeviceCount()  # the GPU select_device will choose
         limit = int(cupy.cuda.runtime.getDeviceProperties(device)["totalGlobalMem"])
-        problem = memory_problem(memory, limit, f"GPU {device}'s total memory", "device")
+        where, kind = f"GPU {device}'s total memory", "device"
     else:
         from mpi4py import MPI
 
         name = MPI.Get_processor_name()
         local_ranks = host.allgather(name).count(name)
         limit, where = host_memory_per_rank(environ, local_ranks)
-        problem = memory_problem(memory, limit, where, "host")
+        kind = "host"
+    problem = None
+    if callable(memory):
+        problem = size_problem(cfg, limit, where, kind)
+        memory = None if problem else memory()
+    problem = problem or memory_problem(memory, limit, where, kind)
     host.agree(("UserError", problem) if problem else None)  # the first rank's problem stops every rank
 
 

@@ -1,5 +1,7 @@
 """`boostmpi train --config FILE [--set section.key=value ...] [--resume CHECKPOINT]`."""
 
+import sys
+
 import numpy as np
 
 from boostmpi.errors import UserError
@@ -31,12 +33,16 @@ def run(args):
     # init_mpi and the trainer take over the stop signals; a caller in this process (a test) gets its
     # own handlers back, or `timeout` could no longer end it
     with preemption.handlers_restored():
-        return _run(args)
+        try:
+            return _run(args)
+        except preemption.StoppedDuringStartup as stopped:  # every rank got it: each says it alone, once
+            print(f"boostmpi: {stopped}", file=sys.stderr, flush=True)
+            return stopped.exit_code
 
 
 def _run(args):
     from boostmpi.parallel.launch import init_mpi, run_guarded
-    from boostmpi.preemption import STOPPED_EARLY_EXIT
+    from boostmpi.preemption import STOPPED_EARLY_EXIT, stage
 
     world, rank, size, local_rank = init_mpi()
 
@@ -47,6 +53,7 @@ def _run(args):
         check_mpi(world, rank, local_rank)  # prints the MPI library and transport; refuses a wrong MPI
 
         cfg = load_config(args.config, overrides=args.set, world_size=size)
+        stage("config")
         from boostmpi.parallel.comm import HostCollectives, configure_watchdog
 
         configure_watchdog(cfg.parallel.watchdog_s)  # from here on, a collective that waits too long ends the job
@@ -57,7 +64,8 @@ def _run(args):
         from boostmpi.sim.model import memory_estimate
 
         # a model too big for a rank's memory stops here, before any allocation
-        check_memory(cfg, world, local_rank, memory_estimate(cfg))
+        check_memory(cfg, world, local_rank, lambda: memory_estimate(cfg))
+        stage("memory")
         try:
             try:
                 prepare_builtin(cfg, rank == 0)

@@ -13,6 +13,7 @@ import numpy as np
 from boostmpi import checkpoint as ckpt
 from boostmpi.data.progress import format_duration
 from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
+from boostmpi.data.tokenizer import check_complete_set
 from boostmpi import preemption
 from boostmpi.errors import CheckpointError, DataError, TrainingDiverged, UserError, verdict_of
 from boostmpi.files import (FilesystemError, RunLock, atomic_file, check_dir_creatable, format_bytes, fs_error,
@@ -36,7 +37,9 @@ def resolve_data(cfg):
             return resolve_shards(shard_globs(d.builtin_dir)[which])
         return resolve_shards(spec)
 
-    return paths(d.train, 0), paths(d.val, 1)
+    train, val = paths(d.train, 0), paths(d.val, 1)
+    check_complete_set(train + val)
+    return train, val
 
 
 def prepare_builtin(cfg, is_root):
@@ -108,6 +111,7 @@ class Trainer:
 
         # rank 0 reads every token once to check the vocabulary; the others trust its verdict
         self.loader, (self.val_x, self.val_y) = self._root_decides(lambda: open_data(V), lambda: open_data(None))
+        preemption.stage("data")
         self.preemption = preemption.watch()  # keeps a stop signal that arrived during start-up
         self.config_path = config_path
         self._lock, self._made_run_dir, self._resume_pin = None, False, None
@@ -117,6 +121,7 @@ class Trainer:
             self.engine = Engine(cfg, self.grid)  # the weights are drawn here, after every check
             e = self.engine
             self.optimizer = AdamW(e.params, e.specs, tr, e.xp, shard=e.shard, master=e.master)
+            preemption.stage("engine")
             self.peak_flops = device_peak_flops(e.xp, tr.dtype)  # all ranks' GPUs: the MFU's denominator
             if path is not None:
                 self._resume(path)
@@ -262,6 +267,14 @@ class Trainer:
         self.log(f"resumed from {path} (step {step})")
 
     # ------------------------------------------------------------------ checkpoint
+    def _kept_checkpoint(self):
+        """What a stopped run leaves to resume from, in words: its newest complete checkpoint, or none."""
+        self.poll_async_save(wait=True)
+        latest = ckpt.find_latest(self.run_dir)
+        if latest is None:
+            return "no checkpoint was written yet, so there is none to resume from"
+        return f"the last checkpoint, {os.path.basename(latest)}, is kept intact"
+
     def save_checkpoint(self):
         """Every rank writes its own pieces at once (checkpoint.save); a failure on any rank (a full
         disk) ends every rank with the same one-line error, the previous checkpoint untouched.
@@ -335,6 +348,8 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def train(self):
         cfg, e, tr = self.cfg, self.engine, self.cfg.train
+        preemption.started()  # from here a stop signal is acted on at a step boundary, with a checkpoint
+        preemption.stage("first-step")
         self._root_decides(self._prepare_run_dir)
         tokens_per_step = cfg.tokens_per_step
         log = metrics.MetricsFile(self.run_dir) if self.is_root else None
@@ -360,7 +375,7 @@ class Trainer:
                     self.loader.load_state_dict(position)
                     return self._stop_at_boundary(last_val)
                 if not math.isfinite(loss):
-                    raise TrainingDiverged(f"the loss became {loss} at step {step + 1}; the last checkpoint is kept intact "
+                    raise TrainingDiverged(f"the loss became {loss} at step {step + 1}; {self._kept_checkpoint()} "
                                            f"(lower train.lr or raise train.warmup_steps)")
                 gnorm = optimizer_step(e, self.optimizer, lr, tr.grad_clip)
                 dt = time.perf_counter() - t0
