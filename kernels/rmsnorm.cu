@@ -62,6 +62,30 @@ __device__ void rmsnorm_forward_row(const T* x, const T* w, T* y, float* rstd_ou
 // are all loaded before the row's sum (w's L2 round trip overlaps x's) and kept as they are stored
 // (4 registers a vector whatever T), converted where used.
 #define RMSNORM_ROW_VECTORS 4
+// Element k of the 16 bytes held in `v` as a float, taken from v's words by value: no pointer into a
+// held vector, so the held arrays stay in registers (hipcc for gfx90a puts them in scratch otherwise).
+__device__ __forceinline__ unsigned int held_word(const uint4& v, int i) {
+    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+__device__ __forceinline__ float held_elem(const uint4& v, int k, float) { return __uint_as_float(held_word(v, k)); }
+__device__ __forceinline__ float held_elem(const uint4& v, int k, bf16) {
+    const unsigned int word = held_word(v, k >> 1);  // little-endian: element 2i in the low half of word i
+    return __uint_as_float((k & 1) ? (word & 0xffff0000u) : (word << 16));
+}
+// The inverse: four floats, or eight rounded to bf16, packed into 16 bytes by value.
+__device__ __forceinline__ uint4 held_pack(const float* v, float) {
+    uint4 out;
+    out.x = __float_as_uint(v[0]), out.y = __float_as_uint(v[1]), out.z = __float_as_uint(v[2]), out.w = __float_as_uint(v[3]);
+    return out;
+}
+__device__ __forceinline__ unsigned int bf16_pair(float lo, float hi) {
+    return static_cast<unsigned int>(from_float<bf16>(lo).bits) | (static_cast<unsigned int>(from_float<bf16>(hi).bits) << 16);
+}
+__device__ __forceinline__ uint4 held_pack(const float* v, bf16) {
+    uint4 out;
+    out.x = bf16_pair(v[0], v[1]), out.y = bf16_pair(v[2], v[3]), out.z = bf16_pair(v[4], v[5]), out.w = bf16_pair(v[6], v[7]);
+    return out;
+}
 template <typename T, int V, int R>
 __device__ void rmsnorm_forward_held(const T* x, const T* w, T* y, float* rstd_out, int C, float eps) {
     uint4 xr[R], wr[R];
@@ -77,9 +101,11 @@ __device__ void rmsnorm_forward_held(const T* x, const T* w, T* y, float* rstd_o
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         if ((threadIdx.x + r * blockDim.x) * V < C) {
-            const T* xe = reinterpret_cast<const T*>(&xr[r]);
 #pragma unroll
-            for (int k = 0; k < V; ++k) sum_squares += to_float(xe[k]) * to_float(xe[k]);
+            for (int k = 0; k < V; ++k) {
+                const float xk = held_elem(xr[r], k, T());
+                sum_squares += xk * xk;
+            }
         }
     }
     const float rstd = rsqrtf(block_sum(sum_squares) / C + eps);
@@ -88,12 +114,10 @@ __device__ void rmsnorm_forward_held(const T* x, const T* w, T* y, float* rstd_o
     for (int r = 0; r < R; ++r) {
         const int j = (threadIdx.x + r * blockDim.x) * V;
         if (j < C) {
-            const T* xe = reinterpret_cast<const T*>(&xr[r]);
-            const T* we = reinterpret_cast<const T*>(&wr[r]);
             float yv[V];
 #pragma unroll
-            for (int k = 0; k < V; ++k) yv[k] = to_float(xe[k]) * rstd * to_float(we[k]);
-            store_vec<V>(y + j, yv);
+            for (int k = 0; k < V; ++k) yv[k] = held_elem(xr[r], k, T()) * rstd * held_elem(wr[r], k, T());
+            *reinterpret_cast<uint4*>(y + j) = held_pack(yv, T());
         }
     }
 }

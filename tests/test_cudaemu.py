@@ -502,7 +502,8 @@ def test_a_16_byte_load_from_a_misaligned_pointer_is_reported():
     args = list(_forward_args(2, 64, x_elems=2 * 64 + 1))
     args[0] = _Offset(args[0], 1)
     kernel("rmsnorm", "rmsnorm_forward_f32")(2, 32, tuple(args))  # scalar path
-    code = mutated("rmsnorm", "if (C % V == 0 && aligned16(x) && aligned16(w) && aligned16(y))", "if (C % V == 0)")
+    code = mutated("rmsnorm", "vectorised = C % V == 0 && aligned16(x) && aligned16(w) && aligned16(y);",
+                   "vectorised = C % V == 0;")
     with pytest.raises(cudaemu.GlobalBoundsError, match="misaligned 16-byte read"):
         kernel("rmsnorm", "rmsnorm_forward_f32", code=code)(2, 32, tuple(args))
 
@@ -518,8 +519,10 @@ def test_too_little_dynamic_shared_memory_is_a_shared_bounds_error():
 
 
 def test_an_early_return_before_the_reduction_is_a_deadlock():
-    code = mutated("rmsnorm", "    float sum_squares = 0.0f;\n    for (int j = threadIdx.x * V; j < C;",
-                   "    if (threadIdx.x * V >= C) return; float sum_squares = 0.0f;\n    for (int j = threadIdx.x * V; j < C;")
+    # the row held in registers (the forward's path for this row): threads past the row's end leave early
+    code = mutated("rmsnorm", "    float sum_squares = 0.0f;\n#pragma unroll\n    for (int r = 0; r < R; ++r) {",
+                   "    if (threadIdx.x * V >= C) return; float sum_squares = 0.0f;\n#pragma unroll\n"
+                   "    for (int r = 0; r < R; ++r) {")
     with pytest.raises((cudaemu.DeadlockError, cudaemu.PartialWarpError), match="exited"):
         kernel("rmsnorm", "rmsnorm_forward_f32", code=code)(1, 64, _forward_args(1, 40))
 

@@ -17,6 +17,7 @@ while a reader holds it. A reader does not rely on the pin alone: it opens every
 """
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -110,8 +111,12 @@ class Pin:
                 _write_new(self.path)
             except FileNotFoundError:
                 raise self._gone() from None
-            except OSError as exc:  # a read-only copy of a checkpoint: nothing can prune it from here
-                if os.path.isdir(self.folder) and not os.access(self.folder, os.W_OK):
+            except OSError as exc:
+                # a read-only copy of a checkpoint (nothing can prune it from here), or a full filesystem:
+                # read unpinned; the reader still opens every file before reading, so a folder pruned
+                # meanwhile still reads whole or is one line
+                full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+                if full or (os.path.isdir(self.folder) and not os.access(self.folder, os.W_OK)):
                     self.path = None
                     return self
                 raise CheckpointError(f"cannot pin {self.folder} for reading: {exc.strerror or exc}") from exc

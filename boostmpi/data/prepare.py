@@ -164,7 +164,15 @@ def run(args):
     try:
         with Progress(total=total_bytes, desc="tokenizing", unit="B") as progress:
             reader = InputReader(files, max_bytes, progress)
-            summary = write_dataset(reader.documents(), tmp_dir, tokenizer, args.val_fraction, args.shard_tokens)
+            try:
+                summary = write_dataset(reader.documents(), tmp_dir, tokenizer, args.val_fraction, args.shard_tokens)
+            except UserError as exc:  # name the files as the user will find them, in --out
+                exc.args = (str(exc).replace(tmp_dir, os.path.abspath(args.out)),) + exc.args[1:]
+                raise
+            except OSError as exc:
+                if isinstance(exc.filename, str):
+                    exc.filename = exc.filename.replace(tmp_dir, os.path.abspath(args.out))
+                raise
         move_into_place(tmp_dir, args.out)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)

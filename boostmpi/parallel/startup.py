@@ -553,6 +553,9 @@ def process_grid(cfg, world, local_rank=0):
 
         problem = attention_tensor_cores_problem("bf16" if cfg.train.dtype == "bfloat16" else "f32")
         HostCollectives(world).agree(("UserError", problem) if problem else None)
+        from boostmpi.precision import compute_dtype
+
+        compute_dtype(cfg.train.dtype, xp)  # an unusable CuPy/NumPy stack is refused before any backend is tried
         choose_attention(cfg, world)
         sync = lambda: xp.cuda.get_current_stream().synchronize()  # noqa: E731
         use_nccl = resolve_comm(par.comm, world) == "nccl"
