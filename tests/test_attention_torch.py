@@ -339,3 +339,20 @@ def test_gpu_step_with_torch_attention_equals_the_cpu_path(rec, monkeypatch, arc
     assert attention.current().name == "torch" and rec.sdpa and rec.grads
     assert all(not call["math"] for call in rec.sdpa)
     assert_step_close(got, cpu_step(arch), "bfloat16", f"{arch} recompute={recompute} train.attention=torch")
+
+
+def test_a_cpu_wheel_is_refused_without_importing_pytorch():
+    """`auto` asks the torch backend at every GPU start-up; with PyPI's CPU wheel ("+cpu") the answer is
+    known from the installed version, without the seconds an import of PyTorch takes in every rank."""
+    import importlib.metadata
+    import os
+    import subprocess
+
+    if not importlib.metadata.version("torch").endswith("+cpu"):
+        pytest.skip("the installed PyTorch is not a CPU wheel")
+    code = ("import sys\nfrom boostmpi.gpu import attention_torch as a\n"
+            "print(a.problem('bfloat16'))\nprint('torch' in sys.modules)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).with_name("cupy_standin")),
+                                                         os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120).stdout
+    assert out.splitlines() == [attention_torch.runtime_mismatch(None, None, False, 12090), "False"], out

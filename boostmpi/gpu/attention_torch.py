@@ -46,7 +46,9 @@ symbols, not Python callables: it is not offered here.
 """
 
 import contextlib
+import importlib.metadata
 import math
+import sys
 from typing import NamedTuple
 
 # The PyTorch kernels allowed to run (names of torch.nn.attention.SDPBackend); MATH is left out.
@@ -84,12 +86,25 @@ def runtime_mismatch(torch_cuda, torch_hip, cupy_is_hip, cupy_version):
     return None
 
 
+def _wheel_local_version():
+    """The local part of the installed torch distribution's version ("cpu", "cu130", ""), or None."""
+    try:
+        return importlib.metadata.version("torch").partition("+")[2]
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def problem(dtype, device_info=None):
     """Why the torch backend cannot run attention of `dtype` here, in one line; None when it can.
     PyTorch itself is asked about the GPU (`device_info` is not needed)."""
     name = _dtype_name(dtype)
     if name != "bfloat16":
         return f"the torch attention backend runs bfloat16, not {name}"
+    if "torch" not in sys.modules and _wheel_local_version() == "cpu":
+        # PyPI's CPU wheels say so in their version ("2.13.0+cpu"): known without importing PyTorch (seconds)
+        import cupy
+
+        return runtime_mismatch(None, None, cupy.cuda.runtime.is_hip, cupy.cuda.runtime.runtimeGetVersion())
     try:
         import torch
     except ImportError:
