@@ -82,3 +82,14 @@ def _attention_backend_reset():
     seam = sys.modules.get("boostmpi.gpu.attention")
     if seam is not None and hasattr(seam, "OwnAttention") and getattr(seam.current(), "name", "own") != "own":
         seam.use(seam.OwnAttention())
+
+
+@pytest.fixture(autouse=True)
+def _stop_request_released():
+    """A test that sends itself a stop signal must not leave it recorded for the trainers of later tests
+    in this process (they would stop at their first step)."""
+    yield
+    preemption = sys.modules.get("boostmpi.preemption")
+    if preemption is not None and hasattr(preemption, "release"):
+        preemption.started()
+        preemption.release()

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -71,19 +70,33 @@ def test_sigterm_at_start_up_ends_every_rank_of_an_mpi_job(shards, tmp_path):
     assert _steps_written(run_dir) == [] and time.monotonic() - started < 60
 
 
-def test_ctrl_c_in_a_long_start_up_walk_ends_it_at_once():
+def test_ctrl_c_in_a_long_start_up_walk_ends_it_at_once(monkeypatch):
     """The walk over a million layers' parameters (what start-up did for n_layers = 10^6) is
-    interrupted by the handler within a second of the signal, not at its end."""
+    interrupted by the handler within a second of the signal, not at its end. The signal is sent
+    from inside the walk, at its 1,000th layer (deterministic: a timer thread may not be scheduled
+    on a loaded machine before the walk is over)."""
+    from boostmpi.model import params
+
     cfg = load_config(TINY_CONFIG, ["model.n_layers=1000000"])
-    with preemption.handlers_restored():
-        preemption.install()
-        sent = []
-        timer = threading.Timer(0.3, lambda: (sent.append(time.monotonic()), os.kill(os.getpid(), signal.SIGINT)))
-        timer.start()
-        with pytest.raises(preemption.StoppedDuringStartup) as stopped:
-            param_specs(cfg)
-        assert time.monotonic() - sent[0] < 1.0
-    timer.join()
+    sent = []
+    walk = params.stage_layers
+
+    def signalling_walk(*args, **kwargs):
+        for n, layer in enumerate(walk(*args, **kwargs)):
+            if n == 1000:
+                sent.append(time.monotonic())
+                os.kill(os.getpid(), signal.SIGINT)
+            yield layer
+
+    monkeypatch.setattr(params, "stage_layers", signalling_walk)
+    try:
+        with preemption.handlers_restored():
+            preemption.install()
+            with pytest.raises(preemption.StoppedDuringStartup) as stopped:
+                params.param_specs(cfg)
+            assert sent and time.monotonic() - sent[0] < 1.0
+    finally:
+        preemption.release()  # no recorded signal left for later tests of this process
     assert stopped.value.exit_code == 130 and "SIGINT" in str(stopped.value)
 
 
