@@ -45,7 +45,7 @@ status=0
 step() { echo; echo "=== $*"; }
 
 step "single-process tests"
-timeout 1200 "$PY" -m pytest -q -p no:cacheprovider --durations=20 tests "$@" || status=1
+timeout 1800 "$PY" -m pytest -q -p no:cacheprovider --durations=20 tests "$@" || status=1
 
 for n in 1 2 3 4; do
   step "MPI tests at $n ranks"
