@@ -36,7 +36,6 @@ test suite's CuPy stand-in) it says so in one line and exits 2 without writing a
 """
 
 import argparse
-import ast
 import datetime
 import importlib.util
 import json
@@ -79,13 +78,20 @@ def load_bench(name):
     return module
 
 
+PAPER_MODEL_KEYS = ("d_model", "n_layers", "n_heads", "d_ff", "rank")
+
+
 def paper_layouts():
-    """bench/gpu_trace.py's PAPER table, read from its source (importing it would load the stand-in)."""
-    tree = ast.parse((REPO / "bench" / "gpu_trace.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["PAPER"]:
-            return eval(compile(ast.Expression(node.value), "gpu_trace.py", "eval"), {"__builtins__": {}, "dict": dict})
-    raise RuntimeError("bench/gpu_trace.py has no PAPER table")
+    """{"7b": {"model": {...}}, "13b": ...}: the model dimensions of configs/paper_7b.toml and
+    configs/paper_13b.toml (the layers bench/gpu_trace.py --paper prices), read as TOML data."""
+    import tomllib
+
+    layouts = {}
+    for name in ("7b", "13b"):
+        with open(REPO / "configs" / f"paper_{name}.toml", "rb") as f:
+            model = tomllib.load(f)["model"]
+        layouts[name] = {"model": {key: model[key] for key in PAPER_MODEL_KEYS}}
+    return layouts
 
 
 def gemm_shapes():
