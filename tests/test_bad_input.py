@@ -131,6 +131,18 @@ def test_a_run_without_a_checkpoint_is_not_overwritten(shards, tmp_path, capfd):
     assert_refused(capfd, train_argv(run_dir, *shards), tmp_path, run_dir, "metrics.jsonl")
 
 
+def _train_until_nan(run_dir, shards, tmp_path, steps):
+    """`boostmpi train` with an absurd learning rate (no warm-up): float32 weights overflow within a few
+    steps; the run must end with exit 2 and one line on stderr, which is returned."""
+    argv = train_argv(run_dir, *shards, f"train.steps={steps}", "train.lr=1e30", "train.warmup_steps=0")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "boostmpi", *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    return lines
+
+
 def test_a_nan_loss_stops_with_one_line_and_keeps_the_last_checkpoint(shards, tmp_path):
     """In a fresh process, so that anything NumPy prints about the overflow shows on stderr too."""
     run_dir = tmp_path / "run"
@@ -139,12 +151,7 @@ def test_a_nan_loss_stops_with_one_line_and_keeps_the_last_checkpoint(shards, tm
     rows = read_metrics(run_dir)
 
     # an absurd learning rate (no warm-up) overflows float32 weights within a step after the resume
-    argv = train_argv(run_dir, *shards, "train.steps=8", "train.lr=1e30", "train.warmup_steps=0")
-    env = dict(os.environ, PYTHONPATH=str(REPO), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "boostmpi", *argv], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
-    lines = done.stderr.splitlines()
-    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    lines = _train_until_nan(run_dir, shards, tmp_path, steps=8)
     assert lines[0].startswith("error: the loss became nan at step "), lines[0]
     diverged_at = int(lines[0].split("at step ")[1].split(";")[0])
     assert 3 < diverged_at <= 8
@@ -160,12 +167,7 @@ def test_a_nan_loss_stops_with_one_line_and_keeps_the_last_checkpoint(shards, tm
 
 def test_a_nan_loss_before_any_checkpoint_says_there_is_none(shards, tmp_path):
     run_dir = tmp_path / "run"
-    argv = train_argv(run_dir, *shards, "train.steps=6", "train.lr=1e30", "train.warmup_steps=0")
-    env = dict(os.environ, PYTHONPATH=str(REPO), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "boostmpi", *argv], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
-    lines = done.stderr.splitlines()
-    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    lines = _train_until_nan(run_dir, shards, tmp_path, steps=6)
     assert "no checkpoint was written yet" in lines[0] and "kept intact" not in lines[0], lines[0]
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").glob("step_*"))
 
