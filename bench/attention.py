@@ -4,7 +4,9 @@
         [--repeats 5] [--warmup 2] [--budget-s SECONDS] [--json FILE] [--markdown FILE] [--timings FILE]
 
 Backends: `cudnn`, `torch` and `own` are `boostmpi.gpu.attention.make(name)` (the engine's attention
-backends); `own-wmma` / `own-fma` are the own kernels with BOOSTMPI_ATTENTION_TENSOR_CORES=1 / 0 set
+backends, deterministic); `cudnn-nd` / `torch-nd` are `make(name, deterministic=False)` (what
+`train.deterministic = false` runs: each library's faster backward, whose summation order may change
+run to run); `own-wmma` / `own-fma` are the own kernels with BOOSTMPI_ATTENTION_TENSOR_CORES=1 / 0 set
 around every call (`boostmpi.gpu.tensor_cores.use_wmma` reads it per call); `sdpa` is PyTorch's
 `scaled_dot_product_attention` called directly in this process on zero-copy DLPack views of the same
 CuPy arrays, inside `sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION, CUDNN_ATTENTION])` (never the
@@ -67,7 +69,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 BACKENDS = ("cudnn", "torch", "own-wmma", "own-fma", "sdpa")  # the default list
-KNOWN = BACKENDS + ("own",)  # "own": the own kernels as the environment chooses them
+# "own": the own kernels as the environment chooses them; "cudnn-nd" / "torch-nd": the library backends
+# made with deterministic=False (train.deterministic = false: their faster, run-to-run varying backward)
+NONDETERMINISTIC = {"cudnn-nd": "cudnn", "torch-nd": "torch"}
+KNOWN = BACKENDS + ("own",) + tuple(NONDETERMINISTIC)
 REFERENCE = "sdpa"
 TENSOR_CORES_ENV = "BOOSTMPI_ATTENTION_TENSOR_CORES"
 OWN_VARIANTS = {"own-wmma": "1", "own-fma": "0"}  # the own kernels, by the environment variable's value
@@ -317,7 +322,8 @@ class GpuTimer:
             try:
                 from boostmpi.gpu import attention
 
-                self.made[name] = attention.make(name)
+                self.made[name] = attention.make(NONDETERMINISTIC.get(name, name),
+                                                 deterministic=name not in NONDETERMINISTIC)
             except Exception as exc:  # noqa: BLE001 - remembered: every shape's row says it
                 self.made[name] = exc
         made = self.made[name]

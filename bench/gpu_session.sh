@@ -11,11 +11,15 @@
 #   1. bench/attention.py: every backend, the table's and the paper's shapes (--budget-s ATTENTION_BUDGET_S);
 #   2. bench/gpu_calibrate.py --out $OUT/calibrate.toml;
 #   3. bench/gpu_vs_model.py;
-#   4. bench/gpu_step.py once per attention backend (cudnn, torch, own; PyTorch eager on the first only);
-#   5. the real-GPU kernel tests (BOOSTMPI_CUPY_STANDIN=0).
-# Everything is written under $OUT, eight files at most: session.log (this script's lines, the
+#   4. bench/gpu_step.py once per STEP_CASES entry (default: cudnn, torch, own; PyTorch eager on the first
+#      only); an entry is a backend and gpu_step.py's flags joined by ':' (e.g. cudnn:--profile,
+#      torch:--nondeterministic, cudnn:--batch:32);
+#   5. the real-GPU kernel tests (BOOSTMPI_CUPY_STANDIN=0);
+#   6. bench/torch_allocators.py (two allocators in one process against CuPy's alone);
+#   7. jobs/gpu_check.sh as written (BOOSTMPI_PYTHON=$PYTHON), timed: the first-contact check on this node.
+# Everything is written under $OUT, ten files at most: session.log (this script's lines, the
 # versions and bench/attention.py's rows), attention.json, attention.md, calibrate.toml,
-# calibrate.log, gpu_vs_model.log, gpu_step.log, tests.log. At the end the results are printed again,
+# calibrate.log, gpu_vs_model.log, gpu_step.log, tests.log, allocators.log, gpu_check.log. At the end the results are printed again,
 # so that the tail of the output holds them.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -32,9 +36,13 @@ T_CALIBRATE="${T_CALIBRATE:-120}"             # 2
 T_VS_MODEL="${T_VS_MODEL:-60}"                # 3
 T_STEP="${T_STEP:-30}"                        # 4: per backend
 T_TESTS="${T_TESTS:-90}"                      # 5
+T_ALLOCATORS="${T_ALLOCATORS:-90}"            # 6
+T_GPU_CHECK="${T_GPU_CHECK:-360}"             # 7: the check's target is under 6 minutes on one GPU
+ATTENTION_BACKENDS="${ATTENTION_BACKENDS:-cudnn,torch,own-wmma,own-fma,sdpa}"  # step 1 (bench/attention.py --backends)
+STEP_CASES="${STEP_CASES:-cudnn torch own}"   # step 4 (see above)
 GPU_CALIBRATE_ARGS="${GPU_CALIBRATE_ARGS:-}"  # extra words for steps 2 and 3 (split on spaces)
 GPU_VS_MODEL_ARGS="${GPU_VS_MODEL_ARGS:-}"
-STEPS="${STEPS:-0 1 2 3 4 5}"                 # which steps, in this order (e.g. "0 5 4" to run those again)
+STEPS="${STEPS:-0 1 2 3 4 5}"                 # which steps (6 and 7 only when named), in this order (e.g. "0 5 4" to run those again)
 
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -133,7 +141,7 @@ except Exception as exc:
 # ---- 1. attention, every backend
 step_1() {
   step "1. bench/attention.py" "$T_ATTENTION" "$LOG" "$PY" bench/attention.py \
-    --backends cudnn,torch,own-wmma,own-fma,sdpa --shapes table,paper --budget-s "$ATTENTION_BUDGET_S" \
+    --backends "$ATTENTION_BACKENDS" --shapes table,paper --budget-s "$ATTENTION_BUDGET_S" \
     --json "$OUT/attention.json" --markdown "$OUT/attention.md"
 }
 
@@ -151,11 +159,12 @@ step_3() {
 
 # ---- 4. the training step, once per attention backend (PyTorch eager measured on the first only)
 step_4() {
-  local backend eager=()
-  for backend in cudnn torch own; do
-    step "4. bench/gpu_step.py --attention $backend" "$T_STEP" "$OUT/gpu_step.log" "$PY" bench/gpu_step.py \
-      --attention "$backend" ${eager[@]+"${eager[@]}"}
-    eager=(--no-eager)
+  local case words eager=()
+  for case in $STEP_CASES; do
+    IFS=: read -r -a words <<<"$case"
+    step "4. bench/gpu_step.py --attention ${words[*]}" "$T_STEP" "$OUT/gpu_step.log" "$PY" bench/gpu_step.py \
+      --attention "${words[@]}" ${eager[@]+"${eager[@]}"}
+    eager=(--no-eager --skip-kernels)
   done
 }
 
@@ -163,6 +172,16 @@ step_4() {
 step_5() {
   step "5. kernel tests" "$T_TESTS" "$OUT/tests.log" env BOOSTMPI_CUPY_STANDIN=0 "$PY" -m pytest -q -x -p no:cacheprovider \
     tests/test_kernels.py::test_compile_all_compiles_every_kernel_file tests/test_attention_kernel.py
+}
+
+# ---- 6. two allocators, 7. the first-contact check as written
+step_6() {
+  have bench/torch_allocators.py && step "6. bench/torch_allocators.py" "$T_ALLOCATORS" "$OUT/allocators.log" "$PY" \
+    bench/torch_allocators.py
+}
+step_7() {
+  step "7. jobs/gpu_check.sh" "$T_GPU_CHECK" "$OUT/gpu_check.log" env BOOSTMPI_PYTHON="$(command -v "$PY")" \
+    bash jobs/gpu_check.sh
 }
 
 for s in $STEPS; do
@@ -173,17 +192,20 @@ for s in $STEPS; do
     3) step_3 ;;
     4) step_4 ;;
     5) step_5 ;;
-    *) say "STEPS: unknown step $s (0-5): skipped" ;;
+    6) step_6 ;;
+    7) step_7 ;;
+    *) say "STEPS: unknown step $s (0-7): skipped" ;;
   esac
 done
 
 say "gpu_session: finished in $(( $(date +%s) - START )) s; files in $OUT: $(find "$OUT" -maxdepth 1 -type f -printf '%f ')"
 [ "$DRY" = 1 ] && exit 0
 # the results again, for whoever reads only the tail of this output (the attention table last)
-for f in calibrate.log gpu_vs_model.log tests.log; do
+for f in calibrate.log gpu_vs_model.log tests.log allocators.log gpu_check.log; do
   [ -f "$OUT/$f" ] && { echo "==== $f (last 12 lines)"; tail -n 12 "$OUT/$f"; }
 done
 [ -f "$OUT/gpu_step.log" ] && { echo "==== gpu_step.log (results)"
-  grep -E "^(===|device|rmsnorm|bf16 GEMM|boostmpi step|attention:|pytorch eager)|Error|error" "$OUT/gpu_step.log" | tail -n 40; }
+  grep -E "^(===|device|rmsnorm|bf16 GEMM|boostmpi step|attention:|pytorch eager|host:|profile: [^ ]*[0-9]+ device)|Error|error" \
+    "$OUT/gpu_step.log" | tail -n 40; }
 [ -f "$OUT/attention.md" ] && { echo "==== attention.md"; cat "$OUT/attention.md"; }
 exit 0

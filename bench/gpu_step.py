@@ -10,6 +10,14 @@ with CUDA for the eager comparison):
      (target >= 35%), and its time against PyTorch eager on the same model and GPU (target <= 1.0).
 
     python bench/gpu_step.py [--batch 8] [--steps 5] [--attention auto|cudnn|torch|own] [--no-eager]
+        [--nondeterministic] [--profile] [--skip-kernels]
+
+`--nondeterministic` remakes a library attention backend with deterministic=False (what
+`train.deterministic = false` runs). `--profile` also records one step with PyTorch's profiler (CUPTI
+sees every kernel on the device, CuPy's and cuBLAS's included) and prints where the device time goes,
+by kernel, with the step's host time and the GPU-busy fraction: a step whose device time is much less
+than its wall time is bound by the host (Python and launches), not by the kernels. `--skip-kernels`
+leaves out the RMSNorm lines of (1).
 
 `--attention` sets the configuration's `train.attention` (the attention backend the engine runs; left
 out, the configuration's default); `--no-eager` leaves out the PyTorch eager step (3), e.g. when
@@ -99,6 +107,49 @@ def attention_backend_name():
         return f"unknown ({type(exc).__name__}: {exc})"
 
 
+def profile_step(fn, flops, peak, top=30):
+    """One step of `fn` under PyTorch's profiler: the device time by kernel (name, launches, ms, share),
+    the sum of kernel times against the step's wall time, and the MFU the step would have were the
+    device busy the whole step (flops / kernel time)."""
+    import collections
+
+    import cupy
+
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError as exc:
+        print(f"profile: PyTorch's profiler is not importable ({exc})")
+        return
+    fn()
+    cupy.cuda.Device().synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
+        fn()
+        cupy.cuda.Device().synchronize()
+        wall = time.perf_counter() - began
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    spans = []
+    for event in prof.events():
+        if not str(getattr(event, "device_type", "")).endswith("CUDA"):
+            continue
+        start, end = event.time_range.start, event.time_range.end
+        spans.append((start, end))
+        entry = by_name[event.name]
+        entry[0] += 1
+        entry[1] += (end - start) / 1e6
+    if not spans:
+        print("profile: the profiler recorded no device kernels (CUPTI unavailable?)")
+        return
+    busy = sum(entry[1] for entry in by_name.values())
+    launches = sum(entry[0] for entry in by_name.values())
+    first, last = min(s for s, _ in spans), max(e for _, e in spans)
+    print(f"profile: {launches} device activities, kernel time {busy * 1e3:.1f} ms, first-to-last "
+          f"{(last - first) / 1e3:.1f} ms, step wall {wall * 1e3:.1f} ms (profiler on): device busy "
+          f"{busy / wall:.0%}; MFU at the kernel time {flops / busy / peak:.0%}")
+    for name, (count, seconds) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"profile: {seconds * 1e3:8.2f} ms {seconds / busy:6.1%} {count:5d}x  {name[:110]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -106,6 +157,10 @@ def main():
     ap.add_argument("--attention", choices=("auto", "cudnn", "torch", "own"),
                     help="train.attention: the attention backend (default: the configuration's)")
     ap.add_argument("--no-eager", action="store_true", help="leave out the PyTorch eager step")
+    ap.add_argument("--nondeterministic", action="store_true",
+                    help="a library attention backend with deterministic=False (train.deterministic = false)")
+    ap.add_argument("--profile", action="store_true", help="where one step's device time goes, by kernel")
+    ap.add_argument("--skip-kernels", action="store_true", help="leave out the RMSNorm bandwidth lines")
     args = ap.parse_args()
     import cupy
 
@@ -121,7 +176,7 @@ def main():
 
     props = cupy.cuda.runtime.getDeviceProperties(0)
     print(f"device: {props['name'].decode()} | CuPy {cupy.__version__} | {platform.node()}")
-    for dtype in ("bfloat16", "float32"):
+    for dtype in () if args.skip_kernels else ("bfloat16", "float32"):
         bw_norm, bw_copy, bw_backward = rmsnorm_bandwidth(dtype=dtype)
         print(f"rmsnorm {dtype} [16384, 4096] {bw_norm / 1e9:.0f} GB/s vs copy {bw_copy / 1e9:.0f} GB/s: "
               f"{bw_norm / bw_copy:.0%} (target >= 70%)")
@@ -136,6 +191,12 @@ def main():
         train["attention"] = args.attention
     cfg = config_from_dict({"model": model, "train": train})
     eng = Engine(cfg)
+    if args.nondeterministic:
+        from boostmpi.gpu import attention
+
+        name = attention.current().name
+        if name in attention.LIBRARY_BACKENDS:
+            attention.use(attention.make(name, cfg.train.dtype, deterministic=False))
     opt = AdamW(eng.params, eng.specs, cfg.train, eng.xp)
     x = np.random.default_rng(0).integers(0, model["vocab_size"], (args.batch, model["seq_len"] + 1))
     mb = [(x[:, :-1], x[:, 1:])]
@@ -145,10 +206,19 @@ def main():
         opt.step(eng.grads, 1e-4)
 
     t_ours = gpu_time(ours, args.steps)
+    cupy.cuda.Device().synchronize()
+    began = time.perf_counter()
+    ours()
+    issued = time.perf_counter() - began  # the host's time to issue one step (no synchronisation inside)
+    cupy.cuda.Device().synchronize()
+    print(f"host: one step issued in {issued * 1e3:.1f} ms (the device's step time below; when the two are "
+          "close, the host bounds the step)", flush=True)
     print(f"attention: {attention_backend_name()} (train.attention = {args.attention or 'default'})", flush=True)
     flops = model_flops_per_step(cfg)  # one micro-batch of args.batch sequences per step
     print(f"boostmpi step {t_ours * 1e3:.1f} ms | {flops / t_ours / 1e12:.0f} TFLOP/s | MFU vs measured GEMM rate "
           f"{flops / t_ours / peak:.0%} (target >= 35%)")
+    if args.profile:
+        profile_step(ours, flops, peak)
     if args.no_eager:
         return
 

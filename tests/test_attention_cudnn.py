@@ -113,6 +113,23 @@ def test_cudnn_graphs_are_built_once_per_shape_and_read_kv_unrepeated(cudnn):
     assert cudnn.executions[1]["params"]["use_deterministic_algorithm"] is True
 
 
+def test_cudnn_nondeterministic_backward_is_its_own_graph(cudnn):
+    """deterministic=False (train.deterministic = false) builds the backward without cuDNN's deterministic
+    algorithm, in a graph of its own next to the deterministic one; the forward graph is shared."""
+    _standin_records(cudnn)
+    from boostmpi.gpu import attention
+
+    shape = (1, 8, 2, 2, 64)
+    fast = attention.make("cudnn", "bfloat16", shape, deterministic=False)
+    exact = attention.make("cudnn", "bfloat16", shape)
+    assert (fast.deterministic, exact.deterministic) == (False, True)
+    for backend in (fast, exact):
+        assert max(_run(backend, shape, 0)[0]) <= TOL
+    assert [e["params"]["use_deterministic_algorithm"] for e in cudnn.executions if e["op"] == "sdpa_backward"] == \
+        [False, True]
+    assert cudnn.builds["boostmpi_attention_forward"] == 1 and cudnn.builds["boostmpi_attention_backward"] == 2
+
+
 def test_cudnn_runs_on_cupys_current_stream_and_the_standin_refuses_another(cudnn):
     _standin_records(cudnn)
     import cupy

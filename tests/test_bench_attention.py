@@ -195,7 +195,7 @@ def test_own_variants_set_the_tensor_core_switch_around_their_calls(bench, monke
 # ---------------------------------------------------------------- bench/gpu_session.sh
 SESSION = ROOT / "bench" / "gpu_session.sh"
 OUT_FILES = {"session.log", "attention.json", "attention.md", "calibrate.toml", "calibrate.log", "gpu_vs_model.log",
-             "gpu_step.log", "tests.log"}
+             "gpu_step.log", "tests.log", "allocators.log", "gpu_check.log"}
 
 
 def _session(tmp_path, **env):
@@ -232,23 +232,29 @@ def test_gpu_session_dry_run_names_every_step_under_a_timeout(tmp_path):
         f"python3 bench/gpu_calibrate.py --out {out}/calibrate.toml",
         "python3 bench/gpu_vs_model.py",
         "python3 bench/gpu_step.py --attention cudnn",
-        "python3 bench/gpu_step.py --attention torch --no-eager",
-        "python3 bench/gpu_step.py --attention own --no-eager",
+        "python3 bench/gpu_step.py --attention torch --no-eager --skip-kernels",
+        "python3 bench/gpu_step.py --attention own --no-eager --skip-kernels",
         "env BOOSTMPI_CUPY_STANDIN=0 python3 -m pytest -q -x -p no:cacheprovider "
         "tests/test_kernels.py::test_compile_all_compiles_every_kernel_file tests/test_attention_kernel.py"]
     limits = [int(s.split("(timeout ", 1)[1].split(" s", 1)[0]) for s in steps]
     assert limits[-7:] == [180, 120, 60, 30, 30, 30, 90]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["session.log"]  # nothing ran
-    again = _session(tmp_path, GPU_SESSION_DRY="1", STEPS="5 1 7")  # some steps again, in another order
+    again = _session(tmp_path, GPU_SESSION_DRY="1", STEPS="5 1 7 8",  # some steps again, in another order
+                     STEP_CASES="cudnn:--profile torch:--nondeterministic")
     shown = [line.split("] ", 1)[1].split(" ", 2)[:2] for line in again.stdout.splitlines() if "(timeout " in line]
-    assert shown == [["5.", "kernel"], ["1.", "bench/attention.py"]] and "unknown step 7" in again.stdout
+    assert shown == [["5.", "kernel"], ["1.", "bench/attention.py"], ["7.", "jobs/gpu_check.sh"]]
+    assert "unknown step 8" in again.stdout
+    cases = _session(tmp_path, GPU_SESSION_DRY="1", STEPS="4", STEP_CASES="cudnn:--profile torch:--nondeterministic")
+    assert [s.split("): ", 1)[1] for s in cases.stdout.splitlines() if "(timeout " in s] == [
+        "python3 bench/gpu_step.py --attention cudnn --profile",
+        "python3 bench/gpu_step.py --attention torch --nondeterministic --no-eager --skip-kernels"]
     named = set(re.findall(r'\$OUT/([a-z_.]+)', SESSION.read_text()))
-    assert named <= OUT_FILES and len(OUT_FILES) <= 8, named
+    assert named <= OUT_FILES and len(OUT_FILES) <= 10, named
 
 
 def test_gpu_session_goes_on_past_failures_and_timeouts_within_its_time(tmp_path):
     """A fake python: bench/attention.py hangs (timed out), gpu_step.py fails, the tests pass; every step
-    still runs, the session's time cap cuts what is left, and at most eight files come back."""
+    still runs, the session's time cap cuts what is left, and at most ten files come back."""
     fake = tmp_path / "python"
     fake.write_text('#!/bin/bash\ncase "$1" in\n  bench/attention.py) echo row; exec sleep 30 ;;\n'
                     '  bench/gpu_step.py) echo "boostmpi step 1 ms"; exit 3 ;;\n  *) echo "ran $*" ;;\nesac\n')
@@ -311,8 +317,8 @@ def test_the_gpu_timer_drives_the_backends_through_the_seam(bench, monkeypatch):
         def backward(self, do, ctx):
             return kernels.attention_backward(do, *ctx)
 
-    def make(name):
-        made.append(name)
+    def make(name, deterministic=True):
+        made.append(name if deterministic else f"{name} nondeterministic")
         if name != "own":
             raise RuntimeError(f"{name}: the package is not installed")
         return Own()
@@ -338,9 +344,10 @@ def test_the_gpu_timer_drives_the_backends_through_the_seam(bench, monkeypatch):
     timer = bench.GpuTimer(warmup=0)
     release = timer.release
     monkeypatch.setattr(timer, "release", lambda: freed.append(timer.shape) or release())
-    rows = bench.run(["own-fma", "cudnn"], [(1, 32, 2, 1, 16), (1, 16, 1, 1, 16)], 1, timer)
-    assert [r["error"] for r in rows] == [None, "RuntimeError: cudnn: the package is not installed"] * 2
-    assert made == ["own", "cudnn"]  # made once, remembered
-    assert all(r["fwd_s"] > 0 and r["bwd_s"] > 0 and r["first_call_s"] > 0 for r in rows[::2])
+    rows = bench.run(["own-fma", "cudnn", "torch-nd"], [(1, 32, 2, 1, 16), (1, 16, 1, 1, 16)], 1, timer)
+    assert [r["error"] for r in rows] == [None, "RuntimeError: cudnn: the package is not installed",
+                                          "RuntimeError: torch: the package is not installed"] * 2
+    assert made == ["own", "cudnn", "torch nondeterministic"]  # made once, remembered
+    assert all(r["fwd_s"] > 0 and r["bwd_s"] > 0 and r["first_call_s"] > 0 for r in rows[::3])
     assert set(switches) == {"0"} and len(switches) == 2 * (1 + 1 + 1)  # check, timed forward, backward's forward
     assert freed == [None, (1, 32, 2, 1, 16), None, (1, 16, 1, 1, 16)] and timer.inputs is None  # after each shape

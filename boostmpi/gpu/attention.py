@@ -99,9 +99,11 @@ def _problem(name, dtype, shape=None):
     return problem
 
 
-def make(name, dtype="bfloat16", shape=None):
+def make(name, dtype="bfloat16", shape=None, deterministic=True):
     """The backend `name` ("cudnn" | "torch" | "own"); BackendUnavailable (one line) when it cannot run
-    `dtype` (and `shape` = (B, T, H, Hkv, Dh), when given) here."""
+    `dtype` (and `shape` = (B, T, H, Hkv, Dh), when given) here. `deterministic=False` lets a library
+    backend run its faster backward whose summation order may change run to run (own is always
+    deterministic)."""
     if name not in BACKENDS[1:]:
         raise BackendUnavailable(f"unknown attention backend {name!r}: one of {', '.join(BACKENDS[1:])}")
     if name == "own":
@@ -110,15 +112,16 @@ def make(name, dtype="bfloat16", shape=None):
     if problem is not None:
         raise BackendUnavailable(f"train.attention = {name} cannot run here: {problem}")
     module = _library_module(name)
-    return module.CudnnAttention() if name == "cudnn" else module.TorchAttention()
+    backend = module.CudnnAttention if name == "cudnn" else module.TorchAttention
+    return backend(deterministic=deterministic)
 
 
-def select(setting, dtype, shape=None, out=None):
+def select(setting, dtype, shape=None, out=None, deterministic=True):
     """The backend `setting` (a value of BACKENDS) names for attention of `dtype` (a NumPy dtype or its
     name) on the current device. "auto": cudnn for bfloat16 on NVIDIA sm_80+ when a handle is made and
     a graph of `shape` = (B, T, H, Hkv, Dh) passes check_support, else torch when it can run, else own,
     with ONE line on `out` (stderr by default) naming the measured cost and the package that fixes it.
-    A named backend that cannot run raises BackendUnavailable."""
+    A named backend that cannot run raises BackendUnavailable. `deterministic` as in `make`."""
     import sys
 
     import numpy as np
@@ -127,11 +130,11 @@ def select(setting, dtype, shape=None, out=None):
     if setting not in BACKENDS:
         raise BackendUnavailable(f"train.attention = {setting!r}: one of {', '.join(BACKENDS)}")
     if setting != "auto":
-        return make(setting, dtype, shape)
+        return make(setting, dtype, shape, deterministic)
     reasons = []
     for name in LIBRARY_BACKENDS:
         try:
-            return make(name, dtype, shape)
+            return make(name, dtype, shape, deterministic)
         except BackendUnavailable as e:
             reasons.append(str(e).replace("train.attention = ", ""))
     print(f"boostmpi: {COSTLY_FALLBACK} ({'; '.join(reasons)})", file=out or sys.stderr)

@@ -21,7 +21,8 @@ How it runs:
 - the workspace comes from CuPy's memory pool, per call.
 - the backward runs cuDNN's deterministic algorithm (`use_deterministic_algorithm=True`): its dQ is
   then summed in a fixed order, so a step run twice gives the same bits and resume stays bitwise, as
-  with the own kernels (docs/OPERATIONS.md).
+  with the own kernels (docs/OPERATIONS.md). `CudnnAttention(deterministic=False)` (`train.deterministic
+  = false`) builds the backward without it: faster, and resume is then not bitwise.
 """
 
 import ctypes
@@ -144,7 +145,7 @@ def _one_line(e):
 
 
 _handles = {}  # device id -> cudnn.Handle, made on that device
-_graphs = {}  # (kind, B, T, H, Hkv, Dh, dtype, device) -> _Graph
+_graphs = {}  # (kind, B, T, H, Hkv, Dh, dtype, device[, deterministic for a backward]) -> _Graph
 build_seconds = {}  # the same keys -> seconds each graph took to build
 
 
@@ -179,10 +180,13 @@ class CudnnAttention:
     """The cuDNN backend: bfloat16, causal, scale 1/sqrt(Dh), grouped K/V heads."""
 
     name = "cudnn"
-    deterministic = DETERMINISTIC  # sdpa_backward(use_deterministic_algorithm=True)
 
-    def __init__(self):
+    def __init__(self, deterministic=DETERMINISTIC):
         import cupy
+
+        # sdpa_backward's use_deterministic_algorithm: True by default (resume stays bitwise); False lets
+        # cuDNN pick its faster backward, whose dQ is summed in an order that can change run to run
+        self.deterministic = bool(deterministic)
 
         self.cudnn = frontend()
         self.cupy = cupy
@@ -190,7 +194,7 @@ class CudnnAttention:
         self.handle = _handle(self.cudnn, self.device)
 
     def _graph(self, kind, B, T, H, Hkv, Dh):
-        key = (kind, B, T, H, Hkv, Dh, "bfloat16", self.device)
+        key = (kind, B, T, H, Hkv, Dh, "bfloat16", self.device) + ((self.deterministic,) if kind == "backward" else ())
         if key not in _graphs:
             start = time.perf_counter()
             _graphs[key] = (self._build_forward if kind == "forward" else self._build_backward)(B, T, H, Hkv, Dh)
@@ -223,7 +227,7 @@ class CudnnAttention:
         t["stats"] = graph.tensor(name="stats", dim=[B, H, T, 1], stride=[H * T, T, 1, 1], data_type=cudnn.data_type.FLOAT)
         dq, dk, dv = graph.sdpa_backward(q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["do"], stats=t["stats"],
                                          attn_scale=1.0 / math.sqrt(Dh), use_causal_mask=True,
-                                         use_deterministic_algorithm=DETERMINISTIC, name="attention_backward")
+                                         use_deterministic_algorithm=self.deterministic, name="attention_backward")
         for name, out, heads in (("dq", dq, H), ("dk", dk, Hkv), ("dv", dv, Hkv)):
             out.set_output(True).set_dim([B, heads, T, Dh]).set_stride([T * heads * Dh, Dh, heads * Dh, 1])
             t[name] = out
