@@ -236,25 +236,34 @@ def _environment(name, value):
             os.environ[name] = old
 
 
+QUEUED = {"on": False}  # --queued: set by main
+
+
 def cuda_time(run, repeats, warmup, setup=None):
     """Median seconds of `run(setup())` between two CUDA events on the current stream; `setup` (untimed)
-    is issued before the start event."""
+    is issued before the start event. Each call is waited for before the next is issued (its latency,
+    the host's time to issue it included), unless --queued: then the calls are issued back to back and
+    waited for once at the end, so that the host's time hides behind the device's wherever the device
+    is the slower of the two (the way a training step issues them)."""
     import cupy
 
     for _ in range(warmup):
         run(setup() if setup else None)
     cupy.cuda.get_current_stream().synchronize()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
+    pairs, kept = [], []
     for _ in range(repeats):
         arg = setup() if setup else None
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
         start.record()
-        run(arg)
+        kept.append(run(arg))
         stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+        pairs.append((start, stop))
+        if not QUEUED["on"]:
+            stop.synchronize()
+            kept.clear()
         del arg
-    return statistics.median(times)
+    pairs[-1][1].synchronize()
+    return statistics.median(cupy.cuda.get_elapsed_time(start, stop) / 1e3 for start, stop in pairs)
 
 
 def _torch_view(torch, x):
@@ -454,7 +463,8 @@ def _cell(value, fmt):
 def markdown(info, rows, repeats, warmup):
     lines = [f"## attention: forward and backward per backend ({info['date']})", ""]
     lines += [f"- {key}: {value}" for key, value in info.items() if key != "date"]
-    lines += [f"- timing: CUDA events, median of {repeats} after {warmup} warm-up calls; bf16, causal; "
+    lines += [f"- timing: CUDA events, median of {repeats} after {warmup} warm-up calls"
+              f"{' issued back to back (--queued)' if QUEUED['on'] else ', each waited for'}; bf16, causal; "
               "TFLOP/s by the causal count (forward 2·B·H·T²·Dh, backward 2.5x); x SDPA = seconds / "
               "SDPA's seconds in the same process", "",
               "| B, T, H, Hkv, Dh | backend | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd x SDPA | "
@@ -504,6 +514,8 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting new measurements after this many seconds")
     ap.add_argument("--json", metavar="FILE", help="write {header, rows} here, rewritten after each row")
     ap.add_argument("--markdown", metavar="FILE", help="write the result block here ('-': print it), rewritten after each row")
+    ap.add_argument("--queued", action="store_true",
+                    help="issue the timed calls back to back (the host's time hidden where the device is slower)")
     ap.add_argument("--timings", metavar="FILE", help="read seconds per (backend, shape) from FILE; run nothing")
     args = ap.parse_args(argv)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -518,6 +530,7 @@ def main(argv=None):
         ap.exit(2, "error: --repeats must be >= 1 and --warmup >= 0\n")
     if args.budget_s is not None and args.budget_s <= 0:
         ap.exit(2, "error: --budget-s must be > 0\n")
+    QUEUED["on"] = args.queued
     timer = None
     if args.timings:
         try:

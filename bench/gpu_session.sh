@@ -39,6 +39,7 @@ T_TESTS="${T_TESTS:-90}"                      # 5
 T_ALLOCATORS="${T_ALLOCATORS:-90}"            # 6
 T_GPU_CHECK="${T_GPU_CHECK:-360}"             # 7: the check's target is under 6 minutes on one GPU
 ATTENTION_BACKENDS="${ATTENTION_BACKENDS:-cudnn,torch,own-wmma,own-fma,sdpa}"  # step 1 (bench/attention.py --backends)
+ATTENTION_ARGS="${ATTENTION_ARGS:-}"          # extra words for step 1 (e.g. --queued)
 STEP_CASES="${STEP_CASES:-cudnn torch own}"   # step 4 (see above)
 GPU_CALIBRATE_ARGS="${GPU_CALIBRATE_ARGS:-}"  # extra words for steps 2 and 3 (split on spaces)
 GPU_VS_MODEL_ARGS="${GPU_VS_MODEL_ARGS:-}"
@@ -140,9 +141,10 @@ except Exception as exc:
 
 # ---- 1. attention, every backend
 step_1() {
+  # shellcheck disable=SC2086 # the extra words are meant to be split
   step "1. bench/attention.py" "$T_ATTENTION" "$LOG" "$PY" bench/attention.py \
     --backends "$ATTENTION_BACKENDS" --shapes table,paper --budget-s "$ATTENTION_BUDGET_S" \
-    --json "$OUT/attention.json" --markdown "$OUT/attention.md"
+    --json "$OUT/attention.json" --markdown "$OUT/attention.md" $ATTENTION_ARGS
 }
 
 # ---- 2. calibration, 3. the GPU against the model
@@ -205,7 +207,7 @@ for f in calibrate.log gpu_vs_model.log tests.log allocators.log gpu_check.log; 
   [ -f "$OUT/$f" ] && { echo "==== $f (last 12 lines)"; tail -n 12 "$OUT/$f"; }
 done
 [ -f "$OUT/gpu_step.log" ] && { echo "==== gpu_step.log (results)"
-  grep -E "^(===|device|rmsnorm|bf16 GEMM|boostmpi step|attention:|pytorch eager|host:|profile: [^ ]*[0-9]+ device)|Error|error" \
+  grep -E "^(===|device|rmsnorm|bf16 GEMM|boostmpi step|attention:|pytorch eager|host:|profile: [^ ]*[0-9]+ device|profile: host waits)|Error|error" \
     "$OUT/gpu_step.log" | tail -n 40; }
 [ -f "$OUT/attention.md" ] && { echo "==== attention.md"; cat "$OUT/attention.md"; }
 exit 0

@@ -128,9 +128,13 @@ def profile_step(fn, flops, peak, top=30):
         cupy.cuda.Device().synchronize()
         wall = time.perf_counter() - began
     by_name = collections.defaultdict(lambda: [0, 0.0])
+    waits = collections.defaultdict(lambda: [0, 0.0])  # host calls that wait for the device, by name
     spans = []
     for event in prof.events():
         if not str(getattr(event, "device_type", "")).endswith("CUDA"):
+            if "ynchronize" in event.name or "Memcpy" in event.name and "Async" not in event.name:
+                waits[event.name][0] += 1
+                waits[event.name][1] += (event.time_range.end - event.time_range.start) / 1e6
             continue
         start, end = event.time_range.start, event.time_range.end
         spans.append((start, end))
@@ -146,6 +150,8 @@ def profile_step(fn, flops, peak, top=30):
     print(f"profile: {launches} device activities, kernel time {busy * 1e3:.1f} ms, first-to-last "
           f"{(last - first) / 1e3:.1f} ms, step wall {wall * 1e3:.1f} ms (profiler on): device busy "
           f"{busy / wall:.0%}; MFU at the kernel time {flops / busy / peak:.0%}")
+    for name, (count, seconds) in sorted(waits.items()):
+        print(f"profile: host waits: {name} {count}x, {seconds * 1e3:.1f} ms")
     for name, (count, seconds) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"profile: {seconds * 1e3:8.2f} ms {seconds / busy:6.1%} {count:5d}x  {name[:110]}")
 

@@ -144,14 +144,16 @@ fi
 read -r -a tests <<< "${BOOSTMPI_GPU_CHECK_TESTS:-tests/test_gpu.py tests/test_kernels.py}"
 gpu_tests() {  # NAME MARK TIMEOUT
   local out rc
-  out="$(BOOSTMPI_CUPY_STANDIN=0 timeout "$3" "$PY" -m pytest -q -p no:cacheprovider -m "$2" "${tests[@]}" 2>&1)"
-  rc=$?
+  # pytest's progress goes to the terminal as it runs (a long step shows how far it got) and to a log
+  BOOSTMPI_CUPY_STANDIN=0 timeout "$3" "$PY" -m pytest -q -p no:cacheprovider --durations=5 -m "$2" "${tests[@]}" \
+    2>&1 | tee "$WORK/pytest.log"
+  rc=${PIPESTATUS[0]}
+  out="$(cat "$WORK/pytest.log")"
   if [ "$rc" = 0 ]; then
     record "$1" ok "$(printf '%s\n' "$out" | tail -1)"
   elif [ "$rc" = 5 ]; then
     record "$1" skip "no test of ${tests[*]} is marked '$2'"
   else
-    printf '%s\n' "$out" | tail -30
     record "$1" FAIL "$([ "$rc" = 124 ] && echo "timed out after $3 s: ")$(printf '%s\n' "$out" | tail -1)"
   fi
 }

@@ -2,10 +2,14 @@
 
 What runs. `torch.nn.functional.scaled_dot_product_attention` on zero-copy DLPack views of the CuPy
 arrays (`torch.from_dlpack`), transposed to [B, H, T, Dh] as views (no copy), causal, softmax scale
-1/sqrt(Dh), `enable_gqa=True` (K and V keep their Hkv heads: nothing is repeated), inside
-`torch.nn.attention.sdpa_kernel` limited to the flash, memory-efficient and cuDNN kernels, so the
-math kernel (which builds the T x T scores) is never chosen: a shape none of the three takes fails
-loudly instead of running slowly. On ROCm the same call reaches PyTorch's own flash and
+1/sqrt(Dh), `enable_gqa=True` (K and V keep their Hkv heads: nothing is repeated), with the flash,
+memory-efficient and cuDNN kernels allowed and the math kernel (which builds the T x T scores) not, so
+it is never chosen: a shape none of the three takes fails loudly instead of running slowly. That is
+what `torch.nn.attention.sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION, CUDNN_ATTENTION])` does;
+it is done here with the four `torch.backends.cuda.*_sdp` flags directly, only those that differ set
+and then restored, since sdpa_kernel sets every backend's flag on entry and again on exit: about
+0.2 ms of host time a call on this project's 2-core test machine (a few microseconds this way), which
+made the forward at small shapes 1.2-1.7x SDPA called directly on an H200 (bench/log/attention.md). On ROCm the same call reaches PyTorch's own flash and
 memory-efficient attention (AOTriton, gfx90a included). The kernels run on CuPy's current stream:
 `torch.cuda.ExternalStream` wraps its handle and `torch.cuda.stream` makes it PyTorch's current
 stream for the call, so no synchronisation is needed between the two libraries. Results go back with
@@ -51,8 +55,6 @@ import math
 import sys
 from typing import NamedTuple
 
-# The PyTorch kernels allowed to run (names of torch.nn.attention.SDPBackend); MATH is left out.
-SDPA_KERNELS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 INSTALL_HINT = "pip install torch built for the CUDA or ROCm release CuPy uses"
 
 
@@ -139,6 +141,27 @@ class TorchAttentionContext(NamedTuple):
         return None
 
 
+@contextlib.contextmanager
+def _fused_kernels_only(torch):
+    """SDPA's flash, memory-efficient and cuDNN kernels on and its math kernel off for the call (the
+    effect of sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION, CUDNN_ATTENTION])); each flag that had
+    to change is set back after."""
+    flags = ((torch.backends.cuda.math_sdp_enabled, torch.backends.cuda.enable_math_sdp, False),
+             (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.enable_flash_sdp, True),
+             (torch.backends.cuda.mem_efficient_sdp_enabled, torch.backends.cuda.enable_mem_efficient_sdp, True),
+             (torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.enable_cudnn_sdp, True))
+    changed = []
+    for enabled, enable, wanted in flags:
+        if enabled() != wanted:
+            enable(wanted)
+            changed.append((enable, not wanted))
+    try:
+        yield
+    finally:
+        for enable, was in changed:
+            enable(was)
+
+
 class TorchAttention:
     """The attention backend on PyTorch's SDPA (see the module docstring)."""
 
@@ -184,9 +207,8 @@ class TorchAttention:
                              f"Hkv; got {q.shape}, {k.shape}, {v.shape}")
         with self._call() as (torch, cupy):
             qt, kt, vt = (torch.from_dlpack(a).requires_grad_(True) for a in (q, k, v))
-            allowed = [getattr(torch.nn.attention.SDPBackend, kernel) for kernel in SDPA_KERNELS]
             try:
-                with torch.nn.attention.sdpa_kernel(allowed):
+                with _fused_kernels_only(torch):
                     out = torch.nn.functional.scaled_dot_product_attention(
                         qt.transpose(1, 2), kt.transpose(1, 2), vt.transpose(1, 2),
                         is_causal=True, scale=1.0 / math.sqrt(Dh), enable_gqa=True)
