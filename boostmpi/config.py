@@ -591,7 +591,7 @@ def _toml_value(value: object) -> str:
 
 __all__ = ["ARCHS", "LOWRANK_ARCHS", "SECTIONS", "DEFAULTS", "Config", "ModelConfig",
            "ParallelConfig", "TrainConfig", "DataConfig", "CheckpointConfig", "load_config",
-           "config_from_dict", "parse_overrides"]
+           "config_from_dict", "parse_overrides", "key_tables"]
 
 
 if __name__ == "__main__":
