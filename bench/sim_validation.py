@@ -15,7 +15,7 @@
     PYTHONPATH=. .venv/bin/python bench/sim_validation.py [--append bench/log/sim_validation.md]
 
 With `--published` it instead runs `boostmpi sim` on every published training run of
-`boostmpi.sim.published.cli_runs()` (a configuration file and a profile per row, docs/SIM.md,
+`boostmpi.sim.published.cli_runs()` (a configuration file and a profile per row, docs/SIM_VALIDATION.md,
 "Through the command line") and reports the errors against the published times; targets: worst
 within 15%, median within 8%.
 
@@ -219,7 +219,7 @@ def published_runs(append):
                f"{len(s['frameworks'])} frameworks on {', '.join(s['gpus'])}")
     text = ("Each row: its configuration file and machine profile written as a user writes them, then "
             "`boostmpi sim --config ROW.toml --machine PROFILE --json` (in-process); measured = the published "
-            "time per iteration or what it follows from (docs/SIM.md gives each row's source, layout and "
+            "time per iteration or what it follows from (docs/SIM_VALIDATION.md gives each row's source, layout and "
             f"assumptions). No measurement on this machine.\n\n{published.format_cli_table(rows)}\n\n{verdict}.")
     common.emit("sim_validation --published: performance model vs published runs, through the CLI",
                 common.machine_description(mpi=False), [text], append)

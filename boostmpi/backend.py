@@ -136,8 +136,8 @@ def keep_host_memory():
     """Stop glibc from handing large freed arrays back to the kernel after every use.
 
     The engine allocates the same large temporaries every micro-batch; by default glibc serves
-    each from a fresh mmap and unmaps it on free, so every step pays page faults again (measured
-    here: up to a third of a step). Raising the mmap threshold to its maximum and the trim
+    each from a fresh mmap and unmaps it on free, so every step pays page faults again (the kernel's
+    share of a step's CPU time was up to 29%: bench/log/sim_validation.md, its first block). Raising the mmap threshold to its maximum and the trim
     threshold far above it keeps that memory in the heap for reuse. No effect off glibc.
     """
     import ctypes

@@ -278,6 +278,7 @@ def test_help_goes_to_stdout_with_a_line_per_command_and_exits_0():
         assert "exit status" in done.stdout
     done = run_boostmpi("train", "--help")
     assert done.returncode == 0 and "Train the configured model" in done.stdout and "75 stopped early" in done.stdout
+    assert "(`python -m boostmpi.config` prints them all" in " ".join(done.stdout.split())  # the keys, FORMATS.md's
     done = run_boostmpi("generate", "--help")
     assert done.returncode == 0 and "keeps its last" in " ".join(done.stdout.split())
     done = run_boostmpi("nosuch")

@@ -6,6 +6,7 @@ to issue numbers or outside the repository. Each check reads the doc's own table
 code holds or does, so it finds the code by behaviour (its schema, a checkpoint it writes, the calls it
 makes), not by file; and each has a mutation test that proves it fails when either side changes."""
 
+import dataclasses
 import functools
 import io
 import json
@@ -13,6 +14,8 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -145,6 +148,34 @@ def test_config_doc_check_fails_on_a_mutant(monkeypatch):
     schema["train"]["fake_key"] = 3
     monkeypatch.setattr(config_module, "DEFAULTS", schema)
     assert config_doc_problems(text) == ["train.fake_key is not in docs/FORMATS.md"]
+
+
+def documented_key_tables(text):
+    """FORMATS.md's Configuration from the `[model]` table to the end of the `[checkpoint]` table."""
+    lines = part(text, "## Configuration").splitlines()
+    start, last = lines.index("`[model]`"), lines.index("`[checkpoint]`")
+    end = next(i for i in range(last + 2, len(lines) + 1) if i == len(lines) or not lines[i].startswith("|"))
+    return "\n".join(lines[start:end]) + "\n"
+
+
+def test_formats_md_key_tables_are_the_ones_printed_from_the_declarations():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    printed = subprocess.run([sys.executable, "-m", "boostmpi.config"], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=120, check=True).stdout
+    assert printed == config_module.key_tables()
+    assert documented_key_tables(doc_text("FORMATS.md")) == printed, "run python -m boostmpi.config"
+
+
+def test_key_tables_check_fails_on_a_mutant(monkeypatch):
+    text = doc_text("FORMATS.md")
+    row = "| `keep` | 0 | 0 = keep every complete checkpoint, N = only the newest N |"
+    assert documented_key_tables(text) == config_module.key_tables() and row in text
+    assert documented_key_tables(text.replace(row, row.replace("newest", "oldest"))) != config_module.key_tables()
+    keep = config_module._FIELDS["checkpoint"]["keep"]
+    schema = {section: dict(keys) for section, keys in config_module._FIELDS.items()}
+    schema["checkpoint"]["keep"] = dataclasses.field(default=0, metadata={**keep.metadata, "doc": "the oldest N"})
+    monkeypatch.setattr(config_module, "_FIELDS", schema)
+    assert documented_key_tables(text) != config_module.key_tables()
 
 
 CONFIG_REFERENCE = re.compile(r"\[(model|parallel|train|data|checkpoint)\] ([a-z_]\w*)"
@@ -608,7 +639,7 @@ def test_folder_table_check_fails_on_a_mutant():
 
 
 REPO_PATH = re.compile(r"(?<![\w./-])((?:boostmpi|tests|bench|docs|jobs|kernels|configs)/[\w./-]*[\w/])(?![\w<*])")
-OTHER_PROJECTS = {"docs/performance.md"}  # torchtitan's, cited in docs/SIM.md
+OTHER_PROJECTS = {"docs/performance.md"}  # torchtitan's, cited in docs/SIM_VALIDATION.md
 
 
 def named_paths(text):

@@ -26,7 +26,7 @@ TINY_MODEL = {"arch": "cola", "vocab_size": 256, "d_model": 32, "n_layers": 2, "
 
 PAPER_MODEL = {"d_model": 4096, "d_ff": 11008, "n_layers": 32, "n_heads": 32, "rank": 1024,
                "vocab_size": 32000, "seq_len": 4096}
-# the three systems the BOOST paper times (docs/SIM.md, "The paper check")
+# the three systems the BOOST paper times (docs/SIM_VALIDATION.md, "The paper check")
 PAPER_RUNS = {
     "full": ({"arch": "full"}, {"tp_mode": "vanilla", "grouped": True}, "none", 1.06),
     "vanilla": ({"arch": "cola"}, {"tp_mode": "vanilla", "grouped": False}, "none", 1.64),
@@ -322,7 +322,7 @@ def test_dp_allreduce_across_nodes_is_hierarchical():
 
 
 # ------------------------------------------------------------------ published runs
-# The error bounds recorded in docs/SIM.md ("Validation against published runs"): a change to the
+# The error bounds recorded in docs/SIM_VALIDATION.md ("Validation against published runs"): a change to the
 # model that makes the worst or the median row worse than this fails here.
 PUBLISHED_WORST_BOUND = 0.151
 PUBLISHED_MEDIAN_BOUND = 0.085

@@ -1,5 +1,5 @@
 """The performance model through its command line: sequence parallelism, ZeRO stages 2 and 3, and
-the published runs of docs/SIM.md ("Through the command line"), each predicted by `boostmpi sim`
+the published runs of docs/SIM_VALIDATION.md ("Through the command line"), each predicted by `boostmpi sim`
 from a configuration file as a user writes it."""
 
 import json
@@ -13,8 +13,8 @@ from boostmpi.errors import ConfigError
 from boostmpi.sim import model, plans, published
 from boostmpi.sim.machines import load_machine
 
-# What docs/SIM.md records for the command-line set; a change that makes either worse fails here. The
-# DeepSpeed ZeRO-3 rows are not matched (17-38% fast, docs/SIM.md says what was examined); every other
+# What docs/SIM_VALIDATION.md records for the command-line set; a change that makes either worse fails here. The
+# DeepSpeed ZeRO-3 rows are not matched (17-38% fast, docs/SIM_VALIDATION.md says what was examined); every other
 # row is within the 15% target.
 CLI_WORST_BOUND = 0.15
 ZERO3_DEEPSPEED_BOUND = 0.39

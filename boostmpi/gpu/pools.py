@@ -3,12 +3,13 @@ lowrank forward keeps until its backward.
 
 Why two. CuPy's pool hands a request the smallest free chunk that fits and splits it. In one pool,
 each layer's kept arrays (the rank-R activations of its collectives, their statistics, its output)
-land in the chunks the previous layer's transients freed (the grouped gate/up products, the SwiGLU
-output, the attention output) and split them; the next layer's transients then need new device
-memory, and what is left of the split chunks stays free but too small for anything. At the paper's 7B
-layout that held 1.7 GB above the bytes in use. In a pool of their own, the kept arrays of a step
-are new chunks one after another, freed in the backward and taken again, size for size, by the next
-step; the default pool sees only transients, which every layer asks for in the same sizes and order.
+would land in the chunks the previous layer's transients freed (the grouped gate/up products, the
+SwiGLU output, the attention output) and split them; the next layer's transients would then need new
+device memory, and what is left of the split chunks would stay free but too small for anything
+(docs/MEMORY.md, "Two device pools", has what both arrangements hold). In a pool of their own, the
+kept arrays of a step are new chunks one after another, freed in the backward and taken again, size
+for size, by the next step; the default pool sees only transients, which every layer asks for in the
+same sizes and order.
 
 `kept_empty` is the allocator the recompute tape hands the code that makes a kept array
 (recompute.Tape.alloc); `total_bytes` is what the device holds for both pools.

@@ -2,8 +2,8 @@
 
 None of these runs shaped the model: the machine profiles come from datasheets and site
 documentation plus the few global efficiency constants of docs/SIM.md, fixed before this
-comparison, and no number here is adjusted per row. docs/SIM.md ("Validation against published
-runs") gives the source of every row, the configuration as published and what had to be assumed.
+comparison, and no number here is adjusted per row. docs/SIM_VALIDATION.md ("Validation against
+published runs") gives the source of every row, the configuration as published and what had to be assumed.
 
 Two sets: `published_runs()` describes each run to the model directly (`Workload`: GPT's GELU
 MLP, Megatron's fused softmax, eager PyTorch), and `cli_runs()` states each run as a user states
@@ -327,7 +327,7 @@ def _korthikanti_cli(name, heads, h, l, t, p, B, full_s, present_s, v):
 # 60.1, 50.2 and 44.4 s per iteration (126, 121, 113 TFLOP/s per GPU).
 MT_NLG = [(8, 60.1), (10, 50.2), (12, 44.4)]
 MT_NLG_STAGES = 35
-# The micro-batch is not published; the three runs fix it (docs/SIM.md): their times split, T = a * M + c
+# The micro-batch is not published; the three runs fix it (docs/SIM_VALIDATION.md): their times split, T = a * M + c
 # with M = 1920 / (d * b), and only at b = 2 is c (12.7 s) 1F1B's fill and drain, (p - 1) * a, plus the
 # data-parallel step (0.4 s): b = 1 leaves 5.6 s unexplained, at b = 4 the fill and drain exceed c.
 MT_NLG_MICRO_BATCH = 2
@@ -349,7 +349,7 @@ def _mtnlg_cli(dp, seconds):
         measured_s=seconds, derived="seconds per iteration as published",
         assumed=GPT_ASSUMED + f"; micro-batch {b} (not published: the only one for which the three runs' "
                 "step time that does not depend on the number of micro-batches is 1F1B's fill and drain plus "
-                "the data-parallel step, docs/SIM.md); DeepSpeed's pipeline (plain 1F1B, the data-parallel "
+                "the data-parallel step, docs/SIM_VALIDATION.md); DeepSpeed's pipeline (plain 1F1B, the data-parallel "
                 "reduction after the flush: overlap = false) with ZeRO-1, its blocking sends and receives; fp16 "
                 "(\"mixed precision\"; DeepSpeed had no bf16 optimizer in 2021) with autograd's gradient accumulation; "
                 "GPT-2's vocabulary padded to 51200 (Megatron's multiple of 128 x t)")
@@ -477,7 +477,7 @@ AZURE_ZERO3 = [
 
 # DeepSpeed 0.6.2's ZeRO-3 copies on the compute path for these models, read off its code (zero/
 # partition_parameters.py, stage3.py, partitioned_param_coordinator.py, comm/coalesced_collectives.py;
-# docs/SIM.md): every gather is of one weight (biases under stage3_param_persistence_threshold stay
+# docs/SIM_VALIDATION.md): every gather is of one weight (biases under stage3_param_persistence_threshold stay
 # gathered, the larger 4h bias is fetched on its own), which lands in place without the torch.cat
 # copy-out; every weight's gradient exceeds reduce_bucket_size and is reduce-scattered alone, leaving
 # only the in-place pre-divide (div_: 2 + 2 bytes a parameter).

@@ -19,7 +19,8 @@ def register(subparsers):
                "(run the same command again); 2 bad input (configuration, data, checkpoint, filesystem); "
                "1 internal failure")
     p.add_argument("--config", required=True, help="TOML configuration file")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a configuration key")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a configuration key (`python -m boostmpi.config` prints them all, with defaults)")
     p.add_argument("--resume", default=None, metavar="CHECKPOINT",
                    help="start from this checkpoint instead of this run directory's latest (if any): "
                         "a run directory (its latest checkpoint), its checkpoints/latest file, a step_<N> folder, "
