@@ -164,6 +164,8 @@ class TrainConfig:
         "`kernels/attention.cu`), or `auto` (cudnn where it runs this run's shape, else torch, else own with one "
         "line saying what that costs); chosen once at start-up, the same on every rank (boostmpi/gpu/attention.py, "
         "docs/GPU.md). Accepted and ignored on the CPU; may change on resume")
+    deterministic: bool = _key(True, doc="`false` lets cudnn and torch attention run their faster backward, whose "
+        "sums may change run to run, so a resume is not bitwise (docs/GPU.md); own is always deterministic")
     log_every: int = _key(1, "positive", doc="steps between progress lines and `memory` records (the first and last "
         "steps always have both; a validation step prints a progress line too)")
     val_every: int = _key(0, "nonnegative", doc="steps between validations; 0 = at the end only")

@@ -239,6 +239,21 @@ def test_ranks_that_chose_different_backends_are_refused_in_one_line(monkeypatch
         startup.choose_attention(config("cola", "gpu", "bfloat16"), TwoRanks())
 
 
+def test_train_deterministic_reaches_the_backend_start_up_chooses(cudnn, monkeypatch):
+    """train.deterministic = false: the cuDNN backend chosen at start-up runs its non-deterministic
+    backward; the default keeps the deterministic one."""
+    from boostmpi.gpu import attention
+    from boostmpi.parallel import comm, startup
+    from gpu_steps import config
+
+    monkeypatch.setattr(comm.WATCHDOG, "call", lambda axis, call, fn: fn())
+    for setting, expected in ((False, False), (True, True)):
+        monkeypatch.setattr(attention, "_current", attention.OwnAttention())
+        cfg = config("cola", "gpu", "bfloat16", train=dict(attention="cudnn", deterministic=setting))
+        assert startup.choose_attention(cfg, None).deterministic is expected
+        assert attention.current().deterministic is expected
+
+
 @pytest.mark.parametrize("arch,recompute", [("cola", "none"), ("svd", "lowrank"), ("full", "selective")])
 def test_gpu_step_with_cudnn_attention_equals_the_cpu_path(cudnn, arch, recompute):
     from boostmpi.gpu import attention

@@ -516,7 +516,8 @@ def choose_attention(cfg, world):
     out = None if world is None or world.Get_rank() == 0 else io.StringIO()
     choice = verdict = None
     try:
-        choice = attention.select(cfg.train.attention, cfg.train.dtype, shape=attention_shape(cfg), out=out)
+        choice = attention.select(cfg.train.attention, cfg.train.dtype, shape=attention_shape(cfg), out=out,
+                                  deterministic=cfg.train.deterministic)
     except attention.BackendUnavailable as e:
         verdict = ("UserError", str(e))
     host.agree(verdict)
