@@ -20,10 +20,8 @@ from typing import TYPE_CHECKING, cast
 from boostmpi.errors import ConfigError
 
 if TYPE_CHECKING:
+    from boostmpi.checkpoint.reading import SavedConfig
     from boostmpi.config import Config
-
-# a recorded configuration as the checkpoint holds it: section -> key -> value (JSON)
-SavedConfig = dict[str, dict[str, object]]
 
 
 def _refusal(message: str) -> ConfigError:
