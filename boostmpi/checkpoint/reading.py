@@ -8,7 +8,7 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from types import ModuleType
-from typing import TYPE_CHECKING, BinaryIO, TypeAlias
+from typing import TYPE_CHECKING, BinaryIO, TypeAlias, TypedDict
 
 import numpy as np
 
@@ -30,6 +30,25 @@ if TYPE_CHECKING:
 
 SavedConfig: TypeAlias = dict[str, dict[str, object]]
 """A configuration as a checkpoint recorded it (model.h5's `config`): section -> key -> value."""
+
+
+class LayoutRecord(TypedDict, total=False):
+    """The layout that wrote a checkpoint (state.json's `layout`; zero_stage from a later version on)."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_mode: str
+    zero_stage: int
+
+
+class CheckpointState(TypedDict, total=False):
+    """state.json: what the trainer records beside the tensors (docs/CHECKPOINTS.md)."""
+
+    step: int
+    seed: int
+    data: dict[str, object]  # the training data's position (the loader's state_dict)
+    layout: LayoutRecord
 
 
 def recorded_files(ckpt_dir: str) -> dict[str, FileRecord]:
@@ -108,7 +127,7 @@ def open_model(ckpt_dir: str, check: bool = True) -> tuple[h5py.File, int, Saved
     return f, int(f.attrs["step"]), config
 
 
-def read_state(ckpt_dir: str) -> dict[str, object]:
+def read_state(ckpt_dir: str) -> CheckpointState:
     with open(os.path.join(ckpt_dir, "state.json")) as f:
         return json.load(f)
 
@@ -145,7 +164,7 @@ def read_moments(optim_h5: h5py.File, params: FlatBuffer, optimizer: AdamW, xp: 
 
 
 def load(ckpt_dir: str, specs: Iterable[ParamSpec], params: FlatBuffer, optimizer: AdamW | None = None,
-         xp: ModuleType = np) -> tuple[int, dict[str, object]]:
+         xp: ModuleType = np) -> tuple[int, CheckpointState]:
     """This rank's parameters (FlatBuffer `params`) and, with `optimizer`, its moments and step count,
     from a checkpoint written under any layout. Returns (step, state.json's content)."""
     import h5py
