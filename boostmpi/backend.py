@@ -3,20 +3,23 @@
 Everywhere else: `xp = get_array_module(x)`.
 """
 
+from types import ModuleType
+
 import numpy as np
 
+from boostmpi.arrays import Array
 from boostmpi.errors import UserError
 
 try:  # guarded: CuPy is an optional extra and may be installed without a usable device
     import cupy as _cupy
 
-    _cupy_import_error = None
+    _cupy_import_error: Exception | None = None
 except Exception as exc:  # noqa: BLE001 - any import failure means "no CuPy"
     _cupy = None
     _cupy_import_error = exc
 
 
-def gpu_unavailable_reason():
+def gpu_unavailable_reason() -> str | None:
     if _cupy is None:
         return f"CuPy is not importable ({type(_cupy_import_error).__name__}: {_cupy_import_error})"
     try:
@@ -26,7 +29,7 @@ def gpu_unavailable_reason():
     return None if n > 0 else "CuPy found no GPU"
 
 
-def get_xp(device):
+def get_xp(device: str) -> ModuleType:
     """The array module for `device` ("cpu" or "gpu"); a clear error if no GPU is usable."""
     if device == "cpu":
         return np
@@ -44,7 +47,7 @@ def get_xp(device):
 CUPY_WHEELS = ("cupy-cuda12x", "cupy-cuda13x", "cupy-rocm-7-0")
 
 
-def cupy_wheels_problem():
+def cupy_wheels_problem() -> str | None:
     """One line when more than one CuPy wheel is installed here, else None."""
     import importlib.metadata
 
@@ -62,13 +65,13 @@ def cupy_wheels_problem():
             "boostmpi[gpu-cuda13] CUDA 13")
 
 
-def get_array_module(x):
+def get_array_module(x: Array) -> ModuleType:
     if _cupy is not None:
         return _cupy.get_array_module(x)
     return np
 
 
-def to_numpy(x):
+def to_numpy(x: Array) -> np.ndarray:
     """A NumPy array from a NumPy or CuPy array (a copy only when it lives on a GPU)."""
     if _cupy is not None and isinstance(x, _cupy.ndarray):
         return _cupy.asnumpy(x)
@@ -84,7 +87,7 @@ BF16_INSTALL = ("pip install 'cupy-cuda12x[ctk]>=14.2,<14.3' 'numpy>=2.1.2' 'ml_
                 "(CUDA 13: 'cupy-cuda13x[ctk]>=14.2,<14.3'; or: pip install 'boostmpi[gpu]', CUDA 13 'boostmpi[gpu-cuda13]')")
 
 
-def version_tuple(text):
+def version_tuple(text: object) -> tuple[int, ...]:
     """The leading release numbers of a version string: "14.2.0+standin" -> (14, 2, 0)."""
     out = []
     for part in str(text).split("."):
@@ -101,7 +104,7 @@ def version_tuple(text):
     return tuple(out)
 
 
-def bf16_gpu_problem(cupy_version, numpy_version, ml_dtypes_version):
+def bf16_gpu_problem(cupy_version: str, numpy_version: str, ml_dtypes_version: str | None) -> str | None:
     """One line saying what a bfloat16 GPU run lacks (None when nothing): versions as strings,
     ml_dtypes_version None when it is not installed."""
     found = {"CuPy": cupy_version, "NumPy": numpy_version, "ml_dtypes": ml_dtypes_version}
@@ -117,7 +120,7 @@ def bf16_gpu_problem(cupy_version, numpy_version, ml_dtypes_version):
     return None
 
 
-def check_bf16_gpu():
+def check_bf16_gpu() -> None:
     """Before a bfloat16 GPU run: the CuPy, NumPy and ml_dtypes it needs, or one line naming them."""
     import cupy
 
@@ -132,7 +135,7 @@ def check_bf16_gpu():
         raise UserError(problem)
 
 
-def keep_host_memory():
+def keep_host_memory() -> bool:
     """Stop glibc from handing large freed arrays back to the kernel after every use.
 
     The engine allocates the same large temporaries every micro-batch; by default glibc serves
@@ -156,7 +159,7 @@ def keep_host_memory():
         return False
 
 
-def prefaulted(array):
+def prefaulted(array: Array) -> Array:
     """`array`, zero-filled now so that every page of it is backed by memory: the first step does not
     pay the page faults of buffers that live for the whole run (an allocation's pages are mapped
     only when first written)."""

@@ -9,9 +9,15 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeAlias
 
 from boostmpi.errors import UserError
 from boostmpi.parallel.startup import set_host_threads  # imports no NumPy
+
+if TYPE_CHECKING:
+    # what each command module's `register` is handed (argparse's class is generic only to a type checker)
+    Subparsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
 # command name -> module that registers it
 COMMANDS = {
@@ -41,12 +47,12 @@ checkpoint to resume from."""
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Every command name and its description on one line."""
 
-    def __init__(self, prog):
+    def __init__(self, prog: str) -> None:
         super().__init__(prog, max_help_position=20, width=100)
         self._action_max_length = 18  # room for the longest command name at the commands' indentation
 
 
-def build_parser(only=None):
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The command-line parser; with `only`, the other commands' modules are not imported."""
     parser = argparse.ArgumentParser(prog="boostmpi", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=_HelpFormatter)
@@ -60,7 +66,7 @@ def build_parser(only=None):
     return parser
 
 
-def version():
+def version() -> str:
     try:
         from importlib.metadata import version as installed_version
 
@@ -69,7 +75,7 @@ def version():
         return "(not installed)"
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     """The command line; returns the exit status (130 after Ctrl-C, also while the command's
     modules are still being imported)."""
     try:
@@ -78,7 +84,7 @@ def main(argv=None):
         return 130
 
 
-def _main(argv):
+def _main(argv: Sequence[str] | None) -> int:
     # first, before anything imports NumPy: under mpiexec/srun, one share of the node's cores per rank
     set_host_threads()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -99,7 +105,7 @@ def _main(argv):
     return _parse_and_run(build_parser(only=command), argv)
 
 
-def _parse_and_run(parser, argv):
+def _parse_and_run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help and --version exit 0; argparse prints its own one-line error

@@ -29,6 +29,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from types import FrameType
 
 # Slurm's --signal and time limit, PBS's qdel / walltime, Ctrl-C on an interactive mpiexec
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -50,7 +52,7 @@ STAGES = ("launch", "handlers", "mpi", "config", "memory", "data", "engine", "fi
 class StoppedDuringStartup(KeyboardInterrupt):
     """A stop signal before the first step: nothing to checkpoint, the process ends at once."""
 
-    def __init__(self, signum, stage):
+    def __init__(self, signum: int, stage: str) -> None:
         self.signum, self.stage = signum, stage
         self.exit_code = 128 + signum
         super().__init__(f"stopped by {signal.Signals(signum).name} during start-up (at {stage}): no step was taken, "
@@ -64,12 +66,12 @@ _stage = "launch"
 class StopRequest:
     """The first stop signal this process received (None: none), and where in the step it came."""
 
-    def __init__(self):
-        self.signal = None
+    def __init__(self) -> None:
+        self.signal: int | None = None
         self._since = time.monotonic()
         self._before_step = False  # the signal was there when the current step began
 
-    def record(self, signum):
+    def record(self, signum: int) -> None:
         now = time.monotonic()
         # the same Ctrl-C can arrive twice at once (from the terminal and forwarded by the launcher)
         if signum == signal.SIGINT and self.signal == signal.SIGINT and now - self._since > 1.0:
@@ -78,29 +80,29 @@ class StopRequest:
         if self.signal is None:
             self.signal, self._since = signum, now
 
-    def step_begins(self):
+    def step_begins(self) -> None:
         """Called at each step boundary, before the step's first micro-batch is drawn."""
         self._before_step = self.signal is not None
 
-    def flags(self):
+    def flags(self) -> list[float]:
         """This rank's two floats for the step's merged all-reduce: a stop signal arrived; it arrived
         before the step began."""
         return [1.0 if self.signal is not None else 0.0, 1.0 if self._before_step else 0.0]
 
-    def name(self):
+    def name(self) -> str:
         return signal.Signals(self.signal).name if self.signal is not None else "a signal on another rank"
 
 
 _request = StopRequest()
 
 
-def _handler(signum, frame):
+def _handler(signum: int, frame: FrameType | None) -> None:
     _request.record(signum)
     if _starting:
         raise StoppedDuringStartup(signum, _stage)
 
 
-def _take_signals():
+def _take_signals() -> None:
     for sig in STOP_SIGNALS:
         try:
             signal.signal(sig, _handler)
@@ -108,7 +110,7 @@ def _take_signals():
             pass
 
 
-def install():
+def install() -> None:
     """Start-up: from now on a stop signal ends start-up at once (StoppedDuringStartup), and after
     `started` it is recorded (a fresh request) for the trainer to act on, never fatal."""
     global _request, _starting
@@ -117,13 +119,13 @@ def install():
     _take_signals()
 
 
-def started():
+def started() -> None:
     """Start-up is over: the trainer's loop begins and stop signals are recorded from now on."""
     global _starting
     _starting = False
 
 
-def stage(name):
+def stage(name: str) -> None:
     """Start-up reached `name` (one of STAGES); with BOOSTMPI_SIGNAL_AT naming it, send the signal it names."""
     global _stage
     _stage = name
@@ -132,14 +134,14 @@ def stage(name):
         os.kill(os.getpid(), getattr(signal, sig or "SIGTERM"))
 
 
-def watch():
+def watch() -> StopRequest:
     """The trainer's start: the handler (again: a test may build a trainer without start-up) and the
     process's request, which keeps a signal that arrived during start-up."""
     _take_signals()
     return _request
 
 
-def release():
+def release() -> None:
     """The run that watched the request is over (its signal was acted on): later runs of this process
     start with a fresh one."""
     global _request
@@ -147,7 +149,7 @@ def release():
 
 
 @contextlib.contextmanager
-def handlers_restored():
+def handlers_restored() -> Iterator[None]:
     """Around start-up and training in a process that goes on afterwards (a test calling `train`): the
     caller's stop-signal handlers are put back, or `timeout` could no longer end it."""
     saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}

@@ -20,9 +20,13 @@ fill value, NaN, without a word. So a reader here
 prune or delete the checkpoint at exactly that moment.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, BinaryIO, Literal
 
 import numpy as np
 
@@ -32,11 +36,18 @@ from boostmpi.checkpoint.reading import check_file, recorded_files
 from boostmpi.checkpoint.runs import resolve
 from boostmpi.errors import CheckpointError
 
+if TYPE_CHECKING:
+    from typing import Self
+
+    import h5py
+
+    from boostmpi.checkpoint.reading import SavedConfig
+
 READER_PAUSE = "BOOSTMPI_TEST_READER_PAUSE"
 NOT_READ_BY_MODEL = ("optim.h5", "state.json")
 
 
-def pause_at(stage):
+def pause_at(stage: str) -> None:
     """The tests' injection point (module docstring); nothing unless READER_PAUSE names `stage`."""
     want, _, path = os.environ.get(READER_PAUSE, "").partition(":")
     if want != stage or not path:
@@ -51,7 +62,10 @@ class HeldCheckpoint:
     """A checkpoint folder held for reading (module docstring): pinned, every file model.h5 reads open and,
     with `check`, verified through the open file. Use as a context manager, or call `close`."""
 
-    def __init__(self, ckpt_dir, check=True):
+    files: dict[str, BinaryIO]
+    _h5: dict[str, h5py.File]
+
+    def __init__(self, ckpt_dir: str, check: bool = True) -> None:
         self.dir = ckpt_dir
         self.files, self._h5 = {}, {}
         self.pin = Pin(ckpt_dir).acquire()
@@ -75,8 +89,9 @@ class HeldCheckpoint:
             self.model = self._open_h5("model.h5")
             try:
                 kind = self.model.attrs.get("format")
-                self.config = json.loads(self.model.attrs["config"]) if kind == FORMAT else None
-                self.step = int(self.model.attrs["step"]) if kind == FORMAT else None
+                # ({} and 0 for a file refused just below: never seen)
+                self.config: SavedConfig = json.loads(self.model.attrs["config"]) if kind == FORMAT else {}
+                self.step = int(self.model.attrs["step"]) if kind == FORMAT else 0
             except (KeyError, ValueError, TypeError, OSError, RuntimeError) as exc:
                 raise CheckpointError(f"{self.path('model.h5')} has no readable config or step attribute: {exc}") from exc
             if kind != FORMAT:
@@ -85,10 +100,10 @@ class HeldCheckpoint:
             self.close()
             raise
 
-    def path(self, name):
+    def path(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
-    def _open_h5(self, name):
+    def _open_h5(self, name: str) -> h5py.File:
         import h5py
 
         if name not in self._h5:
@@ -100,15 +115,15 @@ class HeldCheckpoint:
                 raise CheckpointError(f"{self.path(name)} is not a readable HDF5 file: {exc}") from exc
         return self._h5[name]
 
-    def datasets(self):
+    def datasets(self) -> dict[str, h5py.Dataset]:
         """{name: h5py.Dataset} of model.h5 (metadata only: nothing of a rank file is read)."""
         import h5py
 
-        found = {}
+        found: dict[str, h5py.Dataset] = {}
         self.model.visititems(lambda name, obj: found.__setitem__(name, obj) if isinstance(obj, h5py.Dataset) else None)
         return found
 
-    def tensors(self, names=None):
+    def tensors(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """{name: global np.ndarray, as stored} of model.h5's datasets (every one, or `names`)."""
         datasets = self.datasets()
         out = {}
@@ -126,7 +141,7 @@ class HeldCheckpoint:
                                       f"recorded {self.marker[name]['bytes']})")
         return out
 
-    def _read(self, name, dataset):
+    def _read(self, name: str, dataset: h5py.Dataset) -> np.ndarray:
         if not dataset.is_virtual:  # a checkpoint of an earlier version: the tensor is in model.h5
             return dataset[()]
         out = np.empty(dataset.shape, dtype=dataset.dtype)
@@ -142,7 +157,7 @@ class HeldCheckpoint:
                                   f"elements of {name}")
         return out
 
-    def close(self):
+    def close(self) -> None:
         for h5 in self._h5.values():
             h5.close()
         for f in self.files.values():
@@ -151,15 +166,15 @@ class HeldCheckpoint:
         if getattr(self, "pin", None) is not None:
             self.pin.release()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
 
 
-def hold(path, check=True):
+def hold(path: str, check: bool = True) -> HeldCheckpoint:
     """A HeldCheckpoint of what a user named (runs.resolve). A run directory (or `latest`) whose newest
     checkpoint was pruned between resolving and pinning it is resolved again."""
     directory = resolve(path)

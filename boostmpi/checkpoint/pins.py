@@ -16,15 +16,22 @@ while a reader holds it. A reader does not rely on the pin alone: it opens every
 (reading.HeldCheckpoint), so even a folder removed by hand cannot turn into NaN.
 """
 
+from __future__ import annotations
+
 import contextlib
 import errno
 import json
 import os
 import socket
 import time
+from typing import TYPE_CHECKING, Literal, cast
 
 from boostmpi.errors import CheckpointError
 from boostmpi.files import LEASE_S, pid_alive, renew_lease
+
+if TYPE_CHECKING:
+    import threading
+    from typing import Self
 
 PIN_PREFIX, PIN_SUFFIX = ".reader-", ".pin"
 CLAIM = ".pruning"
@@ -35,12 +42,12 @@ class CheckpointGone(CheckpointError):
     """The checkpoint folder was pruned before a reader could pin it."""
 
 
-def _record():
+def _record() -> str:
     return json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                        "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
 
 
-def _live(path, max_age):
+def _live(path: str, max_age: float) -> bool:
     """Whether the flag file at `path` (a pin or a claim) belongs to a live holder."""
     try:
         age = time.time() - os.stat(path).st_mtime
@@ -57,7 +64,7 @@ def _live(path, max_age):
     return holder.get("host") != socket.gethostname() or pid_alive(holder.get("pid"))
 
 
-def live_pins(folder):
+def live_pins(folder: str) -> list[str]:
     """The file names of the live reader pins in a checkpoint folder."""
     try:
         names = os.listdir(folder)
@@ -67,7 +74,7 @@ def live_pins(folder):
                   and _live(os.path.join(folder, n), LEASE_S))
 
 
-def _write_new(path):
+def _write_new(path: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.write(fd, _record().encode() + b"\n")
@@ -76,7 +83,7 @@ def _write_new(path):
         os.close(fd)
 
 
-def claim_for_pruning(folder):
+def claim_for_pruning(folder: str) -> bool:
     """The pruner's side: True when `folder` may be renamed away (the claim stays until it is), False when a
     live reader holds it (the claim is withdrawn)."""
     claim = os.path.join(folder, CLAIM)
@@ -94,21 +101,22 @@ class Pin:
     """A reader's pin on a checkpoint folder (a context manager): while it is held, pruning keeps the
     folder. Raises CheckpointError when the folder is gone (pruned before the pin was taken)."""
 
-    def __init__(self, folder):
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
         self.folder = os.fspath(folder)
         token = os.urandom(4).hex()
-        self.path = os.path.join(self.folder, f"{PIN_PREFIX}{socket.gethostname()}-{os.getpid()}-{token}{PIN_SUFFIX}")
-        self._stop = None
+        self.path: str | None = os.path.join(self.folder, f"{PIN_PREFIX}{socket.gethostname()}-{os.getpid()}-{token}{PIN_SUFFIX}")
+        self._stop: threading.Event | None = None
 
-    def _gone(self):
+    def _gone(self) -> CheckpointGone:
         return CheckpointGone(f"checkpoint {self.folder} was removed (pruned by its run, checkpoint.keep) before it "
                                f"could be read; name a newer checkpoint, or the run directory for its newest")
 
-    def acquire(self):
+    def acquire(self) -> Self:
         claim = os.path.join(self.folder, CLAIM)
+        path = cast(str, self.path)  # the constructor's: None only once a pin was given up
         while True:
             try:
-                _write_new(self.path)
+                _write_new(path)
             except FileNotFoundError:
                 raise self._gone() from None
             except OSError as exc:
@@ -123,7 +131,7 @@ class Pin:
             if not os.path.exists(claim):
                 break
             with contextlib.suppress(OSError):
-                os.remove(self.path)  # the pruner came first: let it decide
+                os.remove(path)  # the pruner came first: let it decide
             while _live(claim, CLAIM_S):  # a pruner holds it for a moment: until it renames or withdraws
                 time.sleep(0.02)
             if not os.path.isdir(self.folder):
@@ -131,10 +139,10 @@ class Pin:
             if os.path.exists(claim) and not _live(claim, CLAIM_S):
                 with contextlib.suppress(OSError):
                     os.remove(claim)  # left by a pruner that died before renaming the folder
-        self._stop = renew_lease(self.path, "boostmpi-reader-pin")
+        self._stop = renew_lease(path, "boostmpi-reader-pin")
         return self
 
-    def release(self):
+    def release(self) -> None:
         if self._stop is not None:
             self._stop.set()
             self._stop = None
@@ -143,9 +151,9 @@ class Pin:
                 os.remove(self.path)
             self.path = None
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self.acquire()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.release()
         return False

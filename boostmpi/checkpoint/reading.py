@@ -2,8 +2,13 @@
 among the ranks), then each rank reads only the hyperslabs of its own shards and optimizer slice.
 Nothing is pickled or executed on load. Also the single-file copy of model.h5 that `export` writes."""
 
+from __future__ import annotations
+
 import json
 import os
+from collections.abc import Iterable, Mapping
+from types import ModuleType
+from typing import TYPE_CHECKING, BinaryIO, TypeAlias, TypedDict
 
 import numpy as np
 
@@ -14,7 +19,39 @@ from boostmpi.errors import CheckpointError
 from boostmpi.files import atomic_file, fs_error
 from boostmpi.model.params import block_pieces
 
-def recorded_files(ckpt_dir):
+if TYPE_CHECKING:
+    import h5py
+    from mpi4py import MPI
+
+    from boostmpi.checkpoint.held import HeldCheckpoint
+    from boostmpi.checkpoint.writer import FileRecord
+    from boostmpi.model.params import FlatBuffer, ParamSpec
+    from boostmpi.train.optim import AdamW
+
+SavedConfig: TypeAlias = dict[str, dict[str, object]]
+"""A configuration as a checkpoint recorded it (model.h5's `config`): section -> key -> value."""
+
+
+class LayoutRecord(TypedDict, total=False):
+    """The layout that wrote a checkpoint (state.json's `layout`; zero_stage from a later version on)."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_mode: str
+    zero_stage: int
+
+
+class CheckpointState(TypedDict, total=False):
+    """state.json: what the trainer records beside the tensors (docs/CHECKPOINTS.md)."""
+
+    step: int
+    seed: int
+    data: dict[str, object]  # the training data's position (the loader's state_dict)
+    layout: LayoutRecord
+
+
+def recorded_files(ckpt_dir: str) -> dict[str, FileRecord]:
     """The files the COMPLETE marker records (the three global files and every rank file), sorted."""
     try:
         with open(os.path.join(ckpt_dir, MARKER)) as f:
@@ -26,7 +63,7 @@ def recorded_files(ckpt_dir):
     return marker
 
 
-def verify(ckpt_dir, files=None, part=(0, 1)):
+def verify(ckpt_dir: str, files: Iterable[str] | None = None, part: tuple[int, int] = (0, 1)) -> None:
     """Check sizes and checksums against the COMPLETE marker (every recorded file, or `files`): XXH3-64,
     or SHA-256 in a checkpoint of an earlier version. A truncated, altered or missing file is refused by
     name. `part = (i, n)` checks every n-th file from the i-th, so n ranks verify a checkpoint together."""
@@ -41,7 +78,7 @@ def verify(ckpt_dir, files=None, part=(0, 1)):
         check_file(ckpt_dir, name, marker[name])
 
 
-def check_file(ckpt_dir, name, record, opened=None):
+def check_file(ckpt_dir: str, name: str, record: FileRecord, opened: BinaryIO | None = None) -> None:
     """One file's size and checksum against its COMPLETE record; `opened`: the file already open
     (binary), checked through that open file rather than its path."""
     path = os.path.join(ckpt_dir, name)
@@ -56,7 +93,7 @@ def check_file(ckpt_dir, name, record, opened=None):
         raise CheckpointError(f"{path} is corrupted: its {label} does not match the one recorded when it was written")
 
 
-def verify_together(ckpt_dir, comm=None):
+def verify_together(ckpt_dir: str, comm: MPI.Comm | None = None) -> None:
     """`verify` collectively over `comm`, each rank checking its share of the files; a problem found by
     any rank is raised on every rank."""
     rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
@@ -68,7 +105,7 @@ def verify_together(ckpt_dir, comm=None):
     Agreement(comm).check(error)
 
 
-def open_model(ckpt_dir, check=True):
+def open_model(ckpt_dir: str, check: bool = True) -> tuple[h5py.File, int, SavedConfig]:
     """(h5py.File of model.h5, its step, its config dict), verified unless check=False."""
     import h5py
 
@@ -90,7 +127,7 @@ def open_model(ckpt_dir, check=True):
     return f, int(f.attrs["step"]), config
 
 
-def read_state(ckpt_dir):
+def read_state(ckpt_dir: str) -> CheckpointState:
     with open(os.path.join(ckpt_dir, "state.json")) as f:
         return json.load(f)
 
@@ -99,7 +136,7 @@ def read_state(ckpt_dir):
 MODEL_KEYS_ADDED = {"attention_dropout": 0.0}
 
 
-def model_mismatch(saved_model, model):
+def model_mismatch(saved_model: Mapping[str, object], model: Mapping[str, object]) -> str | None:
     """The first model key whose value differs, as a message, or None (a key the checkpoint predates
     matches its value from before the key existed)."""
     for k, v in model.items():
@@ -110,7 +147,7 @@ def model_mismatch(saved_model, model):
     return None
 
 
-def read_moments(optim_h5, params, optimizer, xp=np):
+def read_moments(optim_h5: h5py.File, params: FlatBuffer, optimizer: AdamW, xp: ModuleType = np) -> None:
     """Fill the AdamW moments of the optimizer's slice [lo, hi) of the flat buffer (laid out like the
     FlatBuffer `params`) from optim.h5, reading for each parameter only the boxes that fall in the
     slice; sets the optimizer's step count."""
@@ -126,7 +163,8 @@ def read_moments(optim_h5, params, optimizer, xp=np):
     optimizer.t = int(optim_h5.attrs["t"])
 
 
-def load(ckpt_dir, specs, params, optimizer=None, xp=np):
+def load(ckpt_dir: str, specs: Iterable[ParamSpec], params: FlatBuffer, optimizer: AdamW | None = None,
+         xp: ModuleType = np) -> tuple[int, CheckpointState]:
     """This rank's parameters (FlatBuffer `params`) and, with `optimizer`, its moments and step count,
     from a checkpoint written under any layout. Returns (step, state.json's content)."""
     import h5py
@@ -142,7 +180,7 @@ def load(ckpt_dir, specs, params, optimizer=None, xp=np):
     return step, read_state(ckpt_dir)
 
 
-def write_consolidated(path, held):
+def write_consolidated(path: str, held: HeldCheckpoint) -> None:
     """A single-file copy of a held checkpoint's model.h5 (held.HeldCheckpoint) at `path`: the same
     attributes, every tensor stored in the file itself (no virtual datasets), for sharing one file."""
     import h5py

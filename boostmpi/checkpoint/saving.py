@@ -13,10 +13,14 @@ communication, so that it can run in a background thread from a snapshot (`check
 The writers are called through their module (`writer.write_rank_file`), where tests replace them.
 """
 
+from __future__ import annotations
+
 import contextlib
 import json
 import os
 import shutil
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeAlias, TypeVar, cast
 
 from boostmpi.checkpoint import writer
 from boostmpi.checkpoint.format import FILES, MARKER, Checksum, checkpoints_dir, os_error_of, rank_file_name, step_dir_name
@@ -27,7 +31,24 @@ from boostmpi.checkpoint.writer import SPARE_IMAGES, PhaseTimer, file_record, ra
 from boostmpi.errors import CheckpointError, UserError, raised_on_all_ranks
 from boostmpi.files import FilesystemError, atomic_file, check_space, fs_error, fsync_dir, make_dirs
 
-def _lowest_cpu_priority():
+if TYPE_CHECKING:
+    import mmap
+
+    from mpi4py import MPI
+
+    from boostmpi.checkpoint.layout import RankState
+    from boostmpi.checkpoint.writer import FileRecord
+    from boostmpi.config import Config
+    from boostmpi.errors import Verdict
+
+    # a rank's report to rank 0: {file name: its COMPLETE record}, and the failure it met (None: none)
+    Report: TypeAlias = tuple[dict[str, FileRecord], Verdict | None]
+    # a snapshot of one rank file: its coordinates, its page-aligned image, its size in bytes
+    Image: TypeAlias = tuple[tuple[int, ...], mmap.mmap, int]
+
+T = TypeVar("T")
+
+def _lowest_cpu_priority() -> None:
     """Give the calling thread the lowest CPU priority (nice 19). Linux keeps a nice value per thread;
     elsewhere setpriority would change the whole process, so nothing is done there."""
     import sys
@@ -42,24 +63,24 @@ class Agreement:
     """Collective verdicts of a save over `comm` (None: one process). `check(error)` raises the first
     error any rank met, on every rank, as the same one-line UserError."""
 
-    def __init__(self, comm):
+    def __init__(self, comm: MPI.Comm | None) -> None:
         from boostmpi.parallel.comm import HostCollectives
 
         self.comm = comm
         # watched (parallel.watchdog_s): a peer that dies or stops during a save ends the job, never hangs it
         self.host = HostCollectives(comm, axis="checkpoint")
 
-    def bcast(self, value):
+    def bcast(self, value: T) -> T:
         return self.host.bcast(value)
 
-    def gather(self, value):
+    def gather(self, value: T) -> list[T] | None:
         return self.host.gather(value)
 
-    def check(self, error):
+    def check(self, error: Verdict | None) -> None:
         self.host.agree(error)
 
 
-def _failure(exc, name, root, needed, kept):
+def _failure(exc: BaseException, name: str, root: str, needed: int, kept: str) -> Verdict:
     """(class name, one-line message) of an exception met while writing checkpoint `name`."""
     os_exc = os_error_of(exc)
     if os_exc is None:
@@ -79,8 +100,9 @@ class PendingSave:
     NONE_KEPT = ("there is no earlier checkpoint, so this run has nothing to resume from: make room (or raise the "
                  "limit) and start it again in a new train.run_dir, or after removing this one")
 
-    def __init__(self, run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, log=None,
-                 prune_in_background=False):
+    def __init__(self, run_dir: str, step: int, cfg: Config, states: Sequence[RankState], adam_t: int,
+                 state: Mapping[str, object] | None, comm: MPI.Comm | None = None, keep: int = 0,
+                 log: Callable[[str], None] | None = None, prune_in_background: bool = False) -> None:
         self.run_dir, self.step, self.cfg, self.states, self.adam_t, self.state = run_dir, step, cfg, states, adam_t, state
         self.comm, self.keep, self.log = comm, keep, log
         self.prune_in_background = prune_in_background
@@ -91,15 +113,19 @@ class PendingSave:
         self.name = step_dir_name(step)
         self.final = os.path.join(self.root, self.name)
         self.needed, largest = estimate_bytes(cfg, states[0].params.itemsize)
-        self.records, self.error, self.written = {}, None, False
-        self.images = None  # [(coords, page-aligned image, size)] once `snapshot` took them
+        self.records: dict[str, FileRecord] = {}
+        self.error: Verdict | None = None
+        self.written = False
+        self.images: list[Image] | None = None  # [(coords, page-aligned image, size)] once `snapshot` took them
         # this rank's wall seconds per phase: "write", "fsync", "checksum" of its rank file (and "snapshot"
         # of an asynchronous save); on rank 0 also "virtual files" (model.h5, optim.h5, state.json, their
         # fsync and checksum) and "publish"
         # (COMPLETE, rename, `latest`, pruning), and "wait" (finish's gather until every rank reported)
-        self.phases = {}
+        self.phases: dict[str, float] = {}
         self._timer = PhaseTimer(self.phases)
-        tmp, error, self.kept = None, None, self.KEPT
+        tmp: str | None = None
+        error: Verdict | None = None
+        self.kept = self.KEPT
         if self.is_root:
             wait_for_pruning()  # the space an earlier save's pruning frees counts
             if find_latest(run_dir) is None:  # the first save: never claim a previous checkpoint
@@ -115,18 +141,19 @@ class PendingSave:
                 os.makedirs(tmp)
             except UserError as exc:
                 error = (type(exc).__name__, str(exc))
-        self.tmp, error, self.kept = self.agree.bcast((tmp, error, self.kept))
+        # the root's folder on every rank (None only with an error, which `check` raises)
+        self.tmp, error, self.kept = cast("tuple[str, Verdict | None, str]", self.agree.bcast((tmp, error, self.kept)))
         self.agree.check(error)
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         """Bytes of what this save writes from: its snapshot's memory once `snapshot` took one, else the
         arrays it was handed."""
         if self.images is not None:
             return sum(len(image) for _, image, _ in self.images)
         return sum(st.nbytes for st in self.states)
 
-    def snapshot(self):
+    def snapshot(self) -> None:
         """Copy what this rank writes into the bytes of its files (page-aligned, for direct I/O): from here
         on training may change the arrays the save was handed. A failure is kept for `finish`."""
         try:
@@ -138,13 +165,13 @@ class PendingSave:
         except Exception as exc:  # noqa: BLE001 -- reported on every rank by finish()
             self.error = _failure(exc, self.name, self.root, self.needed, self.kept)
             self.images = []
-        self.states = None  # training owns those arrays again
+        self.states = ()  # training owns those arrays again
 
-    def write(self):
+    def write(self) -> None:
         """This rank's files: written (their checksum taken from the bytes as they go out), fsynced, size
         and checksum recorded; a failure is kept for `finish`."""
         if self.images is not None:
-            return self._write_images()
+            return self._write_images(self.images)
         try:
             for st in self.states:
                 path = os.path.join(self.tmp, rank_file_name(*st.coords))
@@ -156,11 +183,11 @@ class PendingSave:
             self.error = _failure(exc, self.name, self.root, self.needed, self.kept)
         self.written = True
 
-    def _write_images(self):
+    def _write_images(self, images: list[Image]) -> None:
         """`write` from the snapshot: each image written with direct I/O, hashed from memory, fsynced."""
         try:
             if self.error is None:
-                for coords, image, size in self.images:
+                for coords, image, size in images:
                     path = os.path.join(self.tmp, rank_file_name(*coords))
                     with self._timer("write"):
                         writer.write_file_image(path, image, size)
@@ -169,12 +196,12 @@ class PendingSave:
                     self.records[os.path.basename(path)] = file_record(path, self.phases, digest)
         except Exception as exc:  # noqa: BLE001 -- reported on every rank by finish()
             self.error = _failure(exc, self.name, self.root, self.needed, self.kept)
-        for _, image, _ in self.images:  # the snapshot's memory, for the next save
+        for _, image, _ in images:  # the snapshot's memory, for the next save
             SPARE_IMAGES.give_back(image)
         self.images = []
         self.written = True
 
-    def write_in_background(self):
+    def write_in_background(self) -> None:
         """`write` for a thread of its own, at the lowest CPU priority: where training keeps every core
         busy (CPU runs) the writer takes what the training threads leave and the steps keep their pace,
         the save taking longer; on a host with idle cores (a GPU node) it runs at full speed. Its heavy
@@ -183,14 +210,14 @@ class PendingSave:
         _lowest_cpu_priority()
         self.write()
 
-    def finish(self):
+    def finish(self) -> str:
         """Publish the checkpoint (collective); returns its folder, or raises on every rank."""
         with self._timer("wait"):
             gathered = self.agree.gather((self.records, self.error))
         verdict = None
         if self.is_root:
             try:
-                self._publish_on_root(gathered)
+                self._publish_on_root(cast("list[Report]", gathered))  # every rank's, on the root
             except BaseException as exc:
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 failure = _failure(exc, self.name, self.root, self.needed, self.kept)
@@ -205,12 +232,12 @@ class PendingSave:
         self.agree.check(self.agree.bcast(verdict))
         return self.final
 
-    def _publish_on_root(self, gathered):
+    def _publish_on_root(self, gathered: list[Report]) -> None:
         cfg, tmp, name = self.cfg, self.tmp, self.name
         errors = [e for _, e in gathered if e is not None]
         if errors:
             raise raised_on_all_ranks(errors[0])
-        marker = {}
+        marker: dict[str, FileRecord] = {}
         for r, _ in gathered:
             marker.update(r)
         expected = {rank_file_name(t, st, d) for t in range(cfg.parallel.tp) for st in range(cfg.parallel.pp)
@@ -225,7 +252,8 @@ class PendingSave:
         with self._timer("virtual files"):
             writer.write_virtual_files(tmp, cfg, self.step, self.adam_t, self.dtype)
             with atomic_file(os.path.join(tmp, "state.json")) as f:
-                json.dump(dict(self.state, step=int(self.step)), f, indent=1, sort_keys=True)
+                state = cast("Mapping[str, object]", self.state)  # rank 0 is handed the state; the others None
+                json.dump(dict(state, step=int(self.step)), f, indent=1, sort_keys=True)
             for file_name in FILES:
                 marker[file_name] = file_record(os.path.join(tmp, file_name))
         with self._timer("publish"):
@@ -234,7 +262,9 @@ class PendingSave:
             _publish(self.run_dir, tmp, self.final, self.step, self.keep, self.log, self.prune_in_background)
 
 
-def save(run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, log=None, prune_in_background=False):
+def save(run_dir: str, step: int, cfg: Config, states: Sequence[RankState], adam_t: int, state: Mapping[str, object] | None,
+         comm: MPI.Comm | None = None, keep: int = 0, log: Callable[[str], None] | None = None,
+         prune_in_background: bool = False) -> str:
     """Write checkpoint `step`, collectively over `comm` (every rank calls it; None: one process, which
     writes every RankState in `states`). Returns the folder on every rank.
 
@@ -255,7 +285,8 @@ def save(run_dir, step, cfg, states, adam_t, state, comm=None, keep=0, log=None,
     return pending.finish()
 
 
-def _publish(run_dir, tmp, final, step, keep, log, prune_in_background=False):
+def _publish(run_dir: str, tmp: str, final: str, step: int, keep: int, log: Callable[[str], None] | None,
+             prune_in_background: bool = False) -> None:
     """Rename a complete temporary folder into place, point `latest` at it, prune to `keep`."""
     root, name = checkpoints_dir(run_dir), os.path.basename(final)
     if is_complete(final):  # another timeline's checkpoint of this step: moved aside, never reused

@@ -3,11 +3,15 @@ page-aligned staging buffer (SequentialWriter) or as a whole image in memory (th
 asynchronous save), both with direct I/O where the filesystem allows it; the virtual files model.h5
 and optim.h5; and the size and checksum of a written file once it is on disk."""
 
+from __future__ import annotations
+
 import contextlib
 import errno
 import json
 import os
 import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
 import numpy as np
 
@@ -16,17 +20,33 @@ from boostmpi.checkpoint.layout import layout_key, rank_file_parts, rank_pieces,
 from boostmpi.files import write_at
 from boostmpi.model.params import all_global_specs
 
+if TYPE_CHECKING:
+    import mmap
+    from types import TracebackType
+    from typing import Self
+
+    from numpy.typing import DTypeLike
+
+    from boostmpi.checkpoint.layout import RankState
+    from boostmpi.config import Config
+    from boostmpi.model.params import Piece
+
+FileRecord: TypeAlias = dict[str, int | str]
+"""What COMPLETE records of a file: {"bytes": its size, <checksum name>: its hex digest}."""
+
+
 class _SpareImages:
     """Page-aligned buffers of written snapshots, kept for the next save of the same size: new memory
     costs a page fault per page on first touch (on some virtual machines as much as copying it)."""
     KEPT = 2
+    buffers: list[mmap.mmap]
 
-    def __init__(self):
+    def __init__(self) -> None:
         import threading
 
         self.lock, self.buffers = threading.Lock(), []
 
-    def take(self, nbytes):
+    def take(self, nbytes: int) -> mmap.mmap:
         import mmap
 
         with self.lock:
@@ -35,7 +55,7 @@ class _SpareImages:
                     return self.buffers.pop(i)
         return mmap.mmap(-1, nbytes)
 
-    def give_back(self, image):
+    def give_back(self, image: mmap.mmap) -> None:
         with self.lock:
             self.buffers.append(image)
             while len(self.buffers) > self.KEPT:
@@ -45,7 +65,7 @@ class _SpareImages:
 SPARE_IMAGES = _SpareImages()
 
 
-def rank_file_image(path, cfg, state):
+def rank_file_image(path: str, cfg: Config, state: RankState) -> tuple[mmap.mmap, int]:
     """(image, size): the `size` bytes write_rank_file would write at `path`, in page-aligned memory of
     whole pages (an anonymous mmap; hand it to SPARE_IMAGES.give_back once written): the snapshot of
     an asynchronous save, written with direct I/O."""
@@ -63,7 +83,7 @@ def rank_file_image(path, cfg, state):
     return image, layout.size
 
 
-def write_file_image(path, image, size):
+def write_file_image(path: str, image: mmap.mmap, size: int) -> None:
     """Write the first `size` bytes of a page-aligned `image` of whole pages as file `path`, with direct
     I/O (O_DIRECT) where the filesystem allows it: the disk reads the memory itself, so neither a copy
     into the page cache nor the kernel's writeback of it competes with training for the CPU."""
@@ -96,26 +116,27 @@ class SequentialWriter:
     Checksum) is fed every byte in order. Use as a context manager; `position` is the bytes written."""
     STAGING = 32 << 20
 
-    def __init__(self, path, digest=None):
+    def __init__(self, path: str, digest: Checksum | None = None) -> None:
         import mmap
 
         self.path, self.digest, self.page = path, digest, mmap.PAGESIZE
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        self.direct, self.fd = hasattr(os, "O_DIRECT"), None
+        self.direct, fd = hasattr(os, "O_DIRECT"), None
         if self.direct:
             try:
-                self.fd = os.open(path, flags | os.O_DIRECT, 0o666)
+                fd = os.open(path, flags | os.O_DIRECT, 0o666)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self.direct = False
-        if self.fd is None:
-            self.fd = os.open(path, flags, 0o666)
+        if fd is None:
+            fd = os.open(path, flags, 0o666)
+        self.fd = fd
         self.buffer = SPARE_IMAGES.take(self.STAGING)
         self.staged = np.frombuffer(self.buffer, np.uint8)
         self.fill, self.position = 0, 0
 
-    def write(self, data):
+    def write(self, data: bytes | np.ndarray) -> None:
         """Append `data` (bytes, or a C-contiguous NumPy array)."""
         src = np.frombuffer(data, np.uint8) if isinstance(data, bytes) else data.reshape(-1).view(np.uint8)
         while src.size:
@@ -125,7 +146,7 @@ class SequentialWriter:
             if self.fill == self.STAGING:
                 self._flush()
 
-    def _flush(self):
+    def _flush(self) -> None:
         if not self.fill:
             return
         chunk = memoryview(self.buffer)[:self.fill]
@@ -150,10 +171,11 @@ class SequentialWriter:
         self.position += self.fill
         self.fill = 0
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, kind, exc, tb):
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Literal[False]:
         try:
             if kind is None:
                 self._flush()
@@ -162,12 +184,12 @@ class SequentialWriter:
                 os.ftruncate(self.fd, self.position)
         finally:
             os.close(self.fd)
-            self.staged = None
+            del self.staged  # the view of the buffer, which could not be closed while it is exported
             SPARE_IMAGES.give_back(self.buffer)
         return False
 
 
-def write_rank_file(path, cfg, state, digest=None):
+def write_rank_file(path: str, cfg: Config, state: RankState, digest: Checksum | None = None) -> None:
     """One rank's file: `model/<name>/<i>`, `m/<name>/<i>`, `v/<name>/<i>` for each of its pieces,
     each dataset carrying its global box (attribute `box`); file attributes `format`, `coords`.
     `digest` (a Checksum) is fed the file's bytes in order as they are written."""
@@ -184,7 +206,7 @@ def write_rank_file(path, cfg, state, digest=None):
             out.write(what)
 
 
-def write_virtual_files(folder, cfg, step, adam_t, dtype):
+def write_virtual_files(folder: str, cfg: Config, step: int, adam_t: int, dtype: DTypeLike) -> None:
     """model.h5 and optim.h5: every global tensor as an HDF5 virtual dataset over the rank files, by
     relative file names (the folder can be moved or copied); the fill value NaN marks an element no
     source covers, which a complete checkpoint never has. Built by HDF5 once per layout; a later save
@@ -204,7 +226,7 @@ def write_virtual_files(folder, cfg, step, adam_t, dtype):
             f.attrs["t"] = int(adam_t)
         return
     par = cfg.parallel
-    layouts = {}
+    layouts: dict[str, list[tuple[str, Piece]]] = {}
     for t in range(par.tp):
         for st in range(par.pp):
             for d in range(par.dp):
@@ -228,14 +250,14 @@ def write_virtual_files(folder, cfg, step, adam_t, dtype):
                             source, f"{group}/{p.key}", shape=p.shape)
                     target = name if group == "model" else f"{group}/{name}"
                     f.create_virtual_dataset(target, layout, fillvalue=np.nan)
-    images = {}
+    images: dict[str, bytes] = {}
     for file_name, _, _ in files:
         with open(os.path.join(folder, file_name), "rb") as f:
             images[file_name] = f.read()
     remember(key, images)
 
 
-def file_record(path, phases=None, digest=None):
+def file_record(path: str, phases: dict[str, float] | None = None, digest: Checksum | None = None) -> FileRecord:
     """Size and checksum of a written file, once it is fsynced; `phases` (a dict) adds the seconds of each.
     `digest`: the file's Checksum, already fed its bytes as they were written (nothing is read back).
 
@@ -248,14 +270,14 @@ def file_record(path, phases=None, digest=None):
         with PhaseTimer(phases)("fsync"):
             fsync_file(path)
         return {"bytes": os.path.getsize(path), Checksum.name: digest.hexdigest()}
-    timer, digest = PhaseTimer(phases), {}
+    timer, value, error = PhaseTimer(phases), [], []
 
-    def hash_it():
+    def hash_it() -> None:
         try:
             with timer("checksum"):
-                digest["value"] = file_digest(path)
+                value.append(file_digest(path))
         except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
-            digest["error"] = exc
+            error.append(exc)
 
     hasher = threading.Thread(target=hash_it, name="checkpoint-checksum")
     hasher.start()
@@ -264,19 +286,19 @@ def file_record(path, phases=None, digest=None):
             fsync_file(path)
     finally:
         hasher.join()
-    if "error" in digest:
-        raise digest["error"]
-    return {"bytes": os.path.getsize(path), Checksum.name: digest["value"]}
+    if error:
+        raise error[0]
+    return {"bytes": os.path.getsize(path), Checksum.name: value[0]}
 
 
 class PhaseTimer:
     """`with timer(name):` adds the block's wall seconds to `phases[name]` (nothing when phases is None)."""
 
-    def __init__(self, phases):
+    def __init__(self, phases: dict[str, float] | None) -> None:
         self.phases = phases
 
     @contextlib.contextmanager
-    def __call__(self, name):
+    def __call__(self, name: str) -> Iterator[None]:
         t = time.perf_counter()
         try:
             yield

@@ -5,17 +5,27 @@ windows x = tok[kT : kT+T], y = tok[kT+1 : kT+T+1]), `tokens` (windows x seq_len
 `shards`, `step`. Runs on one process, whatever layout wrote the checkpoint.
 """
 
+from __future__ import annotations
+
 import glob
 import json
 import os
+from typing import TYPE_CHECKING
 
 from boostmpi.checkpoint import CHECKPOINT_ARG_HELP
 from boostmpi.data.shards import eval_windows, open_shard, resolve_shards, window_count
 from boostmpi.errors import UserError
 from boostmpi.tools.loading import load_checkpoint_engine
 
+if TYPE_CHECKING:
+    import argparse
 
-def register(subparsers):
+    from boostmpi.cli import Subparsers
+    from boostmpi.config import Config
+    from boostmpi.parallel.engine import Engine
+
+
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("eval", help="mean loss of a checkpoint on a token shard (one JSON line)",
                               description="Evaluate a checkpoint on the consecutive windows of a token shard.")
     p.add_argument("checkpoint", help=CHECKPOINT_ARG_HELP)
@@ -27,7 +37,8 @@ def register(subparsers):
     p.set_defaults(func=run)
 
 
-def evaluate_shards(engine, cfg, spec, max_windows=None, batch_size=8):
+def evaluate_shards(engine: Engine, cfg: Config, spec: str | os.PathLike[str], max_windows: int | None = None,
+                    batch_size: int = 8) -> tuple[float, int, int]:
     """(mean loss over the windows, number of windows, number of shards used) of a shard path or glob.
     Of several shards, one too short for a window is passed over; a single one is an error."""
     if batch_size < 1:
@@ -55,7 +66,7 @@ def evaluate_shards(engine, cfg, spec, max_windows=None, batch_size=8):
     return total / windows, windows, used
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     engine, cfg, step = load_checkpoint_engine(args.checkpoint)
     loss, windows, shards = evaluate_shards(engine, cfg, args.data, args.max_windows, args.batch_size)
     print(json.dumps({"loss": loss, "tokens": windows * cfg.model.seq_len, "windows": windows, "shards": shards,

@@ -21,9 +21,14 @@ The `export` extra (`pip install -e '.[export]'` in a checkout) installs what to
 hf need (torch, safetensors, transformers).
 """
 
+from __future__ import annotations
+
 import json
 import os
 import shutil
+from collections.abc import Mapping
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,13 +36,19 @@ from boostmpi import checkpoint as ckpt
 from boostmpi.checkpoint import CHECKPOINT_ARG_HELP
 from boostmpi.errors import UserError
 from boostmpi.files import atomic_file, check_writable_parent, fsync_dir
-from boostmpi.tools.loading import load_checkpoint
+from boostmpi.tools.loading import LoadedCheckpoint, load_checkpoint
+
+if TYPE_CHECKING:
+    import argparse
+
+    from boostmpi.cli import Subparsers
+    from boostmpi.config import ModelConfig
 
 FORMATS = ("torch", "safetensors", "hf", "h5")
 INSTALL_HINT = "install the export extra (pip install -e '.[export]' in a checkout)"
 
 
-def register(subparsers):
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("export", help="write a checkpoint's weights for PyTorch, safetensors, Hugging Face or as one HDF5 file",
                               description="Export a checkpoint's weights: boostmpi's names as a PyTorch state dict or "
                                           "a safetensors file, or a Hugging Face LLaMA folder (--to hf) that "
@@ -50,7 +61,7 @@ def register(subparsers):
     p.set_defaults(func=run)
 
 
-def _safetensors_numpy():
+def _safetensors_numpy() -> ModuleType:
     try:
         import safetensors.numpy
     except ImportError as exc:
@@ -59,7 +70,7 @@ def _safetensors_numpy():
     return safetensors.numpy
 
 
-def write_safetensors(path, tensors, metadata):
+def write_safetensors(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, object]) -> None:
     """Write {name: np.ndarray} and {str: str} metadata as a safetensors file, atomically."""
     st = _safetensors_numpy()
     data = st.save({name: np.ascontiguousarray(value) for name, value in tensors.items()},
@@ -68,12 +79,12 @@ def write_safetensors(path, tensors, metadata):
         f.write(data)
 
 
-def torch_sidecar_path(path):
+def torch_sidecar_path(path: str) -> str:
     """Where the configuration of a torch export goes: the output path with .json for its suffix."""
     return os.path.splitext(path)[0] + ".json"
 
 
-def write_torch(path, tensors, metadata):
+def write_torch(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, object]) -> str:
     """torch.save of {name: tensor}, the metadata as JSON beside it; returns the sidecar's path."""
     try:
         import torch
@@ -97,7 +108,7 @@ HF_LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.
               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 
 
-def hf_llama(model, tensors):
+def hf_llama(model: ModelConfig, tensors: Mapping[str, np.ndarray]) -> tuple[dict[str, object], dict[str, np.ndarray]]:
     """(config.json dict, {HF name: tensor [out, in]}) of a `full` or `svd` model; UserError for the others."""
     if model.arch == "cola":
         raise UserError("--to hf cannot export arch = cola: silu(x @ A) @ B has no dense weight that a LLaMA "
@@ -106,7 +117,7 @@ def hf_llama(model, tensors):
         raise UserError("--to hf needs model.mlp_gate_act = true: LLaMA's MLP always applies SiLU to the gate")
     dtype = tensors["embed"].dtype
 
-    def dense(prefix):
+    def dense(prefix: str) -> np.ndarray:
         if model.arch == "full":
             return tensors[prefix + "/W"]
         product = tensors[prefix + "/A"].astype(np.float64) @ tensors[prefix + "/B"].astype(np.float64)
@@ -133,7 +144,7 @@ def hf_llama(model, tensors):
     return config, {name: np.ascontiguousarray(w) for name, w in weights.items()}
 
 
-def write_hf(out_dir, loaded):
+def write_hf(out_dir: str, loaded: LoadedCheckpoint) -> int:
     """The Hugging Face folder (config.json + model.safetensors), made beside `out_dir` and renamed into place."""
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise UserError(f"--out {out_dir} already exists; --to hf writes a new folder (remove it or name another)")
@@ -158,7 +169,7 @@ def write_hf(out_dir, loaded):
     return len(weights)
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     if args.to not in FORMATS:
         raise UserError(f"--to must be one of {', '.join(FORMATS)}, got {args.to!r}")
     if args.to != "hf":

@@ -12,8 +12,12 @@ positions 0.. (a fresh cache), and decoding continues from there. Sampling stops
 the tokenizer's end-of-text id; an empty prompt starts from it, i.e. at a document start.
 """
 
+from __future__ import annotations
+
 import os
 import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,8 +28,17 @@ from boostmpi.errors import UserError
 from boostmpi.model import layers
 from boostmpi.tools.loading import load_checkpoint
 
+if TYPE_CHECKING:
+    import argparse
 
-def register(subparsers):
+    from numpy.typing import ArrayLike, DTypeLike
+
+    from boostmpi.cli import Subparsers
+    from boostmpi.config import Config, ModelConfig
+    from boostmpi.data.tokenizer import Tokenizer
+
+
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser(
         "generate", help="sample text from a checkpoint",
         description="Sample a continuation of a prompt from a checkpoint (one process, KV cache). The model sees "
@@ -50,14 +63,14 @@ def register(subparsers):
 class KVCache:
     """Keys and values (after RoPE) of positions 0..length-1, per layer: [capacity, Hkv, Dh] each."""
 
-    def __init__(self, n_layers, capacity, n_kv_heads, head_dim, dtype):
+    def __init__(self, n_layers: int, capacity: int, n_kv_heads: int, head_dim: int, dtype: DTypeLike) -> None:
         self.k = [np.zeros((capacity, n_kv_heads, head_dim), dtype=dtype) for _ in range(n_layers)]
         self.v = [np.zeros((capacity, n_kv_heads, head_dim), dtype=dtype) for _ in range(n_layers)]
         self.capacity = capacity
         self.length = 0
 
 
-def cached_attention(q, k, v, first_position):
+def cached_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, first_position: int) -> np.ndarray:
     """q [n, H, Dh] at positions first_position.., k, v [S, Hkv, Dh] at positions 0..S-1 -> o [n, H*Dh].
 
     Query j may read keys up to its own position first_position + j (causal); GQA: kv head
@@ -79,17 +92,17 @@ def cached_attention(q, k, v, first_position):
 class Decoder:
     """The model on one process, fed a few tokens at a time through a KV cache."""
 
-    def __init__(self, model_cfg, tensors, dtype=np.float32):
+    def __init__(self, model_cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype: DTypeLike = np.float32) -> None:
         self.m = model_cfg
         self.dtype = np.dtype(dtype)
         self.P = {name: np.asarray(t, dtype=self.dtype) for name, t in tensors.items()}
         self.cos, self.sin = layers.rope_tables(model_cfg.seq_len, model_cfg.head_dim, model_cfg.rope_theta, self.dtype)
 
-    def new_cache(self):
+    def new_cache(self) -> KVCache:
         m = self.m
         return KVCache(m.n_layers, m.seq_len, m.n_kv_heads, m.head_dim, self.dtype)
 
-    def linear(self, i, name, x):
+    def linear(self, i: int, name: str, x: np.ndarray) -> np.ndarray:
         P, prefix = self.P, f"layers/{i}/{name}"
         if self.m.arch == "full":
             return x @ P[prefix + "/W"]
@@ -98,7 +111,7 @@ class Decoder:
             a = layers.silu_forward(a)
         return a @ P[prefix + "/B"]
 
-    def forward(self, ids, cache):
+    def forward(self, ids: Sequence[int], cache: KVCache) -> np.ndarray:
         """Logits [n, V] of the n tokens `ids` placed after the cache's positions; extends the cache."""
         m, P = self.m, self.P
         n, pos = len(ids), cache.length
@@ -124,7 +137,7 @@ class Decoder:
 
 # ---------------------------------------------------------------- sampling
 
-def check_sampling(temperature, top_k, top_p, max_new_tokens):
+def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens: int) -> None:
     if not temperature >= 0:
         raise UserError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k < 0:
@@ -135,7 +148,8 @@ def check_sampling(temperature, top_k, top_p, max_new_tokens):
         raise UserError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
 
 
-def sample_token(logits, rng, temperature=0.8, top_k=0, top_p=1.0):
+def sample_token(logits: ArrayLike, rng: np.random.Generator, temperature: float = 0.8, top_k: int = 0,
+                 top_p: float = 1.0) -> int:
     """One token id from logits [V]: greedy at temperature 0, else softmax(logits / temperature)
     restricted to the top_k most likely ids and then to the top_p nucleus."""
     logits = np.asarray(logits, dtype=np.float64)
@@ -158,7 +172,8 @@ def sample_token(logits, rng, temperature=0.8, top_k=0, top_p=1.0):
     return int(order[rng.choice(len(order), p=probs)])
 
 
-def generate_ids(decoder, prompt_ids, max_new_tokens, sample, stop_id=None):
+def generate_ids(decoder: Decoder, prompt_ids: Sequence[int], max_new_tokens: int, sample: Callable[[np.ndarray], int],
+                 stop_id: int | None = None) -> list[int]:
     """The new token ids after `prompt_ids` (non-empty); `sample(logits [V]) -> id`.
 
     Stops after `stop_id` (the end-of-text id) if it is sampled. The context slides as the
@@ -187,7 +202,7 @@ def generate_ids(decoder, prompt_ids, max_new_tokens, sample, stop_id=None):
 
 # ---------------------------------------------------------------- tokenizer and prompt
 
-def checkpoint_tokenizer(cfg, spec=None):
+def checkpoint_tokenizer(cfg: Config, spec: str | None = None) -> Tokenizer:
     """The tokenizer named by `spec`, else the one recorded with the run's training shards, else byte."""
     if spec is not None:
         return tokenizer_from_name(spec)
@@ -202,7 +217,7 @@ def checkpoint_tokenizer(cfg, spec=None):
     return tokenizer_for_shards(shards)
 
 
-def encode_prompt(tokenizer, prompt, vocab_size):
+def encode_prompt(tokenizer: Tokenizer, prompt: str, vocab_size: int) -> list[int]:
     """Prompt ids, each below the model's vocabulary; an empty prompt starts a document (the eot id)."""
     ids = [int(i) for i in tokenizer.encode(prompt)] if prompt else [int(tokenizer.eot)]
     bad = next((position for position, i in enumerate(ids) if not 0 <= i < vocab_size), None)
@@ -217,7 +232,7 @@ def encode_prompt(tokenizer, prompt, vocab_size):
                     f"with tokenizer {tokenizer.name}")
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
     if not 0 <= args.seed < 2**64:  # NumPy's generators take non-negative seeds; boostmpi's are 64-bit
         raise UserError(f"--seed must be between 0 and 2**64 - 1, got {args.seed}")

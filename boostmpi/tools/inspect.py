@@ -7,8 +7,12 @@ counted as one in x out matrix), file sizes, whether the recorded checksums veri
 reported as an error (exit status 2).
 """
 
+from __future__ import annotations
+
 import json
 import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict
 
 import numpy as np
 
@@ -18,8 +22,16 @@ from boostmpi.config import config_from_dict
 from boostmpi.errors import CheckpointError, ConfigError
 from boostmpi.tools.loading import checkpoint_dir
 
+if TYPE_CHECKING:
+    import argparse
 
-def register(subparsers):
+    from numpy.typing import ArrayLike
+
+    from boostmpi.checkpoint.reading import CheckpointState, LayoutRecord, SavedConfig
+    from boostmpi.cli import Subparsers
+
+
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("inspect", help="describe a checkpoint: config, step, layout, parameters",
                               description="Describe a checkpoint: configuration, step, layout, parameter counts, checksums.")
     p.add_argument("checkpoint", help=CHECKPOINT_ARG_HELP)
@@ -28,13 +40,55 @@ def register(subparsers):
     p.set_defaults(func=run)
 
 
-def tensor_stats(values):
+StatKey = Literal["mean", "std", "min", "max", "rms"]
+STAT_KEYS: tuple[StatKey, ...] = ("mean", "std", "min", "max", "rms")
+
+
+class TensorStats(TypedDict):
+    mean: float
+    std: float
+    min: float
+    max: float
+    rms: float
+
+
+class TensorReport(TypedDict):
+    """A tensor in `describe`'s report: its shape and dtype, with --stats its statistics."""
+
+    shape: list[int]
+    dtype: str
+    mean: NotRequired[float]
+    std: NotRequired[float]
+    min: NotRequired[float]
+    max: NotRequired[float]
+    rms: NotRequired[float]
+
+
+class ChecksumReport(TypedDict):
+    ok: bool
+    problem: str | None  # the first failure's line
+
+
+class CheckpointReport(TypedDict):
+    """What `describe` returns (and `inspect --json` prints)."""
+
+    checkpoint: str
+    step: int
+    layout: LayoutRecord | None  # None: state.json records none
+    config: SavedConfig
+    parameters: dict[str, int]  # actual, dense_equivalent
+    files: dict[str, int]  # name -> bytes
+    checksums: ChecksumReport
+    tensors: dict[str, TensorReport]
+
+
+def tensor_stats(values: ArrayLike) -> TensorStats:
     v = np.asarray(values, dtype=np.float64)
     return {"mean": float(v.mean()), "std": float(v.std()), "min": float(v.min()), "max": float(v.max()),
             "rms": float(np.sqrt(np.mean(v * v)))}
 
 
-def parameter_counts(shapes):
+def parameter_counts(shapes: Mapping[str, Sequence[int]]) -> tuple[int, int]:
     """(actual, dense-equivalent) parameter counts of {name: shape}."""
     actual = sum(int(np.prod(s)) for s in shapes.values())
     dense = 0
@@ -46,7 +100,7 @@ def parameter_counts(shapes):
     return actual, dense
 
 
-def describe(path, stats=False):
+def describe(path: str, stats: bool = False) -> CheckpointReport:
     """Everything `inspect` reports, as a JSON-ready dict (never raises for failed checksums).
 
     The checkpoint is held for the whole read (checkpoint.hold). When the checksum of a rank file fails it
@@ -55,7 +109,7 @@ def describe(path, stats=False):
     directory = checkpoint_dir(path)
     try:
         held = ckpt.hold(directory)
-        checksums = {"ok": True, "problem": None}
+        checksums: ChecksumReport = {"ok": True, "problem": None}
     except CheckpointError as exc:
         checksums = {"ok": False, "problem": str(exc)}
         try:  # described from model.h5's metadata, if model.h5 itself is intact: HDF5 may crash on a damaged file
@@ -68,14 +122,15 @@ def describe(path, stats=False):
             datasets = held.datasets()
         except (OSError, RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(checksums["problem"] or f"{held.path('model.h5')} cannot be described: {exc}") from exc
-        tensors = {name: {"shape": list(d.shape), "dtype": str(d.dtype)} for name, d in datasets.items()}
+        tensors: dict[str, TensorReport] = {name: {"shape": list(d.shape), "dtype": str(d.dtype)}
+                                            for name, d in datasets.items()}
         if stats and checksums["ok"]:
             for name, values in held.tensors().items():
                 tensors[name].update(tensor_stats(values))
         tensors = {name: tensors[name] for name in sorted(tensors, key=_natural_key)}
         step, saved = held.step, held.config
     try:
-        state = ckpt.read_state(directory)
+        state: CheckpointState = ckpt.read_state(directory)
     except (OSError, ValueError):
         state = {}
     actual, dense = parameter_counts({name: t["shape"] for name, t in tensors.items()})
@@ -87,12 +142,12 @@ def describe(path, stats=False):
             "checksums": checksums, "tensors": tensors}
 
 
-def _natural_key(name):
+def _natural_key(name: str) -> list[tuple[int, int, str]]:
     """layers/2 before layers/10."""
     return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split("/")]
 
 
-def format_report(info, stats=False):
+def format_report(info: CheckpointReport, stats: bool = False) -> str:
     """The human-readable report of a `describe` dict."""
     m = info["config"].get("model", {})
     layout = info["layout"]
@@ -121,20 +176,20 @@ def format_report(info, stats=False):
     for name, t in info["tensors"].items():
         row = f"{name:<{width}}  {'x'.join(map(str, t['shape'])):<14} {t['dtype']}"
         if stats:
-            row += "  " + " ".join(f"{t[k]:>10.4g}" for k in ("mean", "std", "min", "max", "rms"))
+            row += "  " + " ".join(f"{t[k]:>10.4g}" for k in STAT_KEYS)
         lines.append(row)
     lines += ["", "configuration:", _config_toml(info["config"]).rstrip()]
     return "\n".join(lines)
 
 
-def _config_toml(saved):
+def _config_toml(saved: SavedConfig) -> str:
     try:
         return config_from_dict(saved).to_toml()
     except ConfigError as exc:  # recorded by another version: show it as it is
         return json.dumps(saved, indent=1, sort_keys=True) + f"\n(not valid for this version: {exc})"
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     info = describe(args.checkpoint, stats=args.stats)
     print(json.dumps(info) if args.json else format_report(info, stats=args.stats))
     if not info["checksums"]["ok"]:

@@ -5,24 +5,30 @@ The tools read it back with the parallel layout forced to one process (tp = pp =
 the CPU, in float32 unless the run trained in float64.
 """
 
-from typing import NamedTuple
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from boostmpi import checkpoint as ckpt
-from boostmpi.config import config_from_dict
+from boostmpi.config import Config, config_from_dict
 from boostmpi.errors import CheckpointError, ConfigError
 from boostmpi.model.params import all_global_specs
 from boostmpi.precision import cpu_dtype_name
 
+if TYPE_CHECKING:
+    from boostmpi.checkpoint.reading import SavedConfig
+    from boostmpi.parallel.engine import Engine
 
-def checkpoint_dir(path):
+
+def checkpoint_dir(path: str) -> str:
     """The verified-complete checkpoint folder named by a run directory, its checkpoints/latest
     file, a step folder or its model.h5."""
     return ckpt.resolve(path)
 
 
-def single_process_config(saved, dtype=None):
+def single_process_config(saved: object, dtype: str | None = None) -> Config:
     """The Config of a checkpoint's recorded configuration (a dict), laid out for one CPU process.
 
     `dtype` None keeps float64 when the run used it and otherwise computes in float32 (the CPU
@@ -40,14 +46,14 @@ def single_process_config(saved, dtype=None):
 
 
 class LoadedCheckpoint(NamedTuple):
-    tensors: dict  # name -> global np.ndarray
-    cfg: object  # the one-process Config
+    tensors: dict[str, np.ndarray]  # name -> global tensor
+    cfg: Config  # the one-process Config
     step: int
     directory: str  # the checkpoint folder
-    saved_config: dict  # the configuration as the run recorded it (its own layout)
+    saved_config: SavedConfig  # the configuration as the run recorded it (its own layout)
 
 
-def load_checkpoint(path, dtype=None):
+def load_checkpoint(path: str, dtype: str | None = None) -> LoadedCheckpoint:
     """A LoadedCheckpoint, read whole or refused in one line: held against pruning for the whole read, its
     files verified against the checksums recorded when they were written (checkpoint.hold)."""
     with ckpt.hold(path) as held:
@@ -68,7 +74,7 @@ def load_checkpoint(path, dtype=None):
         return LoadedCheckpoint(tensors, cfg, held.step, held.dir, held.config)
 
 
-def load_checkpoint_engine(path, dtype=None):
+def load_checkpoint_engine(path: str, dtype: str | None = None) -> tuple[Engine, Config, int]:
     """(Engine on one CPU process holding the checkpoint's weights, its Config, step)."""
     from boostmpi.parallel.engine import Engine
 

@@ -9,17 +9,32 @@ is left out, and a panel with no communication at all says so. One colour per ru
 the run directory's name. Needs matplotlib (drawn with its Agg backend).
 """
 
+from __future__ import annotations
+
 import json
 import math
 import os
+from collections.abc import Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 from boostmpi.errors import UserError
 from boostmpi.files import atomic_file, check_writable_parent, format_bytes
 
+if TYPE_CHECKING:
+    import argparse
+
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from boostmpi.cli import Subparsers
+
+    Row: TypeAlias = dict[str, object]  # a metrics.jsonl row as read (of any version: keys are looked up)
+
 AXES = ("tp", "pp", "dp")
 
 
-def register(subparsers):
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("plot", help="PNG of loss, throughput and communication of one or more runs",
                               description="Plot loss, validation loss, throughput and communication of runs, overlaid.")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each holds metrics.jsonl)")
@@ -28,7 +43,7 @@ def register(subparsers):
     p.set_defaults(func=run)
 
 
-def read_metrics(run_dir):
+def read_metrics(run_dir: str) -> list[Row]:
     """The rows of `<run_dir>/metrics.jsonl`, each a dict; an error naming the problem otherwise."""
     if not os.path.isdir(run_dir):
         raise UserError(f"run directory {run_dir} does not exist")
@@ -52,19 +67,21 @@ def read_metrics(run_dir):
     return rows
 
 
-def run_labels(run_dirs):
+def run_labels(run_dirs: Sequence[str]) -> list[str]:
     """Each run's directory name, or the path as given where two names coincide."""
     names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
     return [name if names.count(name) == 1 else d for name, d in zip(names, run_dirs)]
 
 
-def series(rows, x_key, y_key):
+def series(rows: Sequence[Row], x_key: str, y_key: str) -> tuple[list[float], list[float]]:
     """(xs, ys) of the rows that have both keys."""
-    picked = [(r[x_key], r[y_key]) for r in rows if r.get(x_key) is not None and r.get(y_key) is not None]
+    # the columns plotted (step, tokens, loss, val_loss, tokens_per_s) hold numbers
+    picked = cast("list[tuple[float, float]]",
+                  [(r[x_key], r[y_key]) for r in rows if r.get(x_key) is not None and r.get(y_key) is not None])
     return [p[0] for p in picked], [p[1] for p in picked]
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     try:
         import matplotlib
     except ImportError as exc:
@@ -75,7 +92,7 @@ def _pyplot():
     return plt
 
 
-def make_figure(run_dirs, x="tokens"):
+def make_figure(run_dirs: Sequence[str], x: str = "tokens") -> tuple[Figure, int]:
     """(matplotlib Figure, number of line series drawn) for the runs' metrics."""
     if x not in ("tokens", "step"):
         raise UserError(f"--x must be tokens or step, got {x!r}")
@@ -103,11 +120,11 @@ def make_figure(run_dirs, x="tokens"):
     return fig, len(ax_loss.get_lines()) + len(ax_speed.get_lines()) + comm_series
 
 
-def communication_summary(rows):
+def communication_summary(rows: Sequence[Row]) -> dict[str, tuple[float, float, float]]:
     """{axis: (median, smallest, largest) payload bytes per step} of the axes a run communicated on."""
     import numpy as np
 
-    per_step = [r["comm_bytes"] for r in rows if isinstance(r.get("comm_bytes"), dict)]
+    per_step = [c for c in (r.get("comm_bytes") for r in rows) if isinstance(c, dict)]
     summary = {}
     for axis in AXES:
         values = np.array([float(c.get(axis) or 0) for c in per_step])
@@ -116,7 +133,7 @@ def communication_summary(rows):
     return summary
 
 
-def draw_communication(ax, runs):
+def draw_communication(ax: Axes, runs: Sequence[tuple[str, Sequence[Row]]]) -> int:
     """Grouped bars of `communication_summary` for [(label, rows)]; returns the number of bars drawn."""
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
@@ -153,7 +170,7 @@ def draw_communication(ax, runs):
     return bars
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     check_writable_parent(args.out, "--out")
     fig, n_series = make_figure(args.run_dirs, args.x)
     try:

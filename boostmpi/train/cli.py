@@ -1,14 +1,23 @@
 """`boostmpi train --config FILE [--set section.key=value ...] [--resume CHECKPOINT]`."""
 
+from __future__ import annotations
+
 import sys
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from boostmpi.errors import UserError
 from boostmpi.files import fs_error
 
+if TYPE_CHECKING:
+    import argparse
 
-def register(subparsers):
+    from boostmpi.cli import Subparsers
+    from boostmpi.config import Config
+
+
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser(
         "train", help="train a model (run under mpiexec/srun for several ranks)",
         description="Train the configured model on one process or, under mpiexec/srun, on tp x pp x dp MPI ranks. "
@@ -28,7 +37,7 @@ def register(subparsers):
     p.set_defaults(func=run)
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     from boostmpi import preemption
 
     # init_mpi and the trainer take over the stop signals; a caller in this process (a test) gets its
@@ -41,13 +50,13 @@ def run(args):
             return stopped.exit_code
 
 
-def _run(args):
+def _run(args: argparse.Namespace) -> int:
     from boostmpi.parallel.launch import init_mpi, run_guarded
     from boostmpi.preemption import STOPPED_EARLY_EXIT, stage
 
     world, rank, size, local_rank = init_mpi()
 
-    def body():
+    def body() -> int:
         from boostmpi.config import load_config
         from boostmpi.parallel.startup import check_memory, check_mpi
 
@@ -96,7 +105,7 @@ def _run(args):
     return run_guarded(body, world, rank)
 
 
-def banner(cfg, config_path, size, local_rank):
+def banner(cfg: Config, config_path: str, size: int, local_rank: int) -> str:
     from boostmpi.parallel.launch import mpi_library
 
     par, tr, m = cfg.parallel, cfg.train, cfg.model

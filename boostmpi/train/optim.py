@@ -4,15 +4,25 @@ Weight decay (decoupled, scaled by the learning rate as in Loshchilov & Hutter) 
 matrix: embedding, LM head, W, A and B. Norm weights are not decayed.
 """
 
+from __future__ import annotations
+
 import math
+from collections.abc import Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from boostmpi.arrays import Array
 from boostmpi.backend import prefaulted
 from boostmpi.model.params import FlatBuffer
 
+if TYPE_CHECKING:
+    from boostmpi.config import TrainConfig
+    from boostmpi.model.params import ParamSpec
 
-def learning_rate(step, tr):
+
+def learning_rate(step: int, tr: TrainConfig) -> float:
     """Linear warm-up to `lr` over `warmup_steps`, then cosine decay to `lr * min_lr_ratio` at the last step."""
     if step < tr.warmup_steps:
         return tr.lr * (step + 1) / tr.warmup_steps
@@ -22,7 +32,7 @@ def learning_rate(step, tr):
     return floor + 0.5 * (tr.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
-def clip_coefficient(grad_norm, max_norm):
+def clip_coefficient(grad_norm: float, max_norm: float) -> float:
     if max_norm <= 0 or not math.isfinite(grad_norm) or grad_norm <= max_norm:
         return 1.0
     return max_norm / (grad_norm + 1e-6)
@@ -33,7 +43,8 @@ class AdamW:
     over tensors). `shard = (lo, hi)` is the slice this rank updates: the whole buffer, or under ZeRO-1
     its data-parallel share; the moments `m`, `v` exist for that slice only (flat arrays of hi - lo)."""
 
-    def __init__(self, params, specs, tr, xp=np, shard=None, master=None):
+    def __init__(self, params: FlatBuffer, specs: Sequence[ParamSpec], tr: TrainConfig, xp: ModuleType = np,
+                 shard: Sequence[int] | None = None, master: Array | None = None) -> None:
         self.params, self.tr, self.xp = params, tr, xp
         if master is None and np.dtype(params.data.dtype).itemsize < 4:
             raise ValueError(f"AdamW over {np.dtype(params.data.dtype).name} parameters would keep its moments and "
@@ -48,21 +59,21 @@ class AdamW:
         self.v = prefaulted(xp.empty(hi - lo, dtype=dtype))
         # where weight decay applies: [a, b) ranges of the slice (neighbouring ones merged), instead of
         # a mask as large as the slice
-        ranges = []
+        ranges: list[tuple[int, int]] = []
         for s in specs:
             if s.decay:
                 a, b = params.spans[s.name]  # its block (a grouped block holds only decayed matrices)
                 a, b = max(a, lo) - lo, min(b, hi) - lo
                 if a < b:
                     ranges.append((a, b))
-        self.decay_ranges = []
+        self.decay_ranges: list[tuple[int, int]] = []
         for a, b in sorted(set(ranges)):
             if self.decay_ranges and a <= self.decay_ranges[-1][1]:
                 self.decay_ranges[-1] = (self.decay_ranges[-1][0], max(b, self.decay_ranges[-1][1]))
             else:
                 self.decay_ranges.append((a, b))
         self.t = 0  # updates taken (for bias correction)
-        self._decay_bounds = None  # the decay ranges as device int64 bounds, for the GPU kernel
+        self._decay_bounds: Array | None = None  # the decay ranges as device int64 bounds, for the GPU kernel
         # on a GPU with float32 master weights one kernel does the whole update (the gradient scale
         # included) and needs no buffer of its own; the array operations of the other paths need a
         # scratch buffer and, to clip, the scaled gradient (made now, not inside the first step)
@@ -71,11 +82,11 @@ class AdamW:
         self._scaled = prefaulted(xp.empty_like(self.m)) if tr.grad_clip > 0 and not self.fused else None
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         """Bytes of optimizer state this rank holds (the two moments of its slice)."""
         return int(self.m.nbytes + self.v.nbytes)
 
-    def step(self, grads, lr, grad_scale=1.0):
+    def step(self, grads: FlatBuffer | Array, lr: float, grad_scale: float = 1.0) -> None:
         """`grads`: a FlatBuffer laid out like the parameters, or the flat gradient of the slice."""
         xp, tr = self.xp, self.tr
         self.t += 1
@@ -122,7 +133,7 @@ class AdamW:
         p -= tmp
 
 
-def fused_update(xp, dtype):
+def fused_update(xp: ModuleType, dtype: np.dtype) -> bool:
     """Whether AdamW's update of master weights of `dtype` on `xp` is the one fused kernel
     (kernels/adamw.cu): on a GPU, float32."""
     return xp is not np and dtype == np.float32

@@ -13,16 +13,24 @@ recompute, the checkpoint settings, and everything else not named above (a new l
 checkpoint is a documented use of --resume).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
 from boostmpi.errors import ConfigError
 
+if TYPE_CHECKING:
+    from boostmpi.checkpoint.reading import SavedConfig
+    from boostmpi.config import Config
 
-def _refusal(message):
+
+def _refusal(message: str) -> ConfigError:
     err = ConfigError(message)
     err.all_ranks = True  # every rank compares the same two configurations: each raises, rank 0 prints
     return err
 
 
-def check_resume(cfg, saved, step, path):
+def check_resume(cfg: Config, saved: SavedConfig, step: int, path: str) -> list[str]:
     """Compare `cfg` with `saved`, the configuration (a dict) recorded by checkpoint `path` of step `step`.
     Returns the lines to log for the changes applied because they were asked for; raises the refusal."""
     t = cfg.train
@@ -41,7 +49,7 @@ def check_resume(cfg, saved, step, path):
     return _check_global_batch(cfg, saved, step, path)
 
 
-def _check_global_batch(cfg, saved, step, path):
+def _check_global_batch(cfg: Config, saved: SavedConfig, step: int, path: str) -> list[str]:
     """The global batch (micro_batch_size x grad_accum x dp, or train.global_batch_size) may change only when
     train.global_batch_size is set explicitly: then it is logged at the checkpoint's step."""
     saved_train, saved_dp = saved.get("train", {}), saved.get("parallel", {}).get("dp")
@@ -57,11 +65,11 @@ def _check_global_batch(cfg, saved, step, path):
     changed = " and ".join(f"{section}.{key} = {value} instead of {old}" for section, key, old, value in parts
                            if old is not None and old != value) or f"train.global_batch_size = {now}"
     raise _refusal(f"resuming {path} with {changed} would change the global batch from {before} to {now} sequences "
-                   f"(micro_batch_size x grad_accum x dp); {keep_batch_hint(cfg, before)}, or set "
+                   f"(micro_batch_size x grad_accum x dp); {keep_batch_hint(cfg, cast(int, before))}, or set "
                    f"train.global_batch_size={now} to change it")
 
 
-def keep_batch_hint(cfg, before):
+def keep_batch_hint(cfg: Config, before: int) -> str:
     """How to keep a global batch of `before` sequences on this run's dp: grad_accum follows the global
     batch, but micro_batch_size x dp must divide it."""
     dp, micro = cfg.parallel.dp, cfg.train.micro_batch_size
