@@ -532,6 +532,15 @@ def test_ensure_builtin_loses_a_race_gracefully(tmp_path, monkeypatch):
     assert resolve_shards(train_glob) and sorted(os.listdir(tmp_path)) == ["builtin"]
 
 
+def test_ensure_builtin_names_a_corpus_whose_marker_vanished(tmp_path, monkeypatch):
+    """The marker cannot be read back after the folder was moved into place (another process removed
+    it): one line naming the folder, not a traceback."""
+    monkeypatch.setattr(corpus, "_read_marker", lambda out_dir: None)
+    with pytest.raises(DataError) as exc:
+        ensure_builtin(str(tmp_path / "builtin"), max_bytes=50_000)
+    one_line_error(exc, "builtin.json is missing or unreadable")
+
+
 # ---------------------------------------------------------------- progress
 
 def test_format_duration():

@@ -25,8 +25,14 @@ import platform
 import shutil
 import sysconfig
 import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TypedDict
 
 import numpy as np
+
+from boostmpi.arrays import Array
+from boostmpi.data.progress import Progress
+from boostmpi.data.tokenizer import Tokenizer
 
 from boostmpi.data.shards import open_shard, token_dtype, write_shard
 from boostmpi.files import atomic_file
@@ -41,7 +47,7 @@ BUILTIN_MARKER = "builtin.json"
 SKIPPED_STDLIB_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 
 
-def shard_globs(out_dir):
+def shard_globs(out_dir: str) -> tuple[str, str]:
     """(train glob, val glob) of the shards `write_dataset` writes into `out_dir`."""
     return os.path.join(out_dir, "train_*.bin"), os.path.join(out_dir, "val_*.bin")
 
@@ -50,7 +56,8 @@ class NotUtf8Error(DataError):
     """A file that is not UTF-8 text."""
 
 
-def read_text_pieces(path, limit=None, on_bytes=None, piece_bytes=READ_PIECE_BYTES):
+def read_text_pieces(path: str, limit: int | None = None, on_bytes: Callable[[int], None] | None = None,
+                     piece_bytes: int = READ_PIECE_BYTES) -> Iterator[str]:
     """The text of a UTF-8 file, at most `limit` bytes, in pieces that end after a newline where
     one is near. `on_bytes(n)` is told of every n bytes read. A character cut by the limit is dropped."""
     decoder = codecs.getincrementaldecoder("utf-8")()
@@ -90,20 +97,21 @@ class InputReader:
     listed in `skipped`, unless it was `named` (given by the user directly): then it is an error.
     """
 
-    def __init__(self, files, max_bytes=None, progress=None, piece_bytes=READ_PIECE_BYTES):
+    def __init__(self, files: Sequence[tuple[str, bool]], max_bytes: int | None = None, progress: Progress | None = None,
+                 piece_bytes: int = READ_PIECE_BYTES) -> None:
         self.files = files  # [(path, named)]
         self.remaining = max_bytes
         self.progress = progress
         self.piece_bytes = piece_bytes
-        self.skipped = []
+        self.skipped: list[str] = []
 
-    def documents(self):
+    def documents(self) -> Iterator[Iterator[str]]:
         for path, named in self.files:
             if self.remaining is not None and self.remaining <= 0:
                 return
             yield self._document(path, named)
 
-    def _document(self, path, named):
+    def _document(self, path: str, named: bool) -> Iterator[str]:
         started = False
         try:
             for piece in read_text_pieces(path, self.remaining, self._count, self.piece_bytes):
@@ -114,7 +122,7 @@ class InputReader:
                 raise
             self.skipped.append(path)
 
-    def _count(self, n_bytes):
+    def _count(self, n_bytes: int) -> None:
         if self.progress is not None:
             self.progress.update(n_bytes)
         if self.remaining is not None:
@@ -124,22 +132,22 @@ class InputReader:
 class ShardStream:
     """Cuts a stream of tokens into `<prefix>_000000.bin`, ... of `shard_tokens` tokens (the last shorter)."""
 
-    def __init__(self, out_dir, prefix, shard_tokens, vocab_size):
+    def __init__(self, out_dir: str, prefix: str, shard_tokens: int, vocab_size: int) -> None:
         self.out_dir, self.prefix, self.shard_tokens = out_dir, prefix, shard_tokens
         self.vocab_size, self.dtype = vocab_size, token_dtype(vocab_size)
-        self.pieces = []
+        self.pieces: list[Array] = []
         self.buffered = 0
         self.total = 0
-        self.written = []  # (path, token count)
+        self.written: list[tuple[str, int]] = []  # (path, token count)
 
-    def add(self, tokens):
+    def add(self, tokens: Array) -> None:
         self.pieces.append(np.asarray(tokens, dtype=self.dtype))
         self.buffered += len(tokens)
         self.total += len(tokens)
         while self.buffered >= self.shard_tokens:
             self._write(self.shard_tokens)
 
-    def pop_tail(self, n_tokens):
+    def pop_tail(self, n_tokens: int) -> Array:
         """Take back the last n_tokens added, reading back written shards if the buffer holds fewer."""
         while self.buffered < n_tokens and self.written:
             path, count = self.written.pop()
@@ -153,12 +161,12 @@ class ShardStream:
         self.total -= n_tokens
         return stream[keep:]
 
-    def close(self):
+    def close(self) -> list[tuple[str, int]]:
         if self.buffered:  # fewer than shard_tokens, also after pop_tail
             self._write(self.buffered)
         return self.written
 
-    def _write(self, n_tokens):
+    def _write(self, n_tokens: int) -> None:
         stream = np.concatenate(self.pieces)
         path = os.path.join(self.out_dir, f"{self.prefix}_{len(self.written):06d}.bin")
         write_shard(path, stream[:n_tokens], self.vocab_size)
@@ -168,11 +176,20 @@ class ShardStream:
         self.buffered = len(rest)
 
 
-def is_val_document(index, val_fraction):
+def is_val_document(index: int, val_fraction: float) -> bool:
     return int((index + 1) * val_fraction) > int(index * val_fraction)
 
 
-def write_dataset(documents, out_dir, tokenizer, val_fraction=DEFAULT_VAL_FRACTION, shard_tokens=DEFAULT_SHARD_TOKENS):
+class DatasetSummary(TypedDict):
+    """What `write_dataset` wrote: the document count and each split's (shard path, token count)."""
+
+    documents: int
+    train: list[tuple[str, int]]
+    val: list[tuple[str, int]]
+
+
+def write_dataset(documents: Iterable[str | Iterable[str]], out_dir: str, tokenizer: Tokenizer,
+                  val_fraction: float = DEFAULT_VAL_FRACTION, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> DatasetSummary:
     """Tokenize documents (each a str or an iterable of str pieces) into train/val shards and
     tokenizer.json in `out_dir`. Returns {"documents": n, "train": [(path, tokens), ...], "val": [...]}."""
     if not 0 <= val_fraction < 1:
@@ -203,18 +220,19 @@ def write_dataset(documents, out_dir, tokenizer, val_fraction=DEFAULT_VAL_FRACTI
     if train.total == 0:
         raise DataError(f"the input ({n_documents} document(s), {val.total} tokens) is too small to split into train and val")
 
-    summary = {"documents": n_documents, "train": train.close(), "val": val.close()}
+    summary: DatasetSummary = {"documents": n_documents, "train": train.close(), "val": val.close()}
     save_tokenizer(tokenizer, out_dir)
     return summary
 
 
-def stdlib_dir():
+def stdlib_dir() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-def builtin_files(max_bytes=DEFAULT_BUILTIN_BYTES):
+def builtin_files(max_bytes: int = DEFAULT_BUILTIN_BYTES) -> list[str]:
     """The standard library's *.py files in sorted order, as many whole files as fit in max_bytes."""
-    files, total = [], 0
+    files: list[str] = []
+    total = 0
     for dirpath, dirnames, filenames in os.walk(stdlib_dir()):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_STDLIB_DIRS)
         for name in sorted(filenames):
@@ -229,15 +247,16 @@ def builtin_files(max_bytes=DEFAULT_BUILTIN_BYTES):
     return files
 
 
-def _read_marker(out_dir):
+def _read_marker(out_dir: str) -> dict[str, object] | None:
     try:
         with open(os.path.join(out_dir, BUILTIN_MARKER)) as f:
-            return json.load(f)
+            marker: dict[str, object] = json.load(f)
+            return marker
     except (OSError, ValueError):
         return None
 
 
-def _check_marker(marker, out_dir, max_bytes):
+def _check_marker(marker: dict[str, object], out_dir: str, max_bytes: int) -> None:
     if marker.get("max_bytes") != max_bytes:
         raise DataError(
             f"{out_dir} holds the built-in corpus prepared with max_bytes={marker.get('max_bytes')}, "
@@ -245,7 +264,7 @@ def _check_marker(marker, out_dir, max_bytes):
         )
 
 
-def ensure_builtin(out_dir, max_bytes=DEFAULT_BUILTIN_BYTES):
+def ensure_builtin(out_dir: str, max_bytes: int = DEFAULT_BUILTIN_BYTES) -> tuple[str, str]:
     """Prepare the built-in corpus in `out_dir` unless it is already there; (train glob, val glob)."""
     out_dir = os.path.abspath(out_dir)
     marker = _read_marker(out_dir)
@@ -287,5 +306,9 @@ def ensure_builtin(out_dir, max_bytes=DEFAULT_BUILTIN_BYTES):
                 raise DataError(f"cannot move the prepared built-in corpus into {out_dir}: {exc.strerror or exc}") from exc
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    _check_marker(_read_marker(out_dir), out_dir, max_bytes)
+    marker = _read_marker(out_dir)
+    if marker is None:  # removed or damaged by another process since it was moved into place
+        raise DataError(f"{out_dir} holds no complete built-in corpus ({BUILTIN_MARKER} is missing or unreadable); "
+                        f"remove it or choose another folder")
+    _check_marker(marker, out_dir, max_bytes)
     return shard_globs(out_dir)

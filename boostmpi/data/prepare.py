@@ -11,12 +11,15 @@ is one document. Files found in folders that are not UTF-8 text are skipped (and
 a file named on the command line that is not UTF-8 is an error.
 """
 
+import argparse
 import fnmatch
 import glob
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
+from typing import Literal, NoReturn
 
 from boostmpi.data.corpus import (
     DEFAULT_BUILTIN_BYTES,
@@ -35,7 +38,7 @@ from boostmpi.files import check_dir_creatable, fs_error, make_dirs
 DATA_TMP_SUFFIX = ".data-tmp"  # the temporary folders a run builds its shard set in
 
 
-def register(subparsers):
+def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     parser = subparsers.add_parser(
         "data",
         help="tokenize text into llm.c token shards",
@@ -53,14 +56,15 @@ def register(subparsers):
     parser.set_defaults(func=run)
 
 
-def find_input_files(inputs, pattern=None, exclude_dir=None):
+def find_input_files(inputs: Sequence[str], pattern: str | None = None,
+                     exclude_dir: str | None = None) -> list[tuple[str, bool]]:
     """[(path, named)] for the inputs; `named` is true for a file given directly rather than found in a folder."""
     exclude_dir = os.path.abspath(exclude_dir) if exclude_dir else None
 
-    def folder_error(exc):
+    def folder_error(exc: OSError) -> NoReturn:
         raise DataError(f"cannot read folder {exc.filename}: {exc.strerror or exc}")
 
-    files = []
+    files: list[tuple[str, bool]] = []
     for item in inputs:
         if os.path.isfile(item):
             files.append((item, True))
@@ -84,21 +88,21 @@ def find_input_files(inputs, pattern=None, exclude_dir=None):
     return files
 
 
-def shard_set_files(out_dir):
+def shard_set_files(out_dir: str) -> list[str]:
     """The files of a shard set in `out_dir`: shards, then the tokenizer files, completion mark last."""
     train_glob, val_glob = shard_globs(out_dir)
     found = sorted(glob.glob(train_glob)) + sorted(glob.glob(val_glob))
     return found + [p for p in (os.path.join(out_dir, HF_COPY_FILE), os.path.join(out_dir, TOKENIZER_FILE)) if os.path.exists(p)]
 
 
-def check_out_dir(out_dir, force):
+def check_out_dir(out_dir: str, force: bool) -> None:
     """Refuse an --out that cannot be written, or that holds shards unless `force`."""
     check_dir_creatable(out_dir, "--out")
     if shard_set_files(out_dir) and not force:
         raise DataError(f"--out {out_dir} already holds shards; pass --force to replace them")
 
 
-def temporary_out_dir(out_dir):
+def temporary_out_dir(out_dir: str) -> str:
     """A new hidden folder beside `out_dir` to build the shards in; stale ones of killed runs go first."""
     parent = os.path.dirname(os.path.abspath(out_dir))
     make_dirs(parent, "--out")
@@ -111,7 +115,7 @@ def temporary_out_dir(out_dir):
         raise fs_error(exc, "cannot create a temporary folder for --out", parent) from exc
 
 
-def move_into_place(tmp_dir, out_dir):
+def move_into_place(tmp_dir: str, out_dir: str) -> None:
     """Put the complete shard set of `tmp_dir` at `out_dir`, replacing the shards there."""
     os.chmod(tmp_dir, 0o777 & ~_umask())  # mkdtemp makes the folder private; shards are shared data
     try:
@@ -126,13 +130,13 @@ def move_into_place(tmp_dir, out_dir):
         raise fs_error(exc, "cannot move the new shards into --out", out_dir) from exc
 
 
-def _umask():
+def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     if args.builtin and args.inputs:
         raise UserError("give either input files/folders or --builtin, not both")
     if not args.builtin and not args.inputs:
@@ -181,7 +185,8 @@ def run(args):
 
     train_glob, val_glob = shard_globs(args.out)
     print(f"{summary['documents']} document(s), tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size}, end-of-text id {tokenizer.eot})")
-    for name, pattern in (("train", train_glob), ("val", val_glob)):
+    splits: tuple[tuple[Literal["train", "val"], str], ...] = (("train", train_glob), ("val", val_glob))
+    for name, pattern in splits:
         shards = summary[name]
         if shards:
             print(f"{name}: {sum(n for _, n in shards):,} tokens in {len(shards)} shard(s): {pattern}")

@@ -7,9 +7,10 @@ and none at all for work that ends before the first one is due.
 
 import sys
 import time
+from typing import TextIO
 
 
-def format_duration(seconds):
+def format_duration(seconds: float) -> str:
     """A short human duration: 42s, 3m05s, 2h03m, 1d04h."""
     seconds = max(0, int(round(seconds)))
     minutes, s = divmod(seconds, 60)
@@ -24,7 +25,7 @@ def format_duration(seconds):
     return f"{s}s"
 
 
-def format_count(n):
+def format_count(n: float) -> str:
     """A short human count: 950, 12.3k, 4.56M, 7.89G."""
     for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(n) >= limit:
@@ -35,7 +36,8 @@ def format_count(n):
 class Progress:
     """`update(n)` as work is done, `close()` at the end (or use it as a context manager)."""
 
-    def __init__(self, total=None, desc="", unit="it", stream=None, interval=None):
+    def __init__(self, total: float | None = None, desc: str = "", unit: str = "it", stream: TextIO | None = None,
+                 interval: float | None = None) -> None:
         self.total, self.desc, self.unit = total, desc, unit
         self.stream = sys.stdout if stream is None else stream
         isatty = getattr(self.stream, "isatty", None)
@@ -46,26 +48,26 @@ class Progress:
         self.printed = False
         self.closed = False
 
-    def update(self, n=1):
+    def update(self, n: int = 1) -> None:
         self.done += n
         now = time.monotonic()
         if now - self.last_print >= self.interval:
             self._print(now)
 
-    def close(self):
+    def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         if self.live or self.printed:
             self._print(time.monotonic(), final=True)
 
-    def __enter__(self):
+    def __enter__(self) -> "Progress":
         return self
 
-    def __exit__(self, *exc_info):
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def line(self, now=None, final=False):
+    def line(self, now: float | None = None, final: bool = False) -> str:
         elapsed = (time.monotonic() if now is None else now) - self.start
         rate = self.done / elapsed if elapsed > 0 else 0.0
         parts = [f"{self.desc}:" if self.desc else ""]
@@ -80,7 +82,7 @@ class Progress:
             parts.append(f"ETA {format_duration(max(0, self.total - self.done) / rate)}")
         return " ".join(p for p in parts if p)
 
-    def _print(self, now, final=False):
+    def _print(self, now: float, final: bool = False) -> None:
         text = self.line(now, final)
         if self.live:
             end = "\n" if final else ""

@@ -12,9 +12,12 @@ Letters: T sequence length, B sequences per micro-batch (per data-parallel rank)
 
 import glob
 import os
+from collections.abc import Sequence
+from typing import NotRequired, TypedDict
 
 import numpy as np
 
+from boostmpi.arrays import Array
 from boostmpi.errors import DataError
 from boostmpi.files import atomic_file
 
@@ -22,23 +25,23 @@ HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 HEADER_DTYPE = np.dtype("<i4")
 # (magic, version) -> token dtype: llm.c's "gpt-2" and "llama-3" headers
-FORMATS = {(20240520, 1): np.dtype("<u2"), (20240801, 7): np.dtype("<u4")}
+FORMATS: dict[tuple[int, int], np.dtype[np.unsignedinteger]] = {(20240520, 1): np.dtype("<u2"), (20240801, 7): np.dtype("<u4")}
 NARROW, WIDE = (20240520, 1), (20240801, 7)
 MAX_TOKEN_ID = {NARROW: 2**16 - 1, WIDE: 2**32 - 1}
 MAX_SHARD_TOKENS = 2**31 - 1  # the count is an int32 in the header
 
 
-def shard_format(vocab_size):
+def shard_format(vocab_size: int) -> tuple[int, int]:
     """The (magic, version) of the shards for a vocabulary: uint16 up to 65,536 ids, uint32 above."""
     return NARROW if vocab_size <= MAX_TOKEN_ID[NARROW] + 1 else WIDE
 
 
-def token_dtype(vocab_size):
+def token_dtype(vocab_size: int) -> np.dtype[np.unsignedinteger]:
     """The dtype that shards of a vocabulary store their ids in."""
     return FORMATS[shard_format(vocab_size)]
 
 
-def write_shard(path, tokens, vocab_size=None):
+def write_shard(path: str | os.PathLike[str], tokens: Array, vocab_size: int | None = None) -> None:
     """Write `tokens` as one shard, atomically: a reader sees the old file or the new one.
 
     The format follows `vocab_size` (see `shard_format`); without it, the ids themselves decide.
@@ -62,11 +65,11 @@ def write_shard(path, tokens, vocab_size=None):
 
     with atomic_file(path, "wb") as f:
         # file.write, not ndarray.tofile: tofile reports a full disk without its errno
-        f.write(memoryview(header).cast("B"))
-        f.write(memoryview(np.ascontiguousarray(tokens, dtype=dtype)).cast("B"))
+        f.write(header.data.cast("B"))
+        f.write(np.ascontiguousarray(tokens, dtype=dtype).data.cast("B"))
 
 
-def open_shard(path, vocab_size=None):
+def open_shard(path: str | os.PathLike[str], vocab_size: int | None = None) -> Array:
     """The tokens of a shard as a read-only uint16 or uint32 memmap (an empty array for an empty shard).
 
     Checks the header against the file size, and with `vocab_size` that every id is below it.
@@ -114,7 +117,7 @@ def open_shard(path, vocab_size=None):
     return tokens
 
 
-def resolve_shards(pattern):
+def resolve_shards(pattern: str | os.PathLike[str]) -> list[str]:
     """The shard files that a path or glob names, sorted; an error naming the pattern if there are none."""
     pattern = os.path.expanduser(os.fspath(pattern))
     if os.path.isfile(pattern):
@@ -125,12 +128,12 @@ def resolve_shards(pattern):
     return matches
 
 
-def window_count(n_tokens, T):
+def window_count(n_tokens: int, T: int) -> int:
     """How many windows of T+1 tokens, stride T, fit in n_tokens: the largest k+1 with kT+T+1 <= n."""
     return max(0, (n_tokens - 1) // T)
 
 
-def eval_windows(tokens, T, max_windows=None, name=None):
+def eval_windows(tokens: Array, T: int, max_windows: int | None = None, name: str | None = None) -> tuple[Array, Array]:
     """The evaluation windows of a shard as int64 arrays x, y of shape [n, T].
 
     x[k] = tokens[kT : kT+T], y[k] = tokens[kT+1 : kT+T+1], for every k with kT+T+1 <= len(tokens),
@@ -151,6 +154,16 @@ def eval_windows(tokens, T, max_windows=None, name=None):
     return x, y
 
 
+class LoaderState(TypedDict):
+    """`TrainLoader.state_dict()`: the stream position, saved beside a checkpoint."""
+
+    next_window: int
+    epoch: int
+    windows_per_epoch: int
+    seq_len: int
+    fingerprint: NotRequired[int]  # older checkpoints have none
+
+
 class TrainLoader:
     """Micro-batches for data-parallel rank `rank` of `world`, deterministic and exactly resumable.
 
@@ -163,7 +176,9 @@ class TrainLoader:
     exact; without it the order is the files' (llm.c style).
     """
 
-    def __init__(self, paths, T, batch_size, rank=0, world=1, seed=0, vocab_size=None, shuffle=False):
+    def __init__(self, paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], T: int, batch_size: int,
+                 rank: int = 0, world: int = 1, seed: int = 0, vocab_size: int | None = None,
+                 shuffle: bool = False) -> None:
         if isinstance(paths, (str, os.PathLike)):
             paths = resolve_shards(paths)
         paths = [os.fspath(p) for p in paths]
@@ -189,13 +204,13 @@ class TrainLoader:
             )
         self.next_window = 0  # global index of the first window of the next global batch
         self.shuffle = shuffle
-        self._order = (None, None)  # (epoch, permutation of the epoch's windows)
+        self._order: tuple[int | None, Array] = (None, None)  # (epoch, permutation of the epoch's windows)
 
     @property
-    def epoch(self):
+    def epoch(self) -> int:
         return self.next_window // self.windows_per_epoch
 
-    def next_batch(self):
+    def next_batch(self) -> tuple[Array, Array]:
         """(x, y) int64 [B, T] for this rank; advances the stream by one global batch."""
         B, T = self.B, self.T
         x = np.empty((B, T), dtype=np.int64)
@@ -218,7 +233,7 @@ class TrainLoader:
         self.next_window += self.world * B
         return x, y
 
-    def _permutation(self, epoch):
+    def _permutation(self, epoch: int) -> Array:
         if self._order[0] != epoch:
             rng = np.random.default_rng([int(self.seed), int(epoch)])
             self._order = (epoch, rng.permutation(self.windows_per_epoch))
@@ -227,7 +242,7 @@ class TrainLoader:
     FINGERPRINT_TOKENS = 4096
 
     @property
-    def fingerprint(self):
+    def fingerprint(self) -> int:
         """What tells these shards from others with as many windows, cheaply at any size: SHA-256 of each
         shard's token count and its first and last FINGERPRINT_TOKENS tokens, in order (not its path, so
         shards may move)."""
@@ -242,7 +257,7 @@ class TrainLoader:
             self._fingerprint = int(h.hexdigest()[:15], 16)  # a plain int, like the rest of the position
         return self._fingerprint
 
-    def state_dict(self):
+    def state_dict(self) -> LoaderState:
         """The position and the shards' fingerprint, as plain ints (store it beside a checkpoint)."""
         return {
             "next_window": int(self.next_window),
@@ -252,7 +267,7 @@ class TrainLoader:
             "fingerprint": self.fingerprint,
         }
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: LoaderState) -> None:
         """Restore a position from `state_dict()`; the shards and seq_len must be the ones it was saved with."""
         if int(state["seq_len"]) != self.T or int(state["windows_per_epoch"]) != self.windows_per_epoch:
             raise DataError(

@@ -19,9 +19,12 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterable
+from typing import NotRequired, TypedDict
 
 import numpy as np
 
+from boostmpi.arrays import Array
 from boostmpi.data.shards import MAX_TOKEN_ID, WIDE, resolve_shards, token_dtype
 from boostmpi.errors import DataError, UserError
 from boostmpi.files import atomic_file
@@ -30,19 +33,29 @@ TOKENIZER_FILE = "tokenizer.json"
 HF_COPY_FILE = "hf_tokenizer.json"
 
 
-def _first_line(exc, max_chars=200):
+class TokenizerSpec(TypedDict):
+    """The record of a tokenizer in `tokenizer.json`."""
+
+    kind: str
+    name: str
+    vocab_size: int
+    eot: int
+    path: NotRequired[str]  # a Hugging Face tokenizer's file
+
+
+def _first_line(exc: BaseException, max_chars: int = 200) -> str:
     """A short one-line account of an exception from a library, for our one-line errors."""
     lines = str(exc).strip().splitlines()
     text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
     return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
-def _describe_char(text, position):
+def _describe_char(text: str, position: int) -> str:
     char = text[position]
     return f"character {char!r} (U+{ord(char):04X}) at position {position}"
 
 
-def utf8_bytes(text):
+def utf8_bytes(text: str) -> bytes:
     """`text` as UTF-8; a lone surrogate (which has no UTF-8 form) is an error naming it."""
     try:
         return text.encode("utf-8")
@@ -58,17 +71,17 @@ class Tokenizer:
     vocab_size = 0
     eot = 0
 
-    def encode(self, text):
+    def encode(self, text: str) -> list[int]:
         raise NotImplementedError
 
-    def decode(self, ids):
+    def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
 
-    def encode_array(self, text):
+    def encode_array(self, text: str) -> Array:
         """`encode` as a uint16 or uint32 array, the form this vocabulary's shards store."""
         return np.asarray(self.encode(text), dtype=token_dtype(self.vocab_size))
 
-    def _check_vocab(self):
+    def _check_vocab(self) -> None:
         if self.vocab_size > MAX_TOKEN_ID[WIDE] + 1:
             raise UserError(
                 f"tokenizer {self.name} has {self.vocab_size} ids, more than the {MAX_TOKEN_ID[WIDE] + 1} "
@@ -84,18 +97,18 @@ class ByteTokenizer(Tokenizer):
     vocab_size = 256
     eot = 0
 
-    def encode(self, text):
+    def encode(self, text: str) -> list[int]:
         return list(utf8_bytes(text))
 
-    def encode_array(self, text):
+    def encode_array(self, text: str) -> Array:
         return np.frombuffer(utf8_bytes(text), dtype=np.uint8).astype(np.uint16)
 
-    def decode(self, ids):
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if ids.size and (ids.min() < 0 or ids.max() > 255):
-            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+    def decode(self, ids: Iterable[int]) -> str:
+        array = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if array.size and (array.min() < 0 or array.max() > 255):
+            bad = int(array.min()) if array.min() < 0 else int(array.max())
             raise UserError(f"id {bad} is not a byte: the byte tokenizer decodes ids 0..255")
-        return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+        return array.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
 class TiktokenTokenizer(Tokenizer):
@@ -103,7 +116,7 @@ class TiktokenTokenizer(Tokenizer):
 
     kind = "tiktoken"
 
-    def __init__(self, name="gpt2"):
+    def __init__(self, name: str = "gpt2") -> None:
         try:
             import tiktoken
         except ImportError as exc:
@@ -120,12 +133,14 @@ class TiktokenTokenizer(Tokenizer):
         self.eot = self._encoding.eot_token
         self._check_vocab()
 
-    def encode(self, text):
+    def encode(self, text: str) -> list[int]:
         utf8_bytes(text)  # byte-level BPE represents all text except lone surrogates
-        return self._encoding.encode_ordinary(text)
+        ids: list[int] = self._encoding.encode_ordinary(text)
+        return ids
 
-    def decode(self, ids):
-        return self._encoding.decode([int(i) for i in ids], errors="replace")
+    def decode(self, ids: Iterable[int]) -> str:
+        text: str = self._encoding.decode([int(i) for i in ids], errors="replace")
+        return text
 
 
 class HFTokenizer(Tokenizer):
@@ -134,7 +149,7 @@ class HFTokenizer(Tokenizer):
     kind = "hf"
     EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
 
-    def __init__(self, path, eot=None):
+    def __init__(self, path: str | os.PathLike[str], eot: int | None = None) -> None:
         try:
             import tokenizers
         except ImportError as exc:
@@ -160,9 +175,9 @@ class HFTokenizer(Tokenizer):
         self._unk_token = getattr(self._tokenizer.model, "unk_token", None)
         self._unk_id = vocab.get(self._unk_token) if self._unk_token else None
 
-    def encode(self, text):
+    def encode(self, text: str) -> list[int]:
         encoding = self._tokenizer.encode(text, add_special_tokens=False)
-        ids = encoding.ids
+        ids: list[int] = encoding.ids
         if self._unk_id is not None:
             for i, token_id in enumerate(ids):
                 start, end = encoding.offsets[i]
@@ -170,15 +185,16 @@ class HFTokenizer(Tokenizer):
                     raise UserError(f"tokenizer {self.name} cannot represent {_describe_char(text, start)}")
         return ids
 
-    def decode(self, ids):
-        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+    def decode(self, ids: Iterable[int]) -> str:
+        text: str = self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+        return text
 
 
 # tiktoken's encodings (tiktoken.list_encoding_names() when the package is there)
 TIKTOKEN_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base")
 
 
-def tiktoken_encodings():
+def tiktoken_encodings() -> tuple[str, ...]:
     try:
         import tiktoken
 
@@ -187,7 +203,7 @@ def tiktoken_encodings():
         return TIKTOKEN_ENCODINGS
 
 
-def tokenizer_from_name(name):
+def tokenizer_from_name(name: str) -> Tokenizer:
     """The tokenizer a command line names: "byte", a tiktoken encoding ("gpt2"), or a .json file."""
     if name == "byte":
         return ByteTokenizer()
@@ -200,16 +216,18 @@ def tokenizer_from_name(name):
     return TiktokenTokenizer(name)
 
 
-def tokenizer_spec(tokenizer):
+def tokenizer_spec(tokenizer: Tokenizer) -> TokenizerSpec:
     """The JSON-ready record of a tokenizer."""
-    spec = {"kind": tokenizer.kind, "name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eot": tokenizer.eot}
-    if tokenizer.kind == "hf":
+    spec: TokenizerSpec = {"kind": tokenizer.kind, "name": tokenizer.name, "vocab_size": tokenizer.vocab_size,
+                           "eot": tokenizer.eot}
+    if isinstance(tokenizer, HFTokenizer):  # kind "hf"
         spec["path"] = tokenizer.path
     return spec
 
 
-def load_tokenizer(spec, base_dir=None):
+def load_tokenizer(spec: TokenizerSpec, base_dir: str | None = None) -> Tokenizer:
     """The tokenizer a record describes; a relative `path` is taken from `base_dir`."""
+    tokenizer: Tokenizer
     try:
         kind = spec["kind"]
         if kind == "byte":
@@ -233,10 +251,10 @@ def load_tokenizer(spec, base_dir=None):
     return tokenizer
 
 
-def save_tokenizer(tokenizer, out_dir):
+def save_tokenizer(tokenizer: Tokenizer, out_dir: str) -> str:
     """Record `tokenizer` as `<out_dir>/tokenizer.json` (a Hugging Face file is copied beside it)."""
     spec = tokenizer_spec(tokenizer)
-    if tokenizer.kind == "hf":
+    if isinstance(tokenizer, HFTokenizer):  # kind "hf"
         copy = os.path.join(out_dir, HF_COPY_FILE)
         if not (os.path.exists(copy) and os.path.samefile(copy, tokenizer.path)):
             shutil.copyfile(tokenizer.path, copy)
@@ -248,7 +266,7 @@ def save_tokenizer(tokenizer, out_dir):
     return path
 
 
-def tokenizer_for_shards(shard_path):
+def tokenizer_for_shards(shard_path: str | os.PathLike[str]) -> Tokenizer:
     """The tokenizer recorded next to some shards (a path, glob or folder); byte if none is recorded."""
     shard_path = os.fspath(shard_path)
     if os.path.isdir(shard_path):
@@ -260,7 +278,7 @@ def tokenizer_for_shards(shard_path):
         return ByteTokenizer()
     try:
         with open(record) as f:
-            spec = json.load(f)
+            spec: TokenizerSpec = json.load(f)  # a record as read: its shape is checked below and in load_tokenizer
     except (OSError, ValueError) as exc:
         raise DataError(f"cannot read tokenizer record {record} ({_first_line(exc)})") from exc
     if not isinstance(spec, dict):
@@ -271,7 +289,7 @@ def tokenizer_for_shards(shard_path):
 DATA_SHARD_NAME = re.compile(r"(train|val)_\d{6}\.bin")  # the names `boostmpi data` gives its shards
 
 
-def check_complete_set(paths):
+def check_complete_set(paths: Iterable[str]) -> None:
     """Refuse shards named as `boostmpi data` names them whose folder lacks what a finished run of it
     leaves there: its tokenizer record, written last, and a val shard (the trace of a run that failed
     or was interrupted, from before `data` wrote its output all at once)."""

@@ -18,9 +18,14 @@ backward 2.5× the forward (FlashAttention-2's five T×T products to the forward
 """
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NoReturn, cast
 
 from boostmpi.errors import UserError
+
+if TYPE_CHECKING:
+    from boostmpi.sim.machines import Machine
 
 BACKENDS = ("cudnn", "torch", "own")
 OWN_VARIANTS = ("wmma", "fma")
@@ -35,13 +40,13 @@ TILE = 64
 TILE_OVERHEAD = 2
 
 
-def causal_flops(B, H, T, Dh, direction="forward"):
+def causal_flops(B: int, H: int, T: int, Dh: int, direction: str = "forward") -> float:
     """FLOPs of one causal attention call of B x H heads (q heads) of T x Dh, counted as above."""
     forward = 4.0 * B * H * T * T * Dh / 2
     return forward * (BACKWARD_RATIO if direction == "backward" else 1.0)
 
 
-def tile_efficiency(T):
+def tile_efficiency(T: int) -> float:
     """The fraction of a causal kernel's tile visits that is useful work at sequence length T."""
     n = max(1, math.ceil(T / TILE))
     return n / (n + 1 + 2 * TILE_OVERHEAD)
@@ -51,20 +56,24 @@ def tile_efficiency(T):
 class Rate:
     forward: float  # FLOP/s
     backward: float
-    shape: tuple = None  # (B, T, H, Hkv, Dh) the rates were measured at, or None (a published rate)
+    shape: tuple[int, ...] | None = None  # (B, T, H, Hkv, Dh) the rates were measured at, or None (a published rate)
+
+
+RateKey = tuple[str | None, int | None]
+"""(the own kernels' variant or None, head dim or None): what a rate in a RateTable is for."""
 
 
 @dataclass(frozen=True)
 class RateTable:
     source: str
-    rates: dict  # (variant or None, head dim or None) -> Rate
+    rates: dict[RateKey, Rate]  # (variant or None, head dim or None) -> Rate
 
 
-def _fail(source, text):
+def _fail(source: str, text: str) -> NoReturn:
     raise UserError(f"machine profile {source}: {text}")
 
 
-def _rate(body, where, source, highest, head_dim):
+def _rate(body: object, where: str, source: str, highest: float, head_dim: int | None) -> Rate:
     if not isinstance(body, dict):
         _fail(source, f"{where} must be a table of forward, backward (FLOP/s) and shape")
     unknown = sorted(set(body) - {"forward", "backward", "shape"})
@@ -93,13 +102,13 @@ def _rate(body, where, source, highest, head_dim):
     return Rate(out["forward"], out["backward"], shape)
 
 
-def _rates(body, where, source, highest, variant):
+def _rates(body: object, where: str, source: str, highest: float, variant: str | None) -> dict[RateKey, Rate]:
     """{(variant, Dh or None): Rate} of one table body: forward/backward, or d<Dh> tables."""
     if not isinstance(body, dict):
         _fail(source, f"{where} must be a table")
     if "forward" in body or "backward" in body:
         return {(variant, None): _rate(body, where, source, highest, None)}
-    out = {}
+    out: dict[RateKey, Rate] = {}
     for key, entry in body.items():
         if not (key.startswith("d") and key[1:].isdigit() and int(key[1:]) > 0):
             _fail(source, f"{where} has unknown key {key!r} (forward and backward, or d<head dim> tables such as d128)")
@@ -109,12 +118,12 @@ def _rates(body, where, source, highest, variant):
     return out
 
 
-def parse_tables(document, values, source):
+def parse_tables(document: object, values: Mapping[str, object], source: str) -> dict[str, RateTable]:
     """The profile's `attention` section, validated: {backend: RateTable}. `values` = the profile's
     other fields (its peaks bound every rate; only an NVIDIA profile may rate cudnn)."""
     if not isinstance(document, dict):
         _fail(source, "attention must be a table of [attention.<backend>] rate tables")
-    highest = max(values["peak_flops"].values())
+    highest = max(cast("dict[str, float]", values["peak_flops"]).values())  # a table machines._checked admitted
     tables = {}
     for backend, table in document.items():
         where = f"attention.{backend}"
@@ -142,7 +151,7 @@ def parse_tables(document, values, source):
     return tables
 
 
-def tables_to_toml(tables, number):
+def tables_to_toml(tables: Mapping[str, RateTable], number: Callable[[float], str]) -> list[str]:
     """TOML lines of `tables` ({backend: RateTable}) in the profile layout; `number` formats a float."""
     lines = []
     for backend, table in tables.items():
@@ -159,11 +168,11 @@ def tables_to_toml(tables, number):
     return lines
 
 
-def _quoted(text):
+def _quoted(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def resolve_backend(setting, machine):
+def resolve_backend(setting: str | None, machine: "Machine") -> str:
     """The backend `train.attention` names on `machine`: "auto" is cudnn on an NVIDIA profile, torch
     on any other (AMD's included)."""
     setting = setting or "auto"
@@ -174,13 +183,13 @@ def resolve_backend(setting, machine):
     return setting
 
 
-def own_variant(machine, dtype):
+def own_variant(machine: "Machine", dtype: str) -> str:
     """The own kernels' variant a run takes: the tensor-core (WMMA) kernels for bfloat16 on NVIDIA,
     the FMA kernels otherwise (boostmpi/gpu/tensor_cores.py's default)."""
     return "wmma" if dtype == "bfloat16" and machine.vendor == "nvidia" else "fma"
 
 
-def lookup(machine, backend, variant, head_dim):
+def lookup(machine: "Machine", backend: str, variant: str | None, head_dim: int) -> tuple[Rate, str]:
     """(Rate, source) of `backend` (and, for own, `variant`) at `head_dim` on `machine`: the head dim's
     own entry, else the table's entry for every head dim, else the nearest head dim it rates (the
     smaller of two as near)."""
@@ -201,11 +210,11 @@ def lookup(machine, backend, variant, head_dim):
         return entries[head_dim], table.source
     if None in entries:
         return entries[None], table.source
-    nearest = min(entries, key=lambda dh: (abs(dh - head_dim), dh))
+    nearest = min((dh for dh in entries if dh is not None), key=lambda dh: (abs(dh - head_dim), dh))  # None: not in entries
     return entries[nearest], table.source
 
 
-def attention_rate(machine, backend, variant, Dh, direction):
+def attention_rate(machine: "Machine", backend: str, variant: str | None, Dh: int, direction: str) -> tuple[float, str]:
     """(FLOP/s, source) of one direction ("forward" or "backward") of `backend` at head dim `Dh` on
     `machine` (a `machines.Machine`), as its profile states it (at the shape it was measured at)."""
     if direction not in DIRECTIONS:
@@ -214,7 +223,8 @@ def attention_rate(machine, backend, variant, Dh, direction):
     return getattr(rate, direction), source
 
 
-def attention_seconds(machine, backend, variant, B, H, T, Dh, direction):
+def attention_seconds(machine: "Machine", backend: str, variant: str | None, B: int, H: int, T: int, Dh: int,
+                      direction: str) -> float:
     """Seconds of one causal attention call of B x H (q) heads of T x Dh: its causal FLOPs at the
     rate of its head dim, carried from the rate's measured sequence length to T by `tile_efficiency`."""
     rate, _ = lookup(machine, backend, variant, Dh)

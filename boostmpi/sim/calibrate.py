@@ -8,6 +8,7 @@ this module started with the virtualenv's `mpiexec -n RANKS` under `timeout`). T
 probe runs in a child process with one BLAS thread. About 20-40 seconds in all.
 """
 
+import argparse
 import json
 import math
 import os
@@ -16,11 +17,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict, cast
 
 from boostmpi.errors import UserError
 from boostmpi.files import write_file_atomically
 from boostmpi.parallel.launch import find_mpiexec
+
+if TYPE_CHECKING:
+    from boostmpi.sim.machines import Machine
 
 # (m, n, k): squares, then thin in each dim, the shapes of low-rank layers on a small model
 GEMM_SHAPES = [(64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 512),
@@ -30,8 +36,28 @@ ELEMENTWISE_SIZE = (2048, 1024)  # [N, C]: 8 MB in float32, past the caches of m
 MPI_SIZES = [8, 64, 1024, 16384, 131072, 1 << 20, 1 << 22]
 PROBE_TIMEOUT_S = 40
 
+GemmTime = tuple[str, int, int, int, float]
+"""(dtype, m, n, k, seconds) of one measured GEMM."""
 
-def register(subparsers):
+
+class ComputeProbe(TypedDict):
+    """What the compute probe measured (probe_compute; JSON between the processes)."""
+
+    gemm: list[GemmTime]
+    peak: dict[str, float]  # dtype -> the best GEMM rate, FLOP/s
+    call_s: float  # one layer function on tiny inputs
+    bandwidth: float  # bytes/s of the elementwise layer functions
+    optimizer_passes: float
+
+
+class NetworkProbe(TypedDict):
+    """What the MPI probe measured (probe_mpi): all-reduce seconds by payload bytes."""
+
+    sizes: list[int]
+    seconds: list[float]
+
+
+def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = subparsers.add_parser("calibrate", help="measure this machine and write a sim profile",
                               description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="profile TOML to write")
@@ -40,17 +66,18 @@ def register(subparsers):
     p.set_defaults(func=run)
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     if args.ranks < 2:
         raise UserError(f"--ranks must be at least 2 to measure communication, got {args.ranks}")
     out = Path(args.out)
     if out.parent and not out.parent.exists():
         raise UserError(f"directory of --out {out} does not exist")
     started = time.perf_counter()
-    compute = _run_probe([sys.executable, "-m", "boostmpi.sim.calibrate", "--probe-compute"], "compute")
+    compute = cast(ComputeProbe, _run_probe([sys.executable, "-m", "boostmpi.sim.calibrate", "--probe-compute"],
+                                            "compute"))
     mpiexec = find_mpiexec()
-    network = _run_probe([mpiexec, "-n", str(args.ranks), sys.executable, "-m", "boostmpi.sim.calibrate",
-                          "--probe-mpi"], "MPI")
+    network = cast(NetworkProbe, _run_probe([mpiexec, "-n", str(args.ranks), sys.executable, "-m",
+                                             "boostmpi.sim.calibrate", "--probe-mpi"], "MPI"))
     profile = build_profile(args.name, compute, network, args.ranks)
     from boostmpi.sim.machines import machine_from_file, machine_to_toml
 
@@ -79,7 +106,7 @@ _NOTES = {
 }
 
 
-def _run_probe(command, what):
+def _run_probe(command: list[str], what: str) -> object:
     """Run one probe under `timeout`; it writes JSON to the file named last on its command line."""
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "probe.json"
@@ -98,7 +125,9 @@ def _run_probe(command, what):
 
 
 # ------------------------------------------------------------------ fitting the profile
-def build_profile(name, compute, network, ranks):
+def build_profile(name: str, compute: ComputeProbe, network: NetworkProbe, ranks: int) -> "Machine":
+    from dataclasses import replace
+
     from boostmpi.sim.machines import Machine
 
     cores = os.cpu_count() or 1
@@ -107,20 +136,21 @@ def build_profile(name, compute, network, ranks):
     except (ValueError, OSError, AttributeError):
         memory = 4 * 2**30
     latency, bandwidth = fit_allreduce(network["sizes"], network["seconds"], ranks)
-    base = dict(name=name, description=f"{cores}-core CPU, one single-threaded NumPy rank per core",
-                device="cpu", memory_capacity_bytes=float(memory),
-                memory_bandwidth=compute["bandwidth"], elementwise_efficiency=1.0,
-                peak_flops={"float64": compute["peak"]["float64"], "float32": compute["peak"]["float32"]},
-                gemm_efficiency=1.0, gemm_tile_m=1, gemm_tile_n=1, gemm_k_overhead=0.0,
-                gemm_mn_overhead=0.0, compute_units=1, attention="matmul",
-                kernel_launch_s=compute["call_s"], optimizer_passes=compute["optimizer_passes"],
-                gpus_per_node=cores, intra_node_bandwidth=bandwidth, intra_node_latency=latency,
-                inter_node_bandwidth=bandwidth, inter_node_latency=latency)
-    k0, c0 = fit_gemm_overheads(Machine(**base), compute["gemm"])
-    return Machine(**dict(base, gemm_k_overhead=k0, gemm_mn_overhead=c0))
+    base = Machine(name=name, description=f"{cores}-core CPU, one single-threaded NumPy rank per core",
+                   device="cpu", memory_capacity_bytes=float(memory),
+                   memory_bandwidth=compute["bandwidth"], elementwise_efficiency=1.0,
+                   peak_flops={"float64": compute["peak"]["float64"], "float32": compute["peak"]["float32"]},
+                   gemm_efficiency=1.0, gemm_tile_m=1, gemm_tile_n=1, gemm_k_overhead=0.0,
+                   gemm_mn_overhead=0.0, compute_units=1, attention="matmul",
+                   kernel_launch_s=compute["call_s"], optimizer_passes=compute["optimizer_passes"],
+                   gpus_per_node=cores, intra_node_bandwidth=bandwidth, intra_node_latency=latency,
+                   inter_node_bandwidth=bandwidth, inter_node_latency=latency)
+    k0, c0 = fit_gemm_overheads(base, compute["gemm"])
+    return replace(base, gemm_k_overhead=k0, gemm_mn_overhead=c0)
 
 
-def fit_gemm_overheads(machine, measured):
+def fit_gemm_overheads(machine: "Machine", measured: Sequence[GemmTime | tuple[str, int, int, int, float, int]]
+                       ) -> tuple[float, float]:
     """Grid search of (k0, c0) minimising the squared log error of the model's GEMM times.
     `measured`: (dtype, m, n, k, seconds) or (dtype, m, n, k, seconds, batch) entries."""
     from dataclasses import replace
@@ -128,7 +158,7 @@ def fit_gemm_overheads(machine, measured):
     from boostmpi.sim.costs import ITEMSIZE, gemm_seconds
 
     grid = [0.0] + [2.0 ** i for i in range(0, 11)]
-    best = None
+    best: tuple[float, float, float] | None = None
     for k0 in grid[machine.device == "gpu":]:  # a GPU's split-K choice divides by k0
         for c0 in grid:
             trial = replace(machine, gemm_k_overhead=k0, gemm_mn_overhead=c0)
@@ -136,10 +166,11 @@ def fit_gemm_overheads(machine, measured):
                       for dt, m, n, k, t, *batch in measured)
             if best is None or err < best[0]:
                 best = (err, k0, c0)
+    assert best is not None  # the grid is not empty
     return best[1], best[2]
 
 
-def fit_allreduce(sizes, seconds, ranks):
+def fit_allreduce(sizes: Sequence[int], seconds: Sequence[float], ranks: int) -> tuple[float, float]:
     """(step latency, bandwidth) of the ring model t = 2(p-1) a + 2(p-1)/p n / bw, relative errors."""
     import numpy as np
 
@@ -155,7 +186,7 @@ def fit_allreduce(sizes, seconds, ranks):
 
 
 # ------------------------------------------------------------------ the probes (child processes)
-def _best_time(fn, min_total=0.08, max_reps=200):
+def _best_time(fn: Callable[[], object], min_total: float = 0.08, max_reps: int = 200) -> float:
     """Smallest CPU time of one call, repeating until about `min_total` seconds were spent.
 
     CPU time of this (single-threaded) process, not wall time: on a shared machine other processes
@@ -172,7 +203,7 @@ def _best_time(fn, min_total=0.08, max_reps=200):
     return best
 
 
-def probe_compute():
+def probe_compute() -> ComputeProbe:
     import numpy as np
 
     from boostmpi.config import config_from_dict
@@ -181,7 +212,8 @@ def probe_compute():
     from boostmpi.train.optim import AdamW
 
     rng = np.random.default_rng(0)
-    gemm, peak = [], {}
+    gemm: list[GemmTime] = []
+    peak: dict[str, float] = {}
     for dtype in ("float64", "float32"):
         for m, n, k in GEMM_SHAPES:
             a = rng.standard_normal((m, k)).astype(dtype)
@@ -193,7 +225,8 @@ def probe_compute():
 
     # nominal passes of each layer kernel, as the model counts them (plans.norm / unary / binary);
     # at a tiny size the same kernels give the fixed cost of one model "kernel" (Python + NumPy calls)
-    rates, call_s = [], None
+    rates: list[float] = []
+    call_s = 0.0  # measured in the last (tiny) round
     for dtype, size in (("float64", ELEMENTWISE_SIZE), ("float32", ELEMENTWISE_SIZE), ("float32", (4, 8))):
         x = rng.standard_normal(size).astype(dtype)
         u = rng.standard_normal(size).astype(dtype)
@@ -228,12 +261,13 @@ def probe_compute():
             "optimizer_passes": optimizer_passes}
 
 
-def probe_mpi():
+def probe_mpi() -> NetworkProbe | None:
     import numpy as np
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    sizes, seconds = [], []
+    sizes: list[int] = []
+    seconds: list[float] = []
     for nbytes in MPI_SIZES:
         send = np.ones(max(1, nbytes // 8))
         recv = np.empty_like(send)
@@ -251,7 +285,7 @@ def probe_mpi():
     return {"sizes": sizes, "seconds": seconds} if comm.Get_rank() == 0 else None
 
 
-def _probe_main(argv):
+def _probe_main(argv: Sequence[str]) -> None:
     kind, out = argv[0], Path(argv[-1])
     result = probe_compute() if kind == "--probe-compute" else probe_mpi()
     if result is not None:

@@ -4,17 +4,23 @@
                  [--json] [--plot out.png] [--sweep --gpus N [--top K] [--arch A] [--all]]
 """
 
+import argparse
 import json
 import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from boostmpi.errors import UserError
 from boostmpi.files import atomic_file
-from boostmpi.sim.machines import load_machine
-from boostmpi.sim.model import BREAKDOWN_KEYS, predict
-from boostmpi.sim.sweep import explain_winner, format_table, sweep
+from boostmpi.sim.machines import Machine, load_machine
+from boostmpi.sim.model import BREAKDOWN_KEYS, Prediction, predict
+from boostmpi.sim.sweep import SweepRow, explain_winner, format_table, sweep
+
+if TYPE_CHECKING:
+    from boostmpi.config import Config
 
 
-def register(subparsers):
+def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = subparsers.add_parser("sim", help="performance model: time, communication, memory",
                               description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="model/layout TOML (as for train)")
@@ -38,7 +44,7 @@ def register(subparsers):
 PLOT_FORMATS = ("png", "pdf", "svg")
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     from boostmpi.config import load_config
 
     if args.plot is not None:
@@ -82,17 +88,17 @@ def run(args):
     return 0
 
 
-def _label(row):
+def _label(row: SweepRow) -> str:
     return f"{row['arch']} tp{row['tp']} pp{row['pp']} dp{row['dp']}\n{row['tp_mode']} {row['recompute']}"
 
 
-def _label_cfg(cfg):
+def _label_cfg(cfg: "Config") -> str:
     p, t = cfg.parallel, cfg.train
     v = f"v{p.virtual_stages}" if p.virtual_stages > 1 else ""
     return f"{cfg.model.arch} tp{p.tp} pp{p.pp}{v} dp{p.dp}\n{p.tp_mode} {t.recompute}"
 
 
-def format_prediction(cfg, p, machine):
+def format_prediction(cfg: "Config", p: Prediction, machine: Machine) -> str:
     par, t = cfg.parallel, cfg.train
     gib = 2**30
     chunks = f" x {par.virtual_stages} chunks (interleaved)" if par.virtual_stages > 1 else ""
@@ -112,6 +118,7 @@ def format_prediction(cfg, p, machine):
         lines.append(f"with validation       {p.details['time_with_validation_s']:10.4f} s   per iteration on average "
                      f"({t.val_windows} windows every {t.val_every} steps: {p.details['validation_s']:.4f} s a pass)")
     lines += ["", "communication per iteration (payload bytes, docs/COMMUNICATION.md)"]
+    assert p.comm_bytes is not None  # predict() counts them for a configuration
     for axis in ("tp", "pp", "dp"):
         lines.append(f"  {axis:20s} {p.comm_bytes[axis]:>16,d} B")
     m = p.memory_bytes
@@ -123,7 +130,7 @@ def format_prediction(cfg, p, machine):
     return "\n".join(lines)
 
 
-def plot_breakdowns(labelled, path, title):
+def plot_breakdowns(labelled: Sequence[tuple[str, Mapping[str, float]]], path: str, title: str) -> None:
     """Stacked bars of the time breakdown, one bar per (label, breakdown)."""
     try:
         import matplotlib

@@ -8,10 +8,15 @@ docs/SIM.md gives every formula and constant.
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from boostmpi.sim.attention_rates import attention_seconds, own_variant, resolve_backend
-from boostmpi.sim.plans import Attention, Collective, Gemm, Pointwise
+from boostmpi.sim.plans import Attention, Collective, Gemm, Op, Pointwise, Shape
+
+if TYPE_CHECKING:
+    from boostmpi.sim.machines import Machine
 
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2}
 
@@ -22,7 +27,7 @@ ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2}
 GPU_TILE_CHOICES = ((1, 1, 1.0), (2, 1, 0.92), (2, 2, 0.85), (4, 2, 0.7))
 
 
-def gemm_seconds(m, n, k, batch, itemsize, machine, dtype):
+def gemm_seconds(m: int, n: int, k: int, batch: int, itemsize: int, machine: "Machine", dtype: str) -> float:
     """The fastest of the tile configurations a GPU library could pick (one fixed tile on CPUs)."""
     if machine.device != "gpu":
         return _gemm_seconds_with_tile(m, n, k, batch, itemsize, machine, dtype, 1, 1, 1.0)
@@ -30,7 +35,8 @@ def gemm_seconds(m, n, k, batch, itemsize, machine, dtype):
                for dm, dn, eff in GPU_TILE_CHOICES)
 
 
-def _gemm_seconds_with_tile(m, n, k, batch, itemsize, machine, dtype, div_m, div_n, tile_efficiency):
+def _gemm_seconds_with_tile(m: int, n: int, k: int, batch: int, itemsize: int, machine: "Machine", dtype: str,
+                            div_m: int, div_n: int, tile_efficiency: float) -> float:
     """Roofline of one GEMM with an efficiency that falls for small or thin shapes.
 
     Tile quantisation (a partial output tile costs a whole one), wave quantisation (the last wave
@@ -57,12 +63,12 @@ def _gemm_seconds_with_tile(m, n, k, batch, itemsize, machine, dtype, div_m, div
     return max(flops / rate, moved / stream) + machine.kernel_launch_s
 
 
-def pointwise_seconds(elements, passes, itemsize, machine, kernels=1):
+def pointwise_seconds(elements: float, passes: float, itemsize: int, machine: "Machine", kernels: int = 1) -> float:
     stream = machine.memory_bandwidth * machine.elementwise_efficiency
     return passes * elements * itemsize / stream + kernels * machine.kernel_launch_s
 
 
-def flash_seconds(op, backward, machine, dtype, backend="auto"):
+def flash_seconds(op: Attention, backward: bool, machine: "Machine", dtype: str, backend: str = "auto") -> float:
     """The fused attention core of `op` (B x local heads of T x Dh, causal) run by `backend`
     (train.attention's value; "auto" resolved for the machine) at the profile's rate: a whole call,
     its launches included in the measured rate."""
@@ -78,37 +84,38 @@ class Link:
     latency: float
 
 
-def group_link(machine, size, stride):
+def group_link(machine: "Machine", size: int, stride: int) -> Link:
     """The link a group of `size` ranks, `stride` world ranks apart, runs over (tp fastest-varying)."""
     if fits_in_node(machine, size, stride):
         return Link(machine.intra_node_bandwidth, machine.intra_node_latency)
     return Link(machine.inter_node_bandwidth, machine.inter_node_latency)
 
 
-def fits_in_node(machine, size, stride):
+def fits_in_node(machine: "Machine", size: int, stride: int) -> bool:
     gpn = machine.gpus_per_node
     return size <= 1 or (size * stride <= gpn and gpn % (size * stride) == 0)
 
 
-def allreduce_seconds(nbytes, size, link):
+def allreduce_seconds(nbytes: float, size: int, link: Link) -> float:
     """Ring all-reduce: 2(p-1) steps, each member sends 2(p-1)/p of the buffer."""
     if size <= 1 or nbytes == 0:
         return 0.0
     return 2 * (size - 1) * link.latency + 2 * (size - 1) / size * nbytes / link.bandwidth
 
 
-def p2p_seconds(nbytes, link):
+def p2p_seconds(nbytes: float, link: Link) -> float:
     return link.latency + nbytes / link.bandwidth
 
 
-def members_per_node(machine, size, stride):
+def members_per_node(machine: "Machine", size: int, stride: int) -> int:
     """How many of a group's `size` members (`stride` world ranks apart) share one node."""
     if stride >= machine.gpus_per_node:
         return 1
     return max(1, min(size, machine.gpus_per_node // stride))
 
 
-def group_allreduce_seconds(nbytes, size, stride, machine, fraction=1.0):
+def group_allreduce_seconds(nbytes: float, size: int, stride: int, machine: "Machine",
+                            fraction: float = 1.0) -> float:
     """All-reduce of `nbytes` over a group, by level: a ring inside a node when the group fits in
     one; otherwise hierarchical, as NCCL runs it across nodes: reduce-scatter among the group's
     members on each node (NVLink), the cross-node all-reduce of each member's 1/local share over
@@ -136,18 +143,18 @@ class PassTimes:
     tp_comm: float = 0.0
     attention: float = 0.0  # the fused attention core (flash); materialised scores are GEMMs and elementwise
 
-    def add(self, other, times=1.0):
+    def add(self, other: "PassTimes", times: float = 1.0) -> None:
         self.gemm += other.gemm * times
         self.elementwise += other.elementwise * times
         self.tp_comm += other.tp_comm * times
         self.attention += other.attention * times
 
     @property
-    def total(self):
+    def total(self) -> float:
         return self.gemm + self.elementwise + self.tp_comm + self.attention
 
 
-def pass_times(ops, backward, s, machine, dtype):
+def pass_times(ops: Sequence[Op], backward: bool, s: Shape, machine: "Machine", dtype: str) -> PassTimes:
     """Time of the forward (or backward) of `ops` on one tensor-parallel rank (tp ranks are
     consecutive world ranks: inside a node when the group fits, hierarchical across nodes)."""
     t = PassTimes()

@@ -12,11 +12,12 @@ looks one rate up.
 """
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from boostmpi.errors import UserError
-from boostmpi.sim.attention_rates import attention_rate, parse_tables, tables_to_toml  # noqa: F401 (attention_rate: the lookup bench/gpu_trace.py uses)
+from boostmpi.sim.attention_rates import RateTable, attention_rate, parse_tables, tables_to_toml  # noqa: F401 (attention_rate: the lookup bench/gpu_trace.py uses)
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 
@@ -36,7 +37,7 @@ ALIASES = {
 DTYPES = ("float64", "float32", "bfloat16")
 
 
-def profile_for_device(name, total_bytes):
+def profile_for_device(name: str, total_bytes: int) -> str | None:
     """The built-in profile of a GPU by the name its driver reports (`cudaGetDeviceProperties`'s
     `name`: "NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3", "AMD Instinct MI250X") and its memory,
     or None for a device without one (then no MFU is reported). An A100 with more than 48 GB is the
@@ -63,7 +64,7 @@ class Machine:
     memory_bandwidth: float  # bytes/s, peak of one device
     elementwise_efficiency: float  # fraction of memory_bandwidth that streaming kernels reach
     # [compute]
-    peak_flops: dict  # dtype name -> dense FLOP/s of one device
+    peak_flops: dict[str, float]  # dtype name -> dense FLOP/s of one device
     gemm_efficiency: float  # fraction of peak a large, well-shaped GEMM reaches
     gemm_tile_m: int  # output tile of one compute unit (tile and wave quantisation)
     gemm_tile_n: int
@@ -103,9 +104,9 @@ class Machine:
     # (cudnn on NVIDIA, torch elsewhere) and which backends a profile may rate (cudnn: NVIDIA only)
     vendor: str = "other"
     # [attention.<backend>]: backend -> attention_rates.RateTable (FLOP/s by direction, variant, head dim)
-    attention_rates: dict = field(default_factory=dict)
+    attention_rates: dict[str, RateTable] = field(default_factory=dict)
 
-    def peak(self, dtype):
+    def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
             raise UserError(f"machine {self.name} has no compute.peak_flops.{dtype}")
         return self.peak_flops[dtype]
@@ -160,11 +161,11 @@ assert not (_POSITIVE | _NON_NEGATIVE | _FRACTION) - set(_LAYOUT)
 assert {k for k, (_, _, kind) in _LAYOUT.items() if kind in (int, float)} == _POSITIVE | _NON_NEGATIVE | _FRACTION
 
 
-def builtin_names():
+def builtin_names() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
 
 
-def load_machine(name_or_path):
+def load_machine(name_or_path: str | Path) -> Machine:
     """A built-in profile name, an alias (`perlmutter`, `frontier`, ...) or a TOML file path."""
     text = str(name_or_path)
     key = ALIASES.get(text.lower(), text.lower())
@@ -177,15 +178,15 @@ def load_machine(name_or_path):
     raise UserError(f"unknown machine {text!r} (built-in: {known}; or give a profile .toml path)")
 
 
-def machine_from_file(path):
+def machine_from_file(path: str | Path) -> Machine:
     from boostmpi.config import read_toml
 
     return machine_from_dict(read_toml(path, "machine profile", UserError), source=str(path))
 
 
-def machine_from_dict(document, source="profile"):
+def machine_from_dict(document: Mapping[str, object], source: str = "profile") -> Machine:
     """A validated Machine from the TOML document layout (sections memory, compute, node, network)."""
-    values = {}
+    values: dict[str, ProfileValue] = {}
     for field_name, (section, key, kind) in _LAYOUT.items():
         where = f"{section}.{key}" if section else key
         table = document if section is None else document.get(section, {})
@@ -194,49 +195,60 @@ def machine_from_dict(document, source="profile"):
         if not isinstance(table, dict) or key not in table:
             raise UserError(f"machine profile {source}: missing key {where}")
         value = table[key]
-        values[field_name] = _checked(value, kind, where, source)
+        checked = values[field_name] = _checked(value, kind, where, source)
         if field_name in _CHOICES and value not in _CHOICES[field_name]:
             raise UserError(f"machine profile {source}: {where} must be one of "
                             f"{', '.join(_CHOICES[field_name])}, got {value!r}")
-        if field_name in _POSITIVE and not values[field_name] > 0:
+        if not isinstance(checked, (int, float)):  # the ranges below are of numbers only
+            continue
+        if field_name in _POSITIVE and not checked > 0:
             raise UserError(f"machine profile {source}: {where} must be positive, got {value!r}")
-        if field_name in _NON_NEGATIVE and values[field_name] < 0:
+        if field_name in _NON_NEGATIVE and checked < 0:
             raise UserError(f"machine profile {source}: {where} must be 0 or more, got {value!r}")
-        if field_name in _FRACTION and not 0 < values[field_name] <= 1:
+        if field_name in _FRACTION and not 0 < checked <= 1:
             raise UserError(f"machine profile {source}: {where} is a fraction of a peak: it must be in (0, 1], "
                             f"got {value!r}")
-    values["attention_rates"] = parse_tables(document.get("attention", {}), values, source)
-    return Machine(**values)
+    rates = parse_tables(document.get("attention", {}), values, source)
+    return Machine(**values, attention_rates=rates)  # type: ignore[arg-type]  # each value _checked against its field's type
 
 
-def _checked(value, kind, where, source):
+ProfileValue = str | int | float | dict[str, float]
+"""A value of a profile's field, as `_checked` admits it."""
+
+
+def _checked(value: object, kind: type, where: str, source: str) -> ProfileValue:
     if kind is dict:
         if not isinstance(value, dict) or not value:
             raise UserError(f"machine profile {source}: {where} must be a table of dtype = FLOP/s")
-        rates = {}
+        rates: dict[str, float] = {}
         for dtype, rate in value.items():
             if dtype not in DTYPES:
                 raise UserError(f"machine profile {source}: {where}.{dtype} is not a dtype "
                                 f"({', '.join(DTYPES)})")
-            rates[dtype] = _checked(rate, float, f"{where}.{dtype}", source)
+            rates[dtype] = _checked_number(rate, float, f"{where}.{dtype}", source)
             if not rates[dtype] > 0:
                 raise UserError(f"machine profile {source}: {where}.{dtype} must be positive, got {rate!r}")
         return rates
-    if kind is str:
-        ok = isinstance(value, str)
-    elif kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok:
+    if kind is not str:
+        return _checked_number(value, kind, where, source)
+    if not isinstance(value, str):
         raise UserError(f"machine profile {source}: {where} must be {kind.__name__}, got {value!r}")
-    return kind(value)
+    return value
 
 
-def machine_to_toml(machine, comments=None):
+def _checked_number(value: object, kind: type, where: str, source: str) -> float:
+    """`value` as `kind` (int or float): an int that is not a bool, or a finite number."""
+    if kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return int(value)
+    if kind is not int and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise UserError(f"machine profile {source}: {where} must be {kind.__name__}, got {value!r}")
+
+
+def machine_to_toml(machine: Machine, comments: Mapping[str, str] | None = None) -> str:
     """TOML text of `machine` in the profile layout; `comments` maps field name -> a note."""
     comments = comments or {}
-    sections = {}
+    sections: dict[str | None, list[tuple[str, str, ProfileValue]]] = {}
     for field_name, (section, key, kind) in _LAYOUT.items():
         sections.setdefault(section, []).append((field_name, key, getattr(machine, field_name)))
     sections[None].sort(key=lambda entry: entry[0] == "vendor")  # name, description, device, vendor
@@ -257,7 +269,7 @@ def machine_to_toml(machine, comments=None):
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
-def _number(value):
+def _number(value: float) -> str:
     if isinstance(value, int):
         return str(value)
     if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e6):

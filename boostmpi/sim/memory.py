@@ -28,11 +28,17 @@ buffer), so only `optimizer_scratch` is added to its device memory; `boostmpi si
 reporting the step model's figure.
 """
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
 from boostmpi.model.layers import ATTENTION_BLOCK, ATTENTION_KEEP_BYTES, probability_tile_bytes
 from boostmpi.model.params import param_specs
 from boostmpi.precision import statistic_dtype
 from boostmpi.sim.costs import ITEMSIZE
-from boostmpi.sim.plans import Attention, layer_plan, plan_strategy, shape_of
+from boostmpi.sim.plans import Attention, Pointwise, layer_plan, plan_strategy, shape_of
+
+if TYPE_CHECKING:
+    from boostmpi.config import Config
 
 # The resident memory of a rank of `boostmpi train` that is not its NumPy arrays: 109-120 MiB here
 # (ru_maxrss less the arrays tracemalloc counted at the same moments, 2-step runs on the MPICH
@@ -41,17 +47,17 @@ from boostmpi.sim.plans import Attention, layer_plan, plan_strategy, shape_of
 PROCESS_BYTES = 160 * 2**20
 
 
-def master_itemsize(dtype):
+def master_itemsize(dtype: str) -> int:
     return ITEMSIZE["float64" if dtype == "float64" else "float32"]
 
 
-def optimizer_scratch(cfg, memory):
+def optimizer_scratch(cfg: "Config", memory: Mapping[str, int]) -> int:
     """AdamW's scratch buffer, and the clipped gradient when train.grad_clip > 0 (optim.py): each
     the size of one moment, memory['optimizer'] / 2."""
     return (1 + (cfg.train.grad_clip > 0)) * memory["optimizer"] // 2
 
 
-def step_temporaries(cfg):
+def step_temporaries(cfg: "Config") -> int:
     """Bytes one micro-batch holds on the CPU path beyond its saved activations, at the worst moment."""
     s = shape_of(cfg, "flash")
     e = ITEMSIZE[cfg.train.dtype]
@@ -61,8 +67,8 @@ def step_temporaries(cfg):
     core = next(op for op in ops if isinstance(op, Attention))
     heads = core.heads // s.B  # local q heads
     qkv = core.saved - core.heads * core.T  # q, k, v of this rank: their gradients dq, dk, dv
-    widths = [op.elements // N for op in ops if op.name == "gate*up"]  # the MLP's local d_ff
-    residual = [op.elements // N for op in ops if op.name == "residual"]  # local residual width
+    widths = [op.elements // N for op in ops if isinstance(op, Pointwise) and op.name == "gate*up"]  # the MLP's local d_ff
+    residual = [op.elements // N for op in ops if isinstance(op, Pointwise) and op.name == "residual"]  # local residual width
     tile = s.B * heads * min(s.T, ATTENTION_BLOCK) * s.T * es  # scores of one query block
     # a layer's backward at an input projection (Block.backward): the residual's gradient dh, the
     # projection's result and the sum dh + result, the RMSNorm backward's four intermediates of the
@@ -82,7 +88,7 @@ def step_temporaries(cfg):
     return layer + kept_tiles
 
 
-def checkpoint_buffers(cfg):
+def checkpoint_buffers(cfg: "Config") -> tuple[int, int]:
     """(bytes held from the first save on, bytes a synchronous save copies between steps): the
     writer's staging buffer, or the asynchronous save's image of this rank's file (parameters and
     both moments of its data-parallel share, boostmpi/checkpoint/writer.py); a synchronous save
@@ -97,7 +103,7 @@ def checkpoint_buffers(cfg):
     return SequentialWriter.STAGING, max(max(sizes) for sizes in stages) * em
 
 
-def rank_memory(cfg, memory):
+def rank_memory(cfg: "Config", memory: Mapping[str, int]) -> dict[str, int]:
     """The check's estimate: `memory` (the step model's params, grads, optimizer, activations) plus
     the terms above, {..., 'workspace', 'total'} in bytes; on the GPU path only the optimizer's
     scratch is added (it is on the device; the rest of the workspace is the host's)."""

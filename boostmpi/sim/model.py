@@ -7,15 +7,22 @@ docs/SIM.md explains every term.
 """
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
 
-from boostmpi.model.params import chunk_layers, param_specs, split_range, tp_strategy
+from boostmpi.model.params import ParamSpec, chunk_layers, param_specs, split_range, tp_strategy
 from boostmpi.parallel.pipeline import warmup_units
-from boostmpi.sim.costs import (ITEMSIZE, PassTimes, group_allreduce_seconds, group_link, p2p_seconds,
+from boostmpi.sim.costs import (ITEMSIZE, Link, PassTimes, group_allreduce_seconds, group_link, p2p_seconds,
                                 pass_times)
-from boostmpi.sim.plans import (Collective, Shape, attention_core_ops, core_statistics, embedding_plan, head_plan,
+from boostmpi.sim.plans import (Collective, Op, Shape, attention_core_ops, core_statistics, embedding_plan, head_plan,
                                 kept_by_lowrank, layer_plan, plan_strategy, recompute_plan, saved_elements, shape_of,
                                 with_attention)
+
+if TYPE_CHECKING:
+    from boostmpi.config import Config, ModelConfig
+    from boostmpi.sim.machines import Machine
 
 # "attention": the fused attention core (forward, backward and any recompute of it) at its backend's
 # rate; materialised scores (attention = matmul / fused_softmax) count under gemm and elementwise
@@ -25,24 +32,24 @@ BREAKDOWN_KEYS = ("gemm", "elementwise", "attention", "tp_comm", "pp_bubble_and_
 @dataclass
 class Prediction:
     time_s: float
-    breakdown: dict
-    comm_bytes: dict
-    memory_bytes: dict
+    breakdown: dict[str, float]
+    comm_bytes: dict[str, int] | None  # None where the workload is not a boostmpi configuration
+    memory_bytes: dict[str, int]  # "fits": a bool
     mfu: float
     tokens_per_s: float
-    details: dict = field(default_factory=dict)
+    details: dict[str, object] = field(default_factory=dict)
 
-    def as_dict(self):
+    def as_dict(self) -> dict[str, object]:
         return {"time_s": self.time_s, "breakdown": self.breakdown, "comm_bytes": self.comm_bytes,
                 "memory_bytes": self.memory_bytes, "mfu": self.mfu, "tokens_per_s": self.tokens_per_s,
                 **self.details}
 
 
-def master_dtype(dtype):
+def master_dtype(dtype: str) -> str:
     return "float64" if dtype == "float64" else "float32"
 
 
-def tp_per_micro_batch(cfg, measure, s=None):
+def tp_per_micro_batch(cfg: "Config", measure: Callable[[Collective], int], s: Shape | None = None) -> int:
     """`measure(collective)` summed over the tensor-parallel collectives of one micro-batch and one
     pipeline (COMMUNICATION.md)."""
     s = s or shape_of(cfg, "flash")
@@ -50,7 +57,7 @@ def tp_per_micro_batch(cfg, measure, s=None):
         return 0
     strategy = tp_strategy(cfg)
 
-    def collected(ops, fwd_times=1):
+    def collected(ops: Sequence[Op], fwd_times: int = 1) -> int:
         return sum(measure(op) * (fwd_times if op.phase == "fwd" else 1) for op in ops if isinstance(op, Collective))
 
     layer_fwd_times = 2 if cfg.train.recompute == "layer" else 1
@@ -58,13 +65,13 @@ def tp_per_micro_batch(cfg, measure, s=None):
     return total + collected(embedding_plan(s, strategy)) + collected(head_plan(s, strategy))
 
 
-def tp_calls(cfg):
+def tp_calls(cfg: "Config") -> int:
     """Tensor-parallel collective calls of one optimizer step, each group's counted once (as the
     engine's counters count them)."""
     return cfg.parallel.dp * cfg.train.grad_accum * tp_per_micro_batch(cfg, lambda op: 1)
 
 
-def comm_bytes(cfg):
+def comm_bytes(cfg: "Config") -> dict[str, int]:
     """Payload bytes per axis of one optimizer step, exactly as docs/COMMUNICATION.md counts them."""
     par, t = cfg.parallel, cfg.train
     e = ITEMSIZE[t.dtype]
@@ -86,13 +93,13 @@ def comm_bytes(cfg):
 
 
 # ------------------------------------------------------------------ parameter counts in closed form
-def stage_layer_count(cfg, stage):
+def stage_layer_count(cfg: "Config", stage: int) -> int:
     """How many layers pipeline stage `stage` runs (its chunks' lengths; no list of them is made)."""
     par = cfg.parallel
     return sum(len(c) for c in chunk_layers(cfg.model.n_layers, par.pp, stage, par.virtual_stages))
 
 
-def _layer_and_rest(cfg, stage):
+def _layer_and_rest(cfg: "Config", stage: int) -> tuple[list[ParamSpec], list[ParamSpec]]:
     """(the specs of one layer, the specs outside the layers) of stage `stage`: every layer holds the
     same shapes, so a stage's counts are the rest plus its layer count times one layer's, computed on
     a copy of the configuration with one layer per model chunk (cost independent of n_layers)."""
@@ -106,9 +113,9 @@ def _layer_and_rest(cfg, stage):
     return [s for s in specs if s.layer is not None and s.layer == first], [s for s in specs if s.layer is None]
 
 
-def _rank_numel(spec, tp, t):
+def _rank_numel(spec: ParamSpec, tp: int, t: int) -> int:
     numel = math.prod(spec.global_shape)
-    if spec.shard_dim is None:
+    if not isinstance(spec.shard_dim, int):  # None: every tp rank holds the whole tensor
         return numel
     size = spec.global_shape[spec.shard_dim]
     a, b = split_range(size, tp, t)
@@ -116,7 +123,7 @@ def _rank_numel(spec, tp, t):
 
 
 # ------------------------------------------------------------------ ZeRO-1 (parallel.zero_stage = 1)
-def rank_params(cfg, stage):
+def rank_params(cfg: "Config", stage: int) -> list[int]:
     """Local parameter count of every tensor-parallel rank of pipeline stage `stage` (split ranges
     give the first ranks one more row or column where a dim does not divide)."""
     tp = cfg.parallel.tp
@@ -126,13 +133,13 @@ def rank_params(cfg, stage):
             for t in range(tp)]
 
 
-def zero_slice(n_params, dp, zero_stage):
+def zero_slice(n_params: int, dp: int, zero_stage: int) -> int:
     """Elements of the flat buffer whose optimizer state one dp rank holds: all of them, or under
     ZeRO-1 the largest dp slice, ceil(n / dp)."""
     return -(-n_params // dp) if zero_stage and dp > 1 else n_params
 
 
-def checkpoint_bytes(cfg):
+def checkpoint_bytes(cfg: "Config") -> tuple[int, int]:
     """(largest rank's bytes, total bytes) of a checkpoint's rank files: every rank writes parameters
     and both AdamW moments (master dtype) of its dp share of its tp/pp shard (docs/CHECKPOINTS.md)."""
     par, e = cfg.parallel, ITEMSIZE[master_dtype(cfg.train.dtype)]
@@ -145,7 +152,7 @@ def checkpoint_bytes(cfg):
     return 3 * e * max(shares), 3 * e * total
 
 
-def checkpoint_seconds(cfg, rank_write_bandwidth, filesystem_bandwidth):
+def checkpoint_seconds(cfg: "Config", rank_write_bandwidth: float, filesystem_bandwidth: float) -> float:
     """Seconds to write a checkpoint when every rank writes its file at once: the largest rank's bytes
     at `rank_write_bandwidth` (bytes/s one process writes), or the total at `filesystem_bandwidth`
     (bytes/s the filesystem takes from all writers together), whichever is slower."""
@@ -153,15 +160,15 @@ def checkpoint_seconds(cfg, rank_write_bandwidth, filesystem_bandwidth):
     return max(largest / rank_write_bandwidth, total / filesystem_bandwidth)
 
 
-def zero_allgather_elements(n_params, dp, zero_stage):
+def zero_allgather_elements(n_params: int, dp: int, zero_stage: int) -> int:
     """Counted elements of ZeRO-1's all-gather of the updated slices (the piece of dp rank 0), else 0."""
     return zero_slice(n_params, dp, zero_stage) if zero_stage and dp > 1 else 0
 
 
-_PARAM_COUNTS = {}
+_PARAM_COUNTS: "dict[tuple[ModelConfig, int, int, str, int, bool, bool], tuple[int, int]]" = {}
 
 
-def stage_params(cfg, stage):
+def stage_params(cfg: "Config", stage: int) -> tuple[int, int]:
     """(parameters of the largest tensor-parallel rank, parameters summed over all tp ranks) of
     pipeline stage `stage`, from the engine's own parameter specs of tp rank 0: split ranges give
     the first rank the largest piece, and the sum over ranks is a sharded tensor once and a
@@ -174,7 +181,7 @@ def stage_params(cfg, stage):
     if key not in _PARAM_COUNTS:
         layer, rest = _layer_and_rest(cfg, stage)
 
-        def counts(specs):
+        def counts(specs: Sequence[ParamSpec]) -> tuple[int, int]:
             return (sum(spec.local_numel for spec in specs),
                     sum(math.prod(spec.global_shape) * (par.tp if spec.tp_replicated else 1) for spec in specs))
 
@@ -183,7 +190,7 @@ def stage_params(cfg, stage):
     return _PARAM_COUNTS[key]
 
 
-def model_flops_per_step(cfg):
+def model_flops_per_step(cfg: "Config") -> float:
     """Model FLOPs of one step: 6 x matmul parameters + 12 x L x C x T per token.
 
     The standard count, the one place the project computes it (MFU here, in `bench/gpu_step.py` and
@@ -199,7 +206,7 @@ def model_flops_per_step(cfg):
     return model_flops(matmul_params, m.n_layers, m.d_model, m.seq_len, cfg.tokens_per_step)
 
 
-def model_flops(matmul_params, n_layers, d_model, seq_len, tokens):
+def model_flops(matmul_params: int, n_layers: int, d_model: int, seq_len: int, tokens: int) -> float:
     """`6N + 12 L C T` per token (see model_flops_per_step), for `tokens` tokens."""
     return 6.0 * matmul_params * tokens + 12.0 * n_layers * d_model * seq_len * tokens
 
@@ -213,7 +220,7 @@ class Workload:
     for the published runs the model is validated on (GPT with a GELU MLP, FSDP)."""
     shape: Shape  # its `attention` is replaced by the machine's unless `attention` is set here
     strategy: str  # "megatron", "vanilla" or "btp" (plans.layer_plan)
-    layers_per_stage: list
+    layers_per_stage: list[int]
     tp: int
     pp: int
     dp: int
@@ -221,25 +228,36 @@ class Workload:
     recompute: str  # "none", "layer" (full activation recomputation), "lowrank" or "selective" (attention core)
     dtype: str
     overlap: bool  # data-parallel communication behind the backward
-    params_per_stage: list  # the largest tensor-parallel rank's parameter count, per stage
+    params_per_stage: list[int]  # the largest tensor-parallel rank's parameter count, per stage
     p2p_elements: int  # what one rank sends per micro-batch between neighbouring stages
     model_flops: float  # per step (model_flops_per_step)
     tokens_per_step: int
     virtual_stages: int = 1  # interleaved 1F1B: model chunks per pipeline rank
     dp_sharded: bool = False  # FSDP: zero_stage 3
     zero_stage: int = 0  # 1: AdamW moments sharded over dp; 2: and gradients; 3: and parameters (dp_seconds)
-    attention: str = None  # "flash" or "matmul" when the workload fixes it (shape as given), else the machine's
+    attention: str | None = None  # "flash" or "matmul" when the workload fixes it (shape as given), else the machine's
     val_micro_batches: int = 0  # forward-only micro-batches of one validation pass, per data-parallel rank
     val_every: int = 0  # steps between validation passes (0: none inside the run's steps)
 
 
-def boundary_sharded(cfg):
+class StageCost(TypedDict):
+    """One pipeline stage's share of a step (predict_workload): its passes, parameters, layers and
+    activation bytes."""
+
+    fwd: PassTimes
+    bwd: PassTimes
+    params: int
+    layers: int
+    activations: float
+
+
+def boundary_sharded(cfg: "Config") -> bool:
     """Whether a pipeline boundary holds 1/tp of the activation per rank (btp, or sequence parallel)."""
     par = cfg.parallel
     return tp_strategy(cfg) == "btp" or (par.sequence_parallel and par.tp > 1)
 
 
-def workload_of(cfg):
+def workload_of(cfg: "Config") -> Workload:
     """The Workload of a boostmpi configuration (the engine's own layouts and parameter specs)."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
     strategy = plan_strategy(cfg)
@@ -256,12 +274,12 @@ def workload_of(cfg):
         val_micro_batches=-(-(-(-t.val_windows // par.dp)) // t.micro_batch_size), val_every=t.val_every)
 
 
-def predict(cfg, machine):
+def predict(cfg: "Config", machine: "Machine") -> Prediction:
     """The full prediction for `cfg` (model and layout) on `machine`."""
     return predict_workload(workload_of(cfg), machine, comm_bytes(cfg))
 
 
-def predict_workload(w, machine, comm=None):
+def predict_workload(w: Workload, machine: "Machine", comm: dict[str, int] | None = None) -> Prediction:
     """Time, memory and MFU of one optimizer step of `w` on `machine`; `comm` = payload bytes per axis."""
     dtype, recompute, M = w.dtype, w.recompute, w.micro_batches
     s = w.shape if w.attention else with_attention(w.shape, machine.attention)
@@ -295,7 +313,7 @@ def predict_workload(w, machine, comm=None):
     # lowrank looks the first layer's input up again from the token ids (no collective under btp)
     first_input_dropped = layer_input if recompute == "lowrank" else 0
 
-    stages = []
+    stages: list[StageCost] = []
     for stage, n_layers in enumerate(w.layers_per_stage):
         extra = (embedding_plan(s, strategy) if stage == 0 else []) + \
                 (head_plan(s, strategy) if stage == w.pp - 1 else [])
@@ -364,6 +382,7 @@ def predict_workload(w, machine, comm=None):
         grads = owned + full / max(slowest["layers"], 1)  # its slice + one layer's bucket being reduced
     else:
         grads = params + (owned if owned != params else 0)  # + ZeRO-1's summed slice
+    memory: dict[str, float]  # bytes, and "fits"
     memory = {"params": (owned * e_master + params * e if e != e_master else params * e_master) + gathered,
               "grads": grads * e_master,
               "optimizer": 2 * owned * e_master,
@@ -371,7 +390,7 @@ def predict_workload(w, machine, comm=None):
     memory["total"] = sum(memory.values())
     memory["capacity"] = machine.memory_capacity_bytes
     memory["fits"] = memory["total"] <= machine.memory_capacity_bytes
-    memory = {k: (v if isinstance(v, bool) else int(v)) for k, v in memory.items()}
+    memory_bytes = {k: (v if isinstance(v, bool) else int(v)) for k, v in memory.items()}
 
     gpus = w.tp * w.pp * w.dp
     mfu = w.model_flops / (time_s * gpus * machine.peak(dtype))
@@ -383,10 +402,10 @@ def predict_workload(w, machine, comm=None):
                "stage_forward_s": [st["fwd"].total for st in stages],
                "validation_s": validation,
                "time_with_validation_s": time_s + (validation / w.val_every if w.val_every else 0.0)}
-    return Prediction(time_s, breakdown, comm, memory, mfu, w.tokens_per_step / time_s, details)
+    return Prediction(time_s, breakdown, comm, memory_bytes, mfu, w.tokens_per_step / time_s, details)
 
 
-def validation_seconds(w, stages, machine, pp_link, e):
+def validation_seconds(w: Workload, stages: Sequence[StageCost], machine: "Machine", pp_link: Link, e: int) -> float:
     """One validation pass, forward only: each data-parallel rank's `val_micro_batches` micro-batches
     pipelined through the stages (boostmpi's `Engine.evaluate_batches`, Megatron's forward-only
     schedule, DeepSpeed's InferenceSchedule): n + pp - 1 slots of the slowest stage's forward, each with
@@ -400,7 +419,7 @@ def validation_seconds(w, stages, machine, pp_link, e):
     return (n + w.pp - 1) * (max(st["fwd"].total for st in stages) + hops) + host_sum
 
 
-def grad_accumulation_seconds(params, machine):
+def grad_accumulation_seconds(params: int, machine: "Machine") -> float:
     """The separate gradient-accumulation pass of one micro-batch over `params` parameters
     (`grad_accumulation_bytes` per parameter; none when the GEMMs accumulate in place)."""
     if not machine.grad_accumulation_bytes:
@@ -409,7 +428,7 @@ def grad_accumulation_seconds(params, machine):
     return params * machine.grad_accumulation_bytes / stream + machine.kernel_launch_s
 
 
-def zero3_copy_seconds(w, params, machine):
+def zero3_copy_seconds(w: Workload, params: int, machine: "Machine") -> tuple[float, float]:
     """(seconds of one gather's copies, of one reduce-scatter's copies) over a stage's `params`
     parameters: the stack's own passes around its ZeRO-3 collectives on the compute stream
     (`zero3_gather_copy_bytes`, `zero3_reduce_copy_bytes` per parameter); none without ZeRO-3 over
@@ -420,19 +439,20 @@ def zero3_copy_seconds(w, params, machine):
     return (params * machine.zero3_gather_copy_bytes / stream, params * machine.zero3_reduce_copy_bytes / stream)
 
 
-def pipeline_transfers(machine):
+def pipeline_transfers(machine: "Machine") -> int:
     """Transfers on the critical path of one 1F1B step of an interior stage: with batched calls a
     stage sends its output while it receives the next gradient (and the reverse): two; with each
     send and receive a blocking call of its own, four one after the other."""
     return 4 if machine.pipeline_p2p == "blocking" else 2
 
 
-def zero_stage_of(w):
+def zero_stage_of(w: Workload) -> int:
     """The ZeRO stage a workload runs (FSDP's full sharding is stage 3)."""
     return 3 if w.dp_sharded else w.zero_stage
 
 
-def dp_seconds(w, zero, stages, slowest, e, e_master, machine):
+def dp_seconds(w: Workload, zero: int, stages: Sequence[StageCost], slowest: StageCost, e: int, e_master: int,
+               machine: "Machine") -> float:
     """Exposed data-parallel communication of one step (hierarchical collectives across nodes).
 
     Stage 0: one all-reduce of the master-dtype gradient; stage 1: its reduce-scatter (half), then the
@@ -444,7 +464,7 @@ def dp_seconds(w, zero, stages, slowest, e, e_master, machine):
     gradient after it, every micro-batch; a framework prefetches one layer ahead (`zero3_exposed`)."""
     M, stride = w.micro_batches, w.tp * w.pp
 
-    def collective(per_stage_bytes, fraction):
+    def collective(per_stage_bytes: Callable[[StageCost], float], fraction: float) -> float:
         return max(group_allreduce_seconds(per_stage_bytes(st), w.dp, stride, machine, fraction=fraction)
                    for st in stages)
 
@@ -463,7 +483,7 @@ def dp_seconds(w, zero, stages, slowest, e, e_master, machine):
     return total
 
 
-def zero3_exposed(gather, reduce, slowest, layers, overlap):
+def zero3_exposed(gather: float, reduce: float, slowest: StageCost, layers: int, overlap: bool) -> float:
     """Seconds of ZeRO-3 communication one micro-batch leaves on the critical path.
 
     The gathers of a pass and the reduce-scatters of the backward split into `layers` equal units.
@@ -482,15 +502,15 @@ def zero3_exposed(gather, reduce, slowest, layers, overlap):
     return forward + backward
 
 
-def predict_step_time(cfg, machine):
+def predict_step_time(cfg: "Config", machine: "Machine | str | Path") -> float:
     """Seconds of one optimizer step of `cfg` on `machine` (a Machine, a built-in name or a path)."""
-    if not hasattr(machine, "peak_flops"):
+    if isinstance(machine, (str, Path)):  # not a Machine: a built-in name or a path
         from boostmpi.sim.machines import load_machine
         machine = load_machine(machine)
     return predict(cfg, machine).time_s
 
 
-def memory_estimate(cfg):
+def memory_estimate(cfg: "Config") -> dict[str, int] | None:
     """{params, grads, optimizer, activations, workspace, total}: bytes per rank the start-up memory
     check compares with what a rank may use: this model's figures for `cfg` (the largest pipeline
     stage) with the workspace of the path that runs (boostmpi/sim/memory.py: the optimizer's scratch;

@@ -10,9 +10,14 @@ Letters as everywhere: N = B*T tokens of a micro-batch, C d_model, F d_ff, K kv 
 Ra/Rm attention/MLP rank, p = tp. docs/SIM.md explains every term.
 """
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, TypeAlias
 
 from boostmpi.model.params import tp_strategy
+
+if TYPE_CHECKING:
+    from boostmpi.config import Config
 
 
 # Full-buffer memory passes of the softmax of materialised attention scores, as boostmpi's NumPy
@@ -62,11 +67,11 @@ class Pointwise:
     in_recompute: bool = True  # False: a recompute of the layer never runs it (its output is not read)
 
 
-def unary(name, n, saved=0):  # y = f(x): read x, write y; backward reads x and dy, writes dx
+def unary(name: str, n: int, saved: int = 0) -> Pointwise:  # y = f(x): read x, write y; backward reads x and dy, writes dx
     return Pointwise(name, n, 2, 3, saved)
 
 
-def binary(name, n, saved=0):  # y = f(a, b): backward reads a, b, dy and writes da, db
+def binary(name: str, n: int, saved: int = 0) -> Pointwise:  # y = f(a, b): backward reads a, b, dy and writes da, db
     return Pointwise(name, n, 3, 5, saved)
 
 
@@ -81,13 +86,14 @@ class Attention:
     bwd_kernels: int = 1  # the engine's backward: a dQ pass and a dK/dV pass (kernels/attention.cu)
     kv_heads: int = 0  # B * local kv heads (0: as many as q heads)
 
-    def traffic(self, itemsize):
+    def traffic(self, itemsize: int) -> tuple[int, int]:
         """(forward, backward) global bytes read + written, FlashAttention-2's (`flash2_traffic`)."""
         t = flash2_traffic(self.heads, self.kv_heads or self.heads, self.T, self.Dh, itemsize)
         return sum(t["forward"]), sum(t["backward"])
 
 
-def flash2_traffic(heads, kv_heads, T, Dh, itemsize, tile=64):
+def flash2_traffic(heads: int, kv_heads: int, T: int, Dh: int, itemsize: int,
+                   tile: int = 64) -> dict[str, tuple[int, int]]:
     """{"forward", "backward"}: (read, written) global bytes of FlashAttention-2's kernels (Dao 2023)
     for `heads` query heads (batch x heads) over `kv_heads` key/value heads, causal, Q/K/V/O/dO of
     `itemsize` bytes. Forward, per 64-query tile: Q once, K and V up to its last query, O and the
@@ -120,9 +126,13 @@ class Collective:
     wide: int = 0  # of `elements`, how many travel at least 4 bytes wide (a norm statistic beside bf16 products)
     fed_by: int = 1  # how many GEMMs right before it it reduces the outputs of (a grouped all-reduce: several)
 
-    def nbytes(self, itemsize):
+    def nbytes(self, itemsize: int) -> int:
         """Payload bytes contributed per member at the step's item size."""
         return (self.elements - self.wide) * max(itemsize, self.min_itemsize) + self.wide * max(itemsize, 4)
+
+
+Op: TypeAlias = Gemm | Pointwise | Attention | Collective
+"""One operation of a plan."""
 
 
 @dataclass
@@ -147,7 +157,7 @@ class Shape:
     gated: bool = True  # MLP = down(act(gate) * up); False: GPT's down(gelu(up)), no gate
     # full passes of the softmax over the T x T scores when attention = "matmul": the NumPy
     # engine's by default; a GPU framework's fused scale-mask-softmax (+ dropout) moves fewer
-    softmax_passes: tuple = _SOFTMAX_PASSES
+    softmax_passes: tuple[float, ...] = _SOFTMAX_PASSES
     softmax_saved_per_row: int = 2  # what the backward keeps of the scores per row (T: the probs)
     eager: bool = False  # elementwise work as eager PyTorch runs it (EAGER_PYTORCH_PASSES), not fused
     sp: bool = False  # Megatron's sequence parallelism: the regions outside tp hold N/p tokens per rank
@@ -162,19 +172,19 @@ class Shape:
     attention_backend: str = "auto"
 
     @property
-    def engine_kernels(self):
+    def engine_kernels(self) -> bool:
         return self.engine and not self.eager
 
     @property
-    def N(self):
+    def N(self) -> int:
         return self.B * self.T
 
     @property
-    def K(self):
+    def K(self) -> int:
         return self.Hkv * self.Dh
 
 
-def with_attention(s, attention):
+def with_attention(s: Shape, attention: str) -> Shape:
     """`s` with the attention kernel a machine profile names: "flash" (fused, no T x T tensor),
     "matmul" (materialised scores, softmax as boostmpi's tiled attention runs it) or
     "fused_softmax" (materialised scores, one fused softmax kernel each way, probabilities kept)."""
@@ -183,7 +193,7 @@ def with_attention(s, attention):
     return replace(s, attention=attention)
 
 
-def shape_of(cfg, attention):
+def shape_of(cfg: "Config", attention: str) -> Shape:
     m, par = cfg.model, cfg.parallel
     ranks = m.linear_shapes()
     return Shape(B=cfg.train.micro_batch_size, T=m.seq_len, C=m.d_model, F=m.d_ff, H=m.n_heads,
@@ -196,7 +206,7 @@ def shape_of(cfg, attention):
 
 
 # ------------------------------------------------------------------ plans
-def attention_core(s, heads, kv_heads):
+def attention_core(s: Shape, heads: int, kv_heads: int) -> list[Op]:
     """The attention of `heads` q heads and `kv_heads` kv heads on this rank (q, k, v in, o out)."""
     N, T, Dh, B = s.N, s.T, s.Dh, s.B
     # q, k, v are what the backward of the core reads besides its output, which the o GEMM keeps
@@ -216,12 +226,12 @@ def attention_core(s, heads, kv_heads):
         Gemm("scores", group * T, T, Dh, batch=B * kv_heads, saved=qkv),
         # the engine's CPU path (its tiled softmax) keeps two statistics per row (maximum, sum), never
         # the T x T probabilities: its backward recomputes them tile by tile (boostmpi/model/layers.py)
-        Pointwise("softmax", scores, *passes, saved=per_row * B * heads * T),
+        Pointwise("softmax", scores, passes[0], passes[1], saved=per_row * B * heads * T),
         Gemm("probs@v", group * T, Dh, T, batch=B * kv_heads),
     ]
 
 
-def norm(s, name, n_tokens, width):
+def norm(s: Shape, name: str, n_tokens: int, width: int) -> Pointwise:
     """RMSNorm over the whole row: one fused kernel each way, 2 / 3 passes, for another framework;
     the engine's kernels (kernels/rmsnorm.cu) as follows. Forward: rmsnorm_forward reads x, writes y
     (2 passes: the row is held in registers between its sum and its scaling). Backward, 5 passes in 4 kernels:
@@ -234,7 +244,7 @@ def norm(s, name, n_tokens, width):
     return Pointwise(name, n_tokens * width, 2, 5, saved=saved, bwd_kernels=4)
 
 
-def online_norm(s, name, width, residual=False):
+def online_norm(s: Shape, name: str, width: int, residual: bool = False) -> Pointwise:
     """btp's online RMSNorm on this rank's [N, width] shard, up to the A GEMM. Forward, one kernel:
     rmsnorm_online_stats reads x, writes x * w (2 passes); with `residual` it is
     residual_online_stats, which adds the branch output first (reads h and y, writes h + y and
@@ -249,7 +259,7 @@ def online_norm(s, name, width, residual=False):
     return Pointwise(name, N * width, 2, post, saved=N * width + N, bwd_kernels=3)
 
 
-def residual(s, n, in_recompute=True):
+def residual(s: Shape, n: int, in_recompute: bool = True) -> Pointwise:
     """The residual add h + y. Forward reads h and y, writes the sum; its backward passes the gradient
     on to both unchanged, and the kernel is the sum of the two gradients that meet at h (reads 2,
     writes 1). Other frameworks' plans keep the generic binary op's 3 / 5 passes."""
@@ -258,13 +268,13 @@ def residual(s, n, in_recompute=True):
     return Pointwise("residual", n, 3, 3, in_recompute=in_recompute)
 
 
-def rope(s, n):
+def rope(s: Shape, n: int) -> Pointwise:
     """RoPE on q and k (`n` their elements together): one kernel each (rope_forward, rope_backward)."""
     kernels = 2 if s.engine_kernels else 1
     return Pointwise("rope", n, 2, 3, fwd_kernels=kernels, bwd_kernels=kernels)
 
 
-def layer_plan(s, strategy):
+def layer_plan(s: Shape, strategy: str) -> list[Op]:
     """One layer, one micro-batch, one tensor-parallel rank: ops in forward order."""
     ops = {"btp": _btp_layer, "vanilla": _vanilla_layer, "megatron": _megatron_layer}[strategy](s)
     return eager_pytorch(ops) if s.eager else ops
@@ -286,9 +296,9 @@ def layer_plan(s, strategy):
 EAGER_PYTORCH_PASSES = {"norm": (18, 31), "rope": (10, 10), "gate*up": (5, 9), "cross_entropy": (9, 11)}
 
 
-def eager_pytorch(ops):
+def eager_pytorch(ops: Sequence[Op]) -> list[Op]:
     """`ops` with the elementwise passes of eager PyTorch (EAGER_PYTORCH_PASSES)."""
-    out = []
+    out: list[Op] = []
     for op in ops:
         kind = "norm" if op.name.endswith("norm") else op.name
         if isinstance(op, Pointwise) and kind in EAGER_PYTORCH_PASSES:
@@ -298,11 +308,12 @@ def eager_pytorch(ops):
     return out
 
 
-def _megatron_layer(s):
+def _megatron_layer(s: Shape) -> list[Op]:
     N, C, F, K, p = s.N, s.C, s.F, s.K, s.p
     Ns = N // p if s.sp else N  # tokens per rank outside the tensor-parallel regions
     enter, leave = _tp_region_edges(s)
-    ops = [norm(s, "attn_norm", Ns, C)] + enter("qkv")
+    ops: list[Op] = [norm(s, "attn_norm", Ns, C)]
+    ops += enter("qkv")
     widths = {"q": C // p, "k": K // p, "v": K // p}
     split = s.engine_kernels  # the engine's weight gradients: one GEMM per linear of a grouped GEMM
     if s.grouped:
@@ -338,7 +349,7 @@ def _megatron_layer(s):
     return ops
 
 
-def _tp_region_edges(s):
+def _tp_region_edges(s: Shape) -> tuple[Callable[[str], list[Op]], Callable[[str], list[Op]]]:
     """(enter, leave): the collectives where a Megatron tensor-parallel region begins and ends.
 
     Without sequence parallelism the input is whole on every rank (nothing on entry) and the
@@ -356,20 +367,21 @@ def _tp_region_edges(s):
                            Collective(f"{name}.dy", "allgather", N * C // p, "bwd")]))
 
 
-def _column_dx(name, s):
+def _column_dx(name: str, s: Shape) -> Collective:
     """The backward collective of a column-parallel GEMM's input gradient."""
     return Collective(f"{name}.dx", "reducescatter" if s.sp else "allreduce", s.N * s.C, "bwd")
 
 
-def _vanilla_layer(s):
+def _vanilla_layer(s: Shape) -> list[Op]:
     """Megatron applied to each factor: A column-parallel along R, B row-parallel, all-reduce after B."""
     N, C, F, K, p = s.N, s.C, s.F, s.K, s.p
     Ra, Rm = s.Ra // p, s.Rm // p
 
-    def factor_pairs(names, d_in, r, outs, saved_input):
+    def factor_pairs(names: tuple[str, ...], d_in: int, r: int, outs: tuple[int, ...],
+                     saved_input: int) -> list[Op]:
         """Linears sharing one input: grouped = one A GEMM and one all-reduce of the B outputs; else each
         B ends in an all-reduce of its output."""
-        ops = []
+        ops: list[Op] = []
         if s.grouped:  # the engine's weight gradient: one GEMM per factor's column block of dZ
             ops += [Gemm("+".join(names) + ".A", N, r * len(names), d_in, saved=saved_input,
                          dw_split=len(names) if s.engine_kernels else 1),
@@ -388,7 +400,7 @@ def _vanilla_layer(s):
             ops.append(Collective("+".join(names) + ".y", "allreduce", N * sum(outs), "fwd", fed_by=len(names)))
         return ops
 
-    ops = [norm(s, "attn_norm", N, C)]
+    ops: list[Op] = [norm(s, "attn_norm", N, C)]
     ops += factor_pairs(("q", "k", "v"), C, Ra, (C, K, K), N * C)
     ops.append(rope(s, N * (C + K)))
     ops += attention_core(s, s.H, s.Hkv)  # replicated: every rank holds every head
@@ -402,16 +414,16 @@ def _vanilla_layer(s):
     return ops
 
 
-def _btp_layer(s):
+def _btp_layer(s: Shape) -> list[Op]:
     """Bottleneck-aware: residual sharded along C, A row-parallel, all-reduce of the rank-R activation."""
     N, p = s.N, s.p
     Cl, Fl, Kl = s.C // p, s.F // p, s.K // p
     Ra, Rm = s.Ra, s.Rm
 
-    def a_group(names, d_in_local, r, with_norm_statistic):
+    def a_group(names: tuple[str, ...], d_in_local: int, r: int, with_norm_statistic: bool) -> list[Op]:
         """A GEMMs of linears sharing one input, then their all-reduce(s) of [N, r] each."""
         stat = N if with_norm_statistic and not s.sync_norm else 0
-        ops = []
+        ops: list[Op] = []
         if with_norm_statistic and s.sync_norm:
             ops.append(Collective("norm.sumsq", "allreduce", N, "fwd", min_itemsize=4))  # float32 at least
         if s.grouped:  # the engine's weight gradient: one GEMM per factor's column block of dP
@@ -436,9 +448,9 @@ def _btp_layer(s):
             ops.append(unary("silu", width, saved=width))
         return ops
 
-    def b_gemms(names, r, outs, in_recompute=True):
+    def b_gemms(names: tuple[str, ...], r: int, outs: tuple[int, ...], in_recompute: bool = True) -> list[Op]:
         """B GEMMs and the backward all-reduce of dz: one for the group when grouped, else one each."""
-        ops = []
+        ops: list[Op] = []
         for i, (name, d_out) in enumerate(zip(names, outs)):
             # on a GPU, grouped: B factors of one shape side by side are one strided-batched GEMM forward
             # (BottleneckTP._b_products); the backward's dZ and dB stay one GEMM each
@@ -450,7 +462,7 @@ def _btp_layer(s):
             ops.append(Collective("+".join(names) + ".dz", "allreduce", N * r * len(names), "bwd"))
         return ops
 
-    ops = [online_norm(s, "attn_norm", Cl) if s.engine_kernels else norm(s, "attn_norm", N, Cl)]
+    ops: list[Op] = [online_norm(s, "attn_norm", Cl) if s.engine_kernels else norm(s, "attn_norm", N, Cl)]
     ops += a_group(("q", "k", "v"), Cl, Ra, True)
     ops += b_gemms(("q", "k", "v"), Ra, (Cl, Kl, Kl))
     ops.append(rope(s, N * (Cl + Kl)))
@@ -471,7 +483,7 @@ def _btp_layer(s):
     return ops
 
 
-def embedding_plan(s, strategy):
+def embedding_plan(s: Shape, strategy: str) -> list[Op]:
     N, C, p = s.N, s.C, s.p
     if strategy == "btp":  # each rank looks up its own columns: no communication
         return [Pointwise("embedding", N * C // p, 2, 2)]
@@ -483,11 +495,11 @@ def embedding_plan(s, strategy):
     return [Pointwise("embedding", N * C, 2, 2), Collective("embedding.y", "allreduce", N * C, "fwd")]
 
 
-def head_plan(s, strategy):
+def head_plan(s: Shape, strategy: str) -> list[Op]:
     """Final norm, vocabulary-parallel LM head and the sharded cross-entropy."""
     N, C, p = s.N, s.C, s.p
     V_local = -(-s.V // p)  # the largest of the uneven vocabulary ranges sets the pace
-    ops = []
+    ops: list[Op] = []
     if strategy == "btp":
         ops.append(Collective("final.gather", "allgather", N * C // p, "fwd"))
     Ns = N // p if s.sp else N
@@ -505,12 +517,12 @@ def head_plan(s, strategy):
 _CORE_OPS = {"attention", "scores", "softmax", "probs@v"}
 
 
-def attention_core_ops(ops):
+def attention_core_ops(ops: Sequence[Op]) -> list[Op]:
     """The ops of the attention core (q, k, v in, o out): what `recompute = selective` runs again."""
     return [op for op in ops if op.name in _CORE_OPS and not isinstance(op, Collective)]
 
 
-def core_statistics(ops):
+def core_statistics(ops: Sequence[Op]) -> int:
     """Elements the attention core keeps besides its inputs q, k, v (which `selective` still keeps): the
     log-sum-exp per row of flash attention, the softmax's saved statistics or probabilities per row
     of materialised scores (2 per row for the engine's tiled softmax on the CPU path, T for a
@@ -520,7 +532,7 @@ def core_statistics(ops):
                for op in attention_core_ops(ops) if not isinstance(op, Gemm))
 
 
-def recompute_plan(ops, recompute):
+def recompute_plan(ops: Sequence[Op], recompute: str) -> list[Op] | None:
     """The forward ops the backward runs again first, or None when nothing is recomputed.
 
     `selective` runs the attention core again (its inputs are kept, no collective is involved).
@@ -538,11 +550,11 @@ def recompute_plan(ops, recompute):
         return [op for op in ops if getattr(op, "in_recompute", True)]
     if recompute == "selective":
         return attention_core_ops(ops)
-    feeds_kept = set()  # the GEMMs whose outputs go straight into a forward collective
+    feeds_kept: set[int] = set()  # the GEMMs whose outputs go straight into a forward collective
     for i, op in enumerate(ops):
         if isinstance(op, Collective) and op.phase == "fwd":
             feeds_kept.update(j for j in range(max(0, i - op.fed_by), i) if isinstance(ops[j], Gemm))
-    again = []
+    again: list[Op] = []
     for i, op in enumerate(ops):
         if isinstance(op, Collective) or i in feeds_kept or not getattr(op, "in_recompute", True) or op.name == "norm.scale":
             continue
@@ -554,11 +566,11 @@ def recompute_plan(ops, recompute):
     return again
 
 
-def saved_elements(ops):
+def saved_elements(ops: Sequence[Op]) -> int:
     return sum(op.saved for op in ops)
 
 
-def kept_by_lowrank(ops, s):
+def kept_by_lowrank(ops: Sequence[Op], s: Shape) -> int:
     """Elements `recompute = lowrank` keeps per layer besides its input: the outputs of the forward
     collectives and the attention's softmax statistics (a log-sum-exp per row for flash, which is
     the engine's GPU path, the maximum and sum for the engine's tiled attention on the CPU), so its
@@ -567,7 +579,7 @@ def kept_by_lowrank(ops, s):
     return stats + sum(op.elements for op in ops if isinstance(op, Collective) and op.phase == "fwd")
 
 
-def plan_strategy(cfg):
+def plan_strategy(cfg: "Config") -> str:
     """The plan to use: without tensor parallelism the low-rank modes run the same computation,
     and the btp plan states what `recompute = lowrank` keeps (the rank-R activations)."""
     strategy = tp_strategy(cfg)

@@ -20,10 +20,12 @@ import json
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypedDict
 
-from boostmpi.sim.machines import load_machine
+from boostmpi.sim.machines import Machine, load_machine
 from boostmpi.sim.model import Workload, model_flops, predict_workload
 from boostmpi.sim.plans import ATTENTION_DROPOUT_PASSES, FUSED_SOFTMAX_PASSES, Shape
 
@@ -31,6 +33,9 @@ from boostmpi.sim.plans import ATTENTION_DROPOUT_PASSES, FUSED_SOFTMAX_PASSES, S
 # the probabilities and their gradient, writes the scores' gradient) followed by attention dropout
 # (read, write, a one-byte mask: half a 16-bit pass each way): passes over the B*h*s*s scores.
 FUSED_SOFTMAX_DROPOUT_PASSES = tuple(a + b for a, b in zip(FUSED_SOFTMAX_PASSES, ATTENTION_DROPOUT_PASSES))
+Summary = TypedDict("Summary", {"worst": float, "median": float, "best": float})  # of the rows' absolute errors
+CliSummary = TypedDict("CliSummary", {"worst": float, "median": float, "best": float, "frameworks": list[str], "gpus": list[str]})
+PredictionJson = TypedDict("PredictionJson", {"time_s": float, "time_with_validation_s": float, "breakdown": dict[str, float]})  # what the tables read of `sim --json`
 
 
 @dataclass(frozen=True)
@@ -45,13 +50,13 @@ class PublishedRun:
 
 
 # ------------------------------------------------------------------ GPT on Megatron-LM (SC21)
-def sc21_flops_per_iteration(B, s, l, h, V):
+def sc21_flops_per_iteration(B: int, s: int, l: int, h: int, V: int) -> float:
     """Narayanan et al. (SC21) Eq. 3, the FLOPs their Table 1 throughput is computed with
     (activation recomputation included): 96 B s l h^2 (1 + s/6h + V/16lh)."""
     return 96.0 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
 
 
-def gpt_params_per_stage(h, l, V, s, t, p):
+def gpt_params_per_stage(h: int, l: int, V: int, s: int, t: int, p: int) -> list[int]:
     """Parameters of the largest tensor-parallel rank of each stage of a Megatron GPT: per layer
     the fused QKV (3h^2 + 3h), projection (h^2 + h), h -> 4h -> h MLP (8h^2 + 5h), two LayerNorms
     (4h), split t ways except the biases of the row-parallel GEMMs and the LayerNorms; the word
@@ -65,7 +70,7 @@ def gpt_params_per_stage(h, l, V, s, t, p):
     return stages
 
 
-def gpt_run(params_b, heads, h, l, t, p, n, B, tflops, mbs, v, overlap):
+def gpt_run(params_b: str, heads: int, h: int, l: int, t: int, p: int, n: int, B: int, tflops: float, mbs: int, v: int, overlap: bool) -> PublishedRun:
     """One row of SC21 Table 1 (GPT, V = 51200, s = 2048, 16-bit, full activation recomputation)."""
     V, s = 51200, 2048
     dp = n // (t * p)
@@ -109,7 +114,7 @@ SC21_TABLE_1 = [
 
 
 # ------------------------------------------------------------------ LLaMA on torchtitan (FSDP2)
-def llama_run(name, C, layers, heads, kv_heads, F, V, T, local_batch, recompute, wps, mfu):
+def llama_run(name: str, C: int, layers: int, heads: int, kv_heads: int, F: int, V: int, T: int, local_batch: int, recompute: str, wps: float, mfu: str) -> PublishedRun:
     """One row of torchtitan's docs/performance.md: FSDP2 over 64 A100-80GB, bf16, local batch."""
     gpus = 64
     K = C // heads * kv_heads
@@ -142,25 +147,25 @@ TORCHTITAN = [
 ]
 
 
-def published_runs():
+def published_runs() -> list[PublishedRun]:
     return [gpt_run(*row) for row in SC21_TABLE_1] + [llama_run(*row) for row in TORCHTITAN]
 
 
-def validation_table():
+def validation_table() -> list[tuple[PublishedRun, float, float]]:
     """[(run, predicted seconds, relative error)] for every published run."""
-    rows = []
+    rows: list[tuple[PublishedRun, float, float]] = []
     for run in published_runs():
         predicted = predict_workload(run.workload, load_machine(run.machine)).time_s
         rows.append((run, predicted, predicted / run.measured_s - 1))
     return rows
 
 
-def summary(rows):
+def summary(rows: Sequence[tuple[object, float, float]]) -> Summary:
     errors = [abs(e) for _, _, e in rows]
     return {"worst": max(errors), "median": statistics.median(errors), "best": min(errors)}
 
 
-def format_table(rows):
+def format_table(rows: Sequence[tuple[PublishedRun, float, float]]) -> str:
     lines = ["| run | source | measured s/iter | predicted s/iter | error |", "|---|---|---|---|---|"]
     for run, predicted, error in rows:
         lines.append(f"| {run.name} | {run.source} | {run.measured_s:.2f} | {predicted:.2f} | {error:+.1%} |")
@@ -180,53 +185,53 @@ class CliRun:
     gpu: str  # the device generation, for the coverage the targets ask for
     source: str  # publication, table or figure
     machine: str  # built-in profile
-    config: dict  # the configuration file: section -> key -> value
+    config: dict[str, dict[str, object]]  # the configuration file: section -> key -> value
     measured_s: float  # seconds per iteration, derived from the published figure (see `derived`)
     derived: str
     assumed: str  # what the publication leaves unknown and the row assumes
-    network: tuple = ()  # (profile key, value) overrides: the row runs with a profile file of its own
+    network: tuple[tuple[str, float | str], ...] = ()  # (profile key, value) overrides: the row runs with a profile file of its own
 
-    def profile(self):
+    def profile(self) -> Machine:
         """The machine the row runs on: the built-in profile, with `network` replaced."""
         machine = load_machine(self.machine)
-        return replace(machine, name=f"{machine.name}-{_slug(self.name)}", **dict(self.network)) if self.network \
-            else machine
+        return replace(machine, name=f"{machine.name}-{_slug(self.name)}", **dict(self.network)) if self.network else machine  # type: ignore[arg-type]  # profile keys, values of their types
 
 
-def _slug(text):
+def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
 
 
-def gated_d_ff(h, t):
+def gated_d_ff(h: int, t: int) -> int:
     """GPT's h -> 4h -> h GELU MLP stated as boostmpi's gated MLP of equal FLOPs and parameters
     (3 d_ff h = 8 h^2): d_ff = 8h/3, rounded to a multiple of 64 (and of tp)."""
     step = 64 * t // _gcd(64, t)
     return step * round(8 * h / 3 / step)
 
 
-def _gcd(a, b):
+def _gcd(a: int, b: int) -> int:
     while b:
         a, b = b, a % b
     return a
 
 
-def cli_config(h, heads, layers, V, s, t, p, dp, B, mbs, *, d_ff=None, kv_heads=None, v=1, recompute="layer",
-               sp=False, overlap=True, zero=0, dropout=0.0, val_every=0, val_windows=None):
+def cli_config(h: int, heads: int, layers: int, V: int, s: int, t: int, p: int, dp: int, B: int, mbs: int, *, d_ff: int | None = None,
+               kv_heads: int | None = None, v: int = 1, recompute: str = "layer", sp: bool = False, overlap: bool = True, zero: int = 0,
+               dropout: float = 0.0, val_every: int = 0, val_windows: int | None = None) -> dict[str, dict[str, object]]:
     """The TOML sections of a full-rank run (Megatron tensor parallelism: tp_mode = vanilla)."""
-    model = {"arch": "full", "vocab_size": V, "d_model": h, "n_layers": layers, "n_heads": heads,
+    model: dict[str, object] = {"arch": "full", "vocab_size": V, "d_model": h, "n_layers": layers, "n_heads": heads,
              "d_ff": d_ff or gated_d_ff(h, t), "seq_len": s}
     if dropout:
         model["attention_dropout"] = dropout
     if kv_heads:
         model["n_kv_heads"] = kv_heads
-    parallel = {"tp": t, "pp": p, "dp": dp, "tp_mode": "vanilla", "overlap": overlap}
+    parallel: dict[str, object] = {"tp": t, "pp": p, "dp": dp, "tp_mode": "vanilla", "overlap": overlap}
     if v > 1:
         parallel["virtual_stages"] = v
     if sp:
         parallel["sequence_parallel"] = True
     if zero:
         parallel["zero_stage"] = zero
-    train = {"micro_batch_size": mbs, "global_batch_size": B, "dtype": "bfloat16", "device": "gpu",
+    train: dict[str, object] = {"micro_batch_size": mbs, "global_batch_size": B, "dtype": "bfloat16", "device": "gpu",
              "recompute": recompute}
     if val_every:  # validation inside the timed steps (Megatron's --eval-interval, --eval-iters x batch)
         train.update(val_every=val_every, val_windows=val_windows)
@@ -283,7 +288,7 @@ DEEPSPEED_FP16 = DEEPSPEED_PIPELINE + (("grad_accumulation_bytes", 6.0),)
 FSDP2 = (("zero3_gather_copy_bytes", 4.0), ("zero3_reduce_copy_bytes", 6.0))
 
 
-def _sc21_cli(params_b, heads, h, l, t, p, n, B, tflops, mbs, v, overlap):
+def _sc21_cli(params_b: str, heads: int, h: int, l: int, t: int, p: int, n: int, B: int, tflops: float, mbs: int, v: int, overlap: bool) -> CliRun:
     dp = n // (t * p)
     return CliRun(
         name=f"GPT {params_b}B (t={t}, p={p}, d={dp})", framework="Megatron-LM", gpu="A100",
@@ -307,8 +312,8 @@ KORTHIKANTI = [
 ]
 
 
-def _korthikanti_cli(name, heads, h, l, t, p, B, full_s, present_s, v):
-    rows = []
+def _korthikanti_cli(name: str, heads: int, h: int, l: int, t: int, p: int, B: int, full_s: float, present_s: float, v: int) -> list[CliRun]:
+    rows: list[CliRun] = []
     for label, seconds, recompute, sp in (("full recompute", full_s, "layer", False),
                                           ("SP + selective", present_s, "selective", True)):
         rows.append(CliRun(
@@ -333,12 +338,12 @@ MT_NLG_STAGES = 35
 MT_NLG_MICRO_BATCH = 2
 
 
-def mt_nlg_fixed_cost(micro_batch):
+def mt_nlg_fixed_cost(micro_batch: int) -> tuple[float, float]:
     """(a, c): the least-squares line T = a * M + c through the three MT-NLG runs, M = 1920 / (d * b)."""
     return statistics.linear_regression([1920 / (dp * micro_batch) for dp, _ in MT_NLG], [t for _, t in MT_NLG])
 
 
-def _mtnlg_cli(dp, seconds):
+def _mtnlg_cli(dp: int, seconds: float) -> CliRun:
     b = MT_NLG_MICRO_BATCH
     return CliRun(
         name=f"MT-NLG 530B ({280 * dp} GPUs, d={dp})",
@@ -358,7 +363,7 @@ def _mtnlg_cli(dp, seconds):
 # BLOOM 176B (BigScience; arXiv 2211.05100, Sec. 3.4): 384 A100 80GB on Jean Zay, t = 4, p = 12, d = 8,
 # micro-batch 2, batch 2048 sequences of 2048, ZeRO-1, bf16, "about 150 TFLOP/s" per GPU
 # (bigscience.notion.site, BigScience 176B Model); 8 GPUs and four 100 Gb/s Omni-Path links per node.
-def _bloom_cli():
+def _bloom_cli() -> CliRun:
     return CliRun(
         name="BLOOM 176B (t=4, p=12, d=8)", framework="Megatron-DeepSpeed", gpu="A100",
         source="BLOOM (arXiv 2211.05100) Sec. 3.4; BigScience 176B model page (150 TFLOP/s)",
@@ -381,7 +386,7 @@ def _bloom_cli():
 LLAMA3 = [(64, 430), (128, 400)]
 
 
-def _llama3_cli(dp, tflops):
+def _llama3_cli(dp: int, tflops: float) -> CliRun:
     gpus = 8 * 16 * dp
     config = cli_config(16384, 128, 126, 128256, 8192, 8, 16, dp, 2048, 1, d_ff=53248, kv_heads=8, v=2,
                         recompute="none", sp=True, zero=1)
@@ -418,7 +423,7 @@ FRONTIER = [
 ]
 
 
-def _frontier_cli(name, heads, h, l, seq, t, p, nodes, B, share, eval_interval, eval_iters):
+def _frontier_cli(name: str, heads: int, h: int, l: int, seq: int, t: int, p: int, nodes: int, B: int, share: float, eval_interval: int, eval_iters: int) -> CliRun:
     gcds = 8 * nodes
     dp = gcds // (t * p)
     V = 50688  # GPT-2's 50257 padded to a multiple of 128 x tp (Megatron's rule)
@@ -443,7 +448,7 @@ def _frontier_cli(name, heads, h, l, seq, t, p, nodes, B, share, eval_interval, 
                                        "(the profile's attention = fused_softmax)", "; flash attention")))
 
 
-def _torchtitan_cli(name, C, layers, heads, kv_heads, F, V, T, local_batch, recompute, wps, mfu):
+def _torchtitan_cli(name: str, C: int, layers: int, heads: int, kv_heads: int, F: int, V: int, T: int, local_batch: int, recompute: str, wps: float, mfu: str) -> CliRun:
     config = cli_config(C, heads, layers, V, T, 1, 1, 64, 64 * local_batch, local_batch, d_ff=F, kv_heads=kv_heads,
                         recompute=recompute, zero=3)
     return CliRun(
@@ -484,7 +489,7 @@ AZURE_ZERO3 = [
 DEEPSPEED_ZERO3 = (("zero3_gather_copy_bytes", 0.0), ("zero3_reduce_copy_bytes", 4.0))
 
 
-def _azure_cli(name, heads, h, l, seq, gpus, mbs, tflops, offload):
+def _azure_cli(name: str, heads: int, h: int, l: int, seq: int, gpus: int, mbs: int, tflops: float, offload: bool) -> CliRun:
     V = 50304  # GPT-2's 50257 padded to a multiple of 128 (Megatron's rule at tp = 1)
     B = gpus * mbs
     offloaded = ("; the optimizer offloaded to the CPU (DeepSpeed's CPU Adam over each GPU's 1/N of the "
@@ -504,7 +509,7 @@ def _azure_cli(name, heads, h, l, seq, gpus, mbs, tflops, offload):
                  "pre-divide); the peak (fastest) iteration taken as the step" + offloaded))
 
 
-def cli_runs():
+def cli_runs() -> list[CliRun]:
     runs = [_sc21_cli(*row) for row in SC21_TABLE_1]
     runs += [r for row in KORTHIKANTI for r in _korthikanti_cli(*row)]
     runs += [_mtnlg_cli(*row) for row in MT_NLG]
@@ -517,17 +522,17 @@ def cli_runs():
 
 
 # ------------------------------------------------------------------ running the command line
-def toml_text(sections):
+def toml_text(sections: dict[str, dict[str, object]]) -> str:
     """A configuration file of scalar keys, as a user writes it."""
     from boostmpi.config import _toml_value
 
-    lines = []
+    lines: list[str] = []
     for section, keys in sections.items():
         lines += [f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in keys.items()] + [""]
     return "\n".join(lines)
 
 
-def cli_argv(run, directory):
+def cli_argv(run: CliRun, directory: str | Path) -> list[str]:
     """Write the row's configuration (and profile, if its network differs) into `directory` and
     return the `boostmpi sim` arguments that predict it."""
     from boostmpi.sim.machines import machine_to_toml
@@ -543,7 +548,7 @@ def cli_argv(run, directory):
     return ["sim", "--config", str(config), "--machine", machine, "--json"]
 
 
-def run_cli(argv):
+def run_cli(argv: list[str]) -> tuple[int, PredictionJson | None]:
     """`boostmpi sim ... --json` in this process: (exit status, the printed JSON object or None)."""
     from boostmpi.cli import main
 
@@ -554,13 +559,13 @@ def run_cli(argv):
     return status, (json.loads(text) if status == 0 and text else None)
 
 
-def cli_validation_table():
+def cli_validation_table() -> list[tuple[CliRun, float, float, PredictionJson]]:
     """[(run, predicted seconds, relative error, prediction)] with every row run through the CLI."""
-    rows = []
+    rows: list[tuple[CliRun, float, float, PredictionJson]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for run in cli_runs():
             status, prediction = run_cli(cli_argv(run, tmp))
-            if status != 0:
+            if status != 0 or prediction is None:
                 raise RuntimeError(f"boostmpi sim failed on {run.name} (exit {status})")
             # what a training log times per iteration: the step, and the validation passes spread over the steps
             predicted = prediction["time_with_validation_s"]
@@ -568,12 +573,12 @@ def cli_validation_table():
     return rows
 
 
-def cli_summary(rows):
+def cli_summary(rows: Sequence[tuple[CliRun, float, float, PredictionJson]]) -> CliSummary:
     return {**summary([r[:3] for r in rows]), "frameworks": sorted({r[0].framework for r in rows}),
             "gpus": sorted({r[0].gpu for r in rows})}
 
 
-def format_cli_table(rows):
+def format_cli_table(rows: Sequence[tuple[CliRun, float, float, PredictionJson]]) -> str:
     lines = ["| run | framework | source | measured s/iter | predicted s/iter | error | "
              "compute / tp / bubble+p2p / dp / validation (s) |", "|---|---|---|---|---|---|---|"]
     for run, predicted, error, p in rows:

@@ -10,34 +10,60 @@ device memory.
 """
 
 import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, TypedDict
 
 from boostmpi.errors import UserError
 from boostmpi.sim.model import predict
+
+if TYPE_CHECKING:
+    from boostmpi.config import Config
+    from boostmpi.sim.machines import Machine
 
 ARCH_MODES = {"full": ("vanilla",), "svd": ("btp", "vanilla"), "cola": ("btp", "vanilla")}
 RECOMPUTE = {"full": ("none", "layer"), "svd": ("none", "layer", "lowrank"),
              "cola": ("none", "layer", "lowrank")}
 
 
-def divisors(n):
+class SweepRow(TypedDict):
+    """One layout of a sweep: what it is, its predicted step and whether it fits."""
+
+    arch: str
+    tp: int
+    pp: int
+    dp: int
+    tp_mode: str
+    virtual_stages: int
+    recompute: str
+    grad_accum: int
+    time_s: float
+    tokens_per_s: float
+    mfu: float
+    memory_gib: float
+    fits: bool
+    breakdown: dict[str, float]
+
+
+def divisors(n: int) -> list[int]:
     """The divisors of n, ascending, in O(sqrt(n)) steps (--gpus may be any size)."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def layouts(gpus):
+def layouts(gpus: int) -> Iterator[tuple[int, int, int]]:
     """(tp, pp, dp) with tp * pp * dp = gpus."""
     for tp in divisors(gpus):
         for pp in divisors(gpus // tp):
             yield tp, pp, gpus // (tp * pp)
 
 
-def sweep(cfg, machine, gpus, archs=None, keep_infeasible=False):
+def sweep(cfg: "Config", machine: "Machine", gpus: int, archs: Sequence[str] | None = None,
+          keep_infeasible: bool = False) -> list[SweepRow]:
     """Predictions for every feasible (arch, tp mode, recompute, tp, pp, dp), fastest first."""
     if gpus < 1:
         raise UserError(f"--gpus must be positive, got {gpus}")
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.parallel.dp
-    rows = []
+    rows: list[SweepRow] = []
     for arch in archs or ARCH_MODES:
         for tp, pp, dp in layouts(gpus):
             per_accum = cfg.train.micro_batch_size * dp
@@ -66,7 +92,7 @@ def sweep(cfg, machine, gpus, archs=None, keep_infeasible=False):
                                  "recompute": recompute, "grad_accum": global_batch // per_accum,
                                  "time_s": p.time_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu,
                                  "memory_gib": p.memory_bytes["total"] / 2**30,
-                                 "fits": p.memory_bytes["fits"], "breakdown": p.breakdown})
+                                 "fits": bool(p.memory_bytes["fits"]), "breakdown": p.breakdown})
     rows.sort(key=lambda r: r["time_s"])
     return rows
 
@@ -76,16 +102,16 @@ PARTS = {"compute": ("gemm", "elementwise", "attention", "optimizer"), "tp comm"
          "pipeline bubble + p2p": ("pp_bubble_and_p2p",), "dp comm": ("dp_comm",)}
 
 
-def parts(breakdown):
+def parts(breakdown: Mapping[str, float]) -> dict[str, float]:
     return {name: sum(breakdown[k] for k in keys) for name, keys in PARTS.items()}
 
 
-def describe(row):
+def describe(row: SweepRow) -> str:
     return (f"{row['arch']} tp={row['tp']} pp={row['pp']} dp={row['dp']} {row['tp_mode']} "
             f"recompute={row['recompute']}")
 
 
-def explain_winner(rows):
+def explain_winner(rows: Sequence[SweepRow]) -> list[str]:
     """Lines on what the fastest layout is made of and where it gains over the runner-up."""
     fitting = [r for r in rows if r["fits"]]
     if not fitting:
@@ -110,7 +136,7 @@ def explain_winner(rows):
     return lines
 
 
-def format_table(rows, top=20):
+def format_table(rows: Sequence[SweepRow], top: int = 20) -> str:
     header = f"{'#':>3} {'arch':5} {'tp':>3} {'pp':>3} {'dp':>4} {'mode':8} {'recompute':9} " \
              f"{'accum':>5} {'time_s':>9} {'tokens/s':>11} {'mfu':>6} {'mem_GiB':>8} {'fits':>4}"
     lines = [header]

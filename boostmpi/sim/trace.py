@@ -12,12 +12,17 @@ extra passes, unfused elementwise chains, copies, more launches.
 """
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from boostmpi.sim.attention_rates import attention_rate
 from boostmpi.sim.costs import (ITEMSIZE, gemm_seconds, group_allreduce_seconds, group_link, p2p_seconds,
                                 pointwise_seconds)
-from boostmpi.sim.plans import Attention, Collective, Gemm, Pointwise, layer_plan, recompute_plan
+from boostmpi.sim.plans import Attention, Collective, Gemm, Pointwise, Shape, layer_plan, recompute_plan
+
+if TYPE_CHECKING:
+    from boostmpi.sim.machines import Machine
 
 
 @dataclass
@@ -27,19 +32,19 @@ class TracedOp:
     site: str  # the boostmpi function that issued it (module.function)
     nbytes: int  # bytes read + written (collectives: the payload each rank contributes)
     dtype: str = "float32"
-    gemm: tuple = None  # (batch, m, n, k) for GEMMs
+    gemm: tuple[int, int, int, int] | None = None  # (batch, m, n, k) for GEMMs
     flops: float = 0.0  # "attention": its share of the call's causal FLOPs (attention_rates.causal_flops)
-    cublas: tuple = None  # GEMMs: (Atype, Btype, Ctype, compute type) of the cuBLAS call
+    cublas: tuple[int, int, int, int] | None = None  # GEMMs: (Atype, Btype, Ctype, compute type) of the cuBLAS call
     # "attention": the backend that ran it, the own kernels' variant ("wmma", "fma"; None: by dtype, WMMA
     # for bfloat16), the head dim (0: the kernel's head tile, 64 for a "_hd64" entry, else 128) and the
     # direction ("forward", "backward"; None: by the kernel's name)
     backend: str = "own"
-    variant: str = None
+    variant: str | None = None
     head_dim: int = 0
-    direction: str = None
+    direction: str | None = None
 
 
-def attention_op_rate(op, machine):
+def attention_op_rate(op: TracedOp, machine: "Machine") -> tuple[float, str]:
     """(FLOP/s, source) the profile gives the attention launch `op` (attention_rates.attention_rate)."""
     variant = op.variant or ("wmma" if op.dtype == "bfloat16" else "fma")
     head_dim = op.head_dim or (64 if "_hd64" in op.name else 128)
@@ -47,8 +52,9 @@ def attention_op_rate(op, machine):
     return attention_rate(machine, op.backend, variant, head_dim, direction)
 
 
-def op_seconds(op, machine, tp):
+def op_seconds(op: TracedOp, machine: "Machine", tp: int) -> float:
     if op.kind == "gemm":
+        assert op.gemm is not None  # a GEMM carries its shape
         batch, m, n, k = op.gemm
         dtype = op.dtype if op.dtype in ITEMSIZE else "float32"
         return gemm_seconds(m, n, k, batch, ITEMSIZE[dtype], machine, dtype)
@@ -67,7 +73,7 @@ def op_seconds(op, machine, tp):
 OPTIMIZER_SITE = "train.optim."
 
 
-def price(ops, machine, tp=1):
+def price(ops: Sequence[TracedOp], machine: "Machine", tp: int = 1) -> dict[str, float]:
     """Seconds of a trace in the model's breakdown categories ("gemm", "elementwise", "tp_comm",
     "pp_p2p": point-to-point sends and receives, "optimizer": what the optimizer module issues),
     plus the kernel launches and bytes of the non-GEMM kernels outside the optimizer."""
@@ -90,7 +96,7 @@ def price(ops, machine, tp=1):
     return out
 
 
-def plan_launches_and_bytes(s, strategy, recompute, itemsize):
+def plan_launches_and_bytes(s: Shape, strategy: str, recompute: str, itemsize: int) -> tuple[int, int, float]:
     """Kernels, GEMMs and non-GEMM bytes of one layer (forward, backward, recompute) as the analytical
     model counts them: a GEMM is one kernel forward (none inside a batched launch) and 1 + dw_split
     backward, an elementwise op and the
@@ -115,10 +121,10 @@ def plan_launches_and_bytes(s, strategy, recompute, itemsize):
     return launches, gemms, moved
 
 
-def by_site(ops, machine, tp=1):
+def by_site(ops: Sequence[TracedOp], machine: "Machine", tp: int = 1) -> list[tuple[str, str, float, float, float]]:
     """[(site, kind, launches, bytes, seconds)] of the kernels (collectives aside), grouped by the
     function that issued them and their kind, most seconds first."""
-    groups = defaultdict(lambda: [0, 0, 0.0])
+    groups: defaultdict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
     for op in ops:
         if op.kind == "collective":
             continue
