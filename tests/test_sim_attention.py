@@ -157,6 +157,29 @@ def test_a_backend_without_a_rate_is_one_line_exit_2(tmp_path, capsys):
         attention_rate(load_machine("mi250x-gcd"), "own", "fma", 128, "forward")
 
 
+def test_train_deterministic_false_prices_the_libraries_other_backward(tmp_path, capsys):
+    """train.deterministic = false: cudnn's and torch's non-deterministic rates (faster backward; the
+    h200 table measured both); a profile without them is one line naming the key, exit 2."""
+    cfg = _gpu_step_cfg(n_layers=2, d_model=4096, heads=32, seq=4096, batch=4, rank=1024)
+    fast = replace(cfg, train=replace(cfg.train, deterministic=False))
+    for backend in ("cudnn", "torch"):
+        exact, quick = _predict(cfg, "h200", backend), _predict(fast, "h200", backend)
+        assert quick.breakdown["attention"] < exact.breakdown["attention"]
+        rate = load_machine("h200").attention_rates[backend].rates[("nondeterministic", 128)]
+        flops = causal_flops(4, 32, 4096, 128, "forward") + causal_flops(4, 32, 4096, 128, "backward")
+        per_call = causal_flops(4, 32, 4096, 128) / rate.forward + causal_flops(4, 32, 4096, 128, "backward") / rate.backward
+        assert quick.breakdown["attention"] == pytest.approx(2 * per_call, rel=1e-9) and flops > 0
+    text = (ROOT / "boostmpi" / "sim" / "profiles" / "a100-80gb.toml").read_text()
+    path = tmp_path / "a100.toml"
+    path.write_text(text)
+    args = ["--set", "train.device=gpu", "--set", "train.dtype=bfloat16", "--set", "train.deterministic=false"]
+    assert main(["sim", "--config", str(TINY), "--machine", str(path)] + args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "non-deterministic backward" in err and "train.deterministic = true" in err and "\n" not in err
+    toml = "\n".join(attention_rates.tables_to_toml(load_machine("h200").attention_rates, repr))
+    assert "nondeterministic.d128 = { forward = 608830000000000.0" in toml
+
+
 def test_sim_breakdown_has_attention_and_plot_needs_a_known_format(tmp_path, capsys):
     assert main(["sim", "--config", str(TINY), "--machine", "h200", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)

@@ -9,7 +9,9 @@ A profile rates each attention backend it can run in a table of its own (docs/SI
 
 FLOP/s by direction, either per head dim (`d<Dh>` tables) or for every head dim (`forward` and
 `backward` at the top of the table). `own` rates each variant of its kernels (`wmma.d128 = {...}`,
-`fma.d64 = {...}`). `shape` = (B, T, H, Hkv, Dh) is what the rate was measured at; a rate with a
+`fma.d64 = {...}`); cudnn and torch may rate their non-deterministic backward (`train.deterministic =
+false`) in a `nondeterministic` sub-table (`nondeterministic.d128 = {...}`), which a run with that
+setting needs. `shape` = (B, T, H, Hkv, Dh) is what the rate was measured at; a rate with a
 shape is carried to another sequence length by `tile_efficiency` (below); one without is used as is.
 
 FLOPs are the causal count, stated here once and used by `boostmpi sim`, `bench/attention.py` and
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 
 BACKENDS = ("cudnn", "torch", "own")
 OWN_VARIANTS = ("wmma", "fma")
+LIBRARY_VARIANT = "nondeterministic"  # cudnn's and torch's other variant: train.deterministic = false
 DIRECTIONS = ("forward", "backward")
 BACKWARD_RATIO = 2.5
 # The sequence model: a causal kernel walks 64-row tiles; tile i visits i key tiles, the diagonal one
@@ -60,7 +63,8 @@ class Rate:
 
 
 RateKey = tuple[str | None, int | None]
-"""(the own kernels' variant or None, head dim or None): what a rate in a RateTable is for."""
+"""(the own kernels' variant, "nondeterministic" or None, head dim or None): what a rate in a
+RateTable is for."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,10 @@ def parse_tables(document: object, values: Mapping[str, object], source: str) ->
             for variant, entry in body.items():
                 rates.update(_rates(entry, f"{where}.{variant}", source, highest, variant))
         else:
-            rates = _rates(body, where, source, highest, None)
+            rates = _rates({k: v for k, v in body.items() if k != LIBRARY_VARIANT}, where, source, highest, None)
+            if LIBRARY_VARIANT in body:
+                rates.update(_rates(body[LIBRARY_VARIANT], f"{where}.{LIBRARY_VARIANT}", source, highest,
+                                    LIBRARY_VARIANT))
         tables[backend] = RateTable(text, rates)
     return tables
 
@@ -198,11 +205,14 @@ def lookup(machine: "Machine", backend: str, variant: str | None, head_dim: int)
         rated = ", ".join(machine.attention_rates) or "none"
         raise UserError(f"machine profile {machine.name} has no rate for attention backend {backend!r} "
                         f"([attention.{backend}]; it rates: {rated}): set train.attention to one it rates")
-    if backend != "own":
-        variant = None
+    if backend != "own":  # cudnn's or torch's deterministic rates unless the non-deterministic ones are asked for
+        variant = LIBRARY_VARIANT if variant == LIBRARY_VARIANT else None
     elif variant not in OWN_VARIANTS:
         raise UserError(f"the own attention kernels' variant must be one of {', '.join(OWN_VARIANTS)}, got {variant!r}")
     entries = {dh: rate for (v, dh), rate in table.rates.items() if v == variant}
+    if not entries and backend != "own":
+        raise UserError(f"machine profile {machine.name} has no rate for {backend}'s non-deterministic backward "
+                        f"([attention.{backend}.{variant}]): set train.deterministic = true, or add the rates")
     if not entries:
         raise UserError(f"machine profile {machine.name} has no rate for the own kernels' {variant} variant "
                         f"([attention.own.{variant}])")

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from boostmpi.sim.attention_rates import attention_seconds, own_variant, resolve_backend
+from boostmpi.sim.attention_rates import LIBRARY_VARIANT, attention_seconds, own_variant, resolve_backend
 from boostmpi.sim.plans import Attention, Collective, Gemm, Op, Pointwise, Shape
 
 if TYPE_CHECKING:
@@ -68,12 +68,14 @@ def pointwise_seconds(elements: float, passes: float, itemsize: int, machine: "M
     return passes * elements * itemsize / stream + kernels * machine.kernel_launch_s
 
 
-def flash_seconds(op: Attention, backward: bool, machine: "Machine", dtype: str, backend: str = "auto") -> float:
+def flash_seconds(op: Attention, backward: bool, machine: "Machine", dtype: str, backend: str = "auto",
+                  deterministic: bool = True) -> float:
     """The fused attention core of `op` (B x local heads of T x Dh, causal) run by `backend`
     (train.attention's value; "auto" resolved for the machine) at the profile's rate: a whole call,
-    its launches included in the measured rate."""
+    its launches included in the measured rate. `deterministic` = train.deterministic (cudnn and
+    torch: False prices their non-deterministic variant)."""
     backend = resolve_backend(backend, machine)
-    variant = own_variant(machine, dtype) if backend == "own" else None
+    variant = own_variant(machine, dtype) if backend == "own" else None if deterministic else LIBRARY_VARIANT
     return attention_seconds(machine, backend, variant, 1, op.heads, op.T, op.Dh,
                              "backward" if backward else "forward")
 
@@ -170,7 +172,7 @@ def pass_times(ops: Sequence[Op], backward: bool, s: Shape, machine: "Machine", 
             passes, kernels = (op.bwd_passes, op.bwd_kernels) if backward else (op.fwd_passes, op.fwd_kernels)
             t.elementwise += pointwise_seconds(op.elements, passes, e, machine, kernels)
         elif isinstance(op, Attention):
-            t.attention += flash_seconds(op, backward, machine, dtype, s.attention_backend)
+            t.attention += flash_seconds(op, backward, machine, dtype, s.attention_backend, s.attention_deterministic)
         elif isinstance(op, Collective) and (op.phase == "bwd") == backward:
             if op.kind == "allreduce":
                 t.tp_comm += group_allreduce_seconds(op.nbytes(e), s.p, 1, machine)

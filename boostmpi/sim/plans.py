@@ -170,6 +170,7 @@ class Shape:
     # the backend that runs a fused (flash) attention core: train.attention's value ("auto", "cudnn",
     # "torch", "own"), priced at the profile's rate table for it (attention_rates.py)
     attention_backend: str = "auto"
+    attention_deterministic: bool = True  # train.deterministic: False prices cudnn's and torch's other backward
 
     @property
     def engine_kernels(self) -> bool:
@@ -202,7 +203,8 @@ def shape_of(cfg: "Config", attention: str) -> Shape:
                  grouped=par.grouped, sync_norm=par.norm == "sync", attention=attention,
                  sp=par.sequence_parallel and par.tp > 1, attention_dropout=m.attention_dropout > 0,
                  half=cfg.train.dtype == "bfloat16", engine=True, gpu=cfg.train.device == "gpu",
-                 attention_backend=getattr(cfg.train, "attention", "auto"))
+                 attention_backend=getattr(cfg.train, "attention", "auto"),
+                 attention_deterministic=getattr(cfg.train, "deterministic", True))
 
 
 # ------------------------------------------------------------------ plans
