@@ -13,7 +13,7 @@ host's top-level folders are bound in and /opt/cray, /soft and the site's parall
                        default version's library), pe/craype/default/bin/cc, pals/1.4/bin/mpiexec (Polaris)
     root/soft          /soft (Polaris): modulefiles, applications/conda (the conda base), libraries/aws-ofi-nccl
     root/sw            other site software: the conda/python bases, the NCCL/RCCL network plugins
-    root/emu           the emulated commands and site.json (the facts of tests/site_emu/facts.py)
+    root/emu           the emulated commands and site.json (the facts of testing/site_emu/facts.py)
     root/home/user     $HOME; .bash_profile sets up `module` as the site's login does
     root/log           module.log (every load), cc.log, srun.log, mpiexec.log
     root/sched         the scheduler's jobs
@@ -38,7 +38,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-from site_emu import facts
+from testing.site_emu import facts
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -46,7 +46,7 @@ DEBIAN_MPICH = Path("/usr/lib/x86_64-linux-gnu/libmpich.so.12")
 DEBIAN_MPICH_INCLUDE = Path("/usr/include/x86_64-linux-gnu/mpich")
 EMU_TOOLS = ["module.py", "conda.py", "nvc.py", "ranks.py", "srun.py", "sched.py", "pals_mpiexec.py", "nvidia_smi.py"]
 WHEELHOUSE_PACKAGES = ["numpy", "h5py", "xxhash", "ml_dtypes", "setuptools>=64", "wheel", "build", "cython>=3.0.1"]
-# the stand-in's PCI bus ids of an A100 node (tests/cupy_standin/cupy/cuda/runtime.py), and the
+# the stand-in's PCI bus ids of an A100 node (testing/cupy_standin/cupy/cuda/runtime.py), and the
 # NUMA node each GPU hangs off in the emulated Perlmutter node: reversed, so that GPU 3 is nearest the
 # first cores (a layout where "local rank r takes GPU r" is wrong). The node has 4 NUMA nodes, each
 # with one of this machine's CPUs where it has them.
@@ -116,8 +116,8 @@ def cythonize_mpi4py_sdist(wheels):
 
 def stub_wheel(folder, name, version):
     """A wheel NAME==VERSION without the real library: a CuPy wheel installs the project's CuPy
-    stand-in (tests/cupy_standin/cupy and cupyx, as the real wheel ships both) and its CUDA
-    execution harness (tests/cudaemu) instead; an
+    stand-in (testing/cupy_standin/cupy and cupyx, as the real wheel ships both) and its CUDA
+    execution harness (testing/cudaemu) instead; an
     NCCL wheel installs only its name, which is what the one-NCCL check looks for."""
     dist = name.replace("-", "_")
     files = {f"{dist}-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
@@ -125,11 +125,13 @@ def stub_wheel(folder, name, version):
              f"{dist}-{version}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: site_emu\nRoot-Is-Purelib: true\n"
                                                   "Tag: py3-none-any\n"}
     if name.startswith("cupy"):
-        tests = REPO / "tests"
-        for package in (tests / "cupy_standin" / "cupy", tests / "cupy_standin" / "cupyx", tests / "cudaemu"):
+        testing = REPO / "testing"  # cupy and cupyx at the top, the harness as testing.cudaemu (as the stand-in imports it)
+        files["testing/__init__.py"] = (testing / "__init__.py").read_text()
+        for package, base in ((testing / "cupy_standin" / "cupy", testing / "cupy_standin"),
+                              (testing / "cupy_standin" / "cupyx", testing / "cupy_standin"), (testing / "cudaemu", REPO)):
             for path in sorted(package.rglob("*")):
                 if path.is_file() and "__pycache__" not in path.parts:
-                    files[str(path.relative_to(package.parent))] = path.read_text()
+                    files[str(path.relative_to(base))] = path.read_text()
     record = f"{dist}-{version}.dist-info/RECORD"
     files[record] = "".join(f"{path},,\n" for path in files) + f"{record},,\n"
     with zipfile.ZipFile(Path(folder) / f"{dist}-{version}-py3-none-any.whl", "w") as z:

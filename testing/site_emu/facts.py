@@ -154,7 +154,7 @@ POLARIS = {
 SITES = {s["name"]: s for s in (FRONTIER, PERLMUTTER, POLARIS)}
 
 # GPU wheels the setup scripts may ask pip for: stubs that install the project's CuPy stand-in
-# (tests/cupy_standin), so no multi-GB wheel is downloaded. nvidia-nccl-cu12 is a stub too: its
+# (testing/cupy_standin), so no multi-GB wheel is downloaded. nvidia-nccl-cu12 is a stub too: its
 # presence in a venv is exactly what the one-NCCL check must refuse. cuda-toolkit (the [gpu] extra's
 # source of the nvcc wheel and its crt/mma.h) is a stub of its name only.
 GPU_WHEELS = {"cupy-rocm-7-0": "14.2.0", "cupy-cuda12x": "14.2.0", "nvidia-nccl-cu12": "2.32.3",

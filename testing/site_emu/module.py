@@ -2,7 +2,7 @@
 
 Called by the shell function `module() { eval "$(python3 module.py "$@")"; }`; prints shell code
 that changes the caller's environment, or an error on stderr and `false`. The modules of the site
-come from $EMU_ROOT/emu/site.json (tests/site_emu/facts.py). Every load is appended to
+come from $EMU_ROOT/emu/site.json (testing/site_emu/facts.py). Every load is appended to
 $EMU_ROOT/log/module.log ("load NAME/VERSION"), so tests see what a script loaded.
 
 What it models: an unknown module is an error (Lmod: "The following module(s) are unknown");

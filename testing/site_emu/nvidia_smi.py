@@ -1,5 +1,5 @@
 """The emulated `nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader` of a node: the PCI bus
-ids of its GPUs, those the CuPy stand-in reports (tests/cupy_standin), in device order."""
+ids of its GPUs, those the CuPy stand-in reports (testing/cupy_standin), in device order."""
 
 import json
 import os

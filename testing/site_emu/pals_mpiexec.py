@@ -2,7 +2,7 @@
 options of ALCF "Running Jobs on Polaris" (-n/--np, --ppn/-ppn, --depth/-d, --cpu-bind, --env,
 --hostfile), a hostfile with enough nodes for -n/--ppn, --ppn x --depth within the 64 hardware
 threads of a node, and a call inside a PBS job; otherwise one line, status 1. It runs the ranks on
-this machine (tests/site_emu/ranks.py) with PMI_LOCAL_RANK and PMI_LOCAL_SIZE (which ALCF's
+this machine (testing/site_emu/ranks.py) with PMI_LOCAL_RANK and PMI_LOCAL_SIZE (which ALCF's
 set_affinity_gpu_polaris.sh reads), binds each to one CPU with --cpu-bind depth, and forwards
 SIGTERM/SIGINT/SIGUSR1 to them."""
 

@@ -2,7 +2,7 @@
 plus `run`, which plays the scheduler: it starts the queued jobs one after the other, each to its end.
 
 What is checked at submission, as the real scheduler refuses (one line, status 1):
-  every option and directive against the site's pages (tests/site_emu/facts.py); a project account;
+  every option and directive against the site's pages (testing/site_emu/facts.py); a project account;
   Frontier's batch node-count bins, extended and debug limits; Polaris's queue table, prod's
   routing and debug-scaling's one job per user.
 How a job is started, as the centres' pages describe:

@@ -1,7 +1,7 @@
 """The emulated srun of a Slurm site, strict: an option the site's pages do not show, a value out of
 its set, more nodes than the job has, more tasks x CPUs or GPUs than a node holds, or a call outside
 a job is an error (one line, status 1), as srun refuses. Otherwise it runs the ranks on this machine
-(tests/site_emu/ranks.py) with the variables srun gives each task (SLURM_PROCID, SLURM_LOCALID,
+(testing/site_emu/ranks.py) with the variables srun gives each task (SLURM_PROCID, SLURM_LOCALID,
 SLURM_NODEID, SLURM_STEP_NUM_TASKS), its CPU binding (--cpu-bind=cores: one CPU of this machine per
 task) and, for --gpus-per-task=1 --gpu-bind=closest, the GPU of the task's L3 region (OLCF Frontier
 User Guide: NUMA 0 cores -> GPUs 4,5; NUMA 1 -> 2,3; NUMA 2 -> 6,7; NUMA 3 -> 0,1), and forwards

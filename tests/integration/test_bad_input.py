@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from boostmpi.data.shards import write_shard
-from train_helpers import REPO, assert_refused, file_digests, read_metrics, run_train, train_argv, write_text_shards
+from tests.support.train_helpers import REPO, assert_refused, file_digests, read_metrics, run_train, train_argv, write_text_shards
 
 
 @pytest.fixture(scope="module")
@@ -176,8 +176,8 @@ def checkpoint_as_if_written_with(run_dir, step, **changes):
     """Rewrite checkpoint `step` of `run_dir` as if its run had been configured with `changes`."""
     from boostmpi import checkpoint as ckpt
     from boostmpi.config import load_config
-    from global_tensors import save_global
-    from train_helpers import h5_datasets
+    from tests.support.global_tensors import save_global
+    from tests.support.train_helpers import h5_datasets
 
     folder = run_dir / "checkpoints" / f"step_{step:08d}"
     cfg = load_config(run_dir / "config.toml").replace(**changes)
@@ -297,7 +297,7 @@ def test_a_run_dir_that_is_a_file_or_below_a_file_is_refused(shards, tmp_path, c
 
 
 def test_a_run_dir_on_a_read_only_filesystem_is_refused(shards, tmp_path):
-    from train_helpers import run_on_a_private_tmpfs
+    from tests.support.train_helpers import run_on_a_private_tmpfs
 
     mount = tmp_path / "ro"
     mount.mkdir()
@@ -350,7 +350,7 @@ def test_sim_sweep_over_a_huge_device_count_answers_at_once(tmp_path, capfd):
     10**12; none fits the tiny model's batch, which is one line and exit 2."""
     import time
 
-    from train_helpers import TINY_CONFIG
+    from tests.support.train_helpers import TINY_CONFIG
 
     t0 = time.monotonic()
     assert_refused(capfd, ["sim", "--config", str(TINY_CONFIG), "--machine", "a100-80gb", "--sweep", "--gpus",

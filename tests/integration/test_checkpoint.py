@@ -18,9 +18,9 @@ from boostmpi.cli import main
 from boostmpi.config import SECTIONS, load_config
 from boostmpi.parallel.engine import Engine
 from boostmpi.train.trainer import Trainer
-from checkpoint_stages import at_stage
-from global_tensors import save_global
-from train_helpers import (TINY_CONFIG, assert_refused, file_digests, h5_datasets, read_metrics, reproducible,
+from tests.support.checkpoint_stages import at_stage
+from tests.support.global_tensors import save_global
+from tests.support.train_helpers import (TINY_CONFIG, assert_refused, file_digests, h5_datasets, read_metrics, reproducible,
                            run_train, stop_signals_restored, write_text_shards)
 
 

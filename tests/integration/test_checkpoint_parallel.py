@@ -18,9 +18,9 @@ from boostmpi.model.params import FlatBuffer
 from boostmpi.parallel.engine import Engine
 from boostmpi.train.optim import AdamW
 from boostmpi.train.trainer import optimizer_step
-from checkpoint_stages import at_stage
-from global_tensors import gather_global
-from mpi_helpers import abort_on_error, assert_all_ranks, on_root, world
+from tests.support.checkpoint_stages import at_stage
+from tests.support.global_tensors import gather_global
+from tests.support.mpi_helpers import abort_on_error, assert_all_ranks, on_root, world
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from mpi_helpers import MPIEXEC
+from tests.support.mpi_helpers import MPIEXEC
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 RANKS = 4
 STEPS = 120
@@ -500,13 +500,13 @@ def test_the_watchdog_ends_a_collective_that_a_peer_never_joins():
 
 @pytest.fixture(scope="module")
 def text_shards(tmp_path_factory):
-    from train_helpers import write_text_shards
+    from tests.support.train_helpers import write_text_shards
 
     return write_text_shards(tmp_path_factory.mktemp("text"), max_bytes=60_000)
 
 
 def _checkpoint_folder_state(run_dir):
-    from train_helpers import file_digests
+    from tests.support.train_helpers import file_digests
 
     root = run_dir / "checkpoints"
     return sorted(os.listdir(root)), file_digests(root)
@@ -528,7 +528,7 @@ def test_a_write_that_hits_a_full_disk_removes_its_temporary_folder(where, text_
     import errno
 
     from boostmpi.checkpoint import writer as checkpoint_writer  # where the save looks its writers up
-    from train_helpers import run_train, stop_signals_restored
+    from tests.support.train_helpers import run_train, stop_signals_restored
 
     run_dir = tmp_path / "run"
     assert run_train(run_dir, *text_shards, "train.steps=2") == 0
@@ -551,7 +551,7 @@ def test_a_write_that_hits_a_full_disk_removes_its_temporary_folder(where, text_
 
 def test_too_little_free_space_is_refused_before_writing(text_shards, tmp_path, capfd, monkeypatch):
     from boostmpi import files
-    from train_helpers import run_train
+    from tests.support.train_helpers import run_train
 
     run_dir = tmp_path / "run"
     assert run_train(run_dir, *text_shards, "train.steps=2") == 0
@@ -567,7 +567,7 @@ def test_a_first_checkpoint_that_cannot_be_written_claims_no_previous_one(text_s
     """No room at the first save: the line says there is nothing to resume from (not that a previous
     checkpoint is unchanged), and the rerun says why it cannot resume."""
     from boostmpi import files
-    from train_helpers import run_train
+    from tests.support.train_helpers import run_train
 
     run_dir = tmp_path / "run"
     monkeypatch.setattr(files, "free_bytes", lambda path: 4096)
@@ -586,7 +586,7 @@ def test_a_file_size_limit_under_mpiexec_ends_every_rank_with_one_line(text_shar
     """`ulimit -f` below the size of optim.h5 (MPI itself needs about 10 MB of shared-memory files,
     so the model is made big enough that its optimizer state is not): HDF5 would crash on the
     failed write; the check before writing refuses it instead, on every rank."""
-    from train_helpers import run_train, train_argv
+    from tests.support.train_helpers import run_train, train_argv
 
     model = ["model.arch=full", "model.d_model=256", "model.d_ff=1024"]  # optim.h5 about 17 MB, model.h5 8 MB
     run_dir = tmp_path / "run"
@@ -605,7 +605,7 @@ def test_a_really_full_disk_under_mpiexec_ends_every_rank_with_one_line(text_sha
     """The run directory on a small tmpfs of its own, with room for less than one more checkpoint."""
     import hashlib
 
-    from train_helpers import run_on_a_private_tmpfs, run_train, train_argv
+    from tests.support.train_helpers import run_on_a_private_tmpfs, run_train, train_argv
 
     source = tmp_path / "source"
     assert run_train(source, *text_shards, "train.steps=2") == 0
@@ -712,7 +712,7 @@ def test_a_disk_filled_during_training_ends_the_job_in_one_line_and_every_writer
     fails on rank 0: one line, exit 2 for the whole
     job, metrics.jsonl ends with its last whole row, and the checkpoint evaluates. Then `export`
     (two formats), `plot` and `data` on the full disk: one line and exit 2 each."""
-    from train_helpers import run_on_a_private_tmpfs, train_argv
+    from tests.support.train_helpers import run_on_a_private_tmpfs, train_argv
 
     mount, logs = tmp_path / "disk", tmp_path / "logs"
     mount.mkdir(), logs.mkdir()

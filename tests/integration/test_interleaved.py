@@ -2,7 +2,7 @@
 on the same ranks and of one rank, in float64, over two optimizer steps; the activations the first
 rank holds at once; and a checkpoint written with one number of chunks resumes with another.
 
-Run with `timeout 600 mpiexec -n N python -m pytest --with-mpi -m mpi tests/test_interleaved.py`,
+Run with `timeout 600 mpiexec -n N python -m pytest --with-mpi -m mpi tests/integration/test_interleaved.py`,
 N = 2 (pp2 v2, pp2 v3 with 12 layers, the checkpoints) or 4 (tp2 x pp2 v2, pp4 v2).
 """
 
@@ -11,9 +11,9 @@ import pytest
 
 from boostmpi.cli import main
 from boostmpi.config import config_from_dict
-from global_tensors import gather_global
-from mpi_helpers import abort_on_error, assert_all_ranks, on_root, world
-from train_helpers import h5_datasets, read_metrics, reproducible, train_argv, write_text_shards
+from tests.support.global_tensors import gather_global
+from tests.support.mpi_helpers import abort_on_error, assert_all_ranks, on_root, world
+from tests.support.train_helpers import h5_datasets, read_metrics, reproducible, train_argv, write_text_shards
 
 MODEL = dict(vocab_size=61, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, attn_rank=8, mlp_rank=12, seq_len=8)
 TRAIN = {"lr": 0.01, "warmup_steps": 1, "grad_clip": 0.5, "weight_decay": 0.1, "dtype": "float64", "seed": 5}
@@ -277,7 +277,7 @@ def test_good_interleaving_is_accepted():
 
 def test_train_refuses_interleaving_without_a_pipeline(tmp_path, capfd):
     """Through the command line: one line, exit 2, nothing written."""
-    from train_helpers import assert_refused
+    from tests.support.train_helpers import assert_refused
 
     shards = write_text_shards(tmp_path / "text", max_bytes=60_000)
     run_dir = tmp_path / "run"
@@ -305,7 +305,7 @@ def test_sim_command_line_states_interleaving_and_selective_recompute(capsys):
     selective recompute costs time; a value train could not run is priced too."""
     import json
 
-    from train_helpers import TINY_CONFIG
+    from tests.support.train_helpers import TINY_CONFIG
 
     def sim(*settings):
         argv = ["sim", "--config", str(TINY_CONFIG), "--machine", "a100-80gb", "--json",

@@ -23,7 +23,7 @@ from boostmpi.parallel.engine import Engine
 from boostmpi.train.optim import AdamW, learning_rate
 from boostmpi.train.trainer import optimizer_step
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # name: (d_model, d_ff, n_layers, n_heads, rank, tp, pp), the paper's table
 PAPER = {"1b": (2048, 5472, 24, 32, 512, 1, 1), "3b": (3072, 8192, 26, 24, 768, 2, 1),
          "7b": (4096, 11008, 32, 32, 1024, 4, 1), "13b": (5120, 13824, 40, 40, 1280, 4, 2)}

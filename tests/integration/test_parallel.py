@@ -2,7 +2,7 @@
 every gradient of the single-rank run, over several optimizer steps, and moves exactly the bytes
 docs/COMMUNICATION.md says.
 
-Run with `mpiexec -n N python -m pytest --with-mpi tests/test_parallel.py` for N in 1..4; the layouts
+Run with `mpiexec -n N python -m pytest --with-mpi tests/integration/test_parallel.py` for N in 1..4; the layouts
 tested are those with tp * pp * dp = N, tp in {1, 2, 4}, pp in {1, 2, 3}, dp in {1, 2, 3}. A plain
 `pytest` run lists them all as skipped. The single-rank reference runs on world rank 0 in the same
 process (`Engine(cfg)` without a communicator).
@@ -24,8 +24,8 @@ from boostmpi.parallel.engine import Engine
 from boostmpi.model.params import FlatBuffer, param_specs
 from boostmpi.train.optim import AdamW, learning_rate
 from boostmpi.train.trainer import optimizer_step as trainer_optimizer_step
-from global_tensors import gather_global
-from mpi_helpers import MPIEXEC, abort_on_error, assert_all_ranks, collectively, on_root, running_under_mpi, world
+from tests.support.global_tensors import gather_global
+from tests.support.mpi_helpers import MPIEXEC, abort_on_error, assert_all_ranks, collectively, on_root, running_under_mpi, world
 
 # vocab 61 is odd: the vocabulary-parallel embedding and head get uneven ranges
 MODEL = dict(vocab_size=61, d_model=32, n_layers=4, n_heads=4, d_ff=48, attn_rank=8, mlp_rank=12, seq_len=8)
@@ -414,11 +414,11 @@ def test_pytest_exit_status_is_nonzero_on_every_rank_when_one_rank_fails(tmp_pat
         def test_fails_on_rank_one():
             assert MPI.COMM_WORLD.Get_rank() != 1
     """))
-    # each rank records its own pytest exit status; tests/conftest.py is loaded as a plugin
+    # each rank records its own pytest exit status; tests/conftest.py is loaded as a plugin (tests.conftest: the
+    # repository root is on the children's PYTHONPATH)
     runner = textwrap.dedent(f"""
-        import sys, pytest
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        code = pytest.main(["-q", "-p", "no:cacheprovider", "-p", "conftest", "--with-mpi", {str(tmp_path)!r}])
+        import pytest
+        code = pytest.main(["-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "--with-mpi", {str(tmp_path)!r}])
         from mpi4py import MPI
         open({str(tmp_path)!r} + f"/status_{{MPI.COMM_WORLD.Get_rank()}}", "w").write(str(int(code)))
     """)

@@ -1,7 +1,7 @@
 """A checkpoint written under one parallel layout resumes under any other (docs/FORMATS.md, Checkpoints):
 the next losses are those of the uninterrupted run within 1e-10 relative, in float64.
 
-Run with `timeout 300 mpiexec -n N python -m pytest --with-mpi tests/test_resume_layouts.py`
+Run with `timeout 300 mpiexec -n N python -m pytest --with-mpi tests/integration/test_resume_layouts.py`
 (N = 2, 3 or 4; each layout below runs where tp * pp * dp = N). The one-rank runs are made by world
 rank 0 alone through the Trainer (the train command would see N ranks); the layout runs call
 `boostmpi.cli.main` on every rank, as `mpiexec boostmpi train` would. The global batch is the same
@@ -13,8 +13,8 @@ import pytest
 
 from boostmpi.cli import main
 from boostmpi.config import load_config
-from mpi_helpers import abort_on_error, assert_all_ranks, on_root, world
-from train_helpers import (TINY_CONFIG, h5_datasets, read_metrics, reproducible, stop_signals_restored, train_argv,
+from tests.support.mpi_helpers import abort_on_error, assert_all_ranks, on_root, world
+from tests.support.train_helpers import (TINY_CONFIG, h5_datasets, read_metrics, reproducible, stop_signals_restored, train_argv,
                            train_settings, write_text_shards)
 
 pytestmark = pytest.mark.mpi(min_size=2)

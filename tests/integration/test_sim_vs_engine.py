@@ -1,13 +1,13 @@
 """The performance model counts the engine's communication exactly.
 
-For every layout the parallel tests run (tests/test_parallel.py `cases`: tp in {1, 2, 4}, pp and dp
+For every layout the parallel tests run (tests/integration/test_parallel.py `cases`: tp in {1, 2, 4}, pp and dp
 up to 3, both tp modes, archs full/svd/cola, online/sync norm, grouped or not, recompute none,
 layer or lowrank, GQA), one optimizer step of the real engine is counted by its own counters,
 summed over all ranks, and compared with `boostmpi.sim.model.comm_bytes(cfg)`: equal, byte for
 byte, on every axis; its tensor-parallel calls equal `tp_calls(cfg)`. A float32 variant with the data-parallel all-reduce not overlapped checks the
 item sizes and the other gradient path.
 
-Run with `mpiexec -n N python -m pytest --with-mpi -m mpi tests/test_sim_vs_engine.py` for N in
+Run with `mpiexec -n N python -m pytest --with-mpi -m mpi tests/integration/test_sim_vs_engine.py` for N in
 2, 3, 4; a plain `pytest` run does the single-process check and lists the MPI cases as skipped.
 """
 
@@ -18,9 +18,9 @@ import pytest
 
 from boostmpi.parallel.engine import Engine
 from boostmpi.sim.model import comm_bytes, tp_calls
-from conftest import running_under_mpi
-from mpi_helpers import abort_on_error, assert_all_ranks, world
-from test_parallel import Case, cases, free_communicators
+from tests.support.mpi_helpers import running_under_mpi
+from tests.support.mpi_helpers import abort_on_error, assert_all_ranks, world
+from tests.integration.test_parallel import Case, cases, free_communicators
 
 AXES = ("tp", "pp", "dp")
 WORLD_SIZES = (2, 3, 4)

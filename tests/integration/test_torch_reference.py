@@ -1,4 +1,4 @@
-"""Checks that the PyTorch oracle (tests/torch_llama.py) computes the model of docs/FORMATS.md.
+"""Checks that the PyTorch oracle (tests/support/torch_llama.py) computes the model of docs/FORMATS.md.
 
 Each test checks one property by a route that shares no code with the oracle's formula for it:
 complex-number RoPE, repeated kv heads, changed future tokens, W = A @ B, a loop-by-loop NumPy
@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch_llama import (TorchLlama, apply_rope, init_params_numpy, loss_and_grads,  # noqa: E402
+from tests.support.torch_llama import (TorchLlama, apply_rope, init_params_numpy, loss_and_grads,  # noqa: E402
                          param_shapes, rope_cos_sin)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from boostmpi.config import load_config
 from boostmpi.data.shards import open_shard
-from train_helpers import STOP_SIGNALS, read_metrics, run_train, write_text_shards
+from tests.support.train_helpers import STOP_SIGNALS, read_metrics, run_train, write_text_shards
 
 STEPS = 300
 LOG_EVERY = 50

@@ -8,7 +8,7 @@ with enough rows that rows x row length passes 2^32, the elementwise kernels ove
 elements, and attention and RoPE with q [B, T, H, Dh] past 2^32 elements at the largest model's
 heads, beyond what 32-bit arithmetic, signed or unsigned, can index.
 
-How, without 17 GB per tensor: the harness (tests/cudaemu) runs only the blocks that reach the
+How, without 17 GB per tensor: the harness (testing/cudaemu) runs only the blocks that reach the
 largest indices (`blocks=[...]`) over allocations of the full logical size (reserved address
 space, backed only where the block touches it), and
   - an `int` product or sum that overflows is an IntegerOverflowError naming the source line
@@ -24,7 +24,7 @@ chunks reach the same row offsets, and dw partial offsets past 2^32, without run
 import numpy as np
 import pytest
 
-import cudaemu
+from testing import cudaemu
 from boostmpi.gpu import kernels as loader
 from boostmpi.model import layers
 
@@ -375,7 +375,7 @@ def run_attention(pool, suffix, code=None, warp=32, head_dim=ATTN_DH):
     the blocks of the last batch's last key/value head group (the largest indices): the forward and
     dQ blocks of its G query heads, the dK/dV blocks of its key/value head, against the model's
     NumPy attention on that group."""
-    from test_attention_kernel import specification
+    from tests.kernels.attention.test_attention_kernel import specification
 
     dtype = DTYPES[suffix]
     B, T, Dh = ATTN_B, ATTN_T, head_dim

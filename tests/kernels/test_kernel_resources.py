@@ -2,7 +2,7 @@
 
 Every kernel file, as the loader assembles it (kernel_source) with the loader's options:
   NVRTC      compiled through CuPy 14.2's own RawModule compile path for sm_80 (A100), sm_90
-             (H100) and sm_100 (B200), ptxas's report from that same compile (tests/gpu_compilers.py),
+             (H100) and sm_100 (B200), ptxas's report from that same compile (tests/support/gpu_compilers.py),
              with the NVRTC of the CUDA wheels installed (12.9 in .venv, 13.0 in .venv-cuda13);
   hipRTC     compiled for gfx90a (MI250X) with -DWARP_SIZE=64 and CuPy's HIP options, by Debian's
              hipRTC (ROCm 5.2; Frontier runs ROCm 6 and 7);
@@ -12,7 +12,7 @@ Every kernel file, as the loader assembles it (kernel_source) with the loader's 
              (gfx90a) at the launch shapes the loader uses for the paper's largest model
              (registers x block threads, static + dynamic shared memory, from the occupancy rules
              below); static shared memory within the default 48 KiB (no kernel is launched with
-             dynamic shared memory); and the harness (tests/cudaemu) counts the same static shared
+             dynamic shared memory); and the harness (testing/cudaemu) counts the same static shared
              memory ptxas does.
 A kernel that writes a host-header constant (`-INFINITY`) is rejected by both compilers (mutation tests
 at the end); fast-math intrinsics are refused unless a kernel's tolerance allows them.
@@ -24,10 +24,10 @@ import re
 import numpy as np
 import pytest
 
-import cudaemu
-import gpu_compilers
+from testing import cudaemu
+from tests.support import gpu_compilers
 from boostmpi.gpu import kernels as loader
-from gpu_compilers import require
+from tests.support.gpu_compilers import require
 
 pytestmark = pytest.mark.gpu
 
@@ -319,7 +319,7 @@ def test_attention_mutations_fail_the_gfx90a_budget(entries, mutation, message):
         check_amd_budget(gpu_compilers.amd_resources(mutated(*mutation), AMD_OPTIONS), entries["attention"])
 
 
-# What the harness's prelude (tests/cudaemu/prelude.h) declares, used once each: NVRTC, hipRTC and
+# What the harness's prelude (testing/cudaemu/prelude.h) declares, used once each: NVRTC, hipRTC and
 # the harness all compile it.
 PRELUDE_PROBE = r"""
 extern "C" __global__ void prelude_probe(float* o, double* d, const unsigned int* u) {

@@ -9,7 +9,7 @@
     vectorised rows, scalar tails, odd sizes, rows longer than one block covers in one pass, and
     more rows than the backward's blocks. On a real GPU where CuPy reaches one, else on the CuPy
     stand-in, whose launches run the kernel source through the CUDA execution harness (the pytest
-    header says which); the harness-level checks (races, bounds, warp 64) are tests/test_cudaemu.py.
+    header says which); the harness-level checks (races, bounds, warp 64) are tests/emulators/cudaemu/test_cudaemu.py.
 """
 
 import functools
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from boostmpi.backend import to_numpy
-from gpu_compilers import require
+from tests.support.gpu_compilers import require
 from boostmpi.gpu import kernels, tensor_cores
 from boostmpi.model import layers
 
@@ -138,7 +138,7 @@ def test_rmsnorm_backward_launch_covers_every_column_and_row_once(itemsize, warp
 
 try:
     import torch
-    from torch_llama import rms_norm as torch_rms_norm
+    from tests.support.torch_llama import rms_norm as torch_rms_norm
 except ImportError as exc:  # the compile and loader tests above still run
     torch, TORCH_MISSING = None, f"the PyTorch oracle is not importable ({exc})"
 else:

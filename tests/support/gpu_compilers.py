@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 
-import cudaemu
+from testing import cudaemu
 
 HERE = Path(__file__).resolve().parent
 IN_CI = os.environ.get("CI") == "true"

@@ -1,24 +1,24 @@
-"""Checks of the stream-order tracking and of NCCL's ring order, run under mpiexec by tests/test_stream_order.py.
+"""Checks of the stream-order tracking and of NCCL's ring order, run under mpiexec by tests/emulators/cupy_standin/test_stream_order.py.
 
-    python tests/gpu_order_checks.py ring [round-once]      (4 ranks)
-    python tests/gpu_order_checks.py pp2 [skip-p2p-wait]    (2 ranks)
-    python tests/gpu_order_checks.py tp2-mpi [no-mpi-sync]  (2 ranks)
-    python tests/gpu_order_checks.py pp2-dp2-zero1          (4 ranks)
-    python tests/gpu_order_checks.py single [warp-32-reduction]  (one process, no MPI)
+    python tests/support/gpu_order_checks.py ring [round-once]      (4 ranks)
+    python tests/support/gpu_order_checks.py pp2 [skip-p2p-wait]    (2 ranks)
+    python tests/support/gpu_order_checks.py tp2-mpi [no-mpi-sync]  (2 ranks)
+    python tests/support/gpu_order_checks.py pp2-dp2-zero1          (4 ranks)
+    python tests/support/gpu_order_checks.py single [warp-32-reduction]  (one process, no MPI)
 
 `ring`: bfloat16 and float16 all-reduces and reduce-scatters of a group of 4 through the project's
 NcclGroup on the CuPy stand-in equal, bit for bit, a step-by-step simulation of NCCL's ring (every
 member holds its buffer, each step moves one chunk to the next member, which adds its own part and
 rounds); stay within p-1 roundings of the exact sum; and differ from a sum rounded once (so a
 stand-in that rounds once fails). Then a dp=4 bf16 training step equals the single-rank GPU step
-within tests/test_gpu.py's bf16 tolerance.
+within tests/integration/gpu/test_gpu.py's bf16 tolerance.
 `pp2`, `tp2-mpi`: a training step of the engine (a 2-stage pipeline over NCCL's send/receive
 channels; tensor parallelism over CUDA-aware MPI), full rank in float32 and CoLA in bf16, with the
 stand-in's order tracking on (on whichever device BOOSTMPI_STANDIN_GPU names); `pp2-dp2-zero1`:
 three bf16 training steps with every kind of stream the engine has busy at once.
 
 `single`: single-rank GPU steps against the CPU float64 step, on whichever device
-BOOSTMPI_STANDIN_GPU names (tests/test_gpu.py runs it at 64 lanes with a kernel reduction made
+BOOSTMPI_STANDIN_GPU names (tests/integration/gpu/test_gpu.py runs it at 64 lanes with a kernel reduction made
 for 32: the 64-lane run must catch it, the 32-lane one cannot).
 
 A second argument puts a mutant into this process before the check: the source text of one module
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # (module, file, text, replacement): one change each, which the check must notice
 MUTANTS = {
     "round-once": ("cupy.cuda.nccl", None,
@@ -134,13 +134,12 @@ def _ring_checks(group, rank, size):
 
 def _dp4_step_matches_single_rank(world):
     """bf16 gradients summed over a dp group of 4 (p-1 = 3 roundings per sum) hold test_gpu's tolerance."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from gpu_steps import batches, config
-    from test_gpu import assert_step_close
+    from tests.support.gpu_steps import batches, config
+    from tests.integration.gpu.test_gpu import assert_step_close
 
     from boostmpi.backend import to_numpy
     from boostmpi.parallel.engine import Engine
-    from global_tensors import gather_global
+    from tests.support.global_tensors import gather_global
 
     micro = batches(n_micro=4)
     eng = Engine(config("cola", "gpu", "bfloat16", dict(dp=4)), world, local_rank=world.Get_rank())
@@ -178,8 +177,7 @@ def device_dtype(dtype):
 
 
 def engine_step(world, layout):
-    sys.path.insert(0, str(ROOT / "tests"))
-    from gpu_steps import step
+    from tests.support.gpu_steps import step
 
     parallel = {"pp2": dict(pp=2), "tp2-mpi": dict(tp=2, comm="mpi")}[layout]
     for arch, dtype in (("full", "float32"), ("cola", "bfloat16")):
@@ -189,9 +187,8 @@ def engine_step(world, layout):
 def single_rank_steps():
     """Full rank and CoLA, float32 and bf16 (float32 only on ROCm), one GPU step each against the CPU
     float64 step."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from gpu_steps import step
-    from test_gpu import assert_step_close
+    from tests.support.gpu_steps import step
+    from tests.integration.gpu.test_gpu import assert_step_close
 
     for arch in ("full", "cola"):
         want = step(arch, "cpu", "float64")
@@ -202,8 +199,7 @@ def single_rank_steps():
 def training_steps(world):
     """pp=2 x dp=2, ZeRO-1, bf16: three steps of four micro-batches (1F1B with sends in both directions
     in flight, gradients reduce-scattered on the side stream, the compute buffer all-gathered)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from gpu_steps import MODEL, config
+    from tests.support.gpu_steps import MODEL, config
 
     from boostmpi.parallel.engine import Engine
     from boostmpi.train.optim import AdamW
@@ -241,8 +237,7 @@ def main(check, mutant=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT / "tests"))
-    from gpu_steps import run_or_abort
+    from tests.support.gpu_steps import run_or_abort
 
     if sys.argv[1] == "single":
         main(*sys.argv[1:])

@@ -1,9 +1,9 @@
-"""Which CuPy the tests get: the real one when it reaches a GPU, else the stand-in in tests/cupy_standin.
+"""Which CuPy the tests get: the real one when it reaches a GPU, else the stand-in in testing/cupy_standin.
 
-Imported by conftest.py before any test imports boostmpi (whose backend imports `cupy` once).
-With the stand-in, its folder goes first on sys.path and on PYTHONPATH (so subprocesses and
-`mpiexec` runs started by tests get it too), with tests/ itself for the CUDA execution harness
-(`cudaemu`), and BOOSTMPI_CUPY_STANDIN=1 records the choice for those children.
+conftest.py's `pytest_configure` calls `GPU.choose()` before collection imports any test module (and with
+it boostmpi, whose backend imports `cupy` once); importing this module chooses nothing. With the
+stand-in, its folder goes first on sys.path and on PYTHONPATH (so subprocesses and `mpiexec` runs
+started by tests get it too), and BOOSTMPI_CUPY_STANDIN=1 records the choice for those children.
 BOOSTMPI_CUPY_STANDIN=1 forces the stand-in; =0 forbids it (the GPU tests then need a real device).
 """
 
@@ -13,8 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
-STANDIN = TESTS / "cupy_standin"
+from tests.support.paths import ROOT, TESTING, pythonpath_with
+
+STANDIN = TESTING / "cupy_standin"
 _PROBE = "import cupy, sys; sys.exit(0 if cupy.cuda.runtime.getDeviceCount() > 0 else 3)"
 
 
@@ -29,29 +30,43 @@ def _real_cupy_reaches_a_gpu():
 
 
 class _Gpu:
+    """The choice, made once per process by `choose()` (the first read of `standin` makes it too)."""
+
     def __init__(self):
-        choice = os.environ.get("BOOSTMPI_CUPY_STANDIN")
-        self.standin = choice == "1" or (choice != "0" and not _real_cupy_reaches_a_gpu())
-        if self.standin:
-            self.install()
+        self._standin = None
+
+    @property
+    def standin(self):
+        return self.choose()
+
+    def choose(self):
+        """Probes for a GPU (in a child process) unless BOOSTMPI_CUPY_STANDIN decides, and installs the
+        stand-in when it is the choice; returns whether it is."""
+        if self._standin is None:
+            choice = os.environ.get("BOOSTMPI_CUPY_STANDIN")
+            self._standin = choice == "1" or (choice != "0" and not _real_cupy_reaches_a_gpu())
+            if self._standin:
+                self.install()
+        return self._standin
 
     def install(self):
-        for path in (str(TESTS), str(STANDIN)):
-            if path in sys.path:
-                sys.path.remove(path)
-            sys.path.insert(0, path)
-        parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(STANDIN), str(TESTS))]
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(STANDIN), str(TESTS)] + parts)
+        if str(STANDIN) in sys.path:
+            sys.path.remove(str(STANDIN))
+        sys.path.insert(0, str(STANDIN))
+        os.environ["PYTHONPATH"] = pythonpath_with(STANDIN, ROOT)
         os.environ["BOOSTMPI_CUPY_STANDIN"] = "1"
+        # a real CuPy imported before the choice goes; the stand-in itself, already imported, stays one module
         for name in [m for m in sys.modules if m == "cupy" or m.startswith("cupy.")]:
-            del sys.modules[name]
+            origin = getattr(sys.modules[name], "__file__", None) or ""
+            if not Path(origin).is_relative_to(STANDIN):
+                del sys.modules[name]
 
     def describe(self):
         if self.standin:
             from cupy.cuda import runtime
 
             name = runtime.getDeviceProperties(0)["name"].decode()
-            import cudaemu
+            from testing import cudaemu
 
             return (f"CuPy stand-in + CUDA execution harness on the CPU (no GPU used), emulating {name} "
                     f"(BOOSTMPI_STANDIN_GPU={os.environ.get('BOOSTMPI_STANDIN_GPU', 'a100')}); harness schedule: "
@@ -92,12 +107,12 @@ def use_hipblas_standin(monkeypatch):
     return hipblas_lib
 
 
-CUDNN_STANDIN = TESTS / "cudnn_standin"
+CUDNN_STANDIN = TESTING / "cudnn_standin"
 
 
 def use_cudnn_frontend(monkeypatch):
     """The cuDNN frontend for one test: on the CuPy stand-in, the frontend's stand-in
-    (tests/cudnn_standin/cudnn, on sys.path and PYTHONPATH for this test only) with a library named
+    (testing/cudnn_standin/cudnn, on sys.path and PYTHONPATH for this test only) with a library named
     libcudnn.so.9 on $LD_LIBRARY_PATH for boostmpi to preload; on a real GPU, the installed
     nvidia-cudnn-frontend. Returns the `cudnn` module. boostmpi.gpu.attention_cudnn's handles and graphs
     are forgotten before and after, and the process-wide attention backend is own again afterwards

@@ -1,7 +1,7 @@
-"""One training step of a tiny model on the GPU path, for tests/test_gpu.py, in-process or across ranks.
+"""One training step of a tiny model on the GPU path, for tests/integration/gpu/test_gpu.py, in-process or across ranks.
 
 `step(...)` builds an Engine and returns (loss, {name: global gradient as float64}) on world rank 0
-(None elsewhere). Run as a script under mpiexec (`python tests/gpu_steps.py OUT.npz`), it runs
+(None elsewhere). Run as a script under mpiexec (`python tests/support/gpu_steps.py OUT.npz`), it runs
 every multi-rank layout of `LAYOUTS` for every arch and dtype and rank 0 writes the results to
 OUT.npz; a rank that fails aborts the job (MPI_Abort), so the caller sees a non-zero exit and
 every rank's traceback instead of a hang.
@@ -59,7 +59,7 @@ def config(arch, device, dtype, parallel=None, train=None):
 
 def step(arch, device, dtype, parallel=None, train=None, world=None):
     from boostmpi.parallel.engine import Engine
-    from global_tensors import gather_global
+    from tests.support.global_tensors import gather_global
 
     cfg = config(arch, device, dtype, parallel, train)
     # one node: the local rank is the world rank, so each rank has its own (emulated) GPU

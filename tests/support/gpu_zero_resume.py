@@ -1,6 +1,6 @@
-"""ZeRO-1 under GPU mixed precision through the train command, across ranks (tests/test_gpu.py).
+"""ZeRO-1 under GPU mixed precision through the train command, across ranks (tests/integration/gpu/test_gpu.py).
 
-Run as `mpiexec -n 4 python tests/gpu_zero_resume.py FOLDER`: `boostmpi train` at tp=2 x dp=2 with
+Run as `mpiexec -n 4 python tests/support/gpu_zero_resume.py FOLDER`: `boostmpi train` at tp=2 x dp=2 with
 zero_stage = 1 and train.dtype = bfloat16 (device gpu, NCCL stand-in) for 4 steps, checkpointing at
 step 2; the step-2 checkpoint (float32 master slices and moment slices, one file per rank) resumed
 under zero_stage = 0 at the same layout and under tp=2 x pp=2 (no dp). Rank 0 prints one line per
@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from gpu_steps import run_or_abort
+from tests.support.gpu_steps import run_or_abort
 
 STEPS, CUT = 4, 2
 COMMON = ("train.device=gpu", "train.dtype=bfloat16", f"train.steps={STEPS}", f"checkpoint.every={CUT}",
@@ -35,7 +35,7 @@ def main(folder):
     from mpi4py import MPI
 
     from boostmpi.cli import main as cli
-    from train_helpers import train_argv, write_text_shards
+    from tests.support.train_helpers import train_argv, write_text_shards
 
     comm = MPI.COMM_WORLD
     folder = Path(folder)

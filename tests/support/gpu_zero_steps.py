@@ -1,6 +1,6 @@
-"""ZeRO-1 under GPU mixed precision, across ranks through the NCCL stand-in (tests/test_gpu.py).
+"""ZeRO-1 under GPU mixed precision, across ranks through the NCCL stand-in (tests/integration/gpu/test_gpu.py).
 
-Run as `mpiexec -n 4 python tests/gpu_zero_steps.py RUN_DIR`: a tp=2 x dp=2 bf16 model trains a few
+Run as `mpiexec -n 4 python tests/support/gpu_zero_steps.py RUN_DIR`: a tp=2 x dp=2 bf16 model trains a few
 steps with zero_stage 0, with zero_stage 1 (gradients reduce-scattered on NCCL's side stream, the bf16
 compute buffer all-gathered) and with zero_stage 1 without overlap (the blocking reduce-scatter); the
 zero_stage 1 run checkpoints and is loaded back under zero_stage 1 and 0. Every check is gathered to
@@ -12,8 +12,8 @@ import sys
 
 import numpy as np
 
-from global_tensors import gather_global
-from gpu_steps import MODEL, config, run_or_abort
+from tests.support.global_tensors import gather_global
+from tests.support.gpu_steps import MODEL, config, run_or_abort
 
 STEPS, LR = 3, 0.01
 

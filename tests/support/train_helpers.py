@@ -23,7 +23,7 @@ from boostmpi.data.corpus import builtin_files
 from boostmpi.data.shards import write_shard
 from boostmpi.data.tokenizer import ByteTokenizer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY_CONFIG = REPO / "configs" / "tiny.toml"
 VAL_EVERY = 10
 BLOCK_TOKENS = 2048

@@ -1,7 +1,7 @@
 """Stand-in for nvidia-cudnn-frontend 1.28.0's graph API: the calls boostmpi/gpu/attention_cudnn.py makes,
 on the CuPy stand-in's device memory, computed with NumPy.
 
-It is on sys.path only with the CuPy stand-in (tests/gpu_setup.py: no GPU reachable), where the real
+It is on sys.path only with the CuPy stand-in (tests/support/gpu_setup.py: no GPU reachable), where the real
 frontend could reach no GPU either. What it models of 1.28:
 - every keyword of every call is checked against the C++ binding's signature of 1.28, read from
   tests/cudnn_calls_checked.txt (1.28's Python layer itself accepts any keyword for sdpa: a misspelled
@@ -35,7 +35,7 @@ from pathlib import Path
 __version__ = "1.28.0"
 STANDIN = True
 
-_CHECKED = Path(__file__).resolve().parents[2] / "cudnn_calls_checked.txt"
+_CHECKED = Path(__file__).resolve().parents[3] / "tests" / "cudnn_calls_checked.txt"
 
 
 def _signatures():

@@ -72,7 +72,7 @@ class RawKernel:
         from cupy import _memory
 
         if _memory.META:  # shapes only: the arguments are checked against the C signature, nothing runs
-            import cudaemu
+            from testing import cudaemu
 
             with cudaemu._lock:
                 self._function._convert(args)
@@ -96,7 +96,7 @@ class RawModule:
                  enable_cooperative_groups=False, name_expressions=None, jitify=False):
         if code is None:
             raise NotImplementedError("the stand-in compiles source text only (code=...)")
-        import cudaemu
+        from testing import cudaemu
 
         self.code, self.options = code, tuple(options)
         self._module = cudaemu.Module(code, self.options)

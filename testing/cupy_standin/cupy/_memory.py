@@ -47,7 +47,7 @@ POISON_BYTE = 0xFF  # float32, bfloat16 and float64 NaN; -1 for integers
 
 
 def _harness():
-    import cudaemu
+    from testing import cudaemu
 
     return cudaemu
 

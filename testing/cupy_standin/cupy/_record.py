@@ -2,7 +2,7 @@
 
 While `active` is a set, the stand-in adds one string per distinct call signature to it, e.g.
 `matmul bfloat16[2] bfloat16[2]` or `add float32[2] py.float bcast`; when it is None (the default)
-recording costs one global lookup per call. tests/test_cupy_calls.py runs the engine under
+recording costs one global lookup per call. tests/unit/gpu/test_cupy_calls.py runs the engine under
 `recording()` and checks every signature against the table of calls read in CuPy's source.
 BOOSTMPI_STANDIN_RECORD=FILE records from import on and appends the signatures to FILE at exit
 (for runs in other processes, such as `mpiexec`).

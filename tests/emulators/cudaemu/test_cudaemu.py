@@ -1,8 +1,8 @@
-"""The CUDA execution harness (tests/cudaemu): the exact kernels/*.cu text on the CPU.
+"""The CUDA execution harness (testing/cudaemu): the exact kernels/*.cu text on the CPU.
 
 (a) every entry point, launched directly on the harness (no CuPy) as boostmpi.gpu.kernels
     launches it, at warp 32 and 64, float32 and bfloat16, against the NumPy code of
-    boostmpi/model/layers.py in float64 (the CuPy-level kernel suite is tests/test_kernels.py);
+    boostmpi/model/layers.py in float64 (the CuPy-level kernel suite is tests/kernels/test_kernels.py);
 (b) the harness can fail: each error class is raised by the real kernels with one change
     (a barrier removed, an early return, a lane left out, a wrong scalar type, a buffer one
     element short...) and by small synthetic kernels;
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import cudaemu
+from testing import cudaemu
 from boostmpi.gpu import kernels as loader
 from boostmpi.model import layers
 
@@ -344,7 +344,7 @@ def test_bf16_parity_sees_truncation_instead_of_rounding():
 def test_every_entry_point_is_exercised():
     """Every extern "C" entry point of kernels/*.cu is launched by a test above."""
     source = open(__file__).read()
-    source += (Path(__file__).parent / "test_attention_kernel.py").read_text()  # attention: at warp 32 and 64 there
+    source += (Path(__file__).resolve().parents[2] / "kernels" / "attention" / "test_attention_kernel.py").read_text()  # attention: at warp 32 and 64 there
     # attention's names carry {hd}: "hd64_" for the entry points of head dims up to 64, launched there too,
     # and {tc}: "tc_" where the tensor-core variant runs instead (test_attention_tensor_cores.py checks those)
     launched = set(re.findall(r'"(\w+)_(?:\{tc\})?(?:\{hd\})?\{suffix\}', source)) | {"softmax_xent"}
@@ -738,7 +738,7 @@ HOST_CONSTANT = ("softmax_xent", "return __uint_as_float(0xff800000u);", "return
 
 def test_a_host_header_constant_does_not_compile_on_the_harness():
     """The text sees what NVRTC/hipRTC provide, not <cmath>: -INFINITY fails as it does there
-    (tests/test_kernel_resources.py runs the same mutant through NVRTC and hipRTC)."""
+    (tests/kernels/test_kernel_resources.py runs the same mutant through NVRTC and hipRTC)."""
     with pytest.raises(cudaemu.CompileError, match="INFINITY"):
         cudaemu.Module(mutated(*HOST_CONSTANT), loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",))
     with pytest.raises(cudaemu.CompileError, match="cmath"):

@@ -1,7 +1,7 @@
-"""The harness's matrix-core operations: CUDA's warp matrix functions (tests/cudaemu/include/mma.h:
+"""The harness's matrix-core operations: CUDA's warp matrix functions (testing/cudaemu/include/mma.h:
 nvcuda::wmma for bfloat16 16x16x16 with a float accumulator, as the CUDA C++ Programming Guide
 ("Warp Matrix Functions") and CUDA 12.9's crt/mma.h declare them), and AMD's
-__builtin_amdgcn_mfma_f32_32x32x8bf16_1k (tests/cudaemu/prelude.h, in the lane layout of AMD's
+__builtin_amdgcn_mfma_f32_32x32x8bf16_1k (testing/cudaemu/prelude.h, in the lane layout of AMD's
 Matrix Instruction Calculator for CDNA2; (e) below).
 
 (a) a product kernel over every memory layout of A, B and the accumulator, with a stride wider
@@ -25,8 +25,8 @@ import functools
 import numpy as np
 import pytest
 
-import cudaemu
-import gpu_compilers
+from testing import cudaemu
+from tests.support import gpu_compilers
 from boostmpi.gpu import kernels as loader
 
 pytestmark = pytest.mark.gpu

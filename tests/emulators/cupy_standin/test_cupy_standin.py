@@ -1,4 +1,4 @@
-"""The CuPy stand-in (tests/cupy_standin) behaves as CuPy where the project depends on it.
+"""The CuPy stand-in (testing/cupy_standin) behaves as CuPy where the project depends on it.
 
 Only where the stand-in is in use (on a machine whose CuPy reaches a GPU the real one is tested by
 the rest of the GPU suite instead). The dtype expectations are CuPy's rules as its sources state
@@ -9,7 +9,7 @@ numpy.result_type, matmul by promote_types), not NumPy's.
 import numpy as np
 import pytest
 
-from gpu_setup import GPU
+from tests.support.gpu_setup import GPU
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not GPU.standin, reason="checks the CuPy stand-in; a real GPU is in use")]
@@ -116,7 +116,7 @@ def test_memory_pool_statistics(cupy):
     pool.free_all_blocks()
     # CuPy 14.2's pool gives back only free chunks that are a whole allocation (a free chunk split off
     # an allocation still partly in use stays held): the rules, each pinned with a fresh pool, are in
-    # tests/test_cupy_standin_pool.py
+    # tests/emulators/cupy_standin/test_cupy_standin_pool.py
     assert pool.used_bytes() == in_use and in_use <= pool.total_bytes() <= held
 
 
@@ -155,7 +155,7 @@ def test_launch_limits_of_a_real_device(cupy):
 
 def test_a_wrong_scalar_type_is_refused_at_launch(cupy):
     """The harness checks arguments against the C signature by CuPy's rules: a Python int is a long long."""
-    import cudaemu
+    from testing import cudaemu
 
     from boostmpi.gpu import kernels
 

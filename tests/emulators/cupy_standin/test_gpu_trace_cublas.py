@@ -10,7 +10,7 @@ takes the report of the accesses out of the cuBLAS model and shows the race goes
 import numpy as np
 import pytest
 
-from gpu_setup import GPU
+from tests.support.gpu_setup import GPU
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not GPU.standin, reason="checks the CuPy stand-in; a real GPU is in use")]

@@ -2,7 +2,7 @@
 
 In-process: each rule of the tracking, shown by an access it must report and the same access made
 safe by the event wait, stream synchronize or host synchronize a GPU needs. Under mpiexec
-(tests/gpu_order_checks.py, each run under a timeout): the engine's own stream dependencies (a
+(tests/support/gpu_order_checks.py, each run under a timeout): the engine's own stream dependencies (a
 2-stage NCCL pipeline, tensor parallelism over CUDA-aware MPI) hold with the tracking on, and
 fail, naming both sides, when one of them is taken out of the engine's source text; bf16 and fp16
 NCCL sums over 4 ranks follow the ring's order and its p-1 roundings, and a stand-in rounding
@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_setup import GPU
-from mpi_helpers import MPIEXEC
+from tests.support.gpu_setup import GPU
+from tests.support.mpi_helpers import MPIEXEC
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not GPU.standin, reason="checks the CuPy stand-in; a real GPU is in use")]
-TESTS = Path(__file__).resolve().parent
+SUPPORT = Path(__file__).resolve().parents[2] / "support"
 
 
 @pytest.fixture
@@ -233,7 +233,7 @@ def test_ring_sum_follows_the_simulated_ring(dtype, size):
     import ml_dtypes
 
     from cupy.cuda.nccl import ring_sum
-    from gpu_order_checks import simulate_ring_allreduce
+    from tests.support.gpu_order_checks import simulate_ring_allreduce
 
     dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     rng = np.random.default_rng(size)
@@ -250,7 +250,7 @@ def _mpiexec(ranks, *args, device="a100"):
 
     assert MPIEXEC, "mpiexec not found (pip install mpich)"
     env = dict(os.environ, BOOSTMPI_STANDIN_GPU=device, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, str(TESTS / "gpu_order_checks.py"), *args],
+    proc = subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, str(SUPPORT / "gpu_order_checks.py"), *args],
                           capture_output=True, text=True, timeout=600, env=env)
     return proc.returncode, proc.stdout, proc.stderr
 

@@ -17,7 +17,7 @@ from boostmpi.sim import costs
 from boostmpi.sim.machines import load_machine
 from boostmpi.sim.plans import Attention
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +235,7 @@ def test_gpu_session_dry_run_names_every_step_under_a_timeout(tmp_path):
         "python3 bench/gpu_step.py --attention torch --no-eager",
         "python3 bench/gpu_step.py --attention own --no-eager",
         "env BOOSTMPI_CUPY_STANDIN=0 python3 -m pytest -q -x -p no:cacheprovider "
-        "tests/test_kernels.py::test_compile_all_compiles_every_kernel_file tests/test_attention_kernel.py"]
+        "tests/kernels/test_kernels.py::test_compile_all_compiles_every_kernel_file tests/kernels/attention/test_attention_kernel.py"]
     limits = [int(s.split("(timeout ", 1)[1].split(" s", 1)[0]) for s in steps]
     assert limits[-7:] == [180, 120, 60, 30, 30, 30, 90]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["session.log"]  # nothing ran
@@ -292,7 +292,7 @@ def test_the_gpu_timer_drives_the_backends_through_the_seam(bench, monkeypatch):
     import time
     import types
 
-    from gpu_setup import GPU
+    from tests.support.gpu_setup import GPU
 
     if not GPU.standin:
         pytest.skip("a real GPU: bench/attention.py itself is the check")

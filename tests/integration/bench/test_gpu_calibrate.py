@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-import gpu_compilers
+from tests.support import gpu_compilers
 from boostmpi.sim.costs import gemm_seconds
 from boostmpi.sim.machines import _LAYOUT, load_machine, machine_from_file
-from gpu_setup import GPU
+from tests.support.gpu_setup import GPU
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "bench" / "gpu_calibrate.py"
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from gpu_setup import GPU
+from tests.support.gpu_setup import GPU
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not GPU.standin, reason="traces on the CuPy stand-in; a real GPU is in use")]
 

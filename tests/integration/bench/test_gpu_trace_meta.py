@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 
-from gpu_setup import GPU
-from mpi_helpers import MPIEXEC
+from tests.support.gpu_setup import GPU
+from tests.support.mpi_helpers import MPIEXEC
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not GPU.standin, reason="checks the CuPy stand-in; a real GPU is in use")]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 SCRIPT = r'''
 import json, sys

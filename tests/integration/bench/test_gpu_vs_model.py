@@ -13,10 +13,10 @@ import pytest
 from boostmpi.backend import to_numpy
 from boostmpi.sim.machines import load_machine
 from boostmpi.sim.model import predict
-from gpu_setup import GPU
-from test_gpu_calibrate import load_script
+from tests.support.gpu_setup import GPU
+from tests.integration.bench.test_gpu_calibrate import load_script
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "bench" / "gpu_vs_model.py"
 PHASES = {"attention": 0.010, "gemm": 0.050, "fused": 0.008, "optimizer": 0.006, "other": 0.004, "step": 0.078}
 

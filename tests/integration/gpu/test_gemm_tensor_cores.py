@@ -12,8 +12,8 @@ import inspect
 
 import pytest
 
-from gpu_setup import GPU
-from gpu_steps import ARCHS, step
+from tests.support.gpu_setup import GPU
+from tests.support.gpu_steps import ARCHS, step
 
 pytestmark = pytest.mark.gpu
 

@@ -1,6 +1,6 @@
 """The GPU path end to end: whole training steps on CuPy against the CPU float64 path.
 
-Runs on a real GPU where CuPy reaches one, else on the CuPy stand-in (tests/cupy_standin), whose
+Runs on a real GPU where CuPy reaches one, else on the CuPy stand-in (testing/cupy_standin), whose
 RawKernel launches run the kernels' source through the CUDA execution harness and whose NCCL is
 carried out by MPI between real ranks; the pytest header says which. Nothing here is skipped.
 
@@ -21,13 +21,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_setup import need_gpus
-from gpu_steps import ARCHS, DTYPES, LAYOUTS, layout_archs, step
+from tests.support.gpu_setup import need_gpus
+from tests.support.gpu_steps import ARCHS, DTYPES, LAYOUTS, layout_archs, step
 
 pytestmark = pytest.mark.gpu
 
 TOLERANCE = {"float32": dict(loss=1e-4, grad=1e-4), "bfloat16": dict(loss=2e-3, grad=0.1)}
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[3]
+SUPPORT = ROOT / "tests" / "support"
 
 
 def assert_step_close(got, want, dtype, what):
@@ -95,7 +96,7 @@ def multi_rank_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_ranks") / "results.npz"
     calls = out.with_name("cupy_calls.txt")  # each rank's CuPy call signatures (the stand-in records them)
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", BOOSTMPI_STANDIN_RECORD=str(calls))
-    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, str(TESTS / "gpu_steps.py"), str(out)],
+    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, str(SUPPORT / "gpu_steps.py"), str(out)],
                           capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, f"mpiexec -n 4 gpu_steps.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     with np.load(out) as data:
@@ -121,8 +122,8 @@ def test_multi_rank_gpu_equals_single_rank(multi_rank_results, layout, arch, rec
 @pytest.mark.multirank
 def test_multi_rank_gpu_steps_make_only_checked_cupy_calls(multi_rank_results):
     """Every layout's CuPy calls are in the table read against CuPy's source (test_cupy_calls.py)."""
-    from gpu_setup import GPU
-    from test_cupy_calls import unchecked
+    from tests.support.gpu_setup import GPU
+    from tests.unit.gpu.test_cupy_calls import unchecked
 
     if not GPU.standin:  # a real CuPy checks its calls itself
         return
@@ -133,26 +134,26 @@ def test_multi_rank_gpu_steps_make_only_checked_cupy_calls(multi_rank_results):
 
 def test_the_gpu_benchmark_refuses_the_standin_clearly():
     """bench/gpu_step.py stays runnable; without a device it says so in one line instead of timing the CPU."""
-    from gpu_setup import GPU
+    from tests.support.gpu_setup import GPU
 
     if not GPU.standin:  # on a real GPU the benchmark is for measuring, not for this suite
         return
-    proc = subprocess.run([sys.executable, str(TESTS.parent / "bench" / "gpu_step.py")], capture_output=True,
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_step.py")], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.startswith("error: bench/gpu_step.py measures a GPU"), proc.stderr
 
 
 def run_four_ranks(script, folder):
-    """`mpiexec -n 4 python tests/SCRIPT FOLDER`, which prints `ok` on rank 0 or one line per failed check."""
+    """`mpiexec -n 4 python tests/support/SCRIPT FOLDER`, which prints `ok` on rank 0 or one line per failed check."""
     need_gpus(4)
     mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, str(TESTS / script), str(folder)],
+    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, str(SUPPORT / script), str(folder)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 @pytest.mark.multirank
 def test_zero1_bf16_keeps_master_slices_and_equals_zero0_through_nccl(tmp_path):
-    """tp=2 x dp=2 bf16 (tests/gpu_zero_steps.py): with zero_stage = 1 each rank holds float32 master weights
+    """tp=2 x dp=2 bf16 (tests/support/gpu_zero_steps.py): with zero_stage = 1 each rank holds float32 master weights
     for its dp slice only (memory asserted) and all-gathers the bf16 compute buffer; losses and weights
     equal zero_stage = 0 bit for bit over three steps (two ranks' sums do not depend on order, the update
     is elementwise), with the NCCL reduce-scatter on the side stream and blocking; its checkpoint loads
@@ -160,7 +161,7 @@ def test_zero1_bf16_keeps_master_slices_and_equals_zero0_through_nccl(tmp_path):
     run_four_ranks("gpu_zero_steps.py", tmp_path)
 @pytest.mark.multirank
 def test_zero1_bf16_trains_reports_its_share_and_resumes_under_other_layouts(tmp_path):
-    """`boostmpi train` at tp=2 x dp=2, zero_stage = 1, bf16 (tests/gpu_zero_resume.py): memory.params is the
+    """`boostmpi train` at tp=2 x dp=2, zero_stage = 1, bf16 (tests/support/gpu_zero_resume.py): memory.params is the
     float32 slice plus the whole bf16 copy; its checkpoint resumes under zero_stage = 0 with the same
     losses bit for bit and under tp=2 x pp=2 within the bf16 tolerance (other accumulation order)."""
     run_four_ranks("gpu_zero_resume.py", tmp_path)
@@ -170,17 +171,17 @@ def test_single_rank_gpu_steps_at_64_lanes():
     """Every single-rank float32 and bfloat16 test above again with the stand-in device an MI250X GCD
     (`BOOSTMPI_STANDIN_GPU=mi250x`): a 64-wide wavefront, so the kernels are built with -DWARP_SIZE=64 and
     launched at the block sizes the loader picks for it (the multi-rank steps at 64 lanes:
-    tests/test_stream_order.py), and ROCm's BLAS: the bfloat16 products are hipBLAS's own GEMMs through
-    the stand-in's libhipblas (boostmpi/gpu/hipblas.py, tests/test_hipblas.py)."""
-    from gpu_setup import GPU
+    tests/emulators/cupy_standin/test_stream_order.py), and ROCm's BLAS: the bfloat16 products are hipBLAS's own GEMMs through
+    the stand-in's libhipblas (boostmpi/gpu/hipblas.py, tests/unit/gpu/test_hipblas.py)."""
+    from tests.support.gpu_setup import GPU
 
     if not GPU.standin:  # a real device has the warp width it has
         return
     subset = ("(test_gpu_step_matches_cpu or test_gpu_recompute_modes_match_cpu or "
               "test_gpu_steps_launch_the_fused_kernels) and (float32 or bfloat16)")
     env = dict(os.environ, BOOSTMPI_STANDIN_GPU="mi250x", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(TESTS / "test_gpu.py"),
-                           "-k", subset], capture_output=True, text=True, timeout=900, env=env, cwd=TESTS.parent)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(Path(__file__).resolve()),
+                           "-k", subset], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
     assert "AMD Instinct MI250X" in proc.stdout and " 20 passed" in proc.stdout, proc.stdout[-2000:]
 
@@ -188,14 +189,14 @@ def test_single_rank_gpu_steps_at_64_lanes():
 @pytest.mark.parametrize("device,caught", [("a100", False), ("mi250x", True)])
 def test_a_reduction_made_for_32_lanes_is_caught_at_64(device, caught):
     """Mutant: the warp reduction every kernel shares (kernels/common.cuh) starts at offset 16 instead of
-    WARP_SIZE / 2, changed in the text the loader hands the compiler (tests/gpu_order_checks.py). Single-rank
+    WARP_SIZE / 2, changed in the text the loader hands the compiler (tests/support/gpu_order_checks.py). Single-rank
     steps against the CPU: identical at 32 lanes, so only the 64-lane run can catch it, and it does."""
-    from gpu_setup import GPU
+    from tests.support.gpu_setup import GPU
 
     if not GPU.standin:
         return
     env = dict(os.environ, BOOSTMPI_STANDIN_GPU=device, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(TESTS / "gpu_order_checks.py"), "single", "warp-32-reduction"],
+    proc = subprocess.run([sys.executable, str(SUPPORT / "gpu_order_checks.py"), "single", "warp-32-reduction"],
                           capture_output=True, text=True, timeout=600, env=env)
     if caught:
         assert proc.returncode != 0 and "AssertionError: full float32: loss" in proc.stderr, proc.stderr[-3000:]

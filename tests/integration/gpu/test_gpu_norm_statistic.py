@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gpu_setup import GPU
-from gpu_steps import config
+from tests.support.gpu_setup import GPU
+from tests.support.gpu_steps import config
 
 pytestmark = pytest.mark.gpu
 

@@ -1,12 +1,12 @@
 """jobs/gpu_check.sh as written, in an emulated fixed environment (a centre's module or a container:
 nothing can be installed, no network):
 
-  * a Python that is its own prefix with `python3` only (tests/site_emu/build.py real_prefix), no
+  * a Python that is its own prefix with `python3` only (testing/site_emu/build.py real_prefix), no
     .venv in the checkout, no BOOSTMPI_VENV or BOOSTMPI_PYTHON, boostmpi not installed (the script
     puts the checkout on PYTHONPATH for itself and its ranks);
   * its packages as the environment's owner installed them (this interpreter's NumPy, mpi4py with
     MPICH, h5py, xxhash, pytest, ml_dtypes), and CuPy for CUDA 13 in CUDA 13's wheel layout: the
-    suite's CuPy stand-in installed as cupy-cuda13x 14.2.0 (as tests/site_emu's stub wheels do) with
+    suite's CuPy stand-in installed as cupy-cuda13x 14.2.0 (as testing/site_emu's stub wheels do) with
     crt/mma.h in nvidia/cu13/include (nvidia-cuda-crt), where the tensor-core attention must find it;
   * no network: its own network namespace (root and unshare), as on a compute node without one.
 
@@ -27,18 +27,17 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-from site_emu.build import real_prefix  # noqa: E402
+from testing.site_emu.build import real_prefix
+
+REPO = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.skipif(os.environ.get("BOOSTMPI_GPU_CHECK_EMU") != "1",
                                 reason="the emulated fixed environment runs in tests/run.sh's step 'gpu_check in a fixed "
                                        "environment' (BOOSTMPI_GPU_CHECK_EMU=1)")
 
-SINGLE = "tests/test_kernels.py::test_compile_all_compiles_every_kernel_file"
-MULTI = "tests/test_gpu.py::test_zero1_bf16_keeps_master_slices_and_equals_zero0_through_nccl"
-EMPTY = "tests/test_kernels.py::test_empty_inputs_launch_nothing"
+SINGLE = "tests/kernels/test_kernels.py::test_compile_all_compiles_every_kernel_file"
+MULTI = "tests/integration/gpu/test_gpu.py::test_zero1_bf16_keeps_master_slices_and_equals_zero0_through_nccl"
+EMPTY = "tests/kernels/test_kernels.py::test_empty_inputs_launch_nothing"
 # what the environment's owner did not install: the real CuPy and CUDA wheels, PyTorch, and boostmpi
 NOT_INSTALLED = ("cupy", "cupyx", "cupy_backends", "cupy_cuda", "nvidia", "cuda", "torch", "boostmpi",
                  "__editable__", "_boostmpi")
@@ -54,8 +53,8 @@ def _fixed_environment(root):
         if not entry.name.startswith(NOT_INSTALLED):
             (site / entry.name).symlink_to(entry)
     for name in ("cupy", "cupyx"):
-        (site / name).symlink_to(HERE / "cupy_standin" / name)
-    (site / "cudaemu").symlink_to(HERE / "cudaemu")
+        (site / name).symlink_to(REPO / "testing" / "cupy_standin" / name)
+    (site / "testing").symlink_to(REPO / "testing")  # testing.cudaemu, the harness the stand-in imports
     for dist, version in (("cupy_cuda13x", "14.2.0"), ("nvidia_cuda_crt", "13.0.88")):
         info = site / f"{dist}-{version}.dist-info"
         info.mkdir()
@@ -103,7 +102,7 @@ def _gpu_check(root, prefix, gpus, timeout, tests=f"{SINGLE} {MULTI}", **more):
 def fixed():
     """Built afresh at a fixed place beside the harness's compile cache: the kernels' options name
     the environment's CUDA 13 include folder, so the harness compiles them once, not every run."""
-    import cudaemu
+    from testing import cudaemu
 
     root = cudaemu.cache_dir() / "gpu-check-fixed-env"
     shutil.rmtree(root, ignore_errors=True)

@@ -1,7 +1,7 @@
 """The batch job scripts: syntax (bash -n), shellcheck, the exact launcher command line each one
 renders (BOOSTMPI_DRY_RUN=1 with a fake job environment), the in-a-job guard, and the shared job
 body (jobs/common.sh) run for real on this machine: DONE, stop-and-resubmit, failure.
-The same body under a real Slurm is tests/slurm/run_slurm_test.sh."""
+The same body under a real Slurm is tests/integration/site/slurm/run_slurm_test.sh."""
 
 import json
 import os
@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 
 from boostmpi.parallel.launch import find_mpiexec
-from mpi_helpers import MPIEXEC
+from tests.support.mpi_helpers import MPIEXEC
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 PY = sys.executable
 VENV_PY = str(REPO / ".venv" / "bin" / "python")  # what the scripts use by default
 SCRIPTS = ["jobs/common.sh", "jobs/setup_env.sh", "jobs/local.sh", "jobs/frontier.sbatch", "jobs/perlmutter.sbatch",
            "jobs/polaris.pbs", "jobs/setup_frontier.sh", "jobs/setup_perlmutter.sh", "jobs/setup_polaris.sh",
            "jobs/sites.sh", "jobs/submit.sh", "jobs/gpu_check.sh",
-           "tests/run.sh", "tests/slurm/run_slurm_test.sh", "tests/sysmpi/system_mpi.sh", "tests/sysmpi/run_sysmpi_test.sh",
-           "tests/site_emu/cc", "tests/site_emu/enter.sh"]
+           "tests/run.sh", "tests/integration/site/slurm/run_slurm_test.sh", "tests/integration/site/sysmpi/system_mpi.sh", "tests/integration/site/sysmpi/run_sysmpi_test.sh",
+           "testing/site_emu/cc", "testing/site_emu/enter.sh"]
 
 
 def _bash(args, env=None, timeout=60):
@@ -418,7 +418,7 @@ def _local(tmp_path, config, run_dir):
 def test_local_writes_done_only_from_the_runs_own_final_record(tmp_path):
     """A failed attempt over a run directory that holds a finished run (DONE removed to go on) used to
     write DONE from the previous attempt's config.toml: with an unknown key, and with another model size."""
-    from train_helpers import run_train, write_text_shards
+    from tests.support.train_helpers import run_train, write_text_shards
 
     train, val = write_text_shards(tmp_path / "data", max_bytes=60_000)
     base = (REPO / "configs" / "tiny.toml").read_text() + f'\n[data]\ntrain = "{train}"\nval = "{val}"\n'

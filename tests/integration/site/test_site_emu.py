@@ -1,5 +1,5 @@
 """The site scripts and job files of jobs/ run end to end on emulated Frontier, Perlmutter and Polaris
-(tests/site_emu: modules, Cray PE paths over Debian's MPICH, cc/nvc, srun/sbatch/scontrol,
+(testing/site_emu: modules, Cray PE paths over Debian's MPICH, cc/nvc, srun/sbatch/scontrol,
 qsub/qstat/PALS mpiexec, all strict and built from the centres' pages): the setup script exits 0
 with mpi4py on the site's MPI, the job runs 2 ranks of a training run to DONE, the preemption and
 requeue chain, the stops that must not resubmit, the checks before submission, the network-plugin
@@ -16,16 +16,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from site_emu.build import EmulatedSite, kill_group, prepare_cache  # noqa: E402
+from testing.site_emu.build import EmulatedSite, kill_group, prepare_cache
 
 pytestmark = pytest.mark.skipif(os.environ.get("BOOSTMPI_SITE_EMU") != "1",
                                 reason="the emulated-site tests run in tests/run.sh's step 'emulated centres' (BOOSTMPI_SITE_EMU=1)")
@@ -457,7 +454,7 @@ def test_debug_scaling_job_stops_without_a_successor_and_chaining_there_fails(si
     assert job["exit"] != 0 and "Maximum number of jobs for user in queue debug-scaling exceeded" in out, out[-3000:]
 
 
-# failure 5 (requeue decided from exit status 75) is put back in tests/test_jobs.py, where the launcher's
+# failure 5 (requeue decided from exit status 75) is put back in tests/integration/site/test_jobs.py, where the launcher's
 # status is made 128 + SIGKILL deterministically.
 
 

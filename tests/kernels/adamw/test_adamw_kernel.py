@@ -110,9 +110,9 @@ def test_a_wrong_adamw_kernel_is_caught(mutated_kernels, old, new):
 
 
 def test_a_btp_kernel_without_the_silu_derivative_is_caught(mutated_kernels):
-    """The btp backward kernel's CuPy-level check (tests/test_kernels.py) fails on a kernel that
+    """The btp backward kernel's CuPy-level check (tests/kernels/test_kernels.py) fails on a kernel that
     ignores cola's SiLU."""
-    from test_kernels import test_btp_backward_kernels_match_the_model
+    from tests.kernels.test_kernels import test_btp_backward_kernels_match_the_model
 
     mutated_kernels("btp", "act ? dv[k] * silu_derivative(zv[k]) : dv[k]", "dv[k]")
     with pytest.raises(AssertionError, match="act=True"):
@@ -163,7 +163,7 @@ def test_a_wrong_gradient_norm_kernel_is_caught(mutated_kernels, old, new):
 
 def _gpu_norm_and_gradients():
     from boostmpi.backend import to_numpy
-    from gpu_steps import batches, config
+    from tests.support.gpu_steps import batches, config
 
     from boostmpi.parallel.engine import Engine
 
@@ -194,7 +194,7 @@ def test_the_engine_takes_its_gradient_norm_from_the_kernel(monkeypatch):
 def test_a_btp_rescale_that_writes_a_wrong_statistic_is_caught(mutated_kernels):
     """The rescale kernel's row statistic (what the backward reads instead of an rstd computed apart)
     is checked: the mutant writes rstd squared."""
-    from test_kernels import test_btp_backward_kernels_match_the_model
+    from tests.kernels.test_kernels import test_btp_backward_kernels_match_the_model
 
     mutated_kernels("btp", "if (threadIdx.x == 0) *rstd_out = rstd;", "if (threadIdx.x == 0) *rstd_out = rstd * rstd;")
     with pytest.raises(AssertionError, match="btp rescale rstd"):
@@ -237,7 +237,7 @@ def test_the_fused_optimizer_holds_only_its_moments(monkeypatch):
 def test_a_residual_norm_kernel_that_normalises_the_branch_is_caught(mutated_kernels):
     """The fused residual add + norm statistic is checked against the add then the statistic: the
     mutant forms x * w of the branch output instead of the new residual."""
-    from test_kernels import test_rmsnorm_kernels_match_the_model
+    from tests.kernels.test_kernels import test_rmsnorm_kernels_match_the_model
 
     mutated_kernels("rmsnorm", "xwv[k] = hv[k] * wv[k];", "xwv[k] = yv[k] * wv[k];")
     with pytest.raises(AssertionError, match="residual xw"):

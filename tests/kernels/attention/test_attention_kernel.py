@@ -6,9 +6,9 @@ largest error at most twice that of a float32 NumPy reference which rounds the s
 (the probabilities, dS and the outputs) to bfloat16. Causal edge cases: T = 1, T below one tile,
 T not a multiple of the tiles, 1/2/4 query heads per key/value head, head dims 64 and 128 (and an
 odd one), on 32- and 64-lane execution. On a real GPU when CuPy reaches one, else on the CuPy
-stand-in, whose launches run the kernel text on the CUDA execution harness (tests/cudaemu).
+stand-in, whose launches run the kernel text on the CUDA execution harness (testing/cudaemu).
 Registers, shared memory, spills and resident blocks under NVRTC and hipRTC are checked with every
-other kernel's in tests/test_kernel_resources.py.
+other kernel's in tests/kernels/test_kernel_resources.py.
 """
 
 import functools
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from boostmpi.backend import to_numpy
-from gpu_setup import GPU
+from tests.support.gpu_setup import GPU
 from boostmpi.gpu import kernels, tensor_cores
 from boostmpi.model import layers
 
@@ -199,7 +199,7 @@ def kernel_text(monkeypatch):
 @pytest.mark.skipif(not GPU.standin, reason="the harness reports races; a GPU need not show them")
 @pytest.mark.parametrize("mutation", MUTATIONS)
 def test_each_mutation_fails_the_check(kernel_text, mutation):
-    import cudaemu
+    from testing import cudaemu
 
     # T = 70: the second query tile stages two K/V tiles (64 keys of float32 at head dim 64)
     check = functools.partial(check_against_specification, 1, 70, 2, 1, 64, np.float32)
@@ -222,10 +222,10 @@ def _relative_errors(got, want):
 @pytest.mark.parametrize("arch,recompute", [("cola", "none"), ("svd", "none"), ("full", "none"), ("cola", "lowrank"),
                                              ("full", "layer")])
 def test_float32_training_step_through_the_fused_kernels_equals_the_cpu_path(monkeypatch, arch, recompute):
-    """One training step (tests/gpu_steps.py: GQA, 2 query heads per key/value head) on the GPU path,
+    """One training step (tests/support/gpu_steps.py: GQA, 2 query heads per key/value head) on the GPU path,
     whose attention is the fused kernels (asserted from the launches), against the CPU path in float32:
     the loss and every gradient within 1e-5 relative."""
-    from gpu_steps import step
+    from tests.support.gpu_steps import step
 
     launched = []
     launch = kernels._launch
@@ -253,7 +253,7 @@ def check_traffic(dtype):
     its tile plan states (kernels.attention_traffic), and the forward's are FlashAttention-2's for
     64-query tiles: Q read once, K and V once per query tile up to its last query, O and lse written
     once. Nothing grows with T x T: the only buffers beside inputs and outputs are lse and delta."""
-    import cudaemu
+    from testing import cudaemu
     import cupy
 
     B, T, H, Hkv, Dh = 1, 100, 4, 2, 64

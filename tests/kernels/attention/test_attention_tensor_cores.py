@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import cudaemu
-import gpu_compilers
+from testing import cudaemu
+from tests.support import gpu_compilers
 from boostmpi.gpu import kernels as loader
-from test_attention_kernel import (BF16, F32_TOLERANCE, SLOW_SHAPES, _inputs, max_error, rounded_reference,
+from tests.kernels.attention.test_attention_kernel import (BF16, F32_TOLERANCE, SLOW_SHAPES, _inputs, max_error, rounded_reference,
                                    specification)
-from test_cudaemu_wmma import crt_wheel_include
-from test_kernel_resources import MIN_RESIDENT_BLOCKS, nvidia_resident_blocks
+from tests.emulators.cudaemu.test_cudaemu_wmma import crt_wheel_include
+from tests.kernels.test_kernel_resources import MIN_RESIDENT_BLOCKS, nvidia_resident_blocks
 
 pytestmark = pytest.mark.gpu
 
@@ -251,7 +251,7 @@ def _wrapper_forward(monkeypatch, warp, B=1, T=70, H=4, Hkv=2, Dh=128, setting="
     of `warp` lanes and compute capability `major`: (launched entry points, o, lse) and the inputs."""
     import cupy
 
-    from gpu_setup import GPU
+    from tests.support.gpu_setup import GPU
 
     if not GPU.standin:
         pytest.skip("the harness runs the option here; a GPU runs its own warp width")
@@ -351,12 +351,12 @@ def test_without_cudas_mma_header_auto_says_so_once_and_1_is_refused(monkeypatch
 
 @pytest.mark.parametrize("arch", ["cola", "svd", "full"])
 def test_a_bf16_training_step_with_the_option_equals_the_cpu_path(monkeypatch, arch):
-    """One bfloat16 training step (tests/gpu_steps.py: GQA, head dim 16) with the option on: the forward
+    """One bfloat16 training step (tests/support/gpu_steps.py: GQA, head dim 16) with the option on: the forward
     of every layer and both backward passes on the WMMA kernels of 64-dim tiles (asserted from the launches), the loss and gradients within
-    the bfloat16 tolerance of the float64 CPU step (tests/test_gpu.py's)."""
-    from gpu_setup import GPU
-    from gpu_steps import step
-    from test_gpu import assert_step_close, cpu_step
+    the bfloat16 tolerance of the float64 CPU step (tests/integration/gpu/test_gpu.py's)."""
+    from tests.support.gpu_setup import GPU
+    from tests.support.gpu_steps import step
+    from tests.integration.gpu.test_gpu import assert_step_close, cpu_step
 
     if not GPU.standin:
         pytest.skip("the harness's 32-lane device; a GPU runs its own warp width")
@@ -378,8 +378,8 @@ def test_a_bf16_training_step_with_the_option_equals_the_cpu_path(monkeypatch, a
 ])
 def test_start_up_refuses_a_setting_it_cannot_honour_in_one_line(monkeypatch, tmp_path, capfd, value, header, fragment):
     """Before any weight is drawn: exit 2, one line, nothing written."""
-    from gpu_setup import GPU
-    from train_helpers import assert_refused, train_argv, write_text_shards
+    from tests.support.gpu_setup import GPU
+    from tests.support.train_helpers import assert_refused, train_argv, write_text_shards
 
     from boostmpi.gpu import tensor_cores
 
@@ -401,16 +401,16 @@ def test_tp2_bf16_steps_on_the_tensor_cores_equal_one_rank(tmp_path):
     import subprocess
     import sys
 
-    from gpu_setup import GPU
-    from gpu_steps import ARCHS, step
-    from mpi_helpers import MPIEXEC
-    from test_gpu import assert_step_close
+    from tests.support.gpu_setup import GPU
+    from tests.support.gpu_steps import ARCHS, step
+    from tests.support.mpi_helpers import MPIEXEC
+    from tests.integration.gpu.test_gpu import assert_step_close
 
     if not GPU.standin:
         pytest.skip("the harness's 32-lane device; a GPU runs its own warp width")
     out = tmp_path / "tp2.npz"
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", BOOSTMPI_ATTENTION_TENSOR_CORES="1")
-    proc = subprocess.run(["timeout", "600", MPIEXEC, "-n", "2", sys.executable, str(Path(__file__).parent / "gpu_steps.py"),
+    proc = subprocess.run(["timeout", "600", MPIEXEC, "-n", "2", sys.executable, str(Path(__file__).resolve().parents[2] / "support" / "gpu_steps.py"),
                            str(out), "tp2", "bfloat16"], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with np.load(out) as data:

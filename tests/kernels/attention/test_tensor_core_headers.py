@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import gpu_compilers
+from tests.support import gpu_compilers
 from boostmpi.gpu import tensor_cores
 
 

@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import gpu_compilers
+from tests.support import gpu_compilers
 from boostmpi.backend import to_numpy
 from boostmpi.gpu import kernels
 from boostmpi.model import layers
-from gpu_compilers import require
+from tests.support.gpu_compilers import require
 
 pytestmark = pytest.mark.gpu
 BF16 = np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
@@ -87,7 +87,7 @@ def test_forward_launch_covers_the_row_with_whole_warps():
 
 def test_bf16_forward_keeps_two_blocks_per_sm_at_the_7b_and_widest_rows():
     require("NVRTC")
-    from test_kernel_resources import nvidia_resident_blocks
+    from tests.kernels.test_kernel_resources import nvidia_resident_blocks
 
     jobs = [(kernels.kernel_source("rmsnorm"), OPTIONS, arch) for arch in ("80", "90")]
     for report in gpu_compilers.nvrtc(jobs):
@@ -140,13 +140,13 @@ def test_the_trace_counts_one_read_and_one_write_of_x():
     """bench/gpu_trace.py's bytes of the final norm's rmsnorm_forward (the 7B width, shapes only):
     x read and y written once, w and rstd beside them."""
     from boostmpi.config import config_from_dict
-    from test_gpu_calibrate import load_script
+    from tests.integration.bench.test_gpu_calibrate import load_script
 
     B, T, C = 2, 64, 4096
     model = {"arch": "cola", "d_model": C, "n_heads": 32, "d_ff": 11008, "rank": 1024, "n_layers": 1,
              "vocab_size": 512, "seq_len": T}
     cfg = config_from_dict({"model": model, "train": {"device": "gpu", "dtype": "bfloat16", "micro_batch_size": B}})
-    vs_model = load_script(Path(__file__).resolve().parents[1] / "bench" / "gpu_vs_model.py")
+    vs_model = load_script(Path(__file__).resolve().parents[3] / "bench" / "gpu_vs_model.py")
     recorded = vs_model.trace(cfg, "h100-sxm")["kernels"]
     N = B * T
     assert "rmsnorm_forward_f32" not in recorded

@@ -17,7 +17,7 @@ from boostmpi import checkpoint as ckpt
 from boostmpi.checkpoint import layout, runs, writer
 from boostmpi.config import load_config
 from boostmpi.model.params import all_global_specs
-from train_helpers import TINY_CONFIG
+from tests.support.train_helpers import TINY_CONFIG
 
 
 def layout_config(tmp_path, *overrides):

@@ -25,7 +25,7 @@ from boostmpi.data.shards import write_shard
 from boostmpi.errors import CheckpointError
 from boostmpi.train.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

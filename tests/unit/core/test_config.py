@@ -10,7 +10,7 @@ import pytest
 from boostmpi.config import DEFAULTS, SECTIONS, Config, config_from_dict, load_config, parse_overrides
 from boostmpi.errors import ConfigError, UserError
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
 def expect_error(match, d=None, overrides=(), world_size=None):

@@ -2,7 +2,7 @@
 a step's merged all-reduce (during the optimizer update, the metrics or the log) stops the run at
 that step's boundary, with a checkpoint of that step, and the rerun continues bit for bit as if the
 run had never stopped. Each check is also run against a mutant of the trainer's text that it must
-catch. (tests/test_faults.py holds the same under mpiexec, with the signal on one rank only.)"""
+catch. (tests/integration/test_faults.py holds the same under mpiexec, with the signal on one rank only.)"""
 
 import inspect
 import json
@@ -15,7 +15,7 @@ import pytest
 from boostmpi import preemption
 from boostmpi import checkpoint
 from boostmpi.train import metrics, trainer
-from train_helpers import h5_datasets, read_metrics, reproducible, run_train, write_text_shards
+from tests.support.train_helpers import h5_datasets, read_metrics, reproducible, run_train, write_text_shards
 
 STEPS, SIGNAL_AT = 7, 3
 SETTINGS = (f"train.steps={STEPS}", "checkpoint.every=5", "train.val_every=0")
@@ -105,9 +105,9 @@ def test_the_mutant_that_keeps_the_dropped_steps_batches_resumes_elsewhere(shard
 def test_a_signal_just_before_the_first_step_runs_one_step_first(shards, tmp_path, capfd):
     """A signal recorded after start-up but before the first step of a run is not "after the previous
     step": that run has none. The first step runs and is checkpointed (there is nothing else to resume
-    from). A signal during start-up itself ends the process at once (tests/test_startup_signals.py)."""
+    from). A signal during start-up itself ends the process at once (tests/unit/parallel/test_startup_signals.py)."""
     from boostmpi.config import load_config
-    from train_helpers import TINY_CONFIG, train_settings
+    from tests.support.train_helpers import TINY_CONFIG, train_settings
 
     run_dir = tmp_path / "run"
     cfg = load_config(str(TINY_CONFIG), overrides=train_settings(run_dir, *shards, *SETTINGS))

@@ -566,7 +566,7 @@ def test_the_output_of_boostmpi_data_below_data_is_not_tracked_by_git():
     import shutil
     import subprocess
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[3]
     if shutil.which("git") is None or not (repo / ".git").exists():
         pytest.skip("not a git checkout")
     ignored = subprocess.run(["git", "check-ignore", "data/mine/train_000000.bin", "data/mine/tokenizer.json"],

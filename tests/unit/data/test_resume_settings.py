@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from boostmpi.data.shards import write_shard
-from train_helpers import assert_refused, read_metrics, run_train, train_argv, write_text_shards
+from tests.support.train_helpers import assert_refused, read_metrics, run_train, train_argv, write_text_shards
 
 
 @pytest.fixture(scope="module")

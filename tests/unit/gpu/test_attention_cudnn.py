@@ -1,6 +1,6 @@
 """The attention backends' seam (boostmpi/gpu/attention.py) and the cuDNN backend (attention_cudnn.py).
 
-On the CuPy stand-in the cuDNN frontend is its stand-in (tests/cudnn_standin/cudnn: 1.28's calls and
+On the CuPy stand-in the cuDNN frontend is its stand-in (testing/cudnn_standin/cudnn: 1.28's calls and
 keywords, refusals, the graph's declared dims and strides read over device memory, NumPy arithmetic);
 on a real GPU it is the installed nvidia-cudnn-frontend, and the tests that read the stand-in's records
 (graph builds, recorded operands) say so and skip. References: the NumPy attention of
@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_setup import GPU, use_cudnn_frontend
-from test_gpu import assert_step_close, cpu_step
+from tests.support.gpu_setup import GPU, use_cudnn_frontend
+from tests.integration.gpu.test_gpu import assert_step_close, cpu_step
 
 pytestmark = pytest.mark.gpu
 TOL = 2e-2
@@ -206,7 +206,7 @@ def test_ranks_that_chose_different_backends_are_refused_in_one_line(monkeypatch
     from boostmpi.errors import UserError
     from boostmpi.gpu import attention
     from boostmpi.parallel import comm, startup
-    from gpu_steps import config
+    from tests.support.gpu_steps import config
 
     class TwoRanks:  # rank 0 of a world whose rank 1 resolved "auto" to another backend
         def Get_rank(self):
@@ -225,7 +225,7 @@ def test_ranks_that_chose_different_backends_are_refused_in_one_line(monkeypatch
 @pytest.mark.parametrize("arch,recompute", [("cola", "none"), ("svd", "lowrank"), ("full", "selective")])
 def test_gpu_step_with_cudnn_attention_equals_the_cpu_path(cudnn, arch, recompute):
     from boostmpi.gpu import attention
-    from gpu_steps import step
+    from tests.support.gpu_steps import step
 
     got = step(arch, "gpu", "bfloat16", train=dict(recompute=recompute, attention="cudnn"))
     assert attention.current().name == "cudnn"
@@ -236,7 +236,7 @@ def test_gpu_step_with_cudnn_attention_equals_the_cpu_path(cudnn, arch, recomput
 
 def test_the_cpu_path_accepts_and_ignores_train_attention():
     from boostmpi.gpu import attention
-    from gpu_steps import step
+    from tests.support.gpu_steps import step
 
     before = attention.current()
     loss, _ = step("cola", "cpu", "float32", train=dict(attention="cudnn"))
@@ -246,7 +246,7 @@ def test_the_cpu_path_accepts_and_ignores_train_attention():
 def test_tp2_steps_with_cudnn_attention_equal_the_single_rank_step(cudnn, tmp_path):
     """`mpiexec -n 2`, tensor parallelism 2 (each rank's graphs of its own heads), train.attention = cudnn
     on both ranks: cola, svd and full equal the single-rank cudnn step within test_gpu's tolerances."""
-    from gpu_steps import step
+    from tests.support.gpu_steps import step
 
     if not GPU.standin:
         import cupy
@@ -258,7 +258,7 @@ def test_tp2_steps_with_cudnn_attention_equal_the_single_rank_step(cudnn, tmp_pa
     assert mpiexec, "mpiexec not found (pip install mpich)"
     out = tmp_path / "tp2.npz"
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, str(Path(__file__).with_name("gpu_steps.py")), str(out),
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, str(Path(__file__).resolve().parents[2] / "support" / "gpu_steps.py"), str(out),
                            "tp2", "bfloat16", "cudnn"], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, f"mpiexec -n 2 failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     with np.load(out) as data:

@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch  # the test extra pins the CPU wheel: missing, it is a failure, not a skip
-from gpu_setup import GPU
+from tests.support.gpu_setup import GPU, STANDIN
 
 from boostmpi.gpu import attention_torch
 from boostmpi.model import layers
 
-API_LIST = Path(__file__).with_name("torch_api_2_11.txt")
+API_LIST = Path(__file__).resolve().parents[2] / "torch_api_2_11.txt"
 MODULE = Path(attention_torch.__file__)
 
 
@@ -327,8 +327,8 @@ def test_gpu_step_with_torch_attention_equals_the_cpu_path(rec, monkeypatch, arc
     """A whole bf16 training step with train.attention = torch (chosen at start-up like any backend)
     equals the CPU path within test_gpu's tolerances; lowrank's recompute runs SDPA's forward again."""
     import cupy
-    from gpu_steps import step
-    from test_gpu import assert_step_close, cpu_step
+    from tests.support.gpu_steps import step
+    from tests.integration.gpu.test_gpu import assert_step_close, cpu_step
 
     from boostmpi.gpu import attention
 
@@ -352,7 +352,7 @@ def test_a_cpu_wheel_is_refused_without_importing_pytorch():
         pytest.skip("the installed PyTorch is not a CPU wheel")
     code = ("import sys\nfrom boostmpi.gpu import attention_torch as a\n"
             "print(a.problem('bfloat16'))\nprint('torch' in sys.modules)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).with_name("cupy_standin")),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(STANDIN),
                                                          os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120).stdout
     assert out.splitlines() == [attention_torch.runtime_mismatch(None, None, False, 12090), "False"], out

@@ -1,7 +1,7 @@
 """Every CuPy call the engine's GPU path makes has been checked against CuPy 14.2.0's source.
 
 The stand-in records each distinct call signature (function, operand dtypes and ranks, output,
-broadcasting: tests/cupy_standin/cupy/_record.py) while GPU training steps run -- every arch and
+broadcasting: testing/cupy_standin/cupy/_record.py) while GPU training steps run -- every arch and
 dtype, the recompute modes, and the attention both through the fused kernels and through the
 CuPy operations the GPU path runs for head dims beyond them -- and the test fails on any signature missing from
 tests/cupy_calls_checked.txt, whose rows each cite the CuPy v14.2.0 source line that routes the
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from gpu_setup import GPU
-from gpu_steps import ARCHS, DTYPES, step
+from tests.support.gpu_setup import GPU
+from tests.support.gpu_steps import ARCHS, DTYPES, step
 
 pytestmark = pytest.mark.gpu
 
-TABLE = Path(__file__).resolve().parent / "cupy_calls_checked.txt"
+TABLE = Path(__file__).resolve().parents[2] / "cupy_calls_checked.txt"
 RECOMPUTE = [("full", "layer"), ("svd", "lowrank"), ("cola", "layer"), ("cola", "lowrank"), ("cola", "selective")]
 # the unfused attention's ways: handed the kept statistics (lowrank); a plain forward, then one keeping
 # the probability tiles for the backward that follows (layer)

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from gpu_setup import GPU
+from tests.support.gpu_setup import GPU
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not GPU.standin, reason="checks the CuPy stand-in; a real GPU is in use")]
@@ -244,7 +244,7 @@ def test_gpu_batched_matmul_matches_numpy(cupy, dtype, layout, shapes):
 def hipblas_standin(rocm, monkeypatch):
     """ROCm with libhipblas beside CuPy: the stand-in's (cupy/cuda/hipblas_lib.py), on $ROCM_PATH."""
     from boostmpi.gpu import hipblas
-    from gpu_setup import use_hipblas_standin
+    from tests.support.gpu_setup import use_hipblas_standin
 
     yield use_hipblas_standin(monkeypatch)
     hipblas.library.cache_clear()
@@ -382,7 +382,7 @@ def test_bf16_gpu_problem_names_what_to_install():
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from train_helpers import write_text_shards
+    from tests.support.train_helpers import write_text_shards
 
     return write_text_shards(tmp_path_factory.mktemp("text"), max_bytes=60_000)
 
@@ -393,7 +393,7 @@ def shards(tmp_path_factory):
 ])
 def test_a_bf16_gpu_run_with_an_older_stack_is_refused_in_one_line(cupy, monkeypatch, shards, tmp_path, capfd,
                                                                    what, patch, fragment):
-    from train_helpers import assert_refused, train_argv
+    from tests.support.train_helpers import assert_refused, train_argv
 
     module, name, value = patch
     monkeypatch.setattr(cupy if module == "cupy" else np, name, value)
@@ -411,7 +411,7 @@ def test_a_bf16_step_runs_on_rocm_through_float32_copies_without_libhipblas(rocm
     from boostmpi.model import layers
     from cupy import _record
     from cupy.cuda import cublas
-    from gpu_steps import step
+    from tests.support.gpu_steps import step
 
     monkeypatch.setattr(hipblas, "library", lambda: None)
     with _record.gemms() as log:
@@ -454,8 +454,8 @@ def test_a_bf16_step_on_rocm_runs_every_product_on_hipblas_bf16_gemms(hipblas_st
     bfloat16 operands and float32 compute (what the MI250X's matrix cores run), none on float32 copies,
     none through CuPy's shim; the step equals the CPU path within the bfloat16 tolerance."""
     from cupy import _record
-    from gpu_steps import step
-    from test_gpu import assert_step_close, cpu_step
+    from tests.support.gpu_steps import step
+    from tests.integration.gpu.test_gpu import assert_step_close, cpu_step
 
     with _record.gemms() as log:
         got = step("cola", "gpu", "bfloat16")

@@ -1,7 +1,7 @@
 """boostmpi.gpu.hipblas: the ctypes declarations of hipBLAS's two GEMMs, their names and enumeration
 values in each of hipBLAS's three ABIs (ROCm 5, 6, 7) against what the headers say
 (tests/hipblas_checked.txt records it), which ABI a library is taken for, and a real C call through the
-declarations into the stand-in's libhipblas (tests/cupy_standin/cupy/cuda/hipblas_standin.c) built as each release.
+declarations into the stand-in's libhipblas (testing/cupy_standin/cupy/cuda/hipblas_standin.c) built as each release.
 Mutants: a declaration of the wrong width fails the comparison; the enumeration values of another ABI
 fail the call."""
 
@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from boostmpi.gpu import hipblas
-from gpu_setup import GPU
+from tests.support.gpu_setup import GPU
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not GPU.standin, reason="calls the stand-in's libhipblas; a real GPU is in use")]
 
-CHECKED = Path(__file__).with_name("hipblas_checked.txt")
+CHECKED = Path(__file__).resolve().parents[2] / "hipblas_checked.txt"
 C_TYPES = {"hipblasHandle_t": ctypes.c_void_p, "void*": ctypes.c_void_p, "int": ctypes.c_int,
            "hipblasOperation_t": ctypes.c_int, "hipblasDatatype_t": ctypes.c_int, "hipDataType": ctypes.c_int,
            "hipblasComputeType_t": ctypes.c_int, "hipblasGemmAlgo_t": ctypes.c_int, "hipblasStride": ctypes.c_int64}
@@ -86,7 +86,7 @@ def _batched_product(cupy):
 @pytest.fixture(params=ABIS)
 def library(request, monkeypatch):
     """The stand-in's libhipblas built as one release, on $ROCM_PATH, loaded afresh by boostmpi.gpu.hipblas."""
-    from gpu_setup import use_hipblas_standin
+    from tests.support.gpu_setup import use_hipblas_standin
 
     monkeypatch.setenv("BOOSTMPI_STANDIN_HIPBLAS", request.param)
     yield request.param, use_hipblas_standin(monkeypatch)

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from gpu_setup import GPU
+from tests.support.gpu_setup import GPU
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not GPU.standin, reason="samples the CuPy stand-in's pool; a real GPU is in use")]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 LAYERS = 8
 
 SCRIPT = r'''

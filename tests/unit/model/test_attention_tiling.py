@@ -7,7 +7,7 @@ import pytest
 from boostmpi.model import layers
 
 torch = pytest.importorskip("torch")
-from torch_llama import causal_attention  # noqa: E402
+from tests.support.torch_llama import causal_attention  # noqa: E402
 
 
 @pytest.mark.parametrize("block", [3, 4, 64])

@@ -48,7 +48,7 @@ def test_data_parallel_replicas_share_the_drawing_and_hold_the_single_rank_weigh
     """With dp ranks (tp = 1) every rank draws about 1/dp of the model's elements, and after the
     exchange holds all of them, equal to the one-rank initialisation bit for bit."""
     from boostmpi.parallel.engine import Engine
-    from mpi_helpers import abort_on_error, assert_all_ranks, world
+    from tests.support.mpi_helpers import abort_on_error, assert_all_ranks, world
 
     comm = world()
     n = comm.Get_size()

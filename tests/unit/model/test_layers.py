@@ -22,7 +22,7 @@ from boostmpi.model.params import FlatBuffer, init_global, param_specs  # noqa: 
 from boostmpi.parallel.grid import ProcessGrid  # noqa: E402
 from boostmpi.parallel.tensor_parallel import (BottleneckTP, MegatronTP, VanillaLowRankTP,  # noqa: E402
                                                make_strategy)
-from torch_llama import apply_rope, causal_attention, rope_cos_sin  # noqa: E402
+from tests.support.torch_llama import apply_rope, causal_attention, rope_cos_sin  # noqa: E402
 
 FD_STEP = 1e-6
 FD_RTOL = 1e-6  # central differences in float64 at this step are good to ~1e-9 relative

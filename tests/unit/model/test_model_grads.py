@@ -2,7 +2,7 @@
 initialisation rules of docs/FORMATS.md.
 
 Gradients: for each arch, with and without GQA, with and without mlp_gate_act, the loss and every
-parameter's gradient match tests/torch_llama.py, relative to the gradient's largest entry:
+parameter's gradient match tests/support/torch_llama.py, relative to the gradient's largest entry:
 1e-10 in float64, 1e-4 in float32 (the oracle runs in float64 on the same float32 weights).
 Initialisation: identical global tensors under any tensor-parallel layout, the CoLA scale for
 low-rank factors, 0.02 for dense weights with o/down scaled by 1/sqrt(2 L), ones for norms.
@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 from boostmpi.config import config_from_dict  # noqa: E402
 from boostmpi.model.params import LINEARS, all_global_specs, init_global, param_specs  # noqa: E402
 from boostmpi.parallel.engine import Engine  # noqa: E402
-from torch_llama import loss_and_grads, param_shapes  # noqa: E402
+from tests.support.torch_llama import loss_and_grads, param_shapes  # noqa: E402
 
 MODEL = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, d_ff=48, attn_rank=8, mlp_rank=12, seq_len=8)
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}

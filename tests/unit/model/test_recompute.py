@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from boostmpi.config import config_from_dict
-from mpi_helpers import abort_on_error, assert_all_ranks
+from tests.support.mpi_helpers import abort_on_error, assert_all_ranks
 
 MODEL = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, attn_rank=8, mlp_rank=12, seq_len=8)
 B, M = 2, 2
@@ -133,7 +133,7 @@ def test_recompute_modes_with_pipeline_and_data_parallelism(dtype):
 def test_selective_on_the_gpu_path_is_bit_identical_to_none(arch, dtype):
     """The GPU path (a real GPU or the CuPy stand-in): the core's forward again before its backward
     gives the loss and every gradient of `none`, bit for bit."""
-    from gpu_steps import step
+    from tests.support.gpu_steps import step
 
     loss, grads = step(arch, "gpu", dtype, train={"recompute": "none"})
     sel_loss, sel_grads = step(arch, "gpu", dtype, train={"recompute": "selective"})

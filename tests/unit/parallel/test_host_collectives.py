@@ -10,7 +10,7 @@ from boostmpi.config import config_from_dict
 from boostmpi.data.shards import write_shard
 from boostmpi.parallel.comm import WATCHDOG, HostCollectives
 from boostmpi.train.trainer import Trainer
-from train_helpers import stop_signals_restored
+from tests.support.train_helpers import stop_signals_restored
 
 
 class RecordingComm:

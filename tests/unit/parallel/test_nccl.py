@@ -25,8 +25,8 @@ import pytest
 
 from boostmpi.parallel.comm import CommCounter
 from boostmpi.parallel.pipeline import steps_with_messages
-from gpu_setup import GPU
-from mpi_helpers import abort_on_error
+from tests.support.gpu_setup import GPU
+from tests.support.mpi_helpers import abort_on_error
 
 _ids = itertools.count(1)
 
@@ -235,7 +235,7 @@ def test_a_group_without_channels_refuses_point_to_point(monkeypatch):
 
 # ---------------------------------------------------------------- the NCCL stand-in, between real ranks
 # A tp or dp group's collectives share one communicator between the current stream and the side
-# stream of `iallreduce`; the CuPy stand-in's NCCL (tests/cupy_standin/cupy/cuda/nccl.py) refuses an
+# stream of `iallreduce`; the CuPy stand-in's NCCL (testing/cupy_standin/cupy/cuda/nccl.py) refuses an
 # operation that is not ordered on the device after every earlier one of its communicator, and
 # carries out the data over MPI. These run where the stand-in is in use (the GPU suite otherwise
 # runs on a real device), on the first two ranks of the job.

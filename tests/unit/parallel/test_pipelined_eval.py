@@ -2,7 +2,7 @@
 the batches are pipelined through the stages (about n + pp - 1 stage forwards for n batches, not n x pp),
 shown on a logical timeline rebuilt from the order each rank ran its forwards and its host sums in.
 
-Run with `timeout 600 mpiexec -n N python -m pytest --with-mpi -m mpi tests/test_pipelined_eval.py`,
+Run with `timeout 600 mpiexec -n N python -m pytest --with-mpi -m mpi tests/unit/parallel/test_pipelined_eval.py`,
 N = 2 (pp2, pp2 v2) or 4 (pp4, tp2 x pp2, pp2 x dp2, pp4 v2).
 """
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from boostmpi.config import config_from_dict
-from mpi_helpers import abort_on_error, assert_all_ranks, on_root, world
+from tests.support.mpi_helpers import abort_on_error, assert_all_ranks, on_root, world
 
 MODEL = dict(vocab_size=61, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, attn_rank=8, mlp_rank=12, seq_len=8)
 ROWS, BATCHES = 2, 8  # windows per batch and data-parallel rank; batches per evaluation

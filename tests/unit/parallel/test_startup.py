@@ -18,9 +18,9 @@ import pytest
 from boostmpi.errors import UserError
 from boostmpi.parallel import startup
 from boostmpi.sim.model import memory_estimate
-from mpi_helpers import collectively, world
+from tests.support.mpi_helpers import collectively, world
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 CRAY = "MPI VERSION    : CRAY MPICH version 8.1.28.2 (ANL base 3.4a2)\nMPI BUILD INFO : Wed Nov 15 2023\n"
 MPICH = "MPICH Version:\t4.0.2\nMPICH Release date:\tThu Apr  7 2022\nMPICH ABI:\t14:2:2\nMPICH Device:\tch4:ucx\n"
 
@@ -367,7 +367,7 @@ with open(os.path.join(out, f"rank-{os.environ['PMI_RANK']}"), "w") as f:
 def _probe_threads(entry, **env):
     import tempfile
 
-    from mpi_helpers import MPIEXEC
+    from tests.support.mpi_helpers import MPIEXEC
 
     clean = {k: v for k, v in os.environ.items() if k not in startup.THREAD_VARIABLES}  # tests/run.sh sets them
     clean.update(env, PYTHONPATH=str(REPO))
@@ -481,7 +481,7 @@ MEASURED_RUNS = {
 
 
 def _peak_of_a_run(tmp_path, ranks, overrides):
-    from mpi_helpers import MPIEXEC
+    from tests.support.mpi_helpers import MPIEXEC
 
     out = tmp_path / "peaks"
     out.mkdir()

@@ -21,8 +21,8 @@ from boostmpi import preemption
 from boostmpi.config import load_config
 from boostmpi.model.params import param_specs
 from boostmpi.parallel.startup import size_problem, weights_lower_bound
-from mpi_helpers import MPIEXEC
-from train_helpers import REPO, TINY_CONFIG, train_argv, write_text_shards
+from tests.support.mpi_helpers import MPIEXEC
+from tests.support.train_helpers import REPO, TINY_CONFIG, train_argv, write_text_shards
 
 ENV = dict(os.environ, PYTHONPATH=str(REPO), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
 

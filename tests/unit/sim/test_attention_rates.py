@@ -15,7 +15,7 @@ from boostmpi.sim import attention_rates, model
 from boostmpi.sim.attention_rates import causal_flops, tile_efficiency
 from boostmpi.sim.machines import attention_rate, builtin_names, load_machine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "configs" / "tiny.toml"
 
 # bench/log/attention.md, "the own kernels against cuDNN and PyTorch SDPA on one H200 (2026-11)":

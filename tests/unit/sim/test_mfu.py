@@ -9,8 +9,8 @@ the CuPy stand-in the device is an A100-SXM4-40GB.
 
 import pytest
 
-from gpu_setup import GPU
-from train_helpers import read_metrics, run_train, write_text_shards
+from tests.support.gpu_setup import GPU
+from tests.support.train_helpers import read_metrics, run_train, write_text_shards
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not GPU.standin, reason="the stand-in's device name and memory are known here")]
@@ -42,7 +42,7 @@ def test_a_gpu_run_reports_its_mfu(tmp_path, capfd, monkeypatch):
     from boostmpi.sim import machines
     from boostmpi.sim.machines import load_machine
     from boostmpi.sim.model import model_flops_per_step
-    from train_helpers import TINY_CONFIG
+    from tests.support.train_helpers import TINY_CONFIG
 
     rows = [r for r in _run(tmp_path, "run") if "loss" in r]
     cfg = load_config(TINY_CONFIG, [])

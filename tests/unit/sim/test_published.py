@@ -206,7 +206,7 @@ SIM_ONLY = {
 
 @pytest.mark.parametrize("overrides,fragment", list(SIM_ONLY.values()), ids=list(SIM_ONLY))
 def test_sim_prices_and_train_refuses_in_one_line(overrides, fragment, tmp_path, capfd):
-    from train_helpers import TINY_CONFIG, assert_refused, train_argv
+    from tests.support.train_helpers import TINY_CONFIG, assert_refused, train_argv
 
     sim = ["sim", "--config", str(TINY_CONFIG), "--machine", "a100-80gb", "--json"]
     for o in overrides:

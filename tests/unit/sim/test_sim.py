@@ -17,7 +17,7 @@ from boostmpi.sim.calibrate import fit_allreduce
 from boostmpi.sim.machines import builtin_names, load_machine
 from boostmpi.sim.sweep import sweep
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "configs" / "tiny.toml"
 
 # configs/tiny.toml: GQA (4 q heads, 2 kv heads of width 8), rank 8
@@ -283,7 +283,7 @@ def test_calibrate_writes_a_usable_profile(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ model FLOPs
-def test_model_flops_are_palms_and_the_gpu_bench_uses_them():
+def test_model_flops_are_palms_and_the_gpu_bench_uses_them(monkeypatch):
     """6N + 12 L C T per token (PaLM App. B; SC21 Eq. 3 without its recompute pass), and one copy."""
     import importlib.util
     import sys
@@ -295,7 +295,7 @@ def test_model_flops_are_palms_and_the_gpu_bench_uses_them():
     N = m.n_layers * per_layer + m.d_model * m.vocab_size
     tokens = cfg.tokens_per_step
     assert model.model_flops_per_step(cfg) == 6 * N * tokens + 12 * m.n_layers * m.d_model * m.seq_len * tokens
-    sys.path.insert(0, str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # gpu_step.py imports its neighbours
     spec = importlib.util.spec_from_file_location("gpu_step", ROOT / "bench" / "gpu_step.py")
     gpu_step = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_step)

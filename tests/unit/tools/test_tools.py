@@ -2,7 +2,7 @@
 
 One tiny model is trained once per module (about a second) on a repeated sentence; most tests
 read its checkpoint. Reference values come from routes that share no code with the tool under
-test where possible: the PyTorch oracle (tests/torch_llama.py), the training engine, the run's own
+test where possible: the PyTorch oracle (tests/support/torch_llama.py), the training engine, the run's own
 metrics, NumPy on the HDF5 tensors.
 """
 
@@ -30,8 +30,8 @@ from boostmpi.tools.inspect import describe
 from boostmpi.tools.loading import load_checkpoint, load_checkpoint_engine
 from boostmpi.tools.plot import make_figure
 from boostmpi.train.trainer import Trainer
-from global_tensors import save_global
-from mpi_helpers import MPIEXEC
+from tests.support.global_tensors import save_global
+from tests.support.mpi_helpers import MPIEXEC
 
 SENTENCE = "the quick brown fox jumps over the lazy dog. "
 SEQ_LEN = 16
@@ -82,7 +82,7 @@ def copy_checkpoint(run_dir, dest):
 
 def torch_loss(model_cfg, tensors, x, y, dtype="float32"):
     torch = pytest.importorskip("torch")
-    from torch_llama import TorchLlama
+    from tests.support.torch_llama import TorchLlama
 
     with torch.no_grad():
         model = TorchLlama(model_cfg, tensors, dtype=dtype)
@@ -257,7 +257,7 @@ def test_eval_of_a_checkpoint_written_by_tensor_parallel_ranks(trained, tmp_path
     for key, value in sets.items():
         command += ["--set", f"{key}={value}"]
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+               PYTHONPATH=str(Path(__file__).resolve().parents[3]))
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert describe(run_dir)["layout"] == {"tp": 2, "pp": 1, "dp": 1, "tp_mode": "vanilla", "zero_stage": 0}
@@ -344,7 +344,7 @@ def test_inspect_of_a_bit_flipped_model_h5_is_the_checksum_line(trained, tmp_pat
 
 def test_kv_cache_logits_equal_the_full_forward_the_engine_and_torch(trained):
     torch = pytest.importorskip("torch")
-    from torch_llama import TorchLlama
+    from tests.support.torch_llama import TorchLlama
 
     run_dir, shard, cfg = trained
     loaded = load_checkpoint(run_dir, dtype="float64")
@@ -484,7 +484,7 @@ def read_safetensors(path):
 
 def test_export_round_trip_into_torch_reproduces_the_eval_loss(trained, tmp_path, capsys):
     torch = pytest.importorskip("torch")
-    from torch_llama import TorchLlama, from_state_dict
+    from tests.support.torch_llama import TorchLlama, from_state_dict
 
     run_dir, shard, _ = trained
     status, out, _ = run_cli(capsys, "eval", run_dir, "--data", shard, "--max-windows", 6)
@@ -647,12 +647,12 @@ def test_plot_overlays_runs(trained, tmp_path, capsys):
 
 
 def test_plot_and_export_to_a_read_only_filesystem_are_one_line(trained, tmp_path):
-    from train_helpers import run_on_a_private_tmpfs
+    from tests.support.train_helpers import run_on_a_private_tmpfs
 
     run_dir = fake_run(tmp_path, "good", {"tp": 0, "pp": 0, "dp": 0})
     mount = tmp_path / "ro"
     mount.mkdir()
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OPENBLAS_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]), OPENBLAS_NUM_THREADS="1")
     script = (f"{sys.executable} -m boostmpi plot {run_dir} --out {mount}/o.png; echo status $?; "
               f"{sys.executable} -m boostmpi export {trained[0]} --to safetensors --out {mount}/m.safetensors; "
               f"echo status $?")

@@ -10,7 +10,7 @@ from boostmpi import files
 from boostmpi.parallel.comm import CommCounter, HostCollectives
 from boostmpi.train import metrics
 
-FORMATS = Path(__file__).resolve().parents[1] / "docs" / "FORMATS.md"
+FORMATS = Path(__file__).resolve().parents[3] / "docs" / "FORMATS.md"
 
 
 def documented():

@@ -8,7 +8,7 @@ from boostmpi.config import load_config
 from boostmpi.model.params import FlatBuffer
 from boostmpi.parallel.engine import Engine
 from boostmpi.train.optim import AdamW
-from train_helpers import TINY_CONFIG
+from tests.support.train_helpers import TINY_CONFIG
 
 
 @pytest.mark.parametrize("part", [None, (0.3, 0.8)])

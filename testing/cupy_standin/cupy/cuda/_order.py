@@ -27,7 +27,7 @@ import sys
 
 ENABLED = os.environ.get("BOOSTMPI_STANDIN_TRACK", "1") != "0"
 HOST = "host"
-_STANDIN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../tests/cupy_standin/cupy
+_STANDIN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../testing/cupy_standin/cupy
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(_STANDIN)))
 
 

@@ -3,13 +3,13 @@
 # and munge; proctrack/linuxproc, task/none, MpiDefault=pmi2) and submits a 2-rank job whose body
 # is the production one (jobs/common.sh, launched by the site's srun found by path, as
 # `srun --mpi=pmi2 --overcommit`). The ranks run on the system MPI, as on a cluster: the venv of
-# tests/sysmpi (boostmpi without the [mpich] extra, mpi4py built against Debian's MPICH). The job
+# tests/integration/site/sysmpi (boostmpi without the [mpich] extra, mpi4py built against Debian's MPICH). The job
 # must train, be preempted by a signal to its batch shell (like `--signal=B:USR1@120`), checkpoint,
 # requeue itself, resume and finish (DONE). Then it stops the daemons it started.
 # Needs root, and Slurm and Debian's MPICH installed or apt-get able to install them; otherwise it
 # prints why it skips and exits 0. Exit status 1 when a check fails.
 set -uo pipefail
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../.." && pwd)"
 STEPS=200          # the tiny model; the signal comes after 10 steps, well before the end
 RANKS=2            # one per core: Debian's MPICH polls while it waits; 4 ranks on 2 cores took 30 s for 300 all-reduces (PyPI wheel: 3 s)
 EVERY=50           # periodic checkpoints; the preemption one falls between them
@@ -19,8 +19,8 @@ skip() { echo "skipped: $*"; exit 0; }
 
 [ "$(id -u)" -eq 0 ] || skip "the Slurm test needs root (to install and run slurmctld, slurmd and munged)"
 cd "$REPO" || exit 1
-# shellcheck source=tests/sysmpi/system_mpi.sh
-source tests/sysmpi/system_mpi.sh
+# shellcheck source=tests/integration/site/sysmpi/system_mpi.sh
+source tests/integration/site/sysmpi/system_mpi.sh
 system_mpi_venv || exit $(($? == 1 ? 0 : 1))   # sets PY: the system-MPI venv
 if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null ||
    ! command -v sbatch >/dev/null; then
@@ -84,7 +84,7 @@ wait_for() {
 port=$((20000 + RANDOM % 20000))
 sed -e "s|@HOST@|$(hostname -s)|g" -e "s|@CPUS@|$(nproc)|g" -e "s|@DIR@|$WORK|g" \
     -e "s|@CTLD_PORT@|$port|g" -e "s|@SLURMD_PORT@|$((port + 1))|g" \
-    "$REPO/tests/slurm/slurm.conf.in" > "$SLURM_CONF"
+    "$REPO/tests/integration/site/slurm/slurm.conf.in" > "$SLURM_CONF"
 if [ -f /etc/munge/munge.key ]; then
   cp /etc/munge/munge.key "$WORK/munge/munge.key"
 else

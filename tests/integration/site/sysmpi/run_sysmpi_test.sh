@@ -8,11 +8,11 @@
 #   3. two ranks train configs/tiny.toml through the production job body (jobs/common.sh) to DONE,
 #      and the start-up line names Debian's library file and its ch4 transport, not a wheel.
 # Skips (exit 0, saying why) where Debian's MPICH is absent and cannot be installed (not root, no
-# apt-get, offline). Exit status 1 when a check fails. tests/slurm/run_slurm_test.sh uses the same venv.
+# apt-get, offline). Exit status 1 when a check fails. tests/integration/site/slurm/run_slurm_test.sh uses the same venv.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
-# shellcheck source=tests/sysmpi/system_mpi.sh
-source tests/sysmpi/system_mpi.sh
+cd "$(dirname "${BASH_SOURCE[0]}")/../../../.." || exit 1
+# shellcheck source=tests/integration/site/sysmpi/system_mpi.sh
+source tests/integration/site/sysmpi/system_mpi.sh
 system_mpi_venv || exit $(($? == 1 ? 0 : 1))
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
 fail() { echo "FAILED: $*"; exit 1; }
@@ -22,7 +22,7 @@ fail() { echo "FAILED: $*"; exit 1; }
 echo "[${SECONDS} s] $VENV: no MPICH wheel; mpi4py linked against $(boostmpi_mpi4py_library)"
 
 # 2. the MPI tests of the start-up checks, on this MPI
-timeout 300 "$SYSTEM_MPIEXEC" -n 2 "$PY" -m pytest -q -p no:cacheprovider --with-mpi -m mpi tests/test_startup.py ||
+timeout 300 "$SYSTEM_MPIEXEC" -n 2 "$PY" -m pytest -q -p no:cacheprovider --with-mpi -m mpi tests/unit/parallel/test_startup.py ||
   fail "the start-up checks' MPI tests under $SYSTEM_MPIEXEC"
 
 # 3. two ranks through the production job body

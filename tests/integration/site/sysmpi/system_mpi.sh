@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Sourced by tests/sysmpi/run_sysmpi_test.sh and tests/slurm/run_slurm_test.sh: the system-MPI
+# Sourced by tests/integration/site/sysmpi/run_sysmpi_test.sh and tests/integration/site/slurm/run_slurm_test.sh: the system-MPI
 # stand-in for a cluster's MPI on this machine.
 #
 #   system_mpi_venv   makes sure Debian's MPICH is installed (apt-get install mpich libmpich-dev,
