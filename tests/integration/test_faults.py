@@ -810,8 +810,7 @@ NCCL_WATCHDOG_SCRIPT = textwrap.dedent('''
 
 
 def test_the_watchdog_aborts_a_stuck_nccl_group():
-    tests = REPO / "tests"
-    env = {"PYTHONPATH": os.pathsep.join([str(tests / "cupy_standin"), str(tests), str(REPO)]),
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "testing" / "cupy_standin"), str(REPO)]),
            "BOOSTMPI_CUPY_STANDIN": "1"}
     status, out, seconds = _run(["timeout", "60", MPIEXEC, "-n", "2", PY, "-c", NCCL_WATCHDOG_SCRIPT, "1.0"], **env)
     assert status != 0 and status != 124, out

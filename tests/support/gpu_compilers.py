@@ -88,7 +88,7 @@ def _version(package):
 def _real_cupy_env():
     """The environment of a child that imports the real CuPy, not the tests' stand-in."""
     env = dict(os.environ)
-    standin = str(HERE / "cupy_standin")
+    standin = str(HERE.parents[1] / "testing" / "cupy_standin")
     env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                         if p and p != standin)
     env.pop("BOOSTMPI_CUPY_STANDIN", None)
