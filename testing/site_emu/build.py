@@ -117,7 +117,7 @@ def cythonize_mpi4py_sdist(wheels):
 def stub_wheel(folder, name, version):
     """A wheel NAME==VERSION without the real library: a CuPy wheel installs the project's CuPy
     stand-in (testing/cupy_standin/cupy and cupyx, as the real wheel ships both) and its CUDA
-    execution harness (testing/cudaemu) instead; an
+    execution harness (testing/cudaemu, installed as the package testing.cudaemu) instead; an
     NCCL wheel installs only its name, which is what the one-NCCL check looks for."""
     dist = name.replace("-", "_")
     files = {f"{dist}-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
