@@ -1,8 +1,13 @@
-"""tests/ mirrors the package: every module boostmpi/<package>/<module>.py has its unit tests in
+"""tests/ mirrors the package, and its conftest.py acts only through hooks and fixtures.
+
+tests/ mirrors the package: every module boostmpi/<package>/<module>.py has its unit tests in
 tests/unit/<package>/test_<module>.py (boostmpi/<module>.py: tests/unit/core/test_<module>.py), or an entry
 below saying where its tests are instead and why. A new module without either fails here."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import boostmpi
@@ -113,3 +118,14 @@ def test_every_exemption_is_of_a_module_without_its_test_file_and_names_tests_th
     named = {m: re.findall(r"tests/[\w/]+(?:\.py|/)", reason) for m, reason in EXEMPT.items()}
     wrong = {m: p for m, paths in named.items() for p in paths if not (REPO / p).exists()}
     assert not wrong, f"EXEMPT reasons naming files that do not exist: {wrong}"
+
+
+def test_importing_conftest_does_nothing():
+    """No CuPy choice, no boostmpi, no environment variable until pytest calls conftest's hooks."""
+    code = ("import os, sys, tests.conftest\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'boostmpi', 'mpi4py')),\n"
+            "      sorted(k for k in os.environ if k.startswith('BOOSTMPI_')), os.environ.get('PYTHONPATH'))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BOOSTMPI_") and k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]", "[]", "None"], out.stdout
