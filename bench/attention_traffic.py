@@ -3,9 +3,9 @@
 Prints a markdown block:
   - registers, shared memory and spills per entry point from `ptxas -v` (sm_80, NVRTC) and the
     blocks that fit an SM; VGPRs, spills and the blocks that fit a CU from hipcc's resource
-    remarks (gfx90a); the occupancy rules of tests/test_kernel_resources.py;
+    remarks (gfx90a); the occupancy rules of tests/kernels/test_kernel_resources.py;
   - global bytes per launch, counted by the CUDA execution harness at a small shape (every
-    access; tests/test_attention_kernel.py holds the count equal to the tile plan), and by the
+    access; tests/kernels/attention/test_attention_kernel.py holds the count equal to the tile plan), and by the
     tile plan (boostmpi.gpu.kernels.attention_traffic) at the paper's 7B layout per rank;
   - FlashAttention-2's traffic for the same call: forward with 64-query tiles (Q once, K and V
     once per query tile up to its last query, O and the log-sum-exp once); backward with 64-key
@@ -25,9 +25,11 @@ from pathlib import Path
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
+sys.path.insert(0, str(ROOT))  # boostmpi and tests.support
 
-import gpu_setup  # noqa: E402,F401  (the CuPy stand-in when no GPU is reachable)
+from tests.support import gpu_setup  # noqa: E402
+
+gpu_setup.GPU.choose()  # the CuPy stand-in when no GPU is reachable
 import numpy as np  # noqa: E402
 
 from boostmpi.gpu import kernels  # noqa: E402
@@ -49,7 +51,7 @@ def ours(B, T, H, Hkv, Dh, s):
 
 
 def counted(B, T, H, Hkv, Dh, dtype):
-    import cudaemu
+    from testing import cudaemu
     import cupy
 
     rng = np.random.default_rng(0)
@@ -66,8 +68,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--append", help="append the block to this markdown file")
     args = parser.parse_args()
-    import gpu_compilers
-    from test_kernel_resources import (AMD_OPTIONS, NVIDIA_OPTIONS, amd_resident_blocks, launch_shape,
+    from tests.support import gpu_compilers
+    from tests.kernels.test_kernel_resources import (AMD_OPTIONS, NVIDIA_OPTIONS, amd_resident_blocks, launch_shape,
                                        nvidia_resident_blocks)
 
     source = kernels.kernel_source("attention")

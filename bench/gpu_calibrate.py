@@ -130,7 +130,7 @@ def no_gpu_reason():
     except ImportError as exc:
         return f"CuPy is not importable ({exc})"
     if getattr(cupy, "__standin__", False) or "cupy_standin" in (getattr(cupy, "__file__", "") or ""):
-        return "this `cupy` is the test suite's stand-in (tests/cupy_standin), not a GPU"
+        return "this `cupy` is the test suite's stand-in (testing/cupy_standin), not a GPU"
     try:
         if cupy.cuda.runtime.getDeviceCount() < 1:
             return "CuPy sees no CUDA device"

@@ -173,7 +173,7 @@ step_4() {
 # ---- 5. the real-GPU kernel tests
 step_5() {
   step "5. kernel tests" "$T_TESTS" "$OUT/tests.log" env BOOSTMPI_CUPY_STANDIN=0 "$PY" -m pytest -q -x -p no:cacheprovider \
-    tests/test_kernels.py::test_compile_all_compiles_every_kernel_file tests/test_attention_kernel.py
+    tests/kernels/test_kernels.py::test_compile_all_compiles_every_kernel_file tests/kernels/attention/test_attention_kernel.py
 }
 
 # ---- 6. two allocators, 7. the first-contact check as written

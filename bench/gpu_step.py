@@ -38,8 +38,7 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tests"))
+sys.path.insert(0, REPO)  # boostmpi and tests.support (the PyTorch reference)
 
 
 def gpu_time(fn, repeats, warmup=2):
@@ -230,7 +229,7 @@ def main():
 
     import torch
 
-    from torch_llama import TorchLlama
+    from tests.support.torch_llama import TorchLlama
 
     params = {s.name: cupy.asnumpy(eng.params[s.name]) for s in eng.specs}
     tm = TorchLlama(cfg.to_dict()["model"], params, dtype=torch.bfloat16).cuda()

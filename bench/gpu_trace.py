@@ -1,7 +1,7 @@
 """The engine's own GPU step, op by op, priced with a machine profile, beside the analytical model.
 
 One training step (forward_backward + AdamW) of the GPU path runs on the CuPy stand-in
-(tests/cupy_standin) with a recorder around it: every GEMM (shape, dtype), every other kernel
+(testing/cupy_standin) with a recorder around it: every GEMM (shape, dtype), every other kernel
 the step launches (CuPy elementwise ufuncs, reductions, copies and gathers, the fused RawKernels
 of boostmpi/gpu) with the bytes it reads and writes, every NCCL collective with its bytes. The
 fused kernels are recorded but not executed (their arguments say what they move; the values do
@@ -25,7 +25,7 @@ over a tp group of N.
     mpiexec -n 4 python bench/gpu_trace.py --tp 4 [--scale 8] ...
 
 `--paper 7b|13b --meta --json PATH` runs the paper's layouts at full size in the stand-in's
-shapes-only mode (tests/cupy_standin/README.md: arrays carry shape, dtype and a pool allocation
+shapes-only mode (testing/cupy_standin/README.md: arrays carry shape, dtype and a pool allocation
 but no values; kernels, GEMMs and collectives are checked and recorded, not run): the 7B (d 4096,
 32 layers, 32 heads, d_ff 11008, r 1024, tp 4) under `mpiexec -n 4`, the 13B (d 5120, 40 layers,
 40 heads, d_ff 13824, r 1280, tp 4 x pp 2, 4 micro-batches) under `mpiexec -n 8`; both V 32000,
@@ -64,8 +64,9 @@ if "--meta" in sys.argv[1:]:  # read when the stand-in is imported
     os.environ["BOOSTMPI_STANDIN_META"] = "1"
 if "--paper" in sys.argv[1:]:  # one node of 8 GPUs (the 13B layout's 8 ranks; a DGX A100)
     os.environ.setdefault("BOOSTMPI_STANDIN_GPUS", "8")
-sys.path.insert(0, str(REPO / "tests"))
-import gpu_setup  # noqa: E402,F401 - puts the stand-in first on sys.path
+from tests.support import gpu_setup  # noqa: E402 - the repository root is on sys.path (common.py)
+
+gpu_setup.GPU.choose()  # the stand-in first on sys.path (BOOSTMPI_CUPY_STANDIN=1 above)
 
 import numpy as np  # noqa: E402
 

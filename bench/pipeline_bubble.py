@@ -12,7 +12,7 @@ load average of 8 on the 2 cores added its wake-up delays (+17% to +22% on both 
     PYTHONPATH=. .venv/bin/python bench/pipeline_bubble.py [--pp 4] [--micro 8] [--unit 0.1] [--append bench/log/pipeline_bubble.md]
 
 The script starts itself under `timeout <--timeout> mpiexec -n <--pp>`. The logical-clock version
-of the same measurement is a test (tests/test_pipeline_schedule.py).
+of the same measurement is a test (tests/unit/parallel/test_pipeline.py).
 """
 
 import common  # first: one BLAS thread before numpy loads

@@ -10,7 +10,7 @@ The two are timed interleaved round by round.
 
     PYTHONPATH=. .venv/bin/python bench/pipelined_eval.py [--pp 4] [--batches 8] [--unit 0.05] [--append bench/log/pipelined_eval.md]
 
-The logical-clock version of the same measurement is a test (tests/test_pipelined_eval.py).
+The logical-clock version of the same measurement is a test (tests/unit/parallel/test_pipelined_eval.py).
 """
 
 import common  # first: one BLAS thread before numpy loads

@@ -16,15 +16,12 @@ Then a profile of boostmpi's step (phases and hot spots from cProfile) and of to
 
 import common  # first: one BLAS thread before numpy loads
 
-import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from common import REPO  # noqa: E402
-
-sys.path.insert(0, str(REPO / "tests"))
+from common import REPO  # noqa: E402,F401 - the repository root on sys.path (tests.support)
 
 MODEL = {"arch": "cola", "vocab_size": 256, "d_model": 512, "n_layers": 4, "n_heads": 8,
          "rank": 128, "d_ff": 1376, "seq_len": 256}
@@ -33,7 +30,7 @@ LR = common.LR
 
 def build_torch(torch, cfg, engine):
     """The reference model holding the engine's initial weights, and its AdamW set up like ours."""
-    from torch_llama import TorchLlama
+    from tests.support.torch_llama import TorchLlama
 
     params = {s.name: np.array(engine.params[s.name]) for s in engine.specs}
     model = TorchLlama(asdict(cfg.model), params, torch.float32).train()

@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # The job body shared by jobs/local.sh, jobs/frontier.sbatch, jobs/perlmutter.sbatch, jobs/polaris.pbs
-# and the real-Slurm test (tests/slurm/run_slurm_test.sh): one attempt of a resume-until-done chain.
+# and the real-Slurm test (tests/integration/site/slurm/run_slurm_test.sh): one attempt of a resume-until-done chain.
 #
 # A script sets these, sources this file and calls `boostmpi_job`:
 #   CONFIG        the TOML configuration

@@ -19,7 +19,7 @@
 #      (CUPY_CACHE_DIR; default a folder of this run), from which the later steps load them, and where
 #      the tensor-core attention found CUDA's crt/mma.h (or the line saying which package brings it);
 #   4. the single-rank GPU tests on the real CuPy (BOOSTMPI_CUPY_STANDIN=0; $BOOSTMPI_GPU_CHECK_TESTS,
-#      default tests/test_gpu.py tests/test_kernels.py; `-m "gpu and not multirank"`: what runs on the
+#      default tests/integration/gpu/test_gpu.py tests/kernels/test_kernels.py; `-m "gpu and not multirank"`: what runs on the
 #      GPU, not the compile-only tests), then the multi-rank ones (`-m "gpu and multirank"`: 4 ranks
 #      under mpiexec, one GPU each) with 4 GPUs or more;
 #   5. a few bfloat16 training steps of configs/tiny.toml on one GPU;
@@ -107,7 +107,7 @@ record cupy ok "$cupy_line"
 # ---- 2. a GPU?
 case "$cupy_line" in
   stand-in*)
-    record gpu none "CuPy is the test suite's stand-in (tests/cupy_standin), not a GPU"
+    record gpu none "CuPy is the test suite's stand-in (testing/cupy_standin), not a GPU"
     summary
     echo "error: no GPU: the stand-in CuPy is on the path (unset PYTHONPATH / BOOSTMPI_CUPY_STANDIN); run this on a GPU node" >&2
     exit 2 ;;
@@ -141,7 +141,7 @@ else
 fi
 
 # ---- 4. the GPU tests on the real CuPy: single-rank ones on GPU 0, multi-rank ones with a GPU per rank
-read -r -a tests <<< "${BOOSTMPI_GPU_CHECK_TESTS:-tests/test_gpu.py tests/test_kernels.py}"
+read -r -a tests <<< "${BOOSTMPI_GPU_CHECK_TESTS:-tests/integration/gpu/test_gpu.py tests/kernels/test_kernels.py}"
 gpu_tests() {  # NAME MARK TIMEOUT
   local out rc
   # pytest's progress goes to the terminal as it runs (a long step shows how far it got) and to a log

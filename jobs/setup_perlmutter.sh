@@ -13,7 +13,7 @@
 # (docs.nersc.gov/performance/readiness/). NERSC's module pages (the cudatoolkit, nccl and python
 # modules and their current versions), "Using Python at NERSC" and the GPU-affinity page were not
 # among them: no module version is pinned below, each module loads NERSC's default, and the
-# versions the emulated site of tests/site_emu gives these defaults are placeholders, not NERSC's.
+# versions the emulated site of testing/site_emu gives these defaults are placeholders, not NERSC's.
 perlmutter_environment() {
   # NERSC "Using Python at NERSC": the python module is NERSC's supported Python; cudatoolkit and
   # craype-accel-nvidia80 give the CUDA runtime and Cray MPICH's GPU transfer library (needed when

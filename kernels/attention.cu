@@ -48,7 +48,7 @@
 // dims without bounds tests. Each kernel is stamped for HD = 128 (<kernel>_<type>) and HD = 64
 // (<kernel>_hd64_<type>, which the wrappers launch for Dh <= 64: half the registers and FMAs, and
 // twice the staged keys in the forward and dQ). fp32 FMAs; the WMMA kernels at the end are an option.
-// Resources (NVRTC 12.9's ptxas report, sm_80 / sm_90; tests/test_kernel_resources.py checks them):
+// Resources (NVRTC 12.9's ptxas report, sm_80 / sm_90; tests/kernels/test_kernel_resources.py checks them):
 // registers a thread, forward 128 / 128, dQ 128 / 128, dK/dV 122 / 128; shared memory 32768,
 // 32768, 16512 bytes; no spills. gfx90a (hipcc of ROCm 5.2): 158-172, 154-157, 120 VGPRs; 42, 46,
 // 58 SGPRs; no SGPR or VGPR spills, no scratch; 2, 2 and 3 blocks per CU (LDS-bound).

@@ -27,7 +27,7 @@
 //   (3Cb); 5Cb per row in all, against 3Cb for a one-pass kernel. Plus 4C bytes of workspace
 //   per chunk, written once and read by the caller's sum (about 8 blocks per SM: at d_model
 //   16,384 on 108 SMs, 108 chunks in bf16, 54 in f32, each 64 KiB; N x C x b is 512 MiB there).
-// Resources (tests/test_kernel_resources.py measures them at these shapes with NVRTC for sm_80
+// Resources (tests/kernels/test_kernel_resources.py measures them at these shapes with NVRTC for sm_80
 // and sm_90 and hipcc for gfx90a): no spills, no scratch, no dynamic shared memory, at least 2
 // resident blocks per SM/CU for every kernel; rmsnorm_backward uses 40 (f32) / 48 (bf16)
 // registers at 256 threads.

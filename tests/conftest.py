@@ -1,4 +1,10 @@
-"""Shared pytest setup.
+"""Shared pytest setup. Importing this module does nothing; the hooks and fixtures below act.
+
+- `pytest_configure` (before collection, so before any test module imports boostmpi, whose backend
+  imports `cupy` once): the repository root on PYTHONPATH for child processes (tests/support/paths.py)
+  and the CuPy choice (tests/support/gpu_setup.py: a real GPU, probed in a child process, or the
+  stand-in). A fixture would come too late for it: collection imports boostmpi.
+- `_attention_fma_on_the_standin` (session, autouse): the FMA attention kernels on the stand-in.
 
 Under MPI (`mpiexec -n N python -m pytest --with-mpi ...`) every rank runs its own pytest session.
 A test that failed on one rank only would leave that rank's exit status non-zero and the others
@@ -11,19 +17,27 @@ import sys
 
 import pytest
 
-from gpu_setup import GPU
-from mpi_helpers import checks_comm, report_through, running_under_mpi
-
 _FINISH_COMM = pytest.StashKey()
 
-# On the execution harness the GPU tests run the attention's FMA kernels unless a test asks for the
-# tensor-core ones: the emulated WMMA kernels pad the tests' head dim of 16 to 128 and made the GPU
-# suite 3.5x slower (5.5 to 19 minutes on 2 cores). The default itself (tensor cores for bfloat16 on
-# compute capability 8.0 and later) and whole bfloat16 steps on the tensor-core kernels (1 and 2 ranks)
-# are tested in test_attention_tensor_cores.py, and the tests that take the fixture attention_gpu_default
-# run the default here too; on a real GPU the suite runs the default.
-if GPU.standin:
-    os.environ.setdefault("BOOSTMPI_ATTENTION_TENSOR_CORES", "0")
+
+@pytest.fixture(scope="session", autouse=True)
+def _attention_fma_on_the_standin():
+    """On the execution harness the GPU tests run the attention's FMA kernels unless a test asks for the
+    tensor-core ones: the emulated WMMA kernels pad the tests' head dim of 16 to 128 and made the GPU
+    suite 3.5x slower (5.5 to 19 minutes on 2 cores). The default itself (tensor cores for bfloat16 on
+    compute capability 8.0 and later) and whole bfloat16 steps on the tensor-core kernels (1 and 2 ranks)
+    are tested in tests/kernels/attention/test_attention_tensor_cores.py, and the tests that take the
+    fixture attention_gpu_default run the default here too; on a real GPU the suite runs the default.
+    Set in the environment for the whole session (child processes inherit it), removed at its end."""
+    from tests.support.gpu_setup import GPU
+
+    name = "BOOSTMPI_ATTENTION_TENSOR_CORES"
+    pinned = GPU.standin and name not in os.environ
+    if pinned:
+        os.environ[name] = "0"
+    yield
+    if pinned:
+        os.environ.pop(name, None)
 
 
 @pytest.fixture
@@ -34,16 +48,27 @@ def attention_gpu_default(monkeypatch):
 
 
 def pytest_report_header(config):
+    from tests.support.gpu_setup import GPU
+
     return f"gpu: {GPU.describe()}"
 
 
 def pytest_configure(config):
+    from tests.support.gpu_setup import GPU
+    from tests.support.paths import export_root
+
+    export_root()
+    GPU.choose()
+    from tests.support.mpi_helpers import report_through, running_under_mpi
+
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None and running_under_mpi(config):
         report_through(capture.global_and_fixture_disabled)
 
 
 def pytest_sessionstart(session):
+    from tests.support.mpi_helpers import checks_comm, running_under_mpi
+
     if running_under_mpi(session.config):
         from mpi4py import MPI
 

@@ -5,12 +5,12 @@
 #      which); its multi-rank GPU runs start their own `mpiexec -n 4` under a timeout,
 #   2. the MPI tests at 1, 2, 3 and 4 ranks (pytest-mpi under mpiexec, each under timeout),
 #   3. the system-MPI test: boostmpi without the [mpich] extra, mpi4py built against Debian's MPICH,
-#      two ranks under mpiexec.mpich (tests/sysmpi/run_sysmpi_test.sh; the first run compiles mpi4py),
+#      two ranks under mpiexec.mpich (tests/integration/site/sysmpi/run_sysmpi_test.sh; the first run compiles mpi4py),
 #   4. the real-Slurm test on that same system MPI,
 #   5. the emulated centres: jobs/setup_<site>.sh and the job scripts end to end on emulated Frontier,
-#      Perlmutter and Polaris (tests/test_site_emu.py, tests/site_emu; root, a mount namespace, apt),
+#      Perlmutter and Polaris (tests/integration/site/test_site_emu.py, testing/site_emu; root, a mount namespace, apt),
 #   6. jobs/gpu_check.sh as written in an emulated fixed environment (python3 only, no .venv, no network,
-#      CuPy for CUDA 13 in CUDA 13's wheel layout; tests/test_gpu_check.py) at one GPU, four, and no MPI,
+#      CuPy for CUDA 13 in CUDA 13's wheel layout; tests/integration/site/test_gpu_check.py) at one GPU, four, and no MPI,
 #   7. CUDA 13: a second environment, .venv-cuda13 (Python 3.12 where one is installed, cupy-cuda13x and
 #      CUDA 13.0's NVRTC, runtime and crt wheels: the [test-cuda13] extra), running the header tests and
 #      every NVRTC compile and resource test there (step 1 ran them on CUDA 12's wheels),
@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.." || exit 1
 source jobs/setup_env.sh
 setup_venv test,plot,mpich
 
-# The GPU compilers the kernel tests compile with (tests/gpu_compilers.py): NVRTC and the real CuPy
+# The GPU compilers the kernel tests compile with (tests/support/gpu_compilers.py): NVRTC and the real CuPy
 # come with the [test] extra; hipRTC (libamdhip64.so.5) and hipcc for gfx90a are Debian's ROCm 5.2
 # packages, installed here when missing (about a minute, as root with apt). Without them those
 # tests skip, and under CI=true fail.
@@ -53,20 +53,20 @@ for n in 1 2 3 4; do
 done
 
 step "system-MPI test"
-timeout 1200 bash tests/sysmpi/run_sysmpi_test.sh || status=1
+timeout 1200 bash tests/integration/site/sysmpi/run_sysmpi_test.sh || status=1
 
 step "real Slurm test"
-if [ -x tests/slurm/run_slurm_test.sh ] || [ -f tests/slurm/run_slurm_test.sh ]; then
-  timeout 600 bash tests/slurm/run_slurm_test.sh || status=1
+if [ -x tests/integration/site/slurm/run_slurm_test.sh ] || [ -f tests/integration/site/slurm/run_slurm_test.sh ]; then
+  timeout 600 bash tests/integration/site/slurm/run_slurm_test.sh || status=1
 else
-  echo "skipped: tests/slurm/run_slurm_test.sh is not present"
+  echo "skipped: tests/integration/site/slurm/run_slurm_test.sh is not present"
 fi
 
 step "emulated centres"
-BOOSTMPI_SITE_EMU=1 timeout 1200 "$PY" -m pytest -q -p no:cacheprovider tests/test_site_emu.py || status=1
+BOOSTMPI_SITE_EMU=1 timeout 1200 "$PY" -m pytest -q -p no:cacheprovider tests/integration/site/test_site_emu.py || status=1
 
 step "gpu_check in a fixed environment"
-BOOSTMPI_GPU_CHECK_EMU=1 timeout 1800 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_check.py || status=1
+BOOSTMPI_GPU_CHECK_EMU=1 timeout 1800 "$PY" -m pytest -q -p no:cacheprovider tests/integration/site/test_gpu_check.py || status=1
 
 step "CUDA 13 compile tests"
 # Python 3.12 (what CUDA 13 nodes and PyTorch's CUDA 13 wheels run): on PATH, else pyenv's; else python3
@@ -82,8 +82,8 @@ cuda13_python() {
   BOOSTMPI_VENV="$PWD/.venv-cuda13" BOOSTMPI_VENV_PYTHON="$(cuda13_python)" setup_venv test-cuda13,mpich
   echo "$("$PY" -c 'import platform, numpy; print("Python", platform.python_version(), "NumPy", numpy.__version__)') in $VENV"
   # hipRTC's and hipcc's tests are step 1's: the CUDA major changes nothing there
-  timeout 900 "$PY" -m pytest -q -p no:cacheprovider tests/test_tensor_core_headers.py tests/test_cudaemu_wmma.py \
-    tests/test_kernel_resources.py tests/test_attention_tensor_cores.py::test_nvrtc_compiles_it_within_the_budget \
+  timeout 900 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/attention/test_tensor_core_headers.py tests/emulators/cudaemu/test_cudaemu_wmma.py \
+    tests/kernels/test_kernel_resources.py tests/kernels/attention/test_attention_tensor_cores.py::test_nvrtc_compiles_it_within_the_budget \
     -k "not gfx90a and not hiprtc" &&
     echo "CUDA 13 step: $((SECONDS - started)) s"
 ) || status=1

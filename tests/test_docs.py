@@ -30,7 +30,7 @@ from boostmpi.config import config_from_dict
 from boostmpi.data.shards import write_shard
 from boostmpi.parallel.comm import HostCollectives
 from boostmpi.train.trainer import Trainer
-from train_helpers import TINY_CONFIG, stop_signals_restored
+from tests.support.train_helpers import TINY_CONFIG, stop_signals_restored
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -540,7 +540,7 @@ def tp2_config(overrides, *more):
 
 
 def test_documented_tp_calls_are_the_performance_models():
-    """The model's tp_calls equal the engine's counters for every layout (tests/test_sim_vs_engine.py, under
+    """The model's tp_calls equal the engine's counters for every layout (tests/integration/test_sim_vs_engine.py, under
     MPI); here the table against it, for layer counts, micro-batches, dp and recompute modes."""
     from boostmpi.sim.model import tp_calls
 
@@ -565,9 +565,9 @@ def test_tp_calls_check_fails_on_a_mutant():
 @pytest.mark.mpi(min_size=2)
 def test_documented_tp_calls_are_what_the_engine_counts():
     from boostmpi.parallel.engine import Engine
-    from mpi_helpers import abort_on_error, assert_all_ranks, world
-    from test_parallel import free_communicators
-    from test_sim_vs_engine import counted, random_micro_batches
+    from tests.support.mpi_helpers import abort_on_error, assert_all_ranks, world
+    from tests.integration.test_parallel import free_communicators
+    from tests.integration.test_sim_vs_engine import counted, random_micro_batches
 
     comm = world()
     if comm.Get_size() != 2:

@@ -9,7 +9,7 @@ output and float32 compute (rocBLAS's gemm_ex table lists both pairs). So
 on the handle CuPy made (a hipblasHandle_t on ROCm) and CuPy's current stream.
 
 hipBLAS has had three ABIs for these two functions, with the same arguments in the same places and
-widths (tests/hipblas_checked.txt records the header lines; tests/test_hipblas.py compares the
+widths (tests/hipblas_checked.txt records the header lines; tests/unit/gpu/test_hipblas.py compares the
 declarations below with them):
 - "legacy" (hipBLAS 0.x-1.x of ROCm 5, and still exported by 2.x): `hipblasGemmEx` and
   `hipblasGemmStridedBatchedEx` with hipblasDatatype_t types (HIPBLAS_R_16B = 168, HIPBLAS_R_32F =

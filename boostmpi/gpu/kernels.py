@@ -3,7 +3,7 @@
 Each wrapper takes C-contiguous CuPy arrays of float32 or bfloat16 (`ml_dtypes.bfloat16`, which
 CuPy >= 14 stores natively) and returns new arrays. The model calls them from the functions of
 the same name in `boostmpi.model.layers` (and the vocabulary-parallel head), whose NumPy code is the
-CPU path and the one specification each kernel is tested against (tests/test_kernels.py): the
+CPU path and the one specification each kernel is tested against (tests/kernels/test_kernels.py): the
 kernels compute in float32 and round their big outputs once to the storage dtype.
 Importing this module needs no CuPy; calling a wrapper does.
 

@@ -18,7 +18,7 @@ def kernel_inputs(*arrays):
     """(the fused CUDA kernels of boostmpi.gpu.kernels, the arrays C-contiguous) when the arrays are
     CuPy arrays of float32 or bfloat16, all of one dtype; else (None, the arrays): the NumPy code
     below is then the path, and it is the specification each kernel is tested against
-    (tests/test_kernels.py). A strided input (a column block of a grouped GEMM's output) is copied
+    (tests/kernels/test_kernels.py). A strided input (a column block of a grouped GEMM's output) is copied
     once: cheaper on a GPU than the unfused operations."""
     xp = get_array_module(arrays[0])
     dtype = arrays[0].dtype

@@ -34,7 +34,7 @@ interleave in. One channel per kind alone would not do: round a ring each is use
 two neighbours block on sends to each other.
 
 Without a GPU, CI runs it unchanged on the CuPy stand-in's NCCL, carried out by MPI between real
-ranks with NCCL's ordering rules (tests/test_gpu.py, tests/test_nccl_p2p.py; docs/GPU.md).
+ranks with NCCL's ordering rules (tests/integration/gpu/test_gpu.py, tests/unit/parallel/test_nccl.py; docs/GPU.md).
 """
 
 from boostmpi.gpu.ranges import ranged

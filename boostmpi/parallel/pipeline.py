@@ -17,7 +17,7 @@ and one backward unit, then drains. The warm-up and cool-down are made of chunks
 stage's layers, which divides the bubble by v: (S - 1) / (v M) of the ideal compute time, against
 (S - 1) / M for plain 1F1B. The data flow alone needs (v - 1) S + S - s - 1 warm-up units; the
 further S - s - 1 keep the steady state fed while messages travel: with p2p latency the shorter
-warm-up leaves a larger bubble (tests/test_pipeline_schedule.py). The price is memory: rank 0 holds up to
+warm-up leaves a larger bubble (tests/unit/parallel/test_pipeline.py). The price is memory: rank 0 holds up to
 (v + 1) S - 1 chunks' activations at once, 1 + (S - 1) / (S v) times what plain 1F1B keeps
 there (docs/MEMORY.md).
 

@@ -38,7 +38,7 @@ BACKWARD_RATIO = 2.5
 # half used, and pays a fixed cost of TILE_OVERHEAD tile visits (loading its rows, writing its
 # result and statistics). Useful work n²/2 of n(n+1)/2 + TILE_OVERHEAD·n visits: the efficiency
 # n / (n + 1 + 2·TILE_OVERHEAD) at n = T/64. TILE_OVERHEAD = 2 is fitted to the own kernels' H200
-# table (bench/log/attention.md; tests/test_sim_attention.py checks every shape of it within 25%).
+# table (bench/log/attention.md; tests/unit/sim/test_attention_rates.py checks every shape of it within 25%).
 TILE = 64
 TILE_OVERHEAD = 2
 
