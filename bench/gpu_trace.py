@@ -21,7 +21,7 @@ NCCL payload bytes are printed beside the engine's own byte counters (summed ove
 the analytical model's `comm_bytes`; the collectives are priced with the profile's link bandwidths
 over a tp group of N.
 
-    python bench/gpu_trace.py [--scale 8] [--machine a100-80gb] [--top 12]
+    python bench/gpu_trace.py [--scale 8] [--machine h200] [--top 12]
     mpiexec -n 4 python bench/gpu_trace.py --tp 4 [--scale 8] ...
 
 `--paper 7b|13b --meta --json PATH` runs the paper's layouts at full size in the stand-in's
@@ -659,7 +659,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=int, default=8, help="divide the 7B's width, vocabulary and T by this")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under mpiexec with this many)")
-    ap.add_argument("--machine", default="a100-80gb")
+    ap.add_argument("--machine", default="h200", help="a machine profile that rates the attention the step runs (the own kernels: h200, h100-sxm)")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--paper", choices=sorted(PAPER), help="the paper's layout at full size (with --meta)")
     ap.add_argument("--meta", action="store_true", help="the stand-in's shapes-only mode (no values)")
@@ -790,4 +790,10 @@ def report(args, world):
 
 
 if __name__ == "__main__":
-    main()
+    from boostmpi.errors import UserError
+
+    try:
+        main()
+    except UserError as exc:  # e.g. a profile without a rate for the attention the step runs: one line
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

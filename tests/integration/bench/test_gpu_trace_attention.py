@@ -156,3 +156,13 @@ def test_mutant_flop_counts_are_caught(tmp_path, mutant):
     backward: the priced attention is wrong and the check fails."""
     with pytest.raises(AssertionError):
         _check(_run(tmp_path, mutant))
+
+
+def test_a_profile_without_the_steps_attention_rate_is_one_line_exit_2():
+    """bench/gpu_trace.py on a profile that rates no own kernels (a100-80gb; its default is h200, which
+    does): one error line, exit 2, no traceback."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_trace.py"), "--scale", "32", "--machine",
+                           "a100-80gb"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "error: machine profile a100-80gb has no rate for attention backend 'own'")
