@@ -11,15 +11,16 @@ from typing import NamedTuple
 import numpy as np
 
 from boostmpi.checkpoint.format import FORMAT, H5_BYTES_PER_DATASET, H5_BYTES_PER_FILE
-from boostmpi.model.params import FlatBuffer, block_pieces, param_specs, split_range
+from boostmpi.model.params import FlatBuffer, block_pieces, param_specs
 from boostmpi.model.params import flat_blocks  # the FlatBuffer's layout from specs alone
+from boostmpi.parallel.data_parallel import zero_slices
 
 
 def write_range(n_local, dp, dp_rank):
-    """The part [lo, hi) of a (tp, pp) rank's flat buffer that data-parallel rank `dp_rank` writes: the
-    same near-equal split as ZeRO-1's optimizer slices, so every rank writes what its optimizer owns
+    """The part [lo, hi) of a (tp, pp) rank's flat buffer that data-parallel rank `dp_rank` writes: its
+    slice of the ZeRO split (`zero_slices`), so every rank writes what its optimizer owns under ZeRO-1
     and the dp replicas of one shard share the writing."""
-    return split_range(n_local, dp, dp_rank)
+    return zero_slices(n_local, dp)[dp_rank]
 
 
 def rank_pieces(cfg, tp_rank, pp_stage, dp_rank):
