@@ -16,8 +16,10 @@ import hashlib
 import os
 import re
 
+from boostmpi.errors import CheckpointError
+
 FORMAT = "boostmpi"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # the newest format this build writes and reads; every older one still reads
 MARKER = "COMPLETE"
 FILES = ("model.h5", "optim.h5", "state.json")
 
@@ -25,6 +27,40 @@ FILES = ("model.h5", "optim.h5", "state.json")
 # how every command that takes a checkpoint describes its argument
 CHECKPOINT_ARG_HELP = ("a run directory (its latest checkpoint), its checkpoints/latest file, a step_<N> "
                        "checkpoint folder, or its model.h5")
+
+
+def check_format_version(path, version):
+    """Refuse model.h5 at `path` when its `format_version` attribute (`version`; None where the file has
+    none) is newer than FORMAT_VERSION: a later boostmpi wrote it, and this build cannot know what it
+    changed. An older or equal version reads as it always did."""
+    if version is None:
+        return
+    try:
+        number = int(version)
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{path} has an unreadable format_version attribute ({version!r})") from None
+    if number > FORMAT_VERSION:
+        raise CheckpointError(f"{path} is of checkpoint format version {number}, newer than version {FORMAT_VERSION}, "
+                              f"the newest this build of boostmpi reads: read it with the boostmpi that wrote it")
+
+
+def newer_format(folder):
+    """The refusal of checkpoint `folder` when its model.h5 is of a newer format (check_format_version),
+    checked before anything else is read from it, or None: also None when model.h5 cannot be read here,
+    which the checks that follow refuse in their own words."""
+    import h5py
+
+    path = os.path.join(folder, "model.h5")
+    try:
+        with h5py.File(path, "r") as f:
+            version = f.attrs.get("format_version")
+    except (OSError, RuntimeError, ValueError):
+        return None
+    try:
+        check_format_version(path, version)
+    except CheckpointError as exc:
+        return exc
+    return None
 
 
 def step_dir_name(step):
