@@ -1,6 +1,5 @@
 """The training loop: data, engine, optimizer, validation, metrics, checkpoints, preemption."""
 
-import contextlib
 import math
 import os
 import resource
@@ -16,14 +15,14 @@ from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_
 from boostmpi.data.tokenizer import check_complete_set
 from boostmpi import preemption
 from boostmpi.errors import CheckpointError, DataError, TrainingDiverged, UserError, verdict_of
-from boostmpi.files import (FilesystemError, RunLock, atomic_file, check_dir_creatable, format_bytes, fs_error,
-                            is_out_of_space, make_dirs)
+from boostmpi.files import FilesystemError, format_bytes, fs_error, is_out_of_space
 from boostmpi.parallel.engine import Engine
 from boostmpi.parallel.startup import process_grid
 from boostmpi.preemption import FINAL_RECORD, STOPPED_EARLY_EXIT, STOPPED_MARKER  # noqa: F401 - job scripts read them
 from boostmpi.train import metrics
 from boostmpi.train.optim import AdamW, clip_coefficient, learning_rate
 from boostmpi.train.resume import check_resume
+from boostmpi.train.rundir import RunDirectory
 
 
 def resolve_data(cfg):
@@ -95,12 +94,12 @@ class Trainer:
         self.is_root = self.rank == 0
         tr = cfg.train
         self.run_dir = tr.run_dir
+        self.run = RunDirectory(tr.run_dir, self.log)  # its lock, the resume choice, `latest`, abandoned timelines
         self.step = 0
-        self.resumed_from = None
         self._in_flight = None  # (PendingSave, writer thread) of an asynchronous checkpoint
         self._write_failure = None  # rank 0: the FilesystemError of a metrics or log write (see _write_failed)
         self.snapshot_bytes = 0  # memory of the last asynchronous checkpoint's snapshot
-        self._root_decides(lambda: check_dir_creatable(self.run_dir, "train.run_dir"))
+        self._root_decides(self.run.check_creatable)
         V, T = cfg.model.vocab_size, cfg.model.seq_len
 
         def open_data(vocab_size):
@@ -114,8 +113,7 @@ class Trainer:
         preemption.stage("data")
         self.preemption = preemption.watch()  # keeps a stop signal that arrived during start-up
         self.config_path = config_path
-        self._lock, self._made_run_dir, self._resume_pin = None, False, None
-        self._lock = self._root_decides(self._lock_run_dir)  # from here until close(): one run per run directory
+        self._root_decides(self.run.lock)  # from here until close(): one run per run directory
         try:
             path = self._check_resume(resume)
             self.engine = Engine(cfg, self.grid)  # the weights are drawn here, after every check
@@ -126,33 +124,15 @@ class Trainer:
             if path is not None:
                 self._resume(path)
                 self.grid.host.barrier()  # every rank has read it: another run may prune it again
-                self._release_resume_pin()
+                self.run.release_resume_pin()
         except BaseException:
             self.close()
             raise
 
-    def _lock_run_dir(self):
-        """Rank 0: hold the run directory's lock (files.RunLock) for the run's life."""
-        self._made_run_dir = not os.path.isdir(self.run_dir)
-        make_dirs(self.run_dir, "train.run_dir")
-        lock = RunLock(self.run_dir).acquire()
-        if lock.stale:
-            self.log(f"the lock of {self.run_dir} was stale ({lock.stale}: that run is gone); this run takes it over")
-        # a stop marker left by an earlier run says nothing about this one (written again if this one stops)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(self.run_dir, STOPPED_MARKER))
-        return lock
-
     def close(self):
         """Release the run directory (also done when `train` returns or raises)."""
         preemption.release()  # this run's stop signal (if any) is acted on; a later run starts afresh
-        self._release_resume_pin()
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
-            if self._made_run_dir:  # refused before anything was written: leave no empty folder behind
-                with contextlib.suppress(OSError):
-                    os.rmdir(self.run_dir)
+        self.run.release()
 
     # ------------------------------------------------------------------ helpers
     def log(self, msg, live=False):
@@ -210,30 +190,10 @@ class Trainer:
         self.grid.host.agree(verdict, root=0)
         return value if self.is_root else (elsewhere() if elsewhere else None)
 
-    def _checkpoint_to_resume(self, resume):
-        """The verified checkpoint to continue from, or None for a fresh run (rank 0 only)."""
-        metrics.cut_off_row(self.run_dir)  # damaged metrics are refused before anything is changed
-        path = resume or ckpt.find_latest(self.run_dir)
-        if path is None:
-            if metrics.has_rows(self.run_dir):
-                raise UserError(f"{self.run_dir} already holds a run (metrics.jsonl) but no complete checkpoint to resume "
-                                f"(its first checkpoint was never written); choose another train.run_dir or remove it")
-            return None
-        path = ckpt.resolve(path)
-        if os.path.realpath(os.path.dirname(path)) != os.path.realpath(ckpt.checkpoints_dir(self.run_dir)):
-            # another run's checkpoint, which that run may prune while the ranks read it: pinned until they have
-            self._resume_pin = ckpt.Pin(path).acquire()
-        return path
-
-    def _release_resume_pin(self):
-        if self._resume_pin is not None:
-            self._resume_pin.release()
-            self._resume_pin = None
-
     def _check_resume(self, resume):
         """The checkpoint to continue from (`resume`, a path, or the run's latest complete one), verified
         and checked against this configuration and data before any weight exists; None for a fresh run."""
-        path = self._root_decides(lambda: self._checkpoint_to_resume(resume))
+        path = self._root_decides(lambda: self.run.choose_resume(resume))
         path = self.grid.host.bcast(path)
         if path is None:
             return None
@@ -263,17 +223,14 @@ class Trainer:
         step, _ = ckpt.load(path, e.specs, buffer, self.optimizer, e.xp)
         e.adopt_master(buffer)
         self.step = step
-        self.resumed_from = path
+        self.run.continues(path, step)
         self.log(f"resumed from {path} (step {step})")
 
     # ------------------------------------------------------------------ checkpoint
     def _kept_checkpoint(self):
         """What a stopped run leaves to resume from, in words: its newest complete checkpoint, or none."""
         self.poll_async_save(wait=True)
-        latest = ckpt.find_latest(self.run_dir)
-        if latest is None:
-            return "no checkpoint was written yet, so there is none to resume from"
-        return f"the last checkpoint, {os.path.basename(latest)}, is kept intact"
+        return self.run.kept_checkpoint()
 
     def save_checkpoint(self):
         """Every rank writes its own pieces at once (checkpoint.save); a failure on any rank (a full
@@ -350,7 +307,7 @@ class Trainer:
         cfg, e, tr = self.cfg, self.engine, self.cfg.train
         preemption.started()  # from here a stop signal is acted on at a step boundary, with a checkpoint
         preemption.stage("first-step")
-        self._root_decides(self._prepare_run_dir)
+        self._root_decides(lambda: self.run.prepare(cfg.to_toml()))
         tokens_per_step = cfg.tokens_per_step
         log = metrics.MetricsFile(self.run_dir) if self.is_root else None
         t_start = time.perf_counter()
@@ -428,18 +385,8 @@ class Trainer:
         return {"step": self.step, "preempted": False, "val_loss": last_val, "loss": loss if steps_done else None}
 
     def _write_final_record(self):
-        """Rank 0, once the last step is trained and its checkpoint published: the run's own record that it
-        is finished (FINAL_RECORD), from which alone the job scripts write DONE."""
-        import json
-
-        record = {"step": self.step, "steps": self.cfg.train.steps, "checkpoint": ckpt.find_latest(self.run_dir),
-                  "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-        try:
-            with atomic_file(os.path.join(self.run_dir, FINAL_RECORD)) as f:
-                json.dump(record, f)
-                f.write("\n")
-        except OSError as exc:
-            raise fs_error(exc, "cannot write the run's final record", os.path.join(self.run_dir, FINAL_RECORD)) from exc
+        """Rank 0, once the last step is trained and its checkpoint published (RunDirectory.write_final_record)."""
+        self.run.write_final_record(self.step, self.cfg.train.steps)
 
     def _stop_at_boundary(self, last_val):
         """A stop signal reached some rank: checkpoint the step reached (unless it was just saved), say so,
@@ -452,8 +399,7 @@ class Trainer:
                  f"({self.preemption.name()}; exit status {STOPPED_EARLY_EXIT})")
         self._stop_if_a_write_failed()
         if self.is_root:
-            with atomic_file(os.path.join(self.run_dir, STOPPED_MARKER)) as f:
-                f.write(f"stopped on {self.preemption.name()} at step {self.step}\n")
+            self.run.write_stop_marker(f"stopped on {self.preemption.name()} at step {self.step}\n")
         if self.step >= steps:  # stopped at the last step: the run is finished all the same
             self._root_decides(self._write_final_record)
         # no rank leaves before rank 0 has published the checkpoint and the marker: a launcher
@@ -494,56 +440,3 @@ class Trainer:
                 f"{mib(mem['optimizer'])}, saved activations {mib(mem['activations_saved'])} per micro-batch{layer} "
                 f"with recompute = {self.cfg.train.recompute}, {mib(mem['activations_in_flight'])} held at once "
                 f"by the pipeline schedule, peak {mib(mem['peak'])}")
-
-    def _prepare_run_dir(self):
-        """Rank 0, before the first step: create the run directory, remove what a killed writer left,
-        move another timeline's checkpoints aside, record the configuration, trim the metrics."""
-        make_dirs(self.run_dir, "train.run_dir")
-        try:
-            with contextlib.suppress(FileNotFoundError):  # written again when this run reaches train.steps
-                os.remove(os.path.join(self.run_dir, FINAL_RECORD))
-            for path in ckpt.remove_stale_temporaries(self.run_dir):
-                self.log(f"removed {path}, left by a writer that stopped before finishing it")
-            cut = metrics.drop_cut_off_row(self.run_dir)
-            if cut is not None:
-                self.log(f"dropped the last row of {metrics.path(self.run_dir)}: it was cut off ({cut[:60]!r}...), "
-                         f"a crash while it was written; its step is trained again")
-            dropped = self._trim_metrics()
-            self._abandon_other_timelines(dropped)
-            with atomic_file(os.path.join(self.run_dir, "config.toml")) as f:
-                f.write(self.cfg.to_toml())
-        except OSError as exc:
-            raise fs_error(exc, "cannot write into train.run_dir", self.run_dir) from exc
-
-    def _abandon_other_timelines(self, dropped_rows):
-        """Checkpoints of this run directory that this run will not continue (past the step it starts
-        from, or all of them when it starts from another run's checkpoint) are moved aside, never
-        reused or deleted, and `latest` names the checkpoint this run continues from."""
-        root = ckpt.checkpoints_dir(self.run_dir)
-        resumed = self.resumed_from
-        own = not self._started_from_another_run()
-        others = [p for p in ckpt.complete_checkpoints(self.run_dir) if not own or ckpt.checkpoint_step(p) > self.step]
-        if not others:
-            return
-        start = f"step {self.step} of {resumed}" if resumed else "scratch"
-        dest = ckpt.move_aside(self.run_dir, others, f"checkpoints of a timeline abandoned when a run started from {start}",
-                               metrics.set_aside(dropped_rows))
-        if own:
-            ckpt.write_latest(self.run_dir, os.path.basename(resumed))
-        elif os.path.exists(os.path.join(root, "latest")):
-            os.remove(os.path.join(root, "latest"))
-        names = ", ".join(os.path.basename(p) for p in others)
-        rows = f" and {len(dropped_rows)} metrics rows" if dropped_rows else ""
-        self.log(f"starting from {start}: the checkpoints {names}{rows} of the abandoned timeline are moved to {dest} "
-                 f"(kept, never loaded)")
-
-    def _trim_metrics(self):
-        """On resume, drop rows past the checkpoint's step (all of them when starting from another run's
-        checkpoint): they will be produced again. Returns the dropped rows."""
-        return metrics.trim(self.run_dir, None if self._started_from_another_run() else self.step)
-
-    def _started_from_another_run(self):
-        """True when this run continues a checkpoint outside its own run directory."""
-        resumed = self.resumed_from
-        root = ckpt.checkpoints_dir(self.run_dir)
-        return resumed is not None and os.path.realpath(os.path.dirname(resumed)) != os.path.realpath(root)
