@@ -12,19 +12,34 @@ or "bfloat16" (GPU mixed precision). From it and from the dtype of the data at h
 | a sum over MPI (MPI has no bfloat16)  | float64 | float32 | float32  | `mpi_sum_dtype`        |
 | a checkpoint evaluated on the CPU     | float64 | float32 | float32  | `cpu_dtype_name`       |
 
-NCCL sums bfloat16 itself (ncclBfloat16); the host collectives carry float64 (losses, norms,
-counters). Under mixed precision with ZeRO-1 the master weights exist for the rank's slice only
-(`separate_master`).
+NCCL sums bfloat16 itself (ncclBfloat16, `nccl_dtype_name`); a type a library has no name for moves
+as unsigned integers of its width (`bits_dtype`); the host collectives carry float64 (losses, norms,
+counters: `HOST_DTYPE`). Under mixed precision with ZeRO-1 the master weights exist for the rank's
+slice only (`separate_master`). The performance model asks by name: `itemsize` (bytes per element)
+and `master_dtype_name`.
 """
 
 import numpy as np
 
 NAMES = ("float64", "float32", "bfloat16")
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2}  # bytes per element of each `train.dtype`
+HOST_DTYPE = np.float64  # the host collectives' floats (losses, norms, traffic counters, flags)
+NCCL_NAMES = ("float32", "float64", "int32", "int64", "bfloat16")  # the dtypes NCCL moves and sums as themselves
 
 
 def master_dtype(name):
     """Master weights, gradients and optimizer state: float64 for a float64 run, else float32."""
     return np.float64 if name == "float64" else np.float32
+
+
+def itemsize(dtype):
+    """Bytes per element of `dtype`: a `train.dtype` name (bfloat16 without ml_dtypes) or a NumPy dtype."""
+    return ITEMSIZE[dtype] if isinstance(dtype, str) else np.dtype(dtype).itemsize
+
+
+def master_dtype_name(name):
+    """`master_dtype` by name: the `train.dtype` name of the master weights of a run in `name`."""
+    return np.dtype(master_dtype(name)).name
 
 
 def device_problem(name, device):
@@ -75,3 +90,16 @@ def cpu_dtype_name(trained):
     """The `train.dtype` to evaluate or sample a checkpoint with on the CPU: float64 when the run trained
     in it, else float32 (NumPy has no bfloat16)."""
     return "float64" if trained == "float64" else "float32"
+
+
+def nccl_dtype_name(dtype):
+    """The name of NCCL's type for data of `dtype` (`ncclFloat32` is "float32"): the dtype itself, bfloat16
+    included (NCCL sums it without a wider copy, unlike MPI); None for a dtype NCCL has no type for."""
+    name = np.dtype(dtype).name
+    return name if name in NCCL_NAMES else None
+
+
+def bits_dtype(dtype):
+    """What data of `dtype` moves as where a library has no type for it (bfloat16 over MPI): unsigned
+    integers of its width, or bytes for another width; its bits arrive unchanged."""
+    return {2: np.uint16, 4: np.uint32, 8: np.uint64}.get(np.dtype(dtype).itemsize, np.uint8)

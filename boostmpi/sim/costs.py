@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from boostmpi.sim.attention_rates import attention_seconds, own_variant, resolve_backend
 from boostmpi.sim.plans import Attention, Collective, Gemm, Pointwise
 
-ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2}
+from boostmpi.precision import ITEMSIZE  # bytes per element of each train.dtype (sim/ imports it from here)
 
 
 # GPU BLAS libraries pick their tile per problem: smaller output tiles for small outputs, at a
