@@ -3,7 +3,8 @@ choice of the checkpoint a run continues from, `checkpoints/latest` and the chec
 run does not continue (moved aside, never loaded or deleted), and the files that say how a run ended.
 
 Rank 0 does all of it; the trainer calls each step through its `_root_decides`, so that a refusal
-found here is one line on every rank (docs/OPERATIONS.md, "Runs and run directories"). The checkpoint
+found here is one line on every rank (docs/OPERATIONS.md, "One run per run directory" and "Resuming
+from an older checkpoint"). The checkpoint
 folder's own rules (what is complete, `resolve`, moving aside, pruning) are checkpoint/runs.py's; the
 lock's mechanism (flock, or a lease where the filesystem has no locks) is files.py's `RunLock`.
 """
