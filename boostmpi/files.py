@@ -11,8 +11,14 @@ import contextlib
 import errno
 import os
 import tempfile
+import threading
+from contextlib import AbstractContextManager
+from typing import BinaryIO, Iterator, Literal, NoReturn, TextIO, cast, overload
 
+from boostmpi.arrays import Array
 from boostmpi.errors import UserError
+
+StrPath = str | os.PathLike[str]  # a path as callers hold it: text or a pathlib.Path
 
 
 class FilesystemError(UserError):
@@ -20,20 +26,20 @@ class FilesystemError(UserError):
     permission, a read-only filesystem, a full disk, a file-size limit."""
 
 
-def format_bytes(n):
+def format_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:,.1f} {unit}"
     return f"{int(n)} B"
 
 
-def _default_file_mode():
+def _default_file_mode() -> int:
     umask = os.umask(0)  # reading the umask means setting it; put it straight back
     os.umask(umask)
     return 0o666 & ~umask
 
 
-def fsync_dir(path):
+def fsync_dir(path: StrPath) -> None:
     """Make a rename or a new entry in folder `path` durable (best effort: some filesystems refuse)."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -47,17 +53,28 @@ def fsync_dir(path):
         os.close(fd)
 
 
-@contextlib.contextmanager
-def atomic_file(path, mode="w"):
+@overload
+def atomic_file(path: StrPath, mode: Literal["w"] = "w") -> AbstractContextManager[TextIO]: ...
+@overload
+def atomic_file(path: StrPath, mode: Literal["wb"]) -> AbstractContextManager[BinaryIO]: ...
+
+
+def atomic_file(path: StrPath, mode: str = "w") -> AbstractContextManager[TextIO | BinaryIO]:
     """Write `path` through a temporary file in the same folder, renamed over it once complete and
-    on disk. On any error the temporary file is removed and the old `path` is left as it was."""
+    on disk. On any error the temporary file is removed and the old `path` is left as it was.
+    `mode`: "w" (text) or "wb" (bytes)."""
+    return _atomic_file(path, mode)
+
+
+@contextlib.contextmanager
+def _atomic_file(path: StrPath, mode: str) -> Iterator[TextIO | BinaryIO]:
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp_path = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
         os.fchmod(fd, _default_file_mode())  # mkstemp makes the file private; our outputs are shared data
         with os.fdopen(fd, mode) as f:
-            yield f
+            yield cast("TextIO | BinaryIO", f)
             f.flush()
             os.fsync(f.fileno())  # the rename must never expose a file whose data is not on disk
         os.replace(tmp_path, path)
@@ -70,13 +87,17 @@ def atomic_file(path, mode="w"):
     fsync_dir(folder)
 
 
-def write_file_atomically(path, data):
+def write_file_atomically(path: StrPath, data: str | bytes) -> None:
     """Replace `path` with `data` (str or bytes) atomically."""
-    with atomic_file(path, "wb" if isinstance(data, bytes) else "w") as f:
+    if isinstance(data, bytes):
+        with atomic_file(path, "wb") as fb:
+            fb.write(data)
+        return
+    with atomic_file(path) as f:
         f.write(data)
 
 
-def write_at(fd, data, offset):
+def write_at(fd: int, data: Array | bytes, offset: int) -> None:
     """Write all of `data` (any C-contiguous buffer: bytes, a NumPy array) at byte `offset` of open file
     descriptor `fd`, however many calls the kernel needs; the GIL is released while the bytes are copied."""
     view = memoryview(data).cast("B")
@@ -85,7 +106,7 @@ def write_at(fd, data, offset):
         view, offset = view[n:], offset + n
 
 
-def _write_all(fd, data):
+def _write_all(fd: int, data: bytes) -> None:
     """os.write until all of `data` is written (a short write is not an error)."""
     view = memoryview(data)
     while view.nbytes:
@@ -98,14 +119,16 @@ class LineLog:
     quota, a file-size limit) is cut off again, the file still ends with its last whole line, and the
     refusal is a FilesystemError naming the file."""
 
-    def __init__(self, path):
+    def __init__(self, path: StrPath) -> None:
         self.path = os.fspath(path)
+        self.fd: int | None
         try:
             self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         except OSError as exc:
             raise fs_error(exc, "cannot open", self.path) from exc
 
-    def append(self, line):
+    def append(self, line: str) -> None:
+        assert self.fd is not None, f"{self.path} is closed"
         end = os.lseek(self.fd, 0, os.SEEK_END)
         try:
             _write_all(self.fd, line.encode())
@@ -114,13 +137,13 @@ class LineLog:
                 os.ftruncate(self.fd, end)
             raise fs_error(exc, "cannot append to", self.path) from exc
 
-    def close(self):
+    def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
 
 
-def free_bytes(path):
+def free_bytes(path: StrPath) -> int | None:
     """Bytes this process may still write below `path` (its nearest existing folder), or None if unknown."""
     try:
         st = os.statvfs(_nearest_existing(path))
@@ -129,7 +152,7 @@ def free_bytes(path):
     return st.f_bavail * st.f_frsize
 
 
-def file_size_limit():
+def file_size_limit() -> int | None:
     """The largest file this process may write (RLIMIT_FSIZE, `ulimit -f`), or None when unlimited."""
     try:
         import resource
@@ -140,11 +163,11 @@ def file_size_limit():
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
-def is_out_of_space(exc):
+def is_out_of_space(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def _reason(exc):
+def _reason(exc: OSError) -> str:
     """Why an OSError happened, in words (HDF5 and others sometimes give no errno)."""
     if exc.errno == errno.ENOTDIR:
         return "a part of the path is a file, not a folder"
@@ -157,7 +180,7 @@ def _reason(exc):
     return (exc.strerror or str(exc)).rstrip(".").lower()
 
 
-def fs_error(exc, doing, path=None, needed=None):
+def fs_error(exc: OSError, doing: str, path: StrPath | None = None, needed: int | None = None) -> "FilesystemError":
     """A FilesystemError for `exc` (an OSError) met while `doing` (e.g. "cannot write checkpoint")."""
     path = path or getattr(exc, "filename", None)
     where = f" {path}" if path else ""
@@ -168,7 +191,7 @@ def fs_error(exc, doing, path=None, needed=None):
     return FilesystemError(message)
 
 
-def check_space(folder, needed, doing, largest_file=0):
+def check_space(folder: StrPath, needed: int, doing: str, largest_file: int = 0) -> None:
     """Refuse before writing `needed` bytes below `folder` (the largest file `largest_file` bytes)
     when the disk, or the file-size limit, has less room."""
     free = free_bytes(folder)
@@ -181,21 +204,21 @@ def check_space(folder, needed, doing, largest_file=0):
                               f"file-size limit of {format_bytes(limit)} (ulimit -f)")
 
 
-def _nearest_existing(path):
+def _nearest_existing(path: StrPath) -> str:
     path = os.path.abspath(path)
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
     return path
 
 
-def _read_only(path):
+def _read_only(path: StrPath) -> bool:
     try:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except (OSError, AttributeError):
         return False
 
 
-def check_dir_creatable(path, what):
+def check_dir_creatable(path: StrPath, what: str) -> str:
     """Refuse, without creating anything, a folder `path` that cannot be made or written: a file of
     that name, a file above it, a folder without write permission, a read-only filesystem."""
     path = os.fspath(path)
@@ -211,7 +234,7 @@ def check_dir_creatable(path, what):
     return path
 
 
-def make_dirs(path, what):
+def make_dirs(path: StrPath, what: str) -> StrPath:
     """os.makedirs(path, exist_ok=True), or a one-line error naming `what` (e.g. "train.run_dir") and why."""
     check_dir_creatable(path, what)
     try:
@@ -221,7 +244,7 @@ def make_dirs(path, what):
     return path
 
 
-def check_writable_parent(path, what):
+def check_writable_parent(path: StrPath, what: str) -> str:
     """Refuse an output file whose folder is missing, is a file, or is not writable; `path` must not be a folder."""
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -247,7 +270,7 @@ class RunDirInUse(FilesystemError):
     """Another live run holds the run directory."""
 
 
-def _holder_text(path):
+def _holder_text(path: StrPath) -> str:
     try:
         with open(path, "rb") as f:
             return f.read(4096).decode("utf-8", "replace").strip()
@@ -255,7 +278,7 @@ def _holder_text(path):
         return ""
 
 
-def _describe_holder(text):
+def _describe_holder(text: str) -> str:
     import json
 
     try:
@@ -265,7 +288,10 @@ def _describe_holder(text):
         return "a holder that left no record" if not text else f"a holder recorded as {text[:80]!r}"
 
 
-def pid_alive(pid):
+def pid_alive(pid: object) -> bool:
+    """Whether process `pid` (a holder record's field, of whatever type the record holds) lives here."""
+    if not isinstance(pid, (int, float, str)):
+        return True  # a record we cannot read: assume alive
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
@@ -275,14 +301,14 @@ def pid_alive(pid):
     return True
 
 
-def renew_lease(path, thread_name):
+def renew_lease(path: StrPath, thread_name: str) -> threading.Event:
     """Touch `path` every LEASE_S / 4 seconds from a daemon thread, so that other hosts see its holder
     alive; returns the Event that stops it."""
     import threading
 
     stop = threading.Event()
 
-    def renew():
+    def renew() -> None:
         while not stop.wait(LEASE_S / 4):
             with contextlib.suppress(OSError):
                 os.utime(path)
@@ -299,7 +325,7 @@ class RunLock:
     over. Where the filesystem has no locks, the record is a lease renewed every LEASE_S / 4 seconds:
     on the same host a dead pid frees it at once, from another host a lease older than LEASE_S."""
 
-    def __init__(self, run_dir, what="train.run_dir"):
+    def __init__(self, run_dir: StrPath, what: str = "train.run_dir") -> None:
         import json
         import socket
         import time
@@ -309,10 +335,11 @@ class RunLock:
         self.host = socket.gethostname()
         self.record = json.dumps({"host": self.host, "pid": os.getpid(),
                                   "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
-        self.stale = None  # the record of a dead holder this lock replaced, in words
-        self._file, self._lease = None, None
+        self.stale: str | None = None  # the record of a dead holder this lock replaced, in words
+        self._file: BinaryIO | None = None
+        self._lease: threading.Event | None = None
 
-    def acquire(self):
+    def acquire(self) -> "RunLock":
         """Take the lock or raise RunDirInUse naming its holder. Returns self."""
         try:
             self._acquire()
@@ -320,7 +347,7 @@ class RunLock:
             raise fs_error(exc, f"cannot lock {self.what}", self.path) from exc
         return self
 
-    def _acquire(self):
+    def _acquire(self) -> None:
         import fcntl
 
         while True:
@@ -352,11 +379,11 @@ class RunLock:
         f.flush()
         self._file = f
 
-    def _refuse(self, text):
+    def _refuse(self, text: str) -> NoReturn:
         raise RunDirInUse(f"{self.what} {self.run_dir} is in use by another run ({_describe_holder(text)}; lock file "
                           f"{self.path}): wait for it to end or stop it, or choose another {self.what}")
 
-    def _acquire_lease(self):
+    def _acquire_lease(self) -> None:
         import json
         import time
 
@@ -375,7 +402,7 @@ class RunLock:
         write_file_atomically(self.path, self.record + "\n")
         self._lease = renew_lease(self.path, "boostmpi-run-lease")
 
-    def release(self):
+    def release(self) -> None:
         """Remove the record and drop the lock (the record is removed while the lock is still held)."""
         if self._file is None and self._lease is None:
             return

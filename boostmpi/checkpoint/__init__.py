@@ -15,7 +15,7 @@ test that replaces a function replaces it in the module that calls it (`writer.w
 """
 
 from boostmpi.checkpoint.format import (CHECKPOINT_ARG_HELP, FORMAT, FORMAT_VERSION, MARKER, Checksum,
-                                        checkpoint_step, checkpoints_dir, file_digest, rank_file_name,
+                                        checkpoint_step, checkpoints_dir, file_digest, newer_format, rank_file_name,
                                         step_dir_name)
 from boostmpi.checkpoint.layout import (RankState, estimate_bytes, global_rank_states, rank_pieces, rank_state,
                                         read_params, write_range)
@@ -32,7 +32,7 @@ from boostmpi.checkpoint.writer import (SPARE_IMAGES, SequentialWriter, file_rec
 
 __all__ = [
     "CHECKPOINT_ARG_HELP", "FORMAT", "FORMAT_VERSION", "MARKER", "Checksum", "checkpoint_step", "checkpoints_dir",
-    "file_digest", "rank_file_name", "step_dir_name",
+    "file_digest", "newer_format", "rank_file_name", "step_dir_name",
     "RankState", "estimate_bytes", "global_rank_states", "rank_pieces", "rank_state", "read_params", "write_range",
     "load", "model_mismatch", "open_model", "read_moments", "read_state", "recorded_files", "verify",
     "verify_together", "write_consolidated",

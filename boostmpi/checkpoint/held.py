@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, BinaryIO, Literal
 
 import numpy as np
 
-from boostmpi.checkpoint.format import FORMAT
+from boostmpi.checkpoint.format import FORMAT, check_format_version
 from boostmpi.checkpoint.pins import CheckpointGone, Pin
 from boostmpi.checkpoint.reading import check_file, recorded_files
 from boostmpi.checkpoint.runs import resolve
@@ -96,6 +96,7 @@ class HeldCheckpoint:
                 raise CheckpointError(f"{self.path('model.h5')} has no readable config or step attribute: {exc}") from exc
             if kind != FORMAT:
                 raise CheckpointError(f"{self.path('model.h5')} is not a boostmpi checkpoint (format attribute {kind!r})")
+            check_format_version(self.path("model.h5"), self.model.attrs.get("format_version"))
         except BaseException:
             self.close()
             raise

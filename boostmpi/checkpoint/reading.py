@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, BinaryIO, TypeAlias, TypedDict
 
 import numpy as np
 
-from boostmpi.checkpoint.format import CHECKSUMS, FORMAT, MARKER, file_digest, os_error_of
+from boostmpi.checkpoint.format import CHECKSUMS, FORMAT, MARKER, check_format_version, file_digest, os_error_of
 from boostmpi.checkpoint.layout import read_params
 from boostmpi.checkpoint.saving import Agreement
 from boostmpi.errors import CheckpointError
@@ -120,7 +120,11 @@ def open_model(ckpt_dir: str, check: bool = True) -> tuple[h5py.File, int, Saved
         f.close()
         raise CheckpointError(f"{path} is not a boostmpi checkpoint (format attribute {f.attrs.get('format')!r})")
     try:
+        check_format_version(path, f.attrs.get("format_version"))
         config = json.loads(f.attrs["config"])
+    except CheckpointError:
+        f.close()
+        raise
     except (KeyError, ValueError) as exc:
         f.close()
         raise CheckpointError(f"{path} has no readable config attribute: {exc}") from exc

@@ -5,14 +5,16 @@ pruning of older checkpoints."""
 import contextlib
 import os
 import shutil
+import threading
 import time
+from typing import Callable, Iterable
 
 from boostmpi.checkpoint.format import MARKER, checkpoints_dir
 from boostmpi.checkpoint.pins import CLAIM, claim_for_pruning, live_pins
 from boostmpi.errors import CheckpointError
-from boostmpi.files import fsync_dir, write_file_atomically
+from boostmpi.files import StrPath, fsync_dir, write_file_atomically
 
-def write_latest(run_dir, name):
+def write_latest(run_dir: StrPath, name: str) -> None:
     """Point `<run_dir>/checkpoints/latest` at checkpoint folder `name`, atomically."""
     write_file_atomically(os.path.join(checkpoints_dir(run_dir), "latest"), name + "\n")
 
@@ -20,7 +22,8 @@ def write_latest(run_dir, name):
 ABANDONED_PREFIX = "abandoned-"
 
 
-def move_aside(run_dir, folders, reason, extra_files=None):
+def move_aside(run_dir: StrPath, folders: Iterable[str], reason: str,
+               extra_files: dict[str, str] | None = None) -> str:
     """Move checkpoint `folders` of an abandoned timeline into a new `checkpoints/abandoned-<time>/`
     (never loaded, never deleted) with a README line saying why; returns that folder.
     `extra_files` ({name: text}) are written beside them (the abandoned metrics rows)."""
@@ -41,16 +44,16 @@ def move_aside(run_dir, folders, reason, extra_files=None):
     return dest
 
 
-def is_stale_temporary(name):
+def is_stale_temporary(name: str) -> bool:
     """A temporary name a writer leaves behind when it is killed: `.step_N.tmp-PID`, `.latest.tmp-...`,
     or an atomic file's `.<name>.<random>.tmp`."""
     return name.startswith(".") and (".tmp-" in name or name.endswith(".tmp"))
 
 
-def stale_temporaries(run_dir):
+def stale_temporaries(run_dir: StrPath) -> list[str]:
     """Temporary files and folders left in the run directory and its checkpoints/ by a killed writer."""
-    found = []
-    for folder in (run_dir, checkpoints_dir(run_dir)):
+    found: list[str] = []
+    for folder in (os.fspath(run_dir), checkpoints_dir(run_dir)):
         try:
             names = sorted(os.listdir(folder))
         except OSError:
@@ -59,7 +62,7 @@ def stale_temporaries(run_dir):
     return found
 
 
-def remove_stale_temporaries(run_dir):
+def remove_stale_temporaries(run_dir: StrPath) -> list[str]:
     """Remove what `stale_temporaries` finds (call on one rank, before anything writes); their paths."""
     removed = stale_temporaries(run_dir)
     for path in removed:
@@ -71,11 +74,11 @@ def remove_stale_temporaries(run_dir):
     return removed
 
 
-def is_complete(path):
+def is_complete(path: StrPath) -> bool:
     return os.path.isfile(os.path.join(path, MARKER))
 
 
-def complete_checkpoints(run_dir):
+def complete_checkpoints(run_dir: StrPath) -> list[str]:
     """Complete checkpoint folders of a run, oldest first."""
     root = checkpoints_dir(run_dir)
     if not os.path.isdir(root):
@@ -84,7 +87,7 @@ def complete_checkpoints(run_dir):
     return [os.path.join(root, n) for n in names]
 
 
-def find_latest(run_dir):
+def find_latest(run_dir: StrPath) -> str | None:
     """The newest complete checkpoint of a run (following `latest`), or None."""
     root = checkpoints_dir(run_dir)
     try:  # `latest` that is not UTF-8 reads as no valid name: the newest complete checkpoint instead
@@ -99,7 +102,7 @@ def find_latest(run_dir):
     return done[-1] if done else None
 
 
-def resolve(path):
+def resolve(path: StrPath) -> str:
     """A verified-complete checkpoint folder from what a user may name: a run directory (its newest
     checkpoint), its `checkpoints/` folder or `checkpoints/latest` file (the one `latest` names),
     a step folder, or a step folder's model.h5."""
@@ -142,7 +145,7 @@ def resolve(path):
     return path
 
 
-def missing_rank_files(folder):
+def missing_rank_files(folder: StrPath) -> list[str]:
     """The rank files that `folder`/model.h5's virtual datasets read from but that do not exist ([] when
     there is no such model.h5, or nothing is missing)."""
     model = os.path.join(folder, "model.h5")
@@ -151,9 +154,9 @@ def missing_rank_files(folder):
     try:
         import h5py
 
-        sources = set()
+        sources: set[str] = set()
         with h5py.File(model, "r") as f:
-            def collect(_, obj):
+            def collect(_: str, obj: object) -> None:
                 if isinstance(obj, h5py.Dataset) and obj.is_virtual:
                     sources.update(vs.file_name for vs in obj.virtual_sources())
 
@@ -163,22 +166,20 @@ def missing_rank_files(folder):
     return sorted(name for name in sources if name != "." and not os.path.exists(os.path.join(folder, name)))
 
 
-_pruning = []  # the thread deleting pruned checkpoints, while one runs
+_pruning: list[threading.Thread] = []  # the thread deleting pruned checkpoints, while one runs
 
 
-def wait_for_pruning():
+def wait_for_pruning() -> None:
     """Wait until the checkpoints a save pruned in the background are deleted."""
     while _pruning:
         _pruning.pop().join()
 
 
-def prune(folders, in_background, log=None):
+def prune(folders: Iterable[str], in_background: bool, log: Callable[[str], None] | None = None) -> None:
     """Delete checkpoint folders, but none that a reader has pinned (pins.py). Each is first renamed to a hidden temporary name in one step, so no
     reader ever finds half of a complete checkpoint (a killed deleter's leftover is removed as a stale
     temporary when the next run starts); `in_background`: the deleting (unlinking gigabytes takes the
     filesystem a while) is left to a thread."""
-    import threading
-
     wait_for_pruning()
     doomed = []
     for folder in folders:
@@ -200,7 +201,7 @@ def prune(folders, in_background, log=None):
     if not doomed:
         return
 
-    def delete():
+    def delete() -> None:
         for hidden in doomed:
             shutil.rmtree(hidden, ignore_errors=True)
 

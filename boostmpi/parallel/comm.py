@@ -21,7 +21,7 @@ import traceback
 
 import numpy as np
 
-from boostmpi.precision import mpi_sum_dtype
+from boostmpi.precision import HOST_DTYPE, bits_dtype, mpi_sum_dtype
 
 AXES = ("tp", "pp", "dp")
 
@@ -156,7 +156,7 @@ class HostCollectives:
         return self._reduce(values, "max")
 
     def _reduce(self, values, op):
-        buf = np.array(values, dtype=np.float64).reshape(-1)
+        buf = np.array(values, dtype=HOST_DTYPE).reshape(-1)
         if self.comm is not None:
             from mpi4py import MPI
 
@@ -443,7 +443,7 @@ def _bits(buf):
     its bits as unsigned integers of the same width (bytes for other widths)."""
     if _mpi_knows(buf.dtype):
         return buf
-    return buf.view({2: np.uint16, 4: np.uint32, 8: np.uint64}.get(buf.dtype.itemsize, np.uint8))
+    return buf.view(bits_dtype(buf.dtype))
 
 
 def _mpi_buf(arr):

@@ -2,7 +2,7 @@
 
 With `zero_stage = 0` every dp rank all-reduces the whole gradient and updates the whole flat
 buffer. With `zero_stage = 1` (ZeRO stage 1) dp rank r owns the contiguous slice `shard` of the flat
-buffer (`split_range(size, dp, r)`): each bucket's gradient is reduce-scattered as soon as it is
+buffer (`zero_slices(size, dp)[r]`): each bucket's gradient is reduce-scattered as soon as it is
 final, so rank r receives the summed gradient of its slice only (`grad_shard`); AdamW keeps moments
 for that slice only and updates it; `gather_update` then all-gathers the updated slices so every
 rank holds the whole buffer again. Under GPU mixed precision the float32 master weights exist for
@@ -19,6 +19,14 @@ import numpy as np
 from boostmpi.backend import prefaulted
 from boostmpi.model.params import FlatBuffer, split_range
 from boostmpi.precision import separate_master
+
+
+def zero_slices(size, dp):
+    """The ZeRO split: [lo, hi) of each of `dp` data-parallel ranks in a flat buffer of `size` elements,
+    contiguous and near-equal (the first ones one larger). Its one statement: ZeRO-1's optimizer slices
+    (`DataParallel.ranges`), the elements each dp rank writes to a checkpoint (checkpoint/layout.py
+    `write_range`) and the part of the initial weights each draws (`Engine.init_params`)."""
+    return [split_range(size, dp, r) for r in range(dp)]
 
 
 def bucket_ranges(specs, spans):
@@ -39,7 +47,7 @@ class DataParallel:
     def __init__(self, group, dp_rank, dp_size, zero_stage, specs, spans, size, xp, dtype):
         self.group, self.rank, self.size = group, dp_rank, dp_size
         self.sharded = zero_stage == 1 and dp_size > 1
-        self.ranges = [split_range(size, dp_size, r) for r in range(dp_size)] if self.sharded else [(0, size)]
+        self.ranges = zero_slices(size, dp_size) if self.sharded else [(0, size)]
         self.shard = self.ranges[dp_rank] if self.sharded else (0, size)  # the slice this rank updates
         self.buckets = bucket_ranges(specs, spans)
         lo, hi = self.shard

@@ -14,11 +14,11 @@ from boostmpi.backend import get_array_module, get_xp, prefaulted
 from boostmpi.gpu.ranges import named_range
 from boostmpi.model import layers
 from boostmpi.model.params import (FlatBuffer, block_pieces, chunk_layers, init_box, init_local, param_specs,
-                                   split_range, stage_layers)
+                                   stage_layers)
 from boostmpi.model.recompute import POLICIES, Saved, Tape
 from boostmpi.model.transformer import Block, BlockCache
 from boostmpi.parallel.comm import WATCHDOG, HostCollectives
-from boostmpi.parallel.data_parallel import DataParallel
+from boostmpi.parallel.data_parallel import DataParallel, zero_slices
 from boostmpi.parallel.grid import ProcessGrid
 from boostmpi.parallel.pipeline import FORWARD, message_tag, steps_with_messages
 from boostmpi.parallel.tensor_parallel import make_strategy
@@ -117,7 +117,7 @@ class Engine:
             for s in buffer.specs:
                 buffer[s.name][...] = xp.asarray(init_local(s, seed))
         else:
-            ranges = [split_range(buffer.size, dp, r) for r in range(dp)]
+            ranges = zero_slices(buffer.size, dp)
             lo, hi = ranges[self.grid.coords.dp]
             host = buffer.data if xp is np else np.empty(buffer.size, dtype=buffer.data.dtype)
             specs = {s.name: s for s in buffer.specs}

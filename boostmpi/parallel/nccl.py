@@ -64,15 +64,12 @@ def nccl_unavailable_reason():
 
 
 def _dtype(nccl, dtype):
-    import numpy as np
+    from boostmpi.precision import nccl_dtype_name
 
-    table = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
-             np.dtype(np.int64): nccl.NCCL_INT64, np.dtype(np.int32): nccl.NCCL_INT32}
-    if dtype in table:
-        return table[dtype]
-    if getattr(dtype, "name", "") == "bfloat16" and hasattr(nccl, "NCCL_BFLOAT16"):
-        return nccl.NCCL_BFLOAT16
-    raise TypeError(f"NCCL cannot move arrays of dtype {dtype}")
+    name = nccl_dtype_name(dtype)
+    if name is None or not hasattr(nccl, f"NCCL_{name.upper()}"):
+        raise TypeError(f"NCCL cannot move arrays of dtype {dtype}")
+    return getattr(nccl, f"NCCL_{name.upper()}")
 
 
 class _Event:

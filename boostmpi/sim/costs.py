@@ -18,7 +18,7 @@ from boostmpi.sim.plans import Attention, Collective, Gemm, Op, Pointwise, Shape
 if TYPE_CHECKING:
     from boostmpi.sim.machines import Machine
 
-ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2}
+from boostmpi.precision import ITEMSIZE  # bytes per element of each train.dtype (sim/ imports it from here)
 
 
 # GPU BLAS libraries pick their tile per problem: smaller output tiles for small outputs, at a

@@ -48,7 +48,9 @@ PROCESS_BYTES = 160 * 2**20
 
 
 def master_itemsize(dtype: str) -> int:
-    return ITEMSIZE["float64" if dtype == "float64" else "float32"]
+    from boostmpi.precision import master_dtype_name
+
+    return ITEMSIZE[master_dtype_name(dtype)]
 
 
 def optimizer_scratch(cfg: "Config", memory: Mapping[str, int]) -> int:

@@ -46,7 +46,9 @@ class Prediction:
 
 
 def master_dtype(dtype: str) -> str:
-    return "float64" if dtype == "float64" else "float32"
+    from boostmpi.precision import master_dtype_name
+
+    return master_dtype_name(dtype)
 
 
 def tp_per_micro_batch(cfg: "Config", measure: Callable[[Collective], int], s: Shape | None = None) -> int:
@@ -414,8 +416,10 @@ def validation_seconds(w: Workload, stages: Sequence[StageCost], machine: "Machi
     n = w.val_micro_batches
     if not n:
         return 0.0
+    from boostmpi.precision import HOST_DTYPE, itemsize
+
     hops = pipeline_transfers(machine) // 2 * p2p_seconds(w.p2p_elements * e, pp_link) if w.pp > 1 else 0.0
-    host_sum = group_allreduce_seconds(8 * n, w.tp * w.pp * w.dp, 1, machine)
+    host_sum = group_allreduce_seconds(itemsize(HOST_DTYPE) * n, w.tp * w.pp * w.dp, 1, machine)
     return (n + w.pp - 1) * (max(st["fwd"].total for st in stages) + hops) + host_sum
 
 

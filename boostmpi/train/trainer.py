@@ -1,36 +1,44 @@
 """The training loop: data, engine, optimizer, validation, metrics, checkpoints, preemption."""
 
-import contextlib
 import math
 import os
 import resource
 import sys
 import threading
 import time
+from types import ModuleType
+from typing import TYPE_CHECKING, Callable, TextIO, TypeVar, overload
 
 import numpy as np
 
 from boostmpi import checkpoint as ckpt
+from boostmpi.config import Config
 from boostmpi.data.progress import format_duration
 from boostmpi.data.shards import TrainLoader, eval_windows, open_shard, resolve_shards
 from boostmpi.data.tokenizer import check_complete_set
 from boostmpi import preemption
 from boostmpi.errors import CheckpointError, DataError, TrainingDiverged, UserError, verdict_of
-from boostmpi.files import (FilesystemError, RunLock, atomic_file, check_dir_creatable, format_bytes, fs_error,
-                            is_out_of_space, make_dirs)
+from boostmpi.files import FilesystemError, format_bytes, fs_error, is_out_of_space
 from boostmpi.parallel.engine import Engine
 from boostmpi.parallel.startup import process_grid
 from boostmpi.preemption import FINAL_RECORD, STOPPED_EARLY_EXIT, STOPPED_MARKER  # noqa: F401 - job scripts read them
 from boostmpi.train import metrics
 from boostmpi.train.optim import AdamW, clip_coefficient, learning_rate
 from boostmpi.train.resume import check_resume
+from boostmpi.train.rundir import RunDirectory
+
+if TYPE_CHECKING:  # the communicator `train` is handed (mpi4py's)
+    from mpi4py import MPI
+
+T = TypeVar("T")
+TrainResult = dict[str, int | float | bool | None]  # what `Trainer.train` returns: step, loss, val_loss, preempted
 
 
-def resolve_data(cfg):
+def resolve_data(cfg: Config) -> tuple[list[str], list[str]]:
     """(train shard paths, val shard paths); `builtin` means the built-in corpus (prepared once, by rank 0)."""
     d = cfg.data
 
-    def paths(spec, which):
+    def paths(spec: str, which: int) -> list[str]:
         if spec == "builtin":
             from boostmpi.data.corpus import shard_globs
 
@@ -42,14 +50,14 @@ def resolve_data(cfg):
     return train, val
 
 
-def prepare_builtin(cfg, is_root):
+def prepare_builtin(cfg: Config, is_root: bool) -> None:
     if "builtin" in (cfg.data.train, cfg.data.val) and is_root:
         from boostmpi.data.corpus import ensure_builtin
 
         ensure_builtin(cfg.data.builtin_dir)
 
 
-def optimizer_step(engine, optimizer, lr, max_norm):
+def optimizer_step(engine: Engine, optimizer: AdamW, lr: float, max_norm: float) -> float:
     """What follows `engine.forward_backward`: the exact global gradient norm, clipping to `max_norm`
     (0 = off), the AdamW update of this rank's slice and, under ZeRO-1, the all-gather of the updated
     slices over dp (`DataParallel.gather_update`). Returns the norm."""
@@ -59,7 +67,7 @@ def optimizer_step(engine, optimizer, lr, max_norm):
     return norm
 
 
-def peak_memory_bytes(xp):
+def peak_memory_bytes(xp: ModuleType) -> int:
     if xp is not np:  # CuPy's pools never give memory back unasked: what they hold is their high-water mark
         from boostmpi.gpu.pools import total_bytes
 
@@ -67,7 +75,7 @@ def peak_memory_bytes(xp):
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def device_peak_flops(xp, dtype):
+def device_peak_flops(xp: ModuleType, dtype: str) -> float | None:
     """Peak FLOP/s at `dtype` of this rank's GPU by its built-in machine profile
     (`boostmpi.sim.machines.profile_for_device`), or None on the CPU or a GPU without a profile."""
     if xp is np:
@@ -88,22 +96,23 @@ class Trainer:
     data, the checkpoint to resume and its fit to this configuration) is checked before the engine
     draws a weight."""
 
-    def __init__(self, cfg, world=None, resume=None, config_path=None, out=None, local_rank=0):
+    def __init__(self, cfg: Config, world: "MPI.Comm | None" = None, resume: str | None = None,
+                 config_path: str | None = None, out: TextIO | None = None, local_rank: int = 0) -> None:
         self.cfg, self.world, self.out = cfg, world, out
         self.grid = process_grid(cfg, world, local_rank)
         self.rank = self.grid.world_rank
         self.is_root = self.rank == 0
         tr = cfg.train
         self.run_dir = tr.run_dir
+        self.run = RunDirectory(tr.run_dir, self.log)  # its lock, the resume choice, `latest`, abandoned timelines
         self.step = 0
-        self.resumed_from = None
-        self._in_flight = None  # (PendingSave, writer thread) of an asynchronous checkpoint
-        self._write_failure = None  # rank 0: the FilesystemError of a metrics or log write (see _write_failed)
+        self._in_flight: tuple[ckpt.PendingSave, threading.Thread] | None = None  # an asynchronous checkpoint
+        self._write_failure: FilesystemError | None = None  # rank 0: the FilesystemError of a metrics or log write (see _write_failed)
         self.snapshot_bytes = 0  # memory of the last asynchronous checkpoint's snapshot
-        self._root_decides(lambda: check_dir_creatable(self.run_dir, "train.run_dir"))
+        self._root_decides(self.run.check_creatable)
         V, T = cfg.model.vocab_size, cfg.model.seq_len
 
-        def open_data(vocab_size):
+        def open_data(vocab_size: int | None) -> tuple[TrainLoader, tuple[np.ndarray, np.ndarray]]:
             train_paths, val_paths = resolve_data(cfg)
             loader = TrainLoader(train_paths, T, tr.micro_batch_size, rank=self.grid.coords.dp, world=cfg.parallel.dp,
                                  seed=tr.seed, vocab_size=vocab_size, shuffle=cfg.data.shuffle)
@@ -114,8 +123,7 @@ class Trainer:
         preemption.stage("data")
         self.preemption = preemption.watch()  # keeps a stop signal that arrived during start-up
         self.config_path = config_path
-        self._lock, self._made_run_dir, self._resume_pin = None, False, None
-        self._lock = self._root_decides(self._lock_run_dir)  # from here until close(): one run per run directory
+        self._root_decides(self.run.lock)  # from here until close(): one run per run directory
         try:
             path = self._check_resume(resume)
             self.engine = Engine(cfg, self.grid)  # the weights are drawn here, after every check
@@ -126,36 +134,18 @@ class Trainer:
             if path is not None:
                 self._resume(path)
                 self.grid.host.barrier()  # every rank has read it: another run may prune it again
-                self._release_resume_pin()
+                self.run.release_resume_pin()
         except BaseException:
             self.close()
             raise
 
-    def _lock_run_dir(self):
-        """Rank 0: hold the run directory's lock (files.RunLock) for the run's life."""
-        self._made_run_dir = not os.path.isdir(self.run_dir)
-        make_dirs(self.run_dir, "train.run_dir")
-        lock = RunLock(self.run_dir).acquire()
-        if lock.stale:
-            self.log(f"the lock of {self.run_dir} was stale ({lock.stale}: that run is gone); this run takes it over")
-        # a stop marker left by an earlier run says nothing about this one (written again if this one stops)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(self.run_dir, STOPPED_MARKER))
-        return lock
-
-    def close(self):
+    def close(self) -> None:
         """Release the run directory (also done when `train` returns or raises)."""
         preemption.release()  # this run's stop signal (if any) is acted on; a later run starts afresh
-        self._release_resume_pin()
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
-            if self._made_run_dir:  # refused before anything was written: leave no empty folder behind
-                with contextlib.suppress(OSError):
-                    os.rmdir(self.run_dir)
+        self.run.release()
 
     # ------------------------------------------------------------------ helpers
-    def log(self, msg, live=False):
+    def log(self, msg: str, live: bool = False) -> None:
         """A line on rank 0. On a terminal, `live` lines overwrite each other (one progress line
         with ETA); in batch logs every line stays."""
         if not self.is_root:
@@ -180,13 +170,13 @@ class Trainer:
             os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
             self._write_failed(fs_error(exc, "cannot write the log (standard output)", getattr(out, "name", None)))
 
-    def _write_failed(self, error):
+    def _write_failed(self, error: FilesystemError) -> None:
         """Rank 0 could not write its metrics or log: remembered here, and every rank stops together with
         this one line (exit status 2) at the next step's all-reduce or before the next checkpoint."""
         if self._write_failure is None:
             self._write_failure = error
 
-    def _stop_if_a_write_failed(self, failed=None):
+    def _stop_if_a_write_failed(self, failed: bool | None = None) -> None:
         """Raise, on every rank, the write failure rank 0 met. `failed`: the agreed flag of the step's
         all-reduce; None: agree here (a broadcast from rank 0)."""
         if failed is None:
@@ -198,7 +188,12 @@ class Trainer:
         error.all_ranks = True  # rank 0 prints it; every rank exits 2, none waits in a collective
         raise error
 
-    def _root_decides(self, on_root, elsewhere=None):
+    @overload
+    def _root_decides(self, on_root: Callable[[], T], elsewhere: Callable[[], T]) -> T: ...
+    @overload
+    def _root_decides(self, on_root: Callable[[], T]) -> T | None: ...
+
+    def _root_decides(self, on_root: Callable[[], T], elsewhere: Callable[[], T] | None = None) -> T | None:
         """Run `on_root()` on rank 0 and `elsewhere()` (default: nothing) on the others; bad input
         found by rank 0 is raised on every rank, so each exits 2 and the message is printed once."""
         verdict, value = None, None
@@ -210,30 +205,10 @@ class Trainer:
         self.grid.host.agree(verdict, root=0)
         return value if self.is_root else (elsewhere() if elsewhere else None)
 
-    def _checkpoint_to_resume(self, resume):
-        """The verified checkpoint to continue from, or None for a fresh run (rank 0 only)."""
-        metrics.cut_off_row(self.run_dir)  # damaged metrics are refused before anything is changed
-        path = resume or ckpt.find_latest(self.run_dir)
-        if path is None:
-            if metrics.has_rows(self.run_dir):
-                raise UserError(f"{self.run_dir} already holds a run (metrics.jsonl) but no complete checkpoint to resume "
-                                f"(its first checkpoint was never written); choose another train.run_dir or remove it")
-            return None
-        path = ckpt.resolve(path)
-        if os.path.realpath(os.path.dirname(path)) != os.path.realpath(ckpt.checkpoints_dir(self.run_dir)):
-            # another run's checkpoint, which that run may prune while the ranks read it: pinned until they have
-            self._resume_pin = ckpt.Pin(path).acquire()
-        return path
-
-    def _release_resume_pin(self):
-        if self._resume_pin is not None:
-            self._resume_pin.release()
-            self._resume_pin = None
-
-    def _check_resume(self, resume):
+    def _check_resume(self, resume: str | None) -> str | None:
         """The checkpoint to continue from (`resume`, a path, or the run's latest complete one), verified
         and checked against this configuration and data before any weight exists; None for a fresh run."""
-        path = self._root_decides(lambda: self._checkpoint_to_resume(resume))
+        path = self._root_decides(lambda: self.run.choose_resume(resume))
         path = self.grid.host.bcast(path)
         if path is None:
             return None
@@ -250,32 +225,29 @@ class Trainer:
         try:
             self.loader.load_state_dict(ckpt.read_state(path)["data"])
         except DataError as exc:  # every rank reads the same state: each raises, rank 0 prints
-            err = DataError(f"cannot resume {path}: {exc}. To train on these shards, start a new run: set a new "
-                            f"train.run_dir (or remove {self.run_dir} to start it afresh)")
-            err.all_ranks = True
-            raise err from None
+            refusal = DataError(f"cannot resume {path}: {exc}. To train on these shards, start a new run: set a new "
+                                f"train.run_dir (or remove {self.run_dir} to start it afresh)")
+            refusal.all_ranks = True
+            raise refusal from None
         return path
 
-    def _resume(self, path):
+    def _resume(self, path: str) -> None:
         """Load the checkpoint `_check_resume` accepted into the engine and the optimizer."""
         e = self.engine
         buffer = e.master_buffer()  # the parameters in the master dtype (a host buffer for a ZeRO-1 slice)
         step, _ = ckpt.load(path, e.specs, buffer, self.optimizer, e.xp)
         e.adopt_master(buffer)
         self.step = step
-        self.resumed_from = path
+        self.run.continues(path, step)
         self.log(f"resumed from {path} (step {step})")
 
     # ------------------------------------------------------------------ checkpoint
-    def _kept_checkpoint(self):
+    def _kept_checkpoint(self) -> str:
         """What a stopped run leaves to resume from, in words: its newest complete checkpoint, or none."""
         self.poll_async_save(wait=True)
-        latest = ckpt.find_latest(self.run_dir)
-        if latest is None:
-            return "no checkpoint was written yet, so there is none to resume from"
-        return f"the last checkpoint, {os.path.basename(latest)}, is kept intact"
+        return self.run.kept_checkpoint()
 
-    def save_checkpoint(self):
+    def save_checkpoint(self) -> None:
         """Every rank writes its own pieces at once (checkpoint.save); a failure on any rank (a full
         disk) ends every rank with the same one-line error, the previous checkpoint untouched.
 
@@ -304,7 +276,7 @@ class Trainer:
         thread.start()
         self._in_flight = (pending, thread)
 
-    def poll_async_save(self, wait=False):
+    def poll_async_save(self, wait: bool = False) -> None:
         """Publish the asynchronous save in flight once every rank has written its file (collective;
         with `wait`, first wait for this rank's writer). A write that failed on any rank stops every
         rank with its one-line error; the previous checkpoint stays the latest."""
@@ -319,7 +291,7 @@ class Trainer:
         self.log(f"checkpoint {pending.finish()}")
 
     # ------------------------------------------------------------------ validation
-    def validate(self):
+    def validate(self) -> float:
         """Mean loss over the validation windows (each dp rank evaluates its share)."""
         e, tr = self.engine, self.cfg.train
         dp, r = self.cfg.parallel.dp, e.grid.coords.dp
@@ -335,7 +307,7 @@ class Trainer:
             total += summed
         return total / n
 
-    def _mfu(self, seconds):
+    def _mfu(self, seconds: float) -> float | None:
         """Model FLOPs utilisation of a step of `seconds`: the model's FLOPs of the step
         (`boostmpi.sim.model.model_flops_per_step`, the count `boostmpi sim` uses) over what every
         rank's GPU could do in that time at its profile's peak; None without a profile (the CPU)."""
@@ -346,11 +318,11 @@ class Trainer:
         return model_flops_per_step(self.cfg) / (seconds * self.engine.grid.world_size * self.peak_flops)
 
     # ------------------------------------------------------------------ the loop
-    def train(self):
+    def train(self) -> TrainResult:
         cfg, e, tr = self.cfg, self.engine, self.cfg.train
         preemption.started()  # from here a stop signal is acted on at a step boundary, with a checkpoint
         preemption.stage("first-step")
-        self._root_decides(self._prepare_run_dir)
+        self._root_decides(lambda: self.run.prepare(cfg.to_toml()))
         tokens_per_step = cfg.tokens_per_step
         log = metrics.MetricsFile(self.run_dir) if self.is_root else None
         t_start = time.perf_counter()
@@ -427,21 +399,11 @@ class Trainer:
             self.close()
         return {"step": self.step, "preempted": False, "val_loss": last_val, "loss": loss if steps_done else None}
 
-    def _write_final_record(self):
-        """Rank 0, once the last step is trained and its checkpoint published: the run's own record that it
-        is finished (FINAL_RECORD), from which alone the job scripts write DONE."""
-        import json
+    def _write_final_record(self) -> None:
+        """Rank 0, once the last step is trained and its checkpoint published (RunDirectory.write_final_record)."""
+        self.run.write_final_record(self.step, self.cfg.train.steps)
 
-        record = {"step": self.step, "steps": self.cfg.train.steps, "checkpoint": ckpt.find_latest(self.run_dir),
-                  "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-        try:
-            with atomic_file(os.path.join(self.run_dir, FINAL_RECORD)) as f:
-                json.dump(record, f)
-                f.write("\n")
-        except OSError as exc:
-            raise fs_error(exc, "cannot write the run's final record", os.path.join(self.run_dir, FINAL_RECORD)) from exc
-
-    def _stop_at_boundary(self, last_val):
+    def _stop_at_boundary(self, last_val: float | None) -> TrainResult:
         """A stop signal reached some rank: checkpoint the step reached (unless it was just saved), say so,
         leave the marker for the job scripts, and return (exit status STOPPED_EARLY_EXIT)."""
         every, steps = self.cfg.checkpoint.every, self.cfg.train.steps
@@ -452,8 +414,7 @@ class Trainer:
                  f"({self.preemption.name()}; exit status {STOPPED_EARLY_EXIT})")
         self._stop_if_a_write_failed()
         if self.is_root:
-            with atomic_file(os.path.join(self.run_dir, STOPPED_MARKER)) as f:
-                f.write(f"stopped on {self.preemption.name()} at step {self.step}\n")
+            self.run.write_stop_marker(f"stopped on {self.preemption.name()} at step {self.step}\n")
         if self.step >= steps:  # stopped at the last step: the run is finished all the same
             self._root_decides(self._write_final_record)
         # no rank leaves before rank 0 has published the checkpoint and the marker: a launcher
@@ -461,7 +422,7 @@ class Trainer:
         self.engine.grid.host.barrier()
         return {"step": self.step, "preempted": True, "val_loss": last_val}
 
-    def _step_sums(self):
+    def _step_sums(self) -> list[float]:
         """What the trainer adds to the step's one all-reduce: this rank's payload bytes and calls per
         axis, its two stop flags (a signal arrived; before this step began) and whether rank 0 failed
         to write its metrics or log."""
@@ -469,21 +430,21 @@ class Trainer:
                 + [1.0 if self._write_failure is not None else 0.0])
 
     @staticmethod
-    def _step_totals(summed):
+    def _step_totals(summed: np.ndarray) -> tuple[np.ndarray, tuple[bool, ...]]:
         """(the summed traffic counters, (some rank was signalled to stop, some rank was before this step
         began, rank 0 failed to write its metrics or log)) from the step's all-reduce."""
         n = metrics.COUNTER_FLOATS
         return summed[:n], tuple(bool(v > 0) for v in summed[n:n + 3])
 
-    def _memory(self):
+    def _memory(self) -> dict[str, int]:
         e = self.engine
-        data_parallel = e.data_parallel  # + the reduce-scattered slice of the summed gradient under ZeRO-1
-        grads = e.grads.data.nbytes + (data_parallel.grad_shard.nbytes if data_parallel.sharded else 0)
+        shard = e.data_parallel.grad_shard  # + the reduce-scattered slice of the summed gradient under ZeRO-1
+        grads = e.grads.data.nbytes + (shard.nbytes if e.data_parallel.sharded and shard is not None else 0)
         mine = [e.param_bytes, grads, self.optimizer.nbytes, e.saved_activation_bytes, e.in_flight_activation_bytes,
                 self.snapshot_bytes, peak_memory_bytes(e.xp)]
         return metrics.memory_figures(mine, e.grid.host)  # the largest rank's figure for each
 
-    def _memory_line(self, mem):
+    def _memory_line(self, mem: dict[str, int]) -> str:
         mib = format_bytes
         per_layer = self.engine.saved_activation_bytes_per_layer
         layer = ""
@@ -494,56 +455,3 @@ class Trainer:
                 f"{mib(mem['optimizer'])}, saved activations {mib(mem['activations_saved'])} per micro-batch{layer} "
                 f"with recompute = {self.cfg.train.recompute}, {mib(mem['activations_in_flight'])} held at once "
                 f"by the pipeline schedule, peak {mib(mem['peak'])}")
-
-    def _prepare_run_dir(self):
-        """Rank 0, before the first step: create the run directory, remove what a killed writer left,
-        move another timeline's checkpoints aside, record the configuration, trim the metrics."""
-        make_dirs(self.run_dir, "train.run_dir")
-        try:
-            with contextlib.suppress(FileNotFoundError):  # written again when this run reaches train.steps
-                os.remove(os.path.join(self.run_dir, FINAL_RECORD))
-            for path in ckpt.remove_stale_temporaries(self.run_dir):
-                self.log(f"removed {path}, left by a writer that stopped before finishing it")
-            cut = metrics.drop_cut_off_row(self.run_dir)
-            if cut is not None:
-                self.log(f"dropped the last row of {metrics.path(self.run_dir)}: it was cut off ({cut[:60]!r}...), "
-                         f"a crash while it was written; its step is trained again")
-            dropped = self._trim_metrics()
-            self._abandon_other_timelines(dropped)
-            with atomic_file(os.path.join(self.run_dir, "config.toml")) as f:
-                f.write(self.cfg.to_toml())
-        except OSError as exc:
-            raise fs_error(exc, "cannot write into train.run_dir", self.run_dir) from exc
-
-    def _abandon_other_timelines(self, dropped_rows):
-        """Checkpoints of this run directory that this run will not continue (past the step it starts
-        from, or all of them when it starts from another run's checkpoint) are moved aside, never
-        reused or deleted, and `latest` names the checkpoint this run continues from."""
-        root = ckpt.checkpoints_dir(self.run_dir)
-        resumed = self.resumed_from
-        own = not self._started_from_another_run()
-        others = [p for p in ckpt.complete_checkpoints(self.run_dir) if not own or ckpt.checkpoint_step(p) > self.step]
-        if not others:
-            return
-        start = f"step {self.step} of {resumed}" if resumed else "scratch"
-        dest = ckpt.move_aside(self.run_dir, others, f"checkpoints of a timeline abandoned when a run started from {start}",
-                               metrics.set_aside(dropped_rows))
-        if own:
-            ckpt.write_latest(self.run_dir, os.path.basename(resumed))
-        elif os.path.exists(os.path.join(root, "latest")):
-            os.remove(os.path.join(root, "latest"))
-        names = ", ".join(os.path.basename(p) for p in others)
-        rows = f" and {len(dropped_rows)} metrics rows" if dropped_rows else ""
-        self.log(f"starting from {start}: the checkpoints {names}{rows} of the abandoned timeline are moved to {dest} "
-                 f"(kept, never loaded)")
-
-    def _trim_metrics(self):
-        """On resume, drop rows past the checkpoint's step (all of them when starting from another run's
-        checkpoint): they will be produced again. Returns the dropped rows."""
-        return metrics.trim(self.run_dir, None if self._started_from_another_run() else self.step)
-
-    def _started_from_another_run(self):
-        """True when this run continues a checkpoint outside its own run directory."""
-        resumed = self.resumed_from
-        root = ckpt.checkpoints_dir(self.run_dir)
-        return resumed is not None and os.path.realpath(os.path.dirname(resumed)) != os.path.realpath(root)

@@ -237,6 +237,43 @@ def test_a_damaged_model_h5_is_refused_by_name(damage, shards, tmp_path, capfd):
     assert_refused(capfd, ["eval", str(run_dir), "--data", str(shards[1])], tmp_path, model_h5)
 
 
+def set_format_version(folder, version):
+    """Checkpoint `folder`'s model.h5 given `format_version = version`, its COMPLETE record updated to
+    match: the checkpoint as a boostmpi of that format would have written it."""
+    model = folder / "model.h5"
+    with h5py.File(model, "r+") as f:
+        f.attrs["format_version"] = version
+    marker = json.loads((folder / ckpt.MARKER).read_text())
+    marker["model.h5"] = {"bytes": model.stat().st_size, ckpt.Checksum.name: ckpt.file_digest(str(model))}
+    (folder / ckpt.MARKER).write_text(json.dumps(marker))
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused_in_one_line_and_an_older_one_reads(shards, tmp_path, capfd):
+    """format_version above FORMAT_VERSION: resuming (from `latest` or with --resume into another run
+    directory), `inspect` and `eval` each refuse it in one line naming model.h5, its version and the one
+    this build reads, exit 2, nothing changed. An equal or older version reads as before."""
+    run_dir = tmp_path / "run"
+    assert run_train(run_dir, *shards, "train.steps=2") == 0
+    folder = step_dir(run_dir, 2)
+    newer = ckpt.FORMAT_VERSION + 1
+    set_format_version(folder, newer)
+    fragments = (folder / "model.h5", f"format version {newer}", f"version {ckpt.FORMAT_VERSION}, the newest")
+    same_run = ["train", "--config", str(TINY_CONFIG), "--set", f"train.run_dir={run_dir}", "--set", "train.steps=4",
+                "--set", f"data.train={shards[0]}", "--set", f"data.val={shards[1]}"]
+    assert_refused(capfd, same_run, tmp_path, *fragments)
+    other_run = [a.replace(str(run_dir), str(tmp_path / "other")) for a in same_run]
+    assert_refused(capfd, other_run + ["--resume", str(folder)], tmp_path, *fragments)
+    assert not (tmp_path / "other").exists()
+    assert_refused(capfd, ["inspect", str(folder)], tmp_path, *fragments)
+    assert_refused(capfd, ["eval", str(run_dir), "--data", str(shards[1])], tmp_path, *fragments)
+
+    for version in (ckpt.FORMAT_VERSION, ckpt.FORMAT_VERSION - 1):
+        set_format_version(folder, version)
+        assert main(["inspect", str(folder)]) == 0
+    assert run_train(run_dir, *shards, "train.steps=3") == 0
+    assert f"resumed from {folder} (step 2)" in capfd.readouterr().out
+
+
 def test_resuming_from_an_older_checkpoint_moves_the_later_ones_aside(shards, tmp_path, capfd):
     """A run that goes on from step 2 of a run that reached step 6 must write its own steps 4 and 6:
     the old ones are moved aside (kept, never loaded), and `latest` names what the new run wrote."""

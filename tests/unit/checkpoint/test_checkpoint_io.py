@@ -280,3 +280,37 @@ def test_a_file_size_limit_inside_the_last_pages_padding_falls_back_to_ordinary_
     ckpt.write_rank_file(path, cfg, state)
     assert cut and os.path.getsize(path) == size < limit
     assert_rank_file_holds(path, cfg, state)
+
+
+@pytest.mark.parametrize("dp", [2, 3, 5])
+def test_the_three_uses_of_the_zero_split_agree(dp, tmp_path, monkeypatch):
+    """ZeRO-1's optimizer slices (`DataParallel.ranges`), the elements each dp rank writes to a checkpoint
+    (`layout.write_range`) and the part of the initial weights each dp rank draws (`Engine.init_params`,
+    seen through the counts of its all-gather) are one split, `data_parallel.zero_slices`."""
+    from types import SimpleNamespace
+
+    from boostmpi.model.params import FlatBuffer, param_specs
+    from boostmpi.parallel import data_parallel, engine
+
+    cfg = layout_config(tmp_path)
+    buffer = FlatBuffer(param_specs(cfg, 0, 0), np.float64)
+    drawn = []
+
+    class Recording:  # the all-gather the engine's dp replicas exchange their drawn parts with
+        def __init__(self, comm):
+            pass
+
+        def allgather_pieces(self, host, counts):
+            drawn.append(list(counts))
+
+    monkeypatch.setattr(engine, "HostCollectives", Recording)
+    grid = SimpleNamespace(dp_size=dp, coords=SimpleNamespace(dp=0), dp=SimpleNamespace(comm=None))
+    engine.Engine.init_params(SimpleNamespace(grid=grid, master_buffer=lambda: buffer, adopt_master=lambda b: None), 0)
+    for size in (buffer.size, 10, 7, 3):
+        split = data_parallel.zero_slices(size, dp)
+        assert split[0][0] == 0 and split[-1][1] == size
+        assert all(hi == lo for (_, hi), (lo, _) in zip(split, split[1:]))
+        sharded = data_parallel.DataParallel(None, 0, dp, 1, [], {}, size, np, np.float64)
+        assert sharded.ranges == split
+        assert [layout.write_range(size, dp, r) for r in range(dp)] == split
+    assert drawn == [[hi - lo for lo, hi in data_parallel.zero_slices(buffer.size, dp)]]

@@ -71,3 +71,30 @@ def test_mpi_sums_bfloat16_as_float32_and_puts_it_back():
     assert buf.dtype == ml_dtypes.bfloat16 and list(buf.astype(np.float32)) == [3.0, 4.0]
     same, _ = comm._reducible(np.zeros(2, np.float32))
     assert same.dtype == np.float32
+
+
+def test_the_sizes_and_names_the_performance_model_and_the_collectives_ask_for_are_precision_s():
+    """The performance model's bytes per element and master dtype, NCCL's type and the bits a type MPI
+    has no name for moves as: each is asked of precision.py, and agrees with the dtypes the engine uses."""
+    from types import SimpleNamespace
+
+    from boostmpi.parallel import nccl
+    from boostmpi.sim import costs, memory, model
+
+    for name in precision.NAMES:
+        compute = compute_on_this_machine(name)
+        assert precision.itemsize(name) == costs.ITEMSIZE[name] == precision.itemsize(compute) == compute.itemsize
+        master = np.dtype(precision.master_dtype(name))
+        assert precision.master_dtype_name(name) == model.master_dtype(name) == master.name
+        assert memory.master_itemsize(name) == master.itemsize
+        assert precision.nccl_dtype_name(compute) == compute.name  # NCCL sums every compute dtype as itself
+        assert np.dtype(precision.bits_dtype(compute)).itemsize == compute.itemsize
+    assert precision.nccl_dtype_name(np.float16) is None
+    library = SimpleNamespace(NCCL_FLOAT32=7, NCCL_BFLOAT16=9)
+    assert nccl._dtype(library, np.dtype(np.float32)) == 7
+    assert nccl._dtype(library, np.dtype(ml_dtypes.bfloat16)) == 9
+    with pytest.raises(TypeError, match="NCCL cannot move arrays of dtype float64"):
+        nccl._dtype(library, np.dtype(np.float64))  # a library without the type
+    bits = comm._bits(np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16))
+    assert bits.dtype == np.uint16 and list(bits.view(ml_dtypes.bfloat16).astype(np.float32)) == [1.5, -2.0]
+    assert comm.HostCollectives(None).sum([1, 2]).dtype == precision.HOST_DTYPE and precision.itemsize(precision.HOST_DTYPE) == 8
