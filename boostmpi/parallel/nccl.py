@@ -50,6 +50,7 @@ from boostmpi.gpu.ranges import ranged
 from boostmpi.parallel.comm import WATCHDOG, CommCounter, Group, HostCollectives, Request
 
 if TYPE_CHECKING:
+    import cupy
     from mpi4py import MPI
 
 
@@ -91,7 +92,7 @@ def _dtype(nccl: ModuleType, dtype: npt.DTypeLike) -> int:
 class _Event:
     """Completion of work enqueued on `stream`, waited for by the current stream."""
 
-    def __init__(self, stream: Array) -> None:
+    def __init__(self, stream: cupy.cuda.Stream) -> None:
         import cupy
 
         self.event = cupy.cuda.Event(disable_timing=True)
@@ -110,7 +111,7 @@ class _WatchedComm:
 
     _UNWATCHED = frozenset({"abort", "destroy", "rank_id", "size", "device_id"})
 
-    def __init__(self, comm: Array, axis: str) -> None:
+    def __init__(self, comm: cupy.cuda.nccl.NcclCommunicator, axis: str) -> None:
         self.comm, self.axis = comm, axis
 
     def __getattr__(self, name: str) -> Callable[..., object]:
@@ -131,7 +132,7 @@ class NcclGroup(Group):
     def __init__(self, axis: str, mpi_comm: MPI.Comm | None, counter: CommCounter, overlap: bool = True,
                  p2p: bool = False, ring: bool = False) -> None:
         super().__init__(axis, mpi_comm, counter, overlap)
-        self.p2p: dict[int | tuple[int, int], tuple[_WatchedComm, Array]] = {}
+        self.p2p: dict[int | tuple[int, int], tuple[_WatchedComm, cupy.cuda.Stream]] = {}
         self.ring = ring
         if self.size == 1:
             self.nccl_comm: _WatchedComm = None  # type: ignore[assignment]  # a group of one calls no NCCL
@@ -155,12 +156,12 @@ class NcclGroup(Group):
             comm.abort()
         return len(comms)
 
-    def _stream(self) -> Array:
+    def _stream(self) -> cupy.cuda.Stream:
         import cupy
 
         return cupy.cuda.get_current_stream()
 
-    def _collective_stream(self) -> Array:
+    def _collective_stream(self) -> cupy.cuda.Stream:
         """The current stream, made to wait for the side-stream collectives issued before (module docstring)."""
         stream = self._stream()
         if self._side_done is not None:
@@ -268,7 +269,7 @@ class NcclGroup(Group):
         nccl.groupEnd()
         return buf
 
-    def _p2p_channel(self, direction: int, tag: int) -> tuple[_WatchedComm, Array]:
+    def _p2p_channel(self, direction: int, tag: int) -> tuple[_WatchedComm, cupy.cuda.Stream]:
         if not self.p2p:
             raise RuntimeError(f"NCCL group '{self.axis}' was made without p2p=True: it has no send/receive channels")
         comm, stream = self.p2p[(tag & 1, direction) if self.ring else direction]
