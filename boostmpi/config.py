@@ -178,7 +178,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # section -> key -> value as the user set it; None = every value counts as explicit
-    _explicit: dict = field(default=None, compare=False, repr=False)
+    _explicit: dict[str, dict[str, object]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def tokens_per_step(self):

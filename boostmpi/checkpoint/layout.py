@@ -85,7 +85,7 @@ def global_rank_states(cfg, tensors, moments):
 # The saves of a run write files of the same structure: HDF5 is asked for it once per layout, the
 # bytes it wrote are kept, and every later save writes those bytes and the tensor data by plain
 # positioned writes (the GIL is released while they copy: a background save barely holds it).
-_STRUCTURES = {}  # per process, the least recently used dropped first
+_STRUCTURES: dict[object, object] = {}  # per process, the least recently used dropped first
 _STRUCTURES_KEPT = 64  # enough for one process writing every rank file of a layout (a test's global save)
 
 

@@ -5,6 +5,7 @@ pruning of older checkpoints."""
 import contextlib
 import os
 import shutil
+import threading
 import time
 
 from boostmpi.checkpoint.format import MARKER, checkpoints_dir
@@ -163,7 +164,7 @@ def missing_rank_files(folder):
     return sorted(name for name in sources if name != "." and not os.path.exists(os.path.join(folder, name)))
 
 
-_pruning = []  # the thread deleting pruned checkpoints, while one runs
+_pruning: list[threading.Thread] = []  # the thread deleting pruned checkpoints, while one runs
 
 
 def wait_for_pruning():

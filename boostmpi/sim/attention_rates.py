@@ -51,7 +51,7 @@ def tile_efficiency(T):
 class Rate:
     forward: float  # FLOP/s
     backward: float
-    shape: tuple = None  # (B, T, H, Hkv, Dh) the rates were measured at, or None (a published rate)
+    shape: tuple[int, ...] | None = None  # (B, T, H, Hkv, Dh) the rates were measured at, or None (a published rate)
 
 
 @dataclass(frozen=True)

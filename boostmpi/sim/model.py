@@ -158,7 +158,7 @@ def zero_allgather_elements(n_params, dp, zero_stage):
     return zero_slice(n_params, dp, zero_stage) if zero_stage and dp > 1 else 0
 
 
-_PARAM_COUNTS = {}
+_PARAM_COUNTS: dict[tuple[object, ...], tuple[int, int]] = {}
 
 
 def stage_params(cfg, stage):
@@ -228,7 +228,7 @@ class Workload:
     virtual_stages: int = 1  # interleaved 1F1B: model chunks per pipeline rank
     dp_sharded: bool = False  # FSDP: zero_stage 3
     zero_stage: int = 0  # 1: AdamW moments sharded over dp; 2: and gradients; 3: and parameters (dp_seconds)
-    attention: str = None  # "flash" or "matmul" when the workload fixes it (shape as given), else the machine's
+    attention: str | None = None  # "flash" or "matmul" when the workload fixes it (shape as given), else the machine's
     val_micro_batches: int = 0  # forward-only micro-batches of one validation pass, per data-parallel rank
     val_every: int = 0  # steps between validation passes (0: none inside the run's steps)
 

@@ -27,16 +27,16 @@ class TracedOp:
     site: str  # the boostmpi function that issued it (module.function)
     nbytes: int  # bytes read + written (collectives: the payload each rank contributes)
     dtype: str = "float32"
-    gemm: tuple = None  # (batch, m, n, k) for GEMMs
+    gemm: tuple[int, ...] | None = None  # (batch, m, n, k) for GEMMs
     flops: float = 0.0  # "attention": its share of the call's causal FLOPs (attention_rates.causal_flops)
-    cublas: tuple = None  # GEMMs: (Atype, Btype, Ctype, compute type) of the cuBLAS call
+    cublas: tuple[int, ...] | None = None  # GEMMs: (Atype, Btype, Ctype, compute type) of the cuBLAS call
     # "attention": the backend that ran it, the own kernels' variant ("wmma", "fma"; None: by dtype, WMMA
     # for bfloat16), the head dim (0: the kernel's head tile, 64 for a "_hd64" entry, else 128) and the
     # direction ("forward", "backward"; None: by the kernel's name)
     backend: str = "own"
-    variant: str = None
+    variant: str | None = None
     head_dim: int = 0
-    direction: str = None
+    direction: str | None = None
 
 
 def attention_op_rate(op, machine):
