@@ -60,8 +60,9 @@ import numpy.typing as npt
 from boostmpi.arrays import Alloc, Array
 from boostmpi.gpu.attention import AttentionContext, DeviceInfo
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the type check's view of PyTorch (never imported here at run time)
     import torch
+    from torch import Tensor
 
 # The PyTorch kernels allowed to run (names of torch.nn.attention.SDPBackend); MATH is left out.
 SDPA_KERNELS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
@@ -135,10 +136,10 @@ def problem(dtype: npt.DTypeLike, device_info: DeviceInfo | None = None) -> str 
 class TorchAttentionContext(NamedTuple):
     """What the torch backend's backward needs: the forward's autograd graph, reached from its
     output, and the leaf tensors it differentiates for."""
-    q: torch.Tensor  # torch leaf tensors [B, T, H, Dh] / [B, T, Hkv, Dh], views of the CuPy inputs
-    k: torch.Tensor
-    v: torch.Tensor
-    out: torch.Tensor  # SDPA's output [B, H, T, Dh], the root of the graph
+    q: Tensor  # torch leaf tensors [B, T, H, Dh] / [B, T, Hkv, Dh], views of the CuPy inputs
+    k: Tensor
+    v: Tensor
+    out: Tensor  # SDPA's output [B, H, T, Dh], the root of the graph
 
     # recompute = "lowrank" keeps these: nothing, since no public PyTorch call runs the backward
     # from a statistic (the module docstring says what that costs)
