@@ -154,8 +154,9 @@ def _one_line(e: BaseException) -> str:
 
 
 _handles: dict[int, cudnn.Handle] = {}  # device id -> cudnn.Handle, made on that device
-_graphs: dict[tuple[str, int, int, int, int, int, str, int], _Graph] = {}  # (kind, B, T, H, Hkv, Dh, dtype, device) -> _Graph
-build_seconds: dict[tuple[str, int, int, int, int, int, str, int], float] = {}  # the same keys -> seconds each graph took to build
+_GraphKey = tuple[str, int, int, int, int, int, str, int]  # (kind, B, T, H, Hkv, Dh, dtype, device)
+_graphs: dict[_GraphKey, _Graph] = {}
+build_seconds: dict[_GraphKey, float] = {}  # the same keys -> seconds each graph took to build
 
 
 def _handle(cudnn: ModuleType, device: int) -> cudnn.Handle:

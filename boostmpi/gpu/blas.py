@@ -47,8 +47,9 @@ import numpy.typing as npt
 from boostmpi.arrays import Array
 from boostmpi.gpu import hipblas
 
-_ONE: dict[np.dtype[np.generic], npt.NDArray[np.float32 | np.float64]] = {np.dtype(np.float32): np.ones(1, np.float32), np.dtype(np.float64): np.ones(1, np.float64)}
-_ZERO: dict[np.dtype[np.generic], npt.NDArray[np.float32 | np.float64]] = {np.dtype(np.float32): np.zeros(1, np.float32), np.dtype(np.float64): np.zeros(1, np.float64)}
+_Scalars = dict[np.dtype[np.generic], npt.NDArray[np.float32 | np.float64]]  # one-element host arrays by dtype
+_ONE: _Scalars = {np.dtype(np.float32): np.ones(1, np.float32), np.dtype(np.float64): np.ones(1, np.float64)}
+_ZERO: _Scalars = {np.dtype(np.float32): np.zeros(1, np.float32), np.dtype(np.float64): np.zeros(1, np.float64)}
 
 
 def _cuda_type(dtype: np.dtype[np.generic]) -> int:

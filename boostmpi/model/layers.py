@@ -457,7 +457,8 @@ def attention_forward(q: Array, k: Array, v: Array, keep_probs: bool = False,
         row_sum = xp.empty((B, Hkv, G, T), dtype=sd)
     else:
         row_max, row_sum = stats
-    tiles: list[Array] | None = [] if keep_probs and probability_tile_bytes(B, H, T, q.dtype) <= ATTENTION_KEEP_BYTES else None
+    keep_tiles = keep_probs and probability_tile_bytes(B, H, T, q.dtype) <= ATTENTION_KEEP_BYTES
+    tiles: list[Array] | None = [] if keep_tiles else None
     for t0, t1 in _blocks(T):
         n = t1 - t0
         s = _scores(qs[:, :, :, t0:t1].reshape(B, Hkv, G * n, Dh), kh[:, :, :t1], t0, t1, G, sd, xp)

@@ -139,7 +139,8 @@ class Watchdog:
         # (axis, call, nbytes, peer, start) of the blocking call in progress
         self._open: tuple[str, str, int | None, int | None, float] | None = None
         self._thread: threading.Thread | None = None
-        self._aborts: list[Callable[[], int]] = []  # what to abort before the job ends (NCCL communicators: ncclCommAbort)
+        # what to abort before the job ends (NCCL communicators: ncclCommAbort)
+        self._aborts: list[Callable[[], int]] = []
 
     def configure(self, seconds: float | None) -> None:
         """Set the limit in seconds (0 turns the watchdog off); starts the thread on first use."""
@@ -253,7 +254,9 @@ class HostCollectives:
 
     def gather(self, obj: T, root: int = 0) -> list[T] | None:
         """Every rank's small picklable object, as a list on `root` (None elsewhere)."""
-        return [obj] if self.comm is None else cast("list[T] | None", self._call("gather", lambda c: c.gather(obj, root=root)))
+        if self.comm is None:
+            return [obj]
+        return cast("list[T] | None", self._call("gather", lambda c: c.gather(obj, root=root)))
 
     def allgather(self, obj: T) -> list[T]:
         """Every rank's small picklable object, as a list on every rank."""
@@ -477,7 +480,8 @@ def _nothing() -> None:
     return None
 
 
-_MPI_TYPES: dict[np.dtype[np.generic], MPI.Datatype] = {}  # NumPy dtype -> MPI datatype, filled on first use (importing MPI initialises it)
+# NumPy dtype -> MPI datatype, filled on first use (importing MPI initialises it)
+_MPI_TYPES: dict[np.dtype[np.generic], MPI.Datatype] = {}
 
 
 def _mpi_type(dtype: npt.DTypeLike) -> MPI.Datatype | None:

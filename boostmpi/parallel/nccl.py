@@ -142,7 +142,8 @@ class NcclGroup(Group):
         nccl = _nccl()
         self.nccl_comm = _communicator(nccl, mpi_comm, self.size, self.rank, axis)
         self.side_stream = cupy.cuda.Stream(non_blocking=True)
-        self._side_done: _Event | None = None  # the last side-stream collective, until the current stream has waited for it
+        # the last side-stream collective, until the current stream has waited for it
+        self._side_done: _Event | None = None
         if p2p:  # +1: messages to higher ranks, -1: to lower ranks; by kind too round a ring (module docstring)
             for key in ([(kind, d) for kind in (0, 1) for d in (+1, -1)] if ring else [+1, -1]):
                 self.p2p[key] = (_communicator(nccl, mpi_comm, self.size, self.rank, axis),
