@@ -16,9 +16,21 @@ context its backward reads; backward(dO, context) -> dq, dk, dv. The softmax sca
 The choice is made once at start-up, after the rank's device is set (boostmpi.parallel.startup), and
 installed with `use`; `boostmpi.model.layers.attention_forward/backward` send CuPy inputs to
 `current()`. The CPU path (NumPy) never comes here.
+
+`AttentionBackend` declares a backend and `AttentionContext` what every context offers its callers
+(the recompute policies keep `row_max` and `row_sum`); the type check holds OwnAttention,
+CudnnAttention and TorchAttention to them.
 """
 
-from typing import Protocol
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol, TextIO, TypedDict, cast
+
+import numpy.typing as npt
+
+from boostmpi.arrays import Alloc, Array
 
 BACKENDS = ("auto", "cudnn", "torch", "own")  # the values of train.attention
 LIBRARY_BACKENDS = ("cudnn", "torch")
@@ -31,19 +43,48 @@ COSTLY_FALLBACK = ("attention runs on the own kernels: measured 67.0 / 132.1 ms 
                    "the GPU runtime CuPy uses, for library attention")
 
 
+class DeviceInfo(TypedDict):
+    """The device a library backend is asked about (`_device_info`)."""
+    vendor: str  # "nvidia" | "amd"
+    capability: int | None  # compute capability major*10+minor; None on AMD
+    device: int  # CuPy's device id
+
+
 class BackendUnavailable(RuntimeError):
     """A backend that cannot run here; the message is one line that says why."""
+
+
+class AttentionContext(Protocol):
+    """What a backend's forward hands its backward (each backend's own NamedTuple), as others read it."""
+
+    @property
+    def q(self) -> Array:
+        """The forward's q [B,T,H,Dh] (or the backend's view of it): its shape is the call's."""
+        ...
+
+    @property
+    def row_max(self) -> Array | None:
+        """The softmax statistic per head and token that recompute = "lowrank" keeps, or None."""
+        ...
+
+    @property
+    def row_sum(self) -> Array | None:
+        """The second statistic (None where the first, a log-sum-exp, is all)."""
+        ...
 
 
 class AttentionBackend(Protocol):
     name: str  # "cudnn" | "torch" | "own"
     deterministic: bool  # whether backward is bitwise reproducible run to run
 
-    def forward(self, q, k, v, alloc=None):
-        """q [B,T,H,Dh], k, v [B,T,Hkv,Dh] -> (o [B,T,H,Dh], context)."""
+    def forward(self, q: Array, k: Array, v: Array, alloc: Alloc | None = None) -> tuple[Array, AttentionContext]:
+        """q [B,T,H,Dh], k, v [B,T,Hkv,Dh] -> (o [B,T,H,Dh], context). `alloc(shape, dtype)`, when given,
+        allocates the float32 statistic the context keeps."""
+        ...
 
-    def backward(self, do, ctx):
-        """do [B,T,H,Dh] -> (dq [B,T,H,Dh], dk, dv [B,T,Hkv,Dh])."""
+    def backward(self, do: Array, ctx: AttentionContext) -> tuple[Array, Array, Array]:
+        """do [B,T,H,Dh] and this backend's context -> (dq [B,T,H,Dh], dk, dv [B,T,Hkv,Dh])."""
+        ...
 
 
 class OwnAttention:
@@ -54,20 +95,30 @@ class OwnAttention:
     name = "own"
     deterministic = True
 
-    def forward(self, q, k, v, alloc=None):
+    def forward(self, q: Array, k: Array, v: Array, alloc: Alloc | None = None) -> tuple[Array, AttentionContext]:
         from boostmpi.gpu import kernels
         from boostmpi.model.layers import FusedAttentionCache
 
         o, lse = kernels.attention_forward(q, k, v, alloc=alloc)
         return o, FusedAttentionCache(q, k, v, o, lse)
 
-    def backward(self, do, ctx):
+    def backward(self, do: Array, ctx: AttentionContext) -> tuple[Array, Array, Array]:
         from boostmpi.gpu import kernels
+        from boostmpi.model.layers import FusedAttentionCache
 
-        return kernels.attention_backward(do, ctx.q, ctx.k, ctx.v, ctx.out, ctx.lse)
+        ctx = cast(FusedAttentionCache, ctx)  # this backend's own context
+        dq, dk, dv = kernels.attention_backward(do, ctx.q, ctx.k, ctx.v, ctx.out, ctx.lse)
+        return dq, dk, dv
 
 
-def _library_module(name):
+if TYPE_CHECKING:  # the type check holds every backend to the protocol
+    from boostmpi.gpu.attention_cudnn import CudnnAttention
+    from boostmpi.gpu.attention_torch import TorchAttention
+
+    _IMPLEMENTATIONS: tuple[type[AttentionBackend], ...] = (OwnAttention, CudnnAttention, TorchAttention)
+
+
+def _library_module(name: str) -> ModuleType:
     """attention_cudnn or attention_torch, imported when asked for (BackendUnavailable when the module
     itself is not there: the frontend's and PyTorch's imports happen inside the module's `problem`)."""
     import importlib
@@ -78,7 +129,7 @@ def _library_module(name):
         raise BackendUnavailable(f"{name} attention backend unavailable: {e}") from None
 
 
-def _device_info():
+def _device_info() -> DeviceInfo:
     """(vendor, compute capability major*10+minor or None, device id) of CuPy's current device."""
     import cupy
 
@@ -88,18 +139,19 @@ def _device_info():
     return {"vendor": "nvidia", "capability": int(device.compute_capability), "device": device.id}
 
 
-def _problem(name, dtype, shape=None):
+def _problem(name: str, dtype: str, shape: tuple[int, ...] | None = None) -> str | None:
     """Why backend `name` cannot run attention of `dtype` (and, for cudnn, of `shape`) here, or None."""
     if name == "own":
         return None
     module = _library_module(name)
-    problem = module.problem(dtype, _device_info())
+    problem: str | None = module.problem(dtype, _device_info())
     if problem is None and shape is not None and hasattr(module, "shape_problem"):
         problem = module.shape_problem(dtype, shape)
     return problem
 
 
-def make(name, dtype="bfloat16", shape=None, deterministic=True):
+def make(name: str, dtype: str = "bfloat16", shape: tuple[int, ...] | None = None,
+         deterministic: bool = True) -> AttentionBackend:
     """The backend `name` ("cudnn" | "torch" | "own"); BackendUnavailable (one line) when it cannot run
     `dtype` (and `shape` = (B, T, H, Hkv, Dh), when given) here. `deterministic=False` lets a library
     backend run its faster backward whose summation order may change run to run (own is always
@@ -112,18 +164,18 @@ def make(name, dtype="bfloat16", shape=None, deterministic=True):
     if problem is not None:
         raise BackendUnavailable(f"train.attention = {name} cannot run here: {problem}")
     module = _library_module(name)
-    backend = module.CudnnAttention if name == "cudnn" else module.TorchAttention
-    return backend(deterministic=deterministic)
+    backend: AttentionBackend = (module.CudnnAttention if name == "cudnn" else module.TorchAttention)(
+        deterministic=deterministic)
+    return backend
 
 
-def select(setting, dtype, shape=None, out=None, deterministic=True):
+def select(setting: str, dtype: npt.DTypeLike, shape: tuple[int, ...] | None = None,
+           out: TextIO | None = None, deterministic: bool = True) -> AttentionBackend:
     """The backend `setting` (a value of BACKENDS) names for attention of `dtype` (a NumPy dtype or its
     name) on the current device. "auto": cudnn for bfloat16 on NVIDIA sm_80+ when a handle is made and
     a graph of `shape` = (B, T, H, Hkv, Dh) passes check_support, else torch when it can run, else own,
     with ONE line on `out` (stderr by default) naming the measured cost and the package that fixes it.
     A named backend that cannot run raises BackendUnavailable. `deterministic` as in `make`."""
-    import sys
-
     import numpy as np
 
     dtype = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
@@ -141,16 +193,16 @@ def select(setting, dtype, shape=None, out=None, deterministic=True):
     return OwnAttention()
 
 
-_current = OwnAttention()
+_current: AttentionBackend = OwnAttention()
 
 
-def use(backend):
+def use(backend: AttentionBackend) -> AttentionBackend:
     """Make `backend` the one boostmpi.model.layers sends CuPy attention to (in this process)."""
     global _current
     _current = backend
     return backend
 
 
-def current():
+def current() -> AttentionBackend:
     """The process-wide attention backend (own until `use` says otherwise)."""
     return _current

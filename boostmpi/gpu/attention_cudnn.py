@@ -25,16 +25,24 @@ How it runs:
   = false`) builds the backward without it: faster, and resume is then not bitwise.
 """
 
+from __future__ import annotations
+
 import ctypes
 import math
 import os
 import sysconfig
 import time
-from typing import NamedTuple
+from collections.abc import Mapping, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 
-from boostmpi.gpu.attention import BackendUnavailable
+from boostmpi.arrays import Alloc, Array
+from boostmpi.gpu.attention import AttentionContext, BackendUnavailable, DeviceInfo
+
+if TYPE_CHECKING:
+    import cudnn  # nvidia-cudnn-frontend (no type information): its graph, tensor and handle types
 
 FRONTEND = "1.28"  # the release whose signatures the tests check (tests/cudnn_calls_checked.txt)
 LIBRARY = "libcudnn.so.9"
@@ -44,23 +52,23 @@ INSTALL = "pip install 'boostmpi[cudnn]' (CUDA 12) or 'boostmpi[cudnn-cuda13]' (
 
 class CudnnContext(NamedTuple):
     """What the cuDNN backward reads: the inputs as given, the output and the statistic."""
-    q: object  # [B, T, H, Dh]
-    k: object  # [B, T, Hkv, Dh]
-    v: object
-    o: object  # [B, T, H, Dh]
-    stats: object  # [B, H, T, 1] float32: log-sum-exp of each row's scaled scores
+    q: Array  # [B, T, H, Dh]
+    k: Array  # [B, T, Hkv, Dh]
+    v: Array
+    o: Array  # [B, T, H, Dh]
+    stats: Array  # [B, H, T, 1] float32: log-sum-exp of each row's scaled scores
 
     # the softmax statistics a recompute policy keeps (recompute = "lowrank"): here the one
     @property
-    def row_max(self):
+    def row_max(self) -> Array:
         return self.stats
 
     @property
-    def row_sum(self):
+    def row_sum(self) -> None:
         return None
 
 
-def library_candidates(environ=None, purelib=None):
+def library_candidates(environ: Mapping[str, str] | None = None, purelib: str | None = None) -> list[str]:
     """Where libcudnn.so.9 is looked for, in order: each $LD_LIBRARY_PATH directory, the CUDA 12 wheel's
     purelib/nvidia/cudnn/lib, the CUDA 13 wheel's purelib/nvidia/cu13/lib, then the bare name (dlopen's
     own search: ldconfig's cache, the system directories)."""
@@ -71,10 +79,11 @@ def library_candidates(environ=None, purelib=None):
     return paths + [LIBRARY]
 
 
-_loaded = []  # the path libcudnn was loaded from (kept loaded: RTLD_GLOBAL, for the frontend's binding)
+# the path libcudnn was loaded from (kept loaded: RTLD_GLOBAL, for the frontend's binding)
+_loaded: list[tuple[str, ctypes.CDLL]] = []
 
 
-def preload(environ=None, purelib=None):
+def preload(environ: Mapping[str, str] | None = None, purelib: str | None = None) -> tuple[str, ctypes.CDLL]:
     """Load libcudnn.so.9 with RTLD_GLOBAL from the first candidate that loads; BackendUnavailable (one
     line naming every candidate) when none does. Once per process."""
     if _loaded:
@@ -93,7 +102,7 @@ def preload(environ=None, purelib=None):
     raise BackendUnavailable(f"{LIBRARY} not found (tried {', '.join(tried)}): {INSTALL}")
 
 
-def frontend():
+def frontend() -> ModuleType:
     """The `cudnn` module (nvidia-cudnn-frontend), libcudnn preloaded; BackendUnavailable (one line)."""
     preload()
     try:
@@ -104,10 +113,11 @@ def frontend():
     if version.rsplit(".", 1)[0] != FRONTEND:
         raise BackendUnavailable(f"nvidia-cudnn-frontend {version} is installed; boostmpi's calls are checked "
                                  f"against {FRONTEND}: {INSTALL}")
-    return cudnn
+    module: ModuleType = cudnn
+    return module
 
 
-def problem(dtype, device_info):
+def problem(dtype: object, device_info: DeviceInfo) -> str | None:
     """Why cuDNN attention cannot run `dtype` on the device `device_info` describes, or None. Makes the
     device's handle (importing the frontend proves nothing: a missing libcudnn shows at cudnnCreate)."""
     if str(dtype) != "bfloat16":
@@ -125,7 +135,7 @@ def problem(dtype, device_info):
     return None
 
 
-def shape_problem(dtype, shape):
+def shape_problem(dtype: object, shape: Sequence[int]) -> str | None:
     """Why the forward or backward graph of `shape` = (B, T, H, Hkv, Dh) fails check_support, or None
     (the graphs built here are the ones the run will use: they stay cached)."""
     try:
@@ -139,35 +149,37 @@ def shape_problem(dtype, shape):
     return None
 
 
-def _one_line(e):
+def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:300]}"
 
 
-_handles = {}  # device id -> cudnn.Handle, made on that device
-_graphs = {}  # (kind, B, T, H, Hkv, Dh, dtype, device[, deterministic for a backward]) -> _Graph
-build_seconds = {}  # the same keys -> seconds each graph took to build
+_handles: dict[int, cudnn.Handle] = {}  # device id -> cudnn.Handle, made on that device
+# (kind, B, T, H, Hkv, Dh, dtype, device), and for a backward whether it is the deterministic one
+_GraphKey = tuple[object, ...]
+_graphs: dict[_GraphKey, _Graph] = {}
+build_seconds: dict[_GraphKey, float] = {}  # the same keys -> seconds each graph took to build
 
 
-def _handle(cudnn, device):
+def _handle(cudnn: ModuleType, device: int) -> cudnn.Handle:
     if device not in _handles:
         _handles[device] = cudnn.create_handle()
     return _handles[device]
 
 
-def _bshd(graph, cudnn, name, B, T, H, Dh):
+def _bshd(graph: cudnn.pygraph, cudnn: ModuleType, name: str, B: int, T: int, H: int, Dh: int) -> cudnn.tensor:
     """A [B, T, H, Dh] C-contiguous array declared as cuDNN's BHSD dims with the matching strides."""
     return graph.tensor(name=name, dim=[B, H, T, Dh], stride=[T * H * Dh, Dh, H * Dh, 1],
                         data_type=cudnn.data_type.BFLOAT16)
 
 
 class _Graph(NamedTuple):
-    graph: object
-    tensors: dict  # our name -> the graph's tensor
+    graph: cudnn.pygraph
+    tensors: dict[str, cudnn.tensor]  # our name -> the graph's tensor
     workspace: int  # bytes
 
 
-def _finish(graph, cudnn):
+def _finish(graph: cudnn.pygraph, cudnn: ModuleType) -> int:
     graph.validate()
     graph.build_operation_graph()
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
@@ -181,7 +193,7 @@ class CudnnAttention:
 
     name = "cudnn"
 
-    def __init__(self, deterministic=DETERMINISTIC):
+    def __init__(self, deterministic: bool = DETERMINISTIC) -> None:
         import cupy
 
         # sdpa_backward's use_deterministic_algorithm: True by default (resume stays bitwise); False lets
@@ -193,15 +205,16 @@ class CudnnAttention:
         self.device = cupy.cuda.Device().id
         self.handle = _handle(self.cudnn, self.device)
 
-    def _graph(self, kind, B, T, H, Hkv, Dh):
-        key = (kind, B, T, H, Hkv, Dh, "bfloat16", self.device) + ((self.deterministic,) if kind == "backward" else ())
+    def _graph(self, kind: str, B: int, T: int, H: int, Hkv: int, Dh: int) -> _Graph:
+        key: _GraphKey = (kind, B, T, H, Hkv, Dh, "bfloat16", self.device) + ((self.deterministic,) if kind == "backward" else ())
         if key not in _graphs:
             start = time.perf_counter()
             _graphs[key] = (self._build_forward if kind == "forward" else self._build_backward)(B, T, H, Hkv, Dh)
             build_seconds[key] = time.perf_counter() - start
         return _graphs[key]
 
-    def _new_graph(self, kind, B, T, H, Hkv, Dh):
+    def _new_graph(self, kind: str, B: int, T: int, H: int, Hkv: int, Dh: int,
+                   ) -> tuple[cudnn.pygraph, dict[str, cudnn.tensor]]:
         cudnn = self.cudnn
         graph = cudnn.pygraph(name=f"boostmpi_attention_{kind}", io_data_type=cudnn.data_type.BFLOAT16, intermediate_data_type=cudnn.data_type.FLOAT,
                               compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
@@ -209,7 +222,7 @@ class CudnnAttention:
              "v": _bshd(graph, cudnn, "v", B, T, Hkv, Dh)}
         return graph, t
 
-    def _build_forward(self, B, T, H, Hkv, Dh):
+    def _build_forward(self, B: int, T: int, H: int, Hkv: int, Dh: int) -> _Graph:
         cudnn = self.cudnn
         graph, t = self._new_graph("forward", B, T, H, Hkv, Dh)
         o, stats = graph.sdpa(q=t["q"], k=t["k"], v=t["v"], generate_stats=True, attn_scale=1.0 / math.sqrt(Dh),
@@ -219,7 +232,7 @@ class CudnnAttention:
         t.update(o=o, stats=stats)
         return _Graph(graph, t, _finish(graph, cudnn))
 
-    def _build_backward(self, B, T, H, Hkv, Dh):
+    def _build_backward(self, B: int, T: int, H: int, Hkv: int, Dh: int) -> _Graph:
         cudnn = self.cudnn
         graph, t = self._new_graph("backward", B, T, H, Hkv, Dh)
         t["o"] = _bshd(graph, cudnn, "o", B, T, H, Dh)
@@ -233,14 +246,14 @@ class CudnnAttention:
             t[name] = out
         return _Graph(graph, t, _finish(graph, cudnn))
 
-    def _execute(self, built, arrays):
+    def _execute(self, built: _Graph, arrays: dict[str, Array]) -> None:
         cupy = self.cupy
         workspace = cupy.empty(max(built.workspace, 1), dtype=np.uint8)  # CuPy's pool
         self.cudnn.set_stream(self.handle, cupy.cuda.get_current_stream().ptr)
         built.graph.execute({built.tensors[name]: a.data.ptr for name, a in arrays.items()}, workspace,
                             handle=self.handle)
 
-    def forward(self, q, k, v, alloc=None):
+    def forward(self, q: Array, k: Array, v: Array, alloc: Alloc | None = None) -> tuple[Array, AttentionContext]:
         B, T, H, Hkv, Dh = _check(q, k, v)
         cupy = self.cupy
         o = cupy.empty_like(q)
@@ -249,8 +262,8 @@ class CudnnAttention:
             self._execute(self._graph("forward", B, T, H, Hkv, Dh), {"q": q, "k": k, "v": v, "o": o, "stats": stats})
         return o, CudnnContext(q, k, v, o, stats)
 
-    def backward(self, do, ctx):
-        q, k, v, o, stats = ctx
+    def backward(self, do: Array, ctx: AttentionContext) -> tuple[Array, Array, Array]:
+        q, k, v, o, stats = cast(CudnnContext, ctx)  # this backend's own context
         B, T, H, Hkv, Dh = _check(q, k, v)
         if do.shape != q.shape or do.dtype != q.dtype or not do.flags.c_contiguous:
             raise ValueError(f"dO must be C-contiguous {q.dtype} of shape {q.shape}, got {do.dtype} {do.shape}")
@@ -262,7 +275,7 @@ class CudnnAttention:
         return dq, dk, dv
 
 
-def _check(q, k, v):
+def _check(q: Array, k: Array, v: Array) -> tuple[int, int, int, int, int]:
     """(B, T, H, Hkv, Dh) of C-contiguous bfloat16 q [B,T,H,Dh], k, v [B,T,Hkv,Dh]; ValueError else."""
     B, T, H, Dh = q.shape
     for name, a in (("q", q), ("k", k), ("v", v)):

@@ -49,16 +49,29 @@ measures what that costs. Routing PyTorch's allocations through CuPy's pool woul
 symbols, not Python callables: it is not offered here.
 """
 
+from __future__ import annotations
+
 import contextlib
 import importlib.metadata
 import math
 import sys
-from typing import NamedTuple
+from collections.abc import Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, NamedTuple, cast
+
+import numpy.typing as npt
+
+from boostmpi.arrays import Alloc, Array
+from boostmpi.gpu.attention import AttentionContext, DeviceInfo
+
+if TYPE_CHECKING:  # the type check's view of PyTorch (never imported here at run time)
+    import torch
+    from torch import Tensor
 
 INSTALL_HINT = "pip install torch built for the CUDA or ROCm release CuPy uses"
 
 
-def _dtype_name(dtype):
+def _dtype_name(dtype: npt.DTypeLike) -> str:
     if isinstance(dtype, str):
         return dtype
     import numpy as np
@@ -66,13 +79,13 @@ def _dtype_name(dtype):
     return np.dtype(dtype).name
 
 
-def runtime_major(version, is_hip):
+def runtime_major(version: int, is_hip: bool) -> int:
     """The major release of CuPy's runtime from `cupy.cuda.runtime.runtimeGetVersion()`: CUDA
     encodes 1000 * major + 10 * minor (13000 is 13.0), HIP 10**7 * major + 10**5 * minor + patch."""
     return int(version) // (10_000_000 if is_hip else 1000)
 
 
-def runtime_mismatch(torch_cuda, torch_hip, cupy_is_hip, cupy_version):
+def runtime_mismatch(torch_cuda: str | None, torch_hip: str | None, cupy_is_hip: bool, cupy_version: int) -> str | None:
     """Why PyTorch's GPU runtime does not match CuPy's (None when it does). `torch_cuda` and
     `torch_hip` are `torch.version.cuda` and `torch.version.hip` ("13.0", "6.4.43482-..." or None)."""
     cupy_major = runtime_major(cupy_version, cupy_is_hip)
@@ -88,7 +101,7 @@ def runtime_mismatch(torch_cuda, torch_hip, cupy_is_hip, cupy_version):
     return None
 
 
-def _wheel_local_version():
+def _wheel_local_version() -> str | None:
     """The local part of the installed torch distribution's version ("cpu", "cu130", ""), or None."""
     try:
         return importlib.metadata.version("torch").partition("+")[2]
@@ -96,7 +109,7 @@ def _wheel_local_version():
         return None
 
 
-def problem(dtype, device_info=None):
+def problem(dtype: npt.DTypeLike, device_info: DeviceInfo | None = None) -> str | None:
     """Why the torch backend cannot run attention of `dtype` here, in one line; None when it can.
     PyTorch itself is asked about the GPU (`device_info` is not needed)."""
     name = _dtype_name(dtype)
@@ -125,19 +138,19 @@ def problem(dtype, device_info=None):
 class TorchAttentionContext(NamedTuple):
     """What the torch backend's backward needs: the forward's autograd graph, reached from its
     output, and the leaf tensors it differentiates for."""
-    q: object  # torch leaf tensors [B, T, H, Dh] / [B, T, Hkv, Dh], views of the CuPy inputs
-    k: object
-    v: object
-    out: object  # SDPA's output [B, H, T, Dh], the root of the graph
+    q: Tensor  # torch leaf tensors [B, T, H, Dh] / [B, T, Hkv, Dh], views of the CuPy inputs
+    k: Tensor
+    v: Tensor
+    out: Tensor  # SDPA's output [B, H, T, Dh], the root of the graph
 
     # recompute = "lowrank" keeps these: nothing, since no public PyTorch call runs the backward
     # from a statistic (the module docstring says what that costs)
     @property
-    def row_max(self):
+    def row_max(self) -> None:
         return None
 
     @property
-    def row_sum(self):
+    def row_sum(self) -> None:
         return None
 
 
@@ -167,12 +180,13 @@ class TorchAttention:
 
     name = "torch"
 
-    def __init__(self, deterministic=True):
+    def __init__(self, deterministic: bool = True) -> None:
         self.deterministic = bool(deterministic)
-        self._streams = {}  # (CuPy stream handle, device) -> torch.cuda.ExternalStream
+        # (CuPy stream handle, device) -> torch.cuda.ExternalStream
+        self._streams: dict[tuple[int, int], torch.cuda.ExternalStream] = {}
 
     @contextlib.contextmanager
-    def _call(self):
+    def _call(self) -> Iterator[tuple[ModuleType, ModuleType]]:
         """PyTorch on CuPy's current stream (and, when deterministic, with deterministic algorithms)."""
         import cupy
         import torch
@@ -185,7 +199,7 @@ class TorchAttention:
             yield torch, cupy
 
     @contextlib.contextmanager
-    def _determinism(self, torch):
+    def _determinism(self, torch: ModuleType) -> Iterator[None]:
         if not self.deterministic:
             yield
             return
@@ -197,7 +211,7 @@ class TorchAttention:
         finally:
             torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
-    def forward(self, q, k, v, alloc=None):
+    def forward(self, q: Array, k: Array, v: Array, alloc: Alloc | None = None) -> tuple[Array, AttentionContext]:
         """q [B, T, H, Dh], k, v [B, T, Hkv, Dh] (CuPy, bfloat16, C-contiguous) -> (o [B, T, H, Dh],
         TorchAttentionContext). `alloc` is not used: PyTorch allocates what its graph keeps."""
         B, T, H, Dh = q.shape
@@ -220,10 +234,12 @@ class TorchAttention:
             o = cupy.from_dlpack(out.detach().transpose(1, 2).contiguous())
         return o, TorchAttentionContext(qt, kt, vt, out)
 
-    def backward(self, do, ctx):
+    def backward(self, do: Array, ctx: AttentionContext) -> tuple[Array, Array, Array]:
         """do [B, T, H, Dh] (CuPy, q's dtype) -> dq [B, T, H, Dh], dk, dv [B, T, Hkv, Dh]: PyTorch's
         backward on the forward's graph (which it frees)."""
+        ctx = cast(TorchAttentionContext, ctx)  # this backend's own context
         with self._call() as (torch, cupy):
             grad_out = torch.from_dlpack(do).transpose(1, 2)
             grads = torch.autograd.grad(ctx.out, (ctx.q, ctx.k, ctx.v), grad_outputs=grad_out)
-            return tuple(cupy.from_dlpack(g.contiguous()) for g in grads)
+            dq, dk, dv = (cupy.from_dlpack(g.contiguous()) for g in grads)
+            return dq, dk, dv

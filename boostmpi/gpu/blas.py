@@ -35,17 +35,24 @@ without libhipblas it is computed from float32 copies of the operands (HIP_R_32F
 compute) and rounded once to bfloat16: the same numbers, more memory traffic.
 """
 
+from __future__ import annotations
+
 import math
+from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
+import numpy.typing as npt
 
+from boostmpi.arrays import Array
 from boostmpi.gpu import hipblas
 
-_ONE = {np.dtype(np.float32): np.ones(1, np.float32), np.dtype(np.float64): np.ones(1, np.float64)}
-_ZERO = {np.dtype(np.float32): np.zeros(1, np.float32), np.dtype(np.float64): np.zeros(1, np.float64)}
+_Scalars = dict[np.dtype[np.generic], npt.NDArray[np.float32 | np.float64]]  # one-element host arrays by dtype
+_ONE: _Scalars = {np.dtype(np.float32): np.ones(1, np.float32), np.dtype(np.float64): np.ones(1, np.float64)}
+_ZERO: _Scalars = {np.dtype(np.float32): np.zeros(1, np.float32), np.dtype(np.float64): np.zeros(1, np.float64)}
 
 
-def _cuda_type(dtype):
+def _cuda_type(dtype: np.dtype[np.generic]) -> int:
     from cupy.cuda import runtime
 
     if dtype.name == "bfloat16":
@@ -54,11 +61,11 @@ def _cuda_type(dtype):
             np.dtype(np.float64): runtime.CUDA_R_64F}[dtype]
 
 
-def supported(dtype):
+def supported(dtype: np.dtype[np.generic]) -> bool:
     return dtype.name == "bfloat16" or dtype in (np.float16, np.float32, np.float64)
 
 
-def _collapse_batch(shape, strides):
+def _collapse_batch(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int] | None:
     """One (count, stride) for the batch dimensions, or None when no single stride walks them."""
     dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
     if not dims:
@@ -72,7 +79,7 @@ def _collapse_batch(shape, strides):
     return count, dims[-1][1]
 
 
-def _layout(x, batch_shape):
+def _layout(x: Array, batch_shape: tuple[int, ...]) -> tuple[Array, int, int, int] | None:
     """(x, op, ld, batch stride) describing x [..., r, c] to cuBLAS as the column-major operand
     x^T, or None when its memory does not allow that without a copy. Strides in elements."""
     item = x.dtype.itemsize
@@ -100,23 +107,24 @@ def _layout(x, batch_shape):
     return x, op, ld, batch[1]
 
 
-def _operand(x, batch_shape):
+def _operand(x: Array, batch_shape: tuple[int, ...]) -> tuple[Array, int, int, int]:
     got = _layout(x, batch_shape)
     if got is None:
         xp = _cupy()
         full = xp.empty(tuple(batch_shape) + x.shape[-2:], dtype=x.dtype)
         full[...] = x  # broadcast and made contiguous in one copy
         got = _layout(full, batch_shape)
+        assert got is not None  # a contiguous array always has one
     return got
 
 
-def _cupy():
+def _cupy() -> ModuleType:
     import cupy
 
     return cupy
 
 
-def _output(out, batch_shape, m, n):
+def _output(out: Array, batch_shape: tuple[int, ...], m: int, n: int) -> tuple[int, int]:
     """(ldc, batch stride) of a given output [..., m, n]: each matrix row-major with unit column
     stride (a column block of a wider matrix is fine: its row stride is the ldc) and the batch
     dimensions one stride; else ValueError (the caller passes a buffer cuBLAS can write)."""
@@ -127,7 +135,7 @@ def _output(out, batch_shape, m, n):
     return got[2], got[3]
 
 
-def matmul(a, b, out=None, accumulate=False):
+def matmul(a: Array, b: Array, out: Array | None = None, accumulate: bool = False) -> Array:
     """a @ b for CuPy arrays [..., m, k] @ [..., k, n] (batch dimensions broadcast), of one float
     dtype, through one cuBLAS GEMM (gemmEx for one matrix, gemmStridedBatchedEx for a batch); float32
     compute for 16- and 32-bit floats. `out` receives the product (it may be float32 for 16-bit

@@ -27,12 +27,16 @@ sets on the centres' machines), then the loader's search path. Without it a bflo
 back to float32 copies (what blas.py did before), saying so once on standard error.
 """
 
+from __future__ import annotations
+
 import ctypes
 import ctypes.util
 import functools
 import os
 import re
 import sys
+from collections.abc import Callable
+from typing import TypedDict
 
 # hipblas.h: hipblasOperation_t, hipblasGemmAlgo_t, hipblasStatus_t
 HIPBLAS_OP_N, HIPBLAS_OP_T = 111, 112
@@ -41,8 +45,15 @@ STATUS = {0: "HIPBLAS_STATUS_SUCCESS", 1: "HIPBLAS_STATUS_NOT_INITIALIZED", 2: "
           3: "HIPBLAS_STATUS_INVALID_VALUE", 4: "HIPBLAS_STATUS_MAPPING_ERROR", 5: "HIPBLAS_STATUS_EXECUTION_FAILED",
           6: "HIPBLAS_STATUS_INTERNAL_ERROR", 7: "HIPBLAS_STATUS_NOT_SUPPORTED", 8: "HIPBLAS_STATUS_ARCH_MISMATCH",
           9: "HIPBLAS_STATUS_HANDLE_IS_NULLPTR", 10: "HIPBLAS_STATUS_INVALID_ENUM", 11: "HIPBLAS_STATUS_UNKNOWN"}
+class _Abi(TypedDict):
+    names: tuple[str, str]
+    bf16: int
+    f32: int
+    compute: int
+
+
 # per ABI: the two functions' names, the bfloat16 and float32 type values, the float32 compute type
-ABIS = {
+ABIS: dict[str, _Abi] = {
     "legacy": {"names": ("hipblasGemmEx", "hipblasGemmStridedBatchedEx"), "bf16": 168, "f32": 151, "compute": 151},
     "v2": {"names": ("hipblasGemmEx_v2", "hipblasGemmStridedBatchedEx_v2"), "bf16": 14, "f32": 0, "compute": 2},
     "v3": {"names": ("hipblasGemmEx", "hipblasGemmStridedBatchedEx"), "bf16": 14, "f32": 0, "compute": 2},
@@ -71,7 +82,7 @@ class HipblasError(RuntimeError):
     pass
 
 
-def library_path():
+def library_path() -> str | None:
     """Where libhipblas is: $ROCM_PATH/lib first, then the dynamic loader's own search (None: nowhere)."""
     root = os.environ.get("ROCM_PATH")
     if root:
@@ -82,7 +93,7 @@ def library_path():
     return ctypes.util.find_library("hipblas")
 
 
-def abi_of(lib, path):
+def abi_of(lib: ctypes.CDLL, path: str) -> str:
     """Which of ABIS a loaded libhipblas speaks (see the module docstring)."""
     if hasattr(lib, ABIS["v2"]["names"][0]):
         return "v2"
@@ -91,7 +102,7 @@ def abi_of(lib, path):
 
 
 @functools.lru_cache(maxsize=None)
-def library():
+def library() -> tuple[ctypes.CDLL, str, tuple[Callable[..., int], ...]] | None:
     """(libhipblas, its ABI, its two GEMMs declared) or None when it is not installed."""
     path = library_path()
     if path is None:
@@ -107,17 +118,20 @@ def library():
 
 
 @functools.lru_cache(maxsize=None)
-def say_missing():
+def say_missing() -> None:
     print("boostmpi: bfloat16 products on ROCm run on float32 copies: libhipblas was not found "
           "(looked in $ROCM_PATH/lib and the loader's path)", file=sys.stderr, flush=True)
 
 
-def gemm(handle, transa, transb, m, n, k, alpha, A, lda, stride_a, B, ldb, stride_b, beta, C, c_float32, ldc,
-         stride_c, count):
+def gemm(handle: int, transa: int, transb: int, m: int, n: int, k: int, alpha: int, A: int, lda: int, stride_a: int,
+         B: int, ldb: int, stride_b: int, beta: int, C: int, c_float32: bool, ldc: int, stride_c: int, count: int,
+         ) -> None:
     """One column-major GEMM of bfloat16 A and B (count == 1: GemmEx) or a strided batch, float32
     compute, C bfloat16 or (c_float32) float32; the operation codes are hipBLAS's (HIPBLAS_OP_N / _T),
     alpha and beta host addresses of floats. Raises HipblasError with hipBLAS's status name."""
-    _, abi, (single, strided) = library()
+    found = library()
+    assert found is not None  # called only where libhipblas is loaded
+    _, abi, (single, strided) = found
     values = ABIS[abi]
     bf16, ctype = values["bf16"], values["f32"] if c_float32 else values["bf16"]
     if count == 1:

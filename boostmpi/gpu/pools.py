@@ -15,10 +15,22 @@ same sizes and order.
 (recompute.Tape.alloc); `total_bytes` is what the device holds for both pools.
 """
 
-_KEPT = None
+from __future__ import annotations
+
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import numpy.typing as npt
+
+from boostmpi.arrays import Array
+
+if TYPE_CHECKING:
+    import cupy
+
+_KEPT: cupy.cuda.MemoryPool | None = None
 
 
-def kept_pool():
+def kept_pool() -> cupy.cuda.MemoryPool:
     """The pool of what recompute keeps (made on first use, on the current device)."""
     global _KEPT
     if _KEPT is None:
@@ -28,7 +40,7 @@ def kept_pool():
     return _KEPT
 
 
-def kept_empty(shape, dtype):
+def kept_empty(shape: tuple[int, ...], dtype: npt.DTypeLike) -> Array:
     """A new array of `shape` and `dtype` from the kept pool."""
     import cupy
 
@@ -36,7 +48,7 @@ def kept_empty(shape, dtype):
         return cupy.empty(shape, dtype=dtype)
 
 
-def total_bytes(xp):
+def total_bytes(xp: ModuleType) -> int:
     """Device bytes held by the default pool and the kept pool."""
     held = int(xp.get_default_memory_pool().total_bytes())
     return held + (0 if _KEPT is None else int(_KEPT.total_bytes()))

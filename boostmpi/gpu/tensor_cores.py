@@ -7,6 +7,8 @@ FMA kernels with one line on standard error when CUDA's crt/mma.h cannot be foun
 rule, but a missing header is a problem start-up reports; "0" is the FMA kernels everywhere.
 """
 
+from __future__ import annotations
+
 import functools
 import importlib.metadata
 import importlib.util
@@ -14,6 +16,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Protocol
 
 ENV = "BOOSTMPI_ATTENTION_TENSOR_CORES"
 # Where each CUDA major's pip wheels put crt/mma.h (the header the runtime's mma.h includes), and the
@@ -26,7 +29,13 @@ WHEEL_HEADERS = {12: ("nvidia.cuda_nvcc", "boostmpi[gpu]'s nvidia-cuda-nvcc-cu12
 CUPY_WHEELS = {"cupy-cuda12x": 12, "cupy-cuda13x": 13}
 
 
-def cupy_cuda_major():
+class _DeviceTraits(Protocol):
+    """What `use_wmma` reads of a device (boostmpi.gpu.kernels' _Device)."""
+    warp_size: int
+    nvidia_major: int
+
+
+def cupy_cuda_major() -> int | None:
     """The CUDA major of the installed CuPy wheel (cupy-cuda12x: 12, cupy-cuda13x: 13), None for
     neither (CuPy built from source, a ROCm wheel, no CuPy)."""
     for dist, major in CUPY_WHEELS.items():
@@ -38,7 +47,7 @@ def cupy_cuda_major():
     return None
 
 
-def header_missing(major=None):
+def header_missing(major: int | None = None) -> str:
     """The one line saying crt/mma.h is missing, naming the package that brings it for CUDA `major`
     (default: the installed CuPy's)."""
     major = major or cupy_cuda_major()
@@ -47,7 +56,7 @@ def header_missing(major=None):
     return f"CUDA's crt/mma.h was not found (it comes with {packages}, or load a CUDA module or set CUDA_PATH to a CUDA toolkit)"
 
 
-def _cupy_include_dirs():
+def _cupy_include_dirs() -> list[Path]:
     """The -I folders CuPy's RawModule hands NVRTC (cupy._core.core.assemble_cupy_compiler_options: its
     own headers, then CUDA's include/ under the root cupy/_environment.py finds); [] without the real CuPy."""
     try:
@@ -58,7 +67,7 @@ def _cupy_include_dirs():
     return [Path(option[2:]) for option in options if option.startswith("-I")]
 
 
-def _wheel_include_dirs(major):
+def _wheel_include_dirs(major: int | None) -> list[Path]:
     """include/ of the wheel that holds crt/ for CUDA `major` (both majors' when it is not known)."""
     out = []
     for m in [major] if major in WHEEL_HEADERS else sorted(WHEEL_HEADERS):
@@ -71,22 +80,22 @@ def _wheel_include_dirs(major):
 
 
 @functools.lru_cache(maxsize=None)
-def mma_include():
+def mma_include() -> str | None:
     """-I<dir> holding CUDA's crt/mma.h, for the CUDA of the installed CuPy: a folder on CuPy's own
     NVRTC include path (CUDA 13's wheels, a toolkit CuPy found), else the wheel layout of CuPy's CUDA
     major, else $CUDA_PATH, $CUDA_HOME or the toolkit of the nvcc on PATH (what a centre's CUDA module
     sets); None if none has it."""
     candidates = _cupy_include_dirs() + _wheel_include_dirs(cupy_cuda_major())
     candidates += [Path(os.environ[v]) / "include" for v in ("CUDA_PATH", "CUDA_HOME") if os.environ.get(v)]
-    if shutil.which("nvcc"):
-        candidates.append(Path(shutil.which("nvcc")).resolve().parents[1] / "include")
+    if nvcc := shutil.which("nvcc"):
+        candidates.append(Path(nvcc).resolve().parents[1] / "include")
     for directory in candidates:
         if (directory / "crt" / "mma.h").is_file():
             return f"-I{directory}"
     return None
 
 
-def setting():
+def setting() -> str:
     """"auto", "1" or "0" (ValueError for anything else)."""
     value = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if value not in ("auto", "1", "0"):
@@ -94,7 +103,7 @@ def setting():
     return value
 
 
-def use_wmma(suffix, device):
+def use_wmma(suffix: str, device: _DeviceTraits) -> bool:
     """Whether the attention on `suffix` ("bf16", "f32") runs the WMMA kernels on `device`
     (boostmpi.gpu.kernels' _Device: warp_size, nvidia_major)."""
     chosen = setting()
@@ -108,7 +117,7 @@ def use_wmma(suffix, device):
     return True
 
 
-def problem(suffix, device):
+def problem(suffix: str, device: _DeviceTraits) -> str | None:
     """Why `use_wmma` would fail for this run, or None."""
     try:
         use_wmma(suffix, device)
@@ -118,5 +127,5 @@ def problem(suffix, device):
 
 
 @functools.lru_cache(maxsize=None)
-def _say_once(line):
+def _say_once(line: str) -> None:
     print(line, file=sys.stderr, flush=True)

@@ -6,15 +6,24 @@ Every `*_backward` *accumulates* into the gradient arrays it is given (`+=`) and
 gradient of its input. Arrays may be NumPy or CuPy: `xp = get_array_module(x)`.
 """
 
-from typing import NamedTuple
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
+import numpy.typing as npt
 
+from boostmpi.arrays import Alloc, Array
 from boostmpi.backend import get_array_module
 from boostmpi.precision import statistic_dtype
 
+if TYPE_CHECKING:
+    from boostmpi.gpu.attention import AttentionContext
 
-def kernel_inputs(*arrays):
+
+def kernel_inputs(*arrays: Array) -> tuple[ModuleType | None, tuple[Array, ...]]:
     """(the fused CUDA kernels of boostmpi.gpu.kernels, the arrays C-contiguous) when the arrays are
     CuPy arrays of float32 or bfloat16, all of one dtype; else (None, the arrays): the NumPy code
     below is then the path, and it is the specification each kernel is tested against
@@ -32,7 +41,7 @@ def kernel_inputs(*arrays):
 # ---------------------------------------------------------------- grouped GEMMs
 # The linears that read one input (q/k/v, gate/up) form a group: their factors can run as one GEMM
 # on the concatenated weights, or pairwise as one batched GEMM.
-def col_slices(widths):
+def col_slices(widths: Sequence[int]) -> list[slice]:
     """Column slices of consecutive blocks of the given widths."""
     out, start = [], 0
     for w in widths:
@@ -41,12 +50,13 @@ def col_slices(widths):
     return out
 
 
-def concat_cols(mats):
+def concat_cols(mats: Sequence[Array]) -> Array:
     xp = get_array_module(mats[0])
     return mats[0] if len(mats) == 1 else xp.concatenate(mats, axis=1)
 
 
-def matmul(a, b, out=None, accumulate=False, dtype=None):
+def matmul(a: Array, b: Array, out: Array | None = None, accumulate: bool = False, dtype: npt.DTypeLike | None = None,
+           ) -> Array:
     """a @ b (2-D, or over leading batch dimensions): the one way the layers multiply matrices.
     `out` receives the product, or with `accumulate` has it added (a weight gradient: `out += a @ b`);
     `dtype` is the result's dtype when there is no `out` (float32 from bfloat16 operands: the GEMM's
@@ -71,12 +81,13 @@ def matmul(a, b, out=None, accumulate=False, dtype=None):
     return blas.matmul(a, b, out, accumulate)
 
 
-def batched_matmul(a, b):
+def batched_matmul(a: Array, b: Array) -> Array:
     """a @ b over leading batch dimensions (see `matmul`)."""
     return matmul(a, b)
 
 
-def grouped_matmul(lefts, rights, outs=None, accumulate=False):
+def grouped_matmul(lefts: Sequence[Array], rights: Sequence[Array], outs: Sequence[Array] | None = None,
+                   accumulate: bool = False) -> list[Array]:
     """[l @ r for l, r in pairs], one GEMM each. With `outs` each product is written to its out (a
     column block of a wider matrix is fine), or with `accumulate` added to it (weight gradients):
     no temporary, no copy into the block and no addition kernel. (Pairs whose operands lie side by
@@ -89,7 +100,7 @@ def grouped_matmul(lefts, rights, outs=None, accumulate=False):
 
 # ---------------------------------------------------------------- RMSNorm
 # x [N, C], w [C] -> y [N, C]; rstd [N, 1] = 1/sqrt(mean(x^2) + eps)
-def rmsnorm_forward(x, w, eps):
+def rmsnorm_forward(x: Array, w: Array, eps: float) -> tuple[Array, Array]:
     k, (xc, wc) = kernel_inputs(x, w)
     if k is not None and x.ndim == 2:
         y, rstd = k.rmsnorm_forward(xc, wc, eps)
@@ -99,7 +110,7 @@ def rmsnorm_forward(x, w, eps):
     return (x * rstd * w).astype(x.dtype, copy=False), rstd  # a float32 rstd does not widen bf16 x
 
 
-def rmsnorm_backward(dy, x, w, rstd, dw):
+def rmsnorm_backward(dy: Array, x: Array, w: Array, rstd: Array, dw: Array) -> Array:
     k, (dyc, xc, wc) = kernel_inputs(dy, x, w)
     if k is not None and x.ndim == 2:
         dx, dw_part = k.rmsnorm_backward(dyc, xc, wc, get_array_module(x).ascontiguousarray(rstd.reshape(-1)))
@@ -117,7 +128,7 @@ def rmsnorm_backward(dy, x, w, rstd, dw):
 # then rescale_rows(P, ss_total, C, eps) = rsqrt(ss_total / C + eps) * P = rmsnorm(x, w) @ A.
 
 
-def rmsnorm_online_stats(x, w):
+def rmsnorm_online_stats(x: Array, w: Array) -> tuple[Array, Array]:
     """x [N, Cs], w [Cs] (this rank's shard) -> xw = x * w [N, Cs], ss = sum of x^2 per row [N]
     (in the accumulation dtype)."""
     k, (xc, wc) = kernel_inputs(x, w)
@@ -126,7 +137,7 @@ def rmsnorm_online_stats(x, w):
     return x * w, (x * x).sum(axis=-1, dtype=statistic_dtype(x.dtype))
 
 
-def residual_online_stats(h, y, w):
+def residual_online_stats(h: Array, y: Array, w: Array) -> tuple[Array, Array, Array]:
     """The residual add before a norm and `rmsnorm_online_stats` of its result: h, y [N, Cs], w [Cs]
     -> (s = h + y, s * w, sum of s^2 per row), one kernel on a GPU."""
     k, (hc, yc, wc) = kernel_inputs(h, y, w)
@@ -136,12 +147,12 @@ def residual_online_stats(h, y, w):
     return (s, *rmsnorm_online_stats(s, w))
 
 
-def online_rstd(ss_total, C, eps):
+def online_rstd(ss_total: Array, C: int, eps: float) -> Array:
     """rstd [N] = 1/sqrt(ss_total / C + eps) from the sum of squares over all C channels."""
     return 1.0 / get_array_module(ss_total).sqrt(ss_total / C + eps)
 
 
-def rescale_rows(P, ss_total, C, eps, alloc=None):
+def rescale_rows(P: Array, ss_total: Array, C: int, eps: float, alloc: Alloc | None = None) -> Array:
     """P [N, R], ss_total [N] -> P * online_rstd(ss_total) row by row [N, R], in P's dtype. `alloc`
     (GPU kernels): allocates the result (recompute.Tape.alloc)."""
     k, (Pc,) = kernel_inputs(P)
@@ -150,7 +161,8 @@ def rescale_rows(P, ss_total, C, eps, alloc=None):
     return (P * online_rstd(ss_total, C, eps)[:, None]).astype(P.dtype, copy=False)
 
 
-def rescale_rows_silu(P, ss_total, C, eps, keep, alloc=None):
+def rescale_rows_silu(P: Array, ss_total: Array, C: int, eps: float, keep: bool, alloc: Alloc | None = None,
+                      ) -> tuple[Array, Array, Array | None, Array]:
     """(Z = rescale_rows(P, ss_total, C, eps), silu(Z), sigmoid(Z) as `silu_and_sigmoid` keeps it,
     rstd = online_rstd(ss_total, C, eps) [N]): online RMSNorm's second half, cola's SiLU and the
     row statistic the backward reads, one kernel on a GPU. `alloc` (GPU kernels): allocates Z and
@@ -168,7 +180,8 @@ def rescale_rows_silu(P, ss_total, C, eps, keep, alloc=None):
 # dZ and Z are replicated over the tp group, so the statistic's gradient dS is local. Around the
 # GEMM dxw = dP . A^T: `btp_norm_backward_pre` gives (dP, dS) from the gradient of silu(Z) (or of
 # Z), `btp_norm_backward_post` the input gradient and the norm weight's (one kernel each on a GPU).
-def btp_norm_backward_pre(dZs, Z, rstd, C, act, sig=None):
+def btp_norm_backward_pre(dZs: Array, Z: Array, rstd: Array, C: int, act: bool, sig: Array | None = None,
+                          ) -> tuple[Array, Array]:
     """dZs (the gradient of silu(Z) with `act`, else of Z), Z [N, R], rstd [N, 1] -> (dP [N, R] =
     dZ * rstd in Z's dtype, dS [N, 1] = -0.5 / C * rowsum(dZ * Z) * rstd^2 in rstd's dtype)."""
     k, (dzc, zc) = kernel_inputs(dZs, Z)
@@ -181,7 +194,7 @@ def btp_norm_backward_pre(dZs, Z, rstd, C, act, sig=None):
     return dP, dS
 
 
-def btp_norm_backward_post(dxw, x, w, dS, dw):
+def btp_norm_backward_post(dxw: Array, x: Array, w: Array, dS: Array, dw: Array) -> Array:
     """dxw [N, Cs] (in the accumulation dtype), x [N, Cs], w [Cs], dS [N, 1] -> dx = dxw * w + 2 x dS
     in x's dtype; accumulates sum over rows of dxw * x into dw."""
     k, (xc, wc) = kernel_inputs(x, w)
@@ -197,7 +210,7 @@ def btp_norm_backward_post(dxw, x, w, dS, dw):
 # ---------------------------------------------------------------- SiLU and the gated product
 # The NumPy paths work in place on one fresh array: these run on [N, F] and [N, R] tensors every
 # layer, forward, backward and recompute, and temporaries would dominate their cost.
-def sigmoid(a):
+def sigmoid(a: Array) -> Array:
     xp = get_array_module(a)
     s = xp.negative(a)
     xp.exp(s, out=s)
@@ -205,7 +218,7 @@ def sigmoid(a):
     return xp.reciprocal(s, out=s)
 
 
-def _silu_grad_times(s, a, dz):
+def _silu_grad_times(s: Array, a: Array, dz: Array) -> Array:
     """dz * silu'(a) = dz * s * (1 + a * (1 - s)), computed in the buffer `s` = sigmoid(a)."""
     xp = get_array_module(s)
     t = xp.subtract(s.dtype.type(1.0), s)  # a Python 1.0 would widen a bfloat16 s to float32 (CuPy's rules)
@@ -216,11 +229,11 @@ def _silu_grad_times(s, a, dz):
     return t
 
 
-def silu_forward(a):
+def silu_forward(a: Array) -> Array:
     return silu_and_sigmoid(a, keep=False)[0]
 
 
-def silu_and_sigmoid(a, keep):
+def silu_and_sigmoid(a: Array, keep: bool) -> tuple[Array, Array | None]:
     """(silu(a), s): with `keep` (a recompute for an immediate backward) s = sigmoid(a) for
     `silu_backward` to reuse; None without it, and on the fused-kernel path."""
     k, (ac,) = kernel_inputs(a)
@@ -233,7 +246,7 @@ def silu_and_sigmoid(a, keep):
     return s, None
 
 
-def silu_backward(dz, a, s=None):
+def silu_backward(dz: Array, a: Array, s: Array | None = None) -> Array:
     """dz * silu'(a); `s` = sigmoid(a) when the forward kept it (the same bits either way)."""
     k, (dzc, ac) = kernel_inputs(dz, a)
     if k is not None:
@@ -242,11 +255,11 @@ def silu_backward(dz, a, s=None):
 
 
 # y = act(g) * u, act = silu when `act`, identity otherwise. g, u [N, F]
-def gate_forward(g, u, act):
+def gate_forward(g: Array, u: Array, act: bool) -> Array:
     return gate_and_sigmoid(g, u, act, keep=False)[0]
 
 
-def gate_and_sigmoid(g, u, act, keep):
+def gate_and_sigmoid(g: Array, u: Array, act: bool, keep: bool) -> tuple[Array, Array | None]:
     """(act(g) * u, s) with s as `silu_and_sigmoid` returns it (None without act)."""
     k, (gc, uc) = kernel_inputs(g, u)
     if k is not None:
@@ -258,7 +271,7 @@ def gate_and_sigmoid(g, u, act, keep):
     return y, s
 
 
-def gate_backward(dy, g, u, act, s=None):
+def gate_backward(dy: Array, g: Array, u: Array, act: bool, s: Array | None = None) -> tuple[Array, Array]:
     k, (dyc, gc, uc) = kernel_inputs(dy, g, u)
     if k is not None:
         return k.gate_backward(gc, uc, dyc, act)
@@ -272,11 +285,11 @@ def gate_backward(dy, g, u, act, s=None):
 
 # ---------------------------------------------------------------- embedding
 # table [V, C], ids [N] -> out [N, C]
-def embedding_forward(table, ids):
+def embedding_forward(table: Array, ids: Array) -> Array:
     return table[ids]
 
 
-def embedding_backward(dtable, ids, dout):
+def embedding_backward(dtable: Array, ids: Array, dout: Array) -> None:
     xp = get_array_module(dout)
     if xp is np:
         np.add.at(dtable, ids, dout)
@@ -285,7 +298,7 @@ def embedding_backward(dtable, ids, dout):
 
 
 # ---------------------------------------------------------------- RoPE (rotate-half convention)
-def rope_tables(T, Dh, theta, dtype, xp=np):
+def rope_tables(T: int, Dh: int, theta: float, dtype: npt.DTypeLike, xp: ModuleType = np) -> tuple[Array, Array]:
     """cos, sin [T, 1, Dh] for positions 0..T-1 (computed in float64, then cast)."""
     inv_freq = theta ** (-np.arange(0, Dh, 2, dtype=np.float64) / Dh)
     angle = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]
@@ -294,15 +307,15 @@ def rope_tables(T, Dh, theta, dtype, xp=np):
 
 
 # x [B, T, nh, Dh]
-def _rope_kernels(x, cos, sin):
-    """(the kernels, the arrays C-contiguous) when the fused RoPE kernels take x with these tables."""
+def _rope_kernels(x: Array, cos: Array, sin: Array) -> tuple[ModuleType | None, tuple[Array, ...]]:
+    """(the kernels, the arrays C-contiguous) when the fused RoPE kernels take x with these tables, else (None, ())."""
     kern, arrays = kernel_inputs(x, cos, sin)
     if kern is None or x.ndim != 4 or x.shape[-1] % 2 or cos.shape[0] != x.shape[1] or cos.size != x.shape[1] * x.shape[3]:
-        return None, None
+        return None, ()
     return kern, arrays
 
 
-def rope_forward(x, cos, sin, in_place=False):
+def rope_forward(x: Array, cos: Array, sin: Array, in_place: bool = False) -> Array:
     """RoPE on x [B, T, nh, Dh]. `in_place` (GPU kernels): rotate x itself when it is contiguous, for an
     x nothing else reads (a projection's fresh output), so a cache that keeps the result keeps no
     second array."""
@@ -316,7 +329,7 @@ def rope_forward(x, cos, sin, in_place=False):
     return out
 
 
-def rope_backward(dy, cos, sin):
+def rope_backward(dy: Array, cos: Array, sin: Array) -> Array:
     kern, fused = _rope_kernels(dy, cos, sin)
     if kern is not None:
         return kern.rope_backward(*fused)
@@ -339,15 +352,15 @@ ATTENTION_BLOCK = 64
 ATTENTION_KEEP_BYTES = 256 * 2 ** 20
 
 
-def _blocks(T, block=None):
+def _blocks(T: int, block: int | None = None) -> list[tuple[int, int]]:
     block = block or ATTENTION_BLOCK
     return [(t0, min(T, t0 + block)) for t0 in range(0, T, block)]
 
 
-_DIAGONAL_TILES = {}
+_DIAGONAL_TILES: dict[tuple[int, int, str, str], Array] = {}
 
 
-def _diagonal_tile(n, G, dtype, xp):
+def _diagonal_tile(n: int, G: int, dtype: npt.DTypeLike, xp: ModuleType) -> Array:
     """Additive mask [G*n, n] for a query block against its own n keys (row i may see keys <= i).
 
     Keys before the block are all visible, so only this tile is ever masked; it is the same for
@@ -359,12 +372,12 @@ def _diagonal_tile(n, G, dtype, xp):
     return _DIAGONAL_TILES[key]
 
 
-def probability_tile_bytes(B, H, T, dtype):
+def probability_tile_bytes(B: int, H: int, T: int, dtype: npt.DTypeLike) -> int:
     """Bytes of all causal probability tiles of one attention call (what `keep_probs` holds)."""
     return B * H * sum((t1 - t0) * t1 for t0, t1 in _blocks(T)) * np.dtype(statistic_dtype(dtype)).itemsize
 
 
-def _scores(qb, kb, t0, t1, G, sdtype, xp):
+def _scores(qb: Array, kb: Array, t0: int, t1: int, G: int, sdtype: npt.DTypeLike, xp: ModuleType) -> Array:
     """Scaled causal scores of one query block against keys 0..t1, in the softmax dtype."""
     s = batched_matmul(qb, kb.transpose(0, 1, 3, 2)).astype(sdtype, copy=False)
     s[..., t0:t1] += _diagonal_tile(t1 - t0, G, sdtype, xp)
@@ -372,46 +385,48 @@ def _scores(qb, kb, t0, t1, G, sdtype, xp):
 
 
 class AttentionCache(NamedTuple):
-    qs: object  # [B, Hkv, G, T, Dh] queries, scaled by 1/sqrt(Dh)
-    kh: object  # [B, Hkv, T, Dh]
-    vh: object  # [B, Hkv, T, Dh]
-    out: object  # [B, T, Hkv, G, Dh] the output (token-major; o is a view of it)
-    row_max: object  # [B, Hkv, G, T] softmax statistics
-    row_sum: object
-    tiles: object  # the probability tiles when kept (`keep_probs`), else None
+    qs: Array  # [B, Hkv, G, T, Dh] queries, scaled by 1/sqrt(Dh)
+    kh: Array  # [B, Hkv, T, Dh]
+    vh: Array  # [B, Hkv, T, Dh]
+    out: Array  # [B, T, Hkv, G, Dh] the output (token-major; o is a view of it)
+    row_max: Array  # [B, Hkv, G, T] softmax statistics
+    row_sum: Array
+    tiles: list[Array] | None  # the probability tiles when kept (`keep_probs`), else None
 
 
 class FusedAttentionCache(NamedTuple):
     """What the fused GPU kernels (kernels/attention.cu) keep for their backward: the inputs as
     given, the output and one statistic per row, the log-sum-exp of the scaled scores, from which
     the backward recomputes the probabilities tile by tile."""
-    q: object  # [B, T, H, Dh]
-    k: object  # [B, T, Hkv, Dh]
-    v: object
-    out: object  # [B, T, H, Dh]
-    lse: object  # [B, H, T] float32
+    q: Array  # [B, T, H, Dh]
+    k: Array  # [B, T, Hkv, Dh]
+    v: Array
+    out: Array  # [B, T, H, Dh]
+    lse: Array  # [B, H, T] float32
 
     # the softmax statistics a recompute policy keeps (recompute = "lowrank"): here the one
     @property
-    def row_max(self):
+    def row_max(self) -> Array:
         return self.lse
 
     @property
-    def row_sum(self):
+    def row_sum(self) -> None:
         return None
 
 
-def _fused_attention(q, k, v):
+def _fused_attention(q: Array, k: Array, v: Array) -> tuple[ModuleType | None, tuple[Array, ...]]:
     """(the kernels, the arrays C-contiguous) when the fused attention kernels take q, k, v (CuPy,
-    float32 or bfloat16, head dim within the kernels' limit); else (None, None)."""
+    float32 or bfloat16, head dim within the kernels' limit); else (None, ())."""
     kern, arrays = kernel_inputs(q, k, v)
     if kern is None or q.shape[-1] > kern.ATTENTION_HEAD_DIM_MAX:
-        return None, None
+        return None, ()
     return kern, arrays
 
 
 # q [B, T, H, Dh], k, v [B, T, Hkv, Dh] -> o [B, T, H*Dh]
-def attention_forward(q, k, v, keep_probs=False, stats=None, alloc=None):
+def attention_forward(q: Array, k: Array, v: Array, keep_probs: bool = False,
+                      stats: tuple[Array, ...] | None = None, alloc: Alloc | None = None,
+                      ) -> tuple[Array, AttentionCache | AttentionContext]:
     """`stats` = (row_max, row_sum) [B, Hkv, G, T] of an earlier forward on the same q, k: a
     recompute (recompute = "lowrank" keeps them) then skips both row reductions. The scores are the
     same bits as that forward's, so its statistics are exactly what the reductions would give.
@@ -423,7 +438,8 @@ def attention_forward(q, k, v, keep_probs=False, stats=None, alloc=None):
     if kern is not None:  # the backend train.attention chose (boostmpi.gpu.attention; own by default)
         from boostmpi.gpu import attention
 
-        o, ctx = attention.current().forward(*fused, alloc=alloc)
+        qc, kc, vc = fused
+        o, ctx = attention.current().forward(qc, kc, vc, alloc=alloc)
         return o.reshape(*o.shape[:2], -1), ctx
     xp = get_array_module(q)
     B, T, H, Dh = q.shape
@@ -441,7 +457,8 @@ def attention_forward(q, k, v, keep_probs=False, stats=None, alloc=None):
         row_sum = xp.empty((B, Hkv, G, T), dtype=sd)
     else:
         row_max, row_sum = stats
-    tiles = [] if keep_probs and probability_tile_bytes(B, H, T, q.dtype) <= ATTENTION_KEEP_BYTES else None
+    keep_tiles = keep_probs and probability_tile_bytes(B, H, T, q.dtype) <= ATTENTION_KEEP_BYTES
+    tiles: list[Array] | None = [] if keep_tiles else None
     for t0, t1 in _blocks(T):
         n = t1 - t0
         s = _scores(qs[:, :, :, t0:t1].reshape(B, Hkv, G * n, Dh), kh[:, :, :t1], t0, t1, G, sd, xp)
@@ -469,7 +486,7 @@ def attention_forward(q, k, v, keep_probs=False, stats=None, alloc=None):
     return out.reshape(B, T, H * Dh), AttentionCache(qs, kh, vh, out, row_max, row_sum, tiles)
 
 
-def attention_backward(do, cache):
+def attention_backward(do: Array, cache: AttentionCache | AttentionContext) -> tuple[Array, Array, Array]:
     """do [B, T, H*Dh] -> dq [B, T, H, Dh], dk, dv [B, T, Hkv, Dh]."""
     if not isinstance(cache, AttentionCache) and hasattr(cache, "q"):  # a GPU backend's context: its `q` gives the shape
         from boostmpi.gpu import attention
@@ -477,7 +494,7 @@ def attention_backward(do, cache):
         _, (doc,) = kernel_inputs(do.reshape(cache.q.shape))
         return attention.current().backward(doc, cache)
     xp = get_array_module(do)
-    qs, kh, vh, out, row_max, row_sum, tiles = cache
+    qs, kh, vh, out, row_max, row_sum, tiles = cast(AttentionCache, cache)
     B, Hkv, G, T, Dh = qs.shape
     sd = row_max.dtype
     scale = do.dtype.type(1.0 / np.sqrt(Dh))

@@ -5,11 +5,23 @@ slice of it that this rank holds under the configured tensor-parallel mode. The 
 dim is split live here and nowhere else (the engine, checkpoints and `boostmpi sim` all read them).
 """
 
+from __future__ import annotations
+
 import zlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from types import ModuleType
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
+
+from boostmpi.arrays import Array
+
+if TYPE_CHECKING:
+    from boostmpi.config import Config
+
+Box = tuple[tuple[int, int], ...]  # (start, stop) per dim, global coordinates
 
 
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -39,7 +51,7 @@ RANK_OF = {"q": "attn_rank", "k": "attn_rank", "v": "attn_rank", "o": "attn_rank
 _SIZE_ORDER = ("d_model", "n_heads", "n_kv_heads", "d_ff", "attn_rank", "mlp_rank")
 
 
-def _kinds(mode):
+def _kinds(mode: str) -> Iterator[tuple[str, tuple[str, ...]]]:
     """(parameter kind, the model size along each of its dims) for the matrices of a layer."""
     for lin in LINEARS:
         d_in, d_out = LINEAR_DIMS[lin]
@@ -52,28 +64,28 @@ def _kinds(mode):
     yield "norm", ("d_model",)
 
 
-def sizes_split_evenly(mode):
+def sizes_split_evenly(mode: str) -> list[str]:
     """The model sizes that tp strategy `mode` splits into equal parts (each must divide by tp), in
     config order; derived from SHARD_DIM."""
-    split = {dims[SHARD_DIM[mode][kind]] for kind, dims in _kinds(mode) if SHARD_DIM[mode][kind] is not None}
+    split = {dims[dim] for kind, dims in _kinds(mode) if (dim := SHARD_DIM[mode][kind]) is not None}
     return [size for size in _SIZE_ORDER if size in split]
 
 
 @dataclass(frozen=True)
 class ParamSpec:
     name: str
-    global_shape: tuple
-    shard_dim: object  # int, or None when every tp rank holds the whole tensor
+    global_shape: tuple[int, ...]
+    shard_dim: int | None  # None when every tp rank holds the whole tensor
     start: int  # local range along shard_dim (0, size when not sharded)
     stop: int
     decay: bool  # AdamW weight decay applies (matrices: yes; norm weights: no)
     init: str  # "ones" or "normal"
     init_std: float
-    layer: object  # layer index, or None for embed / final_norm / lm_head
-    group: object = None  # the grouped GEMM reading this factor ("layers/<i>/attn_in", ".../mlp_in"), or None
+    layer: int | None  # layer index, or None for embed / final_norm / lm_head
+    group: str | None = None  # the grouped GEMM reading this factor ("layers/<i>/attn_in", ".../mlp_in"), or None
 
     @property
-    def local_shape(self):
+    def local_shape(self) -> tuple[int, ...]:
         if self.shard_dim is None:
             return tuple(self.global_shape)
         shape = list(self.global_shape)
@@ -81,35 +93,35 @@ class ParamSpec:
         return tuple(shape)
 
     @property
-    def local_numel(self):
+    def local_numel(self) -> int:
         return int(np.prod(self.local_shape))
 
     @property
-    def tp_replicated(self):
+    def tp_replicated(self) -> bool:
         return self.shard_dim is None
 
-    def local_slice(self):
+    def local_slice(self) -> tuple[slice, ...]:
         index = [slice(None)] * len(self.global_shape)
         if self.shard_dim is not None:
             index[self.shard_dim] = slice(self.start, self.stop)
         return tuple(index)
 
 
-def split_range(size, parts, index):
+def split_range(size: int, parts: int, index: int) -> tuple[int, int]:
     """Contiguous range of `index` among `parts` near-equal pieces of `size` (first ones one larger)."""
     base, extra = divmod(size, parts)
     start = index * base + min(index, extra)
     return start, start + base + (1 if index < extra else 0)
 
 
-def chunk_layers(n_layers, pp, stage, virtual_stages=1):
+def chunk_layers(n_layers: int, pp: int, stage: int, virtual_stages: int = 1) -> list[range]:
     """The layer chunks pipeline rank `stage` of `pp` runs, one range per chunk: with v virtual stages
     the layers are cut into pp * v contiguous near-equal chunks and rank s holds chunks s, s + pp, ..."""
     n = pp * virtual_stages
     return [range(*split_range(n_layers, n, c * pp + stage)) for c in range(virtual_stages)]
 
 
-def stage_layers(n_layers, pp, stage, virtual_stages=1):
+def stage_layers(n_layers: int, pp: int, stage: int, virtual_stages: int = 1) -> Sequence[int]:
     """The layers that pipeline rank `stage` of `pp` runs, in increasing order (contiguous, near-equal
     under plain 1F1B; its chunks, one after the other, when interleaved)."""
     if virtual_stages == 1:
@@ -117,14 +129,14 @@ def stage_layers(n_layers, pp, stage, virtual_stages=1):
     return [i for chunk in chunk_layers(n_layers, pp, stage, virtual_stages) for i in chunk]
 
 
-def tp_strategy(cfg):
+def tp_strategy(cfg: Config) -> str:
     """Which tensor-parallel scheme the engine runs: 'btp', 'vanilla' (low-rank) or 'megatron' (full rank)."""
     if not cfg.model.is_lowrank:
         return "megatron"
     return cfg.parallel.tp_mode
 
 
-def param_specs(cfg, tp_rank=0, pp_stage=0):
+def param_specs(cfg: Config, tp_rank: int = 0, pp_stage: int = 0) -> list[ParamSpec]:
     """All parameters held by (tp_rank, pp_stage), in flat-buffer order.
 
     Order: embedding (first stage), then layer by layer, then final norm and LM head (last
@@ -136,7 +148,8 @@ def param_specs(cfg, tp_rank=0, pp_stage=0):
     C, V, L = m.d_model, m.vocab_size, m.n_layers
     specs = []
 
-    def add(name, shape, kind, decay, init, std, layer, group=None):
+    def add(name: str, shape: tuple[int, ...], kind: str, decay: bool, init: str, std: float, layer: int | None,
+            group: str | None = None) -> None:
         dim = rule[kind] if p > 1 else None
         start, stop = split_range(shape[dim], p, t) if dim is not None else (0, 0)
         specs.append(ParamSpec(name, tuple(shape), dim, start, stop, decay, init, std, layer, group))
@@ -175,25 +188,25 @@ def param_specs(cfg, tp_rank=0, pp_stage=0):
     return specs
 
 
-def _lowrank_std(d_in, d_out, r):
+def _lowrank_std(d_in: int, d_out: int, r: int) -> float:
     return float(r) ** -0.25 * float(d_in + d_out) ** -0.25
 
 
-def all_global_specs(cfg):
+def all_global_specs(cfg: Config) -> list[ParamSpec]:
     """Every parameter of the model once, with its global shape (the checkpoint's tensors)."""
-    seen = {}
+    seen: dict[str, ParamSpec] = {}
     for stage in range(cfg.parallel.pp):
         for s in param_specs(cfg, 0, stage):
             seen.setdefault(s.name, s)
     return list(seen.values())
 
 
-def _stream_key(seed, name):
+def _stream_key(seed: int, name: str) -> npt.NDArray[np.uint64]:
     """The Philox key of one parameter: (seed, CRC-32 of its name)."""
     return np.array([int(seed), zlib.crc32(name.encode())], dtype=np.uint64)
 
 
-def _normals(key, start, count):
+def _normals(key: npt.NDArray[np.uint64], start: int, count: int) -> npt.NDArray[np.float64]:
     """Standard normals of elements [start, start + count) of a parameter's stream, in float64.
 
     Elements 2j and 2j+1 of the global tensor (C order) are the Box-Muller pair made from 64-bit words
@@ -218,7 +231,7 @@ def _normals(key, start, count):
     return out[start - 2 * first:start - 2 * first + count]
 
 
-def global_runs(spec, box):
+def global_runs(spec: ParamSpec, box: Box) -> list[tuple[int, int, slice]]:
     """The rectangle `box` (a tuple of (start, stop) per dim, global coordinates) of `spec`'s tensor as
     C-order runs: [(first global element index, length, slice of the box as a flat array)]."""
     shape = spec.global_shape
@@ -230,7 +243,7 @@ def global_runs(spec, box):
     return [(row * shape[1] + c0, width, slice(i * width, (i + 1) * width)) for i, row in enumerate(range(r0, r1))]
 
 
-def init_box(spec, seed, box):
+def init_box(spec: ParamSpec, seed: int, box: Box) -> npt.NDArray[np.float64]:
     """The elements of `spec`'s initial tensor inside `box` (global coordinates), without drawing the
     rest: the same values whatever the layout that asks for them."""
     shape = tuple(b - a for a, b in box)
@@ -244,7 +257,7 @@ def init_box(spec, seed, box):
     return out.reshape(shape)
 
 
-def local_box(spec):
+def local_box(spec: ParamSpec) -> Box:
     """This rank's shard of `spec` as a box (global coordinates)."""
     box = [(0, n) for n in spec.global_shape]
     if spec.shard_dim is not None:
@@ -252,12 +265,12 @@ def local_box(spec):
     return tuple(box)
 
 
-def init_local(spec, seed):
+def init_local(spec: ParamSpec, seed: int) -> npt.NDArray[np.float64]:
     """This rank's shard of `spec`'s initial tensor (float64), drawn element by element."""
     return init_box(spec, seed, local_box(spec))
 
 
-def init_global(spec, seed):
+def init_global(spec: ParamSpec, seed: int) -> npt.NDArray[np.float64]:
     """The whole initial tensor of `spec` (tests and tools; the engine draws only its shards)."""
     return init_box(spec, seed, tuple((0, n) for n in spec.global_shape))
 
@@ -271,7 +284,8 @@ class FlatBuffer:
     each factor's view is its column slice. `spans[name]` is the flat range of the block holding a
     parameter (its own range, or its group's)."""
 
-    def __init__(self, specs, dtype, xp=np, data=None):
+    def __init__(self, specs: Iterable[ParamSpec], dtype: npt.DTypeLike, xp: ModuleType = np,
+                 data: Array | None = None) -> None:
         self.specs = list(specs)
         self.blocks = flat_blocks(self.specs)  # [(specs, start, stop)]
         size = self.blocks[-1][2] if self.blocks else 0
@@ -292,23 +306,23 @@ class FlatBuffer:
             for s in members:
                 self.spans[s.name] = (a, b)
 
-    def __getitem__(self, name):
+    def __getitem__(self, name: str) -> Array:
         return self.views[name]
 
-    def __setitem__(self, name, value):
+    def __setitem__(self, name: str, value: Array) -> None:
         # `buf[name] += g` updates the view in place, then assigns it back to itself
         view = self.views[name]
         if value is not view:
             view[...] = value
 
-    def __contains__(self, name):
+    def __contains__(self, name: object) -> bool:
         return name in self.views
 
     @property
-    def size(self):
+    def size(self) -> int:
         return self.data.size
 
-    def stacked(self, names):
+    def stacked(self, names: Sequence[str]) -> Array | None:
         """[P[n_1], P[n_2], ...] as one [len(names), *shape] view when they are parameters of one shape
         stored one right after another, each its own block (the B factors of k and v, of gate and
         up), else None."""
@@ -320,7 +334,7 @@ class FlatBuffer:
             return None
         return self.data[spans[0][0]:spans[-1][1]].reshape((len(names),) + tuple(shape))
 
-    def columns(self, names):
+    def columns(self, names: Sequence[str]) -> Array:
         """[P[n_1] | P[n_2] | ...]: a view when these are a group stored side by side (or one
         name), else a concatenated copy."""
         if len(names) == 1:
@@ -342,26 +356,26 @@ class Piece(NamedTuple):
     of factors side by side) starting at flat offset `start`, of row `width`, rows `rows` and columns
     `cols` of it."""
     name: str
-    index: int
-    box: tuple
+    index: int  # type: ignore[assignment]  # a field named as tuple's method, which NamedTuple allows
+    box: Box
     start: int
     width: int
-    rows: tuple
-    cols: tuple
+    rows: tuple[int, int]
+    cols: tuple[int, int]
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int, ...]:
         return tuple(b - a for a, b in self.box)
 
     @property
-    def size(self):
+    def size(self) -> int:
         return int(np.prod(self.shape))
 
     @property
-    def key(self):
+    def key(self) -> str:
         return f"{self.name}/{self.index}"
 
-    def _region(self, flat, base):
+    def _region(self, flat: Array, base: int) -> Array:
         (r0, r1), (c0, c1) = self.rows, self.cols
         if r1 - r0 == 1:  # part of one row: contiguous
             i = self.start + r0 * self.width + c0 - base
@@ -369,17 +383,17 @@ class Piece(NamedTuple):
         i = self.start + r0 * self.width - base  # whole rows of the block: its columns c0:c1
         return flat[i:i + (r1 - r0) * self.width].reshape(r1 - r0, self.width)[:, c0:c1]
 
-    def take(self, flat, base):
+    def take(self, flat: Array, base: int) -> Array:
         """The piece's values from `flat`, a flat buffer's elements [base, base + len(flat))."""
         return self._region(flat, base).reshape(self.shape)
 
-    def put(self, flat, base, values):
+    def put(self, flat: Array, base: int, values: npt.ArrayLike) -> None:
         """Store the piece's values into `flat` (elements [base, ...) of a flat buffer)."""
         region = self._region(flat, base)
         region[...] = np.asarray(values).reshape(region.shape)
 
 
-def _rects(rows, width, a, b):
+def _rects(rows: int, width: int, a: int, b: int) -> list[tuple[int, int, int, int]]:
     """The flat range [a, b) of a [rows, width] matrix as rectangles (r0, r1, c0, c1): a partial first
     row, whole rows, a partial last row."""
     r0, c0 = divmod(a, width)
@@ -397,7 +411,7 @@ def _rects(rows, width, a, b):
     return out
 
 
-def block_pieces(members, start, stop, lo, hi):
+def block_pieces(members: list[ParamSpec], start: int, stop: int, lo: int, hi: int) -> list[Piece]:
     """The Pieces of a flat-buffer block [start, stop) (its parameters `members`, side by side when a
     group) that fall in the flat range [lo, hi)."""
     a, b = max(start, lo), min(stop, hi)
@@ -422,10 +436,11 @@ def block_pieces(members, start, stop, lo, hi):
     return out
 
 
-def flat_blocks(specs):
+def flat_blocks(specs: Iterable[ParamSpec]) -> list[tuple[list[ParamSpec], int, int]]:
     """The flat buffer's layout, [(specs, start, stop)]: consecutive specs of one group form one block
     (stored side by side); every other spec is a block of its own."""
-    blocks, offset = [], 0
+    blocks: list[tuple[list[ParamSpec], int, int]] = []
+    offset = 0
     for s in specs:
         if blocks and s.group is not None and blocks[-1][0][-1].group == s.group:
             members, a, _ = blocks[-1]

@@ -7,25 +7,86 @@ Shapes: h [N, Cl] where N = B*T and Cl is the local residual width (C, or C/p un
 Hl, Hkvl are the local heads.
 """
 
-from dataclasses import dataclass
+from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, overload
+
+from boostmpi.arrays import Array
 from boostmpi.backend import get_array_module
 from boostmpi.model import layers
-from boostmpi.model.recompute import NO_TAPE, own_buffer
+from boostmpi.model.params import FlatBuffer
+from boostmpi.model.recompute import NO_TAPE, Tape, own_buffer
+
+if TYPE_CHECKING:
+    from boostmpi.config import Config
+    from boostmpi.gpu.attention import AttentionContext
+    from boostmpi.model.layers import AttentionCache
+
+ProjectionCache: TypeAlias = object
+"""A tensor-parallel strategy's cache of one linear group: its own NamedTuple, which only its backward reads."""
+
+
+class LinearGroups(Protocol):
+    """What the block asks of a tensor-parallel strategy (declared in full, with the embedding and the
+    head, as boostmpi.parallel.tensor_parallel.base.TensorParallelStrategy): each linear group with its
+    norm, split and communicated as the strategy does. `names` are parameter names of P; `tape` says
+    what the forward is for (boostmpi/model/recompute.py)."""
+
+    cfg: Config
+    C: int  # d_model
+    n_heads: int  # this rank's q heads
+    n_kv_heads: int  # this rank's kv heads
+
+    def in_proj_forward(self, x: Array, norm_name: str, names: list[str], P: FlatBuffer,
+                        tape: Tape = NO_TAPE) -> tuple[list[Array], ProjectionCache]:
+        """norm(x) and the linears `names` reading it: (their outputs, cache)."""
+        ...
+
+    def residual_in_proj_forward(self, h: Array, y: Array, norm_name: str, names: list[str], P: FlatBuffer,
+                                 tape: Tape) -> tuple[Array, list[Array], ProjectionCache]:
+        """The residual add h + y and in_proj_forward on it: (h + y, outputs, cache)."""
+        ...
+
+    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
+        """Accumulates the group's gradients into grads; returns d(x)."""
+        ...
+
+    def out_proj_forward(self, x: Array, name: str, P: FlatBuffer, tape: Tape = NO_TAPE) -> tuple[Array, ProjectionCache]:
+        """The linear `name` (o, down) into the residual: (y, cache)."""
+        ...
+
+    def out_proj_cache(self, x: Array, name: str, P: FlatBuffer, tape: Tape) -> ProjectionCache:
+        """out_proj_forward's cache alone, for a recompute that never reads y."""
+        ...
+
+    def out_proj_backward(self, dy: Array, cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
+        """Accumulates the linear's gradients into grads; returns d(x)."""
+        ...
 
 
 @dataclass
 class BlockCache:
     """What a block's backward reads. The backward takes each part out (`pop`) as it reads it,
     so the layer's activations leave memory while its backward runs."""
-    qkv: object  # the strategy's cache of attn_norm and q/k/v
+    qkv: ProjectionCache  # the strategy's cache of attn_norm and q/k/v
     attn: object  # layers.AttentionCache (under recompute = selective, until the backward: the core's q, k, v)
-    o: object
-    gate_up: object  # the strategy's cache of mlp_norm and gate/up
-    gate: tuple  # (g, u, sigmoid(g) when kept, else None)
-    down: object = None
+    o: ProjectionCache
+    gate_up: ProjectionCache  # the strategy's cache of mlp_norm and gate/up
+    gate: tuple[Array, Array, Array | None]  # (g, u, sigmoid(g) when kept, else None)
+    down: ProjectionCache = None
 
-    def pop(self, part):
+    @overload
+    def pop(self, part: Literal["gate"]) -> tuple[Array, Array, Array | None]: ...
+
+    @overload
+    def pop(self, part: Literal["attn"]) -> AttentionCache | AttentionContext: ...
+
+    @overload
+    def pop(self, part: str) -> object: ...
+
+    def pop(self, part: str) -> object:
         value = getattr(self, part)
         setattr(self, part, None)
         return value
@@ -35,11 +96,13 @@ class Block:
     """Decoder layer i, bound to this rank's parameters P, strategy and rope tables, for
     micro-batches of shape (B, T): h + attn(norm(h)), then + mlp(norm(.))."""
 
-    def __init__(self, i, P, tp_layers, rope, shape):
+    def __init__(self, i: int, P: FlatBuffer, tp_layers: LinearGroups, rope: tuple[Array, Array],
+                 shape: tuple[int, int]) -> None:
         self.i, self.P, self.tp_layers, self.rope, self.shape = i, P, tp_layers, rope, shape
         self.pre = f"layers/{i}/"
 
-    def forward(self, h, tape=NO_TAPE, out_alloc=None):
+    def forward(self, h: Array, tape: Tape = NO_TAPE,
+                out_alloc: Callable[[tuple[int, ...], object], Array] | None = None) -> tuple[Array, BlockCache]:
         """-> (h_out, BlockCache). `out_alloc(shape, dtype)`, when given, allocates h_out: a recompute
         policy that keeps h_out as the next layer's input passes the allocator of what it keeps (on a
         GPU, the kept pool: boostmpi.gpu.pools)."""
@@ -49,14 +112,14 @@ class Block:
             return h + y, cache
         return get_array_module(h).add(h, y, out=out_alloc(h.shape, h.dtype)), cache
 
-    def recompute(self, h, tape):
+    def recompute(self, h: Array, tape: Tape) -> BlockCache:
         """The BlockCache of the forward again, for a backward that follows at once (`tape` replays
         or reruns): the layer's output is never read, so it is not produced."""
         h, a, cache = self._before_down_proj(h, tape)
         cache.down = self.tp_layers.out_proj_cache(a, self.pre + "down", self.P, tape)
         return cache
 
-    def _before_down_proj(self, h, tape):
+    def _before_down_proj(self, h: Array, tape: Tape) -> tuple[Array, Array, BlockCache]:
         """The layer up to the down projection: (the residual after attention, the down projection's
         input, the BlockCache without its `down` part)."""
         P, tp_layers, rope, pre = self.P, self.tp_layers, self.rope, self.pre
@@ -70,15 +133,16 @@ class Block:
         v = v.reshape(B, T, tp_layers.n_kv_heads, Dh)
         o, c_att = layers.attention_forward(q, k, v, keep_probs=tape.backward_follows, stats=stats, alloc=tape.alloc)
         tape.keep((c_att.row_max, c_att.row_sum))
+        attn: object = c_att
         if tape.keeps_core_inputs:  # selective: the core's inputs instead of its cache (recompute.py)
-            c_att = (q, k, own_buffer(v))
+            attn = (q, k, own_buffer(v))
         y, c_o = tp_layers.out_proj_forward(o.reshape(B * T, -1), pre + "o", P, tape)
         # the residual add and the MLP norm's first pass: one kernel under btp on a GPU
         h, (g, u), c_gu = tp_layers.residual_in_proj_forward(h, y, pre + "mlp_norm", [pre + "gate", pre + "up"], P, tape)
         a, s_gate = layers.gate_and_sigmoid(g, u, tp_layers.cfg.model.mlp_gate_act, keep=tape.backward_follows)
-        return h, a, BlockCache(c_qkv, c_att, c_o, c_gu, (g, u, s_gate))
+        return h, a, BlockCache(c_qkv, attn, c_o, c_gu, (g, u, s_gate))
 
-    def backward(self, dh, cache, grads):
+    def backward(self, dh: Array, cache: BlockCache, grads: FlatBuffer) -> Array:
         """Accumulates the layer's parameter gradients into grads; returns d(input residual)."""
         P, tp_layers, rope = self.P, self.tp_layers, self.rope
         act = tp_layers.cfg.model.mlp_gate_act

@@ -14,14 +14,23 @@ backward has left it, and with `parallel.overlap` its reduction starts then, beh
 the layers below it.
 """
 
-import numpy as np
+from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from types import ModuleType
+from typing import Literal, cast, overload
+
+import numpy as np
+import numpy.typing as npt
+
+from boostmpi.arrays import Array
 from boostmpi.backend import prefaulted
-from boostmpi.model.params import FlatBuffer, split_range
+from boostmpi.model.params import FlatBuffer, ParamSpec, split_range
+from boostmpi.parallel.comm import Communicator, Request
 from boostmpi.precision import separate_master
 
 
-def zero_slices(size, dp):
+def zero_slices(size: int, dp: int) -> list[tuple[int, int]]:
     """The ZeRO split: [lo, hi) of each of `dp` data-parallel ranks in a flat buffer of `size` elements,
     contiguous and near-equal (the first ones one larger). Its one statement: ZeRO-1's optimizer slices
     (`DataParallel.ranges`), the elements each dp rank writes to a checkpoint (checkpoint/layout.py
@@ -29,9 +38,9 @@ def zero_slices(size, dp):
     return [split_range(size, dp, r) for r in range(dp)]
 
 
-def bucket_ranges(specs, spans):
+def bucket_ranges(specs: Sequence[ParamSpec], spans: Mapping[str, tuple[int, int]]) -> dict[int | str, tuple[int, int]]:
     """{bucket: (a, b)}: the flat range of each layer's parameters, of the embedding's and of the head's."""
-    buckets = {}
+    buckets: dict[int | str, tuple[int, int]] = {}
     for s in specs:
         key = s.layer if s.layer is not None else ("embed" if s.name == "embed" else "head")
         a, b = spans[s.name]
@@ -44,7 +53,8 @@ class DataParallel:
     """The dp axis as this rank sees it. `group`: the grid's dp group; `dp_rank`: this rank's place in
     it; `specs`, `spans`, `size`: the flat buffer's layout; `dtype`: the gradients' (master) dtype."""
 
-    def __init__(self, group, dp_rank, dp_size, zero_stage, specs, spans, size, xp, dtype):
+    def __init__(self, group: Communicator, dp_rank: int, dp_size: int, zero_stage: int, specs: Sequence[ParamSpec],
+                 spans: Mapping[str, tuple[int, int]], size: int, xp: ModuleType, dtype: npt.DTypeLike) -> None:
         self.group, self.rank, self.size = group, dp_rank, dp_size
         self.sharded = zero_stage == 1 and dp_size > 1
         self.ranges = zero_slices(size, dp_size) if self.sharded else [(0, size)]
@@ -53,18 +63,21 @@ class DataParallel:
         lo, hi = self.shard
         # the dp-summed gradient of the slice: its own buffer when reduce-scattered, else the whole
         # gradient buffer (`attach_gradients`)
-        self.grad_shard = prefaulted(xp.empty(hi - lo, dtype=dtype)) if self.sharded else None
-        self._grads = None
-        self._pending = []
-        self._norm_ranges_cache, self._norm_bounds = None, None  # what squared_norm_part sums, found once
+        self.grad_shard: Array = prefaulted(xp.empty(hi - lo, dtype=dtype)) if self.sharded else None
+        self._grads = cast(FlatBuffer, None)  # attach_gradients gives it, before any other call
+        self._pending: list[Request] = []
+        # what squared_norm_part sums, found once
+        self._norm_ranges_cache: list[tuple[int, int]] | None = None
+        self._norm_bounds: Array = None
 
-    def attach_gradients(self, grads):
+    def attach_gradients(self, grads: FlatBuffer) -> None:
         """The flat gradient buffer (a FlatBuffer) whose buckets this object sums."""
         self._grads = grads
         if not self.sharded:
             self.grad_shard = grads.data
 
-    def weight_buffers(self, specs, master_dtype, compute_dtype, xp):
+    def weight_buffers(self, specs: Sequence[ParamSpec], master_dtype: npt.DTypeLike, compute_dtype: npt.DTypeLike,
+                       xp: ModuleType) -> tuple[FlatBuffer, FlatBuffer, Array, bool]:
         """(params, compute params, master weights of the slice, whether the master is its own array).
 
         Mixed precision (bf16 on GPUs) computes on a low-precision copy; gradients accumulate in the
@@ -82,15 +95,15 @@ class DataParallel:
         return params, compute, params.data[lo:hi], False
 
     # ------------------------------------------------------------------ during a step
-    def begin_step(self):
+    def begin_step(self) -> None:
         self._pending = []
 
-    def bucket_final(self, key):
+    def bucket_final(self, key: int | str) -> None:
         """The gradient of bucket `key` will not change again this step: with overlap, start its reduction."""
         if self.size > 1 and self.group.overlap and key in self.buckets:
             self._pending.append(self.reduce(*self.buckets[key]))
 
-    def finish_step(self, params):
+    def finish_step(self, params: FlatBuffer) -> None:
         """Every bucket reduced (waited for, or reduced now without overlap). Under ZeRO-1 the all-gather
         `gather_update` issues after the optimizer is counted here, as this step's traffic."""
         if self.size > 1:
@@ -104,7 +117,13 @@ class DataParallel:
         if self.sharded:
             self.group.count_allgather_pieces(params.data, [e - s for s, e in self.ranges])
 
-    def reduce(self, a, b, blocking=False):
+    @overload
+    def reduce(self, a: int, b: int, blocking: Literal[False] = False) -> Request: ...
+
+    @overload
+    def reduce(self, a: int, b: int, blocking: Literal[True]) -> None: ...
+
+    def reduce(self, a: int, b: int, blocking: bool = False) -> Request | None:
         """Sum the gradient range [a, b) over dp: all-reduced in place, or (ZeRO-1) reduce-scattered into
         the owners' `grad_shard`. Returns a request to wait on (None when blocking)."""
         group, grads = self.group, self._grads.data
@@ -123,7 +142,7 @@ class DataParallel:
             return None
         return group.ireduce_scatter(grads[a:b], out, counts)
 
-    def squared_norm_part(self, specs, tp_rank, xp):
+    def squared_norm_part(self, specs: Sequence[ParamSpec], tp_rank: int, xp: ModuleType) -> float | Array:
         """This rank's part of the squared norm of the dp-summed gradient, each element counted once
         whatever the layout: tp-replicated parameters on tp rank 0 only; without ZeRO on dp rank 0 only
         (every dp rank holds the whole sum), with ZeRO-1 every dp rank over its own slice. On a GPU
@@ -142,7 +161,7 @@ class DataParallel:
             return sum((float(p) for p in parts), 0.0)
         return xp.stack(parts).sum(dtype=np.float64)
 
-    def _norm_ranges(self, specs, tp_rank):
+    def _norm_ranges(self, specs: Sequence[ParamSpec], tp_rank: int) -> list[tuple[int, int]]:
         """The ranges [a, b) of `grad_shard` whose squares `squared_norm_part` sums (fixed for the run)."""
         if self._norm_ranges_cache is not None:
             return self._norm_ranges_cache
@@ -163,7 +182,7 @@ class DataParallel:
         return ranges
 
     # ------------------------------------------------------------------ after the optimizer
-    def gather_update(self, params, master, master_separate):
+    def gather_update(self, params: FlatBuffer, master: Array, master_separate: bool) -> None:
         """After the optimizer updated this rank's slice: under mixed-precision ZeRO-1 round it into the
         compute buffer, and under ZeRO-1 all-gather the slices so every rank holds the whole buffer."""
         if master_separate:

@@ -8,8 +8,16 @@ parallel/startup.py `process_grid`), the gradient sum over dp and ZeRO-1 (parall
 `engine.data_parallel`), the optimizer step (the trainer, train/trainer.py `optimizer_step`).
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from types import ModuleType
+from typing import TYPE_CHECKING, TypedDict
+
 import numpy as np
 
+from boostmpi.arrays import Array
 from boostmpi.backend import get_array_module, get_xp, prefaulted
 from boostmpi.gpu.ranges import named_range
 from boostmpi.model import layers
@@ -22,12 +30,24 @@ from boostmpi.parallel.data_parallel import DataParallel, zero_slices
 from boostmpi.parallel.grid import ProcessGrid
 from boostmpi.parallel.pipeline import FORWARD, message_tag, steps_with_messages
 from boostmpi.parallel.tensor_parallel import make_strategy
+from boostmpi.parallel.vocab_parallel import HeadCache
 from boostmpi.precision import compute_dtype, master_dtype
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from boostmpi.config import Config
+
+class Stash(TypedDict, total=False):
+    """What a stage's forward keeps for its backward."""
+    ids: Array  # the token ids
+    layers: list[Saved]  # what the recompute policy kept of each layer
+    head: HeadCache  # the last stage's head
 
 EVAL_BLOCK = 64  # batches one pipelined evaluation takes at a time (its held outputs stay bounded)
 
 
-def _nbytes(obj, seen):
+def _nbytes(obj: object, seen: set[int]) -> int:
     """Bytes of the distinct arrays (by their base buffer) reachable from a cache structure."""
     if obj is None or isinstance(obj, (str, int, float, bool, slice)):
         return 0
@@ -50,7 +70,7 @@ def _nbytes(obj, seen):
     return 0
 
 
-def read_to_host(xp, values):
+def read_to_host(xp: ModuleType, values: Sequence[float | Array]) -> list[float]:
     """`values` (floats, or on a GPU 0-d float64 device arrays) as floats: the device ones copied to
     the host together, in one synchronisation. It waits for every kernel and NCCL collective queued
     before it, so it is watched like a blocking collective: a peer that never joins an NCCL call
@@ -68,11 +88,12 @@ class Engine:
     """`grid`: the ProcessGrid start-up built (`startup.process_grid`); an mpi4py communicator or None
     (one process) builds it here, for tests and tools. The weights are drawn here (`init_params`)."""
 
-    def __init__(self, cfg, grid=None, local_rank=0):
+    def __init__(self, cfg: Config, grid: ProcessGrid | MPI.Comm | None = None, local_rank: int = 0) -> None:
         if not isinstance(grid, ProcessGrid):
             from boostmpi.parallel.startup import process_grid
 
             grid = process_grid(cfg, grid, local_rank)
+        self.grid: ProcessGrid
         self.cfg, self.grid = cfg, grid
         m, par, tr = cfg.model, cfg.parallel, cfg.train
         self.xp = get_xp(tr.device)
@@ -99,12 +120,12 @@ class Engine:
         self.rope = layers.rope_tables(m.seq_len, m.d_model // m.n_heads, m.rope_theta, self.cdtype, self.xp)
         self.policy = POLICIES[tr.recompute]()
         self.saved_activation_bytes = 0  # per micro-batch, this stage, from the last step
-        self.saved_activation_bytes_per_layer = []
+        self.saved_activation_bytes_per_layer: list[int] = []
         self.in_flight_activation_bytes = 0  # the most held at once by the schedule, from the last step
         self.init_params(tr.seed)
 
     # ------------------------------------------------------------------ parameters
-    def init_params(self, seed):
+    def init_params(self, seed: int) -> None:
         """The initial weights of this rank's shards (the same global tensors under every layout). The
         data-parallel replicas of a shard share the drawing: each draws the near-equal part of the flat
         buffer that ZeRO-1 would give it, and they exchange the parts (one all-gather, not counted as
@@ -129,37 +150,38 @@ class Engine:
                 buffer.data[...] = xp.asarray(host)
         self.adopt_master(buffer)
 
-    def master_buffer(self):
+    def master_buffer(self) -> FlatBuffer:
         """The FlatBuffer in the master dtype to write this rank's whole parameters into (init, resume):
         the parameters themselves, or, when the master weights are a ZeRO-1 slice, a transient host
         buffer that `adopt_master` then takes the slice and the compute copy from."""
         return FlatBuffer(self.specs, self.pdtype, np) if self.master_separate else self.params
 
-    def adopt_master(self, buffer):
+    def adopt_master(self, buffer: FlatBuffer) -> None:
         if buffer is self.params:
             return
         lo, hi = self.shard
         self.master[...] = self.xp.asarray(buffer.data[lo:hi])
         self.params.data[...] = self.xp.asarray(buffer.data)  # rounded to the compute dtype
 
-    def master_range(self, lo, hi):
+    def master_range(self, lo: int, hi: int) -> Array:
         """The master weights of flat elements [lo, hi), which lie inside this rank's `shard`."""
         base = self.shard[0]
         return self.master[lo - base:hi - base]
 
     @property
-    def param_bytes(self):
+    def param_bytes(self) -> int:
         """Bytes of weights this rank holds: the master weights (whole, or its ZeRO-1 slice) and, under
         mixed precision, the whole compute copy."""
         extra = self.cparams.data.nbytes if self.cparams.data.dtype != self.master.dtype else 0
         return int(self.master.nbytes if self.master_separate else self.params.data.nbytes) + int(extra)
 
     # ------------------------------------------------------------------ one stage, one micro-batch
-    def _refresh_compute_params(self):
+    def _refresh_compute_params(self) -> None:
         if self.cparams is not self.params:
             self.cparams.data[...] = self.params.data
 
-    def _stage_forward(self, x, y, h, keep=True, chunk=0):
+    def _stage_forward(self, x: Array, y: Array, h: Array | None, keep: bool = True, chunk: int = 0,
+                       ) -> tuple[Array, Stash]:
         """Returns (h_out or loss, saved) of layer chunk `chunk` (the rank's only one under plain 1F1B).
         `h` is the received activation (None on the first virtual stage). With `keep`, `saved` holds
         what the recompute policy keeps for the backward."""
@@ -168,7 +190,7 @@ class Engine:
         ids = self.xp.asarray(x.reshape(-1))
         if first:
             h = tp_layers.embed_forward(ids, P)
-        saved = {"ids": ids, "layers": []}
+        saved: Stash = {"ids": ids, "layers": []}
         for i in layers:
             block = Block(i, P, tp_layers, self.rope, (B, T))
             with named_range(self.xp, f"layer {i} forward"):
@@ -186,11 +208,12 @@ class Engine:
         loss, saved["head"] = tp_layers.head_forward(h, self.xp.asarray(y.reshape(-1)), P, lean=lean)
         return loss, saved
 
-    def _chunk(self, chunk):
+    def _chunk(self, chunk: int) -> tuple[bool, bool, range]:
         """(holds the embedding, holds the head, layers) of this rank's layer chunk `chunk`."""
         return (self.first and chunk == 0, self.last and chunk == self.n_chunks - 1, self.chunks[chunk])
 
-    def _stage_backward(self, dh, saved, shape, scale, on_bucket_done, chunk=0):
+    def _stage_backward(self, dh: Array, saved: Stash, shape: tuple[int, int], scale: float,
+                        on_bucket_done: Callable[[int | str], None], chunk: int = 0) -> Array:
         P, grads, tp_layers = self.cparams, self.grads, self.tp_layers
         first, last, layers = self._chunk(chunk)
         if last:
@@ -198,7 +221,7 @@ class Engine:
             on_bucket_done("head")
         # each layer's saved entry is taken out of `saved` and the block's backward empties its
         # cache: activations leave memory layer by layer as the backward goes
-        look_up = lambda: tp_layers.embed_forward(saved["ids"], P)  # noqa: E731
+        look_up: Callable[[], Array] = lambda: tp_layers.embed_forward(saved["ids"], P)  # noqa: E731
         for i in reversed(layers):
             block = Block(i, P, tp_layers, self.rope, shape)
             entry = saved["layers"].pop()
@@ -212,10 +235,12 @@ class Engine:
             on_bucket_done("embed")
         return dh
 
-    def _account_saved(self, saved_of_chunks):
+    def _account_saved(self, saved_of_chunks: list[Stash]) -> None:
         """Bytes kept between forward and backward for one micro-batch (all of this rank's chunks):
         per layer, and in total."""
-        seen, per_layer, total = set(), [], 0
+        seen: set[int] = set()
+        per_layer: list[int] = []
+        total = 0
         for saved in saved_of_chunks:
             layers = [_nbytes(entry, seen) for entry in saved["layers"]]
             per_layer += layers
@@ -223,7 +248,8 @@ class Engine:
         self.saved_activation_bytes_per_layer, self.saved_activation_bytes = per_layer, total
 
     # ------------------------------------------------------------------ a whole step
-    def forward_backward(self, micro_batches, also_sum=None):
+    def forward_backward(self, micro_batches: Sequence[tuple[Array, Array]],
+                         also_sum: Callable[[], Iterable[float]] | None = None) -> float:
         """Forward and backward of this dp rank's micro-batches [(x, y), ...] (int arrays [B, T]).
 
         Returns the mean loss over the global batch (the same value on every rank); gradients of the
@@ -243,7 +269,7 @@ class Engine:
         saved, losses, sends = {}, [], []
         held, held_peak, first_mb = {}, 0, []  # bytes in flight (saved activations), for the accounting
 
-        def bucket_done(key, mb):
+        def bucket_done(key: int | str, mb: int) -> None:
             if mb == M - 1:  # the last micro-batch's backward has left this bucket: its gradient is final
                 data_parallel.bucket_final(key)
 
@@ -269,7 +295,7 @@ class Engine:
             else:
                 del held[chunk, mb]
                 out = self._stage_backward(got, saved.pop((chunk, mb)), (B, T), scale,
-                                           lambda key, mb=mb: bucket_done(key, mb), chunk=chunk)
+                                           partial(bucket_done, mb=mb), chunk=chunk)
             if step.send is not None:
                 out = xp.ascontiguousarray(out)
                 sends.append((grid.pp.isend(out, step.send[0], tag=step.send[1]), out))
@@ -289,18 +315,18 @@ class Engine:
         self.summed = totals[2:]
         return float(totals[0]) / grid.dp_size
 
-    def _loss_sum(self, losses):
+    def _loss_sum(self, losses: list[float | Array]) -> float | Array:
         """The sum of the micro-batches' mean losses (floats, or on a GPU float64 device scalars that stay there)."""
         if not losses or all(isinstance(v, float) for v in losses):
             return float(np.sum(losses))
         return self.xp.stack(losses).sum()
 
-    def evaluate(self, x, y):
+    def evaluate(self, x: Array | None, y: Array) -> float:
         """Forward only, through the pipeline: the sum over all data-parallel ranks of (mean loss of
         their batch x rows). Every rank must call it; a rank with nothing to evaluate passes x = None."""
         return self.evaluate_batches([None if x is None else (x, y)])[0]
 
-    def evaluate_batches(self, batches):
+    def evaluate_batches(self, batches: Sequence[tuple[Array, Array] | None]) -> list[float]:
         """Forward only, the batches pipelined through the stages: for each entry, the sum over all
         data-parallel ranks of (mean loss of their batch x rows). Every rank calls it with a list of
         the same length (the ranks of a data-parallel replica with the same batches); an entry is
@@ -348,11 +374,11 @@ class Engine:
         return [float(total) for total in self.grid.host.sum(mine)] if batches else []
 
     # ------------------------------------------------------------------ the gradient's norm
-    def _grad_sq(self):
+    def _grad_sq(self) -> Array:
         """This rank's part of the squared norm of the dp-summed gradient (each element counted once); on
         a GPU a device scalar that forward_backward reads with the loss."""
         return self.data_parallel.squared_norm_part(self.specs, self.grid.coords.tp, self.xp)
 
-    def grad_norm(self):
+    def grad_norm(self) -> float:
         """Global L2 norm of the dp-summed gradient of the last forward_backward."""
         return self._grad_norm

@@ -4,10 +4,17 @@ world_rank = (dp_rank * pp + pp_rank) * tp + tp_rank, so the ranks of one tensor
 are consecutive and sit inside one node when tp divides the ranks per node.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from boostmpi.errors import ConfigError
-from boostmpi.parallel.comm import CommCounter, Group, HostCollectives
+from boostmpi.parallel.comm import CommCounter, Communicator, Group, HostCollectives
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 
 @dataclass(frozen=True)
@@ -17,14 +24,14 @@ class Coords:
     tp: int
 
 
-def coords_of(world_rank, tp, pp, dp):
+def coords_of(world_rank: int, tp: int, pp: int, dp: int) -> Coords:
     tp_rank = world_rank % tp
     pp_rank = (world_rank // tp) % pp
     dp_rank = world_rank // (tp * pp)
     return Coords(dp_rank, pp_rank, tp_rank)
 
 
-def rank_of(coords, tp, pp):
+def rank_of(coords: Coords, tp: int, pp: int) -> int:
     return (coords.dp * pp + coords.pp) * tp + coords.tp
 
 
@@ -32,7 +39,8 @@ class ProcessGrid:
     """Axis groups of this rank. `world` is an mpi4py communicator or None (one process). `ring`: the
     pipeline's messages go round a ring (interleaved 1F1B), which NCCL needs channels for."""
 
-    def __init__(self, world, tp=1, pp=1, dp=1, overlap=True, sync=None, use_nccl=False, ring=False):
+    def __init__(self, world: MPI.Comm | None, tp: int = 1, pp: int = 1, dp: int = 1, overlap: bool = True,
+                 sync: Callable[[], None] | None = None, use_nccl: bool = False, ring: bool = False) -> None:
         size = 1 if world is None else world.Get_size()
         rank = 0 if world is None else world.Get_rank()
         if tp * pp * dp != size:
@@ -46,12 +54,12 @@ class ProcessGrid:
         self.host = HostCollectives(world)  # bookkeeping over all ranks, watched, not counted
         c = self.coords
 
-        def split(color, key, n):
+        def split(color: int, key: int, n: int) -> MPI.Comm | None:
             if world is None or n == 1:
                 return None
             return world.Split(color, key)
 
-        def group(axis, comm):
+        def group(axis: str, comm: MPI.Comm | None) -> Group:
             if use_nccl and comm is not None:
                 from boostmpi.parallel.nccl import NcclGroup
 
@@ -59,14 +67,14 @@ class ProcessGrid:
             return Group(axis, comm, self.counter, overlap, sync)
 
         self.use_nccl = use_nccl
-        self.tp = group("tp", split(c.dp * pp + c.pp, c.tp, tp))
-        self.pp = group("pp", split(c.dp * tp + c.tp, c.pp, pp))
-        self.dp = group("dp", split(c.pp * tp + c.tp, c.dp, dp))
+        self.tp: Communicator = group("tp", split(c.dp * pp + c.pp, c.tp, tp))
+        self.pp: Communicator = group("pp", split(c.dp * tp + c.tp, c.pp, pp))
+        self.dp: Communicator = group("dp", split(c.pp * tp + c.tp, c.dp, dp))
 
     @property
-    def is_first_stage(self):
+    def is_first_stage(self) -> bool:
         return self.coords.pp == 0
 
     @property
-    def is_last_stage(self):
+    def is_last_stage(self) -> bool:
         return self.coords.pp == self.pp_size - 1

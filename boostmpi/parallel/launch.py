@@ -7,17 +7,24 @@ traceback; bad input (UserError) is printed once. A hung collective is ended by 
 parallel/comm.py.
 """
 
+from __future__ import annotations
+
 import faulthandler
 import os
 import shutil
 import signal
 import sys
 import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TextIO, cast
 
 from boostmpi.errors import UserError
 
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
-def init_mpi():
+
+def init_mpi() -> tuple[MPI.Comm | None, int, int, int]:
     """(world communicator or None when alone, world rank, world size, local rank).
 
     Also: from here on a stop signal is recorded (boostmpi.preemption) instead of killing the rank,
@@ -31,11 +38,11 @@ def init_mpi():
     preemption.install()
     preemption.stage("handlers")
     try:
-        faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True, chain=False)
+        faulthandler.register(signal.SIGUSR2, file=cast(TextIO, sys.__stderr__), all_threads=True, chain=False)
     except (ValueError, AttributeError, OSError):  # not the main thread, or no real stderr: leave it be
         pass
     try:
-        faulthandler.enable(file=sys.__stderr__, all_threads=True)
+        faulthandler.enable(file=cast(TextIO, sys.__stderr__), all_threads=True)
     except (AttributeError, OSError, ValueError):  # stderr replaced by something without a file descriptor
         pass
     from mpi4py import MPI
@@ -49,7 +56,7 @@ def init_mpi():
     return (world if size > 1 else None), rank, size, local_rank
 
 
-def find_mpiexec(python=None):
+def find_mpiexec(python: str | None = None) -> str:
     """The `mpiexec` that starts ranks of `python` (default: this interpreter) on this machine.
 
     In order: $BOOSTMPI_MPIEXEC (a command name or path); the `mpiexec` next to the interpreter (a
@@ -72,13 +79,13 @@ def find_mpiexec(python=None):
     return found
 
 
-def mpi_library():
+def mpi_library() -> str:
     from mpi4py import MPI
 
     return MPI.Get_library_version().strip().splitlines()[0].strip()
 
 
-def abort_job(world, code):
+def abort_job(world: MPI.Comm, code: int) -> None:
     """End every rank. The pause first lets the launcher forward what this rank just printed:
     an abort tears the job down at once, and a message still in a pipe would be lost."""
     import time
@@ -89,7 +96,7 @@ def abort_job(world, code):
     world.Abort(code)
 
 
-def run_guarded(body, world, rank):
+def run_guarded(body: Callable[[], int | None], world: MPI.Comm | None, rank: int) -> int:
     """Run `body()`; on failure print once (bad input) or with rank and traceback, and end every rank."""
     try:
         return int(body() or 0)

@@ -37,17 +37,31 @@ Without a GPU, CI runs it unchanged on the CuPy stand-in's NCCL, carried out by 
 ranks with NCCL's ordering rules (tests/integration/gpu/test_gpu.py, tests/unit/parallel/test_nccl.py; docs/GPU.md).
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import numpy.typing as npt
+
+from boostmpi.arrays import Array
 from boostmpi.gpu.ranges import ranged
-from boostmpi.parallel.comm import WATCHDOG, Group, HostCollectives
+from boostmpi.parallel.comm import WATCHDOG, CommCounter, Group, HostCollectives, Request
+
+if TYPE_CHECKING:
+    import cupy
+    from mpi4py import MPI
 
 
-def _nccl():
+def _nccl() -> ModuleType:
     from cupy.cuda import nccl
 
-    return nccl
+    module: ModuleType = nccl
+    return module
 
 
-def nccl_unavailable_reason():
+def nccl_unavailable_reason() -> str | None:
     """None when CuPy can load NCCL (RCCL on ROCm), else why not, in a few words."""
     import warnings
 
@@ -63,25 +77,25 @@ def nccl_unavailable_reason():
     return None
 
 
-def _dtype(nccl, dtype):
+def _dtype(nccl: ModuleType, dtype: npt.DTypeLike) -> int:
     from boostmpi.precision import nccl_dtype_name
 
     name = nccl_dtype_name(dtype)
     if name is None or not hasattr(nccl, f"NCCL_{name.upper()}"):
         raise TypeError(f"NCCL cannot move arrays of dtype {dtype}")
-    return getattr(nccl, f"NCCL_{name.upper()}")
+    return int(getattr(nccl, f"NCCL_{name.upper()}"))
 
 
 class _Event:
     """Completion of work enqueued on `stream`, waited for by the current stream."""
 
-    def __init__(self, stream):
+    def __init__(self, stream: cupy.cuda.Stream) -> None:
         import cupy
 
         self.event = cupy.cuda.Event(disable_timing=True)
         self.event.record(stream)
 
-    def wait(self):
+    def wait(self) -> None:
         import cupy
 
         cupy.cuda.get_current_stream().wait_event(self.event)
@@ -94,17 +108,17 @@ class _WatchedComm:
 
     _UNWATCHED = frozenset({"abort", "destroy", "rank_id", "size", "device_id"})
 
-    def __init__(self, comm, axis):
+    def __init__(self, comm: cupy.cuda.nccl.NcclCommunicator, axis: str) -> None:
         self.comm, self.axis = comm, axis
 
-    def __getattr__(self, name):
-        attr = getattr(self.comm, name)
+    def __getattr__(self, name: str) -> Callable[..., object]:
+        attr: Callable[..., object] = getattr(self.comm, name)
         if name in self._UNWATCHED or not callable(attr):
             return attr
         return lambda *args: WATCHDOG.call(self.axis, f"NCCL {name}", lambda: attr(*args))
 
 
-def _communicator(nccl, mpi_comm, size, rank, axis):
+def _communicator(nccl: ModuleType, mpi_comm: MPI.Comm | None, size: int, rank: int, axis: str) -> _WatchedComm:
     """A new NCCL communicator over the ranks of `mpi_comm` (collective over it), watched."""
     uid = nccl.get_unique_id() if rank == 0 else None
     uid = HostCollectives(mpi_comm, axis).bcast(uid)
@@ -112,37 +126,40 @@ def _communicator(nccl, mpi_comm, size, rank, axis):
 
 
 class NcclGroup(Group):
-    def __init__(self, axis, mpi_comm, counter, overlap=True, p2p=False, ring=False):
+    def __init__(self, axis: str, mpi_comm: MPI.Comm | None, counter: CommCounter, overlap: bool = True,
+                 p2p: bool = False, ring: bool = False) -> None:
         super().__init__(axis, mpi_comm, counter, overlap)
-        self.p2p, self.ring = {}, ring
+        self.p2p: dict[int | tuple[int, int], tuple[_WatchedComm, cupy.cuda.Stream]] = {}
+        self.ring = ring
         if self.size == 1:
-            self.nccl_comm = None
+            self.nccl_comm: _WatchedComm = None  # type: ignore[assignment]  # a group of one calls no NCCL
             return
         import cupy
 
         nccl = _nccl()
         self.nccl_comm = _communicator(nccl, mpi_comm, self.size, self.rank, axis)
         self.side_stream = cupy.cuda.Stream(non_blocking=True)
-        self._side_done = None  # the last side-stream collective, until the current stream has waited for it
+        # the last side-stream collective, until the current stream has waited for it
+        self._side_done: _Event | None = None
         if p2p:  # +1: messages to higher ranks, -1: to lower ranks; by kind too round a ring (module docstring)
             for key in ([(kind, d) for kind in (0, 1) for d in (+1, -1)] if ring else [+1, -1]):
                 self.p2p[key] = (_communicator(nccl, mpi_comm, self.size, self.rank, axis),
                                  cupy.cuda.Stream(non_blocking=True))
         WATCHDOG.on_fire(self.abort)
 
-    def abort(self):
+    def abort(self) -> int:
         """ncclCommAbort on every communicator of the group (the watchdog's last act); how many."""
         comms = [self.nccl_comm] + [comm for comm, _ in self.p2p.values()]
         for comm in comms:
             comm.abort()
         return len(comms)
 
-    def _stream(self):
+    def _stream(self) -> cupy.cuda.Stream:
         import cupy
 
         return cupy.cuda.get_current_stream()
 
-    def _collective_stream(self):
+    def _collective_stream(self) -> cupy.cuda.Stream:
         """The current stream, made to wait for the side-stream collectives issued before (module docstring)."""
         stream = self._stream()
         if self._side_done is not None:
@@ -150,7 +167,7 @@ class NcclGroup(Group):
             self._side_done = None
         return stream
 
-    def allreduce(self, buf, op="sum"):
+    def allreduce(self, buf: Array, op: str = "sum") -> Array:
         if self.size == 1:
             return buf
         nccl = _nccl()
@@ -159,7 +176,7 @@ class NcclGroup(Group):
                                  nccl.NCCL_SUM if op == "sum" else nccl.NCCL_MAX, self._collective_stream().ptr)
         return buf
 
-    def allreduce_many(self, bufs):
+    def allreduce_many(self, bufs: list[Array]) -> list[Array]:
         """Sum all-reduces of several buffers (of any dtypes) in one NCCL group: one collective, counted once."""
         if self.size == 1:
             return bufs
@@ -172,7 +189,7 @@ class NcclGroup(Group):
         nccl.groupEnd()
         return bufs
 
-    def iallreduce(self, buf):
+    def iallreduce(self, buf: Array) -> Request:
         if self.size == 1 or not self.overlap:
             self.allreduce(buf)
             from boostmpi.parallel.comm import _DONE
@@ -186,7 +203,7 @@ class NcclGroup(Group):
         self._side_done = _Event(self.side_stream)
         return self._side_done
 
-    def allgather(self, buf):
+    def allgather(self, buf: Array) -> Array:
         import cupy
 
         if self.size == 1:
@@ -199,7 +216,7 @@ class NcclGroup(Group):
                                  self._collective_stream().ptr)
         return out
 
-    def ireduce_scatter(self, buf, out, counts, blocking=False):
+    def ireduce_scatter(self, buf: Array, out: Array, counts: Sequence[int], blocking: bool = False) -> Request:
         """Pieces of unequal length: one reduce per member, rooted at that member, in one NCCL group."""
         if self.size == 1:
             out[...] = buf
@@ -229,10 +246,10 @@ class NcclGroup(Group):
         self._side_done = _Event(self.side_stream)
         return self._side_done
 
-    def reduce_scatter(self, buf, out, counts):
+    def reduce_scatter(self, buf: Array, out: Array, counts: Sequence[int]) -> None:
         self.ireduce_scatter(buf, out, counts, blocking=True)
 
-    def allgather_pieces(self, buf, counts, counted=False):
+    def allgather_pieces(self, buf: Array, counts: Sequence[int], counted: bool = False) -> Array:
         """Pieces of unequal length: one broadcast per member, in one NCCL group, in place."""
         if self.size == 1:
             return buf
@@ -250,32 +267,32 @@ class NcclGroup(Group):
         nccl.groupEnd()
         return buf
 
-    def _p2p_channel(self, direction, tag):
+    def _p2p_channel(self, direction: int, tag: int) -> tuple[_WatchedComm, cupy.cuda.Stream]:
         if not self.p2p:
             raise RuntimeError(f"NCCL group '{self.axis}' was made without p2p=True: it has no send/receive channels")
         comm, stream = self.p2p[(tag & 1, direction) if self.ring else direction]
         stream.wait_event(_Event(self._stream()).event)
         return comm, stream
 
-    def isend(self, buf, dest, tag=0):
+    def isend(self, buf: Array, dest: int, tag: int = 0) -> Request:
         nccl = _nccl()
         self.counter.add(self.axis, buf.nbytes)
         comm, stream = self._p2p_channel(+1 if dest > self.rank else -1, tag)
         comm.send(buf.data.ptr, buf.size, _dtype(nccl, buf.dtype), dest, stream.ptr)
         return _Event(stream)
 
-    def irecv(self, buf, source, tag=0):
+    def irecv(self, buf: Array, source: int, tag: int = 0) -> Request:
         nccl = _nccl()
         comm, stream = self._p2p_channel(+1 if self.rank > source else -1, tag)
         comm.recv(buf.data.ptr, buf.size, _dtype(nccl, buf.dtype), source, stream.ptr)
         return _Event(stream)
 
 
-def select_device(local_rank):
+def select_device(local_rank: int) -> int:
     """One GPU per rank, chosen by local rank; returns the device id."""
     import cupy
 
-    n = cupy.cuda.runtime.getDeviceCount()
+    n: int = cupy.cuda.runtime.getDeviceCount()
     device = local_rank % n
     cupy.cuda.Device(device).use()
     return device

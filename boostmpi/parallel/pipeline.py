@@ -26,10 +26,12 @@ the gradient leaving j to j - 1 (rank (s - 1) mod S). `message_tag` numbers them
 message between two ranks has its own tag; with one chunk it is 2 * micro_batch (+1 for gradients).
 """
 
+from __future__ import annotations
+
 FORWARD, BACKWARD = 0, 1  # the kind bit of a message tag
 
 
-def one_f_one_b(n_stages, stage, n_micro):
+def one_f_one_b(n_stages: int, stage: int, n_micro: int) -> list[tuple[str, int]]:
     """Plain 1F1B as [("F"|"B", micro_batch)]."""
     warmup = min(n_stages - stage - 1, n_micro)
     steps = [("F", mb) for mb in range(warmup)]
@@ -40,21 +42,21 @@ def one_f_one_b(n_stages, stage, n_micro):
     return steps
 
 
-def unit(n_stages, n_chunks, k, backward=False):
+def unit(n_stages: int, n_chunks: int, k: int, backward: bool = False) -> tuple[int, int]:
     """(chunk, micro_batch) of forward (or backward) unit k of the interleaved order."""
     group, within = divmod(k, n_stages * n_chunks)
     chunk = within // n_stages
     return (n_chunks - 1 - chunk if backward else chunk), group * n_stages + within % n_stages
 
 
-def warmup_units(n_stages, stage, n_micro, n_chunks):
+def warmup_units(n_stages: int, stage: int, n_micro: int, n_chunks: int) -> int:
     """Forward units rank `stage` runs before its first backward."""
     if n_chunks == 1:
         return min(n_stages - stage - 1, n_micro)
     return min((n_chunks - 1) * n_stages + 2 * (n_stages - stage - 1), n_chunks * n_micro)
 
 
-def schedule(n_stages, stage, n_micro, n_chunks=1):
+def schedule(n_stages: int, stage: int, n_micro: int, n_chunks: int = 1) -> list[tuple[str, int, int]]:
     """The steps of pipeline rank `stage`: [("F"|"B", chunk, micro_batch)] in the order it runs them."""
     if n_chunks == 1:
         return [(kind, 0, mb) for kind, mb in one_f_one_b(n_stages, stage, n_micro)]
@@ -70,7 +72,7 @@ def schedule(n_stages, stage, n_micro, n_chunks=1):
     return steps
 
 
-def message_tag(kind, micro_batch, edge, n_stages, n_chunks):
+def message_tag(kind: int, micro_batch: int, edge: int, n_stages: int, n_chunks: int) -> int:
     """The tag of the message across `edge` (between virtual stages edge and edge + 1) for `micro_batch`:
     FORWARD for the activation, BACKWARD for its gradient. Distinct for every message between two ranks."""
     return 2 * (micro_batch * n_chunks + edge // n_stages) + kind
@@ -81,14 +83,15 @@ class Step:
 
     __slots__ = ("kind", "chunk", "mb", "recv", "send")
 
-    def __init__(self, kind, chunk, mb, recv, send):
+    def __init__(self, kind: str, chunk: int, mb: int, recv: tuple[int, int] | None, send: tuple[int, int] | None,
+                 ) -> None:
         self.kind, self.chunk, self.mb, self.recv, self.send = kind, chunk, mb, recv, send
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Step({self.kind}, chunk={self.chunk}, mb={self.mb}, recv={self.recv}, send={self.send})"
 
 
-def steps_with_messages(n_stages, stage, n_micro, n_chunks=1):
+def steps_with_messages(n_stages: int, stage: int, n_micro: int, n_chunks: int = 1) -> list[Step]:
     """`schedule` with each step's receive (before it) and send (after it)."""
     last = n_stages * n_chunks - 1
     up, down = (stage + 1) % n_stages, (stage - 1) % n_stages

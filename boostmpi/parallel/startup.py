@@ -28,13 +28,24 @@ Every verdict that ends the job is reached from gathered or reduced values, so a
 the same UserError together (exit 2, printed once) and none is left waiting in a collective.
 """
 
+from __future__ import annotations
+
 import glob
 import importlib.metadata
 import os
 import re
 import sys
+from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, TextIO
 
 from boostmpi.errors import UserError
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from boostmpi.config import Config
+    from boostmpi.gpu.attention import AttentionBackend
+    from boostmpi.parallel.grid import ProcessGrid
 
 ALLOW_PYPI_MPI = "BOOSTMPI_ALLOW_PYPI_MPI"
 GPU_MAP_VAR = "BOOSTMPI_GPU_MAP_VAR"
@@ -48,7 +59,7 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"
 _LAUNCHED = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PALS_RANKID", "SLURM_STEP_NUM_TASKS")
 
 
-def slurm_tasks_on_node(spec, node_id):
+def slurm_tasks_on_node(spec: str, node_id: int) -> int | None:
     """Tasks on node `node_id` from Slurm's compressed per-node list ("4(x2),3": 4, 4, 3), or None."""
     counts = []
     for part in spec.split(","):
@@ -61,7 +72,7 @@ def slurm_tasks_on_node(spec, node_id):
     return counts[node_id] if 0 <= node_id < len(counts) else counts[0]
 
 
-def ranks_on_this_node(environ):
+def ranks_on_this_node(environ: Mapping[str, str]) -> int | None:
     """How many ranks the launcher started on this node, or None when it does not say.
 
     MPICH's Hydra: MPI_LOCALNRANKS; Open MPI: OMPI_COMM_WORLD_LOCAL_SIZE; HPE PALS (Polaris):
@@ -81,7 +92,7 @@ def ranks_on_this_node(environ):
     return None
 
 
-def usable_cores():
+def usable_cores() -> int:
     """The cores this process may run on (its CPU affinity), else the machine's."""
     try:
         return len(os.sched_getaffinity(0))
@@ -89,7 +100,7 @@ def usable_cores():
         return os.cpu_count() or 1
 
 
-def host_threads(environ, cores):
+def host_threads(environ: Mapping[str, str], cores: int) -> int | None:
     """BLAS/OpenMP threads per rank: `cores` divided by the ranks on this node (at least 1); 1 under
     a launcher that does not say how many ranks share the node; None (leave the libraries' default)
     for a process started without a launcher."""
@@ -104,7 +115,7 @@ def host_threads(environ, cores):
     return None
 
 
-def set_host_threads(environ=None, cores=None):
+def set_host_threads(environ: MutableMapping[str, str] | None = None, cores: int | None = None) -> int | None:
     """Set the thread variables for this rank unless the user set any of them; must run before NumPy
     is imported (OpenBLAS sizes its thread pool when it loads). Returns the count set, or None."""
     environ = os.environ if environ is None else environ
@@ -122,7 +133,7 @@ def set_host_threads(environ=None, cores=None):
 _UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
 
 
-def _read(path):
+def _read(path: str) -> str:
     try:
         with open(path) as f:
             return f.read()
@@ -130,7 +141,7 @@ def _read(path):
         return ""
 
 
-def cgroup_memory_limit(root="/sys/fs/cgroup", proc="/proc/self/cgroup"):
+def cgroup_memory_limit(root: str = '/sys/fs/cgroup', proc: str = '/proc/self/cgroup') -> int | None:
     """The tightest memory limit of this process's cgroup and its parents (cgroup v2 memory.max,
     v1 memory.limit_in_bytes), in bytes, or None when there is none."""
     limits = []
@@ -155,12 +166,13 @@ def cgroup_memory_limit(root="/sys/fs/cgroup", proc="/proc/self/cgroup"):
     return min(limits) if limits else None
 
 
-def machine_memory(meminfo="/proc/meminfo"):
+def machine_memory(meminfo: str = '/proc/meminfo') -> int | None:
     m = re.search(r"^MemTotal:\s+(\d+) kB", _read(meminfo), re.M)
     return int(m.group(1)) * 1024 if m else None
 
 
-def host_memory_per_rank(environ, local_ranks, cgroup=None, total=None):
+def host_memory_per_rank(environ: Mapping[str, str], local_ranks: int, cgroup: int | None = None,
+                         total: int | None = None) -> tuple[int | None, str | None]:
     """(bytes one rank may use, where that figure comes from) or (None, None): the node's limit (the
     cgroup's memory.max, Slurm's --mem, else the machine's MemTotal) shared among its ranks, or
     Slurm's --mem-per-cpu for this task, whichever is smaller."""
@@ -181,11 +193,11 @@ def host_memory_per_rank(environ, local_ranks, cgroup=None, total=None):
     return min(found) if found else (None, None)
 
 
-def _gib(n):
+def _gib(n: float) -> str:
     return f"{n / 2**30:,.1f} GiB"
 
 
-def memory_problem(memory, limit, where, device):
+def memory_problem(memory: Mapping[str, int] | None, limit: int | None, where: str | None, device: str) -> str | None:
     """The one-line reason to refuse, or None."""
     if memory is None or limit is None or memory["total"] <= limit:
         return None
@@ -195,7 +207,7 @@ def memory_problem(memory, limit, where, device):
             f"model.n_layers, train.micro_batch_size) or spread it over more ranks (parallel.tp, parallel.pp)")
 
 
-def weights_lower_bound(cfg):
+def weights_lower_bound(cfg: Config) -> int:
     """Bytes per rank that the layers' weights, gradients and AdamW moments need at the least, in
     closed form (no walk over the layers): the largest stage's ceil(L / pp) layers over tp ranks, at
     the dtype's size for weights and gradients, a float32 master copy for bfloat16, and two float32
@@ -211,7 +223,7 @@ def weights_lower_bound(cfg):
     return int(layers * per_layer / par.tp * per_param)
 
 
-def size_problem(cfg, limit, where, device):
+def size_problem(cfg: Config, limit: int | None, where: str | None, device: str) -> str | None:
     """The one-line reason to refuse a model whose weights alone exceed `limit`, or None."""
     need = weights_lower_bound(cfg)
     if limit is None or need <= limit:
@@ -221,7 +233,9 @@ def size_problem(cfg, limit, where, device):
             f"shrink the model (model.n_layers, model.d_model) or spread it over more ranks (parallel.tp, parallel.pp)")
 
 
-def check_memory(cfg, world, local_rank, memory, environ=None):
+def check_memory(cfg: Config, world: MPI.Comm | None, local_rank: int,
+                 memory: Mapping[str, int] | Callable[[], Mapping[str, int] | None] | None,
+                 environ: Mapping[str, str] | None = None) -> None:
     """Stop (every rank together, exit 2) a model that cannot fit in what a rank may use, before
     anything is allocated: host memory on the CPU path, the GPU's memory on the GPU path. `memory`:
     the performance model's estimate per rank (`boostmpi.sim.model.memory_estimate`), or None, or a
@@ -241,8 +255,9 @@ def check_memory(cfg, world, local_rank, memory, environ=None):
         import cupy
 
         device = local_rank % cupy.cuda.runtime.getDeviceCount()  # the GPU select_device will choose
-        limit = int(cupy.cuda.runtime.getDeviceProperties(device)["totalGlobalMem"])
-        where, kind = f"GPU {device}'s total memory", "device"
+        limit: int | None = int(cupy.cuda.runtime.getDeviceProperties(device)["totalGlobalMem"])
+        where: str | None = f"GPU {device}'s total memory"
+        kind = "device"
     else:
         from mpi4py import MPI
 
@@ -260,7 +275,7 @@ def check_memory(cfg, world, local_rank, memory, environ=None):
 
 # ---------------------------------------------------------------- MPI library and transport
 
-def loaded_mpi_library(maps="/proc/self/maps"):
+def loaded_mpi_library(maps: str = '/proc/self/maps') -> str | None:
     """Path of the MPI shared library this process has loaded, or None when it cannot be told."""
     try:
         with open(maps) as f:
@@ -272,23 +287,23 @@ def loaded_mpi_library(maps="/proc/self/maps"):
     return found[0] if found else None
 
 
-def pypi_mpich_libraries():
+def pypi_mpich_libraries() -> set[str]:
     """The shared libraries of the `mpich` wheel from PyPI in this environment (empty when absent)."""
     try:
         dist = importlib.metadata.distribution("mpich")
     except importlib.metadata.PackageNotFoundError:
         return set()
-    return {os.path.realpath(dist.locate_file(f)) for f in dist.files or () if ".so" in f.name}
+    return {os.path.realpath(str(dist.locate_file(f))) for f in dist.files or () if ".so" in f.name}
 
 
-def is_pypi_mpich(library_path, wheel_libraries):
+def is_pypi_mpich(library_path: str | None, wheel_libraries: set[str]) -> bool:
     """True when the loaded MPI is the PyPI wheel's (unknown path: when the wheel is installed)."""
     if library_path is None:
         return bool(wheel_libraries)
     return os.path.realpath(library_path) in wheel_libraries
 
 
-def transport(version_text, environ):
+def transport(version_text: str, environ: Mapping[str, str]) -> str:
     """What the MPI library says about its transport, plus the variables that choose one."""
     device = re.search(r"MPICH Device:[ \t]*([^\n]+)", version_text)
     if device:
@@ -303,7 +318,7 @@ def transport(version_text, environ):
     return what + (f" ({', '.join(chosen)})" if chosen else "")
 
 
-def scheduler(environ):
+def scheduler(environ: Mapping[str, str]) -> str | None:
     """'Slurm', 'PBS' or None: the batch system this process runs under."""
     if environ.get("SLURM_JOB_ID"):
         return "Slurm"
@@ -312,7 +327,7 @@ def scheduler(environ):
     return None
 
 
-def launcher_task_count(environ):
+def launcher_task_count(environ: Mapping[str, str]) -> int | None:
     """How many tasks the launcher says it started (srun, Hydra/PALS PMI), or None."""
     for key in ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "PALS_SIZE"):
         value = environ.get(key, "")
@@ -321,7 +336,7 @@ def launcher_task_count(environ):
     return None
 
 
-def site_mpi_problem(nodes, batch_system, pypi, environ):
+def site_mpi_problem(nodes: int, batch_system: str | None, pypi: bool, environ: Mapping[str, str]) -> str | None:
     """The one-line reason to refuse this job's MPI, or None."""
     if nodes < 2 or batch_system is None or not pypi or environ.get(ALLOW_PYPI_MPI) == "1":
         return None
@@ -330,14 +345,15 @@ def site_mpi_problem(nodes, batch_system, pypi, environ):
             f"mpi4py against the site's MPI ({SITE_SETUP}), or set {ALLOW_PYPI_MPI}=1 to run on it anyway")
 
 
-def count_nodes(world, local_rank):
+def count_nodes(world: MPI.Comm | None, local_rank: int) -> int:
     """How many nodes the ranks span, by MPI's own account (ranks sharing memory form a node)."""
     from boostmpi.parallel.comm import HostCollectives
 
     return 1 if world is None else int(HostCollectives(world).sum([int(local_rank == 0)])[0])
 
 
-def check_mpi(world, rank, local_rank, environ=None, out=None):
+def check_mpi(world: MPI.Comm | None, rank: int, local_rank: int, environ: Mapping[str, str] | None = None,
+              out: TextIO | None = None) -> int:
     """Print what MPI this job runs on (rank 0) and stop a job whose MPI cannot serve it."""
     from mpi4py import MPI
 
@@ -369,7 +385,7 @@ def check_mpi(world, rank, local_rank, environ=None, out=None):
 
 # ---------------------------------------------------------------- one GPU per rank
 
-def gpu_pci_bus_id(device_id):
+def gpu_pci_bus_id(device_id: int) -> str:
     """The PCI bus id of CUDA/ROCm device `device_id` as this process sees it (lower case)."""
     import cupy
 
@@ -379,7 +395,7 @@ def gpu_pci_bus_id(device_id):
     return str(bus).strip().lower()
 
 
-def gpu_mapping_problem(records):
+def gpu_mapping_problem(records: Sequence[tuple[str, int, str, str, bool]]) -> str | None:
     """The one-line reason to stop, or None. `records`: one (host, rank, PCI bus id, GPU-map variable
     name or "", whether that variable is set) per rank, gathered from all ranks."""
     unset = [(rank, var) for _, rank, _, var, is_set in records if var and not is_set]
@@ -387,7 +403,7 @@ def gpu_mapping_problem(records):
         var = unset[0][1]
         return (f"{var} is not set on rank(s) {_ranks([r for r, _ in unset])}, but the job maps GPUs to ranks from "
                 f"it ({GPU_MAP_VAR}={var}): start the ranks with the launcher the job script names")
-    owners = {}
+    owners: dict[tuple[str, str], list[int]] = {}
     for host, rank, bus, _, _ in records:
         owners.setdefault((host, bus), []).append(rank)
     for (host, bus), ranks in sorted(owners.items()):
@@ -398,7 +414,8 @@ def gpu_mapping_problem(records):
     return None
 
 
-def check_gpu_per_rank(world, rank, bus_id, environ=None, out=None):
+def check_gpu_per_rank(world: MPI.Comm | None, rank: int, bus_id: str, environ: Mapping[str, str] | None = None,
+                       out: TextIO | None = None) -> None:
     """Gather every rank's GPU bus id; stop (all ranks together) on a shared GPU or an unset map variable."""
     from mpi4py import MPI
 
@@ -413,7 +430,7 @@ def check_gpu_per_rank(world, rank, bus_id, environ=None, out=None):
     if problem:
         raise UserError(problem)
     if rank == 0:
-        per_node = {}
+        per_node: dict[str, list[str]] = {}
         for host, r, bus, _, _ in records:
             per_node.setdefault(host, []).append(f"{r}:{bus}")
         shown = "; ".join(f"{host} {' '.join(v)}" for host, v in sorted(per_node.items())[:4])
@@ -421,7 +438,7 @@ def check_gpu_per_rank(world, rank, bus_id, environ=None, out=None):
         print(f"gpus: one per rank, rank:PCI bus | {shown}{more}", file=out, flush=True)
 
 
-def select_gpu(world, local_rank):
+def select_gpu(world: MPI.Comm | None, local_rank: int) -> int:
     """Make this rank's GPU current (by local rank) and verify that no two ranks of a node share one."""
     from boostmpi.parallel.nccl import select_device
 
@@ -433,7 +450,7 @@ def select_gpu(world, local_rank):
 
 # ---------------------------------------------------------------- NCCL / RCCL
 
-def net_plugins(environ):
+def net_plugins(environ: Mapping[str, str]) -> list[str]:
     """NCCL/RCCL network plugin libraries the dynamic loader can find (NCCL_NET_PLUGIN, LD_LIBRARY_PATH)."""
     found = []
     named = environ.get("NCCL_NET_PLUGIN", "")
@@ -444,7 +461,7 @@ def net_plugins(environ):
     return list(dict.fromkeys(found))
 
 
-def _nccl_version():
+def _nccl_version() -> str:
     try:
         from cupy.cuda import nccl
 
@@ -454,7 +471,8 @@ def _nccl_version():
         return "version unknown"
 
 
-def resolve_comm(requested, world, environ=None, out=None, err=None):
+def resolve_comm(requested: str, world: MPI.Comm | None, environ: Mapping[str, str] | None = None,
+                 out: TextIO | None = None, err: TextIO | None = None) -> str:
     """'nccl' or 'mpi' for a GPU run: what `parallel.comm` ("auto", "nccl", "mpi") becomes here."""
     from mpi4py import MPI
 
@@ -489,19 +507,19 @@ def resolve_comm(requested, world, environ=None, out=None, err=None):
     return choice
 
 
-def _ranks(ranks):
+def _ranks(ranks: Collection[int]) -> str:
     return ", ".join(str(r) for r in sorted(ranks)[:8]) + (" ..." if len(ranks) > 8 else "")
 
 
 # ---------------------------------------------------------------- the process grid
 
-def attention_shape(cfg):
+def attention_shape(cfg: Config) -> tuple[int, int, int, int, int]:
     """(B, T, H, Hkv, Dh) of one rank's attention call: the micro-batch, the heads split by tensor parallelism."""
     m, tp = cfg.model, cfg.parallel.tp
     return (cfg.train.micro_batch_size, m.seq_len, m.n_heads // tp, m.n_kv_heads // tp, m.head_dim)
 
 
-def choose_attention(cfg, world):
+def choose_attention(cfg: Config, world: MPI.Comm | None) -> AttentionBackend:
     """Decide `train.attention` once for all ranks, after this rank's device is set (boostmpi.gpu.attention
     `select`): a backend that cannot run is a one-line error on every rank, and ranks whose "auto"
     resolved differently (different GPUs or installs) are refused in one line; the choice is installed
@@ -521,6 +539,7 @@ def choose_attention(cfg, world):
     except attention.BackendUnavailable as e:
         verdict = ("UserError", str(e))
     host.agree(verdict)
+    assert choice is not None  # agree raised on every rank otherwise
     names = host.allgather(choice.name)
     if len(set(names)) > 1:
         chosen = ", ".join(f"rank {r} {n}" for r, n in enumerate(names))
@@ -529,7 +548,7 @@ def choose_attention(cfg, world):
     return attention.use(choice)
 
 
-def process_grid(cfg, world, local_rank=0):
+def process_grid(cfg: Config, world: MPI.Comm | None, local_rank: int = 0) -> ProcessGrid:
     """This rank's ProcessGrid, built after the decisions that shape it and before any weight is drawn:
     a configuration only the performance model can run is refused; on the CPU glibc keeps freed
     memory (`keep_host_memory`); on a GPU this rank's device is chosen and checked (`select_gpu`),

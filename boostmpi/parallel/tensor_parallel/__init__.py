@@ -13,15 +13,27 @@ and cross-entropy are boostmpi/parallel/vocab_parallel.py. With a tensor-paralle
 every strategy is the plain single-device model.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from boostmpi.model.params import tp_strategy
 from boostmpi.parallel.tensor_parallel.btp import BottleneckTP
 from boostmpi.parallel.tensor_parallel.megatron import MegatronTP
+from boostmpi.parallel.tensor_parallel.base import TensorParallelStrategy
 from boostmpi.parallel.tensor_parallel.vanilla import VanillaLowRankTP
 
-STRATEGIES = {"btp": BottleneckTP, "vanilla": VanillaLowRankTP, "megatron": MegatronTP}
+if TYPE_CHECKING:
+    from boostmpi.config import Config
+    from boostmpi.parallel.grid import ProcessGrid
 
-__all__ = ["BottleneckTP", "MegatronTP", "VanillaLowRankTP", "STRATEGIES", "make_strategy"]
+# the type check holds each to the protocol
+STRATEGIES: dict[str, Callable[[Config, ProcessGrid], TensorParallelStrategy]] = {
+    "btp": BottleneckTP, "vanilla": VanillaLowRankTP, "megatron": MegatronTP}
+
+__all__ = ["BottleneckTP", "MegatronTP", "VanillaLowRankTP", "STRATEGIES", "TensorParallelStrategy", "make_strategy"]
 
 
-def make_strategy(cfg, grid):
+def make_strategy(cfg: Config, grid: ProcessGrid) -> TensorParallelStrategy:
     return STRATEGIES[tp_strategy(cfg)](cfg, grid)

@@ -8,36 +8,44 @@ A group (q/k/v, gate/up, or o, down alone) runs
 The embedding is sharded along C (no communication); the head gathers the residual from the region.
 """
 
-from typing import NamedTuple
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 
+from boostmpi.arrays import Alloc, Array
 from boostmpi.backend import get_array_module
 from boostmpi.model import layers
 from boostmpi.model.layers import col_slices, grouped_matmul, matmul
-from boostmpi.model.params import split_range
-from boostmpi.model.recompute import NO_TAPE
+from boostmpi.model.params import FlatBuffer, split_range
+from boostmpi.model.recompute import NO_TAPE, Tape
+from boostmpi.model.transformer import ProjectionCache
 from boostmpi.parallel.mappings import (copy_to_tp_region, copy_to_tp_region_backward_async, gather_from_tp_region,
                                         gather_from_tp_region_backward, reduce_from_tp_region,
                                         reduce_from_tp_region_backward, reduce_from_tp_region_many)
 from boostmpi.parallel.tensor_parallel.base import Strategy, activate
 from boostmpi.precision import statistic_dtype
 
+if TYPE_CHECKING:
+    from boostmpi.config import Config
+    from boostmpi.parallel.grid import ProcessGrid
+
 
 class BottleneckCache(NamedTuple):
-    x: object  # [N, C/p] the group's input (the residual shard)
-    xw: object  # x * norm weight (x without a norm)
-    norm_name: object  # the RMSNorm's parameter name, None for o and down
-    Z: object  # [N, R] the reduced bottleneck activation, normalised
-    Zs: object  # silu(Z) (cola), else Z
-    rstd: object  # [N, 1] the RMSNorm statistic, None without a norm
-    names: list  # the group's linears
-    sl: list  # their column slices of Z
-    sig: object  # sigmoid(Z) when kept for the backward, else None
+    x: Array  # [N, C/p] the group's input (the residual shard)
+    xw: Array  # x * norm weight (x without a norm)
+    norm_name: str | None  # the RMSNorm's parameter name, None for o and down
+    Z: Array  # [N, R] the reduced bottleneck activation, normalised
+    Zs: Array  # silu(Z) (cola), else Z
+    rstd: Array | None  # [N, 1] the RMSNorm statistic, None without a norm
+    names: list[str]  # the group's linears
+    sl: list[slice]  # their column slices of Z
+    sig: Array | None  # sigmoid(Z) when kept for the backward, else None
 
 
 class BottleneckTP(Strategy):
-    def __init__(self, cfg, grid):
+    def __init__(self, cfg: Config, grid: ProcessGrid) -> None:
         super().__init__(cfg, grid)
         m = cfg.model
         self.res_cols = split_range(self.C, self.p, self.t)
@@ -48,43 +56,48 @@ class BottleneckTP(Strategy):
     # -- embedding sharded along C: no communication either way
     embedding_is_local = True
 
-    def embed_forward(self, ids, P):
+    def embed_forward(self, ids: Array, P: FlatBuffer) -> Array:
         return layers.embedding_forward(P["embed"], ids)
 
-    def embed_backward(self, ids, dh, grads):
+    def embed_backward(self, ids: Array, dh: Array, grads: FlatBuffer) -> None:
         layers.embedding_backward(grads["embed"], ids, dh)
 
     # -- the head reads the whole residual
-    def _gather_residual(self, h):
+    def _gather_residual(self, h: Array) -> Array:
         return gather_from_tp_region(h, self.tp)
 
-    def _gather_residual_backward(self, dh):
+    def _gather_residual_backward(self, dh: Array) -> Array:
         return gather_from_tp_region_backward(dh, self.tp)
 
     # -- a low-rank group
-    def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE):
+    def in_proj_forward(self, x: Array, norm_name: str, names: list[str], P: FlatBuffer, tape: Tape = NO_TAPE,
+                        ) -> tuple[list[Array], ProjectionCache]:
         return self._bottleneck_forward(x, norm_name, names, P, tape)
 
-    def residual_in_proj_forward(self, h, y, norm_name, names, P, tape):
+    def residual_in_proj_forward(self, h: Array, y: Array, norm_name: str, names: list[str], P: FlatBuffer, tape: Tape,
+                                 ) -> tuple[Array, list[Array], ProjectionCache]:
         """h + y, its x * w and sum of squares in one pass (one kernel on a GPU), then the group."""
         h, xw, ss = layers.residual_online_stats(h, y, P[norm_name])
         return (h, *self._bottleneck_forward(h, norm_name, names, P, tape, stats=(xw, ss)))
 
-    def in_proj_backward(self, douts, cache, P, grads):
-        return self._bottleneck_backward(douts, cache, P, grads)
+    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
+        return self._bottleneck_backward(douts, cast(BottleneckCache, cache), P, grads)  # its own forward's
 
-    def out_proj_forward(self, x, name, P, tape=NO_TAPE):
+    def out_proj_forward(self, x: Array, name: str, P: FlatBuffer, tape: Tape = NO_TAPE,
+                         ) -> tuple[Array, ProjectionCache]:
         outs, cache = self._bottleneck_forward(x, None, [name], P, tape)
         return outs[0], cache
 
-    def out_proj_cache(self, x, name, P, tape):
+    def out_proj_cache(self, x: Array, name: str, P: FlatBuffer, tape: Tape) -> ProjectionCache:
         """Without the output: the B GEMM is skipped (local work only, never a collective)."""
         return self._bottleneck_forward(x, None, [name], P, tape, output=False)[1]
 
-    def out_proj_backward(self, dy, cache, P, grads):
-        return self._bottleneck_backward([dy], cache, P, grads)
+    def out_proj_backward(self, dy: Array, cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
+        return self._bottleneck_backward([dy], cast(BottleneckCache, cache), P, grads)  # its own forward's
 
-    def _bottleneck_forward(self, x, norm_name, names, P, tape, output=True, stats=None):
+    def _bottleneck_forward(self, x: Array, norm_name: str | None, names: list[str], P: FlatBuffer, tape: Tape,
+                            output: bool = True, stats: tuple[Array, Array] | None = None,
+                            ) -> tuple[list[Array], BottleneckCache]:
         sl = col_slices([P[f"{nm}/A"].shape[1] for nm in names])
         # online RMSNorm's first half: x * w and this shard's sum of squares, in one pass (`stats`:
         # already made with the residual add that gave x)
@@ -101,10 +114,10 @@ class BottleneckTP(Strategy):
             tape.keep((Z, rstd))
         # Z is copied to the tp region (the identity forward), then activated, unless the rescale did it
         Zs, sig = activated or activate(copy_to_tp_region(Z, self.tp), self.act, tape)
-        outs = self._b_products(Zs, sl, names, P) if output else None
+        outs = self._b_products(Zs, sl, names, P) if output else []
         return outs, BottleneckCache(x, xw, norm_name, Z, Zs, rstd, names, sl, sig)
 
-    def _b_products(self, Zs, sl, names, P):
+    def _b_products(self, Zs: Array, sl: list[slice], names: list[str], P: FlatBuffer) -> list[Array]:
         """[Zs[:, s_j] @ B_j]: on a GPU, when grouped, factors of one shape stored one after another
         (k and v, gate and up) as one strided-batched GEMM that reads their column blocks of Zs and
         their B factors where they lie (no stacked copies); the rest one GEMM each."""
@@ -128,7 +141,8 @@ class BottleneckTP(Strategy):
             j += run
         return outs
 
-    def _reduce_bottleneck(self, xw, ss, A, sl, tape):
+    def _reduce_bottleneck(self, xw: Array, ss: Array | None, A: Array, sl: list[slice], tape: Tape,
+                           ) -> tuple[Array, Array | None, tuple[Array, Array | None] | None]:
         """The only forward communication of a btp group: Z = rmsnorm(x)·A exactly, from shards.
         Returns (Z, rstd [N, 1], activated); rstd is None without a norm; activated is (silu(Z),
         its sigmoid or None) when the online rescale computed the SiLU too (cola), else None. Z and
@@ -152,7 +166,8 @@ class BottleneckTP(Strategy):
         return self._reduce_products(layers.rescale_rows(xw, ss, self.C, self.eps), A, sl, alloc=alloc), \
             layers.online_rstd(ss, self.C, self.eps)[:, None], None
 
-    def _reduce_products(self, x, A, sl, extra=None, alloc=None):
+    def _reduce_products(self, x: Array, A: Array, sl: list[slice], extra: Array | None = None,
+                         alloc: Alloc | None = None) -> Array | tuple[Array, Array]:
         """x·[A_1 | A_2 | ...] reduced from the tp region (A = [A_1 | A_2 | ...], A_j its column
         slices `sl`): one GEMM and one all-reduce when grouped, else one of each per factor. With
         `extra` [N] (the sum of squares, in the accumulation dtype), returns (products, extra
@@ -173,7 +188,7 @@ class BottleneckTP(Strategy):
         elif extra is not None:
             tail = xp.ascontiguousarray(extra)  # this rank's own statistic: summed in place
 
-        def reduce(buf, j):
+        def reduce(buf: Array, j: int) -> Array:
             if j == 0 and extra is not None and not ride:
                 return reduce_from_tp_region_many([buf, tail], self.tp)[0]
             return reduce_from_tp_region(buf, self.tp)
@@ -191,7 +206,8 @@ class BottleneckTP(Strategy):
                     prod[:, s] = reduce(piece, j)
         return (prod, tail) if extra is not None else prod
 
-    def _bottleneck_backward(self, douts, cache, P, grads):
+    def _bottleneck_backward(self, douts: list[Array], cache: BottleneckCache, P: FlatBuffer, grads: FlatBuffer,
+                             ) -> Array:
         x, xw, norm_name, Z, Zs, rstd, names, sl, sig = cache
         xp = get_array_module(x)
         dZs = xp.empty_like(Z)

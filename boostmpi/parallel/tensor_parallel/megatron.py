@@ -7,30 +7,40 @@
 The residual and the norms are replicated; embedding and head are vocabulary-parallel.
 """
 
-from typing import NamedTuple
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 
+from boostmpi.arrays import Array
 from boostmpi.backend import get_array_module
 from boostmpi.model import layers
 from boostmpi.model.layers import col_slices, matmul
-from boostmpi.model.recompute import NO_TAPE
+from boostmpi.model.params import FlatBuffer
+from boostmpi.model.recompute import NO_TAPE, Tape
+from boostmpi.model.transformer import ProjectionCache
 from boostmpi.parallel.mappings import copy_to_tp_region, reduce_from_tp_region, reduce_from_tp_region_backward
 from boostmpi.parallel.tensor_parallel.base import NormCache, ReplicatedResidual, column_parallel_input_grad
 
+if TYPE_CHECKING:
+    from boostmpi.config import Config
+    from boostmpi.parallel.grid import ProcessGrid
+
 
 class LinearCache(NamedTuple):
-    x: object  # [N, in/p] the row-parallel linear's input
+    x: Array  # [N, in/p] the row-parallel linear's input
     name: str
 
 
 class MegatronTP(ReplicatedResidual):
-    def __init__(self, cfg, grid):
+    def __init__(self, cfg: Config, grid: ProcessGrid) -> None:
         super().__init__(cfg, grid)
         self.n_heads = cfg.model.n_heads // self.p
         self.n_kv_heads = cfg.model.n_kv_heads // self.p
 
-    def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE):
+    def in_proj_forward(self, x: Array, norm_name: str, names: list[str], P: FlatBuffer, tape: Tape = NO_TAPE,
+                        ) -> tuple[list[Array], ProjectionCache]:
         n, rstd = layers.rmsnorm_forward(x, P[norm_name], self.eps)
         n = copy_to_tp_region(n, self.tp)
         W_names = [f"{nm}/W" for nm in names]
@@ -48,8 +58,9 @@ class MegatronTP(ReplicatedResidual):
             outs = [matmul(n, P[w]) for w in W_names]
         return outs, NormCache(x, norm_name, rstd, (n, names))
 
-    def in_proj_backward(self, douts, cache, P, grads):
-        n, names = cache.inner
+    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
+        cache = cast(NormCache, cache)  # its own forward's
+        n, names = cast(tuple[Array, list[str]], cache.inner)
         parts, req = column_parallel_input_grad(douts, P, [f"{nm}/W" for nm in names], self.grouped, self.tp)
         for nm, dy in zip(names, douts):  # weight gradients while the input gradient travels
             matmul(n.T, dy, out=grads[f"{nm}/W"], accumulate=True)
@@ -57,12 +68,13 @@ class MegatronTP(ReplicatedResidual):
         dn = sum(parts[1:], parts[0])
         return layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, grads[cache.norm_name])
 
-    def out_proj_forward(self, x, name, P, tape=NO_TAPE):
+    def out_proj_forward(self, x: Array, name: str, P: FlatBuffer, tape: Tape = NO_TAPE,
+                         ) -> tuple[Array, ProjectionCache]:
         y = matmul(x, P[f"{name}/W"])
         return reduce_from_tp_region(y, self.tp), LinearCache(x, name)
 
-    def out_proj_backward(self, dy, cache, P, grads):
-        x, name = cache
+    def out_proj_backward(self, dy: Array, cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
+        x, name = cast(LinearCache, cache)  # its own forward's
         dy = reduce_from_tp_region_backward(dy, self.tp)
         matmul(x.T, dy, out=grads[f"{name}/W"], accumulate=True)
         return matmul(dy, P[f"{name}/W"].T)

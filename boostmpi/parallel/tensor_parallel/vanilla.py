@@ -5,47 +5,55 @@
 The residual, the norms and the attention are replicated; embedding and head are vocabulary-parallel.
 """
 
-from typing import NamedTuple
+from __future__ import annotations
+
+from typing import NamedTuple, cast
 
 import numpy as np
 
+from boostmpi.arrays import Array
 from boostmpi.backend import get_array_module
 from boostmpi.model import layers
 from boostmpi.model.layers import col_slices, matmul
-from boostmpi.model.recompute import NO_TAPE
+from boostmpi.model.params import FlatBuffer
+from boostmpi.model.recompute import NO_TAPE, Tape
+from boostmpi.model.transformer import ProjectionCache
 from boostmpi.parallel.mappings import (copy_to_tp_region, reduce_from_tp_region, reduce_from_tp_region_backward,
                                         reduce_from_tp_region_many)
 from boostmpi.parallel.tensor_parallel.base import NormCache, ReplicatedResidual, activate, column_parallel_input_grad
 
 
 class FactorCache(NamedTuple):
-    x: object  # [N, in] the group's input (replicated)
-    Z: object  # [N, R/p] x · A, this rank's columns
-    Zs: object  # silu(Z) (cola), else Z
-    names: list  # the group's linears
-    sl: list  # their column slices of Z
-    sig: object  # sigmoid(Z) when kept for the backward, else None
+    x: Array  # [N, in] the group's input (replicated)
+    Z: Array  # [N, R/p] x · A, this rank's columns
+    Zs: Array  # silu(Z) (cola), else Z
+    names: list[str]  # the group's linears
+    sl: list[slice]  # their column slices of Z
+    sig: Array | None  # sigmoid(Z) when kept for the backward, else None
 
 
 class VanillaLowRankTP(ReplicatedResidual):
-    def in_proj_forward(self, x, norm_name, names, P, tape=NO_TAPE):
+    def in_proj_forward(self, x: Array, norm_name: str, names: list[str], P: FlatBuffer, tape: Tape = NO_TAPE,
+                        ) -> tuple[list[Array], ProjectionCache]:
         n, rstd = layers.rmsnorm_forward(x, P[norm_name], self.eps)
         outs, cache = self._factor_forward(n, names, P, tape)
         return outs, NormCache(x, norm_name, rstd, cache)
 
-    def in_proj_backward(self, douts, cache, P, grads):
-        dn = self._factor_backward(douts, cache.inner, P, grads)
+    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
+        cache = cast(NormCache, cache)  # its own forward's
+        dn = self._factor_backward(douts, cast(FactorCache, cache.inner), P, grads)
         return layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, grads[cache.norm_name])
 
-    def out_proj_forward(self, x, name, P, tape=NO_TAPE):
+    def out_proj_forward(self, x: Array, name: str, P: FlatBuffer, tape: Tape = NO_TAPE,
+                         ) -> tuple[Array, ProjectionCache]:
         # a recompute produces the output too: its all-reduce is part of the forward's collectives
         outs, cache = self._factor_forward(x, [name], P, tape)
         return outs[0], cache
 
-    def out_proj_backward(self, dy, cache, P, grads):
-        return self._factor_backward([dy], cache, P, grads)
+    def out_proj_backward(self, dy: Array, cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
+        return self._factor_backward([dy], cast(FactorCache, cache), P, grads)  # its own forward's
 
-    def _factor_forward(self, x, names, P, tape):
+    def _factor_forward(self, x: Array, names: list[str], P: FlatBuffer, tape: Tape) -> tuple[list[Array], FactorCache]:
         xp = get_array_module(x)
         x = copy_to_tp_region(x, self.tp)
         A_names = [f"{nm}/A" for nm in names]
@@ -74,7 +82,7 @@ class VanillaLowRankTP(ReplicatedResidual):
             ys = [reduce_from_tp_region(y, self.tp) for y in ys]
         return ys, FactorCache(x, Z, Zs, names, sl, sig)
 
-    def _factor_backward(self, douts, cache, P, grads):
+    def _factor_backward(self, douts: list[Array], cache: FactorCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
         x, Z, Zs, names, sl, sig = cache
         xp = get_array_module(x)
         dZs = xp.empty_like(Z)

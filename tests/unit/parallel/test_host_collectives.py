@@ -111,6 +111,7 @@ def test_the_start_up_checks_collectives_are_watched():
     watched = "int(HostCollectives(world).sum([int(local_rank == 0)])[0])"
     assert source.count(watched) == 1
     namespace = {}
-    exec(source.replace(watched, "world.allreduce(int(local_rank == 0), op=None)"), vars(startup), namespace)
+    exec("from __future__ import annotations\n" + source.replace(watched, "world.allreduce(int(local_rank == 0), op=None)"),
+         vars(startup), namespace)  # the module's annotations name types it imports only for the checker
     calls = start_up_calls(namespace["count_nodes"])
     assert not all(w for _, w in calls), calls
