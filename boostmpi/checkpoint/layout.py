@@ -6,7 +6,7 @@ hands to a save, the cached byte layout of a rank file, and the estimate of a ch
 import json
 import os
 from types import ModuleType
-from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence, TypeVar, Union
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -94,18 +94,21 @@ def global_rank_states(cfg: Config, tensors: Mapping[str, Array],
 # The saves of a run write files of the same structure: HDF5 is asked for it once per layout, the
 # bytes it wrote are kept, and every later save writes those bytes and the tensor data by plain
 # positioned writes (the GIL is released while they copy: a background save barely holds it).
-_STRUCTURES: dict[tuple[object, ...], "RankFileLayout"] = {}  # per process, the least recently used dropped first
+# what is kept: a rank file's layout, or the virtual files' bytes by file name (checkpoint/writer.py)
+Kept = Union["RankFileLayout", dict[str, bytes]]
+K = TypeVar("K", "RankFileLayout", dict[str, bytes])
+_STRUCTURES: dict[tuple[object, ...], Kept] = {}  # per process, the least recently used dropped first
 _STRUCTURES_KEPT = 64  # enough for one process writing every rank file of a layout (a test's global save)
 
 
-def remember(key: tuple[object, ...], value: "RankFileLayout") -> "RankFileLayout":
+def remember(key: tuple[object, ...], value: K) -> K:
     if len(_STRUCTURES) >= _STRUCTURES_KEPT:
         _STRUCTURES.pop(next(iter(_STRUCTURES)))
     _STRUCTURES[key] = value
     return value
 
 
-def recall(key: tuple[object, ...]) -> "RankFileLayout | None":
+def recall(key: tuple[object, ...]) -> Kept | None:
     """The kept value of `key` (marked as the most recently used), or None."""
     value = _STRUCTURES.pop(key, None)
     if value is not None:
@@ -135,7 +138,7 @@ def rank_file_layout(path: str, cfg: Config, coords: tuple[int, int, int],
 
     key = layout_key("rank file", cfg, tuple(coords), tuple((g, np.dtype(d).str) for g, d in sorted(dtypes.items())))
     kept = recall(key)
-    if kept is not None:
+    if isinstance(kept, RankFileLayout):
         return kept
     pieces = rank_pieces(cfg, *coords)[2]
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)  # contiguous, placed now, never filled by HDF5

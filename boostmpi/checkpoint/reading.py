@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, BinaryIO, TypeAlias, TypedDict
 
@@ -167,7 +167,7 @@ def read_moments(optim_h5: h5py.File, params: FlatBuffer, optimizer: AdamW, xp: 
     optimizer.t = int(optim_h5.attrs["t"])
 
 
-def load(ckpt_dir: str, specs: Iterable[ParamSpec], params: FlatBuffer, optimizer: AdamW | None = None,
+def load(ckpt_dir: str, specs: Sequence[ParamSpec], params: FlatBuffer, optimizer: AdamW | None = None,
          xp: ModuleType = np) -> tuple[int, CheckpointState]:
     """This rank's parameters (FlatBuffer `params`) and, with `optimizer`, its moments and step count,
     from a checkpoint written under any layout. Returns (step, state.json's content)."""

@@ -200,10 +200,11 @@ def write_rank_file(path: str, cfg: Config, state: RankState, digest: Checksum |
         for offset, what in runs:  # they cover the file, in order
             if offset != out.position + out.fill:
                 raise RuntimeError(f"{path}: the rank file's layout has a gap or an overlap at byte {offset}")
-            if not isinstance(what, bytes):
+            if isinstance(what, bytes):
+                out.write(what)
+            else:
                 group, p = what
-                what = np.ascontiguousarray(p.take(flats[group], lo))
-            out.write(what)
+                out.write(np.ascontiguousarray(p.take(flats[group], lo)))
 
 
 def write_virtual_files(folder: str, cfg: Config, step: int, adam_t: int, dtype: DTypeLike) -> None:
@@ -215,7 +216,7 @@ def write_virtual_files(folder: str, cfg: Config, step: int, adam_t: int, dtype:
 
     key = layout_key("virtual files", cfg, np.dtype(dtype).str)
     kept = recall(key)
-    if kept is not None:
+    if isinstance(kept, dict):
         for file_name, blob in kept.items():
             with open(os.path.join(folder, file_name), "wb") as f:
                 f.write(blob)

@@ -155,7 +155,7 @@ class TorchAttentionContext(NamedTuple):
 
 
 @contextlib.contextmanager
-def _fused_kernels_only(torch):
+def _fused_kernels_only(torch: ModuleType) -> Iterator[None]:
     """SDPA's flash, memory-efficient and cuDNN kernels on and its math kernel off for the call (the
     effect of sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION, CUDNN_ATTENTION])); each flag that had
     to change is set back after."""

@@ -334,7 +334,7 @@ def predict_workload(w: Workload, machine: "Machine", comm: dict[str, int] | Non
         # 1F1B: stage i holds up to pp - i micro-batches; interleaved, up to its warm-up + 1 chunks of
         # 1/v of its layers, (v + 1) pp - 1 on the first rank (the head's chunk: one at a time)
         in_flight = min(M, w.pp - stage)
-        in_flight_layers = in_flight
+        in_flight_layers: float = in_flight
         if w.virtual_stages > 1:
             units = min(warmup_units(w.pp, stage, M, w.virtual_stages) + 1, w.virtual_stages * M)
             in_flight_layers = units / w.virtual_stages

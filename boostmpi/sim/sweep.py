@@ -17,7 +17,7 @@ from boostmpi.errors import UserError
 from boostmpi.sim.model import predict
 
 if TYPE_CHECKING:
-    from boostmpi.config import Config
+    from boostmpi.config import Config, Value
     from boostmpi.sim.machines import Machine
 
 ARCH_MODES = {"full": ("vanilla",), "svd": ("btp", "vanilla"), "cola": ("btp", "vanilla")}
@@ -72,7 +72,7 @@ def sweep(cfg: "Config", machine: "Machine", gpus: int, archs: Sequence[str] | N
             modes = ARCH_MODES[arch] if tp > 1 else ARCH_MODES[arch][:1]
             for mode in modes:
                 for recompute in RECOMPUTE[arch]:
-                    changes = {"model.arch": arch, "parallel.tp": tp, "parallel.pp": pp,
+                    changes: dict[str, Value] = {"model.arch": arch, "parallel.tp": tp, "parallel.pp": pp,
                                "parallel.dp": dp, "parallel.tp_mode": mode,
                                "parallel.virtual_stages": cfg.parallel.virtual_stages if pp > 1 else 1,
                                "train.recompute": recompute,

@@ -7,7 +7,7 @@ the CPU, in float32 unless the run trained in float64.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 
@@ -39,7 +39,7 @@ def single_process_config(saved: object, dtype: str | None = None) -> Config:
         raise ConfigError(f"the recorded configuration is a {type(saved).__name__}, not a table of sections")
     d = {name: dict(values) if isinstance(values, dict) else values for name, values in saved.items()}
     if dtype is None:
-        dtype = cpu_dtype_name(d.get("train", {}).get("dtype"))
+        dtype = cpu_dtype_name(cast(str, d.get("train", {}).get("dtype")))
     d.setdefault("parallel", {}).update(tp=1, pp=1, dp=1, virtual_stages=1)
     d.setdefault("train", {}).update(device="cpu", dtype=dtype, global_batch_size=0, grad_accum=1)
     return config_from_dict(d)

@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 from types import ModuleType
-from typing import TYPE_CHECKING, Callable, TextIO, TypeVar, overload
+from typing import TYPE_CHECKING, Callable, TextIO, TypeVar, cast, overload
 
 import numpy as np
 
@@ -27,8 +27,10 @@ from boostmpi.train.optim import AdamW, clip_coefficient, learning_rate
 from boostmpi.train.resume import check_resume
 from boostmpi.train.rundir import RunDirectory
 
-if TYPE_CHECKING:  # the communicator `train` is handed (mpi4py's)
+if TYPE_CHECKING:  # the communicator `train` is handed (mpi4py's); the loader's state
     from mpi4py import MPI
+
+    from boostmpi.data.shards import LoaderState
 
 T = TypeVar("T")
 TrainResult = dict[str, int | float | bool | None]  # what `Trainer.train` returns: step, loss, val_loss, preempted
@@ -223,7 +225,7 @@ class Trainer:
         for line in check_resume(self.cfg, saved_cfg, step, path):  # or refused, before anything is changed
             self.log(line)
         try:
-            self.loader.load_state_dict(ckpt.read_state(path)["data"])
+            self.loader.load_state_dict(cast("LoaderState", ckpt.read_state(path)["data"]))
         except DataError as exc:  # every rank reads the same state: each raises, rank 0 prints
             refusal = DataError(f"cannot resume {path}: {exc}. To train on these shards, start a new run: set a new "
                                 f"train.run_dir (or remove {self.run_dir} to start it afresh)")
@@ -265,11 +267,11 @@ class Trainer:
                                 "zero_stage": par.zero_stage}}
         states = [ckpt.rank_state(self.engine, self.optimizer)]
         args = (self.run_dir, self.step, self.cfg, states, self.optimizer.t, state)
-        kwargs = dict(comm=self.world, keep=self.cfg.checkpoint.keep, log=self.log, prune_in_background=True)
+        keep = self.cfg.checkpoint.keep
         if not asynchronous:
-            self.log(f"checkpoint {ckpt.save(*args, **kwargs)}")
+            self.log(f"checkpoint {ckpt.save(*args, comm=self.world, keep=keep, log=self.log, prune_in_background=True)}")
             return
-        pending = ckpt.PendingSave(*args, **kwargs)
+        pending = ckpt.PendingSave(*args, comm=self.world, keep=keep, log=self.log, prune_in_background=True)
         pending.snapshot()
         self.snapshot_bytes = pending.nbytes
         thread = threading.Thread(target=pending.write_in_background, name="boostmpi-checkpoint", daemon=True)
