@@ -349,7 +349,8 @@ def test_without_cudas_mma_header_auto_says_so_once_and_1_is_refused(monkeypatch
         "BOOSTMPI_ATTENTION_TENSOR_CORES='yes': use 1 (tensor cores), 0 (FMA kernels) or auto"
 
 
-@pytest.mark.parametrize("arch", ["cola", "svd", "full"])
+# cola in the default run (the attention is the same in every arch); svd and full with the slow tests
+@pytest.mark.parametrize("arch", ["cola", pytest.param("svd", marks=pytest.mark.slow), pytest.param("full", marks=pytest.mark.slow)])
 def test_a_bf16_training_step_with_the_option_equals_the_cpu_path(monkeypatch, arch):
     """One bfloat16 training step (tests/gpu_steps.py: GQA, head dim 16) with the option on: the forward
     of every layer and both backward passes on the WMMA kernels of 64-dim tiles (asserted from the launches), the loss and gradients within
@@ -393,10 +394,12 @@ def test_start_up_refuses_a_setting_it_cannot_honour_in_one_line(monkeypatch, tm
                    tmp_path, fragment)
 
 
-def test_tp2_bf16_steps_on_the_tensor_cores_equal_one_rank(tmp_path):
-    """Tensor parallelism 2 (heads split across the ranks), every arch, bfloat16, the tensor-core
-    kernels (the default on the stand-in's A100): each rank's attention on its own heads, and the
-    step equal to the one-rank step on the tensor-core kernels within the bfloat16 tolerance."""
+def test_tp2_bf16_steps_on_the_tensor_cores_equal_one_rank(tmp_path, slow_run):
+    """Tensor parallelism 2 (heads split across the ranks), bfloat16, the tensor-core kernels (the default
+    on the stand-in's A100): each rank's attention on its own heads, and the step equal to the one-rank
+    step on the tensor-core kernels within the bfloat16 tolerance. cola in the default run (the head split
+    is the same in every arch; each arch's TP step is held to one rank in test_gpu), every arch with the
+    slow tests."""
     import os
     import subprocess
     import sys
@@ -411,14 +414,15 @@ def test_tp2_bf16_steps_on_the_tensor_cores_equal_one_rank(tmp_path):
     out = tmp_path / "tp2.npz"
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", BOOSTMPI_ATTENTION_TENSOR_CORES="1")
     proc = subprocess.run(["timeout", "600", MPIEXEC, "-n", "2", sys.executable, str(Path(__file__).parent / "gpu_steps.py"),
-                           str(out), "tp2", "bfloat16"], capture_output=True, text=True, env=env)
+                           str(out), "tp2", "bfloat16", "", "" if slow_run else "tp2/cola"],
+                          capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with np.load(out) as data:
         results = {k: data[k] for k in data.files}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(loader.ATTENTION_TENSOR_CORES_ENV, "1")
         mp.setattr(loader, "_module", functools.lru_cache(maxsize=None)(loader._module.__wrapped__))
-        for arch in ARCHS:
+        for arch in ARCHS if slow_run else ("cola",):
             prefix = f"tp2/{arch}/bfloat16/"
             grads = {k[len(prefix) + 5:]: v for k, v in results.items() if k.startswith(prefix + "grad/")}
             assert grads, sorted(results)[:5]
