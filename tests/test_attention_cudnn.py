@@ -246,10 +246,9 @@ def test_the_cpu_path_accepts_and_ignores_train_attention():
     assert np.isfinite(loss) and attention.current() is before
 
 
-def test_tp2_steps_with_cudnn_attention_equal_the_single_rank_step(cudnn, tmp_path, slow_run):
+def test_tp2_steps_with_cudnn_attention_equal_the_single_rank_step(cudnn, tmp_path):
     """`mpiexec -n 2`, tensor parallelism 2 (each rank's graphs of its own heads), train.attention = cudnn
-    on both ranks: the step equals the single-rank cudnn step within test_gpu's tolerances (cola in the
-    default run, where the head split is the same as in every arch; cola, svd and full with the slow tests)."""
+    on both ranks: cola, svd and full equal the single-rank cudnn step within test_gpu's tolerances."""
     from gpu_steps import step
 
     if not GPU.standin:
@@ -263,12 +262,11 @@ def test_tp2_steps_with_cudnn_attention_equal_the_single_rank_step(cudnn, tmp_pa
     out = tmp_path / "tp2.npz"
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([mpiexec, "-n", "2", sys.executable, str(Path(__file__).with_name("gpu_steps.py")), str(out),
-                           "tp2", "bfloat16", "cudnn", "" if slow_run else "tp2/cola"],
-                          capture_output=True, text=True, timeout=600, env=env)
+                           "tp2", "bfloat16", "cudnn"], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, f"mpiexec -n 2 failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     with np.load(out) as data:
         results = {k: data[k] for k in data.files}
-    for arch in ("cola", "svd", "full") if slow_run else ("cola",):
+    for arch in ("cola", "svd", "full"):
         prefix = f"tp2/{arch}/bfloat16/"
         grads = {k[len(prefix) + 5:]: v for k, v in results.items() if k.startswith(prefix + "grad/")}
         want = step(arch, "gpu", "bfloat16", train=dict(attention="cudnn"))
