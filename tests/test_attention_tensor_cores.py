@@ -250,9 +250,10 @@ def test_each_backward_mutation_fails_the_check(mutation):
 # ---------------------------------------------------------------------------- the wrapper's option
 
 
-def _wrapper_forward(monkeypatch, warp, B=1, T=70, H=4, Hkv=2, Dh=128, setting="1", major=8):
+def _wrapper_forward(monkeypatch, warp, B=1, T=70, H=2, Hkv=1, Dh=128, setting="1", major=8):
     """kernels.attention_forward with BOOSTMPI_ATTENTION_TENSOR_CORES=`setting` (None: unset) on a device
-    of `warp` lanes and compute capability `major`: (launched entry points, o, lse) and the inputs."""
+    of `warp` lanes and compute capability `major`: (launched entry points, o, lse) and the inputs. Two
+    query tiles and 2 query heads per KV head by default (more KV heads: check_forward and check_backward)."""
     import cupy
 
     from gpu_setup import GPU
