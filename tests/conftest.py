@@ -89,9 +89,20 @@ def pytest_sessionfinish(session, exitstatus):
     comm.Free()
 
 
+def _slow_asked(config):
+    return "slow" in (config.getoption("markexpr") or "") or os.environ.get("BOOSTMPI_SLOW") == "1"
+
+
+@pytest.fixture(scope="session")
+def slow_run(request):
+    """True when the `slow` tests run too (a fixture that computes for several tests at once computes
+    the slow ones' share only then)."""
+    return _slow_asked(request.config)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `slow` (full matrices) run only when asked for: `-m slow` or BOOSTMPI_SLOW=1."""
-    if "slow" in (config.getoption("markexpr") or "") or os.environ.get("BOOSTMPI_SLOW") == "1":
+    if _slow_asked(config):
         return
     skip = pytest.mark.skip(reason="a full matrix: run it with -m slow or BOOSTMPI_SLOW=1")
     for item in items:

@@ -45,7 +45,7 @@ status=0
 step() { echo; echo "=== $*"; }
 
 step "single-process tests"
-timeout 1800 "$PY" -m pytest -q -p no:cacheprovider --durations=20 tests "$@" || status=1
+timeout 1200 "$PY" -m pytest -q -p no:cacheprovider --durations=20 tests "$@" || status=1
 
 for n in 1 2 3 4; do
   step "MPI tests at $n ranks"
@@ -81,10 +81,12 @@ cuda13_python() {
   started=$SECONDS
   BOOSTMPI_VENV="$PWD/.venv-cuda13" BOOSTMPI_VENV_PYTHON="$(cuda13_python)" setup_venv test-cuda13,mpich
   echo "$("$PY" -c 'import platform, numpy; print("Python", platform.python_version(), "NumPy", numpy.__version__)') in $VENV"
-  # hipRTC's and hipcc's tests are step 1's: the CUDA major changes nothing there
+  # hipRTC's and hipcc's tests are step 1's: the CUDA major changes nothing there; so are the attention
+  # mutations of the sm_80 budget (they test the budget check, whose reading of ptxas's report under
+  # CUDA 13 every kernel's budget test here exercises)
   timeout 900 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/attention/test_tensor_core_headers.py tests/emulators/cudaemu/test_cudaemu_wmma.py \
     tests/kernels/test_kernel_resources.py tests/kernels/attention/test_attention_tensor_cores.py::test_nvrtc_compiles_it_within_the_budget \
-    -k "not gfx90a and not hiprtc" &&
+    -k "not gfx90a and not hiprtc and not test_attention_mutations_fail" &&
     echo "CUDA 13 step: $((SECONDS - started)) s"
 ) || status=1
 

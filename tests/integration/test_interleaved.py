@@ -352,7 +352,9 @@ def test_sim_knows_the_first_ranks_extra_activations_and_the_smaller_bubble():
 
 @pytest.mark.gpu
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("comm", ["nccl", "mpi"])
+# NCCL in the default run; MPI carrying the device buffers (as tests/support/gpu_steps.py's tp2-pp2-mpi layout does
+# for plain 1F1B) with the slow tests
+@pytest.mark.parametrize("comm", ["nccl", pytest.param("mpi", marks=pytest.mark.slow)])
 def test_interleaved_on_the_gpu_path(comm):
     """pp2 v2 and pp4 v2 on the GPU path (a real GPU, or the CuPy stand-in whose NCCL runs over MPI
     with NCCL's ordering rules) in float32: plain 1F1B's loss and gradients bit for bit, the CPU

@@ -86,9 +86,9 @@ def _world_rank():
     return MPI.COMM_WORLD.Get_rank()
 
 
-def _run_layouts(out_path, names=None, dtypes=None, attention=None):
+def _run_layouts(out_path, names=None, dtypes=None, attention=None, cases=None):
     """Every layout of LAYOUTS (or those named, comma-separated) in every dtype (or those named), with
-    train.attention = `attention` when given."""
+    train.attention = `attention` when given; `cases`, comma-separated LAYOUT/ARCH pairs: only those."""
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
@@ -99,6 +99,8 @@ def _run_layouts(out_path, names=None, dtypes=None, attention=None):
         color = world.Get_rank() // ranks
         comm = world.Split(color, world.Get_rank())
         for arch in layout_archs(name, train):
+            if cases and f"{name}/{arch}" not in cases.split(","):
+                continue
             for dtype in (dtypes.split(",") if dtypes else DTYPES):
                 settings = dict(train, attention=attention) if attention else train
                 got = step(arch, "gpu", dtype, parallel, settings, world=comm) if color == 0 else None
@@ -129,4 +131,4 @@ def run_or_abort(main, *args):
 
 
 if __name__ == "__main__":
-    run_or_abort(_run_layouts, *sys.argv[1:5])
+    run_or_abort(_run_layouts, *sys.argv[1:6])

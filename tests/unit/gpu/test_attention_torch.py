@@ -319,7 +319,9 @@ def test_the_gpu_check_script_passes_its_own_checks_here(rec, monkeypatch):
     assert row["zero_copy"].startswith("in yes") and row["det_fwd"] == 1.0
 
 
-@pytest.mark.parametrize("arch, recompute", [("cola", "none"), ("svd", "lowrank"), ("full", "selective")])
+# svd with lowrank in the default run (SDPA's forward run again by the recompute); the others with the slow tests
+@pytest.mark.parametrize("arch, recompute", [pytest.param("cola", "none", marks=pytest.mark.slow), ("svd", "lowrank"),
+                                             pytest.param("full", "selective", marks=pytest.mark.slow)])
 def test_gpu_step_with_torch_attention_equals_the_cpu_path(rec, monkeypatch, arch, recompute):
     """A whole bf16 training step with train.attention = torch (chosen at start-up like any backend)
     equals the CPU path within test_gpu's tolerances; lowrank's recompute runs SDPA's forward again."""

@@ -43,7 +43,9 @@ def _steps_written(run_dir):
     return sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").exists() else []
 
 
-@pytest.mark.parametrize("stage", preemption.STAGES)
+# "memory" follows "config" in the same function, and "engine" runs at two ranks below: both with the slow tests
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.slow) if s in ("memory", "engine") else s
+                                   for s in preemption.STAGES])
 def test_sigterm_at_each_start_up_stage_is_never_lost(shards, tmp_path, stage):
     run_dir = tmp_path / "run"
     done = _train(run_dir, shards, stage)
