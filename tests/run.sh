@@ -15,7 +15,8 @@
 #      CUDA 13.0's NVRTC, runtime and crt wheels: the [test-cuda13] extra), running the header tests and
 #      every NVRTC compile and resource test there (step 1 ran them on CUDA 12's wheels),
 #   3 and 4 when this machine allows them (root and apt), otherwise each says why it skipped; 5 fails
-#   under CI=true when it cannot run.
+#   under CI=true when it cannot run. Steps 3-7 run beside steps 1-2 (two lanes for a 2-core machine;
+#   BOOSTMPI_CI_SERIAL=1 runs them after); every step's header line says when it started.
 # Exit status is non-zero when anything failed.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -42,7 +43,68 @@ MPIEXEC="$(boostmpi_mpiexec)" || exit 1
 
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
 status=0
-step() { echo; echo "=== $*"; }
+began=$SECONDS
+step() { echo; echo "=== $* (at +$((SECONDS - began)) s)"; }
+
+# Python 3.12 (what CUDA 13 nodes and PyTorch's CUDA 13 wheels run): on PATH, else pyenv's; else python3
+cuda13_python() {
+  local py
+  for py in python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+    "$py" -c 'import venv' 2>/dev/null && { command -v "$py"; return; }
+  done
+  echo python3
+}
+
+# Steps 3-7, which build and emulate environments (mpi4py compiled against Debian's MPICH, the emulated
+# centres' set-ups, pip installing the fixed and the CUDA 13 environments): mostly compilers and pip in
+# processes of their own, so they run beside steps 1-2 on a 2-core machine's second core.
+environment_steps() {
+  local st=0
+  step "system-MPI test"
+  timeout 1200 bash tests/integration/site/sysmpi/run_sysmpi_test.sh || st=1
+
+  step "real Slurm test"
+  if [ -f tests/integration/site/slurm/run_slurm_test.sh ]; then
+    timeout 600 bash tests/integration/site/slurm/run_slurm_test.sh || st=1
+  else
+    echo "skipped: tests/integration/site/slurm/run_slurm_test.sh is not present"
+  fi
+
+  step "emulated centres"
+  BOOSTMPI_SITE_EMU=1 timeout 1200 "$PY" -m pytest -q -p no:cacheprovider tests/integration/site/test_site_emu.py || st=1
+
+  step "gpu_check in a fixed environment"
+  BOOSTMPI_GPU_CHECK_EMU=1 timeout 1800 "$PY" -m pytest -q -p no:cacheprovider tests/integration/site/test_gpu_check.py || st=1
+
+  step "CUDA 13 compile tests"
+  (
+    started=$SECONDS
+    BOOSTMPI_VENV="$PWD/.venv-cuda13" BOOSTMPI_VENV_PYTHON="$(cuda13_python)" setup_venv test-cuda13,mpich
+    echo "$("$PY" -c 'import platform, numpy; print("Python", platform.python_version(), "NumPy", numpy.__version__)') in $VENV"
+    # hipRTC's and hipcc's tests are step 1's: the CUDA major changes nothing there; so are the attention
+    # mutations of the sm_80 budget (they test the budget check, whose reading of ptxas's report under
+    # CUDA 13 every kernel's budget test here exercises)
+    timeout 900 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/attention/test_tensor_core_headers.py \
+      tests/emulators/cudaemu/test_cudaemu_wmma.py tests/kernels/test_kernel_resources.py \
+      tests/kernels/attention/test_attention_tensor_cores.py::test_nvrtc_compiles_it_within_the_budget \
+      -k "not gfx90a and not hiprtc and not test_attention_mutations_fail" &&
+      echo "CUDA 13 step: $((SECONDS - started)) s"
+  ) || st=1
+  echo
+  echo "=== environment steps done (at +$((SECONDS - began)) s)"
+  return "$st"
+}
+
+# Two lanes, one per core: steps 3-7 in the background with their output held in a file (printed
+# after steps 1-2, so that each step's lines stay together), unless BOOSTMPI_CI_SERIAL=1 (one after
+# the other, as on a 1-core machine).
+side_log="$(mktemp "${TMPDIR:-/tmp}/boostmpi-ci-env-steps.XXXXXX")" || exit 1
+side=""
+if [ "${BOOSTMPI_CI_SERIAL:-0}" != 1 ]; then
+  environment_steps >"$side_log" 2>&1 &
+  side=$!
+  echo "steps 3-7 (system MPI, Slurm, emulated centres, gpu_check, CUDA 13) run beside steps 1-2; their output follows them"
+fi
 
 step "single-process tests"
 timeout 1200 "$PY" -m pytest -q -p no:cacheprovider --durations=20 tests "$@" || status=1
@@ -52,43 +114,13 @@ for n in 1 2 3 4; do
   timeout 600 "$MPIEXEC" -n "$n" "$PY" -m pytest -q -p no:cacheprovider --with-mpi -m mpi tests || status=1
 done
 
-step "system-MPI test"
-timeout 1200 bash tests/integration/site/sysmpi/run_sysmpi_test.sh || status=1
-
-step "real Slurm test"
-if [ -x tests/integration/site/slurm/run_slurm_test.sh ] || [ -f tests/integration/site/slurm/run_slurm_test.sh ]; then
-  timeout 600 bash tests/integration/site/slurm/run_slurm_test.sh || status=1
+if [ -n "$side" ]; then
+  wait "$side" || status=1
+  cat "$side_log"
 else
-  echo "skipped: tests/integration/site/slurm/run_slurm_test.sh is not present"
+  environment_steps || status=1
 fi
-
-step "emulated centres"
-BOOSTMPI_SITE_EMU=1 timeout 1200 "$PY" -m pytest -q -p no:cacheprovider tests/integration/site/test_site_emu.py || status=1
-
-step "gpu_check in a fixed environment"
-BOOSTMPI_GPU_CHECK_EMU=1 timeout 1800 "$PY" -m pytest -q -p no:cacheprovider tests/integration/site/test_gpu_check.py || status=1
-
-step "CUDA 13 compile tests"
-# Python 3.12 (what CUDA 13 nodes and PyTorch's CUDA 13 wheels run): on PATH, else pyenv's; else python3
-cuda13_python() {
-  local py
-  for py in python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
-    "$py" -c 'import venv' 2>/dev/null && { command -v "$py"; return; }
-  done
-  echo python3
-}
-(
-  started=$SECONDS
-  BOOSTMPI_VENV="$PWD/.venv-cuda13" BOOSTMPI_VENV_PYTHON="$(cuda13_python)" setup_venv test-cuda13,mpich
-  echo "$("$PY" -c 'import platform, numpy; print("Python", platform.python_version(), "NumPy", numpy.__version__)') in $VENV"
-  # hipRTC's and hipcc's tests are step 1's: the CUDA major changes nothing there; so are the attention
-  # mutations of the sm_80 budget (they test the budget check, whose reading of ptxas's report under
-  # CUDA 13 every kernel's budget test here exercises)
-  timeout 900 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/attention/test_tensor_core_headers.py tests/emulators/cudaemu/test_cudaemu_wmma.py \
-    tests/kernels/test_kernel_resources.py tests/kernels/attention/test_attention_tensor_cores.py::test_nvrtc_compiles_it_within_the_budget \
-    -k "not gfx90a and not hiprtc and not test_attention_mutations_fail" &&
-    echo "CUDA 13 step: $((SECONDS - started)) s"
-) || status=1
+rm -f "$side_log"
 
 echo
 if [ "$status" -eq 0 ]; then echo "ALL TESTS PASSED"; else echo "SOME TESTS FAILED"; fi
