@@ -43,9 +43,10 @@ def _steps_written(run_dir):
     return sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").exists() else []
 
 
-# "memory" follows "config" in the same function, and "engine" runs at two ranks below: both with the slow tests
+# "memory" follows "config" in the same function, and "engine" runs at two ranks below: both with the slow tests.
+# Ids "at-<stage>": a bare "mpi" id is a keyword pytest-mpi takes for its marker, which skipped that case.
 @pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.slow) if s in ("memory", "engine") else s
-                                   for s in preemption.STAGES])
+                                   for s in preemption.STAGES], ids=lambda s: f"at-{s}")
 def test_sigterm_at_each_start_up_stage_is_never_lost(shards, tmp_path, stage):
     run_dir = tmp_path / "run"
     done = _train(run_dir, shards, stage)
