@@ -18,7 +18,7 @@ import pytest
 
 from boostmpi.backend import to_numpy
 from gpu_setup import GPU
-from boostmpi.gpu import kernels, tensor_cores
+from boostmpi.gpu import kernels, launch_plan, tensor_cores
 from boostmpi.model import layers
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -183,13 +183,14 @@ MUTATIONS = {
 
 @pytest.fixture
 def kernel_text(monkeypatch):
-    """Replaces one line of kernels/attention.cu for the wrappers; returns the setter."""
+    """Replaces one line of kernels/attention.cu (or rope.cu) for the wrappers; returns the setter."""
     real = kernels.kernel_source
 
     def mutate(old, new):
-        text = real("attention")
+        [file] = [name for name in ("attention", "rope") if old in real(name)]
+        text = real(file)
         assert text.count(old) == 1, f"the mutation's target is not one place in the kernel: {old!r}"
-        monkeypatch.setattr(kernels, "kernel_source", lambda name: text.replace(old, new) if name == "attention" else real(name))
+        monkeypatch.setattr(kernels, "kernel_source", lambda name: text.replace(old, new) if name == file else real(name))
         monkeypatch.setattr(kernels, "_module", functools.lru_cache(maxsize=None)(kernels._module.__wrapped__))
 
     return mutate
@@ -267,12 +268,13 @@ def check_traffic(dtype):
     dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
     scalars = kernels._attention_scalars(T, H, Hkv, Dh)
     suffix = "f32" if dtype == np.float32 else "bf16"
+    plan = launch_plan.ATTENTION
     kernels._launch(kernels._kernel("attention", kernels.attention_entry("attention_backward_dq", Dh, suffix)),
-                    B * H * -(-T // kernels.ATTENTION_DQ_QUERY_TILE), kernels.ATTENTION_THREADS,
+                    B * H * -(-T // plan.query_tile), plan.threads,
                     (q, k, v, o, do, lse, delta, dq, *scalars))
     counted["backward_dq"] = cudaemu.global_bytes(reset=True)
     kernels._launch(kernels._kernel("attention", kernels.attention_entry("attention_backward", Dh, suffix)),
-                    B * Hkv * -(-T // kernels.ATTENTION_BWD_KEY_TILE), kernels.ATTENTION_THREADS,
+                    B * Hkv * -(-T // plan.bwd_key_tile), plan.threads,
                     (q, k, v, do, lse, delta, dk, dv, *scalars))
     counted["backward_dkdv"] = cudaemu.global_bytes(reset=True)
     assert counted == plan
