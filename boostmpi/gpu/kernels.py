@@ -5,7 +5,9 @@ CuPy >= 14 stores natively) and returns new arrays. The model calls them from th
 the same name in `boostmpi.model.layers` (and the vocabulary-parallel head), whose NumPy code is the
 CPU path and the one specification each kernel is tested against (tests/test_kernels.py): the
 kernels compute in float32 and round their big outputs once to the storage dtype.
-Importing this module needs no CuPy; calling a wrapper does.
+Importing this module needs no CuPy; calling a wrapper does. The tile sizes, blocks and grids are
+`boostmpi.gpu.launch_plan`'s: each kernel file is compiled with its plan's sizes as -D options
+(`compile_options`) and launched with the same plan's geometry.
 
 Where the sources are: $BOOSTMPI_KERNELS_DIR if set; else `boostmpi/gpu/cuda/` in an installed
 wheel (the build copies the project's top-level `kernels/` folder there); else `kernels/` beside
@@ -495,10 +497,10 @@ def attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, lse: A
         delta = cupy.empty((B, H, T), dtype=np.float32)
         dq_args, dkdv_args = (q, k, v, o, do, lse, delta, dq, *scalars), (q, k, v, do, lse, delta, dk, dv, *scalars)
         plan, tc = launch_plan.ATTENTION, _attention_tensor_cores(suffix)
-        threads, key_tile, tc_ = (plan.tc_threads, plan.tc_bwd_keys, "_tc") if tc else (plan.threads, plan.bwd_key_tile, "")
-        _launch(_kernel("attention", attention_entry(f"attention_backward_dq{tc_}", Dh, suffix), wmma=tc),
+        threads, key_tile, variant = (plan.tc_threads, plan.tc_bwd_keys, "_tc") if tc else (plan.threads, plan.bwd_key_tile, "")
+        _launch(_kernel("attention", attention_entry(f"attention_backward_dq{variant}", Dh, suffix), wmma=tc),
                 B * H * -(-T // plan.query_tile), threads, dq_args)
-        _launch(_kernel("attention", attention_entry(f"attention_backward{tc_}", Dh, suffix), wmma=tc),
+        _launch(_kernel("attention", attention_entry(f"attention_backward{variant}", Dh, suffix), wmma=tc),
                 B * Hkv * -(-T // key_tile), threads, dkdv_args)
     return dq, dk, dv
 
