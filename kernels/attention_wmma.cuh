@@ -299,7 +299,7 @@ struct __align__(32) TcDqTiles {
     float lse[ATTN_TC_WARPS][16];
     float delta[ATTN_TC_WARPS][16];
 };
-static_assert(2 * ATTN_TC_DQ_KEYS >= 4 * 16, "Q stages through K and V");
+static_assert(2 * ATTN_TC_DQ_KEYS >= ATTN_QUERY_TILE, "Q stages through K and V");
 
 // out[16][ATTN_TC_DQ_KEYS] = A B^T for a warp's 16 rows of A held as fragments a[d] (dims 16d .. 16d + 15)
 // and B the staged [key][dim] tile (row-major, so B^T is column-major), one 16-key block at a time.

@@ -284,13 +284,15 @@ def test_a_changed_plan_changes_the_kernels_and_the_wrappers_together(monkeypatc
     ({"bwd_key_tile": 64}, "dK/dV: one row group per key"),
     ({"score_chunk": 48}, "whole score chunks per staged tile"),
     ({"head_dim_small": 256}, "the hd64_ entry points' tiles hold fewer dims"),
-], ids=["query tile", "key tile", "score chunk", "small head dim"])
+    ({"tc_dq_keys": 16}, "Q stages through K and V"),
+], ids=["query tile", "key tile", "score chunk", "small head dim", "tensor-core dQ keys"])
 def test_a_plan_the_kernels_cannot_run_does_not_compile(monkeypatch, sizes, message):
     import cudaemu
 
     monkeypatch.setattr(launch_plan, "ATTENTION", dataclasses.replace(launch_plan.ATTENTION, **sizes))
+    wmma = any(name.startswith("tc_") for name in sizes)  # the tensor-core kernels' sizes: their variant
     with pytest.raises(cudaemu.CompileError, match=message):
-        cudaemu.Module(kernels.kernel_source("attention"), kernels.compile_options("attention", 32))
+        cudaemu.Module(kernels.kernel_source("attention"), kernels.compile_options("attention", 32, wmma))
 
 
 @pytest.mark.gpu
