@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -41,6 +41,25 @@ from boostmpi.gpu.launch_plan import elementwise_grid as _elementwise_grid
 from boostmpi.gpu.launch_plan import row_block as _row_block
 
 Alloc = Callable[[tuple[int, ...], DTypeLike], Array]  # alloc(shape, dtype) -> a new array
+
+
+class RawKernel(Protocol):
+    """What the wrappers use of a cupy.RawKernel (an entry point of a compiled module)."""
+
+    name: str
+
+    def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: Sequence[object], *,
+                 shared_mem: int = 0) -> None: ...
+
+
+class RawModule(Protocol):
+    """What the loader uses of a cupy.RawModule (one compiled kernels/*.cu)."""
+
+    def compile(self) -> None: ...
+
+    def get_function(self, name: str) -> RawKernel: ...
+
+
 KERNELS_DIR_ENV = "BOOSTMPI_KERNELS_DIR"
 
 _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.MULTILINE)
@@ -101,10 +120,11 @@ def _current_device() -> _Device:
 
 
 @functools.lru_cache(maxsize=None)
-def _module(name: str, device_id: int, options: tuple[str, ...]) -> Array:
+def _module(name: str, device_id: int, options: tuple[str, ...]) -> RawModule:
     """kernels/<name>.cu compiled once per process, device and set of options (`_options`: the
-    device's warp width, the launch plan's sizes); a cupy.RawModule."""
-    return _import_cupy().RawModule(code=kernel_source(name), options=options)
+    device's warp width, the launch plan's sizes)."""
+    module: RawModule = _import_cupy().RawModule(code=kernel_source(name), options=options)
+    return module
 
 
 def _options(name: str, device_id: int, wmma: bool = False) -> tuple[str, ...]:
@@ -129,12 +149,12 @@ def compile_all(device_id: int = 0) -> list[str]:
     return names
 
 
-def _kernel(module_name: str, entry_point: str, wmma: bool = False) -> Array:
+def _kernel(module_name: str, entry_point: str, wmma: bool = False) -> RawKernel:
     device_id = _current_device().id
     return _module(module_name, device_id, _options(module_name, device_id, wmma)).get_function(entry_point)
 
 
-def _launch(kernel: Array, grid: int, block: int, args: Sequence[object], shared_mem: int = 0) -> None:
+def _launch(kernel: RawKernel, grid: int, block: int, args: Sequence[object], shared_mem: int = 0) -> None:
     cupy = _import_cupy()
     for arg in args:
         if not isinstance(arg, (cupy.ndarray, np.generic)):
