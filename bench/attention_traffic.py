@@ -69,14 +69,14 @@ def main():
     parser.add_argument("--append", help="append the block to this markdown file")
     args = parser.parse_args()
     from tests.support import gpu_compilers
-    from tests.kernels.test_kernel_resources import (AMD_OPTIONS, NVIDIA_OPTIONS, amd_resident_blocks, launch_shape,
+    from tests.kernels.test_kernel_resources import (amd_options, amd_resident_blocks, launch_shape, nvidia_options,
                                        nvidia_resident_blocks)
 
     source = kernels.kernel_source("attention")
-    [report] = gpu_compilers.nvrtc([(source, NVIDIA_OPTIONS, "80")])
+    [report] = gpu_compilers.nvrtc([(source, nvidia_options("attention"), "80")])
     assert report["ok"], report["log"]
     table = gpu_compilers.ptxas_table(report["log"])
-    amd = gpu_compilers.amd_resources(source, AMD_OPTIONS)
+    amd = gpu_compilers.amd_resources(source, amd_options("attention"))
     lines = [f"## attention_traffic: fused attention, bytes and resources "
              f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
              f"`python bench/attention_traffic.py` on {platform.node()} ({platform.machine()}, "

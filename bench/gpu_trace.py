@@ -247,9 +247,8 @@ def attention_kernel(name, args):
     entry = name.rsplit("_", 1)[0].replace("_hd64", "").replace("_tc", "")
     q, k = args[0], args[1]
     B, T, H, Dh = q.shape
-    key_tile = kernels.ATTENTION_TC_BWD_KEY_TILE if tensor_cores else kernels.ATTENTION_BWD_KEY_TILE
     read, written = kernels.attention_traffic(B, T, H, k.shape[2], Dh, q.itemsize,
-                                              key_tile=key_tile)[ATTENTION_TRAFFIC[entry]]
+                                              tensor_cores=tensor_cores)[ATTENTION_TRAFFIC[entry]]
     forward = entry == "attention_forward"
     backward_products = ATTENTION_PRODUCTS["attention_backward_dq"] + ATTENTION_PRODUCTS["attention_backward"]
     share = 1.0 if forward else ATTENTION_PRODUCTS[entry] / backward_products

@@ -61,7 +61,10 @@ __device__ void rmsnorm_forward_row(const T* x, const T* w, T* y, float* rstd_ou
 // R * blockDim.x * V, C % V == 0, 16-byte aligned). x is read from memory once; its vectors and w's
 // are all loaded before the row's sum (w's L2 round trip overlaps x's) and kept as they are stored
 // (4 registers a vector whatever T), converted where used.
-#define RMSNORM_ROW_VECTORS 4
+// RMSNORM_ROW_VECTORS: the launch plan's (boostmpi/gpu/launch_plan.py, RmsnormPlan.held_vectors), passed by the loader.
+#ifndef RMSNORM_ROW_VECTORS
+#error "rmsnorm.cu takes RMSNORM_ROW_VECTORS from the launch plan: compile with boostmpi.gpu.launch_plan.compile_options(\"rmsnorm\", ...)"
+#endif
 // Element k of the 16 bytes held in `v` as a float, taken from v's words by value: no pointer into a
 // held vector, so the held arrays stay in registers (hipcc for gfx90a puts them in scratch otherwise).
 __device__ __forceinline__ unsigned int held_word(const uint4& v, int i) {

@@ -13,6 +13,7 @@ import pytest
 import boostmpi
 
 PACKAGE = Path(boostmpi.__file__).parent
+KERNELS = PACKAGE.parent / "kernels"
 PARALLEL = PACKAGE / "parallel"
 ABOVE_PARALLEL = ("boostmpi.train", "boostmpi.tools", "boostmpi.sim")
 # docs/DESIGN.md's import rules: the package below boostmpi/ -> the packages it imports nothing from
@@ -156,3 +157,15 @@ def test_the_rule_list_is_read_from_design_md():
     text = DESIGN.read_text()
     assert design_rules(text + "\n* `gpu/` imports nothing from `train/`\n") != IMPORT_RULES
     assert design_rules(text.replace("* `data/` imports nothing from `model/`\n", "")) != IMPORT_RULES
+
+def test_no_kernel_source_is_longer_than_600_lines():
+    """kernels/*.cu and *.cuh too: a kernel file keeps one concern (attention.cu: the FMA kernels,
+    attention.cuh what they share with attention_wmma.cuh, rope.cu), so a reader takes it in at once."""
+    files = {str(p): p.read_text() for p in KERNELS.iterdir() if p.suffix in (".cu", ".cuh")}
+    assert {"attention.cu", "attention.cuh", "attention_wmma.cuh", "rope.cu"} <= {Path(p).name for p in files}
+    assert modules_too_long(files) == []
+    # mutant: the attention kernels in one file again (865 lines before the split) are named
+    together = str(KERNELS / "attention.cu")
+    merged = dict(files, **{together: "".join(files[str(KERNELS / name)] for name in
+                                              ("attention.cuh", "attention.cu", "attention_wmma.cuh", "rope.cu"))})
+    assert [p for p, _ in modules_too_long(merged)] == [together]

@@ -5,7 +5,9 @@ CuPy >= 14 stores natively) and returns new arrays. The model calls them from th
 the same name in `boostmpi.model.layers` (and the vocabulary-parallel head), whose NumPy code is the
 CPU path and the one specification each kernel is tested against (tests/kernels/test_kernels.py): the
 kernels compute in float32 and round their big outputs once to the storage dtype.
-Importing this module needs no CuPy; calling a wrapper does.
+Importing this module needs no CuPy; calling a wrapper does. The tile sizes, blocks and grids are
+`boostmpi.gpu.launch_plan`'s: each kernel file is compiled with its plan's sizes as -D options
+(`compile_options`) and launched with the same plan's geometry.
 
 Where the sources are: $BOOSTMPI_KERNELS_DIR if set; else `boostmpi/gpu/cuda/` in an installed
 wheel (the build copies the project's top-level `kernels/` folder there); else `kernels/` beside
@@ -16,32 +18,54 @@ import functools
 import math
 import os
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from types import ModuleType
+from typing import NamedTuple, Protocol
 
 import numpy as np
+from numpy.typing import DTypeLike
 
-from boostmpi.gpu import tensor_cores
+from boostmpi.arrays import Array
+from boostmpi.gpu import launch_plan, tensor_cores
 from boostmpi.gpu.arguments import check as _check
 from boostmpi.gpu.arguments import check_contiguous as _check_contiguous
 from boostmpi.gpu.arguments import check_elementwise as _check_elementwise
 from boostmpi.gpu.arguments import check_matrix as _check_matrix
 from boostmpi.gpu.arguments import storage_suffix as _storage_suffix
+# the launch geometry (boostmpi.gpu.launch_plan), here too for the wrappers' callers and the tests
+from boostmpi.gpu.launch_plan import (COMPILE_OPTIONS, DEFAULT_DYNAMIC_SHARED_BYTES, ELEMENTWISE_BLOCK_THREADS,  # noqa: F401
+                                      MAX_BLOCK_THREADS, compile_options, rmsnorm_backward_launch,
+                                      rmsnorm_forward_threads)
+from boostmpi.gpu.launch_plan import elementwise_grid as _elementwise_grid
+from boostmpi.gpu.launch_plan import row_block as _row_block
+
+Alloc = Callable[[tuple[int, ...], DTypeLike], Array]  # alloc(shape, dtype) -> a new array
+
+
+class RawKernel(Protocol):
+    """What the wrappers use of a cupy.RawKernel (an entry point of a compiled module)."""
+
+    name: str
+
+    def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: Sequence[object], *,
+                 shared_mem: int = 0) -> None: ...
+
+
+class RawModule(Protocol):
+    """What the loader uses of a cupy.RawModule (one compiled kernels/*.cu)."""
+
+    def compile(self) -> None: ...
+
+    def get_function(self, name: str) -> RawKernel: ...
+
 
 KERNELS_DIR_ENV = "BOOSTMPI_KERNELS_DIR"
-COMPILE_OPTIONS = ("-std=c++14",)
-MAX_BLOCK_THREADS = 1024
-ELEMENTWISE_BLOCK_THREADS = 256
-RMSNORM_FORWARD_VECTORS = 4  # 16-byte vectors of a row per thread of rmsnorm_forward (at most RMSNORM_ROW_VECTORS, 4)
-RMSNORM_FORWARD_MAX_THREADS = 512  # its row held in registers: 2 blocks per SM at up to 64 registers
-RMSNORM_BACKWARD_BLOCK_THREADS = 256  # rmsnorm_backward's column tiles
-RMSNORM_BACKWARD_BLOCKS_PER_SM = 8  # 2,048 threads, the most an SM (CU: 4 SIMDs x 8 waves of 64) holds
-DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024  # static + dynamic shared memory per block; above it a kernel must opt in
 
 _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.MULTILINE)
 
 
-def kernels_dir():
+def kernels_dir() -> Path:
     """The folder holding the kernels' .cu sources (see the module docstring for the order)."""
     override = os.environ.get(KERNELS_DIR_ENV)
     if override:
@@ -56,7 +80,7 @@ def kernels_dir():
                             f"set {KERNELS_DIR_ENV} to the folder holding the .cu files")
 
 
-def kernel_source(name):
+def kernel_source(name: str) -> str:
     """kernels/<name>.cu with its local `#include "..."` files pasted in.
 
     One self-contained text: NVRTC and hipRTC need no include path, and CuPy's kernel cache,
@@ -66,7 +90,7 @@ def kernel_source(name):
     return _LOCAL_INCLUDE.sub(lambda m: (directory / m.group(1)).read_text(), (directory / f"{name}.cu").read_text())
 
 
-def _import_cupy():
+def _import_cupy() -> ModuleType:
     try:
         import cupy
     except ImportError as exc:
@@ -83,7 +107,7 @@ class _Device(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def _device_info(device_id):
+def _device_info(device_id: int) -> _Device:
     runtime = _import_cupy().cuda.runtime
     props = runtime.getDeviceProperties(device_id)
     return _Device(device_id, props["warpSize"], props["multiProcessorCount"],
@@ -91,36 +115,46 @@ def _device_info(device_id):
                    0 if runtime.is_hip else props["major"])
 
 
-def _current_device():
+def _current_device() -> _Device:
     return _device_info(_import_cupy().cuda.Device().id)
 
 
 @functools.lru_cache(maxsize=None)
-def _module(name, device_id, extra_options=()):
-    """kernels/<name>.cu compiled once per process and device, for that device's warp width."""
-    options = COMPILE_OPTIONS + (f"-DWARP_SIZE={_device_info(device_id).warp_size}",) + tuple(extra_options)
-    return _import_cupy().RawModule(code=kernel_source(name), options=options)
+def _module(name: str, device_id: int, options: tuple[str, ...]) -> RawModule:
+    """kernels/<name>.cu compiled once per process, device and set of options (`_options`: the
+    device's warp width, the launch plan's sizes)."""
+    module: RawModule = _import_cupy().RawModule(code=kernel_source(name), options=options)
+    return module
 
 
-def compile_all(device_id=0):
+def _options(name: str, device_id: int, wmma: bool = False) -> tuple[str, ...]:
+    """compile_options for kernels/<name>.cu on device `device_id` (wmma: the attention's tensor-core
+    variant, with CUDA's mma.h on the include path)."""
+    options = compile_options(name, _device_info(device_id).warp_size, wmma)
+    include = tensor_cores.mma_include() if wmma else None
+    return options + (include,) if include else options
+
+
+def compile_all(device_id: int = 0) -> list[str]:
     """Compiles every kernels/*.cu for device `device_id` as the wrappers load them (into CuPy's
     kernel cache, CUPY_CACHE_DIR), so that ranks started afterwards load instead of compiling, and the
     attention's tensor-core variant where a bfloat16 run would use it. Returns the module names, in
     order ("attention+wmma" last for that variant)."""
     names = [source.stem for source in sorted(kernels_dir().glob("*.cu"))]
     for name in names:
-        _module(name, device_id).compile()
+        _module(name, device_id, _options(name, device_id)).compile()
     if tensor_cores.use_wmma("bf16", _device_info(device_id)):
-        _module("attention", device_id, _attention_wmma_options()).compile()
+        _module("attention", device_id, _options("attention", device_id, wmma=True)).compile()
         names.append("attention+wmma")
     return names
 
 
-def _kernel(module_name, entry_point, extra_options=()):
-    return _module(module_name, _current_device().id, tuple(extra_options)).get_function(entry_point)
+def _kernel(module_name: str, entry_point: str, wmma: bool = False) -> RawKernel:
+    device_id = _current_device().id
+    return _module(module_name, device_id, _options(module_name, device_id, wmma)).get_function(entry_point)
 
 
-def _launch(kernel, grid, block, args, shared_mem=0):
+def _launch(kernel: RawKernel, grid: int, block: int, args: Sequence[object], shared_mem: int = 0) -> None:
     cupy = _import_cupy()
     for arg in args:
         if not isinstance(arg, (cupy.ndarray, np.generic)):
@@ -131,20 +165,8 @@ def _launch(kernel, grid, block, args, shared_mem=0):
 # ------------------------------------------------------------------------------ launch shapes
 
 
-def _row_block(width, itemsize, warp_size):
-    """Threads for one block per row: one 16-byte vector each, whole warps, at most 1024."""
-    vectors = -(-width // (16 // itemsize))
-    warps = -(-vectors // warp_size)
-    return warp_size * min(max(warps, 1), MAX_BLOCK_THREADS // warp_size)
-
-
-def _elementwise_grid(n, itemsize, sm_count):
-    """Blocks for a grid-stride elementwise kernel: enough to cover n, at most 16 per SM."""
-    per_block = ELEMENTWISE_BLOCK_THREADS * (16 // itemsize)
-    return max(1, min(-(-n // per_block), 16 * sm_count))
-
-
-def _launch_rows(module_name, entry_point, rows, width, itemsize, args):
+def _launch_rows(module_name: str, entry_point: str, rows: int, width: int, itemsize: int,
+                 args: Sequence[object]) -> None:
     """One block per row of `width` elements."""
     if rows > 0:
         block = _row_block(width, itemsize, _current_device().warp_size)
@@ -154,7 +176,7 @@ def _launch_rows(module_name, entry_point, rows, width, itemsize, args):
 # ------------------------------------------------------------------------------ rmsnorm.cu
 
 
-def rmsnorm_forward(x, w, eps):
+def rmsnorm_forward(x: Array, w: Array, eps: float) -> tuple[Array, Array]:
     """x [N,C], w [C] -> y [N,C] (x's dtype), rstd [N] (float32)."""
     N, C, suffix = _check_matrix("x", x)
     _check("w", w, (C,), x.dtype)
@@ -167,31 +189,7 @@ def rmsnorm_forward(x, w, eps):
     return y, rstd
 
 
-def rmsnorm_forward_threads(C, itemsize, warp_size):
-    """Threads of rmsnorm_forward's one block per row: whole warps covering the row's 16-byte
-    vectors RMSNORM_FORWARD_VECTORS per thread, at most RMSNORM_FORWARD_MAX_THREADS (the kernel
-    holds up to 4 vectors per thread in registers; a wider row takes its two-pass loop)."""
-    vectors = -(-C // (16 // itemsize))
-    warps = -(-vectors // (RMSNORM_FORWARD_VECTORS * warp_size))
-    return warp_size * min(max(warps, 1), RMSNORM_FORWARD_MAX_THREADS // warp_size)
-
-
-def rmsnorm_backward_launch(N, C, itemsize, warp_size, sm_count):
-    """The launch of the column-tile kernels (rmsnorm_backward, btp_backward_post) over [N, C]:
-    (threads per block, column tiles, rows per chunk, row chunks).
-
-    A block owns a tile of one 16-byte vector of columns per thread (at most 256 threads:
-    1,024 float32 or 2,048 bfloat16 columns) over a chunk of rows; the rows are cut into
-    chunks so that the grid has about RMSNORM_BACKWARD_BLOCKS_PER_SM blocks per SM (fewer
-    chunks when there are fewer rows)."""
-    threads = min(_row_block(C, itemsize, warp_size), RMSNORM_BACKWARD_BLOCK_THREADS)
-    tiles = -(-C // (threads * (16 // itemsize)))
-    chunks = max(1, min(N, -(-RMSNORM_BACKWARD_BLOCKS_PER_SM * sm_count // tiles)))
-    rows_per_chunk = -(-N // chunks)
-    return threads, tiles, rows_per_chunk, -(-N // rows_per_chunk)
-
-
-def rmsnorm_backward(dy, x, w, rstd):
+def rmsnorm_backward(dy: Array, x: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
     """dy, x [N,C], w [C], rstd [N] float32 -> dx [N,C] (x's dtype), dw [C] (float32).
 
     Two kernels: rmsnorm_projection (one block per row) gives each row's proj = rstd^2 *
@@ -215,12 +213,12 @@ def rmsnorm_backward(dy, x, w, rstd):
     return dx, dw_partial.sum(axis=0)
 
 
-def _empty(cupy):
+def _empty(cupy: ModuleType) -> Alloc:
     """alloc(shape, dtype) -> a new array: what a kernel's output is made with when no `alloc` is given."""
     return lambda shape, dtype: cupy.empty(shape, dtype=dtype)
 
 
-def rmsnorm_online_stats(x, w):
+def rmsnorm_online_stats(x: Array, w: Array) -> tuple[Array, Array]:
     """This rank's shard x [N,Cs], w [Cs] -> xw [N,Cs] = x * w (x's dtype), ss [N] = sum(x^2) (float32)."""
     N, Cs, suffix = _check_matrix("x", x)
     _check("w", w, (Cs,), x.dtype)
@@ -231,7 +229,7 @@ def rmsnorm_online_stats(x, w):
     return xw, ss
 
 
-def residual_online_stats(h, y, w):
+def residual_online_stats(h: Array, y: Array, w: Array) -> tuple[Array, Array, Array]:
     """This rank's shards h, y [N,Cs], w [Cs] -> s = h + y [N,Cs], xw = s * w [N,Cs] (h's dtype),
     ss [N] = sum(s^2) (float32), from one kernel."""
     N, Cs, suffix = _check_matrix("h", h)
@@ -244,7 +242,7 @@ def residual_online_stats(h, y, w):
     return s, xw, ss
 
 
-def rescale_rows(P, ss_total, C_total, eps, alloc=None):
+def rescale_rows(P: Array, ss_total: Array, C_total: int, eps: float, alloc: Alloc | None = None) -> Array:
     """P [N,R], ss_total [N] float32 -> P * rsqrt(ss_total / C_total + eps) [N,R] (P's dtype), made
     by `alloc(shape, dtype)` when given."""
     N, R, suffix = _check_matrix("P", P)
@@ -259,7 +257,8 @@ def rescale_rows(P, ss_total, C_total, eps, alloc=None):
 # ------------------------------------------------------------------------------ btp.cu
 
 
-def btp_rescale_silu(P, ss_total, C_total, eps, alloc=None):
+def btp_rescale_silu(P: Array, ss_total: Array, C_total: int, eps: float,
+                     alloc: Alloc | None = None) -> tuple[Array, Array, Array]:
     """P [N,R], ss_total [N] float32 -> Z = P * rstd, Zs = silu(Z) [N,R] (P's dtype) and
     rstd = rsqrt(ss_total / C_total + eps) [N] (float32), from one kernel; Z and rstd made by
     `alloc(shape, dtype)` when given (what lowrank keeps)."""
@@ -274,7 +273,7 @@ def btp_rescale_silu(P, ss_total, C_total, eps, alloc=None):
     return Z, Zs, rstd
 
 
-def btp_backward_pre(dZs, Z, rstd, C_total, act):
+def btp_backward_pre(dZs: Array, Z: Array, rstd: Array, C_total: int, act: bool) -> tuple[Array, Array]:
     """dZs, Z [N,R], rstd [N] float32 -> dP [N,R] = dZ * rstd (Z's dtype), dS [N] (float32) =
     -0.5 / C_total * rstd^2 * sum(dZ * Z), with dZ = dZs * silu'(Z) when `act`, else dZs."""
     N, R, suffix = _check_matrix("Z", Z)
@@ -288,7 +287,7 @@ def btp_backward_pre(dZs, Z, rstd, C_total, act):
     return dP, dS
 
 
-def btp_backward_post(dxw, x, w, dS):
+def btp_backward_post(dxw: Array, x: Array, w: Array, dS: Array) -> tuple[Array, Array]:
     """dxw [N,Cs] float32, x [N,Cs], w [Cs], dS [N] float32 -> dx [N,Cs] = dxw * w + 2 * x * dS
     (x's dtype), dw [Cs] = sum over rows of dxw * x (float32). One kernel over rmsnorm_backward's
     column tiles and row chunks (no shared memory, whatever Cs), then the sum of its per-chunk dw rows."""
@@ -311,7 +310,8 @@ def btp_backward_post(dxw, x, w, dS):
 # ------------------------------------------------------------------------------ adamw.cu
 
 
-def adamw_step(p, g, m, v, decay_bounds, lr, beta1, beta2, eps, weight_decay, grad_scale, t):
+def adamw_step(p: Array, g: Array, m: Array, v: Array, decay_bounds: Array, lr: float, beta1: float, beta2: float,
+               eps: float, weight_decay: float, grad_scale: float, t: int) -> None:
     """One AdamW update of the flat float32 arrays p, m, v (in place) from the gradient g, weight
     decay on the ranges [decay_bounds[2i], decay_bounds[2i+1]) (int64 on the device; empty: none),
     bias corrections for update number t (boostmpi.train.optim.AdamW.step is the specification)."""
@@ -331,7 +331,7 @@ def adamw_step(p, g, m, v, decay_bounds, lr, beta1, beta2, eps, weight_decay, gr
                  np.float32(math.sqrt(bc2))))
 
 
-def sum_squares_ranges(g, bounds):
+def sum_squares_ranges(g: Array, bounds: Array) -> Array:
     """The sum of g[i]^2 over the ranges [bounds[2j], bounds[2j+1]) of the flat float32 g (bounds int64
     on the device, each range within g): a 0-d float64 device array, from one kernel over every range
     and the sum of its per-block partials (the engine's `_grad_sq` is the specification)."""
@@ -352,13 +352,13 @@ def sum_squares_ranges(g, bounds):
 # ------------------------------------------------------------------------------ lowrank.cu
 
 
-def _launch_elementwise(entry_point, n, itemsize, args):
+def _launch_elementwise(entry_point: str, n: int, itemsize: int, args: Sequence[object]) -> None:
     if n > 0:
         grid = _elementwise_grid(n, itemsize, _current_device().sm_count)
         _launch(_kernel("lowrank", entry_point), grid, ELEMENTWISE_BLOCK_THREADS, args)
 
 
-def silu_forward(a):
+def silu_forward(a: Array) -> Array:
     """z = silu(a), any shape."""
     suffix = _check_elementwise("a", a)
     z = _import_cupy().empty_like(a)
@@ -366,7 +366,7 @@ def silu_forward(a):
     return z
 
 
-def silu_backward(a, dz):
+def silu_backward(a: Array, dz: Array) -> Array:
     """da = dz * silu'(a)."""
     suffix = _check_elementwise("a", a, dz=dz)
     da = _import_cupy().empty_like(a)
@@ -374,7 +374,7 @@ def silu_backward(a, dz):
     return da
 
 
-def gate_forward(g, u, act):
+def gate_forward(g: Array, u: Array, act: bool) -> Array:
     """y = (silu(g) if act else g) * u."""
     suffix = _check_elementwise("g", g, u=u)
     y = _import_cupy().empty_like(g)
@@ -382,7 +382,7 @@ def gate_forward(g, u, act):
     return y
 
 
-def gate_backward(g, u, dy, act):
+def gate_backward(g: Array, u: Array, dy: Array, act: bool) -> tuple[Array, Array]:
     """dg = dy * u * act'(g), du = dy * act(g), from one kernel."""
     suffix = _check_elementwise("g", g, u=u, dy=dy)
     cupy = _import_cupy()
@@ -398,7 +398,8 @@ def gate_backward(g, u, dy, act):
 _TARGET_SUFFIXES = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
 
 
-def softmax_xent(logits, targets, grad_scale=None, out=None):
+def softmax_xent(logits: Array, targets: Array, grad_scale: float | None = None,
+                 out: Array | None = None) -> tuple[Array, Array | None]:
     """logits [N,V], targets [N] int32/int64 -> loss [N] float32, dlogits [N,V] or None.
 
     With grad_scale, dlogits = (softmax - onehot) * grad_scale is written to `out` (which may be
@@ -426,35 +427,26 @@ def softmax_xent(logits, targets, grad_scale=None, out=None):
 
 
 # ------------------------------------------------------------------------------ attention.cu
-# Tile shapes of kernels/attention.cu (its opening comment has the plan): the forward runs 64 query
-# rows per block, 4 lanes a row, and so does the dQ pass; the dK/dV pass 32 keys, 8 lanes each.
-ATTENTION_HEAD_DIM_MAX = 128
-ATTENTION_HEAD_DIM_SMALL = 64  # head dims up to 64 run entry points whose tiles hold 64 dims, not 128
-ATTENTION_QUERY_TILE = 64
-ATTENTION_DQ_QUERY_TILE = 64
-ATTENTION_BWD_KEY_TILE = 32
-ATTENTION_THREADS = 256  # every attention kernel
+# The tiles of kernels/attention.cu (its opening comment has the plan) and of its tensor-core variant
+# are launch_plan.ATTENTION's, read at each call. bfloat16 attention on NVIDIA GPUs of compute capability
+# 8.0 or later runs the WMMA kernels (attention.cu with -DBOOSTMPI_ATTENTION_WMMA: attention_wmma.cuh),
+# everything else the FMA kernels: boostmpi/gpu/tensor_cores.py
+ATTENTION_TENSOR_CORES_ENV = tensor_cores.ENV
 
 
-def attention_traffic(B, T, H, Hkv, Dh, itemsize, query_tile=ATTENTION_QUERY_TILE, dq_tile=ATTENTION_DQ_QUERY_TILE,
-                      key_tile=ATTENTION_BWD_KEY_TILE):
-    """{launch: (bytes read, bytes written)} of global memory, as the attention kernels' tile plan
-    moves them (kernels/attention.cu, opening comment): each causal query tile reads K and V up to
-    its last query, each key tile reads Q and dO (and the two fp32 statistics) from its first key on."""
-    s, G = itemsize, H // Hkv
-
-    def tiles(width):
-        return [(t0, min(T, t0 + width)) for t0 in range(0, T, width)]
-
-    forward = sum((t1 - t0) * Dh * s + 2 * t1 * Dh * s for t0, t1 in tiles(query_tile))
-    dq = sum(3 * (t1 - t0) * Dh * s + 4 * (t1 - t0) + 2 * t1 * Dh * s for t0, t1 in tiles(dq_tile))
-    dkdv = sum(2 * (t1 - t0) * Dh * s + G * (T - t0) * (2 * Dh * s + 8) for t0, t1 in tiles(key_tile))
-    return {"forward": (B * H * forward, B * H * T * (Dh * s + 4)),
-            "backward_dq": (B * H * dq, B * H * T * (Dh * s + 4)),
-            "backward_dkdv": (B * Hkv * dkdv, B * Hkv * T * 2 * Dh * s)}
+def attention_traffic(B: int, T: int, H: int, Hkv: int, Dh: int, itemsize: int,
+                      tensor_cores: bool = False) -> dict[str, tuple[int, int]]:
+    """{launch: (bytes read, bytes written)} of global memory as the kernels' tile plan moves them
+    (launch_plan.AttentionPlan.traffic, on the current plan)."""
+    return launch_plan.ATTENTION.traffic(B, T, H, Hkv, Dh, itemsize, tensor_cores)
 
 
-def _check_attention(q, k, v):
+def attention_head_dim_max() -> int:
+    """The largest head dim the fused attention kernels take (the model computes larger ones unfused)."""
+    return launch_plan.ATTENTION.head_dim_max
+
+
+def _check_attention(q: Array, k: Array, v: Array) -> tuple[int, int, int, int, int, str]:
     """q [B,T,H,Dh], k, v [B,T,Hkv,Dh] of one dtype -> (B, T, H, Hkv, Dh, suffix)."""
     if q.ndim != 4:
         raise ValueError(f"q must be 4-D [B, T, H, Dh], got shape {tuple(q.shape)}")
@@ -468,52 +460,32 @@ def _check_attention(q, k, v):
     _check("v", v, (B, T, Hkv, Dh), q.dtype)
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"{H} query heads do not form groups over {Hkv} key/value heads")
-    if not 0 < Dh <= ATTENTION_HEAD_DIM_MAX:
-        raise ValueError(f"head dim {Dh}: the attention kernels take 1 to {ATTENTION_HEAD_DIM_MAX}")
+    head_dim_max = launch_plan.ATTENTION.head_dim_max
+    if not 0 < Dh <= head_dim_max:
+        raise ValueError(f"head dim {Dh}: the attention kernels take 1 to {head_dim_max}")
     return B, T, H, Hkv, Dh, suffix
 
 
-def attention_head_tile(Dh):
-    """The head dims the kernels' tiles hold for head dim Dh (the work is done over all of them)."""
-    return ATTENTION_HEAD_DIM_SMALL if Dh <= ATTENTION_HEAD_DIM_SMALL else ATTENTION_HEAD_DIM_MAX
+def attention_entry(kernel: str, Dh: int, suffix: str) -> str:
+    """The entry point that runs `kernel` at head dim Dh (launch_plan.AttentionPlan.entry)."""
+    return launch_plan.ATTENTION.entry(kernel, Dh, suffix)
 
 
-def attention_entry(kernel, Dh, suffix):
-    """The entry point of kernels/attention.cu that runs `kernel` at head dim Dh: the hd64_ variants
-    up to 64 dims (the FMA kernels and the tensor-core ones, `<kernel>_tc`, alike)."""
-    return f"{kernel}_{'hd64_' if attention_head_tile(Dh) == ATTENTION_HEAD_DIM_SMALL else ''}{suffix}"
-
-
-def _attention_scalars(T, H, Hkv, Dh):
+def _attention_scalars(T: int, H: int, Hkv: int, Dh: int) -> tuple[np.int32, np.int32, np.int32, np.int32, np.float32]:
     return np.int32(T), np.int32(H), np.int32(Hkv), np.int32(Dh), np.float32(1.0 / np.sqrt(Dh))
 
 
-# bfloat16 attention on NVIDIA GPUs of compute capability 8.0 or later runs the WMMA kernels
-# (attention.cu with -DBOOSTMPI_ATTENTION_WMMA), everything else the FMA kernels: boostmpi/gpu/tensor_cores.py
-ATTENTION_TENSOR_CORES_ENV = tensor_cores.ENV
-ATTENTION_TC_THREADS = 128
-ATTENTION_TC_BWD_KEY_TILE = 64
-
-
-def _attention_tensor_cores(suffix):
+def _attention_tensor_cores(suffix: str) -> bool:
     return tensor_cores.use_wmma(suffix, _current_device())
 
 
-def attention_tensor_cores_problem(suffix):
+def attention_tensor_cores_problem(suffix: str) -> str | None:
     """What stops the attention on `suffix` from running as BOOSTMPI_ATTENTION_TENSOR_CORES asks on the
     current device, or None (start-up asks before any weight is drawn)."""
     return tensor_cores.problem(suffix, _current_device())
 
 
-def _attention_wmma_options():  # the compile options of the tensor-core variant
-    return ("-DBOOSTMPI_ATTENTION_WMMA", tensor_cores.mma_include())
-
-
-def _attention_tc_kernel(entry):
-    return _kernel("attention", entry, _attention_wmma_options())
-
-
-def attention_forward(q, k, v, alloc=None):
+def attention_forward(q: Array, k: Array, v: Array, alloc: Alloc | None = None) -> tuple[Array, Array]:
     """Causal attention: q [B,T,H,Dh], k, v [B,T,Hkv,Dh] -> o [B,T,H,Dh] (q's dtype), lse [B,H,T]
     (float32, the log-sum-exp of each row's scaled scores, what the backward recomputes from; made by
     `alloc(shape, dtype)` when given)."""
@@ -521,18 +493,15 @@ def attention_forward(q, k, v, alloc=None):
     cupy = _import_cupy()
     o = cupy.empty_like(q)
     lse = (alloc or _empty(cupy))((B, H, T), np.float32)
-    if B * T * H and _attention_tensor_cores(suffix):
-        _launch(_attention_tc_kernel(attention_entry("attention_forward_tc", Dh, suffix)),
-                B * H * -(-T // ATTENTION_QUERY_TILE), ATTENTION_TC_THREADS,
-                (q, k, v, o, lse, *_attention_scalars(T, H, Hkv, Dh)))
-    elif B * T * H:
-        grid = B * H * -(-T // ATTENTION_QUERY_TILE)
-        _launch(_kernel("attention", attention_entry("attention_forward", Dh, suffix)), grid, ATTENTION_THREADS,
-                (q, k, v, o, lse, *_attention_scalars(T, H, Hkv, Dh)))
+    if B * T * H:
+        plan, tc = launch_plan.ATTENTION, _attention_tensor_cores(suffix)
+        kernel = "attention_forward_tc" if tc else "attention_forward"
+        _launch(_kernel("attention", attention_entry(kernel, Dh, suffix), wmma=tc), B * H * -(-T // plan.query_tile),
+                plan.tc_threads if tc else plan.threads, (q, k, v, o, lse, *_attention_scalars(T, H, Hkv, Dh)))
     return o, lse
 
 
-def attention_backward(do, q, k, v, o, lse):
+def attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, lse: Array) -> tuple[Array, Array, Array]:
     """dO, q, o [B,T,H,Dh], k, v [B,T,Hkv,Dh], lse [B,H,T] float32 -> dq [B,T,H,Dh], dk, dv [B,T,Hkv,Dh].
 
     Two launches: dQ (and delta = rowsum(dO * O), float32 [B,H,T]) per query tile, then dK/dV
@@ -547,20 +516,16 @@ def attention_backward(do, q, k, v, o, lse):
         scalars = _attention_scalars(T, H, Hkv, Dh)
         delta = cupy.empty((B, H, T), dtype=np.float32)
         dq_args, dkdv_args = (q, k, v, o, do, lse, delta, dq, *scalars), (q, k, v, do, lse, delta, dk, dv, *scalars)
-        if _attention_tensor_cores(suffix):
-            _launch(_attention_tc_kernel(attention_entry("attention_backward_dq_tc", Dh, suffix)),
-                    B * H * -(-T // ATTENTION_DQ_QUERY_TILE), ATTENTION_TC_THREADS, dq_args)
-            _launch(_attention_tc_kernel(attention_entry("attention_backward_tc", Dh, suffix)),
-                    B * Hkv * -(-T // ATTENTION_TC_BWD_KEY_TILE), ATTENTION_TC_THREADS, dkdv_args)
-        else:
-            _launch(_kernel("attention", attention_entry("attention_backward_dq", Dh, suffix)),
-                    B * H * -(-T // ATTENTION_DQ_QUERY_TILE), ATTENTION_THREADS, dq_args)
-            _launch(_kernel("attention", attention_entry("attention_backward", Dh, suffix)),
-                    B * Hkv * -(-T // ATTENTION_BWD_KEY_TILE), ATTENTION_THREADS, dkdv_args)
+        plan, tc = launch_plan.ATTENTION, _attention_tensor_cores(suffix)
+        threads, key_tile, variant = (plan.tc_threads, plan.tc_bwd_keys, "_tc") if tc else (plan.threads, plan.bwd_key_tile, "")
+        _launch(_kernel("attention", attention_entry(f"attention_backward_dq{variant}", Dh, suffix), wmma=tc),
+                B * H * -(-T // plan.query_tile), threads, dq_args)
+        _launch(_kernel("attention", attention_entry(f"attention_backward{variant}", Dh, suffix), wmma=tc),
+                B * Hkv * -(-T // key_tile), threads, dkdv_args)
     return dq, dk, dv
 
 
-def _rope(entry, x, cos, sin, out=None):
+def _rope(entry: str, x: Array, cos: Array, sin: Array, out: Array | None = None) -> Array:
     """x [B,T,heads,Dh], cos, sin [T,1,Dh] or [T,Dh] of x's dtype -> the rotated x (or, backward, the
     gradient through the rotation), in `out` when given (x itself included: each thread reads its
     pair of elements before it writes them)."""
@@ -582,18 +547,18 @@ def _rope(entry, x, cos, sin, out=None):
         _check_contiguous("out", out)
     pairs = x.size // 2
     if pairs:
-        grid = max(1, min(-(-pairs // ATTENTION_THREADS), 16 * _current_device().sm_count))
-        _launch(_kernel("attention", f"{entry}_{suffix}"), grid, ATTENTION_THREADS,
+        grid = launch_plan.rope_grid(pairs, _current_device().sm_count)
+        _launch(_kernel("rope", f"{entry}_{suffix}"), grid, ELEMENTWISE_BLOCK_THREADS,
                 (x, cos, sin, out, np.int64(pairs), np.int32(T), np.int32(heads), np.int32(Dh)))
     return out
 
 
-def rope_forward(x, cos, sin, out=None):
+def rope_forward(x: Array, cos: Array, sin: Array, out: Array | None = None) -> Array:
     """RoPE on x [B,T,heads,Dh] with the tables cos, sin [T,1,Dh]: one read and one write of x (into
     `out`, which may be x, when given)."""
     return _rope("rope_forward", x, cos, sin, out)
 
 
-def rope_backward(dy, cos, sin):
+def rope_backward(dy: Array, cos: Array, sin: Array) -> Array:
     """The gradient through rope_forward: dx from dy [B,T,heads,Dh]."""
     return _rope("rope_backward", dy, cos, sin)

@@ -418,7 +418,7 @@ def _fused_attention(q: Array, k: Array, v: Array) -> tuple[ModuleType | None, t
     """(the kernels, the arrays C-contiguous) when the fused attention kernels take q, k, v (CuPy,
     float32 or bfloat16, head dim within the kernels' limit); else (None, ())."""
     kern, arrays = kernel_inputs(q, k, v)
-    if kern is None or q.shape[-1] > kern.ATTENTION_HEAD_DIM_MAX:
+    if kern is None or q.shape[-1] > kern.attention_head_dim_max():
         return None, ()
     return kern, arrays
 

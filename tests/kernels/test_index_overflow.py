@@ -26,6 +26,7 @@ import pytest
 
 from testing import cudaemu
 from boostmpi.gpu import kernels as loader
+from boostmpi.gpu import launch_plan
 from boostmpi.model import layers
 
 pytestmark = pytest.mark.gpu
@@ -96,7 +97,7 @@ def small():
 
 def function(file, entry, code=None, warp=32):
     return cudaemu.Module(code if code is not None else loader.kernel_source(file),
-                          loader.COMPILE_OPTIONS + (f"-DWARP_SIZE={warp}",)).get_function(entry)
+                          loader.compile_options(file, warp)).get_function(entry)
 
 
 def random(shape, dtype, seed, scale=1.0):
@@ -398,18 +399,19 @@ def run_attention(pool, suffix, code=None, warp=32, head_dim=ATTN_DH):
             last_batch(t, heads)[:, part] = values
             inputs.append(values[None])
         scalars = loader._attention_scalars(T, H, Hkv, Dh)
+        plan = launch_plan.ATTENTION
 
         def run(entry, tile, heads, first_slice, n_slices, args):
             tiles = -(-T // tile)
             blocks = [s * tiles + x for s in range(first_slice, first_slice + n_slices) for x in range(tiles)]
-            function("attention", loader.attention_entry(entry, Dh, suffix), code, warp)(B * heads * tiles, loader.ATTENTION_THREADS, args,
+            function("attention", loader.attention_entry(entry, Dh, suffix), code, warp)(B * heads * tiles, plan.threads, args,
                                                                    blocks=blocks)
 
         last_group = (B - 1) * H + H - G  # the slice (b, h) of the group's first query head
-        run("attention_forward", loader.ATTENTION_QUERY_TILE, H, last_group, G, (q, k, v, o, lse, *scalars))
-        run("attention_backward_dq", loader.ATTENTION_DQ_QUERY_TILE, H, last_group, G,
+        run("attention_forward", plan.query_tile, H, last_group, G, (q, k, v, o, lse, *scalars))
+        run("attention_backward_dq", plan.query_tile, H, last_group, G,
             (q, k, v, o, do, lse, delta, dq, *scalars))
-        run("attention_backward", loader.ATTENTION_BWD_KEY_TILE, Hkv, B * Hkv - 1, 1,
+        run("attention_backward", plan.bwd_key_tile, Hkv, B * Hkv - 1, 1,
             (q, k, v, do, lse, delta, dk, dv, *scalars))
 
         want = specification(*inputs)
@@ -437,16 +439,16 @@ def run_rope(pool, small, suffix, code=None, warp=32):
     B, T, H, Dh = ATTN_B, ATTN_T, ATTN_H, ATTN_DH
     x, out = Tensor(pool[0], (B, T, H, Dh), dtype), Tensor(pool[1], (B, T, H, Dh), dtype)
     pairs = B * T * H * Dh // 2
-    grid = -(-pairs // loader.ATTENTION_THREADS)
-    rows = loader.ATTENTION_THREADS // (Dh // 2)  # rows of Dh a block rotates
+    grid = -(-pairs // loader.ELEMENTWISE_BLOCK_THREADS)
+    rows = loader.ELEMENTWISE_BLOCK_THREADS // (Dh // 2)  # rows of Dh a block rotates
     cos, sin = layers.rope_tables(T, Dh, 10000.0, dtype)
     spans = [(0, rows * Dh, 0), (B * T * H * Dh - rows * Dh, B * T * H * Dh, T - 1)]  # elements and their position
     for k, (a, b, _) in enumerate(spans):
         x.flat(a, b)[:] = random(b - a, dtype, 30 + k)
     tables = (small(cos), small(sin))
     for entry, reference in (("rope_forward", layers.rope_forward), ("rope_backward", layers.rope_backward)):
-        function("attention", f"{entry}_{suffix}", code, warp)(
-            grid, loader.ATTENTION_THREADS, (x, *tables, out, np.int64(pairs), np.int32(T), np.int32(H), np.int32(Dh)),
+        function("rope", f"{entry}_{suffix}", code, warp)(
+            grid, loader.ELEMENTWISE_BLOCK_THREADS, (x, *tables, out, np.int64(pairs), np.int32(T), np.int32(H), np.int32(Dh)),
             blocks=[0, grid - 1])
         for a, b, t in spans:
             want = reference(x.flat(a, b).astype(np.float32).reshape(rows, Dh), cos[t].astype(np.float32),
@@ -469,7 +471,7 @@ CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "residu
 
 def test_every_entry_point_is_run_past_2_32_elements():
     for path in sorted(loader.kernels_dir().glob("*.cu")):
-        module = cudaemu.Module(loader.kernel_source(path.stem), loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",))
+        module = cudaemu.Module(loader.kernel_source(path.stem), loader.compile_options(path.stem, 32))
         unchecked = [e for e in module.entry_points if not e.startswith(CHECKED)]
         assert not unchecked, f"{path.name}: {unchecked} are not run past 2^32 elements in {__name__}"
 
@@ -534,6 +536,6 @@ def test_an_int_token_offset_is_an_integer_overflow(pool):
 
 def test_an_int_rope_row_is_an_integer_overflow(pool, small):
     """RoPE's row (b T + t) heads + head fits an int; the row times Dh / 2 does not."""
-    code = mutated("attention", "const long long row = p / half;", "const int row = static_cast<int>(p / half);")
+    code = mutated("rope", "const long long row = p / half;", "const int row = static_cast<int>(p / half);")
     with pytest.raises(cudaemu.IntegerOverflowError, match=r"64 \* \d+ does not fit 'int'.*p - row \* half"):
         run_rope(pool, small, "f32", code)

@@ -1,6 +1,7 @@
 """The kernels as the GPU compilers see them: NVRTC and hipRTC acceptance, and resource budgets.
 
-Every kernel file, as the loader assembles it (kernel_source) with the loader's options:
+Every kernel file, as the loader assembles it (kernel_source) with the loader's options (compile_options:
+the warp width and the launch plan's tile sizes, boostmpi/gpu/launch_plan.py):
   NVRTC      compiled through CuPy 14.2's own RawModule compile path for sm_80 (A100), sm_90
              (H100) and sm_100 (B200), ptxas's report from that same compile (tests/support/gpu_compilers.py),
              with the NVRTC of the CUDA wheels installed (12.9 in .venv, 13.0 in .venv-cuda13);
@@ -19,6 +20,7 @@ at the end); fast-math intrinsics are refused unless a kernel's tolerance allows
 Under CI=true a missing compiler fails these tests (tests/run.sh installs them), elsewhere it skips.
 """
 
+import dataclasses
 import re
 
 import numpy as np
@@ -27,14 +29,25 @@ import pytest
 from testing import cudaemu
 from tests.support import gpu_compilers
 from boostmpi.gpu import kernels as loader
+from boostmpi.gpu import launch_plan
 from tests.support.gpu_compilers import require
 
 pytestmark = pytest.mark.gpu
 
 FILES = tuple(sorted(p.stem for p in loader.kernels_dir().glob("*.cu")))
 NVIDIA_ARCHS = ("sm_80", "sm_90", "sm_100")
-NVIDIA_OPTIONS = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",)
+NVIDIA_OPTIONS = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",)  # a probe that is no kernel file
 AMD_OPTIONS = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=64",)
+
+
+def nvidia_options(name):
+    """What the loader compiles kernels/<name>.cu with on a 32-lane NVIDIA device."""
+    return loader.compile_options(name, 32)
+
+
+def amd_options(name):
+    """What the loader compiles kernels/<name>.cu with on a 64-lane AMD CDNA device."""
+    return loader.compile_options(name, 64)
 
 # Per SM / CU, from the vendors' tables and occupancy calculators
 # (https://docs.nvidia.com/cuda/cuda-c-programming-guide/#features-and-technical-specifications,
@@ -75,10 +88,10 @@ def launch_shape(entry, warp):
         return loader._row_block(PAPER["rank"], itemsize, warp), 0
     if entry.startswith("softmax_xent"):
         return loader._row_block(PAPER["vocab"], itemsize, warp), 0
-    if entry.startswith(("silu_", "gate_", "adamw_step", "sum_squares_ranges")):
+    if entry.startswith(("silu_", "gate_", "adamw_step", "sum_squares_ranges", "rope_")):
         return loader.ELEMENTWISE_BLOCK_THREADS, 0
-    if entry.startswith(("attention_", "rope_")):  # fixed tiles, static shared memory only
-        return loader.ATTENTION_THREADS, 0
+    if entry.startswith("attention_"):  # the plan's tiles, static shared memory only
+        return launch_plan.ATTENTION.tc_threads if "_tc_" in entry else launch_plan.ATTENTION.threads, 0
     if entry.startswith(("btp_backward_pre", "btp_rescale_silu")):
         return loader._row_block(PAPER["rank"], itemsize, warp), 0
     if entry.startswith("btp_backward_post"):  # rmsnorm_backward's column tiles over the residual shard
@@ -121,13 +134,13 @@ def amd_resident_blocks(occupancy, threads, lds):
 @pytest.fixture(scope="module")
 def entries():
     """{file: [entry points]} from the harness's parse of the preprocessed text."""
-    return {name: list(cudaemu.Module(loader.kernel_source(name), NVIDIA_OPTIONS).entry_points) for name in FILES}
+    return {name: list(cudaemu.Module(loader.kernel_source(name), nvidia_options(name)).entry_points) for name in FILES}
 
 
 @pytest.fixture(scope="module")
 def nvrtc_reports():
     require("NVRTC")
-    jobs = [(loader.kernel_source(name), NVIDIA_OPTIONS, arch[3:]) for name in FILES for arch in NVIDIA_ARCHS]
+    jobs = [(loader.kernel_source(name), nvidia_options(name), arch[3:]) for name in FILES for arch in NVIDIA_ARCHS]
     results = iter(gpu_compilers.nvrtc(jobs))
     return {(name, arch): next(results) for name in FILES for arch in NVIDIA_ARCHS}
 
@@ -145,7 +158,7 @@ def ptxas(nvrtc_reports):
 @pytest.fixture(scope="module")
 def amd(entries):
     require("hipcc")
-    return {name: gpu_compilers.amd_resources(loader.kernel_source(name), AMD_OPTIONS) for name in FILES}
+    return {name: gpu_compilers.amd_resources(loader.kernel_source(name), amd_options(name)) for name in FILES}
 
 
 def test_every_entry_point_has_a_launch_shape(entries):
@@ -176,7 +189,7 @@ def test_nvrtc_compiles_each_kernel_as_cupy_does(nvrtc_reports, entries, name, a
 @pytest.mark.parametrize("name", FILES)
 def test_hiprtc_compiles_each_kernel_for_gfx90a_at_64_lanes(name):
     require("hipRTC")
-    report = gpu_compilers.hiprtc(loader.kernel_source(name), AMD_OPTIONS)
+    report = gpu_compilers.hiprtc(loader.kernel_source(name), amd_options(name))
     assert report["ok"], f"hipRTC rejects {name}.cu for gfx90a:\n{report['log']}"
     assert report["code_bytes"] > 0 and "-DWARP_SIZE=64" in report["options"]
 
@@ -217,7 +230,7 @@ def check_amd_budget(table, entry_points):
 def test_the_budget_sees_rmsnorm_backward_at_1024_threads_fall_short(ptxas, monkeypatch):
     """The budget check on the real kernel at another launch shape: rmsnorm_backward's 48 (bf16)
     registers x 1,024 threads leave room for 1 block per SM."""
-    monkeypatch.setattr(loader, "RMSNORM_BACKWARD_BLOCK_THREADS", 1024)
+    monkeypatch.setattr(launch_plan, "RMSNORM", dataclasses.replace(launch_plan.RMSNORM, backward_block_threads=1024))
     with pytest.raises(AssertionError, match=r"rmsnorm_backward_bf16 on sm_\d0: 1 resident blocks per SM \(48 registers x 1024"):
         test_no_spills_and_two_resident_blocks_per_sm_at_the_launch_shapes(ptxas, "rmsnorm")
 
@@ -244,7 +257,7 @@ def test_no_spills_and_two_resident_blocks_per_cu_on_gfx90a(amd, entries, name):
 
 @pytest.mark.parametrize("name", FILES)
 def test_static_shared_memory_fits_and_the_harness_counts_it_as_ptxas_does(ptxas, name):
-    module = cudaemu.Module(loader.kernel_source(name), NVIDIA_OPTIONS)
+    module = cudaemu.Module(loader.kernel_source(name), nvidia_options(name))
     for entry in module.entry_points:
         for arch in ARCHS:
             smem = ptxas[name][(entry, arch)]["smem"]
@@ -268,21 +281,22 @@ HOST_CONSTANT = ("softmax_xent", "return __uint_as_float(0xff800000u);", "return
 
 def test_nvrtc_rejects_a_host_header_constant():
     require("NVRTC")
-    [report] = gpu_compilers.nvrtc([(mutated(*HOST_CONSTANT), NVIDIA_OPTIONS, "80")])
+    [report] = gpu_compilers.nvrtc([(mutated(*HOST_CONSTANT), nvidia_options(HOST_CONSTANT[0]), "80")])
     assert not report["ok"] and 'identifier "INFINITY" is undefined' in report["log"], report["log"]
 
 
 def test_hiprtc_rejects_a_host_header_constant():
     require("hipRTC")
-    report = gpu_compilers.hiprtc(mutated(*HOST_CONSTANT), AMD_OPTIONS)
+    report = gpu_compilers.hiprtc(mutated(*HOST_CONSTANT), amd_options(HOST_CONSTANT[0]))
     assert not report["ok"] and "undeclared identifier 'INFINITY'" in report["log"], report["log"]
 
 
-# One-line changes to attention.cu that break its budget: each must fail the check above.
+# Changes to the attention's launch plan (a dict: AttentionPlan fields) or one-line changes to its text
+# (file, old, new) that break its budget: each must fail the check above.
 # Without __launch_bounds__(256, 2) ptxas gives the kernels more than 128 registers a thread.
-ATTENTION_NO_LAUNCH_BOUNDS = ("attention", "#define ATTN_BLOCKS_PER_SM 2", "#define ATTN_BLOCKS_PER_SM 1")
+ATTENTION_NO_LAUNCH_BOUNDS = {"blocks_per_sm": 1}
 # 32 staged queries in dK/dV: 33 KiB of LDS a block, one block per 64 KiB CU
-ATTENTION_LARGER_DKDV_TILE = ("attention", "#define ATTN_BWD_QUERY_TILE 16", "#define ATTN_BWD_QUERY_TILE 32")
+ATTENTION_LARGER_DKDV_TILE = {"bwd_query_tile": 32}
 # the dQ pass keeping the K values of its dot product in registers for dq += ds k: it spills on sm_80
 ATTENTION_DQ_KEEPS_K = ("attention", "axpy_row_reread<LANES, DIMS>(acc, p * (dp - row_delta), k_tile[jj], lane);",
                         "axpy_row<LANES, DIMS>(acc, p * (dp - row_delta), k_tile[jj], lane);")
@@ -295,15 +309,24 @@ ATTENTION_LOAD_MASK_PER_DIM = (
     "#pragma unroll\n    for (int k = 0; k < DIMS; ++k) {\n        const int d = k * LANES + lane;\n"
     "        out[k] = (live && d < Dh) ? to_float(row[d]) * factor : 0.0f;")
 # K and V staged in 48 KiB instead of 32: one block per 64 KiB CU
-ATTENTION_LARGER_KV_STAGE = ("attention", "#define ATTN_KV_STAGE_BYTES 32768", "#define ATTN_KV_STAGE_BYTES 49152")
+ATTENTION_LARGER_KV_STAGE = {"kv_stage_bytes": 49152}
+
+
+def attention_mutant(mutation, monkeypatch, warp):
+    """(text, options) of attention.cu with the mutation: a plan change goes through the loader's
+    compile_options on the changed plan; a text change through the loader's text."""
+    if isinstance(mutation, dict):
+        monkeypatch.setattr(launch_plan, "ATTENTION", dataclasses.replace(launch_plan.ATTENTION, **mutation))
+        return loader.kernel_source("attention"), loader.compile_options("attention", warp)
+    return mutated(*mutation), loader.compile_options("attention", warp)
 
 
 @pytest.mark.parametrize("mutation,message", [(ATTENTION_NO_LAUNCH_BOUNDS, "attention_.* 1 resident blocks per SM"),
                                               (ATTENTION_DQ_KEEPS_K, "attention_backward_dq_.* spills")],
                          ids=["no launch bounds", "dQ keeps K in registers"])
-def test_attention_mutations_fail_the_sm80_budget(mutation, message):
+def test_attention_mutations_fail_the_sm80_budget(mutation, message, monkeypatch):
     require("NVRTC")
-    [report] = gpu_compilers.nvrtc([(mutated(*mutation), NVIDIA_OPTIONS, "80")])
+    [report] = gpu_compilers.nvrtc([(*attention_mutant(mutation, monkeypatch, 32), "80")])
     assert report["ok"], report["log"]
     with pytest.raises(AssertionError, match=message):
         check_nvidia_budget(gpu_compilers.ptxas_table(report["log"]))
@@ -313,10 +336,10 @@ def test_attention_mutations_fail_the_sm80_budget(mutation, message):
                                               (ATTENTION_LOAD_MASK_PER_DIM, "attention_backward_dq_.* spills"),
                                               (ATTENTION_LARGER_KV_STAGE, "attention_forward_.* 1 resident blocks per CU")],
                          ids=["larger dK/dV query tile", "load mask per dim", "larger K/V stage"])
-def test_attention_mutations_fail_the_gfx90a_budget(entries, mutation, message):
+def test_attention_mutations_fail_the_gfx90a_budget(entries, mutation, message, monkeypatch):
     require("hipcc")
     with pytest.raises(AssertionError, match=message):
-        check_amd_budget(gpu_compilers.amd_resources(mutated(*mutation), AMD_OPTIONS), entries["attention"])
+        check_amd_budget(gpu_compilers.amd_resources(*attention_mutant(mutation, monkeypatch, 64)), entries["attention"])
 
 
 # What the harness's prelude (testing/cudaemu/prelude.h) declares, used once each: NVRTC, hipRTC and

@@ -23,7 +23,7 @@ import pytest
 
 from boostmpi.backend import to_numpy
 from tests.support.gpu_compilers import require
-from boostmpi.gpu import kernels, tensor_cores
+from boostmpi.gpu import kernels, launch_plan, tensor_cores
 from boostmpi.model import layers
 
 EPS = 1e-6
@@ -38,8 +38,8 @@ ENTRY_POINTS = {
                    for t in ("f32", "bf16")],
     "softmax_xent.cu": [f"softmax_xent_{t}_{i}" for t in ("f32", "bf16") for i in ("i32", "i64")],
     "attention.cu": [f"{k}_{hd}{t}" for k in ("attention_forward", "attention_backward_dq", "attention_backward")
-                     for hd in ("", "hd64_") for t in ("f32", "bf16")]
-                    + [f"{k}_{t}" for k in ("rope_forward", "rope_backward") for t in ("f32", "bf16")],
+                     for hd in ("", "hd64_") for t in ("f32", "bf16")],
+    "rope.cu": [f"{k}_{t}" for k in ("rope_forward", "rope_backward") for t in ("f32", "bf16")],
     "btp.cu": [f"{k}_{t}" for k in ("btp_rescale_silu", "btp_backward_pre", "btp_backward_post") for t in ("f32", "bf16")],
     "adamw.cu": ["adamw_step_f32", "sum_squares_ranges_f32"],
 }
@@ -62,14 +62,16 @@ def _nvcc(args):
 def test_kernel_compiles_for_sm80_sm90_and_wavefront64(cu_file, tmp_path):
     require("nvcc")  # skips without it, fails under CI=true
     include = f"-I{kernels.kernels_dir()}"
+    plan = list(launch_plan.defines(cu_file.stem))  # the tile sizes the loader passes
     jobs = []
     for arch in ("sm_80", "sm_90"):
-        jobs.append([f"-arch={arch}", "-cubin", include, "-o", str(tmp_path / f"{arch}.cubin"), str(cu_file)])
-        jobs.append([f"-arch={arch}", "--ptx", include, "-o", str(tmp_path / f"{arch}.ptx"), str(cu_file)])
+        jobs.append([f"-arch={arch}", "-cubin", include, *plan, "-o", str(tmp_path / f"{arch}.cubin"), str(cu_file)])
+        jobs.append([f"-arch={arch}", "--ptx", include, *plan, "-o", str(tmp_path / f"{arch}.ptx"), str(cu_file)])
     # what the loader gives NVRTC/hipRTC: one text, no include path; here for a 64-wide wavefront
     standalone = tmp_path / f"standalone_{cu_file.name}"
     standalone.write_text(kernels.kernel_source(cu_file.stem))
-    jobs.append(["-arch=sm_90", "--ptx", "-DWARP_SIZE=64", "-o", str(tmp_path / "wave64.ptx"), str(standalone)])
+    jobs.append(["-arch=sm_90", "--ptx", *kernels.compile_options(cu_file.stem, 64), "-o", str(tmp_path / "wave64.ptx"),
+                 str(standalone)])
 
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         results = list(pool.map(_nvcc, jobs))
@@ -126,10 +128,10 @@ def test_rmsnorm_backward_launch_covers_every_column_and_row_once(itemsize, warp
     vector = 16 // itemsize
     for N, C, sms in [(1, 1, 1), (5, 37, 2), (5, 4100, 2), (16384, 16384, 108), (16384, 16384, 110), (3, 70000, 132)]:
         threads, tiles, rows_per_chunk, chunks = kernels.rmsnorm_backward_launch(N, C, itemsize, warp, sms)
-        assert threads % warp == 0 and threads <= kernels.RMSNORM_BACKWARD_BLOCK_THREADS
+        assert threads % warp == 0 and threads <= launch_plan.RMSNORM.backward_block_threads
         assert (tiles - 1) * threads * vector < C <= tiles * threads * vector
         assert (chunks - 1) * rows_per_chunk < N <= chunks * rows_per_chunk  # no chunk is empty
-        assert tiles * chunks <= max(kernels.RMSNORM_BACKWARD_BLOCKS_PER_SM * sms, tiles)
+        assert tiles * chunks <= max(launch_plan.RMSNORM.backward_blocks_per_sm * sms, tiles)
     # the paper's shape on an A100: 8 blocks per SM
     assert kernels.rmsnorm_backward_launch(16384, 16384, 2, 32, 108) == (256, 8, 152, 108)
 
@@ -385,9 +387,9 @@ def test_compile_all_compiles_every_kernel_file(monkeypatch, attention_gpu_defau
     seen = []
     real = kernels._module.__wrapped__
 
-    def module(name, device_id, extra_options=()):
-        seen.append((name, device_id) + ((extra_options,) if extra_options else ()))
-        return real(name, device_id, extra_options)
+    def module(name, device_id, options):
+        seen.append((name, device_id, options))
+        return real(name, device_id, options)
 
     monkeypatch.setattr(kernels, "_module", functools.lru_cache(maxsize=None)(module))
     names = [p.stem for p in KERNEL_FILES]
@@ -395,7 +397,9 @@ def test_compile_all_compiles_every_kernel_file(monkeypatch, attention_gpu_defau
     # attention (tensor_cores.use_wmma: an A100 or later, the stand-in's A100 included), that too
     device = kernels._device_info(0)
     wmma = ["attention+wmma"] if tensor_cores.use_wmma("bf16", device) else []
-    assert kernels.compile_all(0) == names + wmma and seen[:len(names)] == [(n, 0) for n in names]
+    warp = device.warp_size
+    assert kernels.compile_all(0) == names + wmma and seen[:len(names)] == [(n, 0, kernels.compile_options(n, warp))
+                                                                          for n in names]
     assert [s[0] for s in seen[len(names):]] == (["attention"] if wmma else [])
     if not wmma and device.warp_size == 32 and device.nvidia_major >= 8:  # the FMA default of a missing header
         monkeypatch.setenv(kernels.ATTENTION_TENSOR_CORES_ENV, "1")

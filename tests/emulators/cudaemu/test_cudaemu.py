@@ -32,12 +32,15 @@ SM_COUNT = 2  # a small grid: the elementwise loop then strides
 
 
 @functools.lru_cache(maxsize=None)
-def _module(code, warp):
-    return cudaemu.Module(code, loader.COMPILE_OPTIONS + (f"-DWARP_SIZE={warp}",))
+def _module(code, warp, file=None):
+    """`code` on the harness at `warp` lanes, with the loader's options for kernels/<file>.cu (its launch
+    plan's sizes) when it is (a variant of) that file."""
+    options = loader.compile_options(file, warp) if file else loader.COMPILE_OPTIONS + (f"-DWARP_SIZE={warp}",)
+    return cudaemu.Module(code, options)
 
 
 def kernel(file, entry, warp=32, code=None):
-    return _module(code if code is not None else loader.kernel_source(file), warp).get_function(entry)
+    return _module(code if code is not None else loader.kernel_source(file), warp, file).get_function(entry)
 
 
 def mutated(file, old, new, count=1):
@@ -349,7 +352,7 @@ def test_every_entry_point_is_exercised():
     # and {tc}: "tc_" where the tensor-core variant runs instead (test_attention_tensor_cores.py checks those)
     launched = set(re.findall(r'"(\w+)_(?:\{tc\})?(?:\{hd\})?\{suffix\}', source)) | {"softmax_xent"}
     for path in sorted(loader.kernels_dir().glob("*.cu")):
-        for name in _module(loader.kernel_source(path.stem), 32).entry_points:
+        for name in _module(loader.kernel_source(path.stem), 32, path.stem).entry_points:
             base = re.sub(r"(_hd64)?_(f32|bf16)(_i32|_i64)?$", "", name)
             assert base in launched, f"{path.name}: {name} is not launched by test_cudaemu.py"
 
@@ -394,8 +397,8 @@ def test_removing_the_barrier_that_protects_reuse_is_a_race():
     out = cudaemu.DeviceArray(shape=rows, dtype=np.float32)
     args = (cudaemu.DeviceArray(x), out, np.int32(rows))
     with pytest.raises(cudaemu.RaceError, match="warp_partials"):
-        _module(code + BLOCK_SUMS, 32).get_function("block_sums")(1, block, args)
-    _module(loader.kernel_source("rmsnorm") + BLOCK_SUMS, 32).get_function("block_sums")(1, block, args)
+        _module(code + BLOCK_SUMS, 32, "rmsnorm").get_function("block_sums")(1, block, args)
+    _module(loader.kernel_source("rmsnorm") + BLOCK_SUMS, 32, "rmsnorm").get_function("block_sums")(1, block, args)
     np.testing.assert_allclose(out.get(), x.sum(axis=1), rtol=1e-5)
 
 

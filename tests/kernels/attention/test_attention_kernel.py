@@ -11,6 +11,7 @@ Registers, shared memory, spills and resident blocks under NVRTC and hipRTC are 
 other kernel's in tests/kernels/test_kernel_resources.py.
 """
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -18,7 +19,7 @@ import pytest
 
 from boostmpi.backend import to_numpy
 from tests.support.gpu_setup import GPU
-from boostmpi.gpu import kernels, tensor_cores
+from boostmpi.gpu import kernels, launch_plan, tensor_cores
 from boostmpi.model import layers
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -187,13 +188,14 @@ MUTATIONS = {
 
 @pytest.fixture
 def kernel_text(monkeypatch):
-    """Replaces one line of kernels/attention.cu for the wrappers; returns the setter."""
+    """Replaces one line of kernels/attention.cu (or rope.cu) for the wrappers; returns the setter."""
     real = kernels.kernel_source
 
     def mutate(old, new):
-        text = real("attention")
+        [file] = [name for name in ("attention", "rope") if old in real(name)]
+        text = real(file)
         assert text.count(old) == 1, f"the mutation's target is not one place in the kernel: {old!r}"
-        monkeypatch.setattr(kernels, "kernel_source", lambda name: text.replace(old, new) if name == "attention" else real(name))
+        monkeypatch.setattr(kernels, "kernel_source", lambda name: text.replace(old, new) if name == file else real(name))
         monkeypatch.setattr(kernels, "_module", functools.lru_cache(maxsize=None)(kernels._module.__wrapped__))
 
     return mutate
@@ -244,6 +246,71 @@ def test_float32_training_step_through_the_fused_kernels_equals_the_cpu_path(mon
     assert errors[worst] <= F32_TOLERANCE, f"{worst}: relative error {errors[worst]:.3g}"
 
 
+# ---------------------------------------------------------------------------- the launch plan
+# The tile sizes are written once, in boostmpi.gpu.launch_plan.ATTENTION: the loader compiles the kernels
+# with them (-D options) and the wrappers launch with them. Changed there, kernels and wrappers change
+# together and the results still match; sizes the kernels cannot work with do not compile.
+
+# half the query and key tiles, and half the threads (4 lanes a query, 8 a key, as before)
+SMALLER_TILES = {"query_tile": 32, "threads": 128, "bwd_key_tile": 16}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU.standin, reason="the harness counts global bytes; a GPU does not")
+def test_a_changed_plan_changes_the_kernels_and_the_wrappers_together(monkeypatch):
+    from testing import cudaemu
+    import cupy
+
+    monkeypatch.setattr(launch_plan, "ATTENTION", dataclasses.replace(launch_plan.ATTENTION, **SMALLER_TILES))
+    monkeypatch.setenv(kernels.ATTENTION_TENSOR_CORES_ENV, "0")  # the FMA kernels, whose tiles these are
+    launches = []
+    launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda kernel, grid, block, *a, **k: (
+        launches.append((kernel.name, grid, block)), launch(kernel, grid, block, *a, **k)))
+    B, T, H, Hkv, Dh = 1, 70, 2, 1, 64
+    check_against_specification(B, T, H, Hkv, Dh, np.float32)
+    assert launches == [("attention_forward_hd64_f32", B * H * 3, 128), ("attention_backward_dq_hd64_f32", B * H * 3, 128),
+                        ("attention_backward_hd64_f32", B * Hkv * 5, 128)]
+    # the bytes the smaller tiles move are the plan's count for them (more than the default plan's)
+    q, k, v, do = (cupy.asarray(a) for a in _inputs(B, T, H, Hkv, Dh, np.float32))
+    cudaemu.global_bytes(reset=True)
+    o, lse = kernels.attention_forward(q, k, v)
+    forward = cudaemu.global_bytes(reset=True)
+    kernels.attention_backward(do, q, k, v, o, lse)
+    backward = cudaemu.global_bytes(reset=True)
+    plan = kernels.attention_traffic(B, T, H, Hkv, Dh, 4)
+    assert forward == plan["forward"]
+    assert backward == tuple(a + b for a, b in zip(plan["backward_dq"], plan["backward_dkdv"]))
+    assert forward[0] > launch_plan.AttentionPlan().traffic(B, T, H, Hkv, Dh, 4)["forward"][0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes,message", [
+    ({"query_tile": 32}, "forward, dQ: one row group per query"),
+    ({"bwd_key_tile": 64}, "dK/dV: one row group per key"),
+    ({"score_chunk": 48}, "whole score chunks per staged tile"),
+    ({"head_dim_small": 256}, "the hd64_ entry points' tiles hold fewer dims"),
+    ({"tc_dq_keys": 16}, "Q stages through K and V"),
+], ids=["query tile", "key tile", "score chunk", "small head dim", "tensor-core dQ keys"])
+def test_a_plan_the_kernels_cannot_run_does_not_compile(monkeypatch, sizes, message):
+    from testing import cudaemu
+
+    monkeypatch.setattr(launch_plan, "ATTENTION", dataclasses.replace(launch_plan.ATTENTION, **sizes))
+    wmma = any(name.startswith("tc_") for name in sizes)  # the tensor-core kernels' sizes: their variant
+    with pytest.raises(cudaemu.CompileError, match=message):
+        cudaemu.Module(kernels.kernel_source("attention"), kernels.compile_options("attention", 32, wmma))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["attention", "rmsnorm"])
+def test_a_build_without_the_plan_stops(name):
+    from testing import cudaemu
+
+    with pytest.raises(cudaemu.CompileError, match="from the launch plan"):
+        cudaemu.Module(kernels.kernel_source(name), kernels.COMPILE_OPTIONS + ("-DWARP_SIZE=32",))
+    cudaemu.Module(kernels.kernel_source(name), kernels.compile_options(name, 32))
+
+
 # ---------------------------------------------------------------------------- global traffic
 
 
@@ -273,12 +340,13 @@ def check_traffic(dtype):
     dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
     scalars = kernels._attention_scalars(T, H, Hkv, Dh)
     suffix = "f32" if dtype == np.float32 else "bf16"
+    tiles = launch_plan.ATTENTION
     kernels._launch(kernels._kernel("attention", kernels.attention_entry("attention_backward_dq", Dh, suffix)),
-                    B * H * -(-T // kernels.ATTENTION_DQ_QUERY_TILE), kernels.ATTENTION_THREADS,
+                    B * H * -(-T // tiles.query_tile), tiles.threads,
                     (q, k, v, o, do, lse, delta, dq, *scalars))
     counted["backward_dq"] = cudaemu.global_bytes(reset=True)
     kernels._launch(kernels._kernel("attention", kernels.attention_entry("attention_backward", Dh, suffix)),
-                    B * Hkv * -(-T // kernels.ATTENTION_BWD_KEY_TILE), kernels.ATTENTION_THREADS,
+                    B * Hkv * -(-T // tiles.bwd_key_tile), tiles.threads,
                     (q, k, v, do, lse, delta, dk, dv, *scalars))
     counted["backward_dkdv"] = cudaemu.global_bytes(reset=True)
     assert counted == plan

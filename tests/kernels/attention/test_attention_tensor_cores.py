@@ -22,6 +22,7 @@ import pytest
 from testing import cudaemu
 from tests.support import gpu_compilers
 from boostmpi.gpu import kernels as loader
+from boostmpi.gpu import launch_plan
 from tests.kernels.attention.test_attention_kernel import (BF16, F32_TOLERANCE, SLOW_SHAPES, _inputs, max_error, rounded_reference,
                                    specification)
 from tests.emulators.cudaemu.test_cudaemu_wmma import crt_wheel_include
@@ -29,13 +30,10 @@ from tests.kernels.test_kernel_resources import MIN_RESIDENT_BLOCKS, nvidia_resi
 
 pytestmark = pytest.mark.gpu
 
-OPTION = "-DBOOSTMPI_ATTENTION_WMMA"
-THREADS = 128
 ENTRY = "attention_forward_tc_bf16"
 BACKWARD = "attention_backward_tc_bf16"
 DQ = "attention_backward_dq_tc_bf16"
 ENTRIES_HD64 = [name.replace("_tc_", "_tc_hd64_") for name in (ENTRY, DQ, BACKWARD)]
-KEY_TILE = loader.ATTENTION_TC_BWD_KEY_TILE
 
 
 def _entry(kernel, Dh):
@@ -43,18 +41,24 @@ def _entry(kernel, Dh):
     return loader.attention_entry(kernel, Dh, "bf16")
 
 
+def _module(code, wmma=True):
+    """attention.cu's text on the harness at 32 lanes with the loader's options for the current plan
+    (launch_plan.ATTENTION): the tensor-core kernels with `wmma`, else the FMA ones only."""
+    return _compiled(code, loader.compile_options("attention", 32, wmma))
+
+
 @functools.lru_cache(maxsize=None)
-def _module(code):
-    return cudaemu.Module(code, loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32", OPTION))
+def _compiled(code, options):
+    return cudaemu.Module(code, options)
 
 
 def check_forward(B, T, H, Hkv, Dh, code=None):
     q, k, v, do = _inputs(B, T, H, Hkv, Dh, BF16)
     o = cudaemu.DeviceArray(shape=q.shape, dtype=BF16)
     lse = cudaemu.DeviceArray(shape=(B, H, T), dtype=np.float32)
-    grid = B * H * -(-T // loader.ATTENTION_QUERY_TILE)
+    grid = B * H * -(-T // launch_plan.ATTENTION.query_tile)
     _module(code or loader.kernel_source("attention")).get_function(_entry("attention_forward_tc", Dh))(
-        (grid,), (THREADS,), (cudaemu.DeviceArray(q), cudaemu.DeviceArray(k), cudaemu.DeviceArray(v), o, lse,
+        (grid,), (launch_plan.ATTENTION.tc_threads,), (cudaemu.DeviceArray(q), cudaemu.DeviceArray(k), cudaemu.DeviceArray(v), o, lse,
                               *loader._attention_scalars(T, H, Hkv, Dh)))
     want_o, want_lse = specification(q, k, v, do)[:2]
     assert max_error(lse.get(), want_lse) <= F32_TOLERANCE * max(float(np.max(np.abs(want_lse))), 1.0), "lse"
@@ -72,13 +76,13 @@ def test_tensor_core_forward_matches_the_model(shape):
 
 
 def test_the_option_is_off_by_default():
-    default = cudaemu.Module(loader.kernel_source("attention"), loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",))
+    default = _module(loader.kernel_source("attention"), wmma=False)
     assert ENTRY not in default.entry_points and ENTRY in _module(loader.kernel_source("attention")).entry_points
 
 
 def test_nvrtc_compiles_it_within_the_budget():
     gpu_compilers.require("NVRTC")
-    options = loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32", OPTION, crt_wheel_include())
+    options = loader.compile_options("attention", 32, wmma=True) + (crt_wheel_include(),)
     reports = gpu_compilers.nvrtc([(loader.kernel_source("attention"), options, arch) for arch in ("80", "90", "100")])
     for report in reports:
         assert report["ok"], report["log"][-4000:]
@@ -88,7 +92,7 @@ def test_nvrtc_compiles_it_within_the_budget():
             if entry not in (ENTRY, BACKWARD, DQ, *ENTRIES_HD64):
                 continue
             assert info["spills"] == 0 and info["stack"] == 0, (arch, info)
-            blocks = nvidia_resident_blocks(arch, info["registers"], THREADS, info["smem"])
+            blocks = nvidia_resident_blocks(arch, info["registers"], launch_plan.ATTENTION.tc_threads, info["smem"])
             assert blocks >= MIN_RESIDENT_BLOCKS, (arch, info, blocks)
 
 
@@ -139,13 +143,12 @@ def _backward_inputs(B, T, H, Hkv, Dh):
     return (q, k, v, do, want_lse.astype(np.float32), delta), (want_dk, want_dv), (ref_dk, ref_dv)
 
 
-def run_dkdv(entry, threads, key_tile, inputs, code=None, options=(OPTION,)):
+def run_dkdv(entry, threads, key_tile, inputs, code=None, wmma=True):
     q, k, v, do, lse, delta = inputs
     B, T, H, Dh = q.shape
     Hkv = k.shape[2]
     dk, dv = (cudaemu.DeviceArray(shape=k.shape, dtype=BF16) for _ in range(2))
-    module = _module(code or loader.kernel_source("attention")) if options else cudaemu.Module(
-        code or loader.kernel_source("attention"), loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",))
+    module = _module(code or loader.kernel_source("attention"), wmma)
     module.get_function(entry)((B * Hkv * -(-T // key_tile),), (threads,),
                                (*(cudaemu.DeviceArray(a) for a in (q, k, v, do, lse, delta)), dk, dv,
                                 *loader._attention_scalars(T, H, Hkv, Dh)))
@@ -156,13 +159,13 @@ def check_backward(B, T, H, Hkv, Dh, code=None):
     """dK, dV of the WMMA pass against the model's within twice the rounded reference's error, and
     against the FMA pass (attention_backward_bf16, same inputs) within the sum of both bounds."""
     inputs, want, reference = _backward_inputs(B, T, H, Hkv, Dh)
-    got = run_dkdv(_entry("attention_backward_tc", Dh), THREADS, KEY_TILE, inputs, code)
+    plan = launch_plan.ATTENTION
+    got = run_dkdv(_entry("attention_backward_tc", Dh), plan.tc_threads, plan.tc_bwd_keys, inputs, code)
     bounds = [2 * max_error(r, w) + ROUNDING_FLOOR for w, r in zip(want, reference)]
     for name, g, w, bound in zip(("dk", "dv"), got, want, bounds):
         assert max_error(g, w) <= bound, f"{name}: kernel error {max_error(g, w):.3g}, bound {bound:.3g}"
     # the FMA pass only once the model's check has passed (a mutant fails above without running it)
-    fma = run_dkdv(_entry("attention_backward", Dh), loader.ATTENTION_THREADS, loader.ATTENTION_BWD_KEY_TILE, inputs,
-                   options=())
+    fma = run_dkdv(_entry("attention_backward", Dh), plan.threads, plan.bwd_key_tile, inputs, wmma=False)
     for name, g, f, bound in zip(("dk", "dv"), got, fma, bounds):
         apart = max_error(g, f.astype(np.float64))
         assert apart <= 2 * bound, f"{name}: {apart:.3g} from the FMA pass, bound {2 * bound:.3g}"
@@ -172,14 +175,13 @@ def check_backward(B, T, H, Hkv, Dh, code=None):
 # ---------------------------------------------------------------------------- the dQ pass
 
 
-def run_dq(entry, threads, inputs, o, code=None, options=(OPTION,)):
+def run_dq(entry, threads, inputs, o, code=None, wmma=True):
     q, k, v, do, lse, _ = inputs
     B, T, H, Dh = q.shape
     dq = cudaemu.DeviceArray(shape=q.shape, dtype=BF16)
     delta = cudaemu.DeviceArray(shape=(B, H, T), dtype=np.float32)
-    source = code or loader.kernel_source("attention")
-    module = _module(source) if options else cudaemu.Module(source, loader.COMPILE_OPTIONS + ("-DWARP_SIZE=32",))
-    module.get_function(entry)((B * H * -(-T // loader.ATTENTION_DQ_QUERY_TILE),), (threads,),
+    module = _module(code or loader.kernel_source("attention"), wmma)
+    module.get_function(entry)((B * H * -(-T // launch_plan.ATTENTION.query_tile),), (threads,),
                                (*(cudaemu.DeviceArray(a) for a in (q, k, v, o, do, lse)), delta, dq,
                                 *loader._attention_scalars(T, H, k.shape[2], Dh)))
     return dq.get(), delta.get()
@@ -193,11 +195,11 @@ def check_dq(B, T, H, Hkv, Dh, code=None):
     want_dq = specification(q, k, v, do)[2]
     o, reference = rounded_reference(q, k, v, do)[:2]
     o = o.astype(BF16)
-    got, delta = run_dq(_entry("attention_backward_dq_tc", Dh), THREADS, inputs, o, code)
+    got, delta = run_dq(_entry("attention_backward_dq_tc", Dh), launch_plan.ATTENTION.tc_threads, inputs, o, code)
     assert max_error(delta, want_delta) <= F32_TOLERANCE * max(float(np.max(np.abs(want_delta))), 1.0), "delta"
     bound = 2 * max_error(reference, want_dq) + ROUNDING_FLOOR
     assert max_error(got, want_dq) <= bound, f"dq: kernel error {max_error(got, want_dq):.3g}, bound {bound:.3g}"
-    fma = run_dq(_entry("attention_backward_dq", Dh), loader.ATTENTION_THREADS, inputs, o, options=())[0]
+    fma = run_dq(_entry("attention_backward_dq", Dh), launch_plan.ATTENTION.threads, inputs, o, wmma=False)[0]
     apart = max_error(got, fma.astype(np.float64))
     assert apart <= 2 * bound, f"dq: {apart:.3g} from the FMA pass, bound {2 * bound:.3g}"
 

@@ -4,13 +4,14 @@
   (`ld.global[.nc].v4`, `st.global.v4`), and its ptxas report leaves no spills and at least 2
   resident blocks per SM at the loader's launch shape for the paper's 7B width (d 4096) and the
   widest (d 16384);
-- the launch covers a row with whole warps, RMSNORM_FORWARD_VECTORS vectors per thread;
+- the launch covers a row with whole warps, the launch plan's forward_vectors vectors per thread;
 - the kernel equals the NumPy model (boostmpi/model/layers.py) on the held path with partly
   filled registers, on the two-pass loop of a row wider than the block holds, and on the scalar
   path (on the CUDA execution harness where no GPU is present);
 - the performance model prices the engine's forward as one read and one write of x.
 """
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -22,14 +23,14 @@ import pytest
 
 from tests.support import gpu_compilers
 from boostmpi.backend import to_numpy
-from boostmpi.gpu import kernels
+from boostmpi.gpu import kernels, launch_plan
 from boostmpi.model import layers
 from tests.support.gpu_compilers import require
 
 pytestmark = pytest.mark.gpu
 BF16 = np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
 EPS = 1e-6
-OPTIONS = kernels.COMPILE_OPTIONS + ("-DWARP_SIZE=32",)
+OPTIONS = kernels.compile_options("rmsnorm", 32)
 
 _CHILD = r"""
 import json, sys
@@ -81,8 +82,8 @@ def test_forward_launch_covers_the_row_with_whole_warps():
         for itemsize in (2, 4):
             threads = kernels.rmsnorm_forward_threads(C, itemsize, 32)
             vectors = -(-C // (16 // itemsize))
-            assert threads % 32 == 0 and threads <= kernels.RMSNORM_FORWARD_MAX_THREADS
-            assert threads * 4 >= vectors or threads == kernels.RMSNORM_FORWARD_MAX_THREADS
+            assert threads % 32 == 0 and threads <= launch_plan.RMSNORM.forward_max_threads
+            assert threads * 4 >= vectors or threads == launch_plan.RMSNORM.forward_max_threads
 
 
 def test_bf16_forward_keeps_two_blocks_per_sm_at_the_7b_and_widest_rows():
@@ -114,8 +115,8 @@ CASES = [(BF16, 1000, 4, 512), (np.float32, 4096, 2, 512), (np.float32, 1028, 4,
 def test_forward_equals_the_model_on_each_path(monkeypatch, dtype, C, per_thread, max_threads):
     import cupy
 
-    monkeypatch.setattr(kernels, "RMSNORM_FORWARD_VECTORS", per_thread)
-    monkeypatch.setattr(kernels, "RMSNORM_FORWARD_MAX_THREADS", max_threads)
+    monkeypatch.setattr(launch_plan, "RMSNORM", dataclasses.replace(launch_plan.RMSNORM, forward_vectors=per_thread,
+                                                                     forward_max_threads=max_threads))
     rng = np.random.default_rng(3)
     x = (2 * rng.standard_normal((3, C))).astype(dtype)
     w = rng.standard_normal(C).astype(dtype)

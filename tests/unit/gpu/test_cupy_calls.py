@@ -11,6 +11,7 @@ into the engine and show that these checks catch it.
 """
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import re
@@ -52,14 +53,14 @@ def unfused_attention():
     """The GPU path's attention as it runs for a head dim above the fused kernels' limit
     (layers._fused_attention): batched GEMMs and CuPy operations. The limit is lowered below the
     test model's head dim, so the same branch is taken."""
-    from boostmpi.gpu import kernels
+    from boostmpi.gpu import launch_plan
 
-    limit = kernels.ATTENTION_HEAD_DIM_MAX
-    kernels.ATTENTION_HEAD_DIM_MAX = 0
+    plan = launch_plan.ATTENTION
+    launch_plan.ATTENTION = dataclasses.replace(plan, head_dim_max=0)
     try:
         yield
     finally:
-        kernels.ATTENTION_HEAD_DIM_MAX = limit
+        launch_plan.ATTENTION = plan
 
 
 def record_steps(runs, unfused=False):
