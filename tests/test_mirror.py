@@ -46,6 +46,8 @@ EXEMPT = {
                         "tests/unit/gpu/test_attention_torch.py",
     "gpu/blas.py": "tests/unit/gpu/test_cupy_routing.py, tests/integration/gpu/test_gemm_tensor_cores.py",
     "gpu/kernels.py": "the kernel wrappers, one folder of tests per kernel file: tests/kernels/",
+    "gpu/launch_plan.py": "the kernels' tile sizes, tested with the kernels they compile into: a changed plan and "
+                          "plans the kernels cannot run in tests/kernels/attention/test_attention_kernel.py",
     "gpu/ranges.py": "NVTX ranges, read by the trace in tests/emulators/cupy_standin/test_gpu_trace_standin.py",
     "gpu/tensor_cores.py": "tests/kernels/attention/test_attention_tensor_cores.py, "
                            "tests/kernels/attention/test_tensor_core_headers.py",

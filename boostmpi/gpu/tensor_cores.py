@@ -30,9 +30,13 @@ CUPY_WHEELS = {"cupy-cuda12x": 12, "cupy-cuda13x": 13}
 
 
 class _DeviceTraits(Protocol):
-    """What `use_wmma` reads of a device (boostmpi.gpu.kernels' _Device)."""
-    warp_size: int
-    nvidia_major: int
+    """What `use_wmma` reads of a device (boostmpi.gpu.kernels' _Device, a NamedTuple: read-only)."""
+
+    @property
+    def warp_size(self) -> int: ...
+
+    @property
+    def nvidia_major(self) -> int: ...
 
 
 def cupy_cuda_major() -> int | None:
