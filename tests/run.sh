@@ -95,19 +95,20 @@ environment_steps() {
   return "$st"
 }
 
-# Two lanes, one per core: steps 3-7 in the background with their output held in a file (printed
+# Two lanes, one per core: steps 3-7 in the background, niced, with their output held in a file (printed
 # after steps 1-2, so that each step's lines stay together), unless BOOSTMPI_CI_SERIAL=1 (one after
 # the other, as on a 1-core machine).
 side_log="$(mktemp "${TMPDIR:-/tmp}/boostmpi-ci-env-steps.XXXXXX")" || exit 1
 side=""
 if [ "${BOOSTMPI_CI_SERIAL:-0}" != 1 ]; then
-  environment_steps >"$side_log" 2>&1 &
+  # at a lower priority: steps 1-2 are the longer lane, steps 3-7 take what CPU they leave
+  (renice -n 10 "$BASHPID" >/dev/null 2>&1; environment_steps) >"$side_log" 2>&1 &
   side=$!
   echo "steps 3-7 (system MPI, Slurm, emulated centres, gpu_check, CUDA 13) run beside steps 1-2; their output follows them"
 fi
 
 step "single-process tests"
-timeout 1200 "$PY" -m pytest -q -p no:cacheprovider --durations=20 tests "$@" || status=1
+timeout 2400 "$PY" -m pytest -q -p no:cacheprovider --durations=20 tests "$@" || status=1  # a guard against a hang
 
 for n in 1 2 3 4; do
   step "MPI tests at $n ranks"
