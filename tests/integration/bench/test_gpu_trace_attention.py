@@ -9,6 +9,7 @@ a library backend through the backend seam (`boostmpi.gpu.attention.use`), here 
 whose forward and backward issue CuPy work of their own that the trace must not count apart."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.gpu_setup import GPU
+from tests.support.paths import BENCH, pythonpath_with
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.gpu,
@@ -24,7 +26,6 @@ pytestmark = [pytest.mark.gpu,
 SCRIPT = r'''
 import json, sys, types
 bench, mutant = sys.argv[1:3]
-sys.path.insert(0, bench)
 sys.argv = ["gpu_trace.py"]
 import gpu_trace as gt  # imports bench/common.py before numpy
 import cupy
@@ -109,6 +110,7 @@ def _run(tmp_path, mutant="none"):
     script = tmp_path / "trace_attention.py"
     script.write_text(SCRIPT)
     done = subprocess.run([sys.executable, str(script), str(ROOT / "bench"), mutant], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=pythonpath_with(BENCH)),
                           timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

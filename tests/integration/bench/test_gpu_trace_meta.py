@@ -18,6 +18,7 @@ selects those targets (a few kilobytes per micro-batch, also seen in the pool's 
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ import pytest
 
 from tests.support.gpu_setup import GPU
 from tests.support.mpi_helpers import MPIEXEC
+from tests.support.paths import BENCH, pythonpath_with
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not GPU.standin, reason="checks the CuPy stand-in; a real GPU is in use")]
@@ -33,7 +35,6 @@ ROOT = Path(__file__).resolve().parents[3]
 
 SCRIPT = r'''
 import json, sys
-sys.path.insert(0, sys.argv[1])
 results = sys.argv[2]
 sys.argv = ["gpu_trace.py"] + sys.argv[3:]
 import gpu_trace as gt  # imports bench/common.py before numpy
@@ -73,7 +74,8 @@ def _run(tmp_path, *extra):
     script = tmp_path / "meta_vs_computing.py"
     script.write_text(SCRIPT)
     done = subprocess.run(["timeout", "300", MPIEXEC, "-n", "2", sys.executable, str(script), str(ROOT / "bench"),
-                           str(tmp_path), *extra], capture_output=True, text=True, timeout=360)
+                           str(tmp_path), *extra], capture_output=True, text=True, timeout=360,
+                          env=dict(os.environ, PYTHONPATH=pythonpath_with(BENCH)))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     results = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1], done.stdout[-2000:]

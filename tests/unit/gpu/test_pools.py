@@ -9,6 +9,7 @@ test puts the kept arrays back in the default pool and requires the check to fai
 bytes move from layer to layer as kept arrays split what the previous layer's transients freed."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.gpu_setup import GPU
+from tests.support.paths import BENCH, pythonpath_with
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not GPU.standin, reason="samples the CuPy stand-in's pool; a real GPU is in use")]
@@ -24,7 +26,6 @@ LAYERS = 8
 
 SCRIPT = r'''
 import json, sys
-sys.path.insert(0, sys.argv[1])
 mutant = "--mutant" in sys.argv
 policy = sys.argv[2]
 sys.argv = ["gpu_trace.py"]
@@ -63,6 +64,7 @@ def _run(tmp_path, policy, *extra):
     script = tmp_path / "kept_pool.py"
     script.write_text(SCRIPT)
     done = subprocess.run([sys.executable, str(script), str(ROOT / "bench"), policy, *extra], capture_output=True,
+                          env=dict(os.environ, PYTHONPATH=pythonpath_with(BENCH)),
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
