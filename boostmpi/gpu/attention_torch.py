@@ -7,9 +7,9 @@ memory-efficient and cuDNN kernels allowed and the math kernel (which builds the
 it is never chosen: a shape none of the three takes fails loudly instead of running slowly. That is
 what `torch.nn.attention.sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION, CUDNN_ATTENTION])` does;
 it is done here with the four `torch.backends.cuda.*_sdp` flags directly, only those that differ set
-and then restored, since sdpa_kernel sets every backend's flag on entry and again on exit: about
-0.2 ms of host time a call on this project's 2-core test machine (a few microseconds this way), which
-made the forward at small shapes 1.2-1.7x SDPA called directly on an H200 (bench/log/attention.md). On ROCm the same call reaches PyTorch's own flash and
+and then restored, since sdpa_kernel sets every backend's flag on entry and again on exit: 185 µs of
+host time a call on this project's 2-core test machine against about 6 µs this way (bench/log/attention.md,
+"Host time of the kernel restriction"). On ROCm the same call reaches PyTorch's own flash and
 memory-efficient attention (AOTriton, gfx90a included). The kernels run on CuPy's current stream:
 `torch.cuda.ExternalStream` wraps its handle and `torch.cuda.stream` makes it PyTorch's current
 stream for the call, so no synchronisation is needed between the two libraries. Results go back with
