@@ -58,7 +58,9 @@ def _gemm_seconds_with_tile(m: int, n: int, k: int, batch: int, itemsize: int, m
     c = machine.gemm_mn_overhead
     thin = (m / (m + c)) * (n / (n + c))
     rate = machine.peak(dtype) * machine.gemm_efficiency * tile_efficiency * occupancy * pipeline * thin
-    moved = itemsize * batch * (m * k + k * n + m * n) + (split - 1) * 4 * m * n * batch
+    # split-K's partial tiles are written and read back in the accumulation type: float32 for
+    # float32/16-bit operands, float64 for float64 ones
+    moved = itemsize * batch * (m * k + k * n + m * n) + (split - 1) * max(4, itemsize) * m * n * batch
     stream = machine.memory_bandwidth * machine.elementwise_efficiency
     return max(flops / rate, moved / stream) + machine.kernel_launch_s
 

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import numpy as np
+
 from boostmpi.errors import UserError
 from boostmpi.sim.attention_rates import RateTable, attention_rate, parse_tables, tables_to_toml  # noqa: F401 (attention_rate: the lookup bench/gpu_trace.py uses)
 
@@ -273,5 +275,7 @@ def _number(value: float) -> str:
     if isinstance(value, int):
         return str(value)
     if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e6):
-        return f"{value:.6g}"  # e.g. 3.12e+14, valid TOML
+        # the shortest digits that read back as the same float (a measured rate keeps every digit),
+        # in exponent form: e.g. 3.12e+14, valid TOML
+        return np.format_float_scientific(value, unique=True, trim="-")
     return repr(float(value))

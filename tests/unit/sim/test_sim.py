@@ -282,6 +282,39 @@ def test_calibrate_writes_a_usable_profile(tmp_path, capsys):
     assert model.predict_step_time(tiny({"tp": 2}), machine) > 0
 
 
+def test_a_written_profile_reads_back_exactly(tmp_path):
+    """machine_to_toml keeps every digit: each built-in profile, and one with a measured rate of many
+    digits, reads back equal (calibrate and the published-run profiles are written through it)."""
+    from dataclasses import replace
+
+    from boostmpi.sim.machines import machine_to_toml
+
+    for name in builtin_names():
+        machine = load_machine(name)
+        for version in (machine, replace(machine, memory_bandwidth=machine.memory_bandwidth * (1 + 1e-9) + 0.123)):
+            path = tmp_path / f"{name}.toml"
+            path.write_text(machine_to_toml(version))
+            assert load_machine(str(path)) == version, name
+
+
+def test_split_k_partials_move_in_the_accumulation_type():
+    """Split-K's partial tiles are written and read in the accumulation type: 8 bytes for a float64
+    GEMM, 4 for float32 and bfloat16. On a machine with compute to spare every GEMM is bound by its
+    bytes, which must then be the operands' plus the partials' exactly."""
+    from dataclasses import replace
+
+    base = load_machine("a100-80gb")
+    machine = replace(base, peak_flops={d: 1e30 for d in base.peak_flops})
+    m, n, k = 64, 64, 1 << 20  # one output tile, a long k: split over every unit
+    stream = machine.memory_bandwidth * machine.elementwise_efficiency
+    split = max(1, min(machine.compute_units, int(k // (4 * machine.gemm_k_overhead)) or 1))
+    assert split > 1
+    for dtype, itemsize, partial in (("float64", 8, 8), ("float32", 4, 4), ("bfloat16", 2, 4)):
+        seconds = costs._gemm_seconds_with_tile(m, n, k, 1, itemsize, machine, dtype, 1, 1, 1.0)
+        moved = itemsize * (m * k + k * n + m * n) + (split - 1) * partial * m * n
+        assert (seconds - machine.kernel_launch_s) * stream == pytest.approx(moved, rel=1e-12), dtype
+
+
 # ------------------------------------------------------------------ model FLOPs
 def test_model_flops_are_palms_and_the_gpu_bench_uses_them(monkeypatch):
     """6N + 12 L C T per token (PaLM App. B; SC21 Eq. 3 without its recompute pass), and one copy."""
