@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 COMPILE_OPTIONS = ("-std=c++14",)
 WMMA_OPTION = "-DBOOSTMPI_ATTENTION_WMMA"  # the attention's tensor-core kernels (kernels/attention_wmma.cuh)
-MAX_BLOCK_THREADS = 1024  # the most threads a block may have (CUDA and HIP alike; common.cuh's MAX_BLOCK_THREADS)
+# the most threads a block may have (CUDA and HIP alike); common.cuh's MAX_BLOCK_THREADS, held equal by a test
+MAX_BLOCK_THREADS = 1024
 ELEMENTWISE_BLOCK_THREADS = 256  # grid-stride kernels: lowrank.cu, adamw.cu, rope.cu
 ELEMENTWISE_BLOCKS_PER_SM = 16  # at most this many blocks of a grid-stride kernel per SM
 DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024  # static + dynamic shared memory per block; above it a kernel must opt in

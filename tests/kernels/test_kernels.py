@@ -92,6 +92,13 @@ def test_loader_pastes_local_includes_into_one_text():
     assert "float block_reduce(" in source and "RMSNORM_ENTRY_POINTS(float, f32)" in source
 
 
+def test_the_plans_block_limit_is_the_kernels():
+    """launch_plan.MAX_BLOCK_THREADS (what the launch shapes are cut to) is common.cuh's MAX_BLOCK_THREADS
+    (what the kernels' shared arrays and reductions are sized for): one number, written twice."""
+    text = (kernels.kernels_dir() / "common.cuh").read_text()
+    assert re.findall(r"^#define MAX_BLOCK_THREADS (\d+)$", text, re.MULTILINE) == [str(launch_plan.MAX_BLOCK_THREADS)]
+
+
 def test_loader_honours_kernels_dir_env(tmp_path, monkeypatch):
     (tmp_path / "part.cuh").write_text("#define ANSWER 42\n")
     (tmp_path / "demo.cu").write_text('#include "part.cuh"\nint x = ANSWER;\n')
