@@ -109,6 +109,24 @@ def _hours(hms):
     return h + m / 60 + sec / 3600
 
 
+def test_the_suites_parts_name_existing_tests_once_each():
+    """tests/run.sh splits steps 1-2 into parts that two lanes take from a queue; REST runs every test
+    file no other part names (by --ignore). A part naming a missing path, or a path another part also
+    covers, would run tests twice or drop them: every named path exists and none lies within another."""
+    text = (REPO / "tests" / "run.sh").read_text()
+    block = text[text.index("\nPARTS=(") + 1:]
+    block = block[:block.index("\n)\n") + 3]
+    p = _bash(["-c", block + 'printf "%s\\n" "${PARTS[@]}"'])
+    assert p.returncode == 0, p.stdout
+    parts = p.stdout.splitlines()
+    assert parts.count("REST") == 1 and {f"mpi {n}" for n in (1, 2, 3, 4)} <= set(parts)
+    paths = [Path(w) for part in parts if part != "REST" and not part.startswith("mpi ") for w in part.split()]
+    assert paths and all((REPO / path).exists() and path.parts[0] == "tests" for path in paths), paths
+    for a in paths:
+        assert not [b for b in paths if b != a and (a == b or a in b.parents)], a
+    assert len(set(paths)) == len(paths)
+
+
 def test_frontier_header_fits_the_batch_partition_limits():
     d = _directives("jobs/frontier.sbatch", "#SBATCH")
     nodes, hours = int(d["-N"][0]), _hours(d["-t"][0])
