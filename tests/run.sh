@@ -122,20 +122,21 @@ done
 n_part=10
 for part in "${PARTS[@]}"; do
   case "$part" in
-    REST) printf 'single tests %s\n' "${ignores[*]}" ;;
+    REST) printf 'rest tests %s\n' "${ignores[*]}" ;;
     mpi\ *) printf '%s\n' "$part" ;;
     *) printf 'single %s\n' "$part" ;;
   esac >"$queue/part.$n_part"
   n_part=$((n_part + 1))
 done
 
-run_part() {  # $1: "single PATHS..." or "mpi N"
+run_part() {  # $1: "single PATHS...", "rest tests --ignore=PATH..." or "mpi N"
   local kind="$1"; shift
   if [ "$kind" = mpi ]; then
     step "MPI tests at $1 ranks"
     timeout 600 "$MPIEXEC" -n "$1" "$PY" -m pytest -q -p no:cacheprovider --with-mpi -m mpi tests
   else
-    step "single-process tests: $*"
+    if [ "$kind" = rest ]; then step "single-process tests: every test file no other part names"
+    else step "single-process tests: $*"; fi
     timeout 1500 "$PY" -m pytest -q -p no:cacheprovider --durations=8 "$@" "${PYTEST_ARGS[@]}"  # a guard against a hang
   fi
 }
