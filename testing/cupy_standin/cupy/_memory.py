@@ -34,6 +34,13 @@ import numpy as np
 
 META = os.environ.get("BOOSTMPI_STANDIN_META", "0") == "1"
 META_HOST_VALUE = 1.0  # what a host read of a device value returns in meta mode
+# META is also switched on for each call a stream capture records (cuda/graph.py), which resolves shapes
+# only; its arrays get memory of the mode the process is in, kept here meanwhile
+memory_mode = None
+
+
+def _meta_memory():
+    return META if memory_mode is None else memory_mode
 
 
 def set_meta(on):
@@ -66,7 +73,7 @@ class Memory:
         self.size = 0 if chunk is None else chunk.size
         self.ptr = raw.ptr
         self.host = raw.host[:self.size]
-        if META:  # no values: nothing may write (or commit) these pages
+        if _meta_memory():  # no values: nothing may write (or commit) these pages
             self.host = self.host.view()
             self.host.flags.writeable = False
         self.site = call_site()  # where the array was made, for the order tracking's reports
@@ -221,7 +228,7 @@ def _backing(chunk):
         return raw
     for offset, size in [k for k in raws if k[0] < hi and k[0] + k[1] > lo]:
         raws.pop((offset, size)).free()
-    if META:  # no kernel runs: the chunk is its bytes of one harness allocation per pool allocation, as in CuPy
+    if _meta_memory():  # no kernel runs: the chunk is its bytes of one harness allocation per pool allocation, as in CuPy
         if chunk.alloc.base is None:
             chunk.alloc.base = _harness().alloc(chunk.alloc.size)
         return _Part(chunk.alloc.base, lo, chunk.size)
@@ -277,6 +284,9 @@ class MemoryPool:
         arena = self._arena(get_current_stream().ptr)
         chunk = arena.get_chunk(size)  # memory.pyx:1370: best fit, or the smallest larger chunk
         if chunk is None:  # memory.pyx:1374-1378: a new allocation of exactly this size
+            from cupy.cuda import graph
+
+            graph.check_malloc()  # cudaMalloc: allowed during a capture in relaxed mode only
             self._try_malloc(size)
             chunk = _Chunk(_Allocation(size), 0, size, arena)
         self._used += chunk.size  # memory.pyx:1380
@@ -286,7 +296,7 @@ class MemoryPool:
         _DEVICE.count(chunk.size, 0, size)
         self._mallocs += 1
         mem = Memory(self, _backing(chunk), chunk)
-        if not META:
+        if not _meta_memory():
             mem.host[...] = POISON_BYTE  # CuPy's memory is uninitialised: make unwritten reads show
         return mem
 

@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 
-from cupy.cuda import _order
+from cupy.cuda import _order, graph
 
 _op_ids = itertools.count(1)
 _stream_ptrs = itertools.count(0x5000)
@@ -113,10 +113,12 @@ class Stream:
         self.ptr = 0 if null else next(_stream_ptrs)
         self.non_blocking = non_blocking
         self.covered = frozenset()
+        self.capture = None  # the stream capture it takes part in (cuda/graph.py)
         _order.init_stream(self)
         Stream._live.add(self)
 
     def wait_event(self, event):
+        graph.on_wait(self, event)
         self.covered = self.covered | event.covers
         _order.wait(self, event)
         if self is get_current_stream():
@@ -130,12 +132,26 @@ class Stream:
         return event
 
     def synchronize(self):
+        graph.check_sync(self)
         _host_sync()
         wait_for(self.covered, f"synchronize of stream {self.ptr:#x}")
         _order.host_waits(self.clock)
 
+    def begin_capture(self, mode=None):
+        """stream.pyx:350 at v14.2.0 (cuda/graph.py)."""
+        graph.begin(self, mode)
+
+    def end_capture(self):
+        """stream.pyx:407: the captured work as a `cupy.cuda.graph.Graph`."""
+        return graph.end(self)
+
+    def is_capturing(self):
+        """stream.pyx:427."""
+        return graph.is_capturing(self)
+
     @property
     def done(self):
+        graph.check_sync(self)  # cudaStreamQuery
         progress()
         if self.covered <= _done:
             _order.host_waits(self.clock)  # the host saw it finish: as good as a synchronize
@@ -183,17 +199,20 @@ class Event:
 
     def record(self, stream=None):
         stream = get_current_stream() if stream is None else stream
+        graph.on_record(self, stream)
         self.covers = frozenset(stream.covered)
         _order.record(self, stream)
         self.recorded = True
 
     def synchronize(self):
+        graph.check_event(self)
         _host_sync()
         wait_for(self.covers, f"synchronize of {self!r}")
         _order.host_waits(self.clock)
 
     @property
     def done(self):
+        graph.check_event(self)  # cudaEventQuery
         progress()
         if self.covers <= _done:
             _order.host_waits(self.clock)

@@ -196,7 +196,14 @@ class NcclCommunicator:
             raise NcclError("ncclInvalidUsage: the communicator was destroyed or aborted")
         stream = _stream(stream)
         from cupy import _memory
+        from cupy.cuda import graph
 
+        capture = graph.device_work(stream)
+        if capture is not None:  # recorded: queued on the launch stream at each launch (nothing moves now)
+            graph.record(capture, f"NCCL {what}",
+                         lambda launch: self._enqueue(what, launch, start, test, finish, touches),
+                         [host_view(ptr, nbytes)[1] for ptr, nbytes, _ in touches])
+            return
         if _memory.META:  # shapes only: queued and ordered as always, no data moves between the ranks
             start, test, finish = (lambda: None), (lambda: True), None
         op = _queue.DeviceOp(f"NCCL {what} on communicator rank {self._rank}/{self._size}", start, test, finish)
