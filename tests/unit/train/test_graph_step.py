@@ -5,6 +5,7 @@ or synchronize while capturing raises), so a replayed step that gives the eager 
 shows that nothing of the step was left on the host or baked into the capture.
 """
 
+import functools
 from types import SimpleNamespace
 
 import numpy as np
@@ -38,6 +39,7 @@ def state(engine, optimizer):
     return {name: a.get().view(np.uint8) for name, a in arrays.items()}
 
 
+@functools.lru_cache(maxsize=None)
 def eager_run(cfg):
     from boostmpi.parallel.engine import Engine
     from boostmpi.train.trainer import optimizer_step
@@ -74,13 +76,6 @@ def assert_graph_steps_are_the_eager_steps(cfg, warmup=1):
     return graph
 
 
-def test_the_uncaptured_graph_step_is_bitwise_the_eager_step():
-    """The graph's step run eagerly on its stream (what warms up before the capture) gives the eager loop's
-    numbers bitwise: nothing of the step depends on the host reads it left out."""
-    graph = assert_graph_steps_are_the_eager_steps(small_config(), warmup=STEPS)
-    assert graph.graph is None and graph.eager_steps == STEPS
-
-
 def test_graph_steps_are_bitwise_the_eager_steps():
     """One eager step on the graph's stream, the capture, two replays: losses, norms, weights and moments
     bitwise those of four eager steps, with the learning rate changing and clipping on and off."""
@@ -108,12 +103,33 @@ def _bake_the_scalars(monkeypatch):
 
 
 def test_a_step_that_bakes_its_learning_rate_is_caught(monkeypatch):
-    """The mutant passes while every step runs eagerly and fails once the step is captured and replayed."""
+    """The mutant passes while every step runs eagerly (as the graph's step does before its capture: that
+    step, too, is bitwise the eager loop) and fails once the step is captured and replayed."""
     _bake_the_scalars(monkeypatch)
     cfg = small_config()
-    assert_graph_steps_are_the_eager_steps(cfg, warmup=STEPS)
-    with pytest.raises(AssertionError):
+    graph = assert_graph_steps_are_the_eager_steps(cfg, warmup=STEPS)
+    assert graph.graph is None and graph.eager_steps == STEPS
+    with pytest.raises(AssertionError, match="per step"):
         assert_graph_steps_are_the_eager_steps(cfg, warmup=1)
+
+
+def test_a_host_read_inside_the_step_fails_the_capture(monkeypatch):
+    """A step that reads the device from the host (here the squared norm, as the eager loop does) runs
+    eagerly and is refused by the capture, with CuPy's error and a note naming the setting."""
+    from boostmpi.parallel.engine import Engine
+
+    real = Engine.forward_backward_on_device
+
+    def reads(self, micro_batches):
+        loss_sum, grad_sq = real(self, micro_batches)
+        self.host_norm = float(grad_sq) ** 0.5
+        return loss_sum, grad_sq
+
+    monkeypatch.setattr(Engine, "forward_backward_on_device", reads)
+    cfg = small_config()
+    with pytest.raises(RuntimeError, match="capturing, so D2H transfers are disallowed") as refused:
+        graph_run(cfg, warmup=1)
+    assert "train.cuda_graph = false runs it eagerly" in "".join(refused.value.__notes__)
 
 
 # ------------------------------------------------------------------------------ refusals
