@@ -12,12 +12,12 @@ where it gets it:
 * fixed addresses: before each launch the token ids are copied into static device buffers and the step's
   numbers into the scalar buffer, on the graph's stream; inside the step the loss and the squared norm
   are copied into a static output buffer, read once after the launch (the step's one synchronisation);
-* a stream of its own: CuPy captures only on a stream other than the legacy default one, and its memory
-  pool keeps one arena of free blocks per stream (cupy/cuda/stream.pyx and cupy/cuda/memory.pyx at
-  CuPy v14.2.0). The blocks the captured step allocated and freed are the graph's working memory from
-  then on: they stay in the graph stream's arena, which nothing else allocates from between launches
-  (the static buffers are made before the capture; validation and checkpoints run on the default stream,
-  after the host has seen the step finish, and the next launch waits for them).
+* a stream and a memory pool of its own: CuPy captures only on a stream other than the legacy default
+  one (cupy/cuda/stream.pyx at CuPy v14.2.0). The chunks the captured step allocated and freed are the
+  graph's working memory from then on: they stay free in the pool, where only the graph's own step
+  allocates (`pools.PrivatePool`; the static buffers are made before the capture), and where no other
+  pool's fallback on a failed cudaMalloc frees them. Validation and checkpoints run on the default
+  stream and pool, after the host has seen the step finish, and the next launch waits for them.
 
 The first `WARMUP_STEPS` steps run the same step eagerly on the graph's stream, so that kernels are
 compiled, cuDNN's attention graphs built, lazily made device constants made and the pool holds the
@@ -43,6 +43,7 @@ import numpy as np
 
 from boostmpi.arrays import Array
 from boostmpi.errors import ConfigError
+from boostmpi.gpu.pools import PrivatePool
 
 if TYPE_CHECKING:
     from boostmpi.config import Config
@@ -105,6 +106,7 @@ class GraphStep:
         xp = engine.xp
         self.engine, self.optimizer, self.max_norm, self.warmup = engine, optimizer, max_norm, warmup
         self.stream = xp.cuda.Stream(non_blocking=True)
+        self.private = PrivatePool()  # everything the step allocates, the capture's working memory among it
         self.scalars = xp.zeros(3, dtype=np.float32)  # this step's AdamW numbers (AdamW.device_scalars)
         self.out = xp.zeros(2, dtype=np.float64)  # the step's loss sum and squared gradient norm
         self.inputs: list[tuple[Array, Array]] | None = None  # static token ids (x, y) per micro-batch
@@ -114,7 +116,7 @@ class GraphStep:
     def step(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]], lr: float) -> tuple[float, float]:
         xp = self.engine.xp
         queued = xp.cuda.get_current_stream().record()  # what the run queued (loading, validation) comes first
-        with self.stream:
+        with self.stream, xp.cuda.using_allocator(self.private.pool.malloc):
             self.stream.wait_event(queued)
             self._load(micro_batches, lr)
             if self.graph is None and self.eager_steps < self.warmup:

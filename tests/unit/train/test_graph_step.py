@@ -79,8 +79,15 @@ def assert_graph_steps_are_the_eager_steps(cfg, warmup=1):
 def test_graph_steps_are_bitwise_the_eager_steps():
     """One eager step on the graph's stream, the capture, two replays: losses, norms, weights and moments
     bitwise those of four eager steps, with the learning rate changing and clipping on and off."""
+    import cupy
+
+    from boostmpi.gpu import pools
+
     graph = assert_graph_steps_are_the_eager_steps(small_config())
     assert graph.graph is not None and graph.eager_steps == 1
+    # the step's memory is its private pool's (counted with the others), which nothing else allocates from
+    private = graph.private.pool.total_bytes()
+    assert private > 0 and pools.total_bytes(cupy) >= private + cupy.get_default_memory_pool().total_bytes()
 
 
 def _bake_the_scalars(monkeypatch):
