@@ -199,3 +199,19 @@ def test_a_cpu_run_with_the_graph_is_one_line_exit_2(capfd, tmp_path):
     argv = train_argv(tmp_path / "run", train, val, "train.cuda_graph=true", "train.device=cpu")
     assert_refused(capfd, argv, tmp_path, "train.cuda_graph = true", 'train.device = "gpu"')
     assert not (tmp_path / "run").exists()
+
+
+def test_graph_steps_with_cudnn_attention_are_bitwise_the_eager_steps(monkeypatch):
+    """The same with cuDNN's attention (the cuDNN frontend's stand-in where no GPU is reached), whose
+    graphs are built in the warm-up and whose `execute` the capture records."""
+    from boostmpi.gpu import attention
+    from tests.support.gpu_setup import use_cudnn_frontend
+
+    _, forget = use_cudnn_frontend(monkeypatch)
+    try:
+        attention.use(attention.make("cudnn", "bfloat16"))
+        assert attention.current().name == "cudnn"
+        graph = assert_graph_steps_are_the_eager_steps(small_config(attention="cudnn"))
+        assert graph.graph is not None
+    finally:
+        forget()
