@@ -107,8 +107,9 @@ class GraphStep:
         self.engine, self.optimizer, self.max_norm, self.warmup = engine, optimizer, max_norm, warmup
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.private = PrivatePool()  # everything the step allocates, the capture's working memory among it
-        self.scalars = xp.zeros(3, dtype=np.float32)  # this step's AdamW numbers (AdamW.device_scalars)
-        self.out = xp.zeros(2, dtype=np.float64)  # the step's loss sum and squared gradient norm
+        with self.stream, xp.cuda.using_allocator(self.private.pool.malloc):  # used on that stream only
+            self.scalars = xp.zeros(3, dtype=np.float32)  # this step's AdamW numbers (AdamW.device_scalars)
+            self.out = xp.zeros(2, dtype=np.float64)  # the step's loss sum and squared gradient norm
         self.inputs: list[tuple[Array, Array]] | None = None  # static token ids (x, y) per micro-batch
         self.graph: CapturedGraph | None = None
         self.eager_steps = 0
