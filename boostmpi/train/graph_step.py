@@ -5,6 +5,8 @@ bench/log/gpu_step.md) issues 1904 device activities at about 48 µs of host wor
 waits for the host. Captured once, the step is one graph launch. What a capture needs of the step, and
 where it gets it:
 
+* the library's GEMMs: CuPy 14.2.0's cuBLAS binding refuses to be called while a stream captures, so
+  the capture goes through `boostmpi.gpu.cublas_capture` (cuBLAS's own functions through ctypes);
 * no host read inside it: the engine's `forward_backward_on_device` leaves the loss and the gradient's
   squared norm on the device, and AdamW's fused update reads its per-step numbers (the learning rate, the
   bias corrections) from a device buffer and clips by the device's norm (`AdamW.step_on_device`,
@@ -43,6 +45,7 @@ import numpy as np
 
 from boostmpi.arrays import Array
 from boostmpi.errors import ConfigError
+from boostmpi.gpu import cublas_capture
 from boostmpi.gpu.pools import PrivatePool
 
 if TYPE_CHECKING:
@@ -158,7 +161,8 @@ class GraphStep:
     def _capture(self) -> CapturedGraph:
         self.stream.begin_capture()
         try:
-            self._body()
+            with cublas_capture.capturing():  # CuPy's cuBLAS binding refuses a capturing stream
+                self._body()
         except BaseException as exc:
             try:
                 self.stream.end_capture()  # leave the stream usable; the capture itself is lost
