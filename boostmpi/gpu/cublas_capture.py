@@ -41,6 +41,7 @@ class Library(NamedTuple):
 
 
 _active = False
+_refuses: bool | None = None  # whether CuPy's binding refuses a capturing stream (asked once, in a capture)
 
 
 @contextlib.contextmanager
@@ -55,10 +56,23 @@ def capturing() -> Iterator[None]:
 
 
 def binding(cublas: ModuleType) -> ModuleType:
-    """CuPy's cuBLAS binding `cublas`, or during `capturing()` this module, whose two GEMMs take its arguments."""
+    """CuPy's cuBLAS binding `cublas`, or during `capturing()`, where that binding refuses a capturing
+    stream, this module, whose two GEMMs take its arguments. Whether it refuses is asked once, of its
+    `setStream` with the capturing stream (CuPy 14.2.0 raises there before calling cuBLAS)."""
+    global _refuses
     import sys
 
-    return sys.modules[__name__] if _active else cublas
+    if not _active:
+        return cublas
+    if _refuses is None:
+        import cupy
+
+        try:
+            cublas.setStream(cupy.cuda.get_cublas_handle(), cupy.cuda.get_current_stream().ptr)
+            _refuses = False
+        except NotImplementedError:
+            _refuses = True
+    return sys.modules[__name__] if _refuses else cublas
 
 
 def loaded_path() -> str | None:

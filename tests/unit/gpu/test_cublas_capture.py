@@ -42,15 +42,17 @@ def test_the_prototypes_take_the_bindings_arguments():
     assert len(cublas_capture.PROTOTYPES["cublasSetStream_v2"]) == 2
 
 
-def test_the_binding_is_cupys_outside_a_capture():
+@pytest.mark.parametrize("refuses", [True, False])
+def test_the_binding_is_cupys_outside_a_capture_or_where_it_takes_one(monkeypatch, refuses):
     import cupy.cuda.cublas as binding
 
+    monkeypatch.setattr(cublas_capture, "_refuses", refuses)
     assert cublas_capture.binding(binding) is binding
     with cublas_capture.capturing():
-        assert cublas_capture.binding(binding) is cublas_capture
+        assert cublas_capture.binding(binding) is (cublas_capture if refuses else binding)
         with cublas_capture.capturing():
             pass
-        assert cublas_capture.binding(binding) is cublas_capture
+        assert cublas_capture.binding(binding) is (cublas_capture if refuses else binding)
     assert cublas_capture.binding(binding) is binding
 
 
@@ -67,15 +69,15 @@ def cupys_refusal(monkeypatch):
         return None
     import cupy.cuda.cublas as binding
 
-    set_current = binding._set_current_stream
+    set_stream = binding.setStream
 
-    def refusing(handle):
-        if cupy.cuda.get_current_stream().is_capturing():
+    def refusing(handle, stream):  # CuPy 14.2.0's setStream
+        current = cupy.cuda.get_current_stream()
+        if current.ptr == stream and current.is_capturing():
             raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")
-        set_current(handle)
+        set_stream(handle, stream)
 
     ran = []
-    set_stream = binding.setStream
 
     def gemm(handle, *args):
         given = dict(zip(SINGLE, args), handle=handle)
@@ -90,7 +92,8 @@ def cupys_refusal(monkeypatch):
         ran.append("strided")
         return 0
 
-    monkeypatch.setattr(binding, "_set_current_stream", refusing)
+    monkeypatch.setattr(binding, "setStream", refusing)
+    monkeypatch.setattr(cublas_capture, "_refuses", None)  # asked again, of the refusing binding
     library = cublas_capture.Library(lambda handle, stream: (set_stream(handle, stream), 0)[1], gemm, gemm_strided)
     monkeypatch.setattr(cublas_capture, "library", lambda: library)
     return ran
