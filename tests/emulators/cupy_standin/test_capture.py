@@ -418,3 +418,29 @@ except CUDARuntimeError as e:
         "hipErrorStreamCaptureUnsupported: operation not permitted when stream is capturing",
         "hipErrorStreamCaptureInvalidated: operation failed due to a previous error during capture",
         "[2.0, 2.0, 2.0, 2.0]", "hipErrorUnknown: unknown error"]
+
+
+def test_a_training_steps_device_work_captures_and_launches_to_the_eager_bits(cp):
+    """The engine's bfloat16 step on the tiny cola model, its micro-batches already on the device: every call up to
+    the step's one host read (the loss, which CuPy refuses during the capture, leaving it valid) is
+    captured, and a launch writes the eager step's gradients bit for bit, twice."""
+    from boostmpi.parallel.engine import Engine
+    from tests.support.gpu_steps import batches, config
+
+    eng = Engine(config("cola", "gpu", "bfloat16"), None, local_rank=0)
+    micro = [(cp.asarray(x), cp.asarray(y)) for x, y in batches()]
+    eng.forward_backward(micro)
+    want = eng.grads.data.get()
+    eng.grads.data.fill(np.nan)
+    s = _stream(cp)
+    cp.cuda.Device().synchronize()
+    with s:
+        s.begin_capture()
+        with pytest.raises(RuntimeError, match="capturing, so D2H transfers are disallowed"):
+            eng.forward_backward(micro)
+        graph = s.end_capture()
+    assert np.isnan(eng.grads.data.get(stream=s).astype(np.float32)).all()
+    for _ in range(2):
+        graph.launch(s)
+        s.synchronize()
+        assert eng.grads.data.get().tobytes() == want.tobytes()
