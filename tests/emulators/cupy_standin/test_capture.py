@@ -295,10 +295,13 @@ def test_launch_accesses_are_the_launch_streams_and_count_no_host_sync(cp):
 
 
 def test_the_pool_during_capture(cp):
-    """Relaxed mode (CuPy's default): a new allocation (cudaMalloc) is allowed, from the capturing
-    stream's arena; in the global mode it is refused and invalidates the capture, while a chunk the
-    arena already holds needs no cudaMalloc. A block freed during the capture stays with the graph."""
+    """CuPy's pool during a capture: chunks of the capturing stream's arena; a block the program frees goes
+    back to that arena at once, where later captured work reuses it; relaxed mode (CuPy's default) allows
+    a new allocation (cudaMalloc), the global mode refuses it and invalidates the capture. A launch after
+    the program freed an array the graph uses and the pool handed its bytes to another array raises: on a
+    GPU the launch would overwrite that array."""
     from cupy.cuda import runtime
+    from cupy.cuda.graph import GraphMemoryError
     from cupy.cuda.runtime import CUDARuntimeError
 
     pool = cp.get_default_memory_pool()
@@ -309,20 +312,32 @@ def test_the_pool_during_capture(cp):
     with s:
         s.begin_capture()
         t = a * 2
-        chunk = t._mem.chunk
-        del t  # freed by the program: the graph keeps its block
+        chunk, ptr = t._mem.chunk, t.data.ptr
+        del t  # freed: back in the stream's arena now
+        assert pool.used_bytes() == used and chunk.free and chunk.arena is pool._arenas[s.ptr]
+        u = a + 1  # the same chunk again, within the capture
         graph = s.end_capture()
-    assert chunk.arena is pool._arenas[s.ptr] and pool.used_bytes() == used + 4096
-    del graph
-    assert pool.used_bytes() == used and chunk.free  # back in the stream's arena
+    assert u.data.ptr == ptr and u._mem.chunk is chunk
+    graph.launch(s)
+    s.synchronize()
+    assert u.get().tolist() == [2.0] * 1000
+    del u  # the graph's output dropped: its block goes back too
+    with s:
+        v = cp.zeros(1000, dtype=np.float32)
+    assert v.data.ptr == ptr
+    with pytest.raises(GraphMemoryError, match=r"ndarray.__mul__ .* writes a float32 array of shape \(1000,\), whose "
+                                               "bytes the pool has since handed to another array"):
+        graph.launch(s)
+    del v
+    graph.launch(s)  # nothing holds the bytes now: the launch writes the free block, as on a GPU
     with s:
         s.begin_capture(runtime.streamCaptureModeGlobal)
-        u = a * 3  # the arena's free chunk: no cudaMalloc
+        w = a * 3  # the arena's free chunk: no cudaMalloc
         with pytest.raises(CUDARuntimeError, match="^cudaErrorStreamCaptureUnsupported"):
             a * 4  # a new allocation
         with pytest.raises(CUDARuntimeError, match="cudaErrorStreamCaptureInvalidated"):
             s.end_capture()
-    assert u._mem.chunk is chunk
+    assert w._mem.chunk is chunk
 
 
 def test_an_nccl_operation_is_recorded_and_queued_on_the_launch_stream(cp):

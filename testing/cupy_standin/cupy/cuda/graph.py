@@ -38,12 +38,15 @@ What a capture refuses, as the real stack does:
   (stream.pyx:395-403).
 Work on a stream that is not capturing runs at once, as always.
 
-Memory: during a capture the pool hands out chunks of the current (capturing) stream's arena as
-always. Each array a node uses stays alive with the graph, so a block the program frees during the
-capture goes back to the pool only when the graph is gone; CuPy returns it to the stream's arena at
-once, where later captured work may reuse it (its launch then writes what the capture put there, and
-non-captured work that gets the block meanwhile would see it overwritten): the stand-in uses more
-memory than CuPy here and cannot show that hazard.
+Memory: during a capture the pool hands out chunks of the current (capturing) stream's arena and
+takes freed ones back at once, as CuPy does, so later captured work reuses them. A graph keeps the
+addresses its work uses, not the arrays (`_Held`: the harness allocation behind a chunk stays while a
+graph addresses it, even when the pool gives the chunk back or splits it anew). A launch raises
+`GraphMemoryError` when one of its nodes would touch bytes that the pool has handed, since the capture,
+to an array the graph does not use and that is still alive: the program freed an array the graph uses
+(a captured temporary, or an output it dropped) and the bytes now hold other data, which a launch on a
+GPU would overwrite (or read). This check reads the accesses the order tracking records, so it is off
+with `BOOSTMPI_STANDIN_TRACK=0`.
 
 Not modelled: intra-graph concurrency (the nodes of forked streams replay in issue order on the
 launch stream, so a race between two branches of one graph is not reported), host functions
@@ -52,6 +55,7 @@ launch stream, so a race between two branches of one graph is not reported), hos
 
 import contextlib
 import threading
+import weakref
 
 _local = threading.local()
 _active = []  # the captures in progress (any thread)
@@ -65,6 +69,8 @@ class _Capture:
         self.error = None  # the status that invalidated the capture
         self.forked = {}  # stream -> number of nodes when it last issued work (a fork of the capture)
         self.joined = {}  # stream -> the node count up to which the origin has waited for it
+        self.held = weakref.WeakKeyDictionary()  # pool Memory -> its _Held (one per memory)
+        self.all_held = []
 
 
 class _Node:
@@ -132,7 +138,7 @@ def end(stream):
     if cap.error is not None:
         raise _error(runtime.errorStreamCaptureInvalidated if cap.error != runtime.errorStreamCaptureUnjoined
                      else cap.error)
-    return Graph._from_nodes(cap.nodes)
+    return Graph._from_nodes(cap.nodes, cap.all_held)
 
 
 def is_capturing(stream):
@@ -233,10 +239,65 @@ def check_malloc():
         _fail(strict, _runtime().errorStreamCaptureUnsupported)
 
 
+class GraphMemoryError(RuntimeError):
+    """A launch would touch bytes the pool has handed, since the capture, to an array outside the graph."""
+
+
+class _Place:
+    __slots__ = ("alloc", "offset")
+
+    def __init__(self, alloc, offset):
+        self.alloc, self.offset = alloc, offset
+
+
+class _Held:
+    """A captured array's memory as its graph holds it: the address, the bytes (whose harness allocation is
+    kept while the graph lives) and the place in the pool's allocation, not the pool's chunk, which the
+    program may free and the pool hand out again, as in CuPy."""
+
+    __slots__ = ("ptr", "host", "chunk", "size", "site", "origin", "__weakref__")
+
+    def __init__(self, mem):
+        from cupy import _memory
+
+        self.ptr, self.host, self.size, self.site = mem.ptr, mem.host, mem.size, mem.site
+        self.chunk = _Place(mem.chunk.alloc, mem.chunk.offset)
+        self.origin = weakref.ref(mem)
+        _memory.pin(mem.raw)
+        weakref.finalize(self, _memory.unpin, mem.raw)
+
+
+def _hold(cap, mem):
+    from cupy import _memory
+
+    if not isinstance(mem, _memory.Memory) or mem.chunk is None:
+        return mem
+    held = cap.held.get(mem)
+    if held is None:
+        held = cap.held[mem] = _Held(mem)
+        cap.all_held.append(held)
+    return held
+
+
+def _shadow(cap, value):
+    """`value` with each device array replaced by one over the same bytes that holds them as the graph does."""
+    from cupy import ndarray
+
+    if isinstance(value, ndarray):
+        held = _hold(cap, value._mem)
+        return value if held is value._mem else ndarray._view(value._a, held, None)
+    if isinstance(value, tuple):
+        return tuple(_shadow(cap, v) for v in value)
+    if isinstance(value, list):
+        return [_shadow(cap, v) for v in value]
+    return value
+
+
 def record(cap, what, run, keep=()):
     """A node of `cap`: `run(launch_stream)` does its work at each launch; the accesses the call made
-    (through `_order`) are its accesses; `keep` stays alive with the graph."""
-    cap.nodes.append(_Node(what, run, cap.accesses, tuple(keep)))
+    (through `_order`) are its accesses; the memory of `keep` is held with the graph."""
+    accesses = [(_hold(cap, access[0]),) + access[1:] for access in cap.accesses]
+    cap.nodes.append(_Node(what, run, accesses, tuple(_hold(cap, m) for m in keep)))
     cap.accesses = []
 
 
@@ -317,6 +378,7 @@ def record_call(cap, what, fn, args, kwargs, result, made):
     from cupy import _memory, _tracked
 
     streams = [cap.origin, *cap.forked]
+    args, kwargs, result = _shadow(cap, args), {k: _shadow(cap, v) for k, v in kwargs.items()}, _shadow(cap, result)
 
     def run(launch):
         with _quiet():
@@ -331,7 +393,7 @@ def record_call(cap, what, fn, args, kwargs, result, made):
                                      f"a {want[i].dtype} {want[i].shape} one at capture")
             want[i]._a[...] = got[i]._a
 
-    record(cap, what, run, (args, kwargs, result))
+    record(cap, what, run)
 
 
 def record_quiet(cap, what, work, keep=()):
@@ -354,10 +416,37 @@ class Graph:
                                   "via stream capture")
 
     @classmethod
-    def _from_nodes(cls, nodes):
+    def _from_nodes(cls, nodes, held):
         graph = cls.__new__(cls)
-        graph._nodes = list(nodes)
+        graph._nodes, graph._held = list(nodes), list(held)
         return graph
+
+    def _foreign(self):
+        """The pool's chunks in use now by arrays other than those the capture used: allocation -> ranges."""
+        from cupy import _memory
+
+        own = {id(h.origin()) for h in self._held if h.origin() is not None}
+        found = {}
+        for ref in list(_memory._blocks.values()):
+            mem = ref()
+            if mem is not None and id(mem) not in own and isinstance(mem.chunk, _memory._Chunk):
+                found.setdefault(id(mem.chunk.alloc), []).append((mem.chunk.offset, mem.chunk.offset + mem.size, mem))
+        return found
+
+    def _check_memory(self, node, foreign, stream):
+        for mem, lo, hi, write, what, buffer, where, doing in node.accesses:
+            if not isinstance(mem, _Held):
+                continue
+            lo, hi = lo + mem.chunk.offset, hi + mem.chunk.offset
+            for start, stop, other in foreign.get(id(mem.chunk.alloc), ()):
+                if start < hi and lo < stop:
+                    raise GraphMemoryError(
+                        f"graph launch on stream {stream.ptr:#x}: {what} (captured at {where}) "
+                        f"{'writes' if write else 'reads'} {buffer}, whose bytes the pool has since handed to "
+                        f"another array ({other.size} bytes, made at {other.site}, still in use): the program "
+                        f"freed the captured one, and on a GPU the launch would "
+                        f"{'overwrite' if write else 'read'} the new one. Keep the arrays a graph uses alive "
+                        f"while it is launched (or give the graph a memory pool of its own)")
 
     def launch(self, stream=None):
         """graph.pyx:44: run the captured work on `stream` (None: the current one), in issue order."""
@@ -366,22 +455,30 @@ class Graph:
         stream = _queue.get_current_stream() if stream is None else stream
         cap = device_work(stream)
         if cap is not None:  # launched into a capture: a child graph of it
+            cap.all_held.extend(self._held)
             for node in self._nodes:
                 cap.accesses = list(node.accesses)
                 record(cap, node.what, node.run, node.keep)
             return
+        from cupy import _memory
+
         _queue.wait_for(stream.covered, f"graph launch on stream {stream.ptr:#x}")  # data only (as `use`)
+        foreign = self._foreign()
         saved = getattr(_queue._local, "current", None)
         _queue._local.current = stream  # the nodes' work runs on the launch stream
         _local.replaying = True
+        _memory.launch_memory.extend(self._held)
         try:
             for node in self._nodes:
+                self._check_memory(node, foreign, stream)
                 if node.accesses and _order.ENABLED:
                     issued = _order.issue(stream)
                     for mem, lo, hi, write, what, buffer, where, doing in node.accesses:
                         _order.access(mem, lo, hi, write, issued, what, buffer, where, doing)
                 node.run(stream)
         finally:
+            if self._held:
+                del _memory.launch_memory[-len(self._held):]
             _local.replaying = False
             if saved is None:
                 del _queue._local.current

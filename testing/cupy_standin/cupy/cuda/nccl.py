@@ -199,16 +199,11 @@ class NcclCommunicator:
         from cupy.cuda import graph
 
         capture = graph.device_work(stream)
-        if capture is not None:  # recorded: queued on the launch stream at each launch (nothing moves now)
-            graph.record(capture, f"NCCL {what}",
-                         lambda launch: self._enqueue(what, launch, start, test, finish, touches),
-                         [host_view(ptr, nbytes)[1] for ptr, nbytes, _ in touches])
-            return
-        if _memory.META:  # shapes only: queued and ordered as always, no data moves between the ranks
+        if _memory.META and capture is None:  # shapes only: queued and ordered as always, no data moves
             start, test, finish = (lambda: None), (lambda: True), None
         op = _queue.DeviceOp(f"NCCL {what} on communicator rank {self._rank}/{self._size}", start, test, finish)
         unordered = [earlier for earlier in self._issued if earlier.id not in stream.covered]
-        if unordered:
+        if unordered and capture is None:
             raise NcclOrderError(f"{op.what} on stream {stream.ptr:#x} is not ordered after {unordered} of the same "
                                  f"communicator: NCCL may run them at once (make the stream wait for them)")
         issued, where = _order.issue(stream), _order.call_site()
@@ -216,6 +211,10 @@ class NcclCommunicator:
         for ptr, nbytes, write in touches:
             if write or ptr not in writes:  # in place: the write covers the read
                 _order.access_pointer(ptr, nbytes, write, issued, f"NCCL {what}", where)
+        if capture is not None:  # recorded: queued on the launch stream at each launch (nothing moves now)
+            graph.record(capture, f"NCCL {what}", lambda launch: self._enqueue(what, launch, start, test, finish, touches),
+                         [host_view(ptr, nbytes)[1] for ptr, nbytes, _ in touches])
+            return
         self._issued.append(op)
         _queue.enqueue(stream, op)
 
