@@ -274,6 +274,26 @@ def test_other_streams_run_at_once_and_a_fork_must_be_joined(cp):
     assert not side.is_capturing()
 
 
+def test_a_race_between_branches_of_a_graph_is_reported_at_launch(cp):
+    """A forked stream's work is a branch of the graph, ordered only by the graph's edges (the events):
+    the origin reading what the branch writes before joining it is a race inside the graph."""
+    from cupy.cuda._order import StreamOrderError
+
+    s, side = _stream(cp), _stream(cp)
+    a, c = cp.ones(4, dtype=np.float32), cp.ones(4, dtype=np.float32)
+    cp.cuda.Device().synchronize()
+    with s:
+        s.begin_capture()
+        side.wait_event(s.record())
+        with side:
+            c += 1
+        a += c  # no edge from the branch yet
+        s.wait_event(side.record())
+        graph = s.end_capture()
+    with pytest.raises(StreamOrderError, match=r"ndarray.__iadd__ on stream .* reads .* written by ndarray.__iadd__"):
+        graph.launch(s)
+
+
 def test_launch_accesses_are_the_launch_streams_and_count_no_host_sync(cp):
     from cupy.cuda import _queue
     from cupy.cuda._order import StreamOrderError

@@ -118,7 +118,8 @@ class Stream:
         Stream._live.add(self)
 
     def wait_event(self, event):
-        graph.on_wait(self, event)
+        if graph.on_wait(self, event):  # an edge of a CUDA graph being captured: nothing waits now
+            return
         self.covered = self.covered | event.covers
         _order.wait(self, event)
         if self is get_current_stream():

@@ -8,13 +8,14 @@ launches), a cuBLAS GEMM through `cupy.cuda.cublas`, an NCCL operation, the cuDN
 `execute` -- resolves its arguments, dtypes and shapes at once (the call runs in the shapes-only mode,
 `_memory.META`, on memory of the process's kind, so it allocates what it would and writes nothing)
 and becomes a node of the capture. `Graph.launch(stream)` runs the nodes in issue order, every time:
-a call node calls the same function on the same argument objects again (arrays are read at launch,
+a call node calls the same function on the same arguments again (arrays over the same bytes, read at launch,
 Python scalars and host values are the ones captured) with the arrays it made taken from a scratch
 allocator outside the pool, and copies them into the arrays the capture made (whose addresses the
 caller holds); a GEMM node computes with the alpha and beta read at capture (host pointer mode: cuBLAS
 reads them when the call is made); an NCCL node queues the operation on the launch stream; a cuDNN
 node runs the attention plan. The launch is device work on its stream for the order tracking
-(cuda/_order.py): each node makes the accesses recorded at capture, on the launch stream. A launch
+(cuda/_order.py): each node makes the accesses recorded at capture, on the launch stream (a forked
+branch's on an actor of its own, below). A launch
 makes no host-side records (call recording, `cublas.called`, `cudnn.executions`): the capture made
 them once. A launch counts no host synchronization.
 
@@ -48,9 +49,14 @@ to an array the graph does not use and that is still alive: the program freed an
 GPU would overwrite (or read). This check reads the accesses the order tracking records, so it is off
 with `BOOSTMPI_STANDIN_TRACK=0`.
 
-Not modelled: intra-graph concurrency (the nodes of forked streams replay in issue order on the
-launch stream, so a race between two branches of one graph is not reported), host functions
-(`launch_host_func` during capture), `debug_dot_str`.
+Forks: a stream that waits on an event recorded in the capture joins it, and its work is a branch of
+the graph; the launch runs every node in issue order (a race-free graph gives the same data in any order
+its edges allow),
+and for the order tracking each branch is an actor of its own, ordered by the graph's edges (the events
+recorded and waited for in the capture), so a race between branches of one graph is reported.
+
+Not modelled: host functions (`launch_host_func` during capture), `debug_dot_str`, capture modes beyond
+what they allow of cudaMalloc.
 """
 
 import contextlib
@@ -74,10 +80,14 @@ class _Capture:
 
 
 class _Node:
-    __slots__ = ("what", "run", "accesses", "keep")
+    """Work of a capture (`run`, its `accesses`), or an event recorded or waited for (`mark`: ("record" or
+    "wait", token)), issued on the capture's `stream`."""
 
-    def __init__(self, what, run, accesses, keep):
+    __slots__ = ("what", "run", "accesses", "keep", "stream", "mark")
+
+    def __init__(self, what, run, accesses, keep, stream, mark=None):
         self.what, self.run, self.accesses, self.keep = what, run, accesses, keep
+        self.stream, self.mark = stream, mark
 
 
 def _runtime():
@@ -138,7 +148,7 @@ def end(stream):
     if cap.error is not None:
         raise _error(runtime.errorStreamCaptureInvalidated if cap.error != runtime.errorStreamCaptureUnjoined
                      else cap.error)
-    return Graph._from_nodes(cap.nodes, cap.all_held)
+    return Graph._from_nodes(cap.nodes, cap.all_held, cap.origin)
 
 
 def is_capturing(stream):
@@ -169,6 +179,7 @@ def device_work(stream):
         raise _error(runtime.errorStreamCaptureInvalidated)
     if stream is not cap.origin:
         cap.forked[stream] = len(cap.nodes) + 1
+    cap.issuing = stream
     return cap
 
 
@@ -214,14 +225,18 @@ def on_record(event, stream):
     event.capture = cap
     event.capture_nodes = len(cap.nodes) if cap is not None else 0
     event.capture_stream = stream
+    if cap is not None:
+        event.capture_token = object()
+        cap.nodes.append(_Node(None, None, [], (), stream, ("record", event.capture_token)))
 
 
 def on_wait(stream, event):
     """stream.wait_event: waiting on an event of a capture joins the stream to it (a fork); the origin
-    waiting on an event of a forked stream joins that stream back up to the event."""
+    waiting on an event of a forked stream joins that stream back up to the event. True: an edge of the
+    graph (nothing waits now)."""
     cap = getattr(event, "capture", None)
     if cap is None or cap not in _active:
-        return
+        return False
     own = capture_of(stream)
     if own is None:
         stream.capture = cap
@@ -230,6 +245,8 @@ def on_wait(stream, event):
         raise _error(_runtime().errorStreamCaptureUnsupported)  # two captures may not be merged this way
     if stream is cap.origin and event.capture_stream in cap.forked:
         cap.joined[event.capture_stream] = max(cap.joined.get(event.capture_stream, 0), event.capture_nodes)
+    cap.nodes.append(_Node(None, None, [], (), stream, ("wait", event.capture_token)))
+    return True
 
 
 def check_malloc():
@@ -297,7 +314,7 @@ def record(cap, what, run, keep=()):
     """A node of `cap`: `run(launch_stream)` does its work at each launch; the accesses the call made
     (through `_order`) are its accesses; the memory of `keep` is held with the graph."""
     accesses = [(_hold(cap, access[0]),) + access[1:] for access in cap.accesses]
-    cap.nodes.append(_Node(what, run, accesses, tuple(_hold(cap, m) for m in keep)))
+    cap.nodes.append(_Node(what, run, accesses, tuple(_hold(cap, m) for m in keep), getattr(cap, "issuing", cap.origin)))
     cap.accesses = []
 
 
@@ -396,12 +413,13 @@ def record_call(cap, what, fn, args, kwargs, result, made):
     record(cap, what, run)
 
 
-def record_quiet(cap, what, work, keep=()):
-    """A node whose launch does `work()` with the tracking and host-side records off."""
+def record_quiet(cap, what, work, keep=(), always=False):
+    """A node whose launch does `work()` (on the launch stream, the current one meanwhile) with the tracking
+    and host-side records off (its accesses are the node's); not in the shapes-only mode unless `always`."""
     def run(launch):
         from cupy import _memory
 
-        if not _memory.META:  # in the shapes-only mode nothing is computed at launch either
+        if always or not _memory.META:
             with _quiet():
                 work()
 
@@ -416,9 +434,9 @@ class Graph:
                                   "via stream capture")
 
     @classmethod
-    def _from_nodes(cls, nodes, held):
+    def _from_nodes(cls, nodes, held, origin):
         graph = cls.__new__(cls)
-        graph._nodes, graph._held = list(nodes), list(held)
+        graph._nodes, graph._held, graph._origin = list(nodes), list(held), origin
         return graph
 
     def _foreign(self):
@@ -456,9 +474,8 @@ class Graph:
         cap = device_work(stream)
         if cap is not None:  # launched into a capture: a child graph of it
             cap.all_held.extend(self._held)
-            for node in self._nodes:
-                cap.accesses = list(node.accesses)
-                record(cap, node.what, node.run, node.keep)
+            cap.nodes.extend(_Node(n.what, n.run, n.accesses, n.keep, stream if n.stream is self._origin else n.stream,
+                                   n.mark) for n in self._nodes)
             return
         from cupy import _memory
 
@@ -468,11 +485,25 @@ class Graph:
         _queue._local.current = stream  # the nodes' work runs on the launch stream
         _local.replaying = True
         _memory.launch_memory.extend(self._held)
+        branches, marks = {self._origin: stream}, {}
+
+        def actor(captured):  # a forked stream's work is a branch of the graph: an actor of its own
+            if captured not in branches:
+                branches[captured] = _queue.Stream(non_blocking=True)
+            return branches[captured]
+
         try:
             for node in self._nodes:
+                if node.mark is not None:  # the graph's edges, for the order tracking
+                    kind, token = node.mark
+                    if kind == "record":
+                        marks[token] = dict(actor(node.stream).clock)
+                    elif token in marks:
+                        _order._join(actor(node.stream).clock, marks[token])
+                    continue
                 self._check_memory(node, foreign, stream)
                 if node.accesses and _order.ENABLED:
-                    issued = _order.issue(stream)
+                    issued = _order.issue(actor(node.stream))
                     for mem, lo, hi, write, what, buffer, where, doing in node.accesses:
                         _order.access(mem, lo, hi, write, issued, what, buffer, where, doing)
                 node.run(stream)
@@ -492,4 +523,4 @@ class Graph:
 
     def standin_nodes(self):
         """What each node is, in launch order (a stand-in extra, for tests)."""
-        return [node.what for node in self._nodes]
+        return [node.what for node in self._nodes if node.mark is None]

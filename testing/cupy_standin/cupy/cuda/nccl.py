@@ -212,8 +212,9 @@ class NcclCommunicator:
             if write or ptr not in writes:  # in place: the write covers the read
                 _order.access_pointer(ptr, nbytes, write, issued, f"NCCL {what}", where)
         if capture is not None:  # recorded: queued on the launch stream at each launch (nothing moves now)
-            graph.record(capture, f"NCCL {what}", lambda launch: self._enqueue(what, launch, start, test, finish, touches),
-                         [host_view(ptr, nbytes)[1] for ptr, nbytes, _ in touches])
+            graph.record_quiet(capture, f"NCCL {what}", lambda: self._enqueue(what, _queue.get_current_stream(), start,
+                                                                               test, finish, touches),
+                               [host_view(ptr, nbytes)[1] for ptr, nbytes, _ in touches], always=True)
             return
         self._issued.append(op)
         _queue.enqueue(stream, op)
