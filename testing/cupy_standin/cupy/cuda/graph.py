@@ -60,10 +60,8 @@ what they allow of cudaMalloc.
 """
 
 import contextlib
-import threading
 import weakref
 
-_local = threading.local()
 _active = []  # the captures in progress (any thread)
 
 
@@ -331,10 +329,6 @@ def shapes_only():
         _memory.META, _memory.memory_mode = saved
 
 
-def replaying():
-    return getattr(_local, "replaying", False)
-
-
 # ------------------------------------------------------------------ replay
 class _ScratchChunk:
     __slots__ = ("size",)
@@ -483,7 +477,6 @@ class Graph:
         foreign = self._foreign()
         saved = getattr(_queue._local, "current", None)
         _queue._local.current = stream  # the nodes' work runs on the launch stream
-        _local.replaying = True
         _memory.launch_memory.extend(self._held)
         branches, marks = {self._origin: stream}, {}
 
@@ -510,7 +503,6 @@ class Graph:
         finally:
             if self._held:
                 del _memory.launch_memory[-len(self._held):]
-            _local.replaying = False
             if saved is None:
                 del _queue._local.current
             else:
