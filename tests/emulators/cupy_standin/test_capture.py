@@ -479,3 +479,49 @@ def test_a_training_steps_device_work_captures_and_launches_to_the_eager_bits(cp
         graph.launch(s)
         s.synchronize()
         assert eng.grads.data.get().tobytes() == want.tobytes()
+
+
+DP2_STEP = """
+import numpy as np, cupy as cp
+from mpi4py import MPI
+from boostmpi.parallel.engine import Engine
+from tests.support.gpu_steps import batches, config
+for overlap in (True, False):
+    eng = Engine(config("cola", "gpu", "bfloat16", parallel=dict(dp=2, overlap=overlap)), MPI.COMM_WORLD,
+                 local_rank=MPI.COMM_WORLD.Get_rank())
+    micro = [tuple(cp.asarray(m) for m in batches()[eng.grid.coords.dp])]
+    eng.forward_backward(micro)
+    want = eng.grads.data.get()
+    eng.grads.data.fill(np.nan)
+    s = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with s:
+        s.begin_capture()
+        try:
+            eng.forward_backward(micro)
+        except RuntimeError as e:
+            assert "D2H transfers are disallowed" in str(e), e
+        graph = s.end_capture()
+    assert sum(n.startswith("NCCL allReduce") for n in graph.standin_nodes()) > 0
+    for _ in range(2):
+        graph.launch(s)
+        s.synchronize()
+        assert eng.grads.data.get().tobytes() == want.tobytes(), overlap
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_a_dp2_step_with_side_stream_all_reduces_captures_and_launches_to_the_eager_bits(tmp_path):
+    """Two ranks, data parallel with and without overlap: the side-stream all-reduces join the capture
+    through the engine's events (a fork joined back), and each launch gives the eager gradients."""
+    from tests.support.mpi_helpers import MPIEXEC
+
+    script = tmp_path / "dp2_capture.py"
+    script.write_text(DP2_STEP)
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script)], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("ok") == 2

@@ -29,6 +29,7 @@ _op_ids = itertools.count(1)
 _stream_ptrs = itertools.count(0x5000)
 _pending = []  # DeviceOps not yet done, in issue order
 _done = set()
+_synced = set()  # ops the host has waited for (a synchronize, or a query that saw them done): ordered before all it issues next
 _local = threading.local()
 host_syncs = 0  # blocking waits of the host for the device (synchronize; get() and the like synchronize too)
 
@@ -136,6 +137,7 @@ class Stream:
         graph.check_sync(self)
         _host_sync()
         wait_for(self.covered, f"synchronize of stream {self.ptr:#x}")
+        _synced.update(self.covered)
         _order.host_waits(self.clock)
 
     def begin_capture(self, mode=None):
@@ -155,6 +157,7 @@ class Stream:
         graph.check_sync(self)  # cudaStreamQuery
         progress()
         if self.covered <= _done:
+            _synced.update(self.covered)
             _order.host_waits(self.clock)  # the host saw it finish: as good as a synchronize
             return True
         return False
@@ -209,6 +212,7 @@ class Event:
         graph.check_event(self)
         _host_sync()
         wait_for(self.covers, f"synchronize of {self!r}")
+        _synced.update(self.covers)
         _order.host_waits(self.clock)
 
     @property
@@ -216,6 +220,7 @@ class Event:
         graph.check_event(self)  # cudaEventQuery
         progress()
         if self.covers <= _done:
+            _synced.update(self.covers)
             _order.host_waits(self.clock)
             return True
         return False
