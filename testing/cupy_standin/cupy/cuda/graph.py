@@ -36,7 +36,9 @@ What a capture refuses, as the real stack does:
   (another stream waiting on an event of the capture joins it) that is not joined back before
   `end_capture` gives cudaErrorStreamCaptureUnjoined; in the global and thread-local modes a
   cudaMalloc (a new pool allocation) is refused, in relaxed mode, CuPy's default, it is allowed
-  (stream.pyx:395-403).
+  (stream.pyx:395-403; the runtime header's documentation of cudaThreadExchangeStreamCaptureMode, as
+  bindings reproduce it: https://docs.rs/rcudnn/latest/rcudnn/fn.cudaThreadExchangeStreamCaptureMode.html,
+  and of cudaStreamIsCapturing for the legacy stream: https://docs.rs/rcudnn/latest/rcudnn/fn.cudaStreamIsCapturing.html).
 Work on a stream that is not capturing runs at once, as always.
 
 Memory: during a capture the pool hands out chunks of the current (capturing) stream's arena and
