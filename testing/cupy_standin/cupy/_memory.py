@@ -199,10 +199,10 @@ class _Arena:
             chunk.arena = None
             freed += chunk.size
             for raw in chunk.alloc.raws.values():
-                raw.free()
+                _free_raw(raw)
             chunk.alloc.raws.clear()
             if chunk.alloc.base is not None:
-                chunk.alloc.base.free()
+                _free_raw(chunk.alloc.base)
         return freed
 
 
@@ -227,7 +227,7 @@ def _backing(chunk):
     if raw is not None:
         return raw
     for offset, size in [k for k in raws if k[0] < hi and k[0] + k[1] > lo]:
-        raws.pop((offset, size)).free()
+        _free_raw(raws.pop((offset, size)))
     if _meta_memory():  # no kernel runs: the chunk is its bytes of one harness allocation per pool allocation, as in CuPy
         if chunk.alloc.base is None:
             chunk.alloc.base = _harness().alloc(chunk.alloc.size)
@@ -239,6 +239,7 @@ class _Part:
     """Bytes [offset, offset + size) of a harness allocation, as a chunk's backing in meta mode."""
 
     def __init__(self, base, offset, size):
+        self.base = base
         self.ptr, self.host = base.ptr + offset, base.host[offset: offset + size]
 
     def free(self):  # the pool allocation's harness allocation goes when the pool gives it back
@@ -478,6 +479,37 @@ def get_default_pinned_memory_pool():
     return _PINNED_POOL
 
 
+# ------------------------------------------------------------------ memory a CUDA graph addresses
+# A graph keeps the addresses its captured work uses, not the arrays (cuda/graph.py): the pool may take
+# a chunk back and hand it out again as CuPy does, but the harness allocation behind it stays until
+# no graph addresses it. id(allocation) -> [allocation, graphs holding it, freed by the pool meanwhile]
+_pinned = {}
+launch_memory = []  # during a graph launch, the memory it addresses (for `host_view`)
+
+
+def pin(raw):
+    raw = getattr(raw, "base", raw)
+    _pinned.setdefault(id(raw), [raw, 0, False])[1] += 1
+
+
+def unpin(raw):
+    raw = getattr(raw, "base", raw)
+    entry = _pinned[id(raw)]
+    entry[1] -= 1
+    if not entry[1]:
+        del _pinned[id(raw)]
+        if entry[2]:
+            raw.free()
+
+
+def _free_raw(raw):
+    entry = _pinned.get(id(raw))
+    if entry is None:
+        raw.free()
+    else:
+        entry[2] = True
+
+
 # ------------------------------------------------------------------ pointer -> memory
 _starts = []  # sorted device addresses of live blocks
 _blocks = {}  # address -> weakref to Memory
@@ -496,10 +528,13 @@ def _unregister(ptr):
 
 
 def host_view(ptr, nbytes):
-    """The bytes [ptr, ptr + nbytes) of a live device array, as a writable NumPy uint8 view."""
+    """The bytes [ptr, ptr + nbytes) of a live device array, as a writable NumPy uint8 view (while a CUDA
+    graph launches: or of memory the graph holds, `launch_memory`)."""
     i = bisect.bisect_right(_starts, ptr) - 1
     mem = _blocks[_starts[i]]() if i >= 0 else None
-    if mem is None or ptr + nbytes > mem.ptr + mem.size:
+    if mem is None or ptr < mem.ptr or ptr + nbytes > mem.ptr + mem.size:
+        mem = next((m for m in reversed(launch_memory) if m.ptr <= ptr and ptr + nbytes <= m.ptr + m.size), None)
+    if mem is None:
         raise ValueError(f"device address {ptr:#x} (+{nbytes} bytes) is not inside a live allocation")
     offset = ptr - mem.ptr
     return mem.host[offset: offset + nbytes], mem

@@ -274,6 +274,26 @@ def test_other_streams_run_at_once_and_a_fork_must_be_joined(cp):
     assert not side.is_capturing()
 
 
+def test_a_race_between_branches_of_a_graph_is_reported_at_launch(cp):
+    """A forked stream's work is a branch of the graph, ordered only by the graph's edges (the events):
+    the origin reading what the branch writes before joining it is a race inside the graph."""
+    from cupy.cuda._order import StreamOrderError
+
+    s, side = _stream(cp), _stream(cp)
+    a, c = cp.ones(4, dtype=np.float32), cp.ones(4, dtype=np.float32)
+    cp.cuda.Device().synchronize()
+    with s:
+        s.begin_capture()
+        side.wait_event(s.record())
+        with side:
+            c += 1
+        a += c  # no edge from the branch yet
+        s.wait_event(side.record())
+        graph = s.end_capture()
+    with pytest.raises(StreamOrderError, match=r"ndarray.__iadd__ on stream .* reads .* written by ndarray.__iadd__"):
+        graph.launch(s)
+
+
 def test_launch_accesses_are_the_launch_streams_and_count_no_host_sync(cp):
     from cupy.cuda import _queue
     from cupy.cuda._order import StreamOrderError
@@ -295,10 +315,13 @@ def test_launch_accesses_are_the_launch_streams_and_count_no_host_sync(cp):
 
 
 def test_the_pool_during_capture(cp):
-    """Relaxed mode (CuPy's default): a new allocation (cudaMalloc) is allowed, from the capturing
-    stream's arena; in the global mode it is refused and invalidates the capture, while a chunk the
-    arena already holds needs no cudaMalloc. A block freed during the capture stays with the graph."""
+    """CuPy's pool during a capture: chunks of the capturing stream's arena; a block the program frees goes
+    back to that arena at once, where later captured work reuses it; relaxed mode (CuPy's default) allows
+    a new allocation (cudaMalloc), the global mode refuses it and invalidates the capture. A launch after
+    the program freed an array the graph uses and the pool handed its bytes to another array raises: on a
+    GPU the launch would overwrite that array."""
     from cupy.cuda import runtime
+    from cupy.cuda.graph import GraphMemoryError
     from cupy.cuda.runtime import CUDARuntimeError
 
     pool = cp.get_default_memory_pool()
@@ -309,20 +332,32 @@ def test_the_pool_during_capture(cp):
     with s:
         s.begin_capture()
         t = a * 2
-        chunk = t._mem.chunk
-        del t  # freed by the program: the graph keeps its block
+        chunk, ptr = t._mem.chunk, t.data.ptr
+        del t  # freed: back in the stream's arena now
+        assert pool.used_bytes() == used and chunk.free and chunk.arena is pool._arenas[s.ptr]
+        u = a + 1  # the same chunk again, within the capture
         graph = s.end_capture()
-    assert chunk.arena is pool._arenas[s.ptr] and pool.used_bytes() == used + 4096
-    del graph
-    assert pool.used_bytes() == used and chunk.free  # back in the stream's arena
+    assert u.data.ptr == ptr and u._mem.chunk is chunk
+    graph.launch(s)
+    s.synchronize()
+    assert u.get().tolist() == [2.0] * 1000
+    del u  # the graph's output dropped: its block goes back too
+    with s:
+        v = cp.zeros(1000, dtype=np.float32)
+    assert v.data.ptr == ptr
+    with pytest.raises(GraphMemoryError, match=r"ndarray.__mul__ .* writes a float32 array of shape \(1000,\), whose "
+                                               "bytes the pool has since handed to another array"):
+        graph.launch(s)
+    del v
+    graph.launch(s)  # nothing holds the bytes now: the launch writes the free block, as on a GPU
     with s:
         s.begin_capture(runtime.streamCaptureModeGlobal)
-        u = a * 3  # the arena's free chunk: no cudaMalloc
+        w = a * 3  # the arena's free chunk: no cudaMalloc
         with pytest.raises(CUDARuntimeError, match="^cudaErrorStreamCaptureUnsupported"):
             a * 4  # a new allocation
         with pytest.raises(CUDARuntimeError, match="cudaErrorStreamCaptureInvalidated"):
             s.end_capture()
-    assert u._mem.chunk is chunk
+    assert w._mem.chunk is chunk
 
 
 def test_an_nccl_operation_is_recorded_and_queued_on_the_launch_stream(cp):
@@ -418,3 +453,75 @@ except CUDARuntimeError as e:
         "hipErrorStreamCaptureUnsupported: operation not permitted when stream is capturing",
         "hipErrorStreamCaptureInvalidated: operation failed due to a previous error during capture",
         "[2.0, 2.0, 2.0, 2.0]", "hipErrorUnknown: unknown error"]
+
+
+def test_a_training_steps_device_work_captures_and_launches_to_the_eager_bits(cp):
+    """The engine's bfloat16 step on the tiny cola model, its micro-batches already on the device: every call up to
+    the step's one host read (the loss, which CuPy refuses during the capture, leaving it valid) is
+    captured, and a launch writes the eager step's gradients bit for bit, twice."""
+    from boostmpi.parallel.engine import Engine
+    from tests.support.gpu_steps import batches, config
+
+    eng = Engine(config("cola", "gpu", "bfloat16"), None, local_rank=0)
+    micro = [(cp.asarray(x), cp.asarray(y)) for x, y in batches()]
+    eng.forward_backward(micro)
+    want = eng.grads.data.get()
+    eng.grads.data.fill(np.nan)
+    s = _stream(cp)
+    cp.cuda.Device().synchronize()
+    with s:
+        s.begin_capture()
+        with pytest.raises(RuntimeError, match="capturing, so D2H transfers are disallowed"):
+            eng.forward_backward(micro)
+        graph = s.end_capture()
+    assert np.isnan(eng.grads.data.get(stream=s).astype(np.float32)).all()
+    for _ in range(2):
+        graph.launch(s)
+        s.synchronize()
+        assert eng.grads.data.get().tobytes() == want.tobytes()
+
+
+DP2_STEP = """
+import numpy as np, cupy as cp
+from mpi4py import MPI
+from boostmpi.parallel.engine import Engine
+from tests.support.gpu_steps import batches, config
+for overlap in (True, False):
+    eng = Engine(config("cola", "gpu", "bfloat16", parallel=dict(dp=2, overlap=overlap)), MPI.COMM_WORLD,
+                 local_rank=MPI.COMM_WORLD.Get_rank())
+    micro = [tuple(cp.asarray(m) for m in batches()[eng.grid.coords.dp])]
+    eng.forward_backward(micro)
+    want = eng.grads.data.get()
+    eng.grads.data.fill(np.nan)
+    s = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with s:
+        s.begin_capture()
+        try:
+            eng.forward_backward(micro)
+        except RuntimeError as e:
+            assert "D2H transfers are disallowed" in str(e), e
+        graph = s.end_capture()
+    assert sum(n.startswith("NCCL allReduce") for n in graph.standin_nodes()) > 0
+    for _ in range(2):
+        graph.launch(s)
+        s.synchronize()
+        assert eng.grads.data.get().tobytes() == want.tobytes(), overlap
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_a_dp2_step_with_side_stream_all_reduces_captures_and_launches_to_the_eager_bits(tmp_path):
+    """Two ranks, data parallel with and without overlap: the side-stream all-reduces join the capture
+    through the engine's events (a fork joined back), and each launch gives the eager gradients."""
+    from tests.support.mpi_helpers import MPIEXEC
+
+    script = tmp_path / "dp2_capture.py"
+    script.write_text(DP2_STEP)
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script)], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("ok") == 2

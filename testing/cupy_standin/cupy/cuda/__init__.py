@@ -44,6 +44,7 @@ class Device:
         graph.check_device_sync()  # cudaDeviceSynchronize while a stream captures
         _queue._host_sync()
         _queue.wait_for({op.id for op in _queue._pending}, f"synchronize of device {self.id}")
+        _queue._synced.update(_queue._done)
         _order.host_waits_all()
 
     @property

@@ -29,6 +29,7 @@ _op_ids = itertools.count(1)
 _stream_ptrs = itertools.count(0x5000)
 _pending = []  # DeviceOps not yet done, in issue order
 _done = set()
+_synced = set()  # ops the host has waited for (a synchronize, or a query that saw them done): ordered before all it issues next
 _local = threading.local()
 host_syncs = 0  # blocking waits of the host for the device (synchronize; get() and the like synchronize too)
 
@@ -118,7 +119,8 @@ class Stream:
         Stream._live.add(self)
 
     def wait_event(self, event):
-        graph.on_wait(self, event)
+        if graph.on_wait(self, event):  # an edge of a CUDA graph being captured: nothing waits now
+            return
         self.covered = self.covered | event.covers
         _order.wait(self, event)
         if self is get_current_stream():
@@ -135,6 +137,7 @@ class Stream:
         graph.check_sync(self)
         _host_sync()
         wait_for(self.covered, f"synchronize of stream {self.ptr:#x}")
+        _synced.update(self.covered)
         _order.host_waits(self.clock)
 
     def begin_capture(self, mode=None):
@@ -154,6 +157,7 @@ class Stream:
         graph.check_sync(self)  # cudaStreamQuery
         progress()
         if self.covered <= _done:
+            _synced.update(self.covered)
             _order.host_waits(self.clock)  # the host saw it finish: as good as a synchronize
             return True
         return False
@@ -208,6 +212,7 @@ class Event:
         graph.check_event(self)
         _host_sync()
         wait_for(self.covers, f"synchronize of {self!r}")
+        _synced.update(self.covers)
         _order.host_waits(self.clock)
 
     @property
@@ -215,6 +220,7 @@ class Event:
         graph.check_event(self)  # cudaEventQuery
         progress()
         if self.covers <= _done:
+            _synced.update(self.covers)
             _order.host_waits(self.clock)
             return True
         return False

@@ -8,13 +8,14 @@ launches), a cuBLAS GEMM through `cupy.cuda.cublas`, an NCCL operation, the cuDN
 `execute` -- resolves its arguments, dtypes and shapes at once (the call runs in the shapes-only mode,
 `_memory.META`, on memory of the process's kind, so it allocates what it would and writes nothing)
 and becomes a node of the capture. `Graph.launch(stream)` runs the nodes in issue order, every time:
-a call node calls the same function on the same argument objects again (arrays are read at launch,
+a call node calls the same function on the same arguments again (arrays over the same bytes, read at launch,
 Python scalars and host values are the ones captured) with the arrays it made taken from a scratch
 allocator outside the pool, and copies them into the arrays the capture made (whose addresses the
 caller holds); a GEMM node computes with the alpha and beta read at capture (host pointer mode: cuBLAS
 reads them when the call is made); an NCCL node queues the operation on the launch stream; a cuDNN
 node runs the attention plan. The launch is device work on its stream for the order tracking
-(cuda/_order.py): each node makes the accesses recorded at capture, on the launch stream. A launch
+(cuda/_order.py): each node makes the accesses recorded at capture, on the launch stream (a forked
+branch's on an actor of its own, below). A launch
 makes no host-side records (call recording, `cublas.called`, `cudnn.executions`): the capture made
 them once. A launch counts no host synchronization.
 
@@ -35,25 +36,34 @@ What a capture refuses, as the real stack does:
   (another stream waiting on an event of the capture joins it) that is not joined back before
   `end_capture` gives cudaErrorStreamCaptureUnjoined; in the global and thread-local modes a
   cudaMalloc (a new pool allocation) is refused, in relaxed mode, CuPy's default, it is allowed
-  (stream.pyx:395-403).
+  (stream.pyx:395-403; the runtime header's documentation of cudaThreadExchangeStreamCaptureMode, as
+  bindings reproduce it: https://docs.rs/rcudnn/latest/rcudnn/fn.cudaThreadExchangeStreamCaptureMode.html,
+  and of cudaStreamIsCapturing for the legacy stream: https://docs.rs/rcudnn/latest/rcudnn/fn.cudaStreamIsCapturing.html).
 Work on a stream that is not capturing runs at once, as always.
 
-Memory: during a capture the pool hands out chunks of the current (capturing) stream's arena as
-always. Each array a node uses stays alive with the graph, so a block the program frees during the
-capture goes back to the pool only when the graph is gone; CuPy returns it to the stream's arena at
-once, where later captured work may reuse it (its launch then writes what the capture put there, and
-non-captured work that gets the block meanwhile would see it overwritten): the stand-in uses more
-memory than CuPy here and cannot show that hazard.
+Memory: during a capture the pool hands out chunks of the current (capturing) stream's arena and
+takes freed ones back at once, as CuPy does, so later captured work reuses them. A graph keeps the
+addresses its work uses, not the arrays (`_Held`: the harness allocation behind a chunk stays while a
+graph addresses it, even when the pool gives the chunk back or splits it anew). A launch raises
+`GraphMemoryError` when one of its nodes would touch bytes that the pool has handed, since the capture,
+to an array the graph does not use and that is still alive: the program freed an array the graph uses
+(a captured temporary, or an output it dropped) and the bytes now hold other data, which a launch on a
+GPU would overwrite (or read). This check reads the accesses the order tracking records, so it is off
+with `BOOSTMPI_STANDIN_TRACK=0`.
 
-Not modelled: intra-graph concurrency (the nodes of forked streams replay in issue order on the
-launch stream, so a race between two branches of one graph is not reported), host functions
-(`launch_host_func` during capture), `debug_dot_str`.
+Forks: a stream that waits on an event recorded in the capture joins it, and its work is a branch of
+the graph; the launch runs every node in issue order (a race-free graph gives the same data in any order
+its edges allow),
+and for the order tracking each branch is an actor of its own, ordered by the graph's edges (the events
+recorded and waited for in the capture), so a race between branches of one graph is reported.
+
+Not modelled: host functions (`launch_host_func` during capture), `debug_dot_str`, capture modes beyond
+what they allow of cudaMalloc.
 """
 
 import contextlib
-import threading
+import weakref
 
-_local = threading.local()
 _active = []  # the captures in progress (any thread)
 
 
@@ -65,13 +75,19 @@ class _Capture:
         self.error = None  # the status that invalidated the capture
         self.forked = {}  # stream -> number of nodes when it last issued work (a fork of the capture)
         self.joined = {}  # stream -> the node count up to which the origin has waited for it
+        self.held = weakref.WeakKeyDictionary()  # pool Memory -> its _Held (one per memory)
+        self.all_held = []
 
 
 class _Node:
-    __slots__ = ("what", "run", "accesses", "keep")
+    """Work of a capture (`run`, its `accesses`), or an event recorded or waited for (`mark`: ("record" or
+    "wait", token)), issued on the capture's `stream`."""
 
-    def __init__(self, what, run, accesses, keep):
+    __slots__ = ("what", "run", "accesses", "keep", "stream", "mark")
+
+    def __init__(self, what, run, accesses, keep, stream, mark=None):
         self.what, self.run, self.accesses, self.keep = what, run, accesses, keep
+        self.stream, self.mark = stream, mark
 
 
 def _runtime():
@@ -132,7 +148,7 @@ def end(stream):
     if cap.error is not None:
         raise _error(runtime.errorStreamCaptureInvalidated if cap.error != runtime.errorStreamCaptureUnjoined
                      else cap.error)
-    return Graph._from_nodes(cap.nodes)
+    return Graph._from_nodes(cap.nodes, cap.all_held, cap.origin)
 
 
 def is_capturing(stream):
@@ -163,6 +179,7 @@ def device_work(stream):
         raise _error(runtime.errorStreamCaptureInvalidated)
     if stream is not cap.origin:
         cap.forked[stream] = len(cap.nodes) + 1
+    cap.issuing = stream
     return cap
 
 
@@ -208,14 +225,18 @@ def on_record(event, stream):
     event.capture = cap
     event.capture_nodes = len(cap.nodes) if cap is not None else 0
     event.capture_stream = stream
+    if cap is not None:
+        event.capture_token = object()
+        cap.nodes.append(_Node(None, None, [], (), stream, ("record", event.capture_token)))
 
 
 def on_wait(stream, event):
     """stream.wait_event: waiting on an event of a capture joins the stream to it (a fork); the origin
-    waiting on an event of a forked stream joins that stream back up to the event."""
+    waiting on an event of a forked stream joins that stream back up to the event. True: an edge of the
+    graph (nothing waits now)."""
     cap = getattr(event, "capture", None)
     if cap is None or cap not in _active:
-        return
+        return False
     own = capture_of(stream)
     if own is None:
         stream.capture = cap
@@ -224,6 +245,8 @@ def on_wait(stream, event):
         raise _error(_runtime().errorStreamCaptureUnsupported)  # two captures may not be merged this way
     if stream is cap.origin and event.capture_stream in cap.forked:
         cap.joined[event.capture_stream] = max(cap.joined.get(event.capture_stream, 0), event.capture_nodes)
+    cap.nodes.append(_Node(None, None, [], (), stream, ("wait", event.capture_token)))
+    return True
 
 
 def check_malloc():
@@ -233,10 +256,65 @@ def check_malloc():
         _fail(strict, _runtime().errorStreamCaptureUnsupported)
 
 
+class GraphMemoryError(RuntimeError):
+    """A launch would touch bytes the pool has handed, since the capture, to an array outside the graph."""
+
+
+class _Place:
+    __slots__ = ("alloc", "offset")
+
+    def __init__(self, alloc, offset):
+        self.alloc, self.offset = alloc, offset
+
+
+class _Held:
+    """A captured array's memory as its graph holds it: the address, the bytes (whose harness allocation is
+    kept while the graph lives) and the place in the pool's allocation, not the pool's chunk, which the
+    program may free and the pool hand out again, as in CuPy."""
+
+    __slots__ = ("ptr", "host", "chunk", "size", "site", "origin", "__weakref__")
+
+    def __init__(self, mem):
+        from cupy import _memory
+
+        self.ptr, self.host, self.size, self.site = mem.ptr, mem.host, mem.size, mem.site
+        self.chunk = _Place(mem.chunk.alloc, mem.chunk.offset)
+        self.origin = weakref.ref(mem)
+        _memory.pin(mem.raw)
+        weakref.finalize(self, _memory.unpin, mem.raw)
+
+
+def _hold(cap, mem):
+    from cupy import _memory
+
+    if not isinstance(mem, _memory.Memory) or mem.chunk is None:
+        return mem
+    held = cap.held.get(mem)
+    if held is None:
+        held = cap.held[mem] = _Held(mem)
+        cap.all_held.append(held)
+    return held
+
+
+def _shadow(cap, value):
+    """`value` with each device array replaced by one over the same bytes that holds them as the graph does."""
+    from cupy import ndarray
+
+    if isinstance(value, ndarray):
+        held = _hold(cap, value._mem)
+        return value if held is value._mem else ndarray._view(value._a, held, None)
+    if isinstance(value, tuple):
+        return tuple(_shadow(cap, v) for v in value)
+    if isinstance(value, list):
+        return [_shadow(cap, v) for v in value]
+    return value
+
+
 def record(cap, what, run, keep=()):
     """A node of `cap`: `run(launch_stream)` does its work at each launch; the accesses the call made
-    (through `_order`) are its accesses; `keep` stays alive with the graph."""
-    cap.nodes.append(_Node(what, run, cap.accesses, tuple(keep)))
+    (through `_order`) are its accesses; the memory of `keep` is held with the graph."""
+    accesses = [(_hold(cap, access[0]),) + access[1:] for access in cap.accesses]
+    cap.nodes.append(_Node(what, run, accesses, tuple(_hold(cap, m) for m in keep), getattr(cap, "issuing", cap.origin)))
     cap.accesses = []
 
 
@@ -251,10 +329,6 @@ def shapes_only():
         yield
     finally:
         _memory.META, _memory.memory_mode = saved
-
-
-def replaying():
-    return getattr(_local, "replaying", False)
 
 
 # ------------------------------------------------------------------ replay
@@ -317,6 +391,7 @@ def record_call(cap, what, fn, args, kwargs, result, made):
     from cupy import _memory, _tracked
 
     streams = [cap.origin, *cap.forked]
+    args, kwargs, result = _shadow(cap, args), {k: _shadow(cap, v) for k, v in kwargs.items()}, _shadow(cap, result)
 
     def run(launch):
         with _quiet():
@@ -331,15 +406,16 @@ def record_call(cap, what, fn, args, kwargs, result, made):
                                      f"a {want[i].dtype} {want[i].shape} one at capture")
             want[i]._a[...] = got[i]._a
 
-    record(cap, what, run, (args, kwargs, result))
+    record(cap, what, run)
 
 
-def record_quiet(cap, what, work, keep=()):
-    """A node whose launch does `work()` with the tracking and host-side records off."""
+def record_quiet(cap, what, work, keep=(), always=False):
+    """A node whose launch does `work()` (on the launch stream, the current one meanwhile) with the tracking
+    and host-side records off (its accesses are the node's); not in the shapes-only mode unless `always`."""
     def run(launch):
         from cupy import _memory
 
-        if not _memory.META:  # in the shapes-only mode nothing is computed at launch either
+        if always or not _memory.META:
             with _quiet():
                 work()
 
@@ -354,10 +430,37 @@ class Graph:
                                   "via stream capture")
 
     @classmethod
-    def _from_nodes(cls, nodes):
+    def _from_nodes(cls, nodes, held, origin):
         graph = cls.__new__(cls)
-        graph._nodes = list(nodes)
+        graph._nodes, graph._held, graph._origin = list(nodes), list(held), origin
         return graph
+
+    def _foreign(self):
+        """The pool's chunks in use now by arrays other than those the capture used: allocation -> ranges."""
+        from cupy import _memory
+
+        own = {id(h.origin()) for h in self._held if h.origin() is not None}
+        found = {}
+        for ref in list(_memory._blocks.values()):
+            mem = ref()
+            if mem is not None and id(mem) not in own and isinstance(mem.chunk, _memory._Chunk):
+                found.setdefault(id(mem.chunk.alloc), []).append((mem.chunk.offset, mem.chunk.offset + mem.size, mem))
+        return found
+
+    def _check_memory(self, node, foreign, stream):
+        for mem, lo, hi, write, what, buffer, where, doing in node.accesses:
+            if not isinstance(mem, _Held):
+                continue
+            lo, hi = lo + mem.chunk.offset, hi + mem.chunk.offset
+            for start, stop, other in foreign.get(id(mem.chunk.alloc), ()):
+                if start < hi and lo < stop:
+                    raise GraphMemoryError(
+                        f"graph launch on stream {stream.ptr:#x}: {what} (captured at {where}) "
+                        f"{'writes' if write else 'reads'} {buffer}, whose bytes the pool has since handed to "
+                        f"another array ({other.size} bytes, made at {other.site}, still in use): the program "
+                        f"freed the captured one, and on a GPU the launch would "
+                        f"{'overwrite' if write else 'read'} the new one. Keep the arrays a graph uses alive "
+                        f"while it is launched (or give the graph a memory pool of its own)")
 
     def launch(self, stream=None):
         """graph.pyx:44: run the captured work on `stream` (None: the current one), in issue order."""
@@ -366,23 +469,42 @@ class Graph:
         stream = _queue.get_current_stream() if stream is None else stream
         cap = device_work(stream)
         if cap is not None:  # launched into a capture: a child graph of it
-            for node in self._nodes:
-                cap.accesses = list(node.accesses)
-                record(cap, node.what, node.run, node.keep)
+            cap.all_held.extend(self._held)
+            cap.nodes.extend(_Node(n.what, n.run, n.accesses, n.keep, stream if n.stream is self._origin else n.stream,
+                                   n.mark) for n in self._nodes)
             return
+        from cupy import _memory
+
         _queue.wait_for(stream.covered, f"graph launch on stream {stream.ptr:#x}")  # data only (as `use`)
+        foreign = self._foreign()
         saved = getattr(_queue._local, "current", None)
         _queue._local.current = stream  # the nodes' work runs on the launch stream
-        _local.replaying = True
+        _memory.launch_memory.extend(self._held)
+        branches, marks = {self._origin: stream}, {}
+
+        def actor(captured):  # a forked stream's work is a branch of the graph: an actor of its own
+            if captured not in branches:
+                branches[captured] = _queue.Stream(non_blocking=True)
+            return branches[captured]
+
         try:
             for node in self._nodes:
+                if node.mark is not None:  # the graph's edges, for the order tracking
+                    kind, token = node.mark
+                    if kind == "record":
+                        marks[token] = dict(actor(node.stream).clock)
+                    elif token in marks:
+                        _order._join(actor(node.stream).clock, marks[token])
+                    continue
+                self._check_memory(node, foreign, stream)
                 if node.accesses and _order.ENABLED:
-                    issued = _order.issue(stream)
+                    issued = _order.issue(actor(node.stream))
                     for mem, lo, hi, write, what, buffer, where, doing in node.accesses:
                         _order.access(mem, lo, hi, write, issued, what, buffer, where, doing)
                 node.run(stream)
         finally:
-            _local.replaying = False
+            if self._held:
+                del _memory.launch_memory[-len(self._held):]
             if saved is None:
                 del _queue._local.current
             else:
@@ -395,4 +517,4 @@ class Graph:
 
     def standin_nodes(self):
         """What each node is, in launch order (a stand-in extra, for tests)."""
-        return [node.what for node in self._nodes]
+        return [node.what for node in self._nodes if node.mark is None]
