@@ -90,6 +90,13 @@ def test_graph_steps_are_bitwise_the_eager_steps():
     assert private > 0 and pools.total_bytes(cupy) >= private + cupy.get_default_memory_pool().total_bytes()
 
 
+def test_graph_steps_with_lowrank_recompute_are_bitwise_the_eager_steps():
+    """lowrank recompute (a tape of kept arrays from the kept pool, replayed before each layer's backward)
+    captures as it is: the replays give the eager loop's bits."""
+    graph = assert_graph_steps_are_the_eager_steps(small_config(recompute="lowrank"))
+    assert graph.graph is not None
+
+
 def _bake_the_scalars(monkeypatch):
     """The mutant: the update's numbers written into the kernel's buffer by fills whose values are the
     launch's arguments, as a step that bakes its learning rate would (right when run eagerly)."""
