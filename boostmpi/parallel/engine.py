@@ -268,7 +268,8 @@ class Engine:
         self.summed = totals[2:]
         return float(totals[0]) / self.grid.dp_size
 
-    def forward_backward_on_device(self, micro_batches: Sequence[tuple[Array, Array]]) -> tuple[float | Array, float | Array]:
+    def forward_backward_on_device(self, micro_batches: Sequence[tuple[Array, Array]],
+                                   ) -> tuple[float | Array, float | Array]:
         """`forward_backward` up to its read: (the sum of this rank's micro-batches' mean losses, this rank's
         part of the gradient's squared norm), on a GPU 0-d float64 device arrays nothing has read (a
         step captured in a CUDA graph reads them after each replay: boostmpi/train/graph_step.py). Token
