@@ -11,8 +11,9 @@
 #   1. bench/attention.py: every backend, the table's and the paper's shapes (--budget-s ATTENTION_BUDGET_S);
 #   2. bench/gpu_calibrate.py --out $OUT/calibrate.toml;
 #   3. bench/gpu_vs_model.py;
-#   4. bench/gpu_step.py once per STEP_CASES entry (default: cudnn, torch, own; PyTorch eager on the first
-#      only); an entry is a backend and gpu_step.py's flags joined by ':' (e.g. cudnn:--profile,
+#   4. bench/gpu_step.py once per STEP_CASES entry (default: cudnn, torch, own, and cudnn with --graph: the
+#      step replayed from a CUDA graph beside the eager one; PyTorch eager on the first only); an entry is a
+#      backend and gpu_step.py's flags joined by ':' (e.g. cudnn:--profile, cudnn:--graph:--profile,
 #      torch:--nondeterministic, cudnn:--batch:32);
 #   5. the real-GPU kernel tests (BOOSTMPI_CUPY_STANDIN=0);
 #   6. bench/torch_allocators.py (two allocators in one process against CuPy's alone);
@@ -40,7 +41,7 @@ T_ALLOCATORS="${T_ALLOCATORS:-90}"            # 6
 T_GPU_CHECK="${T_GPU_CHECK:-360}"             # 7: the check's target is under 6 minutes on one GPU
 ATTENTION_BACKENDS="${ATTENTION_BACKENDS:-cudnn,torch,own-wmma,own-fma,sdpa}"  # step 1 (bench/attention.py --backends)
 ATTENTION_ARGS="${ATTENTION_ARGS:-}"          # extra words for step 1 (e.g. --queued)
-STEP_CASES="${STEP_CASES:-cudnn torch own}"   # step 4 (see above)
+STEP_CASES="${STEP_CASES:-cudnn torch own cudnn:--graph}"  # step 4 (see above)
 GPU_CALIBRATE_ARGS="${GPU_CALIBRATE_ARGS:-}"  # extra words for steps 2 and 3 (split on spaces)
 GPU_VS_MODEL_ARGS="${GPU_VS_MODEL_ARGS:-}"
 STEPS="${STEPS:-0 1 2 3 4 5}"                 # which steps (6 and 7 only when named), in this order (e.g. "0 5 4" to run those again)

@@ -10,14 +10,17 @@ with CUDA for the eager comparison):
      (target >= 35%), and its time against PyTorch eager on the same model and GPU (target <= 1.0).
 
     python bench/gpu_step.py [--batch 8] [--steps 5] [--attention auto|cudnn|torch|own] [--no-eager]
-        [--nondeterministic] [--profile] [--skip-kernels]
+        [--nondeterministic] [--profile] [--skip-kernels] [--graph]
 
 `--nondeterministic` remakes a library attention backend with deterministic=False (what
 `train.deterministic = false` runs). `--profile` also records one step with PyTorch's profiler (CUPTI
 sees every kernel on the device, CuPy's and cuBLAS's included) and prints where the device time goes,
 by kernel, with the step's host time and the GPU-busy fraction: a step whose device time is much less
 than its wall time is bound by the host (Python and launches), not by the kernels. `--skip-kernels`
-leaves out the RMSNorm lines of (1).
+leaves out the RMSNorm lines of (1). `--graph` also times the same step captured in a CUDA graph and
+replayed (`train.cuda_graph`, boostmpi/train/graph_step.py: its warm-up steps and the capture first,
+untimed), in the same process after the eager step, with its MFU and its ratio to the eager step; with
+`--profile` the replayed step is profiled too. A configuration the graph mode refuses prints its line.
 
 `--attention` sets the configuration's `train.attention` (the attention backend the engine runs; left
 out, the configuration's default); `--no-eager` leaves out the PyTorch eager step (3), e.g. when
@@ -155,6 +158,28 @@ def profile_step(fn, flops, peak, top=30):
         print(f"profile: {seconds * 1e3:8.2f} ms {seconds / busy:6.1%} {count:5d}x  {name[:110]}")
 
 
+def graph_step(cfg, eng, opt, mb, t_eager, flops, peak, args):
+    """The step as `train.cuda_graph = true` runs it (one rank): warm-up and capture untimed, then replays
+    timed as the eager step is (each replay ends with its one read of the loss and the norm)."""
+    from boostmpi.train import graph_step as graphs
+
+    problem = graphs.refusal(cfg.replace(**{"train.cuda_graph": True}), eng.grid)
+    if problem is not None:
+        print(f"graph: refused: {problem}", flush=True)
+        return
+    graph = graphs.GraphStep(eng, opt, cfg.train.grad_clip)
+    began = time.perf_counter()
+    for _ in range(graph.warmup + 1):  # the eager warm-up steps, then the capture and its first launch
+        graph.step(mb, 1e-4)
+    print(f"graph: warm-up ({graph.warmup} eager steps) and capture in {time.perf_counter() - began:.1f} s", flush=True)
+    replay = lambda: graph.step(mb, 1e-4)  # noqa: E731
+    t_graph = gpu_time(replay, args.steps)
+    print(f"boostmpi graph step {t_graph * 1e3:.1f} ms | {flops / t_graph / 1e12:.0f} TFLOP/s | MFU vs measured GEMM "
+          f"rate {flops / t_graph / peak:.0%} (target >= 35%) | eager / graph = {t_eager / t_graph:.2f}", flush=True)
+    if args.profile:
+        profile_step(replay, flops, peak)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -166,6 +191,7 @@ def main():
                     help="a library attention backend with deterministic=False (train.deterministic = false)")
     ap.add_argument("--profile", action="store_true", help="where one step's device time goes, by kernel")
     ap.add_argument("--skip-kernels", action="store_true", help="leave out the RMSNorm bandwidth lines")
+    ap.add_argument("--graph", action="store_true", help="also the step captured in a CUDA graph and replayed")
     args = ap.parse_args()
     import cupy
 
@@ -224,6 +250,8 @@ def main():
           f"{flops / t_ours / peak:.0%} (target >= 35%)")
     if args.profile:
         profile_step(ours, flops, peak)
+    if args.graph:
+        graph_step(cfg, eng, opt, mb, t_ours, flops, peak, args)
     if args.no_eager:
         return
 

@@ -155,10 +155,8 @@ class TrainConfig:
     grad_clip: float = _key(1.0, "nonnegative", doc="global gradient-norm clipping; 0 = off")
     seed: int = _key(1337, "nonnegative", doc="weights and data order")  # numpy seeds must be >= 0
     device: str = _key("cpu", choices=("cpu", "gpu"), doc="`cpu` (NumPy) or `gpu` (CuPy)")
-    dtype: str = _key("float32", choices=PRECISIONS, doc="`float64`, `float32`, or `bfloat16` (GPU: bf16 compute, "
-        "fp32 master weights)")
-    recompute: str = _key("none", choices=("none", "layer", "lowrank", "selective"), doc="`none`, `layer`, `lowrank` "
-        "or `selective` (the attention core; docs/MEMORY.md)")
+    dtype: str = _key("float32", choices=PRECISIONS, doc="`float64`, `float32`, or `bfloat16` (GPU: bf16 compute, fp32 master weights)")
+    recompute: str = _key("none", choices=("none", "layer", "lowrank", "selective"), doc="`none`, `layer`, `lowrank` or `selective` (the attention core; docs/MEMORY.md)")
     attention: str = _key("auto", choices=ATTENTION_BACKENDS, doc="which implementation runs attention on a GPU: "
         "`cudnn` (cuDNN's fused attention, bf16 on NVIDIA sm_80+), `torch` (PyTorch's SDPA), `own` (the kernels of "
         "`kernels/attention.cu`), or `auto` (cudnn where it runs this run's shape, else torch, else own with one "
@@ -166,6 +164,8 @@ class TrainConfig:
         "docs/GPU.md). Accepted and ignored on the CPU; may change on resume")
     deterministic: bool = _key(True, doc="`false` lets cudnn and torch attention run their faster backward, whose "
         "sums may change run to run, so a resume is not bitwise (docs/GPU.md); own is always deterministic")
+    cuda_graph: bool = _key(False, doc="`true` captures the training step once in a CUDA graph and replays it every step "
+        "(one rank on an NVIDIA GPU, attention `cudnn` or `own`, dtype `float32` or `bfloat16`; docs/GPU.md)")
     log_every: int = _key(1, "positive", doc="steps between progress lines and `memory` records (the first and last "
         "steps always have both; a validation step prints a progress line too)")
     val_every: int = _key(0, "nonnegative", doc="steps between validations; 0 = at the end only")

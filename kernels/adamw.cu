@@ -62,6 +62,29 @@ extern "C" __global__ void adamw_step_f32(float* p, const float* g, float* m, fl
     elementwise<float>(n, aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v), op);
 }
 
+// The same update, for a step captured once in a CUDA graph and replayed (boostmpi/train/graph_step.py),
+// whose launch arguments are fixed at the capture: what changes per step is read from the device.
+// scalars[3] float32 = {lr * wd, lr / bc1, sqrt(bc2)}, written by the host before each step (the
+// values adamw_step_f32 is handed); the gradient scale is the clipping coefficient of the norm
+// sqrt(*grad_sq), computed as boostmpi/train/optim.py's clip_coefficient does, in float64: 1 unless
+// max_norm > 0 and the norm is finite and above max_norm, then max_norm / (norm + 1e-6), rounded
+// once to float32 (as the host's coefficient is when it is passed by value).
+__device__ __forceinline__ float clip_scale(double grad_sq, double max_norm) {
+    const double norm = sqrt(grad_sq);
+    if (max_norm <= 0.0 || !isfinite(norm) || norm <= max_norm) return 1.0f;
+    return static_cast<float>(max_norm / (norm + 1e-6));
+}
+
+extern "C" __global__ void adamw_step_device_f32(float* p, const float* g, float* m, float* v, long long n,
+                                                 const long long* bounds, int n_bounds, float beta1,
+                                                 float one_minus_beta1, float beta2, float one_minus_beta2,
+                                                 float eps, const float* scalars, const double* grad_sq,
+                                                 double max_norm) {
+    const AdamWStep op{p, g, m, v, bounds, n_bounds, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, scalars[0],
+                       clip_scale(*grad_sq, max_norm), scalars[1], scalars[2]};
+    elementwise<float>(n, aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v), op);
+}
+
 // The squared L2 norm of the gradient over a set of ranges of the flat float32 buffer, every
 // parameter block at once (the clipping norm's multi-tensor reduction; boostmpi.parallel.engine's
 // NumPy `_grad_sq` is its specification): ranges [bounds[2i], bounds[2i+1]) of g, each thread

@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from boostmpi.arrays import Array
-from boostmpi.gpu import hipblas
+from boostmpi.gpu import cublas_capture, hipblas
 
 _Scalars = dict[np.dtype[np.generic], npt.NDArray[np.float32 | np.float64]]  # one-element host arrays by dtype
 _ONE: _Scalars = {np.dtype(np.float32): np.ones(1, np.float32), np.dtype(np.float64): np.ones(1, np.float64)}
@@ -198,11 +198,12 @@ def matmul(a: Array, b: Array, out: Array | None = None, accumulate: bool = Fals
         compute = cublas.CUBLAS_COMPUTE_64F if dtype == np.float64 else cublas.CUBLAS_COMPUTE_32F
     t, tc = _cuda_type(dtype), _cuda_type(out.dtype)
     # row-major C [m, n] = A @ B is column-major C^T [n, m] = B^T A^T
+    lib = cublas_capture.binding(cublas)  # CuPy's binding, or while a graph step is captured the library's own
     if count == 1:
-        cublas.gemmEx(xp.cuda.get_cublas_handle(), op_b, op_a, n, m, k, _ONE[scale].ctypes.data, b.data.ptr, t, ldb,
+        lib.gemmEx(xp.cuda.get_cublas_handle(), op_b, op_a, n, m, k, _ONE[scale].ctypes.data, b.data.ptr, t, ldb,
                       a.data.ptr, t, lda, beta, out.data.ptr, tc, ldc, compute, cublas.CUBLAS_GEMM_DEFAULT)
         return out
-    cublas.gemmStridedBatchedEx(
+    lib.gemmStridedBatchedEx(
         xp.cuda.get_cublas_handle(), op_b, op_a, n, m, k,
         _ONE[scale].ctypes.data, b.data.ptr, t, ldb, stride_b, a.data.ptr, t, lda, stride_a,
         beta, out.data.ptr, tc, ldc, stride_c, count, compute, cublas.CUBLAS_GEMM_DEFAULT)

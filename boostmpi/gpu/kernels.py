@@ -310,25 +310,48 @@ def btp_backward_post(dxw: Array, x: Array, w: Array, dS: Array) -> tuple[Array,
 # ------------------------------------------------------------------------------ adamw.cu
 
 
-def adamw_step(p: Array, g: Array, m: Array, v: Array, decay_bounds: Array, lr: float, beta1: float, beta2: float,
-               eps: float, weight_decay: float, grad_scale: float, t: int) -> None:
-    """One AdamW update of the flat float32 arrays p, m, v (in place) from the gradient g, weight
-    decay on the ranges [decay_bounds[2i], decay_bounds[2i+1]) (int64 on the device; empty: none),
-    bias corrections for update number t (boostmpi.train.optim.AdamW.step is the specification)."""
+def adamw_scalars(lr: float, beta1: float, beta2: float, weight_decay: float, t: int) -> np.ndarray:
+    """[lr * weight_decay, lr / bc1, sqrt(bc2)] in float32, bias corrections bc = 1 - beta^t for update
+    number t: the numbers of an AdamW update that change from step to step."""
+    bc1, bc2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
+    return np.array([lr * weight_decay, lr / bc1, math.sqrt(bc2)], dtype=np.float32)
+
+
+def _adamw_launch(entry: str, p: Array, g: Array, m: Array, v: Array, decay_bounds: Array, beta1: float,
+                  beta2: float, eps: float, decays: bool, per_step: Sequence[object]) -> None:
     suffix = _check_elementwise("p", p, g=g, m=m, v=v)
     if suffix != "f32":
         raise TypeError(f"adamw_step updates float32 master weights, got {p.dtype}")
     if decay_bounds.dtype != np.int64 or decay_bounds.ndim != 1 or decay_bounds.size % 2:
         raise ValueError("decay_bounds must be a 1-D int64 array of (start, stop) pairs")
     _check_contiguous("decay_bounds", decay_bounds)
-    bc1, bc2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
-    n_bounds = decay_bounds.size if weight_decay else 0
     if p.size > 0:
         grid = _elementwise_grid(p.size, p.itemsize, _current_device().sm_count)
-        _launch(_kernel("adamw", "adamw_step_f32"), grid, ELEMENTWISE_BLOCK_THREADS,
-                (p, g, m, v, np.int64(p.size), decay_bounds, np.int32(n_bounds), np.float32(beta1),
-                 np.float32(1.0 - beta1), np.float32(beta2), np.float32(1.0 - beta2), np.float32(eps), np.float32(lr * weight_decay), np.float32(grad_scale), np.float32(lr / bc1),
-                 np.float32(math.sqrt(bc2))))
+        _launch(_kernel("adamw", entry), grid, ELEMENTWISE_BLOCK_THREADS,
+                (p, g, m, v, np.int64(p.size), decay_bounds, np.int32(decay_bounds.size if decays else 0),
+                 np.float32(beta1), np.float32(1.0 - beta1), np.float32(beta2), np.float32(1.0 - beta2), np.float32(eps),
+                 *per_step))
+
+
+def adamw_step(p: Array, g: Array, m: Array, v: Array, decay_bounds: Array, lr: float, beta1: float, beta2: float,
+               eps: float, weight_decay: float, grad_scale: float, t: int) -> None:
+    """One AdamW update of the flat float32 arrays p, m, v (in place) from the gradient g, weight
+    decay on the ranges [decay_bounds[2i], decay_bounds[2i+1]) (int64 on the device; empty: none),
+    bias corrections for update number t (boostmpi.train.optim.AdamW.step is the specification)."""
+    decay, step_size, sqrt_bc2 = adamw_scalars(lr, beta1, beta2, weight_decay, t)
+    _adamw_launch("adamw_step_f32", p, g, m, v, decay_bounds, beta1, beta2, eps, bool(weight_decay),
+                  (decay, np.float32(grad_scale), step_size, sqrt_bc2))
+
+
+def adamw_step_device(p: Array, g: Array, m: Array, v: Array, decay_bounds: Array, beta1: float, beta2: float,
+                      eps: float, weight_decay: float, scalars: Array, grad_sq: Array, max_norm: float) -> None:
+    """`adamw_step` with what changes per step read from the device when the kernel runs (a launch a CUDA
+    graph replays): `scalars`, float32 [3], holds `adamw_scalars` of this step; the gradient scale is
+    the clipping coefficient of the norm sqrt(grad_sq) (a 0-d float64 device array) to `max_norm` (0: off)."""
+    if scalars.dtype != np.float32 or scalars.shape != (3,) or grad_sq.dtype != np.float64 or grad_sq.size != 1:
+        raise TypeError("adamw_step_device reads float32 scalars [3] and a float64 squared norm")
+    _adamw_launch("adamw_step_device_f32", p, g, m, v, decay_bounds, beta1, beta2, eps, bool(weight_decay),
+                  (scalars, grad_sq, np.float64(max_norm)))
 
 
 def sum_squares_ranges(g: Array, bounds: Array) -> Array:

@@ -12,11 +12,13 @@ for size, by the next step; the default pool sees only transients, which every l
 same sizes and order.
 
 `kept_empty` is the allocator the recompute tape hands the code that makes a kept array
-(recompute.Tape.alloc); `total_bytes` is what the device holds for both pools.
+(recompute.Tape.alloc); `total_bytes` is what the device holds for both pools, and for the private pool
+of a step captured in a CUDA graph (`PrivatePool`, boostmpi/train/graph_step.py).
 """
 
 from __future__ import annotations
 
+import weakref
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -28,6 +30,22 @@ if TYPE_CHECKING:
     import cupy
 
 _KEPT: cupy.cuda.MemoryPool | None = None
+
+
+class PrivatePool:
+    """A pool only its owner allocates from (`cupy.cuda.using_allocator(private.pool.malloc)`): no other
+    allocation takes its free chunks, and no other pool's fallback on a failed cudaMalloc, which frees
+    every free chunk of that pool (CuPy v14.2.0, cupy/cuda/memory.pyx `_try_malloc`), frees them. Counted
+    in `total_bytes` while its owner keeps it."""
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.pool = cupy.cuda.MemoryPool()
+        _PRIVATE.add(self)
+
+
+_PRIVATE: weakref.WeakSet[PrivatePool] = weakref.WeakSet()
 
 
 def kept_pool() -> cupy.cuda.MemoryPool:
@@ -49,6 +67,6 @@ def kept_empty(shape: tuple[int, ...], dtype: npt.DTypeLike) -> Array:
 
 
 def total_bytes(xp: ModuleType) -> int:
-    """Device bytes held by the default pool and the kept pool."""
-    held = int(xp.get_default_memory_pool().total_bytes())
+    """Device bytes held by the default pool, the kept pool and the private pools."""
+    held = int(xp.get_default_memory_pool().total_bytes()) + sum(int(p.pool.total_bytes()) for p in _PRIVATE)
     return held + (0 if _KEPT is None else int(_KEPT.total_bytes()))

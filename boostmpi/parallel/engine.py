@@ -258,6 +258,22 @@ class Engine:
         of the step; `also_sum()`, when given, returns more floats (counters, flags) to sum in the
         same call, read once the step's traffic is over: their sums are left in `self.summed`.
         """
+        M = len(micro_batches)
+        # on a GPU the loss and the gradient's squared norm reach the host together: the step's one
+        # synchronisation, whatever the number of micro-batches
+        loss_sum, grad_sq = read_to_host(self.xp, self.forward_backward_on_device(micro_batches))
+        extra = list(also_sum()) if also_sum else []
+        totals = self.grid.host.sum([loss_sum / M, grad_sq, *extra])
+        self._grad_norm = float(np.sqrt(totals[1]))
+        self.summed = totals[2:]
+        return float(totals[0]) / self.grid.dp_size
+
+    def forward_backward_on_device(self, micro_batches: Sequence[tuple[Array, Array]],
+                                   ) -> tuple[float | Array, float | Array]:
+        """`forward_backward` up to its read: (the sum of this rank's micro-batches' mean losses, this rank's
+        part of the gradient's squared norm), on a GPU 0-d float64 device arrays nothing has read (a
+        step captured in a CUDA graph reads them after each replay: boostmpi/train/graph_step.py). Token
+        ids may be device arrays already (the graph's static inputs)."""
         xp, grid, data_parallel = self.xp, self.grid, self.data_parallel
         self._refresh_compute_params()
         self.grads.data[...] = 0
@@ -306,14 +322,7 @@ class Engine:
             req.wait()
         data_parallel.finish_step(self.params)
         loss_sum = self._loss_sum(losses) if (self.last and grid.coords.tp == 0) else 0.0
-        # on a GPU the loss and the gradient's squared norm reach the host together: the step's one
-        # synchronisation, whatever the number of micro-batches
-        loss_sum, grad_sq = read_to_host(xp, [loss_sum, self._grad_sq()])
-        extra = list(also_sum()) if also_sum else []
-        totals = grid.host.sum([loss_sum / M, grad_sq, *extra])
-        self._grad_norm = float(np.sqrt(totals[1]))
-        self.summed = totals[2:]
-        return float(totals[0]) / grid.dp_size
+        return loss_sum, self._grad_sq()
 
     def _loss_sum(self, losses: list[float | Array]) -> float | Array:
         """The sum of the micro-batches' mean losses (floats, or on a GPU float64 device scalars that stay there)."""

@@ -22,7 +22,7 @@ from boostmpi.files import FilesystemError, format_bytes, fs_error, is_out_of_sp
 from boostmpi.parallel.engine import Engine
 from boostmpi.parallel.startup import process_grid
 from boostmpi.preemption import FINAL_RECORD, STOPPED_EARLY_EXIT, STOPPED_MARKER  # noqa: F401 - job scripts read them
-from boostmpi.train import metrics
+from boostmpi.train import graph_step, metrics
 from boostmpi.train.optim import AdamW, clip_coefficient, learning_rate
 from boostmpi.train.resume import check_resume
 from boostmpi.train.rundir import RunDirectory
@@ -102,6 +102,8 @@ class Trainer:
                  config_path: str | None = None, out: TextIO | None = None, local_rank: int = 0) -> None:
         self.cfg, self.world, self.out = cfg, world, out
         self.grid = process_grid(cfg, world, local_rank)
+        graph_step.check(cfg, self.grid)  # train.cuda_graph where it cannot run: one line, before anything is touched
+        self.graph: graph_step.GraphStep | None = None
         self.rank = self.grid.world_rank
         self.is_root = self.rank == 0
         tr = cfg.train
@@ -137,6 +139,8 @@ class Trainer:
                 self._resume(path)
                 self.grid.host.barrier()  # every rank has read it: another run may prune it again
                 self.run.release_resume_pin()
+            if tr.cuda_graph:  # captured in the run's first steps, after any checkpoint is loaded
+                self.graph = graph_step.GraphStep(e, self.optimizer, tr.grad_clip)
         except BaseException:
             self.close()
             raise
@@ -339,8 +343,12 @@ class Trainer:
                 micro = [self.loader.next_batch() for _ in range(tr.grad_accum)]
                 e.grid.counter.reset()
                 t0 = time.perf_counter()
-                loss = e.forward_backward(micro, also_sum=self._step_sums)
-                counters, (stop, stopped_before, write_failed) = self._step_totals(e.summed)
+                if self.graph is None:
+                    loss = e.forward_backward(micro, also_sum=self._step_sums)
+                    summed = e.summed
+                else:  # one rank (graph_step.check): its flags are read before the launch, which updates the weights
+                    summed = e.grid.host.sum(self._step_sums())
+                counters, (stop, stopped_before, write_failed) = self._step_totals(summed)
                 self._stop_if_a_write_failed(write_failed)
                 if stopped_before and steps_done:
                     # a stop signal came, on some rank, after the previous step's all-reduce: the run stops at
@@ -348,10 +356,14 @@ class Trainer:
                     # the checkpoint is of the step the signal arrived in, at no extra collective per step.
                     self.loader.load_state_dict(position)
                     return self._stop_at_boundary(last_val)
+                if self.graph is not None:  # forward, backward, clipping and AdamW in one launch
+                    loss, gnorm = self.graph.step(micro, lr)
+                    stop = stop or self.preemption.signal is not None
                 if not math.isfinite(loss):
                     raise TrainingDiverged(f"the loss became {loss} at step {step + 1}; {self._kept_checkpoint()} "
                                            f"(lower train.lr or raise train.warmup_steps)")
-                gnorm = optimizer_step(e, self.optimizer, lr, tr.grad_clip)
+                if self.graph is None:
+                    gnorm = optimizer_step(e, self.optimizer, lr, tr.grad_clip)
                 dt = time.perf_counter() - t0
                 self.step = step + 1
                 steps_done += 1

@@ -312,12 +312,14 @@ def test_elementwise_kernels_index_more_than_2_32_elements(pool, small, suffix, 
 
 
 @pytest.mark.parametrize("warp", WARPS)
-def test_adamw_indexes_more_than_2_32_elements(pool, small, warp):
-    run_adamw(pool, small, warp=warp)
+@pytest.mark.parametrize("entry", ["adamw_step_f32", "adamw_step_device_f32"])
+def test_adamw_indexes_more_than_2_32_elements(pool, small, warp, entry):
+    run_adamw(pool, small, warp=warp, entry=entry)
 
 
-def run_adamw(pool, small, code=None, warp=32):
-    """The fused AdamW over a flat slice of 2^32 + 7 floats, decay on a range past 2^32."""
+def run_adamw(pool, small, code=None, warp=32, entry="adamw_step_f32"):
+    """The fused AdamW over a flat slice of 2^32 + 7 floats, decay on a range past 2^32 (`entry`: its
+    numbers by value, or read from device buffers, the norm under the clipping threshold)."""
     n = ELEMENTS
     per_block = loader.ELEMENTWISE_BLOCK_THREADS * 4
     grid = -(-n // per_block)
@@ -330,11 +332,14 @@ def run_adamw(pool, small, code=None, warp=32):
     before = [[t.flat(a, b).astype(np.float64) for t in (p, g, m, v)] for a, b in spans]
     bounds = small(np.array([n - 3, n], np.int64))  # decay on the last 3 elements only
     lr, b1, b2, eps, wd = 1e-2, 0.9, 0.95, 1e-8, 0.1
-    function("adamw", "adamw_step_f32", code, warp)(
+    per_step = (np.float32(lr * wd), np.float32(1.0), np.float32(lr / (1 - b1)), np.float32(np.sqrt(1 - b2)))
+    if entry == "adamw_step_device_f32":
+        per_step = (small(np.array([lr * wd, lr / (1 - b1), np.sqrt(1 - b2)], np.float32)),
+                    small(np.array([0.25])), np.float64(1.0))
+    function("adamw", entry, code, warp)(
         grid, loader.ELEMENTWISE_BLOCK_THREADS,
         (p, g, m, v, np.int64(n), bounds, np.int32(2), np.float32(b1), np.float32(1 - b1), np.float32(b2),
-         np.float32(1 - b2), np.float32(eps), np.float32(lr * wd), np.float32(1.0), np.float32(lr / (1 - b1)),
-         np.float32(np.sqrt(1 - b2))), blocks=[0, grid - 1])
+         np.float32(1 - b2), np.float32(eps), *per_step), blocks=[0, grid - 1])
     for (a, b), (p0, g0, m0, v0) in zip(spans, before):
         m_ref, v_ref = b1 * m0 + (1 - b1) * g0, b2 * v0 + (1 - b2) * g0 * g0
         decay = np.arange(a, b) >= n - 3

@@ -41,7 +41,7 @@ ENTRY_POINTS = {
                      for hd in ("", "hd64_") for t in ("f32", "bf16")],
     "rope.cu": [f"{k}_{t}" for k in ("rope_forward", "rope_backward") for t in ("f32", "bf16")],
     "btp.cu": [f"{k}_{t}" for k in ("btp_rescale_silu", "btp_backward_pre", "btp_backward_post") for t in ("f32", "bf16")],
-    "adamw.cu": ["adamw_step_f32", "sum_squares_ranges_f32"],
+    "adamw.cu": ["adamw_step_f32", "adamw_step_device_f32", "sum_squares_ranges_f32"],
 }
 
 # ---------------------------------------------------------------------------- (a) offline compiles

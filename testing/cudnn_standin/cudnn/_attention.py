@@ -121,6 +121,7 @@ def execute(graph, tensor_dict, workspace, handle):
     import cupy
     from cupy import _memory
     from cupy.cuda import _order, _queue
+    from cupy.cuda import graph as cuda_graph
 
     if not isinstance(handle, cudnn.Handle):
         raise TypeError(f"execute needs a cudnn.Handle, got {type(handle).__name__}")
@@ -135,6 +136,7 @@ def execute(graph, tensor_dict, workspace, handle):
     ports, operands = _operands(graph, tensor_dict)
     views, record = {}, {}
     stream = next(s for s in _queue.Stream._live if s.ptr == handle.stream)
+    capture = cuda_graph.device_work(stream)
     issued, where = _order.issue(stream), _order.call_site()
     for name, (t, ptr) in operands.items():
         views[name], nbytes = _view(t, ptr)
@@ -145,6 +147,11 @@ def execute(graph, tensor_dict, workspace, handle):
     op, _, params = graph.node
     cudnn.executions.append({"graph": graph.name, "op": op, "stream": current, "operands": record, "params": dict(params)})
     del cudnn.executions[:-cudnn.MAX_RECORDS]
+    if capture is not None:  # recorded into the CUDA graph: run at each launch (cupy/cuda/graph.py)
+        run = _forward if op == "sdpa" else _backward
+        cuda_graph.record_quiet(capture, f"cuDNN {op} ({graph.name})", lambda: run(views, params),
+                                [_memory.host_view(ptr, 1)[1] for _, ptr in operands.values()])
+        return
     if _memory.META:
         return
     (_forward if op == "sdpa" else _backward)(views, params)

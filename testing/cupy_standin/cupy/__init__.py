@@ -344,6 +344,7 @@ class ndarray:
         return tuple(out)
 
     def __getitem__(self, key):
+        _mask_sync(key)
         if _memory.META:
             return self._meta_getitem(self._index(key))
         return self._wrap_result(self._a[self._index(key)])
@@ -360,6 +361,7 @@ class ndarray:
             _record.note("setitem", _record.arg(self), _record.arg(value))
         if isinstance(value, np.ndarray) and value.ndim:
             raise TypeError(f"Unsupported type {type(value)}")  # CuPy fills with scalars only
+        _mask_sync(key)
         if isinstance(value, ndarray):
             value = value._a
         if _memory.META:  # the shapes must fit, as for a write
@@ -441,6 +443,13 @@ def _binary_operators():
         setattr(ndarray, f"__{short}__", lambda self, other, uf=uf: uf(self, other))
     ndarray.__invert__ = lambda self: invert(self)
     ndarray.__hash__ = None
+
+
+def _mask_sync(key):
+    """A boolean mask's result size is read on the host (`n_true = int(mask_scanned[-1])`,
+    cupy/_core/_routines_indexing.pyx:802 at v14.2.0): a copy to the host, refused during a capture."""
+    if any(isinstance(k, ndarray) and k.dtype == np.bool_ for k in (key if isinstance(key, tuple) else (key,))):
+        cuda.graph.host_transfer(cuda.get_current_stream(), "D2H")
 
 
 def _device_copy(host, order="C"):
@@ -919,6 +928,7 @@ def array(obj, dtype=None, copy=True, order="K", ndmin=0):
         return obj.astype(obj.dtype if dtype is None else dtype, copy=copy)
     if isinstance(obj, (list, tuple)) and any(isinstance(o, ndarray) for o in obj):
         return stack(obj).astype(dtype or result_type(*obj), copy=False)
+    cuda.graph.host_transfer(cuda.get_current_stream(), "H2D")  # core.pyx:2928 (copy_from_host_async)
     if _memory.META:  # the host array's shape and dtype; nothing is copied
         host = np.asarray(obj)
         shape = (1,) * builtins.max(0, ndmin - host.ndim) + host.shape
@@ -1002,6 +1012,7 @@ def where(condition, x=None, y=None):
     if (x is None) != (y is None):
         raise ValueError("Must provide both 'x' and 'y' or neither.")
     if x is None and y is None:
+        cuda.graph.host_transfer(cuda.get_current_stream(), "D2H")  # nonzero: its size is read on the host
         if _memory.META:
             raise NotImplementedError("cupy.where(condition) (nonzero): its result's shape depends on values")
         return tuple(_device_copy(i) for i in np.nonzero(condition._a))

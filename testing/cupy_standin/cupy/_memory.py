@@ -34,6 +34,13 @@ import numpy as np
 
 META = os.environ.get("BOOSTMPI_STANDIN_META", "0") == "1"
 META_HOST_VALUE = 1.0  # what a host read of a device value returns in meta mode
+# META is also switched on for each call a stream capture records (cuda/graph.py), which resolves shapes
+# only; its arrays get memory of the mode the process is in, kept here meanwhile
+memory_mode = None
+
+
+def _meta_memory():
+    return META if memory_mode is None else memory_mode
 
 
 def set_meta(on):
@@ -66,7 +73,7 @@ class Memory:
         self.size = 0 if chunk is None else chunk.size
         self.ptr = raw.ptr
         self.host = raw.host[:self.size]
-        if META:  # no values: nothing may write (or commit) these pages
+        if _meta_memory():  # no values: nothing may write (or commit) these pages
             self.host = self.host.view()
             self.host.flags.writeable = False
         self.site = call_site()  # where the array was made, for the order tracking's reports
@@ -192,10 +199,10 @@ class _Arena:
             chunk.arena = None
             freed += chunk.size
             for raw in chunk.alloc.raws.values():
-                raw.free()
+                _free_raw(raw)
             chunk.alloc.raws.clear()
             if chunk.alloc.base is not None:
-                chunk.alloc.base.free()
+                _free_raw(chunk.alloc.base)
         return freed
 
 
@@ -220,8 +227,8 @@ def _backing(chunk):
     if raw is not None:
         return raw
     for offset, size in [k for k in raws if k[0] < hi and k[0] + k[1] > lo]:
-        raws.pop((offset, size)).free()
-    if META:  # no kernel runs: the chunk is its bytes of one harness allocation per pool allocation, as in CuPy
+        _free_raw(raws.pop((offset, size)))
+    if _meta_memory():  # no kernel runs: the chunk is its bytes of one harness allocation per pool allocation, as in CuPy
         if chunk.alloc.base is None:
             chunk.alloc.base = _harness().alloc(chunk.alloc.size)
         return _Part(chunk.alloc.base, lo, chunk.size)
@@ -232,6 +239,7 @@ class _Part:
     """Bytes [offset, offset + size) of a harness allocation, as a chunk's backing in meta mode."""
 
     def __init__(self, base, offset, size):
+        self.base = base
         self.ptr, self.host = base.ptr + offset, base.host[offset: offset + size]
 
     def free(self):  # the pool allocation's harness allocation goes when the pool gives it back
@@ -277,6 +285,9 @@ class MemoryPool:
         arena = self._arena(get_current_stream().ptr)
         chunk = arena.get_chunk(size)  # memory.pyx:1370: best fit, or the smallest larger chunk
         if chunk is None:  # memory.pyx:1374-1378: a new allocation of exactly this size
+            from cupy.cuda import graph
+
+            graph.check_malloc()  # cudaMalloc: allowed during a capture in relaxed mode only
             self._try_malloc(size)
             chunk = _Chunk(_Allocation(size), 0, size, arena)
         self._used += chunk.size  # memory.pyx:1380
@@ -286,7 +297,7 @@ class MemoryPool:
         _DEVICE.count(chunk.size, 0, size)
         self._mallocs += 1
         mem = Memory(self, _backing(chunk), chunk)
-        if not META:
+        if not _meta_memory():
             mem.host[...] = POISON_BYTE  # CuPy's memory is uninitialised: make unwritten reads show
         return mem
 
@@ -468,6 +479,37 @@ def get_default_pinned_memory_pool():
     return _PINNED_POOL
 
 
+# ------------------------------------------------------------------ memory a CUDA graph addresses
+# A graph keeps the addresses its captured work uses, not the arrays (cuda/graph.py): the pool may take
+# a chunk back and hand it out again as CuPy does, but the harness allocation behind it stays until
+# no graph addresses it. id(allocation) -> [allocation, graphs holding it, freed by the pool meanwhile]
+_pinned = {}
+launch_memory = []  # during a graph launch, the memory it addresses (for `host_view`)
+
+
+def pin(raw):
+    raw = getattr(raw, "base", raw)
+    _pinned.setdefault(id(raw), [raw, 0, False])[1] += 1
+
+
+def unpin(raw):
+    raw = getattr(raw, "base", raw)
+    entry = _pinned[id(raw)]
+    entry[1] -= 1
+    if not entry[1]:
+        del _pinned[id(raw)]
+        if entry[2]:
+            raw.free()
+
+
+def _free_raw(raw):
+    entry = _pinned.get(id(raw))
+    if entry is None:
+        raw.free()
+    else:
+        entry[2] = True
+
+
 # ------------------------------------------------------------------ pointer -> memory
 _starts = []  # sorted device addresses of live blocks
 _blocks = {}  # address -> weakref to Memory
@@ -486,10 +528,13 @@ def _unregister(ptr):
 
 
 def host_view(ptr, nbytes):
-    """The bytes [ptr, ptr + nbytes) of a live device array, as a writable NumPy uint8 view."""
+    """The bytes [ptr, ptr + nbytes) of a live device array, as a writable NumPy uint8 view (while a CUDA
+    graph launches: or of memory the graph holds, `launch_memory`)."""
     i = bisect.bisect_right(_starts, ptr) - 1
     mem = _blocks[_starts[i]]() if i >= 0 else None
-    if mem is None or ptr + nbytes > mem.ptr + mem.size:
+    if mem is None or ptr < mem.ptr or ptr + nbytes > mem.ptr + mem.size:
+        mem = next((m for m in reversed(launch_memory) if m.ptr <= ptr and ptr + nbytes <= m.ptr + m.size), None)
+    if mem is None:
         raise ValueError(f"device address {ptr:#x} (+{nbytes} bytes) is not inside a live allocation")
     offset = ptr - mem.ptr
     return mem.host[offset: offset + nbytes], mem

@@ -95,12 +95,20 @@ def _device_work(what, fn, args, kwargs, reads, writes, stream=None, written_vie
     A call that writes nothing and returns one of its arrays or a view of it (slicing, `reshape`,
     `asarray` of a device array, ...) or an empty array was no device work at all."""
     from cupy import ndarray
+    from cupy.cuda import graph
     from cupy.cuda._queue import get_current_stream
 
-    result = _call(fn, args, kwargs)
+    stream = get_current_stream() if stream is None else stream
+    capture = graph.device_work(stream)
+    if capture is None:
+        result = _call(fn, args, kwargs)
+        if not _order.ENABLED:
+            return result
+    else:  # recorded for the graph: shapes and allocations now, the values at each launch
+        with graph.shapes_only():
+            result = _call(fn, args, kwargs)
     if not writes and isinstance(result, ndarray) and (not result.size or any(result._mem is a._mem for a in reads)):
         return result
-    stream = get_current_stream() if stream is None else stream
     issued = _order.issue(stream)
     where = _order.call_site()
     written = {id(a) for a in writes}
@@ -110,9 +118,13 @@ def _device_work(what, fn, args, kwargs, reads, writes, stream=None, written_vie
     for a in writes:
         _touch(a, True, issued, what, where, written_views[0] if written_views else None)
     inputs = {id(a._mem) for a in reads + writes if a._mem is not None}
-    for a in _arrays(result, []):
+    made = []
+    for i, a in enumerate(_arrays(result, [])):
         if a._mem is not None and id(a._mem) not in inputs:  # a new array (a view of an input writes nothing)
             _touch(a, True, issued, what, where)
+            made.append(i)
+    if capture is not None:
+        graph.record_call(capture, what, fn, args, kwargs, result, made)
     return result
 
 
@@ -143,11 +155,20 @@ def _method(name, fn):
         if name in _HOST_COPIES:
             from cupy.cuda._queue import get_current_stream
 
+            from cupy.cuda import graph
+
             stream = kwargs.get("stream") or (args[0] if name == "get" and args else None) or get_current_stream()
+            graph.host_transfer(stream, "D2H")  # memory.pyx:713 (copy_to_host_async, which get() calls)
             result = _device_work(what, fn, (self,) + args, kwargs, [self], [], stream)
             if kwargs.get("blocking", True):
                 stream.synchronize()  # CuPy's copy to the host blocks until its stream is done
             return result
+        if name == "set":
+            from cupy.cuda import graph
+            from cupy.cuda._queue import get_current_stream
+
+            stream = kwargs.get("stream") or (args[1] if len(args) > 1 else None) or get_current_stream()
+            graph.host_transfer(stream, "H2D")  # memory.pyx:614 (copy_from_host_async, which set() calls)
         reads = [self] + _arrays(args, []) + _arrays(list(kwargs.values()), [])
         writes, views = [], ()
         if name in _IN_PLACE:
@@ -224,9 +245,8 @@ def _array_interface(prop):
 
 
 def instrument(ns):
-    """Wrap the stand-in's namespace `ns` (the `cupy` module's globals) for the order tracking."""
-    if not _order.ENABLED:
-        return
+    """Wrap the stand-in's namespace `ns` (the `cupy` module's globals) for the order tracking and for
+    stream capture (cuda/graph.py), which needs the wrappers with the tracking off too."""
     ndarray, ufunc = ns["ndarray"], ns["ufunc"]
     for name, fn in list(ns.items()):
         if isinstance(fn, types.FunctionType) and not name.startswith("_") and name not in _NO_ACCESS_FUNCTIONS \

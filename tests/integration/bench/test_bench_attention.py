@@ -226,7 +226,7 @@ def test_gpu_session_dry_run_names_every_step_under_a_timeout(tmp_path):
     steps = [line.split("] ", 1)[1] for line in done.stdout.splitlines() if "(timeout " in line]
     commands = [s.split("): ", 1)[1] for s in steps]
     out = f"{tmp_path}/out"
-    assert commands[-7:] == [
+    assert commands[-8:] == [
         "python3 bench/attention.py --backends cudnn,torch,own-wmma,own-fma,sdpa --shapes table,paper --budget-s 150 "
         f"--json {out}/attention.json --markdown {out}/attention.md",
         f"python3 bench/gpu_calibrate.py --out {out}/calibrate.toml",
@@ -234,10 +234,11 @@ def test_gpu_session_dry_run_names_every_step_under_a_timeout(tmp_path):
         "python3 bench/gpu_step.py --attention cudnn",
         "python3 bench/gpu_step.py --attention torch --no-eager --skip-kernels",
         "python3 bench/gpu_step.py --attention own --no-eager --skip-kernels",
+        "python3 bench/gpu_step.py --attention cudnn --graph --no-eager --skip-kernels",
         "env BOOSTMPI_CUPY_STANDIN=0 python3 -m pytest -q -x -p no:cacheprovider "
         "tests/kernels/test_kernels.py::test_compile_all_compiles_every_kernel_file tests/kernels/attention/test_attention_kernel.py"]
     limits = [int(s.split("(timeout ", 1)[1].split(" s", 1)[0]) for s in steps]
-    assert limits[-7:] == [180, 120, 60, 30, 30, 30, 90]
+    assert limits[-8:] == [180, 120, 60, 30, 30, 30, 30, 90]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["session.log"]  # nothing ran
     again = _session(tmp_path, GPU_SESSION_DRY="1", STEPS="5 1 7 8",  # some steps again, in another order
                      STEP_CASES="cudnn:--profile torch:--nondeterministic")

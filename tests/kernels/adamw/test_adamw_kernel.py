@@ -119,6 +119,56 @@ def test_a_btp_kernel_without_the_silu_derivative_is_caught(mutated_kernels):
         test_btp_backward_kernels_match_the_model(None, "float32", 64, 64)
 
 
+# (lr, squared gradient norm, max_norm): under the threshold, clipped, exactly at it (sqrt(4) = 2, not
+# clipped), a NaN and an infinite norm (not clipped), clipping off
+DEVICE_STEPS = [(1e-3, 0.25, 1.0), (2e-3, 9.0, 1.0), (5e-4, 4.0, 2.0), (1e-3, float("nan"), 1.0),
+                (1e-3, float("inf"), 1.0), (3e-3, 9.0, 0.0)]
+
+
+def test_the_device_read_update_is_bitwise_the_by_value_one(monkeypatch):
+    """`AdamW.step_on_device` (kernels/adamw.cu's adamw_step_device_f32: lr, the bias corrections and
+    the clipping read from device buffers) gives bitwise the parameters and moments of `AdamW.step` handed
+    the host's numbers (`clip_coefficient` of the host's norm), step after step."""
+    import math
+
+    import cupy
+
+    from boostmpi.gpu import kernels
+    from boostmpi.train.optim import clip_coefficient
+
+    launched = []
+    launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda k, *a, **kw: (launched.append(k.name), launch(k, *a, **kw)))
+    rng = np.random.default_rng(7)
+    p0 = rng.standard_normal(N).astype(np.float32)
+    host, device = optimizer(cupy, p0), optimizer(cupy, p0)
+    scalars = cupy.zeros(3, np.float32)
+    for lr, grad_sq, max_norm in DEVICE_STEPS:
+        g = cupy.asarray(rng.standard_normal(N).astype(np.float32))
+        host.step(g, lr, grad_scale=clip_coefficient(math.sqrt(grad_sq), max_norm))
+        scalars.set(device.device_scalars(lr))
+        device.step_on_device(g, scalars, cupy.asarray(np.float64(grad_sq)), max_norm)
+        for name in ("master", "m", "v"):
+            want, got = getattr(host, name).get(), getattr(device, name).get()
+            assert np.array_equal(want.view(np.uint32), got.view(np.uint32)), f"{name} after lr {lr}, |g|^2 {grad_sq}"
+    assert host.t == device.t == len(DEVICE_STEPS)
+    assert launched == ["adamw_step_f32", "adamw_step_device_f32"] * len(DEVICE_STEPS)
+    with pytest.raises(TypeError, match="float32 scalars"):
+        device.step_on_device(g, cupy.zeros(3, np.float64), cupy.asarray(np.float64(1.0)), 1.0)
+
+
+@pytest.mark.parametrize("old,new", [
+    ("norm <= max_norm", "norm < max_norm"),  # a norm equal to the threshold clipped
+    ("!isfinite(norm) || ", ""),  # a NaN norm clips by NaN
+    ("clip_scale(*grad_sq, max_norm), scalars[1], scalars[2]", "1.0f, scalars[1], scalars[2]"),  # no clipping
+    ("scalars[0],", "scalars[1],"),  # the step size as the decay
+])
+def test_a_wrong_device_read_update_is_caught(mutated_kernels, old, new):
+    mutated_kernels("adamw", old, new)
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(AssertionError):
+        test_the_device_read_update_is_bitwise_the_by_value_one(patch)
+
+
 def sum_squares_case(xp):
     """A flat float32 gradient of an odd length and ranges that skip parts of it (a tp-replicated block
     on tp rank > 0), start and end off any vector boundary, and include an empty one and the buffer's end."""

@@ -6,6 +6,8 @@ import threading
 from cupy._memory import MemoryPointer, MemoryPool, PinnedMemoryPool  # noqa: F401
 from cupy.cuda import runtime  # noqa: F401
 from cupy.cuda._queue import Event, Stream, StandinDeadlock, get_current_stream, get_elapsed_time  # noqa: F401
+from cupy.cuda import graph  # noqa: F401,E402
+from cupy.cuda.graph import Graph  # noqa: F401,E402  (cupy/cuda/__init__.py exports it as cupy.cuda.Graph)
 
 _local = threading.local()
 
@@ -37,8 +39,12 @@ class Device:
     def synchronize(self):
         from cupy.cuda import _order, _queue
 
+        from cupy.cuda import graph
+
+        graph.check_device_sync()  # cudaDeviceSynchronize while a stream captures
         _queue._host_sync()
         _queue.wait_for({op.id for op in _queue._pending}, f"synchronize of device {self.id}")
+        _queue._synced.update(_queue._done)
         _order.host_waits_all()
 
     @property

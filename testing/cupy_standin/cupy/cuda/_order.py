@@ -27,6 +27,7 @@ import sys
 
 ENABLED = os.environ.get("BOOSTMPI_STANDIN_TRACK", "1") != "0"
 HOST = "host"
+CAPTURED = "captured"  # the actor of an access recorded by a stream capture (`issue`)
 _STANDIN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../testing/cupy_standin/cupy
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(_STANDIN)))
 
@@ -80,8 +81,13 @@ def init_stream(stream):
 
 
 def issue(stream):
-    """A new access on `stream`: (actor, sequence number, clock it is ordered after)."""
+    """A new access on `stream`: (actor, sequence number, clock it is ordered after). On a stream that
+    is capturing, nothing runs: the accesses go to the capture (`access` keeps them for the graph,
+    whose launches make them on the launch stream; cuda/graph.py)."""
     from cupy.cuda._queue import Stream
+
+    if getattr(stream, "capture", None) is not None:
+        return CAPTURED, stream.capture, None
 
     if stream.host_epoch != _host.epoch:  # issued after what the host has seen finish
         _join(stream.clock, _host.clock)
@@ -141,6 +147,9 @@ def access(mem, lo, hi, write, issued, what, buffer, where=None, doing=None):
         return
     actor, seq, clock = issued
     if mem.chunk is None:
+        return
+    if actor is CAPTURED:  # recorded into a graph, made when it is launched
+        seq.accesses.append((mem, lo, hi, write, what, buffer, where or call_site(), doing))
         return
     # the bytes as the pool's allocation numbers them: a later chunk split from or merged over them sees them
     off = mem.chunk.offset

@@ -23,12 +23,13 @@ import threading
 import time
 import weakref
 
-from cupy.cuda import _order
+from cupy.cuda import _order, graph
 
 _op_ids = itertools.count(1)
 _stream_ptrs = itertools.count(0x5000)
 _pending = []  # DeviceOps not yet done, in issue order
 _done = set()
+_synced = set()  # ops the host has waited for (a synchronize, or a query that saw them done): ordered before all it issues next
 _local = threading.local()
 host_syncs = 0  # blocking waits of the host for the device (synchronize; get() and the like synchronize too)
 
@@ -113,10 +114,13 @@ class Stream:
         self.ptr = 0 if null else next(_stream_ptrs)
         self.non_blocking = non_blocking
         self.covered = frozenset()
+        self.capture = None  # the stream capture it takes part in (cuda/graph.py)
         _order.init_stream(self)
         Stream._live.add(self)
 
     def wait_event(self, event):
+        if graph.on_wait(self, event):  # an edge of a CUDA graph being captured: nothing waits now
+            return
         self.covered = self.covered | event.covers
         _order.wait(self, event)
         if self is get_current_stream():
@@ -130,14 +134,30 @@ class Stream:
         return event
 
     def synchronize(self):
+        graph.check_sync(self)
         _host_sync()
         wait_for(self.covered, f"synchronize of stream {self.ptr:#x}")
+        _synced.update(self.covered)
         _order.host_waits(self.clock)
+
+    def begin_capture(self, mode=None):
+        """stream.pyx:350 at v14.2.0 (cuda/graph.py)."""
+        graph.begin(self, mode)
+
+    def end_capture(self):
+        """stream.pyx:407: the captured work as a `cupy.cuda.graph.Graph`."""
+        return graph.end(self)
+
+    def is_capturing(self):
+        """stream.pyx:427."""
+        return graph.is_capturing(self)
 
     @property
     def done(self):
+        graph.check_sync(self)  # cudaStreamQuery
         progress()
         if self.covered <= _done:
+            _synced.update(self.covered)
             _order.host_waits(self.clock)  # the host saw it finish: as good as a synchronize
             return True
         return False
@@ -183,19 +203,24 @@ class Event:
 
     def record(self, stream=None):
         stream = get_current_stream() if stream is None else stream
+        graph.on_record(self, stream)
         self.covers = frozenset(stream.covered)
         _order.record(self, stream)
         self.recorded = True
 
     def synchronize(self):
+        graph.check_event(self)
         _host_sync()
         wait_for(self.covers, f"synchronize of {self!r}")
+        _synced.update(self.covers)
         _order.host_waits(self.clock)
 
     @property
     def done(self):
+        graph.check_event(self)  # cudaEventQuery
         progress()
         if self.covers <= _done:
+            _synced.update(self.covers)
             _order.host_waits(self.clock)
             return True
         return False

@@ -288,12 +288,35 @@ def _gemm(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Bty
     a = _matrices("A", A, _storage_dtype(Atype), a_rows, a_cols, lda, strideA, batchCount)
     b = _matrices("B", B, _storage_dtype(Btype), b_rows, b_cols, ldb, strideB, batchCount)
     c = _matrices("C", C, _storage_dtype(Ctype), m, n, ldc, strideC, batchCount)
+    capture = _capture(state)
     _accesses(state, entry, ((A, a, False), (B, b, False), (C, c, True)))
     called(entry, batchCount, m, n, k, Atype, Btype, Ctype, computeType, beta_zero=bool(scale[1] == 0))
     from cupy import _memory
 
+    if capture is not None:  # recorded: computed at each launch, with alpha and beta as read now
+        from cupy.cuda import graph
+
+        graph.record_quiet(capture, f"cuBLAS {entry}", lambda: _product(a, b, c, work, compute, transa, transb, scale),
+                           [_memory.host_view(p, 1)[1] for p in (A, B, C)])
+        return
     if _memory.META:  # shapes only: the checks above ran, nothing is computed
         return
+    _product(a, b, c, work, compute, transa, transb, scale)
+
+
+def _capture(state):
+    """The capture a GEMM issued by the caller (not inside a CuPy call, which is recorded whole) joins."""
+    from cupy import _tracked
+    from cupy.cuda import _queue, graph
+
+    if not _tracked._outermost():
+        return None
+    stream = next((s for s in _queue.Stream._live if s.ptr == state["stream"]), None)
+    return None if stream is None else graph.device_work(stream)
+
+
+def _product(a, b, c, work, compute, transa, transb, scale):
+    """C = alpha op(A) op(B) + beta C on the views, in the work dtype."""
     a, b = a.astype(work), b.astype(work)
     if compute == CUBLAS_COMPUTE_32F_FAST_TF32 and work == np.float32:  # inputs rounded to TF32's 10-bit mantissa
         a, b = _tf32(a), _tf32(b)

@@ -4,7 +4,8 @@ Each NcclCommunicator owns an MPI communicator over exactly its members (made wi
 `MPI_Comm_create_group`, so only the members take part), and each operation is device work
 queued on the stream it was given (cuda/_queue.py):
 - it starts when everything its stream covers has finished, and an operation whose stream does
-  not cover every earlier operation of the same communicator is refused (NcclOrderError): NCCL
+  not cover every earlier operation of the same communicator (one the host has not waited for
+  since) is refused (NcclOrderError): NCCL
   runs a communicator's operations in issue order, and two of them on unordered streams may run
   at once and hang or mix their data;
 - `send` is a synchronous-mode MPI send: it completes only once the peer has posted the matching
@@ -196,12 +197,14 @@ class NcclCommunicator:
             raise NcclError("ncclInvalidUsage: the communicator was destroyed or aborted")
         stream = _stream(stream)
         from cupy import _memory
+        from cupy.cuda import graph
 
-        if _memory.META:  # shapes only: queued and ordered as always, no data moves between the ranks
+        capture = graph.device_work(stream)
+        if _memory.META and capture is None:  # shapes only: queued and ordered as always, no data moves
             start, test, finish = (lambda: None), (lambda: True), None
         op = _queue.DeviceOp(f"NCCL {what} on communicator rank {self._rank}/{self._size}", start, test, finish)
-        unordered = [earlier for earlier in self._issued if earlier.id not in stream.covered]
-        if unordered:
+        unordered = [earlier for earlier in self._issued if earlier.id not in stream.covered | _queue._synced]
+        if unordered and capture is None:
             raise NcclOrderError(f"{op.what} on stream {stream.ptr:#x} is not ordered after {unordered} of the same "
                                  f"communicator: NCCL may run them at once (make the stream wait for them)")
         issued, where = _order.issue(stream), _order.call_site()
@@ -209,6 +212,11 @@ class NcclCommunicator:
         for ptr, nbytes, write in touches:
             if write or ptr not in writes:  # in place: the write covers the read
                 _order.access_pointer(ptr, nbytes, write, issued, f"NCCL {what}", where)
+        if capture is not None:  # recorded: queued on the launch stream at each launch (nothing moves now)
+            graph.record_quiet(capture, f"NCCL {what}", lambda: self._enqueue(what, _queue.get_current_stream(), start,
+                                                                               test, finish, touches),
+                               [host_view(ptr, nbytes)[1] for ptr, nbytes, _ in touches], always=True)
+            return
         self._issued.append(op)
         _queue.enqueue(stream, op)
 

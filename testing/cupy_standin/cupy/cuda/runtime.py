@@ -51,8 +51,38 @@ CUDA_R_32F, CUDA_R_64F, CUDA_R_16F, CUDA_R_8I, CUDA_C_32F, CUDA_C_64F, CUDA_C_16
 CUDA_R_32I, CUDA_R_16BF = 10, 14
 
 
+# cudaStreamCaptureMode (CuPy's runtime.pxd exports these names; CuPy's begin_capture defaults to relaxed)
+streamCaptureModeGlobal, streamCaptureModeThreadLocal, streamCaptureModeRelaxed = 0, 1, 2
+
+# cudaError_t values and the runtime's strings for them (cudaGetErrorName / cudaGetErrorString; the
+# codes as CUDA's driver_types.h numbers them, e.g.
+# https://docs.rs/crseo-sys/latest/crseo_sys/constant.cudaError_cudaErrorStreamCaptureInvalidated.html).
+# HIP numbers these the same (hipErrorStreamCaptureUnsupported = 900, ...) with a `hip` prefix.
+_ERRORS = {
+    401: ("ErrorIllegalState", "the operation cannot be performed in the present state"),
+    900: ("ErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing"),
+    901: ("ErrorStreamCaptureInvalidated", "operation failed due to a previous error during capture"),
+    903: ("ErrorStreamCaptureUnmatched", "capture was not initiated in this stream"),
+    904: ("ErrorStreamCaptureUnjoined", "capture sequence contains a fork that was not joined to the primary stream"),
+    906: ("ErrorStreamCaptureImplicit", "operation would make the legacy stream depend on a capturing blocking stream"),
+    907: ("ErrorCapturedEvent", "operation not permitted on an event last recorded in a capturing stream"),
+    999: ("ErrorUnknown", "unknown error"),
+}
+errorIllegalState, errorStreamCaptureUnsupported, errorStreamCaptureInvalidated = 401, 900, 901
+errorStreamCaptureUnmatched, errorStreamCaptureUnjoined, errorStreamCaptureImplicit = 903, 904, 906
+errorCapturedEvent, errorUnknown = 907, 999
+
+
 class CUDARuntimeError(RuntimeError):
-    pass
+    """cupy_backends/cuda/api/runtime.pyx:128 at v14.2.0: made from a status code, with the message
+    '<name>: <string>' (`status` kept); the stand-in's older uses pass a message of their own."""
+
+    def __init__(self, status):
+        if isinstance(status, int):
+            self.status = status
+            name, text = _ERRORS[status]
+            status = f"{'hip' if is_hip else 'cuda'}{name}: {text}"
+        super().__init__(status)
 
 
 def getDeviceCount():
