@@ -455,6 +455,7 @@ except CUDARuntimeError as e:
         "[2.0, 2.0, 2.0, 2.0]", "hipErrorUnknown: unknown error"]
 
 
+@pytest.mark.slow  # a second case of what the default run covers (CI time): `-m slow` runs it
 def test_a_training_steps_device_work_captures_and_launches_to_the_eager_bits(cp):
     """The engine's bfloat16 step on the tiny cola model, its micro-batches already on the device: every call up to
     the step's one host read (the loss, which CuPy refuses during the capture, leaving it valid) is

@@ -90,6 +90,7 @@ def test_graph_steps_are_bitwise_the_eager_steps():
     assert private > 0 and pools.total_bytes(cupy) >= private + cupy.get_default_memory_pool().total_bytes()
 
 
+@pytest.mark.slow  # a second case of what the default run covers (CI time): `-m slow` runs it
 def test_graph_steps_with_lowrank_recompute_are_bitwise_the_eager_steps():
     """lowrank recompute (a tape of kept arrays from the kept pool, replayed before each layer's backward)
     captures as it is: the replays give the eager loop's bits."""
@@ -116,6 +117,7 @@ def _bake_the_scalars(monkeypatch):
     monkeypatch.setattr(AdamW, "step_on_device", baked)
 
 
+@pytest.mark.slow  # a mutant shown failing (CI time): the default run's lr changes across replays, so a baked lr fails it too
 def test_a_step_that_bakes_its_learning_rate_is_caught(monkeypatch):
     """The mutant passes while every step runs eagerly (as the graph's step does before its capture: that
     step, too, is bitwise the eager loop) and fails once the step is captured and replayed."""
