@@ -287,14 +287,18 @@ def btp_backward_pre(dZs: Array, Z: Array, rstd: Array, C_total: int, act: bool)
     return dP, dS
 
 
-def btp_backward_post(dxw: Array, x: Array, w: Array, dS: Array) -> tuple[Array, Array]:
+def btp_backward_post(dxw: Array, x: Array, w: Array, dS: Array, residual: Array | None = None) -> tuple[Array, Array]:
     """dxw [N,Cs] float32, x [N,Cs], w [Cs], dS [N] float32 -> dx [N,Cs] = dxw * w + 2 * x * dS
-    (x's dtype), dw [Cs] = sum over rows of dxw * x (float32). One kernel over rmsnorm_backward's
-    column tiles and row chunks (no shared memory, whatever Cs), then the sum of its per-chunk dw rows."""
+    (x's dtype; plus `residual` [N,Cs] of x's dtype when given, added in float32 before the one
+    rounding: the gradient from above that meets dx at the residual, with no addition kernel),
+    dw [Cs] = sum over rows of dxw * x (float32). One kernel over rmsnorm_backward's column tiles and
+    row chunks (no shared memory, whatever Cs), then the sum of its per-chunk dw rows."""
     N, Cs, suffix = _check_matrix("x", x)
     _check("dxw", dxw, (N, Cs), np.float32)
     _check("w", w, (Cs,), x.dtype)
     _check("dS", dS, (N,), np.float32)
+    if residual is not None:
+        _check("residual", residual, (N, Cs), x.dtype)
     cupy = _import_cupy()
     dx = cupy.empty_like(x)
     if N == 0 or Cs == 0:
@@ -303,7 +307,8 @@ def btp_backward_post(dxw: Array, x: Array, w: Array, dS: Array) -> tuple[Array,
     threads, tiles, rows_per_chunk, chunks = rmsnorm_backward_launch(N, Cs, x.itemsize, device.warp_size, device.sm_count)
     dw_partial = cupy.empty((chunks, Cs), dtype=np.float32)
     _launch(_kernel("btp", f"btp_backward_post_{suffix}"), tiles * chunks, threads,
-            (dxw, x, w, dS, dx, dw_partial, np.int32(N), np.int32(Cs), np.int32(rows_per_chunk)))
+            (dxw, x, w, dS, x if residual is None else residual, dx, dw_partial, np.int32(N), np.int32(Cs),
+             np.int32(rows_per_chunk), np.int32(residual is not None)))
     return dx, dw_partial.sum(axis=0)
 
 

@@ -194,17 +194,24 @@ def btp_norm_backward_pre(dZs: Array, Z: Array, rstd: Array, C: int, act: bool, 
     return dP, dS
 
 
-def btp_norm_backward_post(dxw: Array, x: Array, w: Array, dS: Array, dw: Array) -> Array:
+def btp_norm_backward_post(dxw: Array, x: Array, w: Array, dS: Array, dw: Array, residual: Array | None = None,
+                           ) -> Array:
     """dxw [N, Cs] (in the accumulation dtype), x [N, Cs], w [Cs], dS [N, 1] -> dx = dxw * w + 2 x dS
-    in x's dtype; accumulates sum over rows of dxw * x into dw."""
+    in x's dtype, plus `residual` [N, Cs] (x's dtype) when given: the residual's gradient from above,
+    which meets dx at the group's input. Accumulates sum over rows of dxw * x into dw. On a GPU the
+    kernel adds the residual before its one rounding (no addition kernel; the NumPy path rounds dx,
+    then adds)."""
     k, (xc, wc) = kernel_inputs(x, w)
-    if k is not None and x.ndim == 2 and dxw.dtype == np.float32 and dS.dtype == np.float32:
+    if (k is not None and x.ndim == 2 and dxw.dtype == np.float32 and dS.dtype == np.float32
+            and (residual is None or residual.dtype == x.dtype)):
         xp = get_array_module(x)
-        dx, dw_part = k.btp_backward_post(xp.ascontiguousarray(dxw), xc, wc, xp.ascontiguousarray(dS.reshape(-1)))
+        dx, dw_part = k.btp_backward_post(xp.ascontiguousarray(dxw), xc, wc, xp.ascontiguousarray(dS.reshape(-1)),
+                                          None if residual is None else xp.ascontiguousarray(residual))
         dw += dw_part
         return dx
     dw += (dxw * x).sum(axis=0)
-    return (dxw * w + 2.0 * x * dS).astype(x.dtype, copy=False)  # float32 statistics, bf16 x
+    dx = (dxw * w + 2.0 * x * dS).astype(x.dtype, copy=False)  # float32 statistics, bf16 x
+    return dx if residual is None else residual + dx
 
 
 # ---------------------------------------------------------------- SiLU and the gated product

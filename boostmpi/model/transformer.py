@@ -49,8 +49,10 @@ class LinearGroups(Protocol):
         """The residual add h + y and in_proj_forward on it: (h + y, outputs, cache)."""
         ...
 
-    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
-        """Accumulates the group's gradients into grads; returns d(x)."""
+    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer,
+                         residual: Array | None = None) -> Array:
+        """Accumulates the group's gradients into grads; returns d(x), plus `residual` when given (the
+        gradient that meets d(x) at the residual: a strategy may add it inside its norm's backward)."""
         ...
 
     def out_proj_forward(self, x: Array, name: str, P: FlatBuffer, tape: Tape = NO_TAPE) -> tuple[Array, ProjectionCache]:
@@ -150,7 +152,8 @@ class Block:
         g, u, s_gate = cache.pop("gate")
         dg, du = layers.gate_backward(da, g, u, act, s_gate)
         del da, g, u, s_gate
-        dh = dh + tp_layers.in_proj_backward([dg, du], cache.pop("gate_up"), P, grads)
+        # the gradients meeting at each residual are summed by the strategy (btp: in its norm's kernel)
+        dh = tp_layers.in_proj_backward([dg, du], cache.pop("gate_up"), P, grads, residual=dh)
         del dg, du
         do = tp_layers.out_proj_backward(dh, cache.pop("o"), P, grads)
         B, T = self.shape
@@ -158,4 +161,4 @@ class Block:
         del do
         dq = layers.rope_backward(dq, *rope).reshape(B * T, -1)
         dk = layers.rope_backward(dk, *rope).reshape(B * T, -1)
-        return dh + tp_layers.in_proj_backward([dq, dk, dv.reshape(B * T, -1)], cache.pop("qkv"), P, grads)
+        return tp_layers.in_proj_backward([dq, dk, dv.reshape(B * T, -1)], cache.pop("qkv"), P, grads, residual=dh)

@@ -253,20 +253,27 @@ def online_norm(s: Shape, name: str, width: int, residual: bool = False) -> Poin
     (h + y) * w: 4 passes), the residual add folded in. Backward: btp_backward_post reads dxw (the
     float32 accumulator: 2 passes in a 16-bit step) and x and writes dx, then the sum of its per-chunk
     dw rows and the accumulation into dw (3 kernels); with `residual`, the sum of the two gradients
-    at the residual (reads 2, writes 1) is one kernel more."""
+    at the residual (reads 2, writes 1) is one kernel more. On GPUs btp_backward_post also reads the
+    gradient from above that meets dx at the group's input and writes their sum (one pass more, no
+    kernel more), for the attention norm (the gradient of the layer's output) and the MLP's."""
     N = s.N
     post = (2 if s.half else 1) + 2
+    if s.gpu:
+        return Pointwise(name, N * width, 4 if residual else 2, post + 1, saved=N * width + N, bwd_kernels=3)
     if residual:
         return Pointwise(name, N * width, 4, post + 3, saved=N * width + N, bwd_kernels=4)
     return Pointwise(name, N * width, 2, post, saved=N * width + N, bwd_kernels=3)
 
 
-def residual(s: Shape, n: int, in_recompute: bool = True) -> Pointwise:
+def residual(s: Shape, n: int, in_recompute: bool = True, backward_in_norm: bool = False) -> Pointwise:
     """The residual add h + y. Forward reads h and y, writes the sum; its backward passes the gradient
     on to both unchanged, and the kernel is the sum of the two gradients that meet at h (reads 2,
-    writes 1). Other frameworks' plans keep the generic binary op's 3 / 5 passes."""
+    writes 1), or none with `backward_in_norm` (a norm's backward kernel adds them: `online_norm` on
+    GPUs). Other frameworks' plans keep the generic binary op's 3 / 5 passes."""
     if not s.engine_kernels:
         return binary("residual", n)
+    if backward_in_norm:
+        return Pointwise("residual", n, 3, 0, in_recompute=in_recompute, bwd_kernels=0)
     return Pointwise("residual", n, 3, 3, in_recompute=in_recompute)
 
 
@@ -428,9 +435,9 @@ def _btp_layer(s: Shape) -> list[Op]:
         ops: list[Op] = []
         if with_norm_statistic and s.sync_norm:
             ops.append(Collective("norm.sumsq", "allreduce", N, "fwd", min_itemsize=4))  # float32 at least
-        if s.grouped:  # the engine's weight gradient: one GEMM per factor's column block of dP
+        if s.grouped:  # the engine's weight gradient: one GEMM per factor's column block of dP (on GPUs one GEMM)
             ops += [Gemm("+".join(names) + ".A", N, r * len(names), d_in_local, saved=N * d_in_local,
-                         dw_split=len(names) if s.engine_kernels else 1),
+                         dw_split=len(names) if s.engine_kernels and not s.gpu else 1),
                     Collective("+".join(names) + ".z", "allreduce", N * r * len(names) + stat, "fwd", wide=stat)]
         else:
             for i, name in enumerate(names):
@@ -481,7 +488,8 @@ def _btp_layer(s: Shape) -> list[Op]:
     ops += a_group(("down",), Fl, Rm, False)
     # a recompute stops at the down projection's input: its B GEMM (out_proj_cache) and the add are skipped
     ops += b_gemms(("down",), Rm, (Cl,), in_recompute=not s.engine_kernels)
-    ops.append(residual(s, N * Cl, in_recompute=False))
+    # on GPUs the two gradients meeting at the layer's input are summed by the attention norm's kernel
+    ops.append(residual(s, N * Cl, in_recompute=False, backward_in_norm=s.engine_kernels and s.gpu))
     return ops
 
 

@@ -247,7 +247,7 @@ def run_btp(pool, small, suffix, code=None, warp=32):
     dxw.row(N - 1)[:], x.row(N - 1)[:], dS.flat(N - 1, N)[:] = gr, xr, -0.25
     kernel = function("btp", f"btp_backward_post_{suffix}", code, warp)
     threads, tiles, _, _ = loader.rmsnorm_backward_launch(N, Cs, dtype.itemsize, warp, 108)
-    kernel(tiles * N, threads, (dxw, x, small(w), dS, dx, dw, np.int32(N), np.int32(Cs), np.int32(1)),
+    kernel(tiles * N, threads, (dxw, x, small(w), dS, x, dx, dw, np.int32(N), np.int32(Cs), np.int32(1), np.int32(0)),
            blocks=[(N - 1) * tiles + t for t in range(tiles)])  # one-row chunks: the last row's chunk
     dw_ref = np.zeros(Cs, np.float32)
     dx_ref = layers.btp_norm_backward_post(gr[None], xr.astype(np.float32)[None], w.astype(np.float32),

@@ -315,6 +315,12 @@ def test_btp_backward_kernels_match_the_model(small_grid, dtype_name, R, Cs):
     dx, dw = kernels.btp_backward_post(*_device(dxw, x, w, dS[:, 0]))
     _assert_close(dx, _stored(dx_ref, dtype), "btp dx")
     _assert_close(dw, dw_ref, "btp dw")
+    # with the residual's gradient from above: added in float32 before the kernel's one rounding
+    residual = _randn(rng, (N, Cs), dtype, 3.0)
+    dx_ref = layers.btp_norm_backward_post(dxw, xf, wf, dS, np.zeros(Cs, np.float32), _widened(residual)[0])
+    dx, dw = kernels.btp_backward_post(*_device(dxw, x, w, dS[:, 0], residual))
+    _assert_close(dx, _stored(dx_ref, dtype), "btp dx + residual")
+    _assert_close(dw, dw_ref, "btp dw beside the residual")
 
 
 @pytest.mark.gpu

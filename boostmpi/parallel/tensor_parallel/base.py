@@ -2,7 +2,7 @@
 
   in_proj_forward(x, norm_name, names, P, tape) -> (outs, cache)   norm + the linears reading it
   residual_in_proj_forward(h, y, norm_name, names, P, tape) -> (h + y, outs, cache)   the same on h + y
-  in_proj_backward(douts, cache, P, grads) -> dx
+  in_proj_backward(douts, cache, P, grads, residual=None) -> dx (+ residual)
   out_proj_forward(x, name, P, tape) -> (y, cache)                  o and down, into the residual
   out_proj_cache(x, name, P, tape) -> cache                         the same cache, y not needed
   out_proj_backward(dy, cache, P, grads) -> dx

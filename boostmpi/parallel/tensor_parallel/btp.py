@@ -80,8 +80,10 @@ class BottleneckTP(Strategy):
         h, xw, ss = layers.residual_online_stats(h, y, P[norm_name])
         return (h, *self._bottleneck_forward(h, norm_name, names, P, tape, stats=(xw, ss)))
 
-    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
-        return self._bottleneck_backward(douts, cast(BottleneckCache, cache), P, grads)  # its own forward's
+    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer,
+                         residual: Array | None = None) -> Array:
+        """`residual` is added in the norm's backward kernel (btp_backward_post) on a GPU."""
+        return self._bottleneck_backward(douts, cast(BottleneckCache, cache), P, grads, residual)  # its own forward's
 
     def out_proj_forward(self, x: Array, name: str, P: FlatBuffer, tape: Tape = NO_TAPE,
                          ) -> tuple[Array, ProjectionCache]:
@@ -206,8 +208,21 @@ class BottleneckTP(Strategy):
                     prod[:, s] = reduce(piece, j)
         return (prod, tail) if extra is not None else prod
 
+    def _a_grads(self, xw: Array, dP: Array, sl: list[slice], names: list[str], grads: FlatBuffer) -> None:
+        """grads[A_j] += xw^T · dP[:, s_j] for each factor. On a GPU, grouped, with the gradients of the
+        A factors stored side by side (as the factors are): one GEMM accumulating into all of them,
+        each output column the same dot product over the rows (its float32 summation order cuBLAS's).
+        On the CPU one GEMM per factor's column block, the specification."""
+        whole = grads.side_by_side([f"{nm}/A" for nm in names]) if self.grouped and len(names) > 1 else None
+        if whole is not None and get_array_module(dP) is not np:
+            matmul(xw.T, dP, out=whole, accumulate=True)
+            return
+        for s, nm in zip(sl, names):
+            matmul(xw.T, dP[:, s], out=grads[f"{nm}/A"], accumulate=True)
+
     def _bottleneck_backward(self, douts: list[Array], cache: BottleneckCache, P: FlatBuffer, grads: FlatBuffer,
-                             ) -> Array:
+                             residual: Array | None = None) -> Array:
+        """d(x) of the group (plus `residual`, a gradient that meets it at x, when given)."""
         x, xw, norm_name, Z, Zs, rstd, names, sl, sig = cache
         xp = get_array_module(x)
         dZs = xp.empty_like(Z)
@@ -227,14 +242,12 @@ class BottleneckTP(Strategy):
             dZ = layers.silu_backward(dZs, Z, sig) if self.act else dZs
             dZ = reduce_from_tp_region_backward(dZ, self.tp)  # Z was reduced from the region
             dx = matmul(dZ, A.T)
-            for s, nm in zip(sl, names):
-                matmul(xw.T, dZ[:, s], out=grads[f"{nm}/A"], accumulate=True)
-            return dx
+            self._a_grads(xw, dZ, sl, names, grads)
+            return dx if residual is None else residual + dx
         # exact backward of Z = (sum_i xw_i·A_i) * rstd(S), S = sum of squares over all shards
         # (layers.btp_norm_backward_pre/post: one kernel each on a GPU, around the GEMM)
         dP, dS = layers.btp_norm_backward_pre(dZs, Z, rstd, self.C, self.act, sig)
         dP = reduce_from_tp_region_backward(dP, self.tp)  # the product was reduced from the region
         dxw = matmul(dP, A.T, dtype=statistic_dtype(x.dtype))  # the float32 accumulator, not rounded
-        for s, nm in zip(sl, names):
-            matmul(xw.T, dP[:, s], out=grads[f"{nm}/A"], accumulate=True)
-        return layers.btp_norm_backward_post(dxw, x, P[norm_name], dS, grads[norm_name])
+        self._a_grads(xw, dP, sl, names, grads)
+        return layers.btp_norm_backward_post(dxw, x, P[norm_name], dS, grads[norm_name], residual)

@@ -58,7 +58,8 @@ class MegatronTP(ReplicatedResidual):
             outs = [matmul(n, P[w]) for w in W_names]
         return outs, NormCache(x, norm_name, rstd, (n, names))
 
-    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
+    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer,
+                         residual: Array | None = None) -> Array:
         cache = cast(NormCache, cache)  # its own forward's
         n, names = cast(tuple[Array, list[str]], cache.inner)
         parts, req = column_parallel_input_grad(douts, P, [f"{nm}/W" for nm in names], self.grouped, self.tp)
@@ -66,7 +67,8 @@ class MegatronTP(ReplicatedResidual):
             matmul(n.T, dy, out=grads[f"{nm}/W"], accumulate=True)
         req.wait()
         dn = sum(parts[1:], parts[0])
-        return layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, grads[cache.norm_name])
+        dx = layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, grads[cache.norm_name])
+        return dx if residual is None else residual + dx
 
     def out_proj_forward(self, x: Array, name: str, P: FlatBuffer, tape: Tape = NO_TAPE,
                          ) -> tuple[Array, ProjectionCache]:

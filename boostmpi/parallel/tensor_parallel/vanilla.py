@@ -39,10 +39,12 @@ class VanillaLowRankTP(ReplicatedResidual):
         outs, cache = self._factor_forward(n, names, P, tape)
         return outs, NormCache(x, norm_name, rstd, cache)
 
-    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
+    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer,
+                         residual: Array | None = None) -> Array:
         cache = cast(NormCache, cache)  # its own forward's
         dn = self._factor_backward(douts, cast(FactorCache, cache.inner), P, grads)
-        return layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, grads[cache.norm_name])
+        dx = layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, grads[cache.norm_name])
+        return dx if residual is None else residual + dx
 
     def out_proj_forward(self, x: Array, name: str, P: FlatBuffer, tape: Tape = NO_TAPE,
                          ) -> tuple[Array, ProjectionCache]:

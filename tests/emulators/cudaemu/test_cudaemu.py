@@ -238,7 +238,8 @@ def test_btp_backward_kernels_match_layers(warp, suffix):
         threads, tiles, _, _ = loader.rmsnorm_backward_launch(N, width, dtype.itemsize, warp, SM_COUNT)
         kernel("btp", f"btp_backward_post_{suffix}", warp)(
             tiles * 3, threads, (cudaemu.DeviceArray(dxw), cudaemu.DeviceArray(x), cudaemu.DeviceArray(w),
-                                 cudaemu.DeviceArray(ds), DX, P, np.int32(N), np.int32(width), np.int32(2)))
+                                 cudaemu.DeviceArray(ds), DX, DX, P, np.int32(N), np.int32(width), np.int32(2),
+                                 np.int32(0)))
         dw_ref = np.zeros(width)
         dx_ref = layers.btp_norm_backward_post(f64(dxw), f64(x), f64(w), f64(ds)[:, None], dw_ref)
         assert_close(DX.get().reshape(N, width), stored(dx_ref, dtype), dtype, f"dx C={width}")

@@ -657,8 +657,11 @@ def _check_fused_residual_norm(btp_layer=plans._btp_layer):
     assert "residual+mlp_norm" in _by_name(ops)
     fused = _by_name(ops)["residual+mlp_norm"]
     assert (fused.fwd_passes, fused.fwd_kernels) == (4, 1) and "mlp_norm" not in _by_name(ops)
-    assert fused.bwd_kernels == 4  # btp_backward_post, the dw sum, its accumulation, the gradient sum
+    # btp_backward_post (on GPUs adding the gradient from above: no gradient-sum kernel), the dw sum,
+    # its accumulation
+    assert fused.bwd_kernels == 3 and fused.bwd_passes == 2 + 2 + 1
     assert [o.name for o in ops].count("residual") == 1  # the add after the down projection
+    assert _by_name(ops)["residual"].bwd_kernels == 0  # its gradient sum: in the attention norm's kernel
     assert {"residual", "mlp_norm"} <= set(_by_name(eager_ops)) and "residual+mlp_norm" not in _by_name(eager_ops)
     vanilla, _, _ = _engine_and_reference_plans(None, "vanilla")
     assert [o.name for o in vanilla].count("residual") == 2 and "mlp_norm" in _by_name(vanilla)
