@@ -296,6 +296,33 @@ __device__ void rescale_rows(const T* P, const float* ss_total, T* out, int R, i
         rescale_row<T, 1>(P + offset, ss_total[row], out + offset, R, C_total, eps);
 }
 
+// The column tiles' last step: dw [C] += the sum over chunks of dw_partial [n_chunks, C] (fp32), one
+// launch instead of a reduction and an addition. A block owns DW_COLUMNS columns; DW_ROW_GROUPS
+// threads per column each sum every DW_ROW_GROUPS-th chunk in order, then the first sums the groups'
+// totals in group order (deterministic) and adds the column's total to dw. Launch: dw_accumulate_launch
+// in boostmpi/gpu/launch_plan.py (DW_COLUMNS x DW_ROW_GROUPS threads, ceil(C / DW_COLUMNS) blocks).
+#if !defined(DW_COLUMNS) || !defined(DW_ROW_GROUPS)
+#error "rmsnorm.cu takes DW_COLUMNS and DW_ROW_GROUPS from the launch plan: compile with boostmpi.gpu.launch_plan.compile_options(\"rmsnorm\", ...)"
+#endif
+
+extern "C" __global__ void dw_accumulate_f32(const float* dw_partial, float* dw, int n_chunks, int C) {
+    __shared__ float group_sums[DW_ROW_GROUPS][DW_COLUMNS];
+    const int column = threadIdx.x % DW_COLUMNS, group = threadIdx.x / DW_COLUMNS;
+    const long long j = static_cast<long long>(blockIdx.x) * DW_COLUMNS + column;
+    float sum = 0.0f;
+    if (j < C) {
+#pragma unroll 4
+        for (int c = group; c < n_chunks; c += DW_ROW_GROUPS) sum += dw_partial[static_cast<long long>(c) * C + j];
+    }
+    group_sums[group][column] = sum;
+    __syncthreads();
+    if (group == 0 && j < C) {
+        float total = 0.0f;
+        for (int g = 0; g < DW_ROW_GROUPS; ++g) total += group_sums[g][column];
+        dw[j] += total;
+    }
+}
+
 #define RMSNORM_ENTRY_POINTS(T, SUFFIX)                                                                   \
     extern "C" __global__ void rmsnorm_forward_##SUFFIX(const T* x, const T* w, T* y, float* rstd, int C, \
                                                         float eps) {                                      \

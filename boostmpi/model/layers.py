@@ -110,11 +110,18 @@ def rmsnorm_forward(x: Array, w: Array, eps: float) -> tuple[Array, Array]:
     return (x * rstd * w).astype(x.dtype, copy=False), rstd  # a float32 rstd does not widen bf16 x
 
 
+def _accumulable(dw: Array) -> Array | None:
+    """dw itself when a kernel can add the norm weight's gradient into it (float32, contiguous), else None."""
+    return dw if dw.dtype == np.float32 and dw.flags.c_contiguous else None
+
+
 def rmsnorm_backward(dy: Array, x: Array, w: Array, rstd: Array, dw: Array) -> Array:
     k, (dyc, xc, wc) = kernel_inputs(dy, x, w)
     if k is not None and x.ndim == 2:
-        dx, dw_part = k.rmsnorm_backward(dyc, xc, wc, get_array_module(x).ascontiguousarray(rstd.reshape(-1)))
-        dw += dw_part
+        into = _accumulable(dw)
+        dx, dw_part = k.rmsnorm_backward(dyc, xc, wc, get_array_module(x).ascontiguousarray(rstd.reshape(-1)), into)
+        if into is None:
+            dw += dw_part
         return dx
     dyw = dy * w
     dw += (dy * x * rstd).sum(axis=0)
@@ -205,9 +212,11 @@ def btp_norm_backward_post(dxw: Array, x: Array, w: Array, dS: Array, dw: Array,
     if (k is not None and x.ndim == 2 and dxw.dtype == np.float32 and dS.dtype == np.float32
             and (residual is None or residual.dtype == x.dtype)):
         xp = get_array_module(x)
+        into = _accumulable(dw)
         dx, dw_part = k.btp_backward_post(xp.ascontiguousarray(dxw), xc, wc, xp.ascontiguousarray(dS.reshape(-1)),
-                                          None if residual is None else xp.ascontiguousarray(residual))
-        dw += dw_part
+                                          None if residual is None else xp.ascontiguousarray(residual), into)
+        if into is None:
+            dw += dw_part
         return dx
     dw += (dxw * x).sum(axis=0)
     dx = (dxw * w + 2.0 * x * dS).astype(x.dtype, copy=False)  # float32 statistics, bf16 x

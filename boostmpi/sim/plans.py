@@ -239,11 +239,12 @@ def norm(s: Shape, name: str, n_tokens: int, width: int) -> Pointwise:
     (2 passes: the row is held in registers between its sum and its scaling). Backward, 5 passes in 4 kernels:
     rmsnorm_projection reads dy and x (the row statistic), rmsnorm_backward reads dy and x and writes
     dx over column tiles (no shared memory at any C), then the sum of its per-chunk dw rows and the
-    accumulation into dw (kernels of C floats per row chunk: not counted in the bytes)."""
+    accumulation into dw (kernels of C floats per row chunk: not counted in the bytes; on GPUs one
+    kernel, dw_accumulate, so 3 in all)."""
     saved = n_tokens * width + n_tokens
     if not s.engine_kernels:
         return Pointwise(name, n_tokens * width, 2, 3, saved=saved)
-    return Pointwise(name, n_tokens * width, 2, 5, saved=saved, bwd_kernels=4)
+    return Pointwise(name, n_tokens * width, 2, 5, saved=saved, bwd_kernels=3 if s.gpu else 4)
 
 
 def online_norm(s: Shape, name: str, width: int, residual: bool = False) -> Pointwise:
@@ -255,11 +256,12 @@ def online_norm(s: Shape, name: str, width: int, residual: bool = False) -> Poin
     dw rows and the accumulation into dw (3 kernels); with `residual`, the sum of the two gradients
     at the residual (reads 2, writes 1) is one kernel more. On GPUs btp_backward_post also reads the
     gradient from above that meets dx at the group's input and writes their sum (one pass more, no
-    kernel more), for the attention norm (the gradient of the layer's output) and the MLP's."""
+    kernel more), for the attention norm (the gradient of the layer's output) and the MLP's, and the dw
+    sum and accumulation are one kernel (dw_accumulate): 2 kernels."""
     N = s.N
     post = (2 if s.half else 1) + 2
     if s.gpu:
-        return Pointwise(name, N * width, 4 if residual else 2, post + 1, saved=N * width + N, bwd_kernels=3)
+        return Pointwise(name, N * width, 4 if residual else 2, post + 1, saved=N * width + N, bwd_kernels=2)
     if residual:
         return Pointwise(name, N * width, 4, post + 3, saved=N * width + N, bwd_kernels=4)
     return Pointwise(name, N * width, 2, post, saved=N * width + N, bwd_kernels=3)

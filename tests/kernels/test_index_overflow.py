@@ -262,6 +262,28 @@ def test_btp_kernels_index_more_than_2_32_elements(pool, small, suffix, warp):
     run_btp(pool, small, suffix, warp=warp)
 
 
+def run_dw_accumulate(pool, code=None, warp=32):
+    """dw_accumulate over 3 chunk rows of C columns, 3 x C past 2^32 partials: the last block's columns."""
+    chunks = 3
+    C = LIMIT // chunks + 1
+    partial, dw = Tensor(pool[0], (chunks, C), np.float32), Tensor(pool[1], (C,), np.float32)
+    blocks, threads = loader.dw_accumulate_launch(C)
+    first = (blocks - 1) * launch_plan.RMSNORM.dw_columns  # the last block's first column
+    rows = [random(C - first, np.float32, 50 + c) for c in range(chunks)]
+    for c, row in enumerate(rows):
+        partial.flat(c * C + first, (c + 1) * C)[:] = row
+    dw.flat(first, C)[:] = 1.5
+    function("rmsnorm", "dw_accumulate_f32", code, warp)(blocks, threads, (partial, dw, np.int32(chunks), np.int32(C)),
+                                                       blocks=[blocks - 1])
+    assert_close(dw.flat(first, C), 1.5 + sum(r.astype(np.float64) for r in rows), np.float32,
+                 "dw_accumulate's last columns")
+
+
+@pytest.mark.parametrize("warp", WARPS)
+def test_dw_accumulate_indexes_more_than_2_32_partials(pool, warp):
+    run_dw_accumulate(pool, warp=warp)
+
+
 # ------------------------------------------------------------------------------ the elementwise kernels
 
 
@@ -466,7 +488,7 @@ def test_rope_kernels_index_more_than_2_32_elements(pool, small, suffix, warp):
 CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "residual_online_stats_", "rmsnorm_projection_", "rmsnorm_backward_",
            "rescale_rows_", "silu_forward_", "silu_backward_", "gate_forward_", "gate_backward_", "btp_backward_pre_",
            "btp_backward_post_", "btp_rescale_silu_", "adamw_step_", "sum_squares_ranges_", "attention_forward_", "attention_backward_dq_",
-           "attention_backward_", "rope_forward_", "rope_backward_")
+           "attention_backward_", "rope_forward_", "rope_backward_", "dw_accumulate_")
 
 
 def test_every_entry_point_is_run_past_2_32_elements():

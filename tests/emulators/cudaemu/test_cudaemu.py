@@ -128,6 +128,20 @@ def test_rmsnorm_forward_backward_match_layers(warp, suffix):
 
 
 @pytest.mark.parametrize("warp", WARPS)
+def test_dw_accumulate_adds_the_sum_of_the_partial_rows(warp):
+    """dw += the column sums of [chunks, C] partials: fewer and more chunks than a block's row groups,
+    and C not a multiple of a block's columns (the last block's columns past C do nothing)."""
+    suffix = "f32"
+    for chunks, C in ((3, 37), (41, 70), (1, 200)):
+        partial, dw = random((chunks, C), np.float32, 40), random(C, np.float32, 41)
+        DW = cudaemu.DeviceArray(dw)
+        blocks, threads = loader.dw_accumulate_launch(C)
+        kernel("rmsnorm", f"dw_accumulate_{suffix}", warp)(blocks, threads, (cudaemu.DeviceArray(partial), DW,
+                                                                              np.int32(chunks), np.int32(C)))
+        assert_close(DW.get(), f64(dw) + f64(partial).sum(axis=0), np.float32, f"dw chunks={chunks} C={C}")
+
+
+@pytest.mark.parametrize("warp", WARPS)
 @pytest.mark.parametrize("suffix", DTYPES)
 def test_residual_online_stats_is_the_add_then_the_stats(warp, suffix):
     """h + y stored, then x * w and the sum of squares of the stored sum (layers.residual_online_stats)."""
