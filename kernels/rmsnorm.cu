@@ -239,8 +239,11 @@ __device__ void rmsnorm_online_stats(const T* x, const T* w, T* xw, float* ss, i
 // rank's shards h, y [N,Cs] (the residual and the branch output added to it), w [Cs]:
 //   s [N,Cs] = h + y (the new residual, rounded to T),  xw [N,Cs] = s * w,  ss [N] = sum(s^2) (fp32)
 // in one read of h and y: the statistic and xw are of s as stored, as when the sum is written first.
+// s is also written to s2 (s2 may be s itself): a second copy of the residual, which the layer's last
+// GEMM accumulates its output into (cuBLAS beta = 1) while the norm's backward keeps the first.
 template <typename T, int V>
-__device__ void residual_online_stats_row(const T* h, const T* y, const T* w, T* s, T* xw, float* ss_out, int Cs) {
+__device__ void residual_online_stats_row(const T* h, const T* y, const T* w, T* s, T* s2, T* xw, float* ss_out,
+                                          int Cs) {
     float sum_squares = 0.0f;
     for (int j = threadIdx.x * V; j < Cs; j += blockDim.x * V) {
         float hv[V], yv[V], wv[V], xwv[V];
@@ -254,6 +257,7 @@ __device__ void residual_online_stats_row(const T* h, const T* y, const T* w, T*
             xwv[k] = hv[k] * wv[k];
         }
         store_vec<V>(s + j, hv);
+        if (s2 != s) store_vec<V>(s2 + j, hv);
         store_vec<V>(xw + j, xwv);
     }
     const float total = block_sum(sum_squares);
@@ -261,14 +265,14 @@ __device__ void residual_online_stats_row(const T* h, const T* y, const T* w, T*
 }
 
 template <typename T>
-__device__ void residual_online_stats(const T* h, const T* y, const T* w, T* s, T* xw, float* ss, int Cs) {
+__device__ void residual_online_stats(const T* h, const T* y, const T* w, T* s, T* s2, T* xw, float* ss, int Cs) {
     const int row = blockIdx.x;
     const long long offset = static_cast<long long>(row) * Cs;
     const int V = VecWidth<T>::value;
-    if (Cs % V == 0 && aligned16(h) && aligned16(y) && aligned16(w) && aligned16(s) && aligned16(xw))
-        residual_online_stats_row<T, V>(h + offset, y + offset, w, s + offset, xw + offset, ss + row, Cs);
+    if (Cs % V == 0 && aligned16(h) && aligned16(y) && aligned16(w) && aligned16(s) && aligned16(s2) && aligned16(xw))
+        residual_online_stats_row<T, V>(h + offset, y + offset, w, s + offset, s2 + offset, xw + offset, ss + row, Cs);
     else
-        residual_online_stats_row<T, 1>(h + offset, y + offset, w, s + offset, xw + offset, ss + row, Cs);
+        residual_online_stats_row<T, 1>(h + offset, y + offset, w, s + offset, s2 + offset, xw + offset, ss + row, Cs);
 }
 
 // Online RMSNorm, second half, one block per row: P [N,R], ss_total [N] summed over the whole
@@ -343,8 +347,8 @@ extern "C" __global__ void dw_accumulate_f32(const float* dw_partial, float* dw,
         rmsnorm_online_stats<T>(x, w, xw, ss, Cs);                                                        \
     }                                                                                                     \
     extern "C" __global__ void residual_online_stats_##SUFFIX(const T* h, const T* y, const T* w, T* s,     \
-                                                              T* xw, float* ss, int Cs) {                  \
-        residual_online_stats<T>(h, y, w, s, xw, ss, Cs);                                                  \
+                                                              T* s2, T* xw, float* ss, int Cs) {           \
+        residual_online_stats<T>(h, y, w, s, s2, xw, ss, Cs);                                              \
     }                                                                                                     \
     extern "C" __global__ void rescale_rows_##SUFFIX(const T* P, const float* ss_total, T* out, int R,    \
                                                      int C_total, float eps) {                            \

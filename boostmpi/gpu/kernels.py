@@ -251,16 +251,19 @@ def rmsnorm_online_stats(x: Array, w: Array) -> tuple[Array, Array]:
     return xw, ss
 
 
-def residual_online_stats(h: Array, y: Array, w: Array) -> tuple[Array, Array, Array]:
+def residual_online_stats(h: Array, y: Array, w: Array, copy: Array | None = None) -> tuple[Array, Array, Array]:
     """This rank's shards h, y [N,Cs], w [Cs] -> s = h + y [N,Cs], xw = s * w [N,Cs] (h's dtype),
-    ss [N] = sum(s^2) (float32), from one kernel."""
+    ss [N] = sum(s^2) (float32), from one kernel; s is also written to `copy` [N,Cs] when given."""
     N, Cs, suffix = _check_matrix("h", h)
     _check("y", y, (N, Cs), h.dtype)
     _check("w", w, (Cs,), h.dtype)
     cupy = _import_cupy()
     s, xw = cupy.empty_like(h), cupy.empty_like(h)
+    if copy is not None:
+        _check("copy", copy, (N, Cs), h.dtype)
     ss = cupy.empty(N, dtype=np.float32)
-    _launch_rows("rmsnorm", f"residual_online_stats_{suffix}", N, Cs, h.itemsize, (h, y, w, s, xw, ss, np.int32(Cs)))
+    _launch_rows("rmsnorm", f"residual_online_stats_{suffix}", N, Cs, h.itemsize,
+                 (h, y, w, s, s if copy is None else copy, xw, ss, np.int32(Cs)))
     return s, xw, ss
 
 

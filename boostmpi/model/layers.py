@@ -144,13 +144,16 @@ def rmsnorm_online_stats(x: Array, w: Array) -> tuple[Array, Array]:
     return x * w, (x * x).sum(axis=-1, dtype=statistic_dtype(x.dtype))
 
 
-def residual_online_stats(h: Array, y: Array, w: Array) -> tuple[Array, Array, Array]:
+def residual_online_stats(h: Array, y: Array, w: Array, copy: Array | None = None) -> tuple[Array, Array, Array]:
     """The residual add before a norm and `rmsnorm_online_stats` of its result: h, y [N, Cs], w [Cs]
-    -> (s = h + y, s * w, sum of s^2 per row), one kernel on a GPU."""
+    -> (s = h + y, s * w, sum of s^2 per row), one kernel on a GPU; s is also written to `copy`
+    (a second buffer of s's shape and dtype) when given."""
     k, (hc, yc, wc) = kernel_inputs(h, y, w)
-    if k is not None and h.ndim == 2:
-        return k.residual_online_stats(hc, yc, wc)
+    if k is not None and h.ndim == 2 and (copy is None or (copy.dtype == h.dtype and copy.flags.c_contiguous)):
+        return k.residual_online_stats(hc, yc, wc, copy)
     s = h + y
+    if copy is not None:
+        copy[...] = s
     return (s, *rmsnorm_online_stats(s, w))
 
 

@@ -257,25 +257,27 @@ def online_norm(s: Shape, name: str, width: int, residual: bool = False) -> Poin
     at the residual (reads 2, writes 1) is one kernel more. On GPUs btp_backward_post also reads the
     gradient from above that meets dx at the group's input and writes their sum (one pass more, no
     kernel more), for the attention norm (the gradient of the layer's output) and the MLP's, and the dw
-    sum and accumulation are one kernel (dw_accumulate): 2 kernels."""
+    sum and accumulation are one kernel (dw_accumulate): 2 kernels; residual_online_stats there also
+    writes h + y a second time (5 passes), the buffer the down projection's GEMM accumulates into."""
     N = s.N
     post = (2 if s.half else 1) + 2
     if s.gpu:
-        return Pointwise(name, N * width, 4 if residual else 2, post + 1, saved=N * width + N, bwd_kernels=2)
+        return Pointwise(name, N * width, 5 if residual else 2, post + 1, saved=N * width + N, bwd_kernels=2)
     if residual:
         return Pointwise(name, N * width, 4, post + 3, saved=N * width + N, bwd_kernels=4)
     return Pointwise(name, N * width, 2, post, saved=N * width + N, bwd_kernels=3)
 
 
-def residual(s: Shape, n: int, in_recompute: bool = True, backward_in_norm: bool = False) -> Pointwise:
+def residual(s: Shape, n: int, in_recompute: bool = True, in_gemm_and_norm: bool = False) -> Pointwise:
     """The residual add h + y. Forward reads h and y, writes the sum; its backward passes the gradient
     on to both unchanged, and the kernel is the sum of the two gradients that meet at h (reads 2,
-    writes 1), or none with `backward_in_norm` (a norm's backward kernel adds them: `online_norm` on
-    GPUs). Other frameworks' plans keep the generic binary op's 3 / 5 passes."""
+    writes 1). With `in_gemm_and_norm` (btp on GPUs) no kernel: y's GEMM adds into a copy of h (beta = 1:
+    one read of h) and a norm's backward kernel sums the gradients (`online_norm`). Other frameworks'
+    plans keep the generic binary op's 3 / 5 passes."""
     if not s.engine_kernels:
         return binary("residual", n)
-    if backward_in_norm:
-        return Pointwise("residual", n, 3, 0, in_recompute=in_recompute, bwd_kernels=0)
+    if in_gemm_and_norm:
+        return Pointwise("residual", n, 1, 0, in_recompute=in_recompute, fwd_kernels=0, bwd_kernels=0)
     return Pointwise("residual", n, 3, 3, in_recompute=in_recompute)
 
 
@@ -490,8 +492,8 @@ def _btp_layer(s: Shape) -> list[Op]:
     ops += a_group(("down",), Fl, Rm, False)
     # a recompute stops at the down projection's input: its B GEMM (out_proj_cache) and the add are skipped
     ops += b_gemms(("down",), Rm, (Cl,), in_recompute=not s.engine_kernels)
-    # on GPUs the two gradients meeting at the layer's input are summed by the attention norm's kernel
-    ops.append(residual(s, N * Cl, in_recompute=False, backward_in_norm=s.engine_kernels and s.gpu))
+    # on GPUs the down B GEMM accumulates into the residual, the attention norm's backward sums the gradients
+    ops.append(residual(s, N * Cl, in_recompute=False, in_gemm_and_norm=s.engine_kernels and s.gpu))
     return ops
 
 

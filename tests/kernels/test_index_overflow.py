@@ -166,7 +166,7 @@ def run_rmsnorm(pool, small, suffix, code=None, warp=32):
     br = random(C, dtype, 11)
     branch.row(N - 1)[:] = br
     function("rmsnorm", f"residual_online_stats_{suffix}", code, warp)(
-        N, block, (x, branch, w_dev, s, y, ss, np.int32(C)), blocks=[N - 1])
+        N, block, (x, branch, w_dev, s, s, y, ss, np.int32(C)), blocks=[N - 1])
     sr = (xf + br.astype(np.float32)[None]).astype(dtype).astype(np.float32)
     xw_ref, ss_ref = layers.rmsnorm_online_stats(sr, wf)
     assert_close(s.row(N - 1), sr[0], dtype, "residual sum of the last row")

@@ -75,9 +75,10 @@ class BottleneckTP(Strategy):
         return self._bottleneck_forward(x, norm_name, names, P, tape)
 
     def residual_in_proj_forward(self, h: Array, y: Array, norm_name: str, names: list[str], P: FlatBuffer, tape: Tape,
-                                 ) -> tuple[Array, list[Array], ProjectionCache]:
-        """h + y, its x * w and sum of squares in one pass (one kernel on a GPU), then the group."""
-        h, xw, ss = layers.residual_online_stats(h, y, P[norm_name])
+                                 copy: Array | None = None) -> tuple[Array, list[Array], ProjectionCache]:
+        """h + y (also written to `copy` when given), its x * w and sum of squares in one pass (one
+        kernel on a GPU), then the group."""
+        h, xw, ss = layers.residual_online_stats(h, y, P[norm_name], copy)
         return (h, *self._bottleneck_forward(h, norm_name, names, P, tape, stats=(xw, ss)))
 
     def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer,
@@ -86,9 +87,16 @@ class BottleneckTP(Strategy):
         return self._bottleneck_backward(douts, cast(BottleneckCache, cache), P, grads, residual)  # its own forward's
 
     def out_proj_forward(self, x: Array, name: str, P: FlatBuffer, tape: Tape = NO_TAPE,
-                         ) -> tuple[Array, ProjectionCache]:
-        outs, cache = self._bottleneck_forward(x, None, [name], P, tape)
+                         accumulate_into: Array | None = None) -> tuple[Array, ProjectionCache]:
+        """With `accumulate_into` (a residual shard) the B GEMM, column-parallel (its output local, no
+        collective after it), adds its product into it: cuBLAS beta = 1, rounded once."""
+        outs, cache = self._bottleneck_forward(x, None, [name], P, tape, into=accumulate_into)
         return outs[0], cache
+
+    def output_accumulates(self, h: Array) -> bool:
+        """On a GPU (the fused kernels' path): the B factors are column-parallel, so the output is this
+        rank's own residual columns and its GEMM can accumulate into the residual."""
+        return layers.kernel_inputs(h)[0] is not None and h.ndim == 2
 
     def out_proj_cache(self, x: Array, name: str, P: FlatBuffer, tape: Tape) -> ProjectionCache:
         """Without the output: the B GEMM is skipped (local work only, never a collective)."""
@@ -99,7 +107,7 @@ class BottleneckTP(Strategy):
 
     def _bottleneck_forward(self, x: Array, norm_name: str | None, names: list[str], P: FlatBuffer, tape: Tape,
                             output: bool = True, stats: tuple[Array, Array] | None = None,
-                            ) -> tuple[list[Array], BottleneckCache]:
+                            into: Array | None = None) -> tuple[list[Array], BottleneckCache]:
         sl = col_slices([P[f"{nm}/A"].shape[1] for nm in names])
         # online RMSNorm's first half: x * w and this shard's sum of squares, in one pass (`stats`:
         # already made with the residual add that gave x)
@@ -116,7 +124,10 @@ class BottleneckTP(Strategy):
             tape.keep((Z, rstd))
         # Z is copied to the tp region (the identity forward), then activated, unless the rescale did it
         Zs, sig = activated or activate(copy_to_tp_region(Z, self.tp), self.act, tape)
-        outs = self._b_products(Zs, sl, names, P) if output else []
+        if into is not None:  # one linear (o, down): its product added into the residual `into`
+            outs = [matmul(Zs, P[f"{names[0]}/B"], out=into, accumulate=True)]
+        else:
+            outs = self._b_products(Zs, sl, names, P) if output else []
         return outs, BottleneckCache(x, xw, norm_name, Z, Zs, rstd, names, sl, sig)
 
     def _b_products(self, Zs: Array, sl: list[slice], names: list[str], P: FlatBuffer) -> list[Array]:

@@ -71,9 +71,12 @@ class MegatronTP(ReplicatedResidual):
         return dx if residual is None else residual + dx
 
     def out_proj_forward(self, x: Array, name: str, P: FlatBuffer, tape: Tape = NO_TAPE,
-                         ) -> tuple[Array, ProjectionCache]:
-        y = matmul(x, P[f"{name}/W"])
-        return reduce_from_tp_region(y, self.tp), LinearCache(x, name)
+                         accumulate_into: Array | None = None) -> tuple[Array, ProjectionCache]:
+        y = reduce_from_tp_region(matmul(x, P[f"{name}/W"]), self.tp)
+        if accumulate_into is not None:  # all-reduced first: the add stays
+            accumulate_into += y
+            return accumulate_into, LinearCache(x, name)
+        return y, LinearCache(x, name)
 
     def out_proj_backward(self, dy: Array, cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
         x, name = cast(LinearCache, cache)  # its own forward's

@@ -151,11 +151,13 @@ def test_residual_online_stats_is_the_add_then_the_stats(warp, suffix):
         h, y, w = random((N, C), dtype, 8), random((N, C), dtype, 9), random(C, dtype, 10)
         S, XW = cudaemu.DeviceArray(shape=(N, C), dtype=dtype), cudaemu.DeviceArray(shape=(N, C), dtype=dtype)
         SS = cudaemu.DeviceArray(shape=N, dtype=np.float32)
+        S2 = cudaemu.DeviceArray(shape=(N, C), dtype=dtype)  # the second copy of the sum
         kernel("rmsnorm", f"residual_online_stats_{suffix}", warp)(
-            N, row_block(C, dtype, warp), (cudaemu.DeviceArray(h), cudaemu.DeviceArray(y), cudaemu.DeviceArray(w), S, XW,
-                                           SS, np.int32(C)))
+            N, row_block(C, dtype, warp), (cudaemu.DeviceArray(h), cudaemu.DeviceArray(y), cudaemu.DeviceArray(w), S, S2,
+                                           XW, SS, np.int32(C)))
         s_ref = f64(stored(f64(h) + f64(y), dtype))
         assert_close(S.get(), s_ref, dtype, f"s C={C}")
+        np.testing.assert_array_equal(S2.get().view(np.uint8), S.get().view(np.uint8), err_msg=f"second copy C={C}")
         assert_close(XW.get(), stored(s_ref * f64(w), dtype), dtype, f"xw C={C}")
         assert_close(SS.get(), (s_ref ** 2).sum(axis=1), np.float32, f"ss C={C}")
 
