@@ -217,9 +217,8 @@ def rmsnorm_backward(dy: Array, x: Array, w: Array, rstd: Array, dw: Array | Non
 def dw_accumulate(dw_partial: Array, dw: Array) -> None:
     """dw [C] float32 += the sum over rows of dw_partial [n_chunks, C] float32, in one kernel (the
     column-tile kernels' last step)."""
-    n_chunks, C, suffix = _check_matrix("dw_partial", dw_partial)
-    if suffix != "f32":
-        raise TypeError(f"dw_accumulate sums float32 partials, got {dw_partial.dtype}")
+    n_chunks, C = dw_partial.shape
+    _check("dw_partial", dw_partial, (n_chunks, C), np.float32)
     _check("dw", dw, (C,), np.float32)
     if C:
         blocks, threads = dw_accumulate_launch(C)
@@ -227,12 +226,10 @@ def dw_accumulate(dw_partial: Array, dw: Array) -> None:
 
 
 def _dw_result(dw_partial: Array, dw: Array | None) -> Array | None:
-    """The column-tile kernels' dw: accumulated into `dw` (one kernel; None returned) when given, else
-    the sum of the partial rows."""
-    if dw is None:
-        return dw_partial.sum(axis=0)
-    dw_accumulate(dw_partial, dw)
-    return None
+    """The column-tile kernels' dw: the partial rows' sum, or None once dw_accumulate added it to `dw`."""
+    if dw is not None:
+        dw_accumulate(dw_partial, dw)
+    return dw_partial.sum(axis=0) if dw is None else None
 
 
 def _empty(cupy: ModuleType) -> Alloc:
@@ -258,10 +255,8 @@ def residual_online_stats(h: Array, y: Array, w: Array, copy: Array | None = Non
     _check("y", y, (N, Cs), h.dtype)
     _check("w", w, (Cs,), h.dtype)
     cupy = _import_cupy()
-    s, xw = cupy.empty_like(h), cupy.empty_like(h)
-    if copy is not None:
-        _check("copy", copy, (N, Cs), h.dtype)
-    ss = cupy.empty(N, dtype=np.float32)
+    s, xw, ss = cupy.empty_like(h), cupy.empty_like(h), cupy.empty(N, dtype=np.float32)
+    _check("copy", s if copy is None else copy, (N, Cs), h.dtype)
     _launch_rows("rmsnorm", f"residual_online_stats_{suffix}", N, Cs, h.itemsize,
                  (h, y, w, s, s if copy is None else copy, xw, ss, np.int32(Cs)))
     return s, xw, ss
