@@ -239,26 +239,27 @@ __device__ void rmsnorm_online_stats(const T* x, const T* w, T* xw, float* ss, i
 // rank's shards h, y [N,Cs] (the residual and the branch output added to it), w [Cs]:
 //   s [N,Cs] = h + y (the new residual, rounded to T),  xw [N,Cs] = s * w,  ss [N] = sum(s^2) (fp32)
 // in one read of h and y: the statistic and xw are of s as stored, as when the sum is written first.
-// s is also written to s2 (s2 may be s itself): a second copy of the residual, which the layer's last
+// s is also written to s2 (s2 may be s itself: the same bytes stored twice): a second copy of the residual, which the layer's last
 // GEMM accumulates its output into (cuBLAS beta = 1) while the norm's backward keeps the first.
 template <typename T, int V>
 __device__ void residual_online_stats_row(const T* h, const T* y, const T* w, T* s, T* s2, T* xw, float* ss_out,
                                           int Cs) {
     float sum_squares = 0.0f;
     for (int j = threadIdx.x * V; j < Cs; j += blockDim.x * V) {
-        float hv[V], yv[V], wv[V], xwv[V];
+        float hv[V], v[V];  // v: y, then w, then x * w (registers for 1,024 threads at 2 blocks per SM)
         load_vec<V>(h + j, hv);
-        load_vec<V>(y + j, yv);
-        load_vec<V>(w + j, wv);
+        load_vec<V>(y + j, v);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-            hv[k] = to_float(from_float<T>(hv[k] + yv[k]));  // the sum as stored
+            hv[k] = to_float(from_float<T>(hv[k] + v[k]));  // the sum as stored
             sum_squares += hv[k] * hv[k];
-            xwv[k] = hv[k] * wv[k];
         }
         store_vec<V>(s + j, hv);
-        if (s2 != s) store_vec<V>(s2 + j, hv);
-        store_vec<V>(xw + j, xwv);
+        store_vec<V>(s2 + j, hv);
+        load_vec<V>(w + j, v);
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[k] *= hv[k];
+        store_vec<V>(xw + j, v);
     }
     const float total = block_sum(sum_squares);
     if (threadIdx.x == 0) *ss_out = total;
