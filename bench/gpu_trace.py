@@ -38,6 +38,17 @@ trace at 2 layers per stage minus 1 layer per stage, per micro-batch. Rank 0 wri
     mpiexec -n 4 python bench/gpu_trace.py --paper 7b --meta --json 7b.json
     mpiexec -n 8 python bench/gpu_trace.py --paper 13b --meta --json 13b.json
 
+`--gpu-step --meta` traces bench/gpu_step.py's model instead, whole (cola, d 1024, 24 layers, 16 heads,
+r 256, V 32000, T 1024, micro-batch 8, bf16, the configuration's defaults otherwise: tp 1, btp, grouped,
+recompute none), one step as gpu_step.py runs it (forward_backward, then AdamW's step; the second of two
+recorded), and prints its launches by kind: the GEMMs (cuBLAS calls), the RawKernels, CuPy's elementwise
+kernels and reductions, the copies, memsets and gathers, and the attention launches (the own kernels, one
+forward and two backward launches a layer, as cuDNN's deterministic backward launches two). Each is one
+launch as recorded; what the recorder does not see (cuBLAS's split-K reduction kernels, the copies between
+host and device) is not in it.
+
+    python bench/gpu_trace.py --gpu-step --meta [--json counts.json]
+
 Attention has its own entry in the priced breakdown. `--attention BACKEND` sets `train.attention`
 (cudnn, torch, own or auto; left out, the configuration's default). The own kernels are recorded launch by
 launch (RawKernels); a library backend (cuDNN, PyTorch) launches no RawKernel, so its forward and
@@ -654,6 +665,67 @@ def paper_report(args, world):
     print(text)
 
 
+# bench/gpu_step.py's model (its `model` and `train` dicts) with the attention whose launches the trace records
+GPU_STEP_MODEL = dict(arch="cola", vocab_size=32000, d_model=1024, n_layers=24, n_heads=16, rank=256, seq_len=1024)
+GPU_STEP_BATCH = 8
+
+
+def gpu_step_counts(ops):
+    """{kind: launches} of a trace, by the kinds a profile tells apart, and the total."""
+    kinds = {"gemm": "cuBLAS GEMMs", "kernel": "RawKernels", "attention": "attention kernels",
+             "elementwise": "CuPy elementwise", "reduction": "CuPy reductions", "copy": "copies, memsets, gathers"}
+    counts = {name: sum(op.kind == kind for op in ops) for kind, name in kinds.items()}
+    counts["total"] = sum(op.kind != "collective" for op in ops)
+    return counts
+
+
+def gpu_step_report(args):
+    """One step of bench/gpu_step.py's model in meta mode: the launches by kind, and by kind, name and dtype."""
+    import collections
+    import json
+
+    from boostmpi.config import config_from_dict
+    from boostmpi.parallel.engine import Engine
+    from boostmpi.train.optim import AdamW
+
+    cfg = config_from_dict({"model": GPU_STEP_MODEL, "train": {"device": "gpu", "dtype": "bfloat16",
+                                                               "micro_batch_size": GPU_STEP_BATCH, "attention": "own"}})
+    _meta_init()
+    rec = Recorder()
+    install(rec, run_kernels=True)
+    eng = Engine(cfg)
+    opt = AdamW(eng.params, eng.specs, cfg.train, eng.xp)
+    x = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (GPU_STEP_BATCH, cfg.model.seq_len + 1))
+    batch = [(x[:, :-1], x[:, 1:])]
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        for step in range(2):  # as gpu_step.py's `ours`: forward_backward, then AdamW's step
+            rec.ops, rec.on = [], step == 1
+            try:
+                eng.forward_backward(batch)
+                opt.step(eng.grads, 1e-4)
+            finally:
+                rec.on = False
+    ops = rec.ops
+    counts = gpu_step_counts(ops)
+    by_name = collections.Counter(f"{op.kind} {op.name} {op.dtype}".strip() for op in ops)
+    by_site = collections.Counter(f"{op.kind} {op.name} {op.site}" for op in ops)
+    m = cfg.model
+    print(f"bench/gpu_step.py's model: {m.arch}, d {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, r {m.rank}, "
+          f"V {m.vocab_size}, T {m.seq_len}, batch {GPU_STEP_BATCH}, bf16, {cfg.parallel.tp_mode} tp {cfg.parallel.tp}, "
+          f"recompute {cfg.train.recompute}; one step (forward_backward + AdamW) on the stand-in, meta mode\n")
+    print("| launches | count |\n|---|---|")
+    for name, n in counts.items():
+        print(f"| {name} | {n} |")
+    print("\n| kind name dtype | launches |\n|---|---|")
+    for key, n in sorted(by_name.items(), key=lambda kv: (-kv[1], kv[0])):
+        print(f"| {key} | {n} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"counts": counts, "by_name": dict(by_name), "by_site": dict(by_site)}, f, indent=1)
+            f.write("\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=int, default=8, help="divide the 7B's width, vocabulary and T by this")
@@ -662,7 +734,9 @@ def main():
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--paper", choices=sorted(PAPER), help="the paper's layout at full size (with --meta)")
     ap.add_argument("--meta", action="store_true", help="the stand-in's shapes-only mode (no values)")
-    ap.add_argument("--json", help="--paper: write the result object here")
+    ap.add_argument("--json", help="--paper: write the result object here; --gpu-step: the counts")
+    ap.add_argument("--gpu-step", action="store_true",
+                    help="bench/gpu_step.py's model, one step, its launches by kind (with --meta)")
     ap.add_argument("--recompute", choices=("lowrank", "layer", "selective", "none"), default="lowrank",
                     help="--paper: the recompute policy (the paper's is lowrank)")
     ap.add_argument("--tp-mode", choices=("btp", "vanilla"), default="btp",
@@ -673,6 +747,11 @@ def main():
                     help="train.attention: the attention backend traced (default: the configuration's)")
     args = ap.parse_args()
     world = None
+    if args.gpu_step:
+        if not args.meta:
+            ap.error("--gpu-step runs the model at full size, which needs --meta")
+        gpu_step_report(args)
+        return
     if args.paper:
         if not args.meta:
             ap.error("--paper runs at full size, which needs --meta")

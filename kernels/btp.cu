@@ -3,7 +3,9 @@
 // chain as two row kernels around the GEMM dxw = dP . A^T:
 //   before it:  dZ = dZs * silu'(Z) (cola; dZs itself otherwise),  dP = dZ * rstd,
 //               dS = -0.5 / C_total * rstd^2 * sum_r dZ * Z
-//   after it:   dx = dxw * w + 2 * x * dS,   dw = sum over rows of dxw * x
+//   after it:   dx = dxw * w + 2 * x * dS (+ the residual's gradient from above, when given: the two
+//               gradients that meet at the residual summed in the same pass, rounded once),
+//               dw = sum over rows of dxw * x
 // (Z = rstd * sum_shards xw . A exactly; dZ and Z are replicated over the tp group, so dS is local.)
 // fp32 arithmetic; dZ never goes to memory.
 // Entry points per storage type T: <kernel>_f32 (float) and <kernel>_bf16 (bfloat16 bits).
@@ -94,22 +96,29 @@ struct FloatColumns<true> {
     }
 };
 
-// dxw [N,Cs] (fp32), x [N,Cs], w [Cs], dS [N] (fp32) -> dx [N,Cs], dw_partial [n_chunks, Cs] (fp32,
-// summed over chunks by the caller). The column tiles of column_tile_walk (common.cuh), as
-// rmsnorm_backward: no shared memory, so any Cs fits.
+// dxw [N,Cs] (fp32), x [N,Cs], w [Cs], dS [N] (fp32) -> dx [N,Cs] (plus residual [N,Cs] when
+// add_residual: the residual's gradient from above, added before the one rounding), dw_partial
+// [n_chunks, Cs] (fp32, summed over chunks by the caller). The column tiles of column_tile_walk
+// (common.cuh), as rmsnorm_backward: no shared memory, so any Cs fits.
 template <typename T, bool VECTORISED>
-__device__ void btp_backward_post_tile(const float* dxw, const T* x, const T* w, const float* dS, T* dx,
-                                       float* dw_partial, int N, int Cs, int rows_per_chunk) {
+__device__ void btp_backward_post_tile(const float* dxw, const T* x, const T* w, const float* dS, const T* residual,
+                                       T* dx, float* dw_partial, int N, int Cs, int rows_per_chunk, bool add_residual) {
     column_tile_walk<T, VECTORISED>(w, dw_partial, N, Cs, rows_per_chunk,
                                     [=](long long offset, long long row, int width, const float* wv, float* dw) {
         constexpr int V = VecWidth<T>::value;
         const float s2 = 2.0f * dS[row];
-        float gv[V], xv[V], dxv[V];
+        float gv[V], xv[V], rv[V], dxv[V];
         FloatColumns<VECTORISED>::template load<V>(dxw + offset, gv, width);
         Columns<VECTORISED>::template load<V>(x + offset, xv, width);
+        if (add_residual) {
+            Columns<VECTORISED>::template load<V>(residual + offset, rv, width);
+        } else {
+#pragma unroll
+            for (int k = 0; k < V; ++k) rv[k] = 0.0f;
+        }
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-            dxv[k] = gv[k] * wv[k] + s2 * xv[k];
+            dxv[k] = rv[k] + (gv[k] * wv[k] + s2 * xv[k]);
             dw[k] += gv[k] * xv[k];
         }
         Columns<VECTORISED>::template store<V>(dx + offset, dxv, width);
@@ -117,12 +126,14 @@ __device__ void btp_backward_post_tile(const float* dxw, const T* x, const T* w,
 }
 
 template <typename T>
-__device__ void btp_backward_post(const float* dxw, const T* x, const T* w, const float* dS, T* dx,
-                                  float* dw_partial, int N, int Cs, int rows_per_chunk) {
-    if (Cs % VecWidth<T>::value == 0 && aligned16(dxw) && aligned16(x) && aligned16(w) && aligned16(dx))
-        btp_backward_post_tile<T, true>(dxw, x, w, dS, dx, dw_partial, N, Cs, rows_per_chunk);
+__device__ void btp_backward_post(const float* dxw, const T* x, const T* w, const float* dS, const T* residual, T* dx,
+                                  float* dw_partial, int N, int Cs, int rows_per_chunk, int add_residual) {
+    if (Cs % VecWidth<T>::value == 0 && aligned16(dxw) && aligned16(x) && aligned16(w) && aligned16(dx)
+        && aligned16(residual))
+        btp_backward_post_tile<T, true>(dxw, x, w, dS, residual, dx, dw_partial, N, Cs, rows_per_chunk, add_residual != 0);
     else
-        btp_backward_post_tile<T, false>(dxw, x, w, dS, dx, dw_partial, N, Cs, rows_per_chunk);
+        btp_backward_post_tile<T, false>(dxw, x, w, dS, residual, dx, dw_partial, N, Cs, rows_per_chunk,
+                                         add_residual != 0);
 }
 
 #define BTP_ENTRY_POINTS(T, SUFFIX)                                                                        \
@@ -135,9 +146,10 @@ __device__ void btp_backward_post(const float* dxw, const T* x, const T* w, cons
         btp_backward_pre<T>(dZs, Z, rstd, dP, dS, R, C_total, act);                                        \
     }                                                                                                      \
     extern "C" __global__ void btp_backward_post_##SUFFIX(const float* dxw, const T* x, const T* w,        \
-                                                          const float* dS, T* dx, float* dw_partial, int N, \
-                                                          int Cs, int rows_per_chunk) {                    \
-        btp_backward_post<T>(dxw, x, w, dS, dx, dw_partial, N, Cs, rows_per_chunk);                        \
+                                                          const float* dS, const T* residual, T* dx,       \
+                                                          float* dw_partial, int N, int Cs,                \
+                                                          int rows_per_chunk, int add_residual) {          \
+        btp_backward_post<T>(dxw, x, w, dS, residual, dx, dw_partial, N, Cs, rows_per_chunk, add_residual); \
     }
 
 BTP_ENTRY_POINTS(float, f32)

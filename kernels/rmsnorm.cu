@@ -239,36 +239,41 @@ __device__ void rmsnorm_online_stats(const T* x, const T* w, T* xw, float* ss, i
 // rank's shards h, y [N,Cs] (the residual and the branch output added to it), w [Cs]:
 //   s [N,Cs] = h + y (the new residual, rounded to T),  xw [N,Cs] = s * w,  ss [N] = sum(s^2) (fp32)
 // in one read of h and y: the statistic and xw are of s as stored, as when the sum is written first.
+// s is also written to s2 (s2 may be s itself: the same bytes stored twice): a second copy of the residual, which the layer's last
+// GEMM accumulates its output into (cuBLAS beta = 1) while the norm's backward keeps the first.
 template <typename T, int V>
-__device__ void residual_online_stats_row(const T* h, const T* y, const T* w, T* s, T* xw, float* ss_out, int Cs) {
+__device__ void residual_online_stats_row(const T* h, const T* y, const T* w, T* s, T* s2, T* xw, float* ss_out,
+                                          int Cs) {
     float sum_squares = 0.0f;
     for (int j = threadIdx.x * V; j < Cs; j += blockDim.x * V) {
-        float hv[V], yv[V], wv[V], xwv[V];
+        float hv[V], v[V];  // v: y, then w, then x * w (registers for 1,024 threads at 2 blocks per SM)
         load_vec<V>(h + j, hv);
-        load_vec<V>(y + j, yv);
-        load_vec<V>(w + j, wv);
+        load_vec<V>(y + j, v);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-            hv[k] = to_float(from_float<T>(hv[k] + yv[k]));  // the sum as stored
+            hv[k] = to_float(from_float<T>(hv[k] + v[k]));  // the sum as stored
             sum_squares += hv[k] * hv[k];
-            xwv[k] = hv[k] * wv[k];
         }
         store_vec<V>(s + j, hv);
-        store_vec<V>(xw + j, xwv);
+        store_vec<V>(s2 + j, hv);
+        load_vec<V>(w + j, v);
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[k] *= hv[k];
+        store_vec<V>(xw + j, v);
     }
     const float total = block_sum(sum_squares);
     if (threadIdx.x == 0) *ss_out = total;
 }
 
 template <typename T>
-__device__ void residual_online_stats(const T* h, const T* y, const T* w, T* s, T* xw, float* ss, int Cs) {
+__device__ void residual_online_stats(const T* h, const T* y, const T* w, T* s, T* s2, T* xw, float* ss, int Cs) {
     const int row = blockIdx.x;
     const long long offset = static_cast<long long>(row) * Cs;
     const int V = VecWidth<T>::value;
-    if (Cs % V == 0 && aligned16(h) && aligned16(y) && aligned16(w) && aligned16(s) && aligned16(xw))
-        residual_online_stats_row<T, V>(h + offset, y + offset, w, s + offset, xw + offset, ss + row, Cs);
+    if (Cs % V == 0 && aligned16(h) && aligned16(y) && aligned16(w) && aligned16(s) && aligned16(s2) && aligned16(xw))
+        residual_online_stats_row<T, V>(h + offset, y + offset, w, s + offset, s2 + offset, xw + offset, ss + row, Cs);
     else
-        residual_online_stats_row<T, 1>(h + offset, y + offset, w, s + offset, xw + offset, ss + row, Cs);
+        residual_online_stats_row<T, 1>(h + offset, y + offset, w, s + offset, s2 + offset, xw + offset, ss + row, Cs);
 }
 
 // Online RMSNorm, second half, one block per row: P [N,R], ss_total [N] summed over the whole
@@ -296,6 +301,33 @@ __device__ void rescale_rows(const T* P, const float* ss_total, T* out, int R, i
         rescale_row<T, 1>(P + offset, ss_total[row], out + offset, R, C_total, eps);
 }
 
+// The column tiles' last step: dw [C] += the sum over chunks of dw_partial [n_chunks, C] (fp32), one
+// launch instead of a reduction and an addition. A block owns DW_COLUMNS columns; DW_ROW_GROUPS
+// threads per column each sum every DW_ROW_GROUPS-th chunk in order, then the first sums the groups'
+// totals in group order (deterministic) and adds the column's total to dw. Launch: dw_accumulate_launch
+// in boostmpi/gpu/launch_plan.py (DW_COLUMNS x DW_ROW_GROUPS threads, ceil(C / DW_COLUMNS) blocks).
+#if !defined(DW_COLUMNS) || !defined(DW_ROW_GROUPS)
+#error "rmsnorm.cu takes DW_COLUMNS and DW_ROW_GROUPS from the launch plan: compile with boostmpi.gpu.launch_plan.compile_options(\"rmsnorm\", ...)"
+#endif
+
+extern "C" __global__ void dw_accumulate_f32(const float* dw_partial, float* dw, int n_chunks, int C) {
+    __shared__ float group_sums[DW_ROW_GROUPS][DW_COLUMNS];
+    const int column = threadIdx.x % DW_COLUMNS, group = threadIdx.x / DW_COLUMNS;
+    const long long j = static_cast<long long>(blockIdx.x) * DW_COLUMNS + column;
+    float sum = 0.0f;
+    if (j < C) {
+#pragma unroll 4
+        for (int c = group; c < n_chunks; c += DW_ROW_GROUPS) sum += dw_partial[static_cast<long long>(c) * C + j];
+    }
+    group_sums[group][column] = sum;
+    __syncthreads();
+    if (group == 0 && j < C) {
+        float total = 0.0f;
+        for (int g = 0; g < DW_ROW_GROUPS; ++g) total += group_sums[g][column];
+        dw[j] += total;
+    }
+}
+
 #define RMSNORM_ENTRY_POINTS(T, SUFFIX)                                                                   \
     extern "C" __global__ void rmsnorm_forward_##SUFFIX(const T* x, const T* w, T* y, float* rstd, int C, \
                                                         float eps) {                                      \
@@ -316,8 +348,8 @@ __device__ void rescale_rows(const T* P, const float* ss_total, T* out, int R, i
         rmsnorm_online_stats<T>(x, w, xw, ss, Cs);                                                        \
     }                                                                                                     \
     extern "C" __global__ void residual_online_stats_##SUFFIX(const T* h, const T* y, const T* w, T* s,     \
-                                                              T* xw, float* ss, int Cs) {                  \
-        residual_online_stats<T>(h, y, w, s, xw, ss, Cs);                                                  \
+                                                              T* s2, T* xw, float* ss, int Cs) {           \
+        residual_online_stats<T>(h, y, w, s, s2, xw, ss, Cs);                                              \
     }                                                                                                     \
     extern "C" __global__ void rescale_rows_##SUFFIX(const T* P, const float* ss_total, T* out, int R,    \
                                                      int C_total, float eps) {                            \

@@ -35,8 +35,8 @@ from boostmpi.gpu.arguments import check_matrix as _check_matrix
 from boostmpi.gpu.arguments import storage_suffix as _storage_suffix
 # the launch geometry (boostmpi.gpu.launch_plan), here too for the wrappers' callers and the tests
 from boostmpi.gpu.launch_plan import (COMPILE_OPTIONS, DEFAULT_DYNAMIC_SHARED_BYTES, ELEMENTWISE_BLOCK_THREADS,  # noqa: F401
-                                      MAX_BLOCK_THREADS, compile_options, rmsnorm_backward_launch,
-                                      rmsnorm_forward_threads)
+                                      MAX_BLOCK_THREADS, compile_options, dw_accumulate_launch,
+                                      rmsnorm_backward_launch, rmsnorm_forward_threads)
 from boostmpi.gpu.launch_plan import elementwise_grid as _elementwise_grid
 from boostmpi.gpu.launch_plan import row_block as _row_block
 
@@ -189,12 +189,13 @@ def rmsnorm_forward(x: Array, w: Array, eps: float) -> tuple[Array, Array]:
     return y, rstd
 
 
-def rmsnorm_backward(dy: Array, x: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
-    """dy, x [N,C], w [C], rstd [N] float32 -> dx [N,C] (x's dtype), dw [C] (float32).
+def rmsnorm_backward(dy: Array, x: Array, w: Array, rstd: Array, dw: Array | None = None) -> tuple[Array, Array | None]:
+    """dy, x [N,C], w [C], rstd [N] float32 -> dx [N,C] (x's dtype), dw [C] (float32); with `dw`
+    given (float32 [C]) the weight's gradient is added to it instead (and None returned for it).
 
     Two kernels: rmsnorm_projection (one block per row) gives each row's proj = rstd^2 *
     mean(dy * w * x); rmsnorm_backward, over column tiles x row chunks, writes dx and one dw
-    partial row per chunk, which are summed here."""
+    partial row per chunk, which are summed here (dw_accumulate: one kernel more)."""
     N, C, suffix = _check_matrix("x", x)
     _check("dy", dy, (N, C), x.dtype)
     _check("w", w, (C,), x.dtype)
@@ -202,7 +203,7 @@ def rmsnorm_backward(dy: Array, x: Array, w: Array, rstd: Array) -> tuple[Array,
     cupy = _import_cupy()
     dx = cupy.empty_like(x)
     if N == 0 or C == 0:
-        return dx, cupy.zeros(C, dtype=np.float32)
+        return dx, None if dw is not None else cupy.zeros(C, dtype=np.float32)
     proj = cupy.empty(N, dtype=np.float32)
     _launch_rows("rmsnorm", f"rmsnorm_projection_{suffix}", N, C, x.itemsize, (dy, x, w, rstd, proj, np.int32(C)))
     device = _current_device()
@@ -210,7 +211,25 @@ def rmsnorm_backward(dy: Array, x: Array, w: Array, rstd: Array) -> tuple[Array,
     dw_partial = cupy.empty((chunks, C), dtype=np.float32)
     _launch(_kernel("rmsnorm", f"rmsnorm_backward_{suffix}"), tiles * chunks, threads,
             (dy, x, w, rstd, proj, dx, dw_partial, np.int32(N), np.int32(C), np.int32(rows_per_chunk)))
-    return dx, dw_partial.sum(axis=0)
+    return dx, _dw_result(dw_partial, dw)
+
+
+def dw_accumulate(dw_partial: Array, dw: Array) -> None:
+    """dw [C] float32 += the sum over rows of dw_partial [n_chunks, C] float32, in one kernel (the
+    column-tile kernels' last step)."""
+    n_chunks, C = dw_partial.shape
+    _check("dw_partial", dw_partial, (n_chunks, C), np.float32)
+    _check("dw", dw, (C,), np.float32)
+    if C:
+        blocks, threads = dw_accumulate_launch(C)
+        _launch(_kernel("rmsnorm", "dw_accumulate_f32"), blocks, threads, (dw_partial, dw, np.int32(n_chunks), np.int32(C)))
+
+
+def _dw_result(dw_partial: Array, dw: Array | None) -> Array | None:
+    """The column-tile kernels' dw: the partial rows' sum, or None once dw_accumulate added it to `dw`."""
+    if dw is not None:
+        dw_accumulate(dw_partial, dw)
+    return dw_partial.sum(axis=0) if dw is None else None
 
 
 def _empty(cupy: ModuleType) -> Alloc:
@@ -229,16 +248,17 @@ def rmsnorm_online_stats(x: Array, w: Array) -> tuple[Array, Array]:
     return xw, ss
 
 
-def residual_online_stats(h: Array, y: Array, w: Array) -> tuple[Array, Array, Array]:
+def residual_online_stats(h: Array, y: Array, w: Array, copy: Array | None = None) -> tuple[Array, Array, Array]:
     """This rank's shards h, y [N,Cs], w [Cs] -> s = h + y [N,Cs], xw = s * w [N,Cs] (h's dtype),
-    ss [N] = sum(s^2) (float32), from one kernel."""
+    ss [N] = sum(s^2) (float32), from one kernel; s is also written to `copy` [N,Cs] when given."""
     N, Cs, suffix = _check_matrix("h", h)
     _check("y", y, (N, Cs), h.dtype)
     _check("w", w, (Cs,), h.dtype)
     cupy = _import_cupy()
-    s, xw = cupy.empty_like(h), cupy.empty_like(h)
-    ss = cupy.empty(N, dtype=np.float32)
-    _launch_rows("rmsnorm", f"residual_online_stats_{suffix}", N, Cs, h.itemsize, (h, y, w, s, xw, ss, np.int32(Cs)))
+    s, xw, ss = cupy.empty_like(h), cupy.empty_like(h), cupy.empty(N, dtype=np.float32)
+    _check("copy", s if copy is None else copy, (N, Cs), h.dtype)
+    _launch_rows("rmsnorm", f"residual_online_stats_{suffix}", N, Cs, h.itemsize,
+                 (h, y, w, s, s if copy is None else copy, xw, ss, np.int32(Cs)))
     return s, xw, ss
 
 
@@ -287,24 +307,31 @@ def btp_backward_pre(dZs: Array, Z: Array, rstd: Array, C_total: int, act: bool)
     return dP, dS
 
 
-def btp_backward_post(dxw: Array, x: Array, w: Array, dS: Array) -> tuple[Array, Array]:
+def btp_backward_post(dxw: Array, x: Array, w: Array, dS: Array, residual: Array | None = None,
+                      dw: Array | None = None) -> tuple[Array, Array | None]:
     """dxw [N,Cs] float32, x [N,Cs], w [Cs], dS [N] float32 -> dx [N,Cs] = dxw * w + 2 * x * dS
-    (x's dtype), dw [Cs] = sum over rows of dxw * x (float32). One kernel over rmsnorm_backward's
-    column tiles and row chunks (no shared memory, whatever Cs), then the sum of its per-chunk dw rows."""
+    (x's dtype; plus `residual` [N,Cs] of x's dtype when given, added in float32 before the one
+    rounding: the gradient from above that meets dx at the residual, with no addition kernel),
+    dw [Cs] = sum over rows of dxw * x (float32), or added to `dw` when given (None returned for it).
+    One kernel over rmsnorm_backward's column tiles and row chunks (no shared memory, whatever Cs),
+    then the sum of its per-chunk dw rows (dw_accumulate)."""
     N, Cs, suffix = _check_matrix("x", x)
     _check("dxw", dxw, (N, Cs), np.float32)
     _check("w", w, (Cs,), x.dtype)
     _check("dS", dS, (N,), np.float32)
+    if residual is not None:
+        _check("residual", residual, (N, Cs), x.dtype)
     cupy = _import_cupy()
     dx = cupy.empty_like(x)
     if N == 0 or Cs == 0:
-        return dx, cupy.zeros(Cs, dtype=np.float32)
+        return dx, None if dw is not None else cupy.zeros(Cs, dtype=np.float32)
     device = _current_device()
     threads, tiles, rows_per_chunk, chunks = rmsnorm_backward_launch(N, Cs, x.itemsize, device.warp_size, device.sm_count)
     dw_partial = cupy.empty((chunks, Cs), dtype=np.float32)
     _launch(_kernel("btp", f"btp_backward_post_{suffix}"), tiles * chunks, threads,
-            (dxw, x, w, dS, dx, dw_partial, np.int32(N), np.int32(Cs), np.int32(rows_per_chunk)))
-    return dx, dw_partial.sum(axis=0)
+            (dxw, x, w, dS, x if residual is None else residual, dx, dw_partial, np.int32(N), np.int32(Cs),
+             np.int32(rows_per_chunk), np.int32(residual is not None)))
+    return dx, _dw_result(dw_partial, dw)
 
 
 # ------------------------------------------------------------------------------ adamw.cu

@@ -37,9 +37,13 @@ class RmsnormPlan:
     forward_max_threads: int = 512  # the row in registers: 2 blocks per SM at up to 64 registers
     backward_block_threads: int = 256
     backward_blocks_per_sm: int = 8  # 2,048 threads, the most an SM (CU: 4 SIMDs x 8 waves of 64) holds
+    # dw_accumulate: `dw_columns` columns a block, each summed over the chunks by `dw_row_groups` threads
+    dw_columns: int = 32
+    dw_row_groups: int = 16
 
     def defines(self) -> tuple[str, ...]:
-        return (f"-DRMSNORM_ROW_VECTORS={self.held_vectors}",)
+        return (f"-DRMSNORM_ROW_VECTORS={self.held_vectors}", f"-DDW_COLUMNS={self.dw_columns}",
+                f"-DDW_ROW_GROUPS={self.dw_row_groups}")
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,12 @@ def rmsnorm_forward_threads(C: int, itemsize: int, warp_size: int) -> int:
     vectors = -(-C // (16 // itemsize))
     warps = -(-vectors // (RMSNORM.forward_vectors * warp_size))
     return warp_size * min(max(warps, 1), RMSNORM.forward_max_threads // warp_size)
+
+
+def dw_accumulate_launch(C: int) -> tuple[int, int]:
+    """(blocks, threads) of dw_accumulate over C columns: RMSNORM.dw_columns columns a block, each
+    summed by RMSNORM.dw_row_groups threads."""
+    return -(-C // RMSNORM.dw_columns), RMSNORM.dw_columns * RMSNORM.dw_row_groups
 
 
 def rmsnorm_backward_launch(N: int, C: int, itemsize: int, warp_size: int, sm_count: int) -> tuple[int, int, int, int]:

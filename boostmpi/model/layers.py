@@ -110,11 +110,18 @@ def rmsnorm_forward(x: Array, w: Array, eps: float) -> tuple[Array, Array]:
     return (x * rstd * w).astype(x.dtype, copy=False), rstd  # a float32 rstd does not widen bf16 x
 
 
+def _accumulable(dw: Array) -> Array | None:
+    """dw itself when a kernel can add the norm weight's gradient into it (float32, contiguous), else None."""
+    return dw if dw.dtype == np.float32 and dw.flags.c_contiguous else None
+
+
 def rmsnorm_backward(dy: Array, x: Array, w: Array, rstd: Array, dw: Array) -> Array:
     k, (dyc, xc, wc) = kernel_inputs(dy, x, w)
     if k is not None and x.ndim == 2:
-        dx, dw_part = k.rmsnorm_backward(dyc, xc, wc, get_array_module(x).ascontiguousarray(rstd.reshape(-1)))
-        dw += dw_part
+        into = _accumulable(dw)
+        dx, dw_part = k.rmsnorm_backward(dyc, xc, wc, get_array_module(x).ascontiguousarray(rstd.reshape(-1)), into)
+        if into is None:
+            dw += dw_part
         return dx
     dyw = dy * w
     dw += (dy * x * rstd).sum(axis=0)
@@ -137,13 +144,16 @@ def rmsnorm_online_stats(x: Array, w: Array) -> tuple[Array, Array]:
     return x * w, (x * x).sum(axis=-1, dtype=statistic_dtype(x.dtype))
 
 
-def residual_online_stats(h: Array, y: Array, w: Array) -> tuple[Array, Array, Array]:
+def residual_online_stats(h: Array, y: Array, w: Array, copy: Array | None = None) -> tuple[Array, Array, Array]:
     """The residual add before a norm and `rmsnorm_online_stats` of its result: h, y [N, Cs], w [Cs]
-    -> (s = h + y, s * w, sum of s^2 per row), one kernel on a GPU."""
+    -> (s = h + y, s * w, sum of s^2 per row), one kernel on a GPU; s is also written to `copy`
+    (a second buffer of s's shape and dtype) when given."""
     k, (hc, yc, wc) = kernel_inputs(h, y, w)
-    if k is not None and h.ndim == 2:
-        return k.residual_online_stats(hc, yc, wc)
+    if k is not None and h.ndim == 2 and (copy is None or (copy.dtype == h.dtype and copy.flags.c_contiguous)):
+        return k.residual_online_stats(hc, yc, wc, copy)
     s = h + y
+    if copy is not None:
+        copy[...] = s
     return (s, *rmsnorm_online_stats(s, w))
 
 
@@ -194,17 +204,26 @@ def btp_norm_backward_pre(dZs: Array, Z: Array, rstd: Array, C: int, act: bool, 
     return dP, dS
 
 
-def btp_norm_backward_post(dxw: Array, x: Array, w: Array, dS: Array, dw: Array) -> Array:
+def btp_norm_backward_post(dxw: Array, x: Array, w: Array, dS: Array, dw: Array, residual: Array | None = None,
+                           ) -> Array:
     """dxw [N, Cs] (in the accumulation dtype), x [N, Cs], w [Cs], dS [N, 1] -> dx = dxw * w + 2 x dS
-    in x's dtype; accumulates sum over rows of dxw * x into dw."""
+    in x's dtype, plus `residual` [N, Cs] (x's dtype) when given: the residual's gradient from above,
+    which meets dx at the group's input. Accumulates sum over rows of dxw * x into dw. On a GPU the
+    kernel adds the residual before its one rounding (no addition kernel; the NumPy path rounds dx,
+    then adds)."""
     k, (xc, wc) = kernel_inputs(x, w)
-    if k is not None and x.ndim == 2 and dxw.dtype == np.float32 and dS.dtype == np.float32:
+    if (k is not None and x.ndim == 2 and dxw.dtype == np.float32 and dS.dtype == np.float32
+            and (residual is None or residual.dtype == x.dtype)):
         xp = get_array_module(x)
-        dx, dw_part = k.btp_backward_post(xp.ascontiguousarray(dxw), xc, wc, xp.ascontiguousarray(dS.reshape(-1)))
-        dw += dw_part
+        into = _accumulable(dw)
+        dx, dw_part = k.btp_backward_post(xp.ascontiguousarray(dxw), xc, wc, xp.ascontiguousarray(dS.reshape(-1)),
+                                          None if residual is None else xp.ascontiguousarray(residual), into)
+        if into is None:
+            dw += dw_part
         return dx
     dw += (dxw * x).sum(axis=0)
-    return (dxw * w + 2.0 * x * dS).astype(x.dtype, copy=False)  # float32 statistics, bf16 x
+    dx = (dxw * w + 2.0 * x * dS).astype(x.dtype, copy=False)  # float32 statistics, bf16 x
+    return dx if residual is None else residual + dx
 
 
 # ---------------------------------------------------------------- SiLU and the gated product

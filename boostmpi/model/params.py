@@ -334,6 +334,11 @@ class FlatBuffer:
             return None
         return self.data[spans[0][0]:spans[-1][1]].reshape((len(names),) + tuple(shape))
 
+    def side_by_side(self, names: Sequence[str]) -> Array | None:
+        """[P[n_1] | P[n_2] | ...] as the one view of a group stored side by side (or the one name's
+        view), else None: what a product may write or accumulate into in place."""
+        return self.views[names[0]] if len(names) == 1 else self._groups.get(tuple(names))
+
     def columns(self, names: Sequence[str]) -> Array:
         """[P[n_1] | P[n_2] | ...]: a view when these are a group stored side by side (or one
         name), else a concatenated copy."""

@@ -45,16 +45,26 @@ class LinearGroups(Protocol):
         ...
 
     def residual_in_proj_forward(self, h: Array, y: Array, norm_name: str, names: list[str], P: FlatBuffer,
-                                 tape: Tape) -> tuple[Array, list[Array], ProjectionCache]:
-        """The residual add h + y and in_proj_forward on it: (h + y, outputs, cache)."""
+                                 tape: Tape, copy: Array | None = None) -> tuple[Array, list[Array], ProjectionCache]:
+        """The residual add h + y and in_proj_forward on it: (h + y, outputs, cache); h + y is also
+        written to `copy` when given."""
         ...
 
-    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
-        """Accumulates the group's gradients into grads; returns d(x)."""
+    def output_accumulates(self, h: Array) -> bool:
+        """Whether out_proj_forward adds its output into a residual buffer in its last GEMM (cuBLAS
+        beta = 1: no addition kernel) for a residual like h."""
         ...
 
-    def out_proj_forward(self, x: Array, name: str, P: FlatBuffer, tape: Tape = NO_TAPE) -> tuple[Array, ProjectionCache]:
-        """The linear `name` (o, down) into the residual: (y, cache)."""
+    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer,
+                         residual: Array | None = None) -> Array:
+        """Accumulates the group's gradients into grads; returns d(x), plus `residual` when given (the
+        gradient that meets d(x) at the residual: a strategy may add it inside its norm's backward)."""
+        ...
+
+    def out_proj_forward(self, x: Array, name: str, P: FlatBuffer, tape: Tape = NO_TAPE,
+                         accumulate_into: Array | None = None) -> tuple[Array, ProjectionCache]:
+        """The linear `name` (o, down) into the residual: (y, cache); with `accumulate_into` (a residual)
+        y is added to it and it is returned as y."""
         ...
 
     def out_proj_cache(self, x: Array, name: str, P: FlatBuffer, tape: Tape) -> ProjectionCache:
@@ -106,6 +116,13 @@ class Block:
         """-> (h_out, BlockCache). `out_alloc(shape, dtype)`, when given, allocates h_out: a recompute
         policy that keeps h_out as the next layer's input passes the allocator of what it keeps (on a
         GPU, the kept pool: boostmpi.gpu.pools)."""
+        if self.tp_layers.output_accumulates(h):
+            # the residual after attention is written twice (one kernel): the MLP's norm keeps one
+            # copy, the down projection's last GEMM accumulates the layer's output into the other
+            out = (out_alloc or (lambda shape, dtype: get_array_module(h).empty(shape, dtype=dtype)))(h.shape, h.dtype)
+            h, a, cache = self._before_down_proj(h, tape, copy=out)
+            out, cache.down = self.tp_layers.out_proj_forward(a, self.pre + "down", self.P, tape, accumulate_into=out)
+            return out, cache
         h, a, cache = self._before_down_proj(h, tape)
         y, cache.down = self.tp_layers.out_proj_forward(a, self.pre + "down", self.P, tape)
         if out_alloc is None:
@@ -119,9 +136,9 @@ class Block:
         cache.down = self.tp_layers.out_proj_cache(a, self.pre + "down", self.P, tape)
         return cache
 
-    def _before_down_proj(self, h: Array, tape: Tape) -> tuple[Array, Array, BlockCache]:
-        """The layer up to the down projection: (the residual after attention, the down projection's
-        input, the BlockCache without its `down` part)."""
+    def _before_down_proj(self, h: Array, tape: Tape, copy: Array | None = None) -> tuple[Array, Array, BlockCache]:
+        """The layer up to the down projection: (the residual after attention, also written to `copy`
+        when given, the down projection's input, the BlockCache without its `down` part)."""
         P, tp_layers, rope, pre = self.P, self.tp_layers, self.rope, self.pre
         B, T = self.shape
         Dh = tp_layers.C // tp_layers.cfg.model.n_heads
@@ -138,7 +155,8 @@ class Block:
             attn = (q, k, own_buffer(v))
         y, c_o = tp_layers.out_proj_forward(o.reshape(B * T, -1), pre + "o", P, tape)
         # the residual add and the MLP norm's first pass: one kernel under btp on a GPU
-        h, (g, u), c_gu = tp_layers.residual_in_proj_forward(h, y, pre + "mlp_norm", [pre + "gate", pre + "up"], P, tape)
+        h, (g, u), c_gu = tp_layers.residual_in_proj_forward(h, y, pre + "mlp_norm", [pre + "gate", pre + "up"], P, tape,
+                                                             copy=copy)
         a, s_gate = layers.gate_and_sigmoid(g, u, tp_layers.cfg.model.mlp_gate_act, keep=tape.backward_follows)
         return h, a, BlockCache(c_qkv, attn, c_o, c_gu, (g, u, s_gate))
 
@@ -150,7 +168,8 @@ class Block:
         g, u, s_gate = cache.pop("gate")
         dg, du = layers.gate_backward(da, g, u, act, s_gate)
         del da, g, u, s_gate
-        dh = dh + tp_layers.in_proj_backward([dg, du], cache.pop("gate_up"), P, grads)
+        # the gradients meeting at each residual are summed by the strategy (btp: in its norm's kernel)
+        dh = tp_layers.in_proj_backward([dg, du], cache.pop("gate_up"), P, grads, residual=dh)
         del dg, du
         do = tp_layers.out_proj_backward(dh, cache.pop("o"), P, grads)
         B, T = self.shape
@@ -158,4 +177,4 @@ class Block:
         del do
         dq = layers.rope_backward(dq, *rope).reshape(B * T, -1)
         dk = layers.rope_backward(dk, *rope).reshape(B * T, -1)
-        return dh + tp_layers.in_proj_backward([dq, dk, dv.reshape(B * T, -1)], cache.pop("qkv"), P, grads)
+        return tp_layers.in_proj_backward([dq, dk, dv.reshape(B * T, -1)], cache.pop("qkv"), P, grads, residual=dh)

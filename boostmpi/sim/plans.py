@@ -239,11 +239,12 @@ def norm(s: Shape, name: str, n_tokens: int, width: int) -> Pointwise:
     (2 passes: the row is held in registers between its sum and its scaling). Backward, 5 passes in 4 kernels:
     rmsnorm_projection reads dy and x (the row statistic), rmsnorm_backward reads dy and x and writes
     dx over column tiles (no shared memory at any C), then the sum of its per-chunk dw rows and the
-    accumulation into dw (kernels of C floats per row chunk: not counted in the bytes)."""
+    accumulation into dw (kernels of C floats per row chunk: not counted in the bytes; on GPUs one
+    kernel, dw_accumulate, so 3 in all)."""
     saved = n_tokens * width + n_tokens
     if not s.engine_kernels:
         return Pointwise(name, n_tokens * width, 2, 3, saved=saved)
-    return Pointwise(name, n_tokens * width, 2, 5, saved=saved, bwd_kernels=4)
+    return Pointwise(name, n_tokens * width, 2, 5, saved=saved, bwd_kernels=3 if s.gpu else 4)
 
 
 def online_norm(s: Shape, name: str, width: int, residual: bool = False) -> Pointwise:
@@ -253,20 +254,30 @@ def online_norm(s: Shape, name: str, width: int, residual: bool = False) -> Poin
     (h + y) * w: 4 passes), the residual add folded in. Backward: btp_backward_post reads dxw (the
     float32 accumulator: 2 passes in a 16-bit step) and x and writes dx, then the sum of its per-chunk
     dw rows and the accumulation into dw (3 kernels); with `residual`, the sum of the two gradients
-    at the residual (reads 2, writes 1) is one kernel more."""
+    at the residual (reads 2, writes 1) is one kernel more. On GPUs btp_backward_post also reads the
+    gradient from above that meets dx at the group's input and writes their sum (one pass more, no
+    kernel more), for the attention norm (the gradient of the layer's output) and the MLP's, and the dw
+    sum and accumulation are one kernel (dw_accumulate): 2 kernels; residual_online_stats there also
+    writes h + y a second time (5 passes), the buffer the down projection's GEMM accumulates into."""
     N = s.N
     post = (2 if s.half else 1) + 2
+    if s.gpu:
+        return Pointwise(name, N * width, 5 if residual else 2, post + 1, saved=N * width + N, bwd_kernels=2)
     if residual:
         return Pointwise(name, N * width, 4, post + 3, saved=N * width + N, bwd_kernels=4)
     return Pointwise(name, N * width, 2, post, saved=N * width + N, bwd_kernels=3)
 
 
-def residual(s: Shape, n: int, in_recompute: bool = True) -> Pointwise:
+def residual(s: Shape, n: int, in_recompute: bool = True, in_gemm_and_norm: bool = False) -> Pointwise:
     """The residual add h + y. Forward reads h and y, writes the sum; its backward passes the gradient
     on to both unchanged, and the kernel is the sum of the two gradients that meet at h (reads 2,
-    writes 1). Other frameworks' plans keep the generic binary op's 3 / 5 passes."""
+    writes 1). With `in_gemm_and_norm` (btp on GPUs) no kernel: y's GEMM adds into a copy of h (beta = 1:
+    one read of h) and a norm's backward kernel sums the gradients (`online_norm`). Other frameworks'
+    plans keep the generic binary op's 3 / 5 passes."""
     if not s.engine_kernels:
         return binary("residual", n)
+    if in_gemm_and_norm:
+        return Pointwise("residual", n, 1, 0, in_recompute=in_recompute, fwd_kernels=0, bwd_kernels=0)
     return Pointwise("residual", n, 3, 3, in_recompute=in_recompute)
 
 
@@ -428,9 +439,9 @@ def _btp_layer(s: Shape) -> list[Op]:
         ops: list[Op] = []
         if with_norm_statistic and s.sync_norm:
             ops.append(Collective("norm.sumsq", "allreduce", N, "fwd", min_itemsize=4))  # float32 at least
-        if s.grouped:  # the engine's weight gradient: one GEMM per factor's column block of dP
+        if s.grouped:  # the engine's weight gradient: one GEMM per factor's column block of dP (on GPUs one GEMM)
             ops += [Gemm("+".join(names) + ".A", N, r * len(names), d_in_local, saved=N * d_in_local,
-                         dw_split=len(names) if s.engine_kernels else 1),
+                         dw_split=len(names) if s.engine_kernels and not s.gpu else 1),
                     Collective("+".join(names) + ".z", "allreduce", N * r * len(names) + stat, "fwd", wide=stat)]
         else:
             for i, name in enumerate(names):
@@ -481,7 +492,8 @@ def _btp_layer(s: Shape) -> list[Op]:
     ops += a_group(("down",), Fl, Rm, False)
     # a recompute stops at the down projection's input: its B GEMM (out_proj_cache) and the add are skipped
     ops += b_gemms(("down",), Rm, (Cl,), in_recompute=not s.engine_kernels)
-    ops.append(residual(s, N * Cl, in_recompute=False))
+    # on GPUs the down B GEMM accumulates into the residual, the attention norm's backward sums the gradients
+    ops.append(residual(s, N * Cl, in_recompute=False, in_gemm_and_norm=s.engine_kernels and s.gpu))
     return ops
 
 

@@ -166,7 +166,7 @@ def run_rmsnorm(pool, small, suffix, code=None, warp=32):
     br = random(C, dtype, 11)
     branch.row(N - 1)[:] = br
     function("rmsnorm", f"residual_online_stats_{suffix}", code, warp)(
-        N, block, (x, branch, w_dev, s, y, ss, np.int32(C)), blocks=[N - 1])
+        N, block, (x, branch, w_dev, s, s, y, ss, np.int32(C)), blocks=[N - 1])
     sr = (xf + br.astype(np.float32)[None]).astype(dtype).astype(np.float32)
     xw_ref, ss_ref = layers.rmsnorm_online_stats(sr, wf)
     assert_close(s.row(N - 1), sr[0], dtype, "residual sum of the last row")
@@ -247,7 +247,7 @@ def run_btp(pool, small, suffix, code=None, warp=32):
     dxw.row(N - 1)[:], x.row(N - 1)[:], dS.flat(N - 1, N)[:] = gr, xr, -0.25
     kernel = function("btp", f"btp_backward_post_{suffix}", code, warp)
     threads, tiles, _, _ = loader.rmsnorm_backward_launch(N, Cs, dtype.itemsize, warp, 108)
-    kernel(tiles * N, threads, (dxw, x, small(w), dS, dx, dw, np.int32(N), np.int32(Cs), np.int32(1)),
+    kernel(tiles * N, threads, (dxw, x, small(w), dS, x, dx, dw, np.int32(N), np.int32(Cs), np.int32(1), np.int32(0)),
            blocks=[(N - 1) * tiles + t for t in range(tiles)])  # one-row chunks: the last row's chunk
     dw_ref = np.zeros(Cs, np.float32)
     dx_ref = layers.btp_norm_backward_post(gr[None], xr.astype(np.float32)[None], w.astype(np.float32),
@@ -260,6 +260,28 @@ def run_btp(pool, small, suffix, code=None, warp=32):
 @pytest.mark.parametrize("suffix", DTYPES)
 def test_btp_kernels_index_more_than_2_32_elements(pool, small, suffix, warp):
     run_btp(pool, small, suffix, warp=warp)
+
+
+def run_dw_accumulate(pool, code=None, warp=32):
+    """dw_accumulate over 3 chunk rows of C columns, 3 x C past 2^32 partials: the last block's columns."""
+    chunks = 3
+    C = LIMIT // chunks + 1
+    partial, dw = Tensor(pool[0], (chunks, C), np.float32), Tensor(pool[1], (C,), np.float32)
+    blocks, threads = loader.dw_accumulate_launch(C)
+    first = (blocks - 1) * launch_plan.RMSNORM.dw_columns  # the last block's first column
+    rows = [random(C - first, np.float32, 50 + c) for c in range(chunks)]
+    for c, row in enumerate(rows):
+        partial.flat(c * C + first, (c + 1) * C)[:] = row
+    dw.flat(first, C)[:] = 1.5
+    function("rmsnorm", "dw_accumulate_f32", code, warp)(blocks, threads, (partial, dw, np.int32(chunks), np.int32(C)),
+                                                       blocks=[blocks - 1])
+    assert_close(dw.flat(first, C), 1.5 + sum(r.astype(np.float64) for r in rows), np.float32,
+                 "dw_accumulate's last columns")
+
+
+@pytest.mark.parametrize("warp", WARPS)
+def test_dw_accumulate_indexes_more_than_2_32_partials(pool, warp):
+    run_dw_accumulate(pool, warp=warp)
 
 
 # ------------------------------------------------------------------------------ the elementwise kernels
@@ -471,7 +493,7 @@ def test_rope_kernels_index_more_than_2_32_elements(pool, small, suffix, warp):
 CHECKED = ("softmax_xent_", "rmsnorm_forward_", "rmsnorm_online_stats_", "residual_online_stats_", "rmsnorm_projection_", "rmsnorm_backward_",
            "rescale_rows_", "silu_forward_", "silu_backward_", "gate_forward_", "gate_backward_", "btp_backward_pre_",
            "btp_backward_post_", "btp_rescale_silu_", "adamw_step_", "sum_squares_ranges_", "attention_forward_", "attention_backward_dq_",
-           "attention_backward_", "rope_forward_", "rope_backward_")
+           "attention_backward_", "rope_forward_", "rope_backward_", "dw_accumulate_")
 
 
 def test_every_entry_point_is_run_past_2_32_elements():

@@ -94,6 +94,8 @@ def launch_shape(entry, warp):
         return launch_plan.ATTENTION.tc_threads if "_tc_" in entry else launch_plan.ATTENTION.threads, 0
     if entry.startswith(("btp_backward_pre", "btp_rescale_silu")):
         return loader._row_block(PAPER["rank"], itemsize, warp), 0
+    if entry.startswith("dw_accumulate"):
+        return launch_plan.dw_accumulate_launch(PAPER["d_model"])[1], 0
     if entry.startswith("btp_backward_post"):  # rmsnorm_backward's column tiles over the residual shard
         threads, _, _, _ = loader.rmsnorm_backward_launch(PAPER["tokens"], PAPER["d_model"], itemsize, warp, 108)
         return threads, 0

@@ -33,7 +33,7 @@ KERNEL_FILES = sorted(kernels.kernels_dir().glob("*.cu"))
 ENTRY_POINTS = {
     "rmsnorm.cu": [f"{k}_{t}" for k in ("rmsnorm_forward", "rmsnorm_projection", "rmsnorm_backward",
                                         "rmsnorm_online_stats", "residual_online_stats", "rescale_rows")
-                   for t in ("f32", "bf16")],
+                   for t in ("f32", "bf16")] + ["dw_accumulate_f32"],
     "lowrank.cu": [f"{k}_{t}" for k in ("silu_forward", "silu_backward", "gate_forward", "gate_backward")
                    for t in ("f32", "bf16")],
     "softmax_xent.cu": [f"softmax_xent_{t}_{i}" for t in ("f32", "bf16") for i in ("i32", "i64")],
@@ -250,6 +250,13 @@ def test_rmsnorm_kernels_match_the_model(small_grid, dtype_name, C):
     dx, dw = kernels.rmsnorm_backward(*_device(dy, x, w, rstd_ref[:, 0]))
     _assert_close(dx, _stored(dx_ref, dtype), "rmsnorm dx")
     _assert_close(dw, dw_ref, "rmsnorm dw")
+    # accumulated into a gradient that already holds something (dw_accumulate)
+    before = _randn(rng, C, np.float32)
+    (into,) = _device(before)
+    dx, none = kernels.rmsnorm_backward(*_device(dy, x, w, rstd_ref[:, 0]), dw=into)
+    assert none is None
+    _assert_close(dx, _stored(dx_ref, dtype), "rmsnorm dx beside dw accumulated")
+    _assert_close(into, before + dw_ref, "rmsnorm dw accumulated")
 
     xw_ref, ss_ref = layers.rmsnorm_online_stats(xf, wf)
     xw, ss = kernels.rmsnorm_online_stats(*_device(x, w))
@@ -322,6 +329,16 @@ def test_btp_backward_kernels_match_the_model(small_grid, dtype_name, R, Cs):
     dx, dw = kernels.btp_backward_post(*_device(dxw, x, w, dS[:, 0]))
     _assert_close(dx, _stored(dx_ref, dtype), "btp dx")
     _assert_close(dw, dw_ref, "btp dw")
+    # with the residual's gradient from above: added in float32 before the kernel's one rounding
+    residual = _randn(rng, (N, Cs), dtype, 3.0)
+    dx_ref = layers.btp_norm_backward_post(dxw, xf, wf, dS, np.zeros(Cs, np.float32), _widened(residual)[0])
+    dx, dw = kernels.btp_backward_post(*_device(dxw, x, w, dS[:, 0], residual))
+    _assert_close(dx, _stored(dx_ref, dtype), "btp dx + residual")
+    _assert_close(dw, dw_ref, "btp dw beside the residual")
+    before = _randn(rng, Cs, np.float32)
+    (into,) = _device(before)
+    assert kernels.btp_backward_post(*_device(dxw, x, w, dS[:, 0], residual), dw=into)[1] is None
+    _assert_close(into, before + dw_ref, "btp dw accumulated")
 
 
 @pytest.mark.gpu

@@ -2,7 +2,7 @@
 
   in_proj_forward(x, norm_name, names, P, tape) -> (outs, cache)   norm + the linears reading it
   residual_in_proj_forward(h, y, norm_name, names, P, tape) -> (h + y, outs, cache)   the same on h + y
-  in_proj_backward(douts, cache, P, grads) -> dx
+  in_proj_backward(douts, cache, P, grads, residual=None) -> dx (+ residual)
   out_proj_forward(x, name, P, tape) -> (y, cache)                  o and down, into the residual
   out_proj_cache(x, name, P, tape) -> cache                         the same cache, y not needed
   out_proj_backward(dy, cache, P, grads) -> dx
@@ -100,15 +100,23 @@ class Strategy(ABC):
         """The group's norm and the linears `names` reading it: (their outputs, cache)."""
 
     @abstractmethod
-    def out_proj_forward(self, x: Array, name: str, P: FlatBuffer, tape: Tape = NO_TAPE) -> tuple[Array, ProjectionCache]:
-        """The linear `name` (o, down) into the residual: (y, cache)."""
+    def out_proj_forward(self, x: Array, name: str, P: FlatBuffer, tape: Tape = NO_TAPE,
+                         accumulate_into: Array | None = None) -> tuple[Array, ProjectionCache]:
+        """The linear `name` (o, down) into the residual: (y, cache); with `accumulate_into`, y added to it."""
 
     def residual_in_proj_forward(self, h: Array, y: Array, norm_name: str, names: list[str], P: FlatBuffer,
-                                 tape: Tape) -> tuple[Array, list[Array], ProjectionCache]:
-        """The residual add h + y and in_proj_forward on its result: (h + y, outs, cache). A strategy
-        may fuse the add with its norm's first pass (btp)."""
+                                 tape: Tape, copy: Array | None = None) -> tuple[Array, list[Array], ProjectionCache]:
+        """The residual add h + y and in_proj_forward on its result: (h + y, outs, cache), h + y also
+        written to `copy` when given. A strategy may fuse the add with its norm's first pass (btp)."""
         h = h + y
+        if copy is not None:
+            copy[...] = h
         return (h, *self.in_proj_forward(h, norm_name, names, P, tape))
+
+    def output_accumulates(self, h: Array) -> bool:
+        """Whether out_proj_forward's last GEMM adds into the residual itself (no addition kernel).
+        Not where the output is all-reduced first (a row-parallel output): there the add stays."""
+        return False
 
     def out_proj_cache(self, x: Array, name: str, P: FlatBuffer, tape: Tape) -> ProjectionCache:
         """out_proj_forward's cache, for a recompute that never reads the output."""

@@ -75,18 +75,28 @@ class BottleneckTP(Strategy):
         return self._bottleneck_forward(x, norm_name, names, P, tape)
 
     def residual_in_proj_forward(self, h: Array, y: Array, norm_name: str, names: list[str], P: FlatBuffer, tape: Tape,
-                                 ) -> tuple[Array, list[Array], ProjectionCache]:
-        """h + y, its x * w and sum of squares in one pass (one kernel on a GPU), then the group."""
-        h, xw, ss = layers.residual_online_stats(h, y, P[norm_name])
+                                 copy: Array | None = None) -> tuple[Array, list[Array], ProjectionCache]:
+        """h + y (also written to `copy` when given), its x * w and sum of squares in one pass (one
+        kernel on a GPU), then the group."""
+        h, xw, ss = layers.residual_online_stats(h, y, P[norm_name], copy)
         return (h, *self._bottleneck_forward(h, norm_name, names, P, tape, stats=(xw, ss)))
 
-    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
-        return self._bottleneck_backward(douts, cast(BottleneckCache, cache), P, grads)  # its own forward's
+    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer,
+                         residual: Array | None = None) -> Array:
+        """`residual` is added in the norm's backward kernel (btp_backward_post) on a GPU."""
+        return self._bottleneck_backward(douts, cast(BottleneckCache, cache), P, grads, residual)  # its own forward's
 
     def out_proj_forward(self, x: Array, name: str, P: FlatBuffer, tape: Tape = NO_TAPE,
-                         ) -> tuple[Array, ProjectionCache]:
-        outs, cache = self._bottleneck_forward(x, None, [name], P, tape)
+                         accumulate_into: Array | None = None) -> tuple[Array, ProjectionCache]:
+        """With `accumulate_into` (a residual shard) the B GEMM, column-parallel (its output local, no
+        collective after it), adds its product into it: cuBLAS beta = 1, rounded once."""
+        outs, cache = self._bottleneck_forward(x, None, [name], P, tape, into=accumulate_into)
         return outs[0], cache
+
+    def output_accumulates(self, h: Array) -> bool:
+        """On a GPU (the fused kernels' path): the B factors are column-parallel, so the output is this
+        rank's own residual columns and its GEMM can accumulate into the residual."""
+        return layers.kernel_inputs(h)[0] is not None and h.ndim == 2
 
     def out_proj_cache(self, x: Array, name: str, P: FlatBuffer, tape: Tape) -> ProjectionCache:
         """Without the output: the B GEMM is skipped (local work only, never a collective)."""
@@ -97,7 +107,7 @@ class BottleneckTP(Strategy):
 
     def _bottleneck_forward(self, x: Array, norm_name: str | None, names: list[str], P: FlatBuffer, tape: Tape,
                             output: bool = True, stats: tuple[Array, Array] | None = None,
-                            ) -> tuple[list[Array], BottleneckCache]:
+                            into: Array | None = None) -> tuple[list[Array], BottleneckCache]:
         sl = col_slices([P[f"{nm}/A"].shape[1] for nm in names])
         # online RMSNorm's first half: x * w and this shard's sum of squares, in one pass (`stats`:
         # already made with the residual add that gave x)
@@ -114,7 +124,10 @@ class BottleneckTP(Strategy):
             tape.keep((Z, rstd))
         # Z is copied to the tp region (the identity forward), then activated, unless the rescale did it
         Zs, sig = activated or activate(copy_to_tp_region(Z, self.tp), self.act, tape)
-        outs = self._b_products(Zs, sl, names, P) if output else []
+        if into is not None:  # one linear (o, down): its product added into the residual `into`
+            outs = [matmul(Zs, P[f"{names[0]}/B"], out=into, accumulate=True)]
+        else:
+            outs = self._b_products(Zs, sl, names, P) if output else []
         return outs, BottleneckCache(x, xw, norm_name, Z, Zs, rstd, names, sl, sig)
 
     def _b_products(self, Zs: Array, sl: list[slice], names: list[str], P: FlatBuffer) -> list[Array]:
@@ -206,8 +219,21 @@ class BottleneckTP(Strategy):
                     prod[:, s] = reduce(piece, j)
         return (prod, tail) if extra is not None else prod
 
+    def _a_grads(self, xw: Array, dP: Array, sl: list[slice], names: list[str], grads: FlatBuffer) -> None:
+        """grads[A_j] += xw^T · dP[:, s_j] for each factor. On a GPU, grouped, with the gradients of the
+        A factors stored side by side (as the factors are): one GEMM accumulating into all of them,
+        each output column the same dot product over the rows (its float32 summation order cuBLAS's).
+        On the CPU one GEMM per factor's column block, the specification."""
+        whole = grads.side_by_side([f"{nm}/A" for nm in names]) if self.grouped and len(names) > 1 else None
+        if whole is not None and get_array_module(dP) is not np:
+            matmul(xw.T, dP, out=whole, accumulate=True)
+            return
+        for s, nm in zip(sl, names):
+            matmul(xw.T, dP[:, s], out=grads[f"{nm}/A"], accumulate=True)
+
     def _bottleneck_backward(self, douts: list[Array], cache: BottleneckCache, P: FlatBuffer, grads: FlatBuffer,
-                             ) -> Array:
+                             residual: Array | None = None) -> Array:
+        """d(x) of the group (plus `residual`, a gradient that meets it at x, when given)."""
         x, xw, norm_name, Z, Zs, rstd, names, sl, sig = cache
         xp = get_array_module(x)
         dZs = xp.empty_like(Z)
@@ -227,14 +253,12 @@ class BottleneckTP(Strategy):
             dZ = layers.silu_backward(dZs, Z, sig) if self.act else dZs
             dZ = reduce_from_tp_region_backward(dZ, self.tp)  # Z was reduced from the region
             dx = matmul(dZ, A.T)
-            for s, nm in zip(sl, names):
-                matmul(xw.T, dZ[:, s], out=grads[f"{nm}/A"], accumulate=True)
-            return dx
+            self._a_grads(xw, dZ, sl, names, grads)
+            return dx if residual is None else residual + dx
         # exact backward of Z = (sum_i xw_i·A_i) * rstd(S), S = sum of squares over all shards
         # (layers.btp_norm_backward_pre/post: one kernel each on a GPU, around the GEMM)
         dP, dS = layers.btp_norm_backward_pre(dZs, Z, rstd, self.C, self.act, sig)
         dP = reduce_from_tp_region_backward(dP, self.tp)  # the product was reduced from the region
         dxw = matmul(dP, A.T, dtype=statistic_dtype(x.dtype))  # the float32 accumulator, not rounded
-        for s, nm in zip(sl, names):
-            matmul(xw.T, dP[:, s], out=grads[f"{nm}/A"], accumulate=True)
-        return layers.btp_norm_backward_post(dxw, x, P[norm_name], dS, grads[norm_name])
+        self._a_grads(xw, dP, sl, names, grads)
+        return layers.btp_norm_backward_post(dxw, x, P[norm_name], dS, grads[norm_name], residual)

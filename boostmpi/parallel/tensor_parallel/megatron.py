@@ -58,7 +58,8 @@ class MegatronTP(ReplicatedResidual):
             outs = [matmul(n, P[w]) for w in W_names]
         return outs, NormCache(x, norm_name, rstd, (n, names))
 
-    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
+    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer,
+                         residual: Array | None = None) -> Array:
         cache = cast(NormCache, cache)  # its own forward's
         n, names = cast(tuple[Array, list[str]], cache.inner)
         parts, req = column_parallel_input_grad(douts, P, [f"{nm}/W" for nm in names], self.grouped, self.tp)
@@ -66,12 +67,16 @@ class MegatronTP(ReplicatedResidual):
             matmul(n.T, dy, out=grads[f"{nm}/W"], accumulate=True)
         req.wait()
         dn = sum(parts[1:], parts[0])
-        return layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, grads[cache.norm_name])
+        dx = layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, grads[cache.norm_name])
+        return dx if residual is None else residual + dx
 
     def out_proj_forward(self, x: Array, name: str, P: FlatBuffer, tape: Tape = NO_TAPE,
-                         ) -> tuple[Array, ProjectionCache]:
-        y = matmul(x, P[f"{name}/W"])
-        return reduce_from_tp_region(y, self.tp), LinearCache(x, name)
+                         accumulate_into: Array | None = None) -> tuple[Array, ProjectionCache]:
+        y = reduce_from_tp_region(matmul(x, P[f"{name}/W"]), self.tp)
+        if accumulate_into is not None:  # all-reduced first: the add stays
+            accumulate_into += y
+            return accumulate_into, LinearCache(x, name)
+        return y, LinearCache(x, name)
 
     def out_proj_backward(self, dy: Array, cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
         x, name = cast(LinearCache, cache)  # its own forward's

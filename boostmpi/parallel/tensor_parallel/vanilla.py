@@ -39,15 +39,20 @@ class VanillaLowRankTP(ReplicatedResidual):
         outs, cache = self._factor_forward(n, names, P, tape)
         return outs, NormCache(x, norm_name, rstd, cache)
 
-    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:
+    def in_proj_backward(self, douts: list[Array], cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer,
+                         residual: Array | None = None) -> Array:
         cache = cast(NormCache, cache)  # its own forward's
         dn = self._factor_backward(douts, cast(FactorCache, cache.inner), P, grads)
-        return layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, grads[cache.norm_name])
+        dx = layers.rmsnorm_backward(dn, cache.x, P[cache.norm_name], cache.rstd, grads[cache.norm_name])
+        return dx if residual is None else residual + dx
 
     def out_proj_forward(self, x: Array, name: str, P: FlatBuffer, tape: Tape = NO_TAPE,
-                         ) -> tuple[Array, ProjectionCache]:
+                         accumulate_into: Array | None = None) -> tuple[Array, ProjectionCache]:
         # a recompute produces the output too: its all-reduce is part of the forward's collectives
         outs, cache = self._factor_forward(x, [name], P, tape)
+        if accumulate_into is not None:  # all-reduced first: the add stays
+            accumulate_into += outs[0]
+            return accumulate_into, cache
         return outs[0], cache
 
     def out_proj_backward(self, dy: Array, cache: ProjectionCache, P: FlatBuffer, grads: FlatBuffer) -> Array:

@@ -128,6 +128,20 @@ def test_rmsnorm_forward_backward_match_layers(warp, suffix):
 
 
 @pytest.mark.parametrize("warp", WARPS)
+def test_dw_accumulate_adds_the_sum_of_the_partial_rows(warp):
+    """dw += the column sums of [chunks, C] partials: fewer and more chunks than a block's row groups,
+    and C not a multiple of a block's columns (the last block's columns past C do nothing)."""
+    suffix = "f32"
+    for chunks, C in ((3, 37), (41, 70), (1, 200)):
+        partial, dw = random((chunks, C), np.float32, 40), random(C, np.float32, 41)
+        DW = cudaemu.DeviceArray(dw)
+        blocks, threads = loader.dw_accumulate_launch(C)
+        kernel("rmsnorm", f"dw_accumulate_{suffix}", warp)(blocks, threads, (cudaemu.DeviceArray(partial), DW,
+                                                                              np.int32(chunks), np.int32(C)))
+        assert_close(DW.get(), f64(dw) + f64(partial).sum(axis=0), np.float32, f"dw chunks={chunks} C={C}")
+
+
+@pytest.mark.parametrize("warp", WARPS)
 @pytest.mark.parametrize("suffix", DTYPES)
 def test_residual_online_stats_is_the_add_then_the_stats(warp, suffix):
     """h + y stored, then x * w and the sum of squares of the stored sum (layers.residual_online_stats)."""
@@ -137,11 +151,13 @@ def test_residual_online_stats_is_the_add_then_the_stats(warp, suffix):
         h, y, w = random((N, C), dtype, 8), random((N, C), dtype, 9), random(C, dtype, 10)
         S, XW = cudaemu.DeviceArray(shape=(N, C), dtype=dtype), cudaemu.DeviceArray(shape=(N, C), dtype=dtype)
         SS = cudaemu.DeviceArray(shape=N, dtype=np.float32)
+        S2 = cudaemu.DeviceArray(shape=(N, C), dtype=dtype)  # the second copy of the sum
         kernel("rmsnorm", f"residual_online_stats_{suffix}", warp)(
-            N, row_block(C, dtype, warp), (cudaemu.DeviceArray(h), cudaemu.DeviceArray(y), cudaemu.DeviceArray(w), S, XW,
-                                           SS, np.int32(C)))
+            N, row_block(C, dtype, warp), (cudaemu.DeviceArray(h), cudaemu.DeviceArray(y), cudaemu.DeviceArray(w), S, S2,
+                                           XW, SS, np.int32(C)))
         s_ref = f64(stored(f64(h) + f64(y), dtype))
         assert_close(S.get(), s_ref, dtype, f"s C={C}")
+        np.testing.assert_array_equal(S2.get().view(np.uint8), S.get().view(np.uint8), err_msg=f"second copy C={C}")
         assert_close(XW.get(), stored(s_ref * f64(w), dtype), dtype, f"xw C={C}")
         assert_close(SS.get(), (s_ref ** 2).sum(axis=1), np.float32, f"ss C={C}")
 
@@ -238,7 +254,8 @@ def test_btp_backward_kernels_match_layers(warp, suffix):
         threads, tiles, _, _ = loader.rmsnorm_backward_launch(N, width, dtype.itemsize, warp, SM_COUNT)
         kernel("btp", f"btp_backward_post_{suffix}", warp)(
             tiles * 3, threads, (cudaemu.DeviceArray(dxw), cudaemu.DeviceArray(x), cudaemu.DeviceArray(w),
-                                 cudaemu.DeviceArray(ds), DX, P, np.int32(N), np.int32(width), np.int32(2)))
+                                 cudaemu.DeviceArray(ds), DX, DX, P, np.int32(N), np.int32(width), np.int32(2),
+                                 np.int32(0)))
         dw_ref = np.zeros(width)
         dx_ref = layers.btp_norm_backward_post(f64(dxw), f64(x), f64(w), f64(ds)[:, None], dw_ref)
         assert_close(DX.get().reshape(N, width), stored(dx_ref, dtype), dtype, f"dx C={width}")

@@ -62,12 +62,13 @@ def test_float32_a_factor_weight_gradients_are_caught(monkeypatch):
     _needs_standin()
     from boostmpi.parallel.tensor_parallel import btp
 
-    src = inspect.getsource(btp.BottleneckTP._bottleneck_backward)
-    mutant = src.replace('matmul(xw.T, dP[:, s], out=grads[f"{nm}/A"], accumulate=True)',
-                         'grads[f"{nm}/A"] += xw.T @ dP[:, s].astype("float32")')
-    assert mutant != src, "the A factors' weight gradient is no longer written as the mutant expects"
+    src = inspect.getsource(btp.BottleneckTP._a_grads)
+    mutant = src.replace('matmul(xw.T, dP, out=whole, accumulate=True)', 'whole += xw.T @ dP.astype("float32")')
+    mutant = mutant.replace('matmul(xw.T, dP[:, s], out=grads[f"{nm}/A"], accumulate=True)',
+                            'grads[f"{nm}/A"] += xw.T @ dP[:, s].astype("float32")')
+    assert mutant.count('.astype("float32")') == 2, "the A factors' weight gradient is no longer written as the mutant expects"
     namespace = {}
     exec(compile("if True:\n" + mutant, btp.__file__, "exec"), vars(btp), namespace)  # noqa: S102 - the mutant
-    monkeypatch.setattr(btp.BottleneckTP, "_bottleneck_backward", namespace["_bottleneck_backward"])
+    monkeypatch.setattr(btp.BottleneckTP, "_a_grads", namespace["_a_grads"])
     bad = not_on_tensor_cores(step_gemms("cola"))
     assert bad and all(g.Atype == g.Btype == 0 for g in bad), bad

@@ -133,7 +133,7 @@ def test_the_model_prices_the_forward_as_one_read_and_one_write():
 
     from boostmpi.sim import plans
 
-    op = plans.norm(SimpleNamespace(engine_kernels=True), "attn_norm", 16384, 4096)
+    op = plans.norm(SimpleNamespace(engine_kernels=True, gpu=True), "attn_norm", 16384, 4096)
     assert (op.fwd_passes, op.elements) == (2, 16384 * 4096)
 
 

@@ -496,7 +496,7 @@ def test_gpu_trace_runs_on_the_standin():
     # mutants: the plan with RoPE as one kernel, btp's norm backward without its dw reduction, the
     # attention backward as one kernel, the B factors one GEMM each forward
     for fn, old, new in ((plans.rope, "2 if s.engine_kernels else 1", "1"),
-                         (plans.online_norm, "bwd_kernels=3", "bwd_kernels=2"),
+                         (plans.online_norm, "bwd_kernels=2)", "bwd_kernels=1)"),
                          (plans.attention_core, "bwd_kernels=2 if s.engine_kernels else 1", "bwd_kernels=1"),
                          (plans._btp_layer, "batched_fwd=batched", "batched_fwd=False")):
         with pytest.raises(AssertionError):
@@ -553,7 +553,7 @@ def test_gpu_trace_vanilla_and_megatron_launch_what_the_plan_states(arch):
     plan = _trace_config_plan(tp=2, tp_mode="vanilla", arch=arch)
     assert (planned, planned_gemms) == plan
     _check_plan_states_the_trace(traced - copies, traced_gemms, plan)
-    for fn, old, new in ((plans.norm, "bwd_kernels=4", "bwd_kernels=1"),
+    for fn, old, new in ((plans.norm, "bwd_kernels=3 if s.gpu else 4", "bwd_kernels=1"),
                          (plans._vanilla_layer if arch == "cola" else plans._megatron_layer,
                           "if s.engine_kernels else 1" if arch == "cola" else "if split else 1", "if False else 1")):
         with pytest.raises(AssertionError):
@@ -655,12 +655,14 @@ def _by_name(ops):
 def _check_norm_and_attention_kernels(norm_fn=plans.norm):
     """The engine's RMSNorm (vanilla, Megatron, the final norm): forward one kernel of 2 passes;
     backward rmsnorm_projection (dy, x) + rmsnorm_backward (dy, x, dx) = 5 passes, and the dw
-    partial sum and its accumulation: 4 kernels. Another framework's fused norm: 2 / 3 in one kernel."""
+    partial sum and its accumulation, one kernel on GPUs (dw_accumulate): 3 kernels (4 on the CPU).
+    Another framework's fused norm: 2 / 3 in one kernel."""
     from dataclasses import replace
 
     s = plans.shape_of(tiny({"tp": 2}, {"device": "gpu"}), "flash")
     op = norm_fn(s, "mlp_norm", 8, 32)
-    assert (op.fwd_passes, op.bwd_passes, op.fwd_kernels, op.bwd_kernels) == (2, 5, 1, 4)
+    assert (op.fwd_passes, op.bwd_passes, op.fwd_kernels, op.bwd_kernels) == (2, 5, 1, 3)
+    assert norm_fn(replace(s, gpu=False), "mlp_norm", 8, 32).bwd_kernels == 4
     ref = norm_fn(replace(s, engine=False), "mlp_norm", 8, 32)
     assert (ref.fwd_passes, ref.bwd_passes, ref.fwd_kernels, ref.bwd_kernels) == (2, 3, 1, 1)
     for strategy in ("vanilla", "megatron"):
@@ -668,7 +670,7 @@ def _check_norm_and_attention_kernels(norm_fn=plans.norm):
         attention = [o for o in ops if isinstance(o, plans.Attention)]
         assert [a.bwd_kernels for a in attention] == [2]  # the dQ pass and the dK/dV pass
         assert [o.bwd_kernels for o in eager_ops + ref_ops if isinstance(o, plans.Attention)] == [1, 1]
-        assert _by_name(ops)["mlp_norm"].bwd_kernels == 4 and _by_name(ops)["mlp_norm"].bwd_passes == 5
+        assert _by_name(ops)["mlp_norm"].bwd_kernels == 3 and _by_name(ops)["mlp_norm"].bwd_passes == 5
         assert _by_name(eager_ops)["mlp_norm"].bwd_passes == plans.EAGER_PYTORCH_PASSES["norm"][1]
         assert (_by_name(ref_ops)["mlp_norm"].bwd_passes, _by_name(ref_ops)["residual"].bwd_passes) == (3, 5)
 
@@ -679,7 +681,8 @@ def test_the_plans_price_the_engines_rmsnorm_backward_and_attention_kernels():
     norm priced at 3 passes in one kernel again) fails the check."""
     _check_norm_and_attention_kernels()
     with pytest.raises(AssertionError):
-        _check_norm_and_attention_kernels(_mutant(plans.norm, "2, 5, saved=saved, bwd_kernels=4", "2, 3, saved=saved"))
+        _check_norm_and_attention_kernels(_mutant(plans.norm, "2, 5, saved=saved, bwd_kernels=3 if s.gpu else 4",
+                                                  "2, 3, saved=saved"))
 
 
 def _check_fused_residual_norm(btp_layer=plans._btp_layer):
@@ -689,9 +692,14 @@ def _check_fused_residual_norm(btp_layer=plans._btp_layer):
     ops, eager_ops, _ = _engine_and_reference_plans(btp_layer, "btp")
     assert "residual+mlp_norm" in _by_name(ops)
     fused = _by_name(ops)["residual+mlp_norm"]
-    assert (fused.fwd_passes, fused.fwd_kernels) == (4, 1) and "mlp_norm" not in _by_name(ops)
-    assert fused.bwd_kernels == 4  # btp_backward_post, the dw sum, its accumulation, the gradient sum
+    # on GPUs it writes h + y twice: the down projection's GEMM accumulates into the second copy
+    assert (fused.fwd_passes, fused.fwd_kernels) == (5, 1) and "mlp_norm" not in _by_name(ops)
+    # btp_backward_post (on GPUs adding the gradient from above: no gradient-sum kernel), then the dw
+    # sum and its accumulation in one kernel (dw_accumulate)
+    assert fused.bwd_kernels == 2 and fused.bwd_passes == 2 + 2 + 1
     assert [o.name for o in ops].count("residual") == 1  # the add after the down projection
+    # the add after the down projection is its GEMM's (beta = 1), its gradient sum the attention norm's kernel's
+    assert (_by_name(ops)["residual"].fwd_kernels, _by_name(ops)["residual"].bwd_kernels) == (0, 0)
     assert {"residual", "mlp_norm"} <= set(_by_name(eager_ops)) and "residual+mlp_norm" not in _by_name(eager_ops)
     vanilla, _, _ = _engine_and_reference_plans(None, "vanilla")
     assert [o.name for o in vanilla].count("residual") == 2 and "mlp_norm" in _by_name(vanilla)
