@@ -175,7 +175,7 @@ def measure(repeats, attention_shapes):
     import ml_dtypes
     import numpy as np
 
-    from boostmpi.gpu import blas, kernels
+    from boostmpi.gpu import adamw_kernels, blas, kernels
 
     step = load_bench("gpu_step")
 
@@ -215,7 +215,7 @@ def measure(repeats, attention_shapes):
     p, g, mo, v = (cupy.ones(ADAMW_PARAMS, dtype=np.float32) for _ in range(4))
     bounds = cupy.asarray(np.array([0, ADAMW_PARAMS], dtype=np.int64))
     raw["adamw"] = {"params": ADAMW_PARAMS, "seconds": timed(
-        lambda: kernels.adamw_step(p, g, mo, v, bounds, 1e-4, 0.9, 0.95, 1e-8, 0.1, 1.0, 1))}
+        lambda: adamw_kernels.adamw_step(p, g, mo, v, bounds, 1e-4, 0.9, 0.95, 1e-8, 0.1, 1.0, 1))}
     del p, g, mo, v
     flush_print(f"  copy {raw['copy']['bytes'] / raw['copy']['seconds'] / 1e9:.0f} GB/s, rmsnorm bf16 forward "
                 f"{forward / 1e9:.0f} GB/s ({forward / copy:.0%} of copy), backward {backward / 1e9:.0f} GB/s")

@@ -145,7 +145,7 @@ take_parts() {  # run parts from the queue until it is empty; non-zero if any fa
   local st=0 part taken
   for part in "$queue"/part.*; do
     [ -e "$part" ] || continue
-    taken="$part.taken.$BASHPID"
+    taken="$queue/taken.${part##*/}.$BASHPID"  # out of the part.* names the other lane lists
     mv "$part" "$taken" 2>/dev/null || continue  # the other lane took it
     # shellcheck disable=SC2046
     run_part $(cat "$taken") || st=1

@@ -40,6 +40,7 @@ EXEMPT = {
     "data/progress.py": "tests/unit/data/test_data.py",
     "data/shards.py": "tests/unit/data/test_data.py, tests/unit/data/test_shuffle.py, tests/unit/data/test_resume_settings.py",
     "data/tokenizer.py": "tests/unit/data/test_data.py",
+    "gpu/adamw_kernels.py": "kernels/adamw.cu's wrappers: tests/kernels/adamw/test_adamw_kernel.py",
     "gpu/arguments.py": "the kernels' argument checks, through their wrappers in tests/kernels/test_kernels.py and "
                         "tests/unit/gpu/test_cupy_routing.py",
     "gpu/attention.py": "the attention backend seam: tests/unit/gpu/test_attention_cudnn.py, "

@@ -151,11 +151,11 @@ class DataParallel:
         ranges = self._norm_ranges(specs, tp_rank)
         g = self.grad_shard
         if xp is not np and ranges and g.dtype == np.float32:
-            from boostmpi.gpu import kernels
+            from boostmpi.gpu import adamw_kernels
 
             if self._norm_bounds is None:
                 self._norm_bounds = xp.asarray(np.array(ranges, dtype=np.int64).reshape(-1))
-            return kernels.sum_squares_ranges(g, self._norm_bounds)
+            return adamw_kernels.sum_squares_ranges(g, self._norm_bounds)
         parts = [(g[a:b] * g[a:b]).sum() for a, b in ranges]
         if xp is np or not parts:
             return sum((float(p) for p in parts), 0.0)

@@ -94,9 +94,9 @@ class AdamW:
         g = grads.data[lo:hi] if isinstance(grads, FlatBuffer) else grads
         p, m, v, tmp = self.master, self.m, self.v, self._scratch
         if self.fused and g.dtype == np.float32:  # the GPU: one fused kernel
-            from boostmpi.gpu import kernels
+            from boostmpi.gpu import adamw_kernels
 
-            kernels.adamw_step(p, g, m, v, self.decay_bounds(), lr, tr.beta1, tr.beta2, tr.adam_eps, tr.weight_decay,
+            adamw_kernels.adamw_step(p, g, m, v, self.decay_bounds(), lr, tr.beta1, tr.beta2, tr.adam_eps, tr.weight_decay,
                                grad_scale, self.t)
             return
         # every operation in place or into the scratch buffer: no full-size temporary per step (a large
@@ -141,22 +141,22 @@ class AdamW:
         """Counts the next update (`t`) and returns its numbers that change per step, for `step_on_device`
         to read from a device buffer they are copied into: float32 [lr wd, lr / bc1, sqrt(bc2)], the
         values `step` hands the fused kernel."""
-        from boostmpi.gpu import kernels
+        from boostmpi.gpu import adamw_kernels
 
         self.t += 1
-        return kernels.adamw_scalars(lr, self.tr.beta1, self.tr.beta2, self.tr.weight_decay, self.t)
+        return adamw_kernels.adamw_scalars(lr, self.tr.beta1, self.tr.beta2, self.tr.weight_decay, self.t)
 
     def step_on_device(self, grad: Array, scalars: Array, grad_sq: Array, max_norm: float) -> None:
         """The fused update of `step` (a GPU, float32 master weights) with nothing of the step on the host:
         `scalars` is the device copy of `device_scalars(lr)`, and the gradient is clipped to `max_norm`
         by its norm sqrt(grad_sq) (a 0-d float64 device array) on the device, by `clip_coefficient`'s
         rule. Given the same numbers its result is bitwise that of `step`."""
-        from boostmpi.gpu import kernels
+        from boostmpi.gpu import adamw_kernels
 
         if not self.fused:
             raise ValueError("AdamW.step_on_device is the fused kernel's update: float32 master weights on a GPU")
         tr = self.tr
-        kernels.adamw_step_device(self.master, grad, self.m, self.v, self.decay_bounds(), tr.beta1, tr.beta2,
+        adamw_kernels.adamw_step_device(self.master, grad, self.m, self.v, self.decay_bounds(), tr.beta1, tr.beta2,
                                   tr.adam_eps, tr.weight_decay, scalars, grad_sq, max_norm)
 
 

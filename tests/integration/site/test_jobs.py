@@ -127,6 +127,24 @@ def test_the_suites_parts_name_existing_tests_once_each():
     assert len(set(paths)) == len(paths)
 
 
+def test_two_lanes_take_each_part_once_even_when_one_starts_late(tmp_path):
+    """tests/run.sh's queue: two lanes run take_parts, the second starting after the first took some
+    parts (as the lane of steps 3-7 does); every part runs exactly once. Parts run here are a stand-in
+    run_part that records them."""
+    text = (REPO / "tests" / "run.sh").read_text()
+    start = text.index("\nPARTS=(") + 1
+    setup = text[start:text.index("\nrun_part() {", start)]
+    take = text[text.index("\ntake_parts() {") + 1:]
+    take = take[:take.index("\n}\n") + 3]
+    script = (setup + take + 'run_part() { echo "$*" >>"$RAN"; sleep 0.1; }\n'
+              'take_parts & sleep 0.35; take_parts; wait\n')
+    ran = tmp_path / "ran"
+    p = _bash(["-c", script], {"RAN": str(ran), "TMPDIR": str(tmp_path)}, timeout=60)
+    assert p.returncode == 0, p.stdout
+    lines = ran.read_text().splitlines()
+    assert len(lines) == len(set(lines)) == text[start:text.index("\n)\n", start)].count('\n  "'), lines
+
+
 def test_frontier_header_fits_the_batch_partition_limits():
     d = _directives("jobs/frontier.sbatch", "#SBATCH")
     nodes, hours = int(d["-N"][0]), _hours(d["-t"][0])

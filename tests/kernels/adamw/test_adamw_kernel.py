@@ -1,7 +1,7 @@
 """The fused AdamW kernel (kernels/adamw.cu) against the NumPy AdamW it replaces on a GPU.
 
 boostmpi.train.optim.AdamW.step on CuPy float32 master weights launches one kernel over the flat
-slice (boostmpi.gpu.kernels.adamw_step) instead of its dozen vector operations and two more per
+slice (boostmpi.gpu.adamw_kernels.adamw_step) instead of its dozen vector operations and two more per
 weight-decay range; the NumPy code of the same step is the specification. Three steps with weight
 decay on some ranges, a gradient scale, and a slice whose length leaves a scalar tail, on the
 device (the stand-in runs the kernel's source through the execution harness).
@@ -67,13 +67,13 @@ def test_adamw_kernel_matches_the_numpy_update(monkeypatch):
 def test_adamw_kernel_refuses_what_it_cannot_update():
     import cupy
 
-    from boostmpi.gpu import kernels
+    from boostmpi.gpu import adamw_kernels
 
     p = cupy.zeros(8, np.float32)
     with pytest.raises(TypeError, match="float32"):
-        kernels.adamw_step(*(cupy.zeros(8, np.float64),) * 4, cupy.zeros(0, np.int64), 1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0, 1)
+        adamw_kernels.adamw_step(*(cupy.zeros(8, np.float64),) * 4, cupy.zeros(0, np.int64), 1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0, 1)
     with pytest.raises(ValueError, match="pairs"):
-        kernels.adamw_step(p, p, p, p, cupy.zeros(3, np.int64), 1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0, 1)
+        adamw_kernels.adamw_step(p, p, p, p, cupy.zeros(3, np.int64), 1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0, 1)
 
 
 @pytest.fixture
@@ -182,23 +182,23 @@ def test_the_gradient_norm_kernel_sums_the_squares_of_its_ranges(monkeypatch):
     per-block partials, equal to the NumPy sums of squares range by range."""
     import cupy
 
-    from boostmpi.gpu import kernels
+    from boostmpi.gpu import adamw_kernels, kernels
 
     launched = []
     launch = kernels._launch
     monkeypatch.setattr(kernels, "_launch", lambda k, *a, **kw: (launched.append(k.name), launch(k, *a, **kw)))
     g, ranges = sum_squares_case(cupy)
-    got = kernels.sum_squares_ranges(g, cupy.asarray(np.array(ranges, np.int64).reshape(-1)))
+    got = adamw_kernels.sum_squares_ranges(g, cupy.asarray(np.array(ranges, np.int64).reshape(-1)))
     host = g.get().astype(np.float64)
     want = sum(float((host[a:b] ** 2).sum()) for a, b in ranges)
     assert launched == ["sum_squares_ranges_f32"]
     assert got.shape == () and got.dtype == np.float64
     assert float(got) == pytest.approx(want, rel=1e-6)
-    assert float(kernels.sum_squares_ranges(g, cupy.zeros(0, np.int64))) == 0.0
+    assert float(adamw_kernels.sum_squares_ranges(g, cupy.zeros(0, np.int64))) == 0.0
     with pytest.raises(ValueError, match="pairs"):
-        kernels.sum_squares_ranges(g, cupy.zeros(3, np.int64))
+        adamw_kernels.sum_squares_ranges(g, cupy.zeros(3, np.int64))
     with pytest.raises(TypeError, match="float32"):
-        kernels.sum_squares_ranges(g.astype(np.float64), cupy.zeros(2, np.int64))
+        adamw_kernels.sum_squares_ranges(g.astype(np.float64), cupy.zeros(2, np.int64))
 
 
 @pytest.mark.parametrize("old,new", [
@@ -226,12 +226,12 @@ def test_the_engine_takes_its_gradient_norm_from_the_kernel(monkeypatch):
     """A GPU step's gradient norm (what clipping reads) comes from one `sum_squares_ranges` launch
     and equals the norm of the whole gradient (one rank: every parameter counted once). The mutant
     (the engine's ranges without their last block) gives another norm."""
-    from boostmpi.gpu import kernels
+    from boostmpi.gpu import adamw_kernels
     from boostmpi.parallel.data_parallel import DataParallel
 
     calls = []
-    real = kernels.sum_squares_ranges
-    monkeypatch.setattr(kernels, "sum_squares_ranges", lambda *a: (calls.append(a[1].size), real(*a))[1])
+    real = adamw_kernels.sum_squares_ranges
+    monkeypatch.setattr(adamw_kernels, "sum_squares_ranges", lambda *a: (calls.append(a[1].size), real(*a))[1])
     norm, grads = _gpu_norm_and_gradients()
     assert len(calls) == 1 and calls[0] >= 2
     assert norm == pytest.approx(float(np.sqrt((grads ** 2).sum())), rel=1e-5)
@@ -289,6 +289,7 @@ def test_a_residual_norm_kernel_that_normalises_the_branch_is_caught(mutated_ker
     mutant forms x * w of the branch output instead of the new residual."""
     from tests.kernels.test_kernels import test_rmsnorm_kernels_match_the_model
 
-    mutated_kernels("rmsnorm", "xwv[k] = hv[k] * wv[k];", "xwv[k] = yv[k] * wv[k];")
+    mutated_kernels("rmsnorm", "store_vec<V>(s2 + j, hv);\n        load_vec<V>(w + j, v);",
+                    "store_vec<V>(s2 + j, hv);\n        load_vec<V>(y + j, hv);\n        load_vec<V>(w + j, v);")
     with pytest.raises(AssertionError, match="residual xw"):
         test_rmsnorm_kernels_match_the_model(None, "float32", 64)
