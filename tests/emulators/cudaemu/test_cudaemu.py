@@ -263,21 +263,31 @@ def test_btp_backward_kernels_match_layers(warp, suffix):
 
 
 @pytest.mark.parametrize("warp", WARPS)
-def test_adamw_step_matches_the_update(warp):
-    """AdamW over a flat slice, in float64 from the same inputs (boostmpi/train/optim.py's formulas)."""
+@pytest.mark.parametrize("device_scalars", [False, True], ids=["by-value", "read-from-device"])
+def test_adamw_step_matches_the_update(warp, device_scalars):
+    """AdamW over a flat slice, in float64 from the same inputs (boostmpi/train/optim.py's formulas):
+    the per-step numbers passed by value, or read from device memory with the clipping scale computed
+    there from the squared gradient norm (the entry point a CUDA graph replays)."""
     suffix = "f32"
     for n in (3000, 1027):  # vectorised + strided grid, and a scalar tail
         p, g = random(n, np.float32, 31), random(n, np.float32, 32)
         m, v = random(n, np.float32, 33, 0.1), np.abs(random(n, np.float32, 34, 0.1))
         bounds = np.array([5, 700, 1000, 1020], np.int64)
         P, M, V = cudaemu.DeviceArray(p), cudaemu.DeviceArray(m), cudaemu.DeviceArray(v)
-        lr, b1, b2, eps, wd, scale, t = 1e-2, 0.9, 0.95, 1e-8, 0.1, 0.5, 3
+        lr, b1, b2, eps, wd, t = 1e-2, 0.9, 0.95, 1e-8, 0.1, 3
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-        kernel("adamw", f"adamw_step_{suffix}", warp)(
-            loader._elementwise_grid(n, 4, SM_COUNT), loader.ELEMENTWISE_BLOCK_THREADS,
-            (P, cudaemu.DeviceArray(g), M, V, np.int64(n), cudaemu.DeviceArray(bounds), np.int32(4), np.float32(b1),
-             np.float32(1 - b1), np.float32(b2), np.float32(1 - b2), np.float32(eps), np.float32(lr * wd),
-             np.float32(scale), np.float32(lr / bc1), np.float32(np.sqrt(bc2))))
+        common = (P, cudaemu.DeviceArray(g), M, V, np.int64(n), cudaemu.DeviceArray(bounds), np.int32(4),
+                  np.float32(b1), np.float32(1 - b1), np.float32(b2), np.float32(1 - b2), np.float32(eps))
+        grid = (loader._elementwise_grid(n, 4, SM_COUNT), loader.ELEMENTWISE_BLOCK_THREADS)
+        if device_scalars:  # |g| = 3 clipped to 1: the scale 1 / (3 + 1e-6)
+            scale = 1.0 / (3.0 + 1e-6)
+            scalars = np.array([lr * wd, lr / bc1, np.sqrt(bc2)], np.float32)
+            kernel("adamw", f"adamw_step_device_{suffix}", warp)(*grid, common + (
+                cudaemu.DeviceArray(scalars), cudaemu.DeviceArray(np.array([9.0])), np.float64(1.0)))
+        else:
+            scale = 0.5
+            kernel("adamw", f"adamw_step_{suffix}", warp)(*grid, common + (
+                np.float32(lr * wd), np.float32(scale), np.float32(lr / bc1), np.float32(np.sqrt(bc2))))
         gs = f64(g) * scale
         m_ref, v_ref = b1 * f64(m) + (1 - b1) * gs, b2 * f64(v) + (1 - b2) * gs * gs
         decay = np.zeros(n, bool)
