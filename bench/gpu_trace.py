@@ -90,7 +90,8 @@ LAYERS = 32
 # modules whose frames are skipped when naming the call site: the array module, the communicators
 # a collective passes through on its way to NCCL, and the kernel and cuBLAS wrappers (a fused
 # kernel or a GEMM is named by the model function that launches it; the optimizer's as the optimizer)
-INTERNAL = ("backend.py", "parallel/comm.py", "parallel/nccl.py", "gpu/kernels.py", "gpu/blas.py")
+INTERNAL = ("backend.py", "parallel/comm.py", "parallel/nccl.py", "gpu/kernels.py", "gpu/adamw_kernels.py",
+            "gpu/blas.py")
 GEMM_WRAPPERS = ("matmul", "batched_matmul", "grouped_matmul", "<listcomp>")  # of model/layers.py: a GEMM is named by its caller
 
 
