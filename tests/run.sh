@@ -15,10 +15,10 @@
 #      CUDA 13.0's NVRTC, runtime and crt wheels: the [test-cuda13] extra), running the header tests and
 #      every NVRTC compile and resource test there (step 1 ran them on CUDA 12's wheels),
 #   3 and 4 when this machine allows them (root and apt), otherwise each says why it skipped; 5 fails
-#   under CI=true when it cannot run. Two lanes for a 2-core machine: steps 3-7 run beside steps 1-2,
-#   and steps 1-2 are parts (groups of test files, each MPI pass) that both lanes take from one queue,
-#   the largest first, so that the lane done with steps 3-7 takes on what is left of steps 1-2
-#   (BOOSTMPI_CI_SERIAL=1: one lane, everything in order); every part's header says when it started.
+#   under CI=true when it cannot run. Two lanes for a 2-core machine: steps 3-7 run beside step 1, whose
+#   parts (groups of test files) the first lane takes from a queue and the second, once done with steps
+#   3-7, shares where they start no MPI job; step 2 runs after both (BOOSTMPI_CI_SERIAL=1: one lane,
+#   everything in order). Every part's header says when it started.
 # Exit status is non-zero when anything failed.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -97,53 +97,49 @@ environment_steps() {
   return "$st"
 }
 
-# Steps 1-2 as parts in a queue, the largest first (sizes in bench/log/ci_time.md): a folder or some
-# files each, REST (every test file no other part names), and each MPI pass ("mpi N"). A part is a
-# file in $queue, taken by renaming it (atomic: two lanes never take the same part).
+# Step 1 as parts in a queue: a folder or some files each, REST (every test file no other part names).
+# A part is a file in $queue, taken by renaming it (atomic: two lanes never take the same part). The
+# first lane takes every part, in this order; the lane of steps 3-7, once done, takes only the parts
+# marked "+": none of them starts mpiexec, whose ranks poll (spin) while they wait and, beside another
+# lane's work on a 2-core machine, ran 2-3x slower (bench/log/ci_time.md). Step 2, the MPI passes, runs
+# once both lanes are done, alone.
 PARTS=(
   "REST"
-  "tests/kernels/attention tests/kernels/test_index_overflow.py tests/kernels/rmsnorm tests/kernels/adamw tests/kernels/test_kernel_resources.py"
-  "tests/kernels/test_kernels.py"
-  "tests/unit/gpu tests/unit/sim"
   "tests/integration/test_faults.py tests/integration/test_train.py tests/integration/test_bad_input.py"
   "tests/integration/gpu"
-  "mpi 4"
-  "tests/test_types.py tests/emulators"
+  "tests/kernels/attention tests/kernels/test_index_overflow.py tests/kernels/rmsnorm tests/kernels/adamw tests/kernels/test_kernel_resources.py"
+  "tests/emulators"
   "tests/integration/bench tests/integration/site"
-  "mpi 2"
-  "mpi 3"
-  "mpi 1"
+  "tests/unit/gpu tests/unit/sim"
+  "+tests/kernels/test_kernels.py"
+  "+tests/test_types.py"
 )
 queue="$(mktemp -d "${TMPDIR:-/tmp}/boostmpi-ci-queue.XXXXXX")" || exit 1
 ignores=()
 for part in "${PARTS[@]}"; do
-  case "$part" in REST|mpi\ *) ;; *) for p in $part; do ignores+=("--ignore=$p"); done ;; esac
+  [ "$part" = REST ] || for p in ${part#+}; do ignores+=("--ignore=$p"); done
 done
 n_part=10
 for part in "${PARTS[@]}"; do
   case "$part" in
     REST) printf 'rest tests %s\n' "${ignores[*]}" ;;
-    mpi\ *) printf '%s\n' "$part" ;;
+    +*) printf 'single %s\n' "${part#+}" ;;
     *) printf 'single %s\n' "$part" ;;
-  esac >"$queue/part.$n_part"
+  esac >"$queue/part.$n_part${part//[^+]*/}"  # the name ends in "+" for a part either lane may take
   n_part=$((n_part + 1))
 done
 
-run_part() {  # $1: "single PATHS...", "rest tests --ignore=PATH..." or "mpi N"
+run_part() {  # $1: "single PATHS..." or "rest tests --ignore=PATH..."
   local kind="$1"; shift
-  if [ "$kind" = mpi ]; then
-    step "MPI tests at $1 ranks"
-    timeout 600 "$MPIEXEC" -n "$1" "$PY" -m pytest -q -p no:cacheprovider --with-mpi -m mpi tests
-  else
-    if [ "$kind" = rest ]; then step "single-process tests: every test file no other part names"
-    else step "single-process tests: $*"; fi
-    timeout 1500 "$PY" -m pytest -q -p no:cacheprovider --durations=8 "$@" "${PYTEST_ARGS[@]}"  # a guard against a hang
-  fi
+  if [ "$kind" = rest ]; then step "single-process tests: every test file no other part names"
+  else step "single-process tests: $*"; fi
+  timeout 1500 "$PY" -m pytest -q -p no:cacheprovider --durations=8 "$@" "${PYTEST_ARGS[@]}"  # a guard against a hang
 }
 
-take_parts() {  # run parts from the queue until it is empty; non-zero if any failed
-  local st=0 part taken
-  for part in "$queue"/part.*; do
+take_parts() {  # run parts from the queue until none is left (--shared: only those marked "+"); non-zero if any failed
+  local st=0 part taken pattern="part.*"
+  [ "${1:-}" = --shared ] && pattern="part.*+"
+  for part in "$queue"/$pattern; do
     [ -e "$part" ] || continue
     taken="$queue/taken.${part##*/}.$BASHPID"  # out of the part.* names the other lane lists
     mv "$part" "$taken" 2>/dev/null || continue  # the other lane took it
@@ -154,19 +150,20 @@ take_parts() {  # run parts from the queue until it is empty; non-zero if any fa
 }
 PYTEST_ARGS=("$@")  # tests/run.sh's own arguments go to every single-process part
 
-# Two lanes, one per core: steps 3-7 in the background, niced, then parts of steps 1-2, their output held
-# in a file (printed after the first lane's, so that each step's lines stay together), unless
-# BOOSTMPI_CI_SERIAL=1 (one lane, as on a 1-core machine).
+# Two lanes, one per core: steps 3-7 in the background, niced, then the parts marked "+" still left,
+# their output held in a file (printed after the first lane's, so that each step's lines stay
+# together), unless BOOSTMPI_CI_SERIAL=1 (one lane, as on a 1-core machine).
 side_log="$(mktemp "${TMPDIR:-/tmp}/boostmpi-ci-env-steps.XXXXXX")" || exit 1
 side=""
 if [ "${BOOSTMPI_CI_SERIAL:-0}" != 1 ]; then
   # at a lower priority: the first lane's parts go first; steps 3-7 take what CPU they leave
   (renice -n 10 "$BASHPID" >/dev/null 2>&1; st=0; environment_steps || st=1
-   echo; echo "=== this lane now takes parts of steps 1-2 (at +$((SECONDS - began)) s)"; take_parts || st=1
+   echo; echo "=== this lane now takes the parts marked + that are left (at +$((SECONDS - began)) s)"
+   take_parts --shared || st=1
    exit "$st") >"$side_log" 2>&1 &
   side=$!
-  echo "steps 3-7 (system MPI, Slurm, emulated centres, gpu_check, CUDA 13) run beside steps 1-2 (${#PARTS[@]} parts,"
-  echo "the MPI passes among them); that lane's output, and the parts it took after, follow this lane's"
+  echo "steps 3-7 (system MPI, Slurm, emulated centres, gpu_check, CUDA 13) run beside step 1 (${#PARTS[@]} parts); that"
+  echo "lane's output, and the parts it took after, follow this lane's; step 2 (MPI) runs after both"
 fi
 
 take_parts || status=1
@@ -181,6 +178,14 @@ else
 fi
 rm -f "$side_log"
 rm -rf "$queue"
+
+# Step 2: the files holding MPI tests (each marked `pytest.mark.mpi`), so that no rank collects the
+# whole suite only to deselect it
+mapfile -t mpi_files < <(grep -rl --include='*.py' "mark.mpi" tests | sort)
+for n in 1 2 3 4; do
+  step "MPI tests at $n ranks"
+  timeout 600 "$MPIEXEC" -n "$n" "$PY" -m pytest -q -p no:cacheprovider --with-mpi -m mpi "${mpi_files[@]}" || status=1
+done
 
 echo
 if [ "$status" -eq 0 ]; then echo "ALL TESTS PASSED"; else echo "SOME TESTS FAILED"; fi

@@ -5,6 +5,7 @@ The same body under a real Slurm is tests/integration/site/slurm/run_slurm_test.
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -110,39 +111,49 @@ def _hours(hms):
 
 
 def test_the_suites_parts_name_existing_tests_once_each():
-    """tests/run.sh splits steps 1-2 into parts that two lanes take from a queue; REST runs every test
-    file no other part names (by --ignore). A part naming a missing path, or a path another part also
-    covers, would run tests twice or drop them: every named path exists and none lies within another."""
+    """tests/run.sh splits step 1 into parts; REST runs every test file no other part names (by
+    --ignore). A part naming a missing path, or a path another part also covers, would run tests twice
+    or drop them: every named path exists and none lies within another. A part marked "+" (the second
+    lane may take it) starts no mpiexec."""
     text = (REPO / "tests" / "run.sh").read_text()
     block = text[text.index("\nPARTS=(") + 1:]
     block = block[:block.index("\n)\n") + 3]
     p = _bash(["-c", block + 'printf "%s\\n" "${PARTS[@]}"'])
     assert p.returncode == 0, p.stdout
     parts = p.stdout.splitlines()
-    assert parts.count("REST") == 1 and {f"mpi {n}" for n in (1, 2, 3, 4)} <= set(parts)
-    paths = [Path(w) for part in parts if part != "REST" and not part.startswith("mpi ") for w in part.split()]
+    assert parts.count("REST") == 1
+    paths = [Path(w) for part in parts if part != "REST" for w in part.removeprefix("+").split()]
     assert paths and all((REPO / path).exists() and path.parts[0] == "tests" for path in paths), paths
     for a in paths:
         assert not [b for b in paths if b != a and (a == b or a in b.parents)], a
     assert len(set(paths)) == len(paths)
+    shared = [Path(w) for part in parts if part.startswith("+") for w in part[1:].split()]
+    for path in shared:
+        files = [path] if path.is_file() else sorted((REPO / path).rglob("*.py"))
+        for f in files:
+            assert not re.search(r"MPIEXEC|mpiexec", (REPO / f).read_text()), f"{f} starts MPI jobs: not a + part"
 
 
 def test_two_lanes_take_each_part_once_even_when_one_starts_late(tmp_path):
-    """tests/run.sh's queue: two lanes run take_parts, the second starting after the first took some
-    parts (as the lane of steps 3-7 does); every part runs exactly once. Parts run here are a stand-in
-    run_part that records them."""
+    """tests/run.sh's queue: the first lane runs take_parts, the second take_parts --shared once it
+    started late (as the lane of steps 3-7 does); every part runs exactly once, the second lane's only
+    among those marked "+". Parts run here are a stand-in run_part that records them."""
     text = (REPO / "tests" / "run.sh").read_text()
     start = text.index("\nPARTS=(") + 1
     setup = text[start:text.index("\nrun_part() {", start)]
     take = text[text.index("\ntake_parts() {") + 1:]
     take = take[:take.index("\n}\n") + 3]
-    script = (setup + take + 'run_part() { echo "$*" >>"$RAN"; sleep 0.1; }\n'
-              'take_parts & sleep 0.35; take_parts; wait\n')
+    script = (setup + take + 'run_part() { echo "$LANE $*" >>"$RAN"; sleep 0.1; }\n'
+              'LANE=1 take_parts & sleep 0.35; LANE=2 take_parts --shared; wait\n')
     ran = tmp_path / "ran"
     p = _bash(["-c", script], {"RAN": str(ran), "TMPDIR": str(tmp_path)}, timeout=60)
     assert p.returncode == 0, p.stdout
     lines = ran.read_text().splitlines()
-    assert len(lines) == len(set(lines)) == text[start:text.index("\n)\n", start)].count('\n  "'), lines
+    runs = [line.split(" ", 1)[1] for line in lines]
+    assert len(runs) == len(set(runs)) == text[start:text.index("\n)\n", start)].count('\n  "'), lines
+    shared = {f"single {part[1:]}" for part in re.findall(r'^  "(\+[^"]+)"$', text, re.MULTILINE)}
+    assert shared and {run for lane_run, run in zip(lines, runs) if lane_run.startswith("2 ")} <= shared
+    assert any(line.startswith("2 ") for line in lines), lines  # the late lane took a part
 
 
 def test_frontier_header_fits_the_batch_partition_limits():
