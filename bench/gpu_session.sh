@@ -15,7 +15,7 @@
 #      step replayed from a CUDA graph beside the eager one; PyTorch eager on the first only); an entry is a
 #      backend and gpu_step.py's flags joined by ':' (e.g. cudnn:--profile, cudnn:--graph:--profile,
 #      torch:--nondeterministic, cudnn:--batch:32);
-#   5. the real-GPU kernel tests (BOOSTMPI_CUPY_STANDIN=0);
+#   5. the real-GPU kernel tests and the CUDA graph step's tests (BOOSTMPI_CUPY_STANDIN=0);
 #   6. bench/torch_allocators.py (two allocators in one process against CuPy's alone);
 #   7. jobs/gpu_check.sh as written (BOOSTMPI_PYTHON=$PYTHON), timed: the first-contact check on this node.
 # Everything is written under $OUT, ten files at most: session.log (this script's lines, the
@@ -173,8 +173,10 @@ step_4() {
 
 # ---- 5. the real-GPU kernel tests
 step_5() {
-  step "5. kernel tests" "$T_TESTS" "$OUT/tests.log" env BOOSTMPI_CUPY_STANDIN=0 "$PY" -m pytest -q -x -p no:cacheprovider \
-    tests/kernels/test_kernels.py::test_compile_all_compiles_every_kernel_file tests/kernels/attention/test_attention_kernel.py
+  # the kernels compiled and run, and the CUDA graph step captured on the device (cuBLAS through ctypes)
+  step "5. kernel tests" "$T_TESTS" "$OUT/tests.log" env BOOSTMPI_CUPY_STANDIN=0 "$PY" -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_kernels.py::test_compile_all_compiles_every_kernel_file tests/kernels/attention/test_attention_kernel.py \
+    tests/unit/gpu/test_cublas_capture.py tests/unit/train/test_graph_step.py
 }
 
 # ---- 6. two allocators, 7. the first-contact check as written

@@ -110,9 +110,11 @@ PARTS=(
   "tests/kernels/attention tests/kernels/test_index_overflow.py tests/kernels/rmsnorm tests/kernels/adamw tests/kernels/test_kernel_resources.py"
   "tests/emulators"
   "tests/integration/bench tests/integration/site"
-  "tests/unit/gpu tests/unit/sim"
+  "tests/unit/sim"
   "+tests/kernels/test_kernels.py"
   "+tests/test_types.py"
+  "+tests/unit/gpu/test_cupy_calls.py tests/unit/gpu/test_pools.py"
+  "+tests/unit/checkpoint tests/unit/data"
 )
 queue="$(mktemp -d "${TMPDIR:-/tmp}/boostmpi-ci-queue.XXXXXX")" || exit 1
 ignores=()

@@ -235,8 +235,9 @@ def test_gpu_session_dry_run_names_every_step_under_a_timeout(tmp_path):
         "python3 bench/gpu_step.py --attention torch --no-eager --skip-kernels",
         "python3 bench/gpu_step.py --attention own --no-eager --skip-kernels",
         "python3 bench/gpu_step.py --attention cudnn --graph --no-eager --skip-kernels",
-        "env BOOSTMPI_CUPY_STANDIN=0 python3 -m pytest -q -x -p no:cacheprovider "
-        "tests/kernels/test_kernels.py::test_compile_all_compiles_every_kernel_file tests/kernels/attention/test_attention_kernel.py"]
+        "env BOOSTMPI_CUPY_STANDIN=0 python3 -m pytest -q -p no:cacheprovider "
+        "tests/kernels/test_kernels.py::test_compile_all_compiles_every_kernel_file tests/kernels/attention/test_attention_kernel.py "
+        "tests/unit/gpu/test_cublas_capture.py tests/unit/train/test_graph_step.py"]
     limits = [int(s.split("(timeout ", 1)[1].split(" s", 1)[0]) for s in steps]
     assert limits[-8:] == [180, 120, 60, 30, 30, 30, 30, 90]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["session.log"]  # nothing ran
