@@ -15,38 +15,56 @@
 #      CUDA 13.0's NVRTC, runtime and crt wheels: the [test-cuda13] extra), running the header tests and
 #      every NVRTC compile and resource test there (step 1 ran them on CUDA 12's wheels),
 #   3 and 4 when this machine allows them (root and apt), otherwise each says why it skipped; 5 fails
-#   under CI=true when it cannot run. Two lanes for a 2-core machine: steps 3-7 run beside step 1, whose
-#   parts (groups of test files) the first lane takes from a queue and the second, once done with steps
-#   3-7, shares where they start no MPI job; step 2 runs after both (BOOSTMPI_CI_SERIAL=1: one lane,
-#   everything in order). Every part's header says when it started.
+#   under CI=true when it cannot run. Two lanes for a 2-core machine: the first makes .venv, then takes
+#   step 1's parts (groups of test files) from a queue; the second installs the Debian packages the
+#   steps need and runs steps 3, 4 and 7 meanwhile (they need no .venv), then 5 and 6, then shares the
+#   parts that start no MPI job; step 2 runs after both (BOOSTMPI_CI_SERIAL=1: one lane, everything in
+#   order). Every step's header says when it started, in seconds from the start (set-up included).
 # Exit status is non-zero when anything failed.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 # shellcheck source=jobs/setup_env.sh
 source jobs/setup_env.sh
-setup_venv test,plot,mpich
-
-# The GPU compilers the kernel tests compile with (tests/support/gpu_compilers.py): NVRTC and the real CuPy
-# come with the [test] extra; hipRTC (libamdhip64.so.5) and hipcc for gfx90a are Debian's ROCm 5.2
-# packages, installed here when missing (about a minute, as root with apt). Without them those
-# tests skip, and under CI=true fail.
-hip_installed() { [ "$(dpkg-query -W -f='${Status}\n' hipcc libamdhip64-dev 2>/dev/null | grep -c "ok installed")" = 2 ]; }
-if ! hip_installed; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "installing hipcc libamdhip64-dev with apt-get (hipRTC and clang for gfx90a)"
-    { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq hipcc libamdhip64-dev ||
-      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq hipcc libamdhip64-dev; }
-    } >/tmp/boostmpi-hip-apt.log 2>&1 || { tail -5 /tmp/boostmpi-hip-apt.log; echo "apt-get could not install hipcc libamdhip64-dev"; }
-  else
-    echo "hipcc/libamdhip64-dev are not installed and cannot be here (not root, or no apt-get)"
-  fi
-fi
-MPIEXEC="$(boostmpi_mpiexec)" || exit 1
 
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
 status=0
 began=$SECONDS
 step() { echo; echo "=== $* (at +$((SECONDS - began)) s)"; }
+PYTEST_ARGS=("$@")  # tests/run.sh's own arguments go to every single-process part
+
+# Debian's packages the steps need, installed at the start when missing (as root with apt-get), in one
+# go: hipRTC (libamdhip64.so.5) and hipcc for gfx90a, Debian's ROCm 5.2, for step 1's kernel tests
+# (tests/support/gpu_compilers.py; NVRTC and the real CuPy come with the [test] extra); MPICH and its
+# compiler wrapper for step 3 (and step 5, whose emulated Cray MPICH is Debian's, renamed by patchelf);
+# Slurm and munge for step 4. A step whose packages are missing still says why it skipped, and under
+# CI=true the kernel tests and step 5 fail.
+APT_PACKAGES=(hipcc libamdhip64-dev)  # with their recommends, as installed before
+APT_PACKAGES_NO_RECOMMENDS=(mpich libmpich-dev patchelf slurmctld slurmd munge slurm-client)
+apt_installs() {
+  local missing=() missing_nr=() pkg
+  for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}\n' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
+  done
+  for pkg in "${APT_PACKAGES_NO_RECOMMENDS[@]}"; do
+    dpkg-query -W -f='${Status}\n' "$pkg" 2>/dev/null | grep -q "ok installed" || missing_nr+=("$pkg")
+  done
+  [ $((${#missing[@]} + ${#missing_nr[@]})) -gt 0 ] || return 0
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    echo "${missing[*]} ${missing_nr[*]}: not installed, and they cannot be here (not root, or no apt-get)"
+    return 0
+  fi
+  echo "installing ${missing[*]} ${missing_nr[*]} with apt-get"
+  _apt() {  # the lists of a fresh machine may be missing or stale: update once, then again
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" ||
+      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"; }
+  }
+  if ! { { [ ${#missing[@]} -eq 0 ] || _apt "${missing[@]}"; } &&
+         { [ ${#missing_nr[@]} -eq 0 ] || _apt --no-install-recommends "${missing_nr[@]}"; }; } >/tmp/boostmpi-apt.log 2>&1; then
+    tail -5 /tmp/boostmpi-apt.log
+    echo "apt-get could not install them (the log's end above)"
+  fi
+  echo "apt-get done in $((SECONDS - began)) s"
+}
 
 # Python 3.12 (what CUDA 13 nodes and PyTorch's CUDA 13 wheels run): on PATH, else pyenv's; else python3
 cuda13_python() {
@@ -57,10 +75,12 @@ cuda13_python() {
   echo python3
 }
 
-# Steps 3-7, which build and emulate environments (mpi4py compiled against Debian's MPICH, the emulated
+# Steps 3-7 build and emulate environments (mpi4py compiled against Debian's MPICH, the emulated
 # centres' set-ups, pip installing the fixed and the CUDA 13 environments): mostly compilers and pip in
-# processes of their own, so they run beside steps 1-2 on a 2-core machine's second core.
-environment_steps() {
+# processes of their own, so they run beside steps 1-2 on a 2-core machine's second core. Steps 3, 4
+# and 7 need nothing of .venv (each makes a venv of its own), so they start at once, while the first
+# lane installs .venv (mostly downloads: one core would idle); steps 5 and 6 run pytest from .venv.
+environment_steps_before_venv() {
   local st=0
   step "system-MPI test"
   timeout 1200 bash tests/integration/site/sysmpi/run_sysmpi_test.sh || st=1
@@ -71,12 +91,6 @@ environment_steps() {
   else
     echo "skipped: tests/integration/site/slurm/run_slurm_test.sh is not present"
   fi
-
-  step "emulated centres"
-  BOOSTMPI_SITE_EMU=1 timeout 1200 "$PY" -m pytest -q -p no:cacheprovider tests/integration/site/test_site_emu.py || st=1
-
-  step "gpu_check in a fixed environment"
-  BOOSTMPI_GPU_CHECK_EMU=1 timeout 1800 "$PY" -m pytest -q -p no:cacheprovider tests/integration/site/test_gpu_check.py || st=1
 
   step "CUDA 13 compile tests"
   (
@@ -92,6 +106,16 @@ environment_steps() {
       -k "not gfx90a and not hiprtc and not test_attention_mutations_fail" &&
       echo "CUDA 13 step: $((SECONDS - started)) s"
   ) || st=1
+  return "$st"
+}
+
+environment_steps_with_venv() {  # $PY: .venv's python
+  local st=0
+  step "emulated centres"
+  BOOSTMPI_SITE_EMU=1 timeout 1200 "$PY" -m pytest -q -p no:cacheprovider tests/integration/site/test_site_emu.py || st=1
+
+  step "gpu_check in a fixed environment"
+  BOOSTMPI_GPU_CHECK_EMU=1 timeout 1800 "$PY" -m pytest -q -p no:cacheprovider tests/integration/site/test_gpu_check.py || st=1
   echo
   echo "=== environment steps done (at +$((SECONDS - began)) s)"
   return "$st"
@@ -101,19 +125,26 @@ environment_steps() {
 # A part is a file in $queue, taken by renaming it (atomic: two lanes never take the same part). The
 # first lane takes every part, in this order; the lane of steps 3-7, once done, takes only the parts
 # marked "+": none of them starts mpiexec, whose ranks poll (spin) while they wait and, beside another
-# lane's work on a 2-core machine, ran 2-3x slower (bench/log/ci_time.md). Step 2, the MPI passes, runs
-# once both lanes are done, alone.
+# lane's work on a 2-core machine, ran 2-3x slower (bench/log/ci_time.md). So the parts that start
+# MPI jobs come first, the first lane's alone, while the other lane runs steps 3-7 niced; the "+" parts
+# (the longest first) come last, for both lanes. Step 2, the MPI passes, runs once both lanes are
+# done, alone.
 PARTS=(
+  "tests/integration/test_faults.py"
+  "tests/integration/gpu/test_gpu.py"
   "REST"
-  "tests/integration/test_faults.py tests/integration/test_train.py tests/integration/test_bad_input.py"
-  "tests/integration/gpu"
-  "tests/kernels/attention tests/kernels/test_index_overflow.py tests/kernels/rmsnorm tests/kernels/adamw tests/kernels/test_kernel_resources.py"
-  "tests/emulators"
-  "tests/integration/bench tests/integration/site"
-  "tests/unit/sim"
+  "tests/kernels/attention/test_attention_tensor_cores.py"
+  "tests/integration/bench/test_gpu_trace_meta.py tests/integration/site"
+  "tests/emulators/cupy_standin/test_stream_order.py tests/emulators/cupy_standin/test_capture.py"
+  "tests/unit/sim/test_sim.py"
   "+tests/kernels/test_kernels.py"
+  "+tests/kernels/attention/test_attention_kernel.py tests/kernels/attention/test_tensor_core_headers.py tests/kernels/test_index_overflow.py tests/kernels/rmsnorm tests/kernels/adamw tests/kernels/test_kernel_resources.py"
+  "+tests/integration/gpu/test_cuda_graph_train.py tests/integration/gpu/test_gemm_tensor_cores.py tests/integration/gpu/test_gpu_norm_statistic.py tests/integration/test_train.py tests/integration/test_bad_input.py"
+  "+tests/test_packaging.py tests/test_docs.py tests/test_architecture.py tests/test_mirror.py tests/integration/test_paper_configs.py tests/integration/test_checkpoint.py tests/integration/test_torch_reference.py tests/unit/train tests/unit/gpu/test_cupy_routing.py tests/unit/gpu/test_attention_torch.py tests/unit/gpu/test_cublas_capture.py tests/unit/gpu/test_hipblas.py"
   "+tests/test_types.py"
   "+tests/unit/gpu/test_cupy_calls.py tests/unit/gpu/test_pools.py"
+  "+tests/integration/bench/test_bench_attention.py tests/integration/bench/test_gpu_calibrate.py tests/integration/bench/test_gpu_step_graph.py tests/integration/bench/test_gpu_trace_attention.py tests/integration/bench/test_gpu_trace_step.py tests/integration/bench/test_gpu_vs_model.py tests/unit/sim/test_attention_rates.py tests/unit/sim/test_mfu.py tests/unit/sim/test_published.py tests/unit/sim/test_scale_sim.py"
+  "+tests/emulators/cudaemu tests/emulators/cupy_standin/test_cupy_standin.py tests/emulators/cupy_standin/test_cupy_standin_pool.py tests/emulators/cupy_standin/test_gpu_trace_cublas.py tests/emulators/cupy_standin/test_gpu_trace_standin.py"
   "+tests/unit/checkpoint tests/unit/data"
 )
 queue="$(mktemp -d "${TMPDIR:-/tmp}/boostmpi-ci-queue.XXXXXX")" || exit 1
@@ -150,22 +181,57 @@ take_parts() {  # run parts from the queue until none is left (--shared: only th
   done
   return "$st"
 }
-PYTEST_ARGS=("$@")  # tests/run.sh's own arguments go to every single-process part
 
-# Two lanes, one per core: steps 3-7 in the background, niced, then the parts marked "+" still left,
-# their output held in a file (printed after the first lane's, so that each step's lines stay
-# together), unless BOOSTMPI_CI_SERIAL=1 (one lane, as on a 1-core machine).
+await_file() {  # wait until the file $1 exists
+  until [ -e "$1" ]; do sleep 1; done
+}
+# shellcheck disable=SC2329  # called by the EXIT trap
+kill_tree() {  # $1 and every process below it
+  local child
+  for child in $(pgrep -P "$1"); do kill_tree "$child"; done
+  kill "$1" 2>/dev/null
+}
+
+# Two lanes, one per core: the second, niced, in the background: the packages, steps 3, 4 and 7, then
+# (once the first lane has made .venv) steps 5 and 6, then the parts marked "+" still left. Its output
+# is held in a file (printed after the first lane's, so that each step's lines stay together). The
+# first lane makes .venv, waits for the packages, then takes the parts. BOOSTMPI_CI_SERIAL=1: one
+# lane, everything in order (as on a 1-core machine).
+ready="$(mktemp -d "${TMPDIR:-/tmp}/boostmpi-ci-ready.XXXXXX")" || exit 1  # markers: apt (done), venv (.venv's python, or "failed")
 side_log="$(mktemp "${TMPDIR:-/tmp}/boostmpi-ci-env-steps.XXXXXX")" || exit 1
 side=""
 if [ "${BOOSTMPI_CI_SERIAL:-0}" != 1 ]; then
   # at a lower priority: the first lane's parts go first; steps 3-7 take what CPU they leave
-  (renice -n 10 "$BASHPID" >/dev/null 2>&1; st=0; environment_steps || st=1
+  (renice -n 10 "$BASHPID" >/dev/null 2>&1; st=0
+   step "Debian's packages"
+   apt_installs; touch "$ready/apt"
+   environment_steps_before_venv || st=1
+   await_file "$ready/venv"
+   venv_python="$(cat "$ready/venv")"
+   [ "$venv_python" != failed ] || { echo "no .venv: steps 5 and 6 did not run"; exit 1; }
+   PY="$venv_python" environment_steps_with_venv || st=1
    echo; echo "=== this lane now takes the parts marked + that are left (at +$((SECONDS - began)) s)"
-   take_parts --shared || st=1
+   PY="$venv_python" take_parts --shared || st=1
    exit "$st") >"$side_log" 2>&1 &
   side=$!
-  echo "steps 3-7 (system MPI, Slurm, emulated centres, gpu_check, CUDA 13) run beside step 1 (${#PARTS[@]} parts); that"
-  echo "lane's output, and the parts it took after, follow this lane's; step 2 (MPI) runs after both"
+  # setup_venv exits on a failure: the other lane is stopped and what it did is shown
+  trap 'echo failed >"$ready/venv"; kill_tree "$side"; wait "$side"; cat "$side_log"' EXIT
+  echo "the packages and steps 3-7 (system MPI, Slurm, CUDA 13, then emulated centres, gpu_check) run beside"
+  echo "step 1 (${#PARTS[@]} parts); that lane's output, and the parts it took after, follow this lane's; step 2"
+  echo "(MPI) runs after both"
+else
+  step "Debian's packages"
+  apt_installs
+  touch "$ready/apt"
+fi
+
+setup_venv test,plot,mpich
+MPIEXEC="$(boostmpi_mpiexec)" || exit 1
+echo "$PY" >"$ready/venv.tmp" && mv "$ready/venv.tmp" "$ready/venv"
+trap - EXIT
+if [ ! -e "$ready/apt" ]; then
+  echo "waiting for apt-get (the other lane) before the tests (at +$((SECONDS - began)) s)"
+  await_file "$ready/apt"
 fi
 
 take_parts || status=1
@@ -176,10 +242,11 @@ if [ -n "$side" ]; then
   wait "$side" || status=1
   cat "$side_log"
 else
-  environment_steps || status=1
+  environment_steps_before_venv || status=1
+  environment_steps_with_venv || status=1
 fi
 rm -f "$side_log"
-rm -rf "$queue"
+rm -rf "$queue" "$ready"
 
 # Step 2: the files holding MPI tests (each marked `pytest.mark.mpi`), so that no rank collects the
 # whole suite only to deselect it

@@ -3,10 +3,11 @@
     site = EmulatedSite.create("perlmutter", root, cache)   # the tree below
     site.login("bash jobs/setup_perlmutter.sh")             # a login shell on the site, in the repo copy
 
-Everything lives below `root` (and the shared `cache`: the wheelhouse, the mpi4py wheel, the
-CUDA-harness cache). Commands run in a private mount namespace, chrooted into root/fs, where the
-host's top-level folders are bound in and /opt/cray, /soft and the site's parallel file system
-(/lustre/orion, /pscratch, /eagle) come from root: nothing is written outside root and cache.
+Everything lives below `root` (and the shared `cache`: the wheelhouse and the mpi4py wheels; the
+CUDA harness compiles into the host's own compile cache). Commands run in a private mount namespace,
+chrooted into root/fs, where the host's top-level folders are bound in and /opt/cray, /soft and the
+site's parallel file system (/lustre/orion, /pscratch, /eagle) come from root: nothing else is
+written outside root and cache.
 
     root/repo          a copy of the repository (tests may change it: a mutation is a change here)
     root/cray          /opt/cray: pe/mpich/<version>/ofi/gnu/12.3/{lib,include}, pe/lib64 (links to the
@@ -25,6 +26,7 @@ program linked by `cc` loads it by the Cray name through the library path, as on
 LD_LIBRARY_PATH with it (the loader searches it after LD_LIBRARY_PATH's other entries).
 """
 
+import hashlib
 import json
 import os
 import re
@@ -38,6 +40,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
+from testing import cudaemu
 from testing.site_emu import facts
 
 HERE = Path(__file__).resolve().parent
@@ -73,7 +76,7 @@ def run(cmd, **kw):
 
 def prepare_cache(cache):
     """The shared wheelhouse (the packages the setup scripts install, the mpi4py source, stub GPU
-    wheels) and the folders of the per-MPI mpi4py wheel and the CUDA harness. Once per session."""
+    wheels) and the folders of the per-MPI mpi4py wheels and of pip. Once per session."""
     cache = Path(cache)
     wheels = cache / "wheels"
     if not (wheels / ".complete").exists():
@@ -85,7 +88,7 @@ def prepare_cache(cache):
         for name, version in facts.GPU_WHEELS.items():
             stub_wheel(wheels, name, version)
         (wheels / ".complete").write_text("")
-    for sub in ("mpi4py-wheels", "cudaemu", "pip"):
+    for sub in ("mpi4py-wheels", "pip"):
         (cache / sub).mkdir(exist_ok=True)
     return cache
 
@@ -97,8 +100,16 @@ def cythonize_mpi4py_sdist(wheels):
     compiled), and mpi4py's build skips Cython when the C file is newer than its sources (conf/
     mpidistutils.py, cython_run). So every per-MPI build on the emulated sites still configures,
     compiles and links mpi4py with the site's compiler wrapper against the site's MPI, and none
-    spends its first half running Cython again on the same sources."""
+    spends its first half running Cython again on the same sources. The result is kept in this
+    machine's cache (a pure function of the sdist's bytes and the Cython wheel), so the next session
+    copies it instead of running Cython for about 25 s."""
     (sdist,) = wheels.glob("mpi4py-*.tar.gz")
+    (cython_wheel,) = wheels.glob("[Cc]ython-*.whl")
+    key = hashlib.sha256(sdist.read_bytes() + cython_wheel.name.encode()).hexdigest()[:24]
+    kept = cudaemu.cache_dir().parent / "boostmpi-site-emu" / f"{sdist.name[:-len('.tar.gz')]}-cythonized-{key}.tar.gz"
+    if kept.is_file():
+        shutil.copyfile(kept, sdist)
+        return
     work, cython = wheels.parent / "mpi4py-sdist", wheels.parent / "cython"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
@@ -112,6 +123,10 @@ def cythonize_mpi4py_sdist(wheels):
     with tarfile.open(sdist, "w:gz", compresslevel=1) as t:
         t.add(top, arcname=top.name)
     shutil.rmtree(work)
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    partial = kept.with_name(f"{kept.name}.{os.getpid()}.partial")
+    shutil.copyfile(sdist, partial)
+    partial.replace(kept)  # whole or absent: a run stopped half-way leaves no half file under the name
 
 
 def stub_wheel(folder, name, version):
@@ -297,7 +312,9 @@ case ":${{LD_LIBRARY_PATH:-}}:" in *":/opt/cray/pe/lib64:"*) ;; *) export LD_LIB
                "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(self.cache / "wheels"),
                "PIP_CACHE_DIR": str(self.cache / "pip"), "PIP_DISABLE_PIP_VERSION_CHECK": "1",
                "BOOSTMPI_MPI4PY_WHEELHOUSE": str(self.cache / "mpi4py-wheels"), "CFLAGS": PYTHON_CFLAGS_O0,
-               "BOOSTMPI_CUDAEMU_CACHE": str(self.cache / "cudaemu"), "BOOSTMPI_CUPY_STANDIN": "1",
+               # the harness's compile cache is the host's (content-addressed: a site compiles what a test
+               # already did, or the last run, only once)
+               "BOOSTMPI_CUDAEMU_CACHE": str(cudaemu.cache_dir()), "BOOSTMPI_CUPY_STANDIN": "1",
                "BOOSTMPI_STANDIN_GPU": self.facts["standin_gpu"], "PYTHONDONTWRITEBYTECODE": "1",
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
         if self.name == "perlmutter":
