@@ -26,7 +26,14 @@ cd "$(dirname "$0")/.." || exit 1
 # shellcheck source=jobs/setup_env.sh
 source jobs/setup_env.sh
 
-export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
+export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
+# Python's compiled modules: each compiled once, on first import, into a folder of this run (outside the
+# source tree), where every later process of the run reads it. So pip compiles nothing when it installs
+# (it would compile all of torch, about 90 s of CPU, where the tests import a part of it), and no process
+# compiles boostmpi again, as each did with PYTHONDONTWRITEBYTECODE.
+unset PYTHONDONTWRITEBYTECODE
+PYTHONPYCACHEPREFIX="$(mktemp -d "${TMPDIR:-/tmp}/boostmpi-ci-pycache.XXXXXX")" || exit 1
+export PYTHONPYCACHEPREFIX PIP_NO_COMPILE=1
 status=0
 began=$SECONDS
 step() { echo; echo "=== $* (at +$((SECONDS - began)) s)"; }
@@ -255,6 +262,8 @@ for n in 1 2 3 4; do
   step "MPI tests at $n ranks"
   timeout 600 "$MPIEXEC" -n "$n" "$PY" -m pytest -q -p no:cacheprovider --with-mpi -m mpi "${mpi_files[@]}" || status=1
 done
+
+rm -rf "$PYTHONPYCACHEPREFIX"
 
 echo
 if [ "$status" -eq 0 ]; then echo "ALL TESTS PASSED"; else echo "SOME TESTS FAILED"; fi

@@ -14,7 +14,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../../../.." || exit 1
 # shellcheck source=tests/integration/site/sysmpi/system_mpi.sh
 source tests/integration/site/sysmpi/system_mpi.sh
 system_mpi_venv || exit $(($? == 1 ? 0 : 1))
-export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
+export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
+# compiled modules go to tests/run.sh's folder for them when it set one, else nowhere
+[ -n "${PYTHONPYCACHEPREFIX:-}" ] || export PYTHONDONTWRITEBYTECODE=1
 fail() { echo "FAILED: $*"; exit 1; }
 
 # 1. what was installed
