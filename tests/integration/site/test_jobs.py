@@ -156,6 +156,48 @@ def test_two_lanes_take_each_part_once_even_when_one_starts_late(tmp_path):
     assert any(line.startswith("2 ") for line in lines), lines  # the late lane took a part
 
 
+def _apt_installs(tmp_path, installed, root=True, fail_before_update=False):
+    """tests/run.sh's apt_installs with dpkg-query, apt-get and id faked on PATH: (its output, the apt-get
+    calls it made)."""
+    text = (REPO / "tests" / "run.sh").read_text()
+    start = text.index("\nAPT_PACKAGES=(") + 1
+    body = text[start:text.index("\n}\n", text.index("\napt_installs() {", start)) + 3]
+    fake = tmp_path / "bin"
+    fake.mkdir(parents=True)
+    calls = tmp_path / "calls"
+    scripts = {
+        "dpkg-query": 'for p in $INSTALLED; do [ "$p" = "${@: -1}" ] && { echo "install ok installed"; exit 0; }; done; exit 1',
+        "apt-get": f'echo "$*" >>{calls}; case "$*" in update*) touch {tmp_path}/updated ;; '
+                   f'*install*) [ "$FAIL_BEFORE_UPDATE" = 1 ] && [ ! -e {tmp_path}/updated ] && exit 100 ;; esac; exit 0',
+        "id": f'echo {0 if root else 1000}',
+    }
+    for name, script in scripts.items():
+        (fake / name).write_text(f"#!/bin/bash\n{script}\n")
+        (fake / name).chmod(0o755)
+    p = _bash(["-c", "began=$SECONDS\n" + body + "apt_installs"],
+              {"PATH": f"{fake}:{os.environ['PATH']}", "INSTALLED": " ".join(installed),
+               "FAIL_BEFORE_UPDATE": "1" if fail_before_update else "0"})
+    assert p.returncode == 0, p.stdout
+    return p.stdout, calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_the_packages_of_the_steps_are_installed_in_one_go_when_missing(tmp_path):
+    """tests/run.sh installs the Debian packages its steps need at the start, only those missing: the
+    HIP pair with its recommends, the others without; nothing when all are there; one line and no
+    apt-get where it cannot (not root); an apt-get that fails on stale lists updates them and tries again."""
+    every = ["hipcc", "libamdhip64-dev", "mpich", "libmpich-dev", "patchelf", "slurmctld", "slurmd", "munge", "slurm-client"]
+    out, calls = _apt_installs(tmp_path / "all", every)
+    assert calls == [] and out == ""
+    out, calls = _apt_installs(tmp_path / "two", [p for p in every if p not in ("hipcc", "slurmd")])
+    assert calls == ["install -y -qq hipcc", "install -y -qq --no-install-recommends slurmd"], calls
+    assert out.startswith("installing hipcc slurmd with apt-get"), out
+    out, calls = _apt_installs(tmp_path / "user", ["hipcc"], root=False)
+    assert calls == [] and "libamdhip64-dev mpich" in out and "cannot be here (not root" in out, out
+    out, calls = _apt_installs(tmp_path / "stale", [p for p in every if p != "patchelf"], fail_before_update=True)
+    assert calls == ["install -y -qq --no-install-recommends patchelf", "update -qq",
+                     "install -y -qq --no-install-recommends patchelf"], calls
+
+
 def test_frontier_header_fits_the_batch_partition_limits():
     d = _directives("jobs/frontier.sbatch", "#SBATCH")
     nodes, hours = int(d["-N"][0]), _hours(d["-t"][0])
