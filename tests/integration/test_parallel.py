@@ -119,11 +119,27 @@ def cases(world_size):
             for variant in (WITH_TP if tp > 1 else WITHOUT_TP) + (WITH_ZERO if dp > 1 else [])]
 
 
+# On a layout where tp meets pp or dp, the default run takes these variants (btp and vanilla, both norms
+# and groupings, recompute; every variant runs at tp alone, on two and four ranks); the others are `slow`
+MIXED_DEFAULT = {
+    ("cola", "btp", "online", True, "none"),
+    ("svd", "btp", "sync", False, "none"),
+    ("full", "vanilla", "online", True, "none"),
+    ("cola", "btp", "online", True, "layer"),
+}
+
+
+def in_default_run(case):
+    variant = (case.arch, case.tp_mode, case.norm, case.grouped, case.recompute)
+    return case.tp == 1 or case.pp * case.dp == 1 or case.zero_stage or variant in MIXED_DEFAULT
+
+
 def pytest_generate_tests(metafunc):
     if "case" in metafunc.fixturenames:
         sizes = [world().Get_size()] if running_under_mpi(metafunc.config) else WORLD_SIZES
         chosen = [c for n in sizes for c in cases(n)]
-        metafunc.parametrize("case", chosen, ids=[c.id for c in chosen])
+        metafunc.parametrize("case", [c if in_default_run(c) else pytest.param(c, marks=pytest.mark.slow)
+                                      for c in chosen], ids=[c.id for c in chosen])
 
 
 # ---------------------------------------------------------------------------- docs/COMMUNICATION.md
