@@ -1,7 +1,7 @@
 """Shared pytest setup. Importing this module does nothing; the hooks and fixtures below act.
 
-- `pytest_configure` (before collection, so before any test module imports boostmpi, whose backend
-  imports `cupy` once): the repository root on PYTHONPATH for child processes (tests/support/paths.py)
+- `pytest_configure` (before collection, so before any test module imports `cupy`, which a process
+  imports once): the repository root on PYTHONPATH for child processes (tests/support/paths.py)
   and the CuPy choice (tests/support/gpu_setup.py: a real GPU, probed in a child process, or the
   stand-in). A fixture would come too late for it: collection imports boostmpi.
 - `_attention_fma_on_the_standin` (session, autouse): the FMA attention kernels on the stand-in.

@@ -29,8 +29,8 @@ source jobs/setup_env.sh
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 # Python's compiled modules: each compiled once, on first import, into a folder of this run (outside the
 # source tree), where every later process of the run reads it. So pip compiles nothing when it installs
-# (it would compile all of torch, about 90 s of CPU, where the tests import a part of it), and no process
-# compiles boostmpi again, as each did with PYTHONDONTWRITEBYTECODE.
+# (it would compile every module of every package: torch's alone took 18 s of CPU, where the tests import
+# a part of it), and no process compiles boostmpi again, as each did with PYTHONDONTWRITEBYTECODE.
 unset PYTHONDONTWRITEBYTECODE
 PYTHONPYCACHEPREFIX="$(mktemp -d "${TMPDIR:-/tmp}/boostmpi-ci-pycache.XXXXXX")" || exit 1
 export PYTHONPYCACHEPREFIX PIP_NO_COMPILE=1

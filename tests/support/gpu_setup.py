@@ -1,7 +1,7 @@
 """Which CuPy the tests get: the real one when it reaches a GPU, else the stand-in in testing/cupy_standin.
 
 conftest.py's `pytest_configure` calls `GPU.choose()` before collection imports any test module (and with
-it boostmpi, whose backend imports `cupy` once); importing this module chooses nothing. With the
+it `cupy`, imported once a process); importing this module chooses nothing. With the
 stand-in, its folder goes first on sys.path and on PYTHONPATH (so subprocesses and `mpiexec` runs
 started by tests get it too), and BOOSTMPI_CUPY_STANDIN=1 records the choice for those children.
 BOOSTMPI_CUPY_STANDIN=1 forces the stand-in; =0 forbids it (the GPU tests then need a real device).
