@@ -221,8 +221,9 @@ if [ "${BOOSTMPI_CI_SERIAL:-0}" != 1 ]; then
    PY="$venv_python" take_parts --shared || st=1
    exit "$st") >"$side_log" 2>&1 &
   side=$!
-  # setup_venv exits on a failure: the other lane is stopped and what it did is shown
-  trap 'echo failed >"$ready/venv"; kill_tree "$side"; wait "$side"; cat "$side_log"' EXIT
+  # setup_venv exits on a failure: the other lane is stopped (once apt-get is done: a dpkg stopped half-way
+  # would leave the machine's packages broken) and what it did is shown
+  trap 'echo failed >"$ready/venv"; await_file "$ready/apt"; kill_tree "$side"; wait "$side"; cat "$side_log"' EXIT
   echo "the packages and steps 3-7 (system MPI, Slurm, CUDA 13, then emulated centres, gpu_check) run beside"
   echo "step 1 (${#PARTS[@]} parts); that lane's output, and the parts it took after, follow this lane's; step 2"
   echo "(MPI) runs after both"
