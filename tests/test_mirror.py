@@ -20,8 +20,6 @@ EXEMPT = {
     "__main__.py": "`python -m boostmpi`: two lines calling cli.main, whose commands the CLI tests run "
                    "(tests/integration/test_bad_input.py)",
     "arrays.py": "the array type alias of the annotations: no behaviour to test",
-    "backend.py": "the NumPy/CuPy choice, tested with the GPU routing (tests/unit/gpu/test_cupy_routing.py) and "
-                  "the CuPy wheel checks (tests/kernels/attention/test_tensor_core_headers.py)",
     "cli.py": "the command line, run end to end by tests/integration/test_bad_input.py and tests/unit/parallel/test_startup.py",
     "errors.py": "the one-line refusals, checked wherever a refusal is (tests/integration/test_bad_input.py)",
     "files.py": "filesystem failures injected in tests/integration/test_faults.py",

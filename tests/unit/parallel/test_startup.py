@@ -467,10 +467,11 @@ MEASURED_RUNS = {
     # scratch and clipped gradient are as large as its moments
     "large d_model": (1, ["model.d_model=32768"], "optimizer_scratch"),
     # a wide layer's backward at an input projection: the residual's gradient, the RMSNorm backward's
-    # intermediates and the projected gradients (185 MB; the LM head has no transient of its own: it
-    # makes the probabilities in the logits' buffer)
+    # intermediates and the projected gradients (about 280 MB at 12 sequences; the LM head has no transient
+    # of its own: it makes the probabilities in the logits' buffer). At 8 sequences (185 MB) the estimate
+    # without them still bounded the peak once a CPU run stopped importing CuPy (17 MiB less resident)
     "wide layer": (1, SMALL_HEADS + ["model.d_model=1024", "model.seq_len=512", "model.vocab_size=512",
-                                     "model.rank=64", "model.d_ff=2048", "train.micro_batch_size=8"],
+                                     "model.rank=64", "model.d_ff=2048", "train.micro_batch_size=12"],
                    "step_temporaries"),
     # a long sequence with its forward run again: the probability tiles handed to the backward
     "long sequence, recompute = layer": (1, ["model.d_model=128", "model.seq_len=1024", "model.vocab_size=512",
