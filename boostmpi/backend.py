@@ -55,10 +55,10 @@ def get_xp(device: str) -> ModuleType:
         return np
     if device == "gpu":
         reason = cupy_wheels_problem() or gpu_unavailable_reason()
-        cupy = _cupy_module()
-        if reason is not None or cupy is None:
+        if reason is not None:
             raise UserError(f"train.device = \"gpu\" but {reason}; install boostmpi[gpu] on a GPU node or use device = \"cpu\"")
-        return cupy
+        assert _cupy is not None  # gpu_unavailable_reason imported it, or gave a reason
+        return _cupy
     raise UserError(f"unknown device {device!r} (expected cpu or gpu)")
 
 

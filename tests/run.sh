@@ -47,14 +47,16 @@ PYTEST_ARGS=("$@")  # tests/run.sh's own arguments go to every single-process pa
 # CI=true the kernel tests and step 5 fail.
 APT_PACKAGES=(hipcc libamdhip64-dev)  # with their recommends, as installed before
 APT_PACKAGES_NO_RECOMMENDS=(mpich libmpich-dev patchelf slurmctld slurmd munge slurm-client)
+not_installed() {  # the packages among $@ that dpkg does not have installed
+  local pkg
+  for pkg in "$@"; do
+    dpkg-query -W -f='${Status}\n' "$pkg" 2>/dev/null | grep -q "ok installed" || echo "$pkg"
+  done
+}
 apt_installs() {
-  local missing=() missing_nr=() pkg
-  for pkg in "${APT_PACKAGES[@]}"; do
-    dpkg-query -W -f='${Status}\n' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
-  done
-  for pkg in "${APT_PACKAGES_NO_RECOMMENDS[@]}"; do
-    dpkg-query -W -f='${Status}\n' "$pkg" 2>/dev/null | grep -q "ok installed" || missing_nr+=("$pkg")
-  done
+  local missing missing_nr
+  mapfile -t missing < <(not_installed "${APT_PACKAGES[@]}")
+  mapfile -t missing_nr < <(not_installed "${APT_PACKAGES_NO_RECOMMENDS[@]}")
   [ $((${#missing[@]} + ${#missing_nr[@]})) -gt 0 ] || return 0
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
     echo "${missing[*]} ${missing_nr[*]}: not installed, and they cannot be here (not root, or no apt-get)"
