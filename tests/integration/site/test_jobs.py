@@ -198,6 +198,34 @@ def test_the_packages_of_the_steps_are_installed_in_one_go_when_missing(tmp_path
                      "install -y -qq --no-install-recommends patchelf"], calls
 
 
+def test_pip_compiles_nothing_with_the_setting_run_sh_exports(tmp_path):
+    """tests/run.sh's processes read compiled modules only from the run's own folder, so pip must not
+    compile what it installs. pip reads PIP_NO_COMPILE inverted (a false value turns compiling off): the
+    value run.sh exports, given to this pip installing a small wheel, leaves no .pyc; "1" would compile."""
+    import zipfile
+
+    (value,) = re.findall(r"^export .*\bPIP_NO_COMPILE=(\S+)", (REPO / "tests" / "run.sh").read_text(), re.M)
+    wheel = tmp_path / "tiny_mod-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        files = {"tiny_mod/__init__.py": "X = 1\n",
+                 "tiny_mod-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: tiny-mod\nVersion: 1.0\n",
+                 "tiny_mod-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+        files["tiny_mod-1.0.dist-info/RECORD"] = "".join(f"{f},,\n" for f in files) + "tiny_mod-1.0.dist-info/RECORD,,\n"
+        for name, text in files.items():
+            z.writestr(name, text)
+
+    def compiled(setting):
+        target = tmp_path / f"target-{setting}"
+        env = dict(os.environ, PIP_NO_COMPILE=setting, PIP_CONFIG_FILE=os.devnull)
+        env.pop("PYTHONPYCACHEPREFIX", None)
+        subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--disable-pip-version-check",
+                        "--target", str(target), str(wheel)], check=True, env=env, capture_output=True, timeout=120)
+        return sorted(p.name for p in target.rglob("*.pyc"))
+
+    assert compiled(value) == []
+    assert compiled("1")  # the spelling that reads right does the opposite
+
+
 def test_frontier_header_fits_the_batch_partition_limits():
     d = _directives("jobs/frontier.sbatch", "#SBATCH")
     nodes, hours = int(d["-N"][0]), _hours(d["-t"][0])
