@@ -204,7 +204,8 @@ class Engine:
                 saved["layers"].append(entry)
         if not last:
             return h, saved
-        lean = keep and self.policy.lean_head
+        # without `keep` no backward follows: the head keeps nothing of the vocabulary's width either
+        lean = not keep or self.policy.lean_head
         loss, saved["head"] = tp_layers.head_forward(h, self.xp.asarray(y.reshape(-1)), P, lean=lean)
         return loss, saved
 
@@ -367,7 +368,8 @@ class Engine:
                 if j > 0:
                     h = xp.empty((B * T, Cl), dtype=self.cdtype)
                     grid.pp.irecv(h, (self.stage - 1) % S, tag=message_tag(FORWARD, i, j - 1, S, v)).wait()
-                out, _ = self._stage_forward(x, y, h, keep=False, chunk=chunk)
+                # only the output is held: the next batch's forward starts with nothing else of this one
+                out = self._stage_forward(x, y, h, keep=False, chunk=chunk)[0]
                 if j < S * v - 1:
                     out = xp.ascontiguousarray(out)
                     sends.append((grid.pp.isend(out, (self.stage + 1) % S, tag=message_tag(FORWARD, i, j, S, v)), out))

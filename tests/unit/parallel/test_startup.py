@@ -478,6 +478,13 @@ MEASURED_RUNS = {
                                              "model.rank=32", "model.d_ff=256", "train.recompute=layer"], None),
     # two ranks, tensor-parallel: the process itself outweighs a tiny model
     "tiny, tp = 2": (2, ["parallel.tp=2"], "PROCESS_BYTES"),
+    # the validation after the steps, two batches, with a vocabulary whose logits [N, V] (190 MB) outweigh
+    # the layers: a forward that no backward follows keeps nothing of the vocabulary's width, so the
+    # next batch's forward starts with nothing of the last one held (its probabilities held took the
+    # peak 70 MiB past the estimate, which counts the step's own head only)
+    "large vocabulary, validation": (1, ["model.d_model=64", "model.d_ff=128", "model.rank=16", "model.vocab_size=48000",
+                                         "model.seq_len=256", "train.micro_batch_size=4", "train.recompute=layer",
+                                         "train.val_windows=8"], None),
 }
 
 
