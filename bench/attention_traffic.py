@@ -33,15 +33,15 @@ gpu_setup.GPU.choose()  # the CuPy stand-in when no GPU is reachable
 import numpy as np  # noqa: E402
 
 from boostmpi.gpu import kernels  # noqa: E402
-from boostmpi.sim import plans  # noqa: E402
+from boostmpi.sim import operations  # noqa: E402
 
 ENTRIES = ("attention_forward", "attention_backward_dq", "attention_backward")
 
 
 def flash2_traffic(B, T, H, Hkv, Dh, s):
     """{forward, backward}: (read, written) bytes of FlashAttention-2's kernels for this call (the
-    performance model's count, boostmpi.sim.plans.flash2_traffic)."""
-    return plans.flash2_traffic(B * H, B * Hkv, T, Dh, s)
+    performance model's count, boostmpi.sim.operations.flash2_traffic)."""
+    return operations.flash2_traffic(B * H, B * Hkv, T, Dh, s)
 
 
 def ours(B, T, H, Hkv, Dh, s):

@@ -98,7 +98,8 @@ def gemm_shapes():
     """[(m, n, k, batch, label)]: each distinct GEMM `boostmpi sim` prices for one layer of the paper's
     layouts, forward (m, n, k), dx (m, k, n) and dw (k, n / dw_split, m), in first-seen order."""
     from boostmpi.config import config_from_dict
-    from boostmpi.sim.plans import Gemm, layer_plan, plan_strategy, shape_of
+    from boostmpi.sim.operations import Gemm, shape_of
+    from boostmpi.sim.plans import layer_plan, plan_strategy
 
     seen, out = set(), []
     for name, layout in paper_layouts().items():

@@ -291,8 +291,8 @@ def causal_flops(B, T, H, Dh):
 
 def library_attention(backend, direction):
     """describe() of a library backend's forward(q, k, v, alloc=None) -> (o, ctx) or backward(do, ctx) ->
-    (dq, dk, dv): one op, FlashAttention-2's bytes (`plans.flash2_traffic`), the causal FLOPs."""
-    from boostmpi.sim.plans import flash2_traffic
+    (dq, dk, dv): one op, FlashAttention-2's bytes (`operations.flash2_traffic`), the causal FLOPs."""
+    from boostmpi.sim.operations import flash2_traffic
 
     def describe(result, first, *args, **kwargs):
         B, T, H, Dh = first.shape
@@ -588,7 +588,8 @@ def paper_report(args, world):
 
     from boostmpi.sim.machines import load_machine
     from boostmpi.sim.model import predict
-    from boostmpi.sim.plans import plan_strategy, shape_of
+    from boostmpi.sim.operations import shape_of
+    from boostmpi.sim.plans import plan_strategy
     from boostmpi.sim.trace import plan_launches_and_bytes
 
     machine = load_machine(args.machine)
@@ -798,7 +799,8 @@ def report(args, world):
 
     from boostmpi.sim.machines import load_machine
     from boostmpi.sim.model import comm_bytes, predict, tp_calls
-    from boostmpi.sim.plans import plan_strategy, shape_of
+    from boostmpi.sim.operations import shape_of
+    from boostmpi.sim.plans import plan_strategy
     from boostmpi.sim.trace import OPTIMIZER_SITE, plan_launches_and_bytes
 
     machine, tp = load_machine(args.machine), args.tp

@@ -17,7 +17,6 @@ import numbers
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import Field, dataclass, field, fields
-from pathlib import Path
 from typing import TypeVar, cast
 
 import tomllib
@@ -26,6 +25,7 @@ from boostmpi.errors import ConfigError
 from boostmpi.gpu.attention import BACKENDS as ATTENTION_BACKENDS
 from boostmpi.model.params import LINEAR_DIMS, RANK_OF, sizes_split_evenly, tp_strategy
 from boostmpi.precision import NAMES as PRECISIONS, device_problem
+from boostmpi.toml_io import read_toml, toml_value
 
 ARCHS = ("full", "svd", "cola")
 LOWRANK_ARCHS = ("svd", "cola")
@@ -222,7 +222,7 @@ class Config:
     def to_toml(self) -> str:
         lines = ["# boostmpi configuration, every key resolved"]
         for name, values in self.to_dict().items():
-            lines += ["", f"[{name}]"] + [f"{key} = {_toml_value(v)}" for key, v in values.items()]
+            lines += ["", f"[{name}]"] + [f"{key} = {toml_value(v)}" for key, v in values.items()]
         return "\n".join(lines) + "\n"
 
     def replace(self, **changes: Value) -> "Config":
@@ -257,7 +257,7 @@ class Config:
 
     def _show(self, section: str, key: str) -> str:
         value = getattr(getattr(self, section), _FIELDS[section][key].name)
-        return f"{section}.{key} = {_toml_value(value)}{self._origin(section, key)}"
+        return f"{section}.{key} = {toml_value(value)}{self._origin(section, key)}"
 
     # -- checks ---------------------------------------------------------------------------
 
@@ -271,7 +271,7 @@ class Config:
         if check:
             holds, requirement = _RANGE_CHECKS[check]
             if not holds(value):
-                raise _error(f"{section}.{key} {requirement}, got {_toml_value(value)}"
+                raise _error(f"{section}.{key} {requirement}, got {toml_value(value)}"
                              f"{self._origin(section, key)}")
 
     def _check_model(self) -> None:
@@ -389,21 +389,6 @@ class Config:
 
 
 # -- building a Config --------------------------------------------------------------------
-
-
-def read_toml(path: str | os.PathLike[str], what: str = "config file",
-              error: type[Exception] = ConfigError) -> dict[str, object]:
-    """A TOML file as a dict; a missing, unreadable or invalid file is one `error` naming it."""
-    path = Path(path)
-    try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
-    except FileNotFoundError:
-        raise error(f"{what} {path} not found") from None
-    except OSError as exc:
-        raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise error(f"{what} {path} is not valid TOML: {' '.join(str(exc).split())}") from None
 
 
 def load_config(path: str | os.PathLike[str], overrides: Iterable[str] | str = (),
@@ -561,34 +546,11 @@ def key_tables() -> str:
     for name, keys in _FIELDS.items():
         lines += ["", f"`[{name}]`", "", "| key | default | meaning |", "|---|---|---|"]
         for key, f in keys.items():
-            describe, value = f.metadata.get("describe"), _toml_value(f.default)
+            describe, value = f.metadata.get("describe"), toml_value(f.default)
             default = f"derived: {describe.removeprefix('= ')}" if describe else (
                 f"`{value}`" if isinstance(f.default, str) else value)
             lines.append(f"| `{key}` | {default} | {f.metadata['doc']} |")
     return "\n".join(lines[1:]) + "\n"
-
-
-# -- a writer for the TOML subset a Config needs: one level of tables of scalars ---------------
-
-_STRING_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)  # shortest text that reads back to the same float
-    if isinstance(value, str):
-        escaped = (_STRING_ESCAPES.get(ch) or (f"\\u{ord(ch):04x}" if ch < " " or ch == "\x7f" else ch)
-                   for ch in value)
-        return '"' + "".join(escaped) + '"'
-    return repr(value)  # only in messages about values of a wrong type
 
 
 __all__ = ["ARCHS", "LOWRANK_ARCHS", "SECTIONS", "DEFAULTS", "Config", "ModelConfig",

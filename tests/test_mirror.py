@@ -23,6 +23,8 @@ EXEMPT = {
     "cli.py": "the command line, run end to end by tests/integration/test_bad_input.py and tests/unit/parallel/test_startup.py",
     "errors.py": "the one-line refusals, checked wherever a refusal is (tests/integration/test_bad_input.py)",
     "files.py": "filesystem failures injected in tests/integration/test_faults.py",
+    "toml_io.py": "TOML read and written through the configuration: bad files and the round trip of every value "
+                  "type in tests/unit/core/test_config.py, machine profiles in tests/unit/sim/test_sim.py",
     "checkpoint/format.py": "the on-disk layout, written and read back in tests/unit/checkpoint/test_checkpoint_io.py",
     "checkpoint/held.py": "held checkpoints against pruning: tests/unit/checkpoint/test_reading_live.py",
     "checkpoint/layout.py": "tests/unit/checkpoint/test_checkpoint_io.py and, across layouts, "
@@ -70,6 +72,8 @@ EXEMPT = {
     "sim/memory.py": "tests/unit/sim/test_sim.py, tests/unit/parallel/test_startup.py",
     "sim/model.py": "tests/unit/sim/test_sim.py, tests/unit/sim/test_published.py, tests/integration/test_sim_vs_engine.py",
     "sim/plans.py": "tests/unit/sim/test_sim.py, tests/unit/model/test_recompute.py",
+    "sim/operations.py": "the operations and shape the plans are written in, priced and counted in tests/unit/sim/test_sim.py "
+                  "(FlashAttention-2's traffic, the launches of a plan) and tests/unit/sim/test_published.py",
     "sim/sweep.py": "tests/unit/sim/test_sim.py, tests/unit/sim/test_published.py",
     "sim/trace.py": "tests/unit/sim/test_sim.py, tests/integration/bench/test_gpu_trace_attention.py",
     "tools/evaluate.py": "tests/unit/tools/test_tools.py, tests/integration/test_interleaved.py",

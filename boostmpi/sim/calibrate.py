@@ -223,7 +223,7 @@ def probe_compute() -> ComputeProbe:
             gemm.append((dtype, m, n, k, t))
             peak[dtype] = max(peak.get(dtype, 0.0), 2.0 * m * n * k / t)
 
-    # nominal passes of each layer kernel, as the model counts them (plans.norm / unary / binary);
+    # nominal passes of each layer kernel, as the model counts them (plans.norm, operations.unary / binary);
     # at a tiny size the same kernels give the fixed cost of one model "kernel" (Python + NumPy calls)
     rates: list[float] = []
     call_s = 0.0  # measured in the last (tiny) round

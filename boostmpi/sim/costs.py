@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from boostmpi.sim.attention_rates import LIBRARY_VARIANT, attention_seconds, own_variant, resolve_backend
-from boostmpi.sim.plans import Attention, Collective, Gemm, Op, Pointwise, Shape
+from boostmpi.sim.operations import Attention, Collective, Gemm, Op, Pointwise, Shape
 
 if TYPE_CHECKING:
     from boostmpi.sim.machines import Machine

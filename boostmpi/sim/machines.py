@@ -181,7 +181,7 @@ def load_machine(name_or_path: str | Path) -> Machine:
 
 
 def machine_from_file(path: str | Path) -> Machine:
-    from boostmpi.config import read_toml
+    from boostmpi.toml_io import read_toml
 
     return machine_from_dict(read_toml(path, "machine profile", UserError), source=str(path))
 

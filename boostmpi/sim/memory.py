@@ -35,7 +35,8 @@ from boostmpi.model.layers import ATTENTION_BLOCK, ATTENTION_KEEP_BYTES, probabi
 from boostmpi.model.params import param_specs
 from boostmpi.precision import statistic_dtype
 from boostmpi.sim.costs import ITEMSIZE
-from boostmpi.sim.plans import Attention, Pointwise, layer_plan, plan_strategy, shape_of
+from boostmpi.sim.operations import Attention, Pointwise, shape_of
+from boostmpi.sim.plans import layer_plan, plan_strategy
 
 if TYPE_CHECKING:
     from boostmpi.config import Config

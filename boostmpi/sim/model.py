@@ -16,9 +16,9 @@ from boostmpi.model.params import ParamSpec, chunk_layers, param_specs, split_ra
 from boostmpi.parallel.pipeline import warmup_units
 from boostmpi.sim.costs import (ITEMSIZE, Link, PassTimes, group_allreduce_seconds, group_link, p2p_seconds,
                                 pass_times)
-from boostmpi.sim.plans import (Collective, Op, Shape, attention_core_ops, core_statistics, embedding_plan, head_plan,
-                                kept_by_lowrank, layer_plan, plan_strategy, recompute_plan, saved_elements, shape_of,
-                                with_attention)
+from boostmpi.sim.operations import Collective, Op, Shape, shape_of, with_attention
+from boostmpi.sim.plans import (attention_core_ops, core_statistics, embedding_plan, head_plan, kept_by_lowrank, layer_plan,
+                                plan_strategy, recompute_plan, saved_elements)
 
 if TYPE_CHECKING:
     from boostmpi.config import Config, ModelConfig

@@ -27,7 +27,7 @@ from typing import TypedDict
 
 from boostmpi.sim.machines import Machine, load_machine
 from boostmpi.sim.model import Workload, model_flops, predict_workload
-from boostmpi.sim.plans import ATTENTION_DROPOUT_PASSES, FUSED_SOFTMAX_PASSES, Shape
+from boostmpi.sim.operations import ATTENTION_DROPOUT_PASSES, FUSED_SOFTMAX_PASSES, Shape
 
 # Megatron's fused scale-mask-softmax (read the scores, write the probabilities; backward reads
 # the probabilities and their gradient, writes the scores' gradient) followed by attention dropout
@@ -524,11 +524,11 @@ def cli_runs() -> list[CliRun]:
 # ------------------------------------------------------------------ running the command line
 def toml_text(sections: dict[str, dict[str, object]]) -> str:
     """A configuration file of scalar keys, as a user writes it."""
-    from boostmpi.config import _toml_value
+    from boostmpi.toml_io import toml_value
 
     lines: list[str] = []
     for section, keys in sections.items():
-        lines += [f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in keys.items()] + [""]
+        lines += [f"[{section}]"] + [f"{k} = {toml_value(v)}" for k, v in keys.items()] + [""]
     return "\n".join(lines)
 
 

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 from boostmpi.sim.attention_rates import attention_rate
 from boostmpi.sim.costs import (ITEMSIZE, gemm_seconds, group_allreduce_seconds, group_link, p2p_seconds,
                                 pointwise_seconds)
-from boostmpi.sim.plans import Attention, Collective, Gemm, Pointwise, Shape, layer_plan, recompute_plan
+from boostmpi.sim.operations import Attention, Collective, Gemm, Pointwise, Shape
+from boostmpi.sim.plans import layer_plan, recompute_plan
 
 if TYPE_CHECKING:
     from boostmpi.sim.machines import Machine
@@ -101,7 +102,7 @@ def plan_launches_and_bytes(s: Shape, strategy: str, recompute: str, itemsize: i
     model counts them: a GEMM is one kernel forward (none inside a batched launch) and 1 + dw_split
     backward, an elementwise op and the
     fused attention the kernels their plan states each way, a replayed op once more; the fused
-    attention's bytes are FlashAttention-2's traffic for its shape (`plans.flash2_traffic`)."""
+    attention's bytes are FlashAttention-2's traffic for its shape (`operations.flash2_traffic`)."""
     ops = layer_plan(s, strategy)
     again = recompute_plan(ops, recompute) or []
     launches, gemms, moved = 0, 0, 0.0

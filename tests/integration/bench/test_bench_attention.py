@@ -15,7 +15,7 @@ import pytest
 
 from boostmpi.sim import costs
 from boostmpi.sim.machines import load_machine
-from boostmpi.sim.plans import Attention
+from boostmpi.sim.operations import Attention
 
 ROOT = Path(__file__).resolve().parents[3]
 

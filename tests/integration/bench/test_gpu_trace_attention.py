@@ -140,7 +140,7 @@ def _check(out):
     assert [(k, n, f, d, b) for k, n, _, f, d, b in out["library"]] == [
         ("attention", "cudnn_forward", lib_fwd, "forward", "cudnn"),
         ("attention", "cudnn_backward", 2.5 * lib_fwd, "backward", "cudnn")]
-    from boostmpi.sim.plans import flash2_traffic
+    from boostmpi.sim.operations import flash2_traffic
 
     traffic = flash2_traffic(2 * 4, 2 * 2, 64, 64, 2)
     assert [op[2] for op in out["library"]] == [sum(traffic["forward"]), sum(traffic["backward"])]

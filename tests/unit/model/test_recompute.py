@@ -149,7 +149,7 @@ def test_lowrank_on_the_gpu_path_keeps_one_log_sum_exp_per_head_and_token(dtype)
     path keeps docs/MEMORY.md's `(Cl + 4·Ra + 3·Rm)·e + 2·4 + Hl·4` bytes per token, and boostmpi sim
     prices one statistic per row for its `flash` attention, two for `matmul`."""
     from boostmpi.parallel.engine import Engine
-    from boostmpi.sim import plans
+    from boostmpi.sim import operations, plans
 
     cfg = config_from_dict({"model": dict(MODEL, arch="cola"), "train": {"dtype": dtype, "micro_batch_size": B,
                                                                          "recompute": "lowrank", "device": "gpu"}})
@@ -162,7 +162,7 @@ def test_lowrank_on_the_gpu_path_keeps_one_log_sum_exp_per_head_and_token(dtype)
     want = [(per_token - Cl * e) * N] + [per_token * N] * (MODEL["n_layers"] - 1)  # the first input looked up again
     assert eng.saved_activation_bytes_per_layer == want
 
-    s = plans.shape_of(cfg, "matmul")
+    s = operations.shape_of(cfg, "matmul")
     flash = replace(s, attention="flash")
     assert plans.kept_by_lowrank(plans.layer_plan(s, "btp"), s) - \
         plans.kept_by_lowrank(plans.layer_plan(flash, "btp"), flash) == s.B * s.H * s.T
@@ -193,12 +193,12 @@ def test_sim_prices_selective_as_the_engine_keeps_it():
     statistics), runs the core's forward again in the backward, and for a framework that keeps the
     probabilities (T per row) saves them."""
     from boostmpi.parallel.engine import Engine
-    from boostmpi.sim import model, plans
+    from boostmpi.sim import model, operations, plans
     from boostmpi.sim.machines import load_machine
 
     cfg = config_from_dict({"model": dict(MODEL, arch="cola"), "train": {"recompute": "selective", "dtype": "float32",
                                                                          "micro_batch_size": B}})
-    s = plans.shape_of(cfg, "matmul")  # the engine's tiled attention
+    s = operations.shape_of(cfg, "matmul")  # the engine's tiled attention
     layer = plans.layer_plan(s, "btp")
     kept = plans.saved_elements(layer) - plans.core_statistics(layer)
     eng = Engine(cfg)

@@ -10,7 +10,7 @@ import pytest
 from boostmpi.cli import main
 from boostmpi.config import config_from_dict
 from boostmpi.errors import ConfigError
-from boostmpi.sim import model, plans, published
+from boostmpi.sim import model, operations, plans, published
 from boostmpi.sim.machines import load_machine
 
 # What docs/SIM_VALIDATION.md records for the command-line set; a change that makes either worse fails here. The
@@ -95,9 +95,9 @@ def test_korthikanti_rows_state_sp_and_selective_recompute():
 
 # ------------------------------------------------------------------ sequence parallelism
 def collective_elements(cfg, phase, kinds=("allreduce",)):
-    s = plans.shape_of(cfg, "flash")
+    s = operations.shape_of(cfg, "flash")
     plan = plans.layer_plan(s, model.tp_strategy(cfg))
-    return [op for op in plan if isinstance(op, plans.Collective) and op.phase == phase and op.kind in kinds]
+    return [op for op in plan if isinstance(op, operations.Collective) and op.phase == phase and op.kind in kinds]
 
 
 def test_sequence_parallel_trades_each_allreduce_for_a_reduce_scatter_and_an_all_gather():
@@ -140,7 +140,7 @@ def test_sequence_parallel_needs_megatron_tensor_parallelism():
 def test_sequence_parallel_mutant_is_caught(monkeypatch):
     """With the sp edges replaced by the plain ones, the collective test fails."""
     monkeypatch.setattr(plans, "_tp_region_edges", lambda s: (
-        (lambda name: []), (lambda name: [plans.Collective(f"{name}.y", "allreduce", s.N * s.C, "fwd")])))
+        (lambda name: []), (lambda name: [operations.Collective(f"{name}.y", "allreduce", s.N * s.C, "fwd")])))
     with pytest.raises(AssertionError):
         test_sequence_parallel_trades_each_allreduce_for_a_reduce_scatter_and_an_all_gather()
 
@@ -236,11 +236,11 @@ def test_attention_dropout_moves_the_materialised_probabilities_once_more_each_w
                                 "train": {"micro_batch_size": 1, **BF16}})
 
     def softmax(c, attention):
-        s = plans.with_attention(plans.shape_of(c, "flash"), attention)
+        s = operations.with_attention(operations.shape_of(c, "flash"), attention)
         (op,) = [o for o in plans.layer_plan(s, model.tp_strategy(c)) if o.name == "softmax"]
         return s, op
 
-    for attention, base_passes in (("fused_softmax", plans.FUSED_SOFTMAX_PASSES), ("matmul", plans._SOFTMAX_PASSES)):
+    for attention, base_passes in (("fused_softmax", operations.FUSED_SOFTMAX_PASSES), ("matmul", operations.SOFTMAX_PASSES)):
         s, plain = softmax(cfg, attention)
         _, drop = softmax(dropped, attention)
         assert (plain.fwd_passes, plain.bwd_passes) == base_passes

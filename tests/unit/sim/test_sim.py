@@ -12,7 +12,7 @@ import pytest
 
 from boostmpi.cli import main
 from boostmpi.config import config_from_dict
-from boostmpi.sim import costs, model, plans
+from boostmpi.sim import costs, model, operations, plans
 from boostmpi.sim.calibrate import fit_allreduce
 from boostmpi.sim.machines import builtin_names, load_machine
 from boostmpi.sim.sweep import sweep
@@ -107,8 +107,8 @@ def test_paper_per_layer_forward_volumes():
 
     def forward_elements(name):
         cfg = paper_cfg(name)
-        plan = plans.layer_plan(plans.shape_of(cfg, "flash"), model.tp_strategy(cfg))
-        return sum(op.elements for op in plan if isinstance(op, plans.Collective) and op.phase == "fwd")
+        plan = plans.layer_plan(operations.shape_of(cfg, "flash"), model.tp_strategy(cfg))
+        return sum(op.elements for op in plan if isinstance(op, operations.Collective) and op.phase == "fwd")
 
     assert forward_elements("full") == 2 * bs * d
     assert forward_elements("vanilla") == (5 * d + 2 * d_ff) * bs
@@ -163,7 +163,7 @@ def test_lowrank_memory_and_recompute_match_the_engine():
     from boostmpi.parallel.engine import Engine
 
     cfg = tiny({"tp": 1}, {"recompute": "lowrank", "dtype": "float32"})
-    s = plans.shape_of(cfg, "matmul")
+    s = operations.shape_of(cfg, "matmul")
     layer = plans.layer_plan(s, "btp")
     softmax = [op for op in layer if getattr(op, "name", "") == "softmax"]
     again = [op for op in plans.recompute_plan(layer, "lowrank") if getattr(op, "name", "") == "softmax"]
@@ -393,7 +393,7 @@ def test_gpt_mlp_is_4h_gelu_without_a_gate():
     names = [op.name for op in plan]
     assert "gelu" in names and "up" in names and "gate*up" not in names and "gate" not in names
     flops = sum(2 * op.m * op.n * op.k * op.batch for op in plan
-                if isinstance(op, plans.Gemm) and op.name not in ("scores", "probs@v"))
+                if isinstance(op, operations.Gemm) and op.name not in ("scores", "probs@v"))
     assert flops == 24 * s.N * s.C * s.C // s.p
 
 
@@ -417,9 +417,9 @@ def test_interleaving_divides_the_bubble():
 def test_tp_beyond_a_node_is_hierarchical():
     """tp = 8 on 4-GPU nodes: its all-reduces run over NVLink and then the NICs, not a flat NIC ring."""
     machine = load_machine("a100-80gb")
-    s = plans.shape_of(tiny({"tp": 8, "tp_mode": "vanilla"}, model_={"arch": "full", "n_heads": 8,
+    s = operations.shape_of(tiny({"tp": 8, "tp_mode": "vanilla"}, model_={"arch": "full", "n_heads": 8,
                                                                       "n_kv_heads": 8}), "flash")
-    op = plans.Collective("x", "allreduce", 1 << 24, "fwd")
+    op = operations.Collective("x", "allreduce", 1 << 24, "fwd")
     t = costs.pass_times([op], False, s, machine, "bfloat16").tp_comm
     assert t == pytest.approx(costs.group_allreduce_seconds(2 << 24, 8, 1, machine))
     inter = costs.Link(machine.inter_node_bandwidth, machine.inter_node_latency)
@@ -530,7 +530,7 @@ def _trace_config_plan(mutant=None, tp=1, tp_mode="btp", arch="cola"):
         if mutant is not None:
             mp = stack.enter_context(pytest.MonkeyPatch.context())
             mp.setattr(plans, mutant.__name__, mutant)
-        return plan_launches_and_bytes(plans.shape_of(cfg, "flash"), plans.plan_strategy(cfg), recompute, 2)[:2]
+        return plan_launches_and_bytes(operations.shape_of(cfg, "flash"), plans.plan_strategy(cfg), recompute, 2)[:2]
 
 
 @pytest.mark.parametrize("arch", ["cola", "full"])
@@ -606,7 +606,7 @@ def test_gpu_trace_at_tp4_records_every_collective():
 def _btp_plan_names(layer_plan_fn=None):
     from dataclasses import replace
 
-    s = plans.shape_of(tiny({"tp": 2, "tp_mode": "btp"}, {}, {"arch": "cola"}), "flash")
+    s = operations.shape_of(tiny({"tp": 2, "tp_mode": "btp"}, {}, {"arch": "cola"}), "flash")
     fn = layer_plan_fn or plans._btp_layer
     return fn(s), fn(replace(s, eager=True))
 
@@ -642,14 +642,14 @@ def _engine_and_reference_plans(layer_plan_fn, strategy):
 
     mode = {"megatron": "vanilla"}.get(strategy, strategy)
     arch = "full" if strategy == "megatron" else "cola"
-    s = plans.shape_of(tiny({"tp": 2, "tp_mode": mode, "grouped": True}, {"device": "gpu", "dtype": "bfloat16"},
+    s = operations.shape_of(tiny({"tp": 2, "tp_mode": mode, "grouped": True}, {"device": "gpu", "dtype": "bfloat16"},
                             {"arch": arch}), "flash")
     fn = layer_plan_fn or (lambda shape: plans.layer_plan(shape, strategy))
     return fn(s), fn(replace(s, eager=True)), fn(replace(s, engine=False))
 
 
 def _by_name(ops):
-    return {op.name: op for op in ops if isinstance(op, plans.Pointwise)}
+    return {op.name: op for op in ops if isinstance(op, operations.Pointwise)}
 
 
 def _check_norm_and_attention_kernels(norm_fn=plans.norm):
@@ -659,7 +659,7 @@ def _check_norm_and_attention_kernels(norm_fn=plans.norm):
     Another framework's fused norm: 2 / 3 in one kernel."""
     from dataclasses import replace
 
-    s = plans.shape_of(tiny({"tp": 2}, {"device": "gpu"}), "flash")
+    s = operations.shape_of(tiny({"tp": 2}, {"device": "gpu"}), "flash")
     op = norm_fn(s, "mlp_norm", 8, 32)
     assert (op.fwd_passes, op.bwd_passes, op.fwd_kernels, op.bwd_kernels) == (2, 5, 1, 3)
     assert norm_fn(replace(s, gpu=False), "mlp_norm", 8, 32).bwd_kernels == 4
@@ -667,9 +667,9 @@ def _check_norm_and_attention_kernels(norm_fn=plans.norm):
     assert (ref.fwd_passes, ref.bwd_passes, ref.fwd_kernels, ref.bwd_kernels) == (2, 3, 1, 1)
     for strategy in ("vanilla", "megatron"):
         ops, eager_ops, ref_ops = _engine_and_reference_plans(None, strategy)
-        attention = [o for o in ops if isinstance(o, plans.Attention)]
+        attention = [o for o in ops if isinstance(o, operations.Attention)]
         assert [a.bwd_kernels for a in attention] == [2]  # the dQ pass and the dK/dV pass
-        assert [o.bwd_kernels for o in eager_ops + ref_ops if isinstance(o, plans.Attention)] == [1, 1]
+        assert [o.bwd_kernels for o in eager_ops + ref_ops if isinstance(o, operations.Attention)] == [1, 1]
         assert _by_name(ops)["mlp_norm"].bwd_kernels == 3 and _by_name(ops)["mlp_norm"].bwd_passes == 5
         assert _by_name(eager_ops)["mlp_norm"].bwd_passes == plans.EAGER_PYTORCH_PASSES["norm"][1]
         assert (_by_name(ref_ops)["mlp_norm"].bwd_passes, _by_name(ref_ops)["residual"].bwd_passes) == (3, 5)
@@ -721,15 +721,15 @@ def test_the_plan_counts_flashattention2s_traffic_for_the_fused_attention():
     The per-layer plan's non-GEMM bytes include exactly the plan's attention traffic."""
     from boostmpi.sim.trace import plan_launches_and_bytes
 
-    t = plans.flash2_traffic(1, 1, 64, 1, 2)
+    t = operations.flash2_traffic(1, 1, 64, 1, 2)
     assert t == {"forward": (384, 384), "backward": (1280 + 512, 512 + 384)}
     cfg = config_from_dict({"model": {"arch": "cola", "d_model": 128, "n_heads": 4, "n_kv_heads": 2, "rank": 32,
                                       "vocab_size": 1000, "seq_len": 256, "n_layers": 2},
                             "train": {"device": "gpu", "dtype": "bfloat16", "micro_batch_size": 2}})
-    s = plans.shape_of(cfg, "flash")
+    s = operations.shape_of(cfg, "flash")
     with_attention = plan_launches_and_bytes(s, plans.plan_strategy(cfg), "none", 2)[2]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plans.Attention, "traffic", lambda self, itemsize: (0, 0))
+        mp.setattr(operations.Attention, "traffic", lambda self, itemsize: (0, 0))
         without = plan_launches_and_bytes(s, plans.plan_strategy(cfg), "none", 2)[2]
-    t = plans.flash2_traffic(2 * 4, 2 * 2, 256, 32, 2)
+    t = operations.flash2_traffic(2 * 4, 2 * 2, 256, 32, 2)
     assert with_attention - without == sum(t["forward"]) + sum(t["backward"])
