@@ -41,10 +41,10 @@ from boostmpi.sim.plans import layer_plan, plan_strategy
 if TYPE_CHECKING:
     from boostmpi.config import Config
 
-# The resident memory of a rank of `boostmpi train` that is not its NumPy arrays: 109-120 MiB here
-# (ru_maxrss less the arrays tracemalloc counted at the same moments, 2-step runs on the MPICH
-# wheel; a tiny model's whole peak is 111-112 MiB on 1 and 2 ranks, bench/log/memory_estimate.md).
-# 160 MiB leaves room for a larger MPI library and for fragmentation.
+# The resident memory of a rank of `boostmpi train` that is not its NumPy arrays: a tiny model's whole
+# peak is 92-94 MiB on 1 and 2 ranks on the MPICH wheel (bench/log/memory_estimate.md, 2026-11-28;
+# 109-112 MiB while every rank imported CuPy). 160 MiB leaves room for a larger MPI library and for
+# the heap: which arrays glibc serves from its heap moves a peak by tens of MiB (the same log).
 PROCESS_BYTES = 160 * 2**20
 
 
