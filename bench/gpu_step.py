@@ -7,7 +7,10 @@ with CUDA for the eager comparison):
   2. the GPU's measured bf16 GEMM rate (8192^3);
   3. one training step (forward + backward + AdamW) of a ~350M-parameter cola model (d=1024,
      24 layers, 16 heads, r=256, T=1024, bf16): its model-FLOPs utilisation against (2)
-     (target >= 35%), and its time against PyTorch eager on the same model and GPU (target <= 1.0).
+     (target >= 35%), and its time against PyTorch eager on the same model and GPU (target <= 1.0);
+  4. the device memory the process holds at the start and after the steps: CuPy's pools, PyTorch's
+     allocator and the rest (the CUDA context, kernel modules, library workspaces: what bench/gpu_trace.py's
+     outside-pool allowance states without a measurement).
 
     python bench/gpu_step.py [--batch 8] [--steps 5] [--attention auto|cudnn|torch|own] [--no-eager]
         [--nondeterministic] [--profile] [--skip-kernels] [--graph]
@@ -89,6 +92,26 @@ def gemm_rate(n=8192):
     a = cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(ml_dtypes.bfloat16)
     b = cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(ml_dtypes.bfloat16)
     return 2 * n ** 3 / gpu_time(lambda: a @ b, 10)
+
+
+def device_memory(cupy):
+    """What this process holds of the device, split: {"in_use": total - free (cudaMemGetInfo), "pools": CuPy's
+    pools (boostmpi.gpu.pools.total_bytes), "torch": PyTorch's caching allocator where it is loaded, "rest":
+    the remainder: the CUDA context, the loaded kernel modules and the libraries' workspaces (cuBLAS, cuDNN;
+    and any other process on the GPU). bench/gpu_trace.py states an allowance for that rest; this measures it."""
+    from boostmpi.gpu import pools
+
+    free, total = (int(v) for v in cupy.cuda.runtime.memGetInfo())
+    held = pools.total_bytes(cupy)
+    torch = sys.modules.get("torch")
+    reserved = int(torch.cuda.memory_reserved()) if torch is not None and torch.cuda.is_initialized() else 0
+    return {"in_use": total - free, "pools": held, "torch": reserved, "rest": total - free - held - reserved}
+
+
+def device_memory_line(when, m):
+    gb = {k: v / 1e9 for k, v in m.items()}
+    return (f"device memory {when}: {gb['in_use']:.2f} GB in use = CuPy's pools {gb['pools']:.2f} + PyTorch's "
+            f"allocator {gb['torch']:.2f} + the rest {gb['rest']:.2f} (context, kernel modules, library workspaces)")
 
 
 def attention_backend_name():
@@ -207,6 +230,8 @@ def main():
 
     props = cupy.cuda.runtime.getDeviceProperties(0)
     print(f"device: {props['name'].decode()} | CuPy {cupy.__version__} | {platform.node()}")
+    cupy.zeros(1)  # the context and CuPy's first pool block
+    print(device_memory_line("at start", device_memory(cupy)), flush=True)
     for dtype in () if args.skip_kernels else ("bfloat16", "float32"):
         bw_norm, bw_copy, bw_backward = rmsnorm_bandwidth(dtype=dtype)
         print(f"rmsnorm {dtype} [16384, 4096] {bw_norm / 1e9:.0f} GB/s vs copy {bw_copy / 1e9:.0f} GB/s: "
@@ -248,6 +273,7 @@ def main():
     flops = model_flops_per_step(cfg)  # one micro-batch of args.batch sequences per step
     print(f"boostmpi step {t_ours * 1e3:.1f} ms | {flops / t_ours / 1e12:.0f} TFLOP/s | MFU vs measured GEMM rate "
           f"{flops / t_ours / peak:.0%} (target >= 35%)")
+    print(device_memory_line("after the steps", device_memory(cupy)), flush=True)
     if args.profile:
         profile_step(ours, flops, peak)
     if args.graph:

@@ -543,7 +543,8 @@ PAPER = {
     "13b": dict(model=dict(d_model=5120, n_layers=40, n_heads=40, d_ff=13824, rank=1280),
                 parallel=dict(tp=4, pp=2), grad_accum=4),
 }
-# device memory outside CuPy's pool, per rank: a stated allowance, not a measurement (GB = 1e9 B)
+# device memory outside CuPy's pool, per rank: a stated allowance, not a measurement (GB = 1e9 B); on a GPU,
+# bench/gpu_step.py's "device memory" lines measure it ("the rest")
 ALLOWANCE = {"cuda_context": 500_000_000,  # the CUDA context and the loaded kernel modules
              "nccl": 500_000_000,  # NCCL's communicator buffers (NCCL_BUFFSIZE, 4 MiB, per channel and peer)
              "cublas_workspace": 4 * 1024 * 1024}  # cuBLAS's default workspace on pre-Hopper GPUs

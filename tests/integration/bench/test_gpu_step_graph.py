@@ -1,7 +1,7 @@
 """bench/gpu_step.py `--graph`: its graph measurement (`graph_step`) on a tiny model, on the GPU path (the CuPy
 stand-in's capture where no GPU is reached; the script itself refuses the stand-in, so the function is
 called directly): the warm-up and capture line, then the replayed step's time, MFU and ratio to the eager
-step; a configuration the graph mode refuses is one line."""
+step; a configuration the graph mode refuses is one line. And its device-memory line's split."""
 
 import importlib.util
 from types import SimpleNamespace
@@ -64,3 +64,27 @@ def test_a_refused_configuration_is_one_line(monkeypatch, capsys):
     bench.graph_step(small_config(attention="torch"), SimpleNamespace(grid=grid), None, None, 1.0, 1e9, 1e12, None)
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 1 and out[0].startswith("graph: refused: train.cuda_graph = true cannot capture train.attention")
+
+
+def test_the_device_memory_line_splits_what_the_process_holds(monkeypatch):
+    """In use = total - free; the pools are boostmpi's count of both; PyTorch's allocator only where torch is
+    imported and its CUDA initialised; the rest is what is left (the outside-pool allowance, measured)."""
+    import sys
+
+    import cupy
+
+    from boostmpi.gpu import pools
+
+    bench = load_gpu_step(monkeypatch)
+    monkeypatch.setattr(cupy.cuda.runtime, "memGetInfo", lambda: (70 * 10**9, 80 * 10**9))
+    monkeypatch.setattr(pools, "total_bytes", lambda xp: 7 * 10**9)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    m = bench.device_memory(cupy)
+    assert m == {"in_use": 10**10, "pools": 7 * 10**9, "torch": 0, "rest": 3 * 10**9}
+    fake = SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda: True, memory_reserved=lambda: 2 * 10**9))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    m = bench.device_memory(cupy)
+    assert (m["torch"], m["rest"]) == (2 * 10**9, 10**9)
+    assert bench.device_memory_line("at start", m) == (
+        "device memory at start: 10.00 GB in use = CuPy's pools 7.00 + PyTorch's allocator 2.00 + the rest 1.00 "
+        "(context, kernel modules, library workspaces)")
