@@ -30,7 +30,10 @@
 # 2 no Python, no CuPy or no GPU (nothing past step 2 was run).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
+export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
+# compiled modules: into the folder PYTHONPYCACHEPREFIX names where one is set, else none (nothing written
+# next to the sources of a fixed environment)
+[ -n "${PYTHONPYCACHEPREFIX:-}" ] || export PYTHONDONTWRITEBYTECODE=1
 RANKS_OF_THE_MULTI_RANK_TESTS=4
 
 PY="${BOOSTMPI_PYTHON:-}"

@@ -85,7 +85,7 @@ def _gpu_check(root, prefix, gpus, timeout, tests=f"{SINGLE} {MULTI}", **more):
     env = {"PATH": f"{prefix / 'bin'}:/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
            "TMPDIR": str(root), "BOOSTMPI_STANDIN_GPUS": str(gpus), "BOOSTMPI_GPU_CHECK_TESTS": tests,
            "BOOSTMPI_ATTENTION_TENSOR_CORES": "0", "LANG": "C.UTF-8", **more}
-    for keep in ("XDG_CACHE_HOME", "BOOSTMPI_CUDAEMU_CACHE", "CI"):  # the harness's compile cache
+    for keep in ("XDG_CACHE_HOME", "BOOSTMPI_CUDAEMU_CACHE", "CI", "PYTHONPYCACHEPREFIX"):  # the compile caches
         if keep in os.environ:
             env[keep] = os.environ[keep]
     offline = ["unshare", "--net"] if os.geteuid() == 0 and shutil.which("unshare") else []
