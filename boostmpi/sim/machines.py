@@ -20,6 +20,7 @@ import numpy as np
 
 from boostmpi.errors import UserError
 from boostmpi.sim.attention_rates import RateTable, attention_rate, parse_tables, tables_to_toml  # noqa: F401 (attention_rate: the lookup bench/gpu_trace.py uses)
+from boostmpi.toml_io import toml_value
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 
@@ -262,7 +263,7 @@ def machine_to_toml(machine: Machine, comments: Mapping[str, str] | None = None)
             if isinstance(value, dict):
                 text = "{ " + ", ".join(f"{k} = {_number(v)}" for k, v in value.items()) + " }"
             elif isinstance(value, str):
-                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+                text = toml_value(value)
             else:
                 text = _number(value)
             note = comments.get(field_name)

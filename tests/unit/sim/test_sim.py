@@ -283,15 +283,17 @@ def test_calibrate_writes_a_usable_profile(tmp_path, capsys):
 
 
 def test_a_written_profile_reads_back_exactly(tmp_path):
-    """machine_to_toml keeps every digit: each built-in profile, and one with a measured rate of many
-    digits, reads back equal (calibrate and the published-run profiles are written through it)."""
+    """machine_to_toml keeps every digit: each built-in profile, one with a measured rate of many digits and
+    one whose description holds quotes, a backslash, a newline and a tab, reads back equal (calibrate and
+    the published-run profiles are written through it)."""
     from dataclasses import replace
 
     from boostmpi.sim.machines import machine_to_toml
 
     for name in builtin_names():
         machine = load_machine(name)
-        for version in (machine, replace(machine, memory_bandwidth=machine.memory_bandwidth * (1 + 1e-9) + 0.123)):
+        odd = replace(machine, description=machine.description + ' "quoted" C:\\path\nsecond line\ttab')
+        for version in (machine, replace(machine, memory_bandwidth=machine.memory_bandwidth * (1 + 1e-9) + 0.123), odd):
             path = tmp_path / f"{name}.toml"
             path.write_text(machine_to_toml(version))
             assert load_machine(str(path)) == version, name
