@@ -30,7 +30,7 @@ export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 # Python's compiled modules: each compiled once, on first import, into a folder of this run (outside the
 # source tree), where every later process of the run reads it, and no process compiles boostmpi again,
 # as each did with PYTHONDONTWRITEBYTECODE. A process reads compiled modules only from that folder, so
-# pip compiles nothing when it installs: it would compile every module of every package, about 40 s of
+# pip compiles nothing when it installs: it would compile every module of every package, about 36 s of
 # CPU for .venv's 11,000 files, none of them ever read. PIP_NO_COMPILE=0 is how pip spells that:
 # --no-compile stores False, and pip's documentation on configuration says such options take a false
 # value from the environment (PIP_NO_COMPILE=1 turns compiling on).

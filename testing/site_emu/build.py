@@ -18,7 +18,8 @@ written outside root and cache.
     root/home/user     $HOME; .bash_profile sets up `module` as the site's login does
     root/log           module.log (every load), cc.log, srun.log, mpiexec.log
     root/sched         the scheduler's jobs
-    root/pycache       the compiled modules of every Python process on the site (PYTHONPYCACHEPREFIX)
+    root/pycache       the compiled modules of the site's login sessions and Slurm jobs (PYTHONPYCACHEPREFIX;
+                       a PBS job starts from PBS's own environment without it and compiles next to the sources)
 
 The MPI is Debian's MPICH (apt-get install mpich libmpich-dev): each Cray MPICH version's
 libmpi_gnu_123.so.12 is a copy of libmpich.so.12 whose soname is set to that name (patchelf), so a
@@ -317,9 +318,8 @@ case ":${{LD_LIBRARY_PATH:-}}:" in *":/opt/cray/pe/lib64:"*) ;; *) export LD_LIB
                # already did, or the last run, only once)
                "BOOSTMPI_CUDAEMU_CACHE": str(cudaemu.cache_dir()), "BOOSTMPI_CUPY_STANDIN": "1",
                "BOOSTMPI_STANDIN_GPU": self.facts["standin_gpu"],
-               # compiled modules in a folder of the site (every later process reads them; nothing is
-               # written next to the sources), so pip compiles nothing it installs (PIP_NO_COMPILE=0:
-               # pip reads its --no-compile inverted)
+               # compiled modules in a folder of the site (every later process of a session reads them),
+               # so pip compiles nothing it installs (PIP_NO_COMPILE=0: pip reads its --no-compile inverted)
                "PYTHONPYCACHEPREFIX": str(self.root / "pycache"), "PIP_NO_COMPILE": "0",
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
         if self.name == "perlmutter":

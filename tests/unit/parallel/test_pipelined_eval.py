@@ -184,3 +184,18 @@ def test_batches_beyond_a_block_are_evaluated_a_block_at_a_time_with_the_same_su
         blocked = engine.evaluate_batches(batches)
     # 8 batches in blocks of 3: three pipelined passes, one host sum each, the sums bit for bit
     assert_all_ranks(blocked == whole and sums == [3, 3, 2], lambda: f"blocked {blocked}, whole {whole}, sums {sums}")
+
+
+@pytest.mark.mpi_skip  # one process
+def test_a_forward_that_no_backward_follows_keeps_nothing_of_the_head():
+    """Validation's forward (keep = False) runs the head lean: its cache holds neither the probabilities
+    [tokens, vocabulary] nor the normed input, so nothing of a batch's head outlives its forward; a
+    training forward (recompute = none) keeps the probabilities for its backward."""
+    from boostmpi.parallel.engine import Engine
+
+    eng = Engine(config(1, 1, 1, 2, 1))
+    x, y = windows(1)
+    _, saved = eng._stage_forward(x[0], y[0], None, keep=False)
+    assert saved["head"].probs is None and saved["head"].logits is None and saved["head"].n is None
+    _, saved = eng._stage_forward(x[0], y[0], None, keep=True)
+    assert saved["head"].probs is not None
